@@ -1,0 +1,111 @@
+"""The connector's configuration: one model, written by the operator, parsed by the connector.
+
+The operator renders ``--kv-transfer-config`` for both P/D roles through
+:func:`kv_transfer_config`; the connector reads ``kv_connector_extra_config`` back through
+:meth:`MaruConnectorConfig.from_extra_config`. Prefill and decode therefore can never disagree
+on chunk size, pool or namespace. This module must not import vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+CONNECTOR_CLASS = "MaruConnector"
+CONNECTOR_MODULE = "maru_connector.vllm"
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+class ConfigError(ValueError):
+    """The connector configuration is invalid; the message names the field and the rule."""
+
+
+class MaruConnectorConfig(BaseModel):
+    """Keys of ``kv_connector_extra_config`` understood by the Maru connector."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    pool_url: str = Field(
+        alias="maru_pool_url",
+        description="Where the pool's node agent listens: unix:///path/to/pool.sock or tcp://host:port.",
+    )
+    chunk_tokens: int = Field(
+        DEFAULT_CHUNK_TOKENS,
+        alias="maru_kv_chunk_tokens",
+        gt=0,
+        description="Tokens per pool chunk; a positive multiple of the engine's KV block size.",
+    )
+    cache_namespace: str = Field(
+        "",
+        alias="maru_cache_namespace",
+        max_length=253,
+        description="Salt mixed into every chunk key, so tenants sharing a pool never share KV.",
+    )
+    rpc_timeout_ms: int = Field(
+        500,
+        alias="maru_rpc_timeout_ms",
+        gt=0,
+        le=60_000,
+        description="Per-call timeout towards the pool; a slow pool counts as a miss, never a stall.",
+    )
+
+    @field_validator("pool_url")
+    @classmethod
+    def _pool_url_scheme(cls, value: str) -> str:
+        if value.startswith("unix://"):
+            if not value[len("unix://") :].startswith("/"):
+                raise ValueError("unix:// URLs need an absolute socket path, e.g. unix:///run/maru/pool.sock")
+            return value
+        if value.startswith("tcp://"):
+            host, sep, port = value[len("tcp://") :].rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("tcp:// URLs need host:port with a port in 1..65535")
+            return value
+        raise ValueError("must start with unix:// or tcp://")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> MaruConnectorConfig:
+        """Parse vLLM's ``kv_connector_extra_config``; keys not ours (``maru_`` prefix) are ignored."""
+        ours = {k: v for k, v in (extra or {}).items() if k.startswith("maru_")}
+        try:
+            return cls.model_validate(ours)
+        except ValidationError as err:
+            raise ConfigError(_describe(err)) from None
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise when the chunk does not hold a whole number of the engine's KV blocks."""
+        if block_size <= 0 or self.chunk_tokens % block_size:
+            raise ConfigError(
+                f"maru_kv_chunk_tokens: {self.chunk_tokens} must be a positive multiple of the "
+                f"engine's block size {block_size} (set --block-size or change the chunk size)"
+            )
+
+
+def kv_transfer_config(role: KVRole, config: MaruConnectorConfig) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object for one role."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": role,
+        "kv_connector_extra_config": config.to_extra_config(),
+    }
+
+
+def kv_transfer_config_json(role: KVRole, config: MaruConnectorConfig) -> str:
+    return json.dumps(kv_transfer_config(role, config), sort_keys=True, separators=(",", ":"))
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for item in err.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "kv_connector_extra_config"
+        parts.append(f"{field}: {item['msg']}")
+    return "invalid Maru connector config: " + "; ".join(parts)
