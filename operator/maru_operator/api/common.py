@@ -1,0 +1,100 @@
+"""Types shared by both kinds: Kubernetes-shaped building blocks and the CRD metadata carrier."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP = "maru.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Kubernetes' own quantity grammar (apimachinery resource.Quantity), without a sign.
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+DNS1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+Quantity = Annotated[
+    str,
+    Field(pattern=QUANTITY_PATTERN),
+    WithJsonSchema({"type": "string", "pattern": QUANTITY_PATTERN}),
+]
+"""A quantity written as a string (``64Gi``)."""
+
+IntOrQuantity = Annotated[
+    int | str,
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+]
+"""A quantity as users write them in pod resources: ``1`` or ``"16Gi"``."""
+
+
+class KubeModel(BaseModel):
+    """Base of every API model: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=False,
+    )
+
+
+class Toleration(KubeModel):
+    """A pod toleration, as in a pod spec's tolerations."""
+
+    key: str | None = Field(None, description="Taint key to tolerate; empty with operator Exists means all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="How the key relates to the value.")
+    value: str | None = Field(None, description="Taint value to match when the operator is Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; empty means all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="How long a NoExecute taint is tolerated before eviction."
+    )
+
+
+class ResourceRequirements(KubeModel):
+    """Compute resources of a container, as in a container's resources."""
+
+    requests: dict[str, IntOrQuantity] = Field(
+        default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}."
+    )
+    limits: dict[str, IntOrQuantity] = Field(
+        default_factory=dict, description="Maximum resources; GPUs go here, e.g. {nvidia.com/gpu: 1}."
+    )
+
+
+class EnvVar(KubeModel):
+    """An environment variable with a literal value."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name.")
+    value: str = Field("", description="Literal value. Secrets belong in a Secret, not here.")
+
+
+class Condition(KubeModel):
+    """A status condition in the standard Kubernetes shape (metav1.Condition)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = Field(description="Condition type, e.g. Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field("", description="CamelCase reason for the last transition.")
+    message: str = Field("", description="Human-readable detail: what is wrong and what to do.")
+    last_transition_time: str | None = Field(None, description="When the status last changed (RFC 3339).")
+    observed_generation: int | None = Field(None, description="Generation the condition was computed from.")
+
+
+class CustomResource(KubeModel):
+    """Carries the CRD-level facts of one kind next to its model."""
+
+    kind: ClassVar[str]
+    plural: ClassVar[str]
+    scope: ClassVar[Literal["Namespaced", "Cluster"]]
+    short_names: ClassVar[list[str]]
+    categories: ClassVar[list[str]] = ["maru"]
+    printer_columns: ClassVar[list[dict[str, Any]]]
+    description: ClassVar[str]

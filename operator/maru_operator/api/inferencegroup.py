@@ -1,0 +1,215 @@
+"""InferenceGroup: one model served by prefill and decode vLLM pods bound to a MaruPool."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field
+
+from maru_connector.config import DEFAULT_CHUNK_TOKENS
+from maru_operator.api.common import (
+    DNS1123_SUBDOMAIN_PATTERN,
+    Condition,
+    CustomResource,
+    EnvVar,
+    KubeModel,
+    ResourceRequirements,
+    Toleration,
+)
+
+DEFAULT_VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru:0.1.0"
+DEFAULT_ROUTER_IMAGE = "ghcr.io/maru-pd/vllm-router:0.1.17"
+
+# Flags the operator derives from the spec; letting extraArgs set them again would let
+# prefill and decode disagree, which is the failure this product exists to prevent.
+OPERATOR_OWNED_FLAGS = (
+    "--kv-transfer-config",
+    "--model",
+    "--served-model-name",
+    "--revision",
+    "--tensor-parallel-size",
+    "--block-size",
+    "--port",
+    "--dtype",
+)
+
+_EXTRA_ARGS_RULE = " && ".join(
+    f"!self.extraArgs.exists(a, a == '{flag}' || a.startsWith('{flag}='))" for flag in OPERATOR_OWNED_FLAGS
+)
+
+
+class ModelSpec(KubeModel):
+    """The model both roles serve."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Hugging Face model id (org/name) or a path inside the image, e.g. Qwen/Qwen2.5-7B-Instruct.",
+    )
+    revision: str | None = Field(
+        None, max_length=128, description="Model revision (branch, tag or commit). Part of the cache key."
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256, description="Name clients send in requests. Default: model.name."
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="Weights and KV dtype passed to vLLM. Part of the cache key."
+    )
+    max_model_len: int | None = Field(None, ge=1, description="Context length limit passed to vLLM.")
+
+
+class PoolRef(KubeModel):
+    """Which MaruPool carries this group's KV cache."""
+
+    name: str = Field(
+        min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN, description="Name of the MaruPool."
+    )
+
+
+class RoleSpec(KubeModel):
+    """One role's vLLM pods (prefill or decode)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": _EXTRA_ARGS_RULE,
+                    "message": "extraArgs must not set flags the operator derives from the spec: "
+                    + ", ".join(OPERATOR_OWNED_FLAGS),
+                    "fieldPath": ".extraArgs",
+                    "reason": "FieldValueForbidden",
+                }
+            ]
+        }
+    )
+
+    replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods of this role.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs one vLLM instance shards the model over (--tensor-parallel-size)."
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Resources of each vLLM container; request tensorParallelSize GPUs in limits.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=128, description="Extra vLLM command-line arguments, e.g. --max-num-seqs=64."
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Extra node labels for this role, on top of the pool's nodes."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of this role's pods.")
+
+
+class ConnectorSpec(KubeModel):
+    """How KV cache is cut into pool chunks. Shared by both roles by construction."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.chunkTokens % self.blockSize == 0",
+                    "message": "chunkTokens must be a positive multiple of blockSize",
+                    "fieldPath": ".chunkTokens",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    chunk_tokens: int = Field(
+        DEFAULT_CHUNK_TOKENS, ge=1, le=65536, description="Tokens per pool chunk; a multiple of blockSize."
+    )
+    block_size: Literal[1, 8, 16, 32, 64, 128] = Field(
+        16, description="vLLM KV block size (--block-size). vLLM's CPU backend needs 128."
+    )
+    cache_namespace: str | None = Field(
+        None,
+        max_length=253,
+        description="Salt mixed into every chunk key; groups with different salts never share KV. "
+        "Default: the group's namespace/name.",
+    )
+
+
+class RouterSpec(KubeModel):
+    """The router in front of the group (vllm-router in prefill/decode mode)."""
+
+    enabled: bool = Field(True, description="Run a router Deployment and Service for this group.")
+    replicas: int = Field(1, ge=1, le=64, description="Router pods.")
+    image: str = Field(DEFAULT_ROUTER_IMAGE, min_length=1, description="Router image.")
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
+        "round_robin", description="How the router picks a decode pod."
+    )
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        "ClusterIP", description="Type of the router Service."
+    )
+    port: int = Field(8000, ge=1, le=65535, description="Port of the router Service (OpenAI-compatible API).")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Resources of each router container."
+    )
+
+
+class InferenceGroupSpec(KubeModel):
+    """Desired state of an InferenceGroup."""
+
+    model: ModelSpec = Field(description="The model both roles serve.")
+    pool_ref: PoolRef = Field(description="The MaruPool that carries KV cache from prefill to decode.")
+    image: str = Field(DEFAULT_VLLM_IMAGE, min_length=1, description="vLLM image with the Maru connector installed.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the vLLM image."
+    )
+    prefill: RoleSpec = Field(default_factory=RoleSpec, description="Prefill pods: store prompt KV.")
+    decode: RoleSpec = Field(default_factory=RoleSpec, description="Decode pods: load prompt KV, generate.")
+    connector: ConnectorSpec = Field(default_factory=ConnectorSpec, description="KV chunking, shared by both roles.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the group.")
+
+
+class RoleStatus(KubeModel):
+    """Observed replicas of one role."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    desired: int = Field(0, description="Replicas asked for.")
+    ready: int = Field(0, description="Replicas ready to serve.")
+    summary: str = Field("", description="ready/desired, for kubectl get.")
+
+
+class InferenceGroupStatus(KubeModel):
+    """Observed state of an InferenceGroup."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = Field(None, description="Generation the status was computed from.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="PoolBound, Ready, Progressing, Degraded."
+    )
+    prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
+    decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
+    router: RoleStatus = Field(default_factory=RoleStatus, description="Router replicas.")
+    endpoint: str = Field("", description="URL of the group's OpenAI-compatible API (the router Service).")
+    pool_endpoint: str = Field("", description="Pool URL written into the connector config of both roles.")
+
+
+class InferenceGroup(CustomResource):
+    """One model served by prefill and decode vLLM pods sharing KV through a MaruPool."""
+
+    kind: ClassVar[str] = "InferenceGroup"
+    plural: ClassVar[str] = "inferencegroups"
+    scope: ClassVar[Literal["Namespaced", "Cluster"]] = "Namespaced"
+    short_names: ClassVar[list[str]] = ["ig"]
+    description: ClassVar[str] = (
+        "InferenceGroup serves one model with prefill and decode vLLM pods that pass KV cache through a "
+        "MaruPool, behind a router. The operator writes both roles' connector config from one spec."
+    )
+    printer_columns: ClassVar[list[dict[str, str]]] = [
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": "1"},
+        {"name": "Pool", "type": "string", "jsonPath": ".spec.poolRef.name"},
+        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary"},
+        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": "1"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: InferenceGroupSpec
+    status: InferenceGroupStatus | None = None

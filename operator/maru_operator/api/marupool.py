@@ -1,0 +1,183 @@
+"""MaruPool: a pool of shared memory that carries KV cache between prefill and decode.
+
+Cluster-scoped, because the memory belongs to nodes, not to a namespace; ``allowedNamespaces``
+says who may bind to it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import ConfigDict, Field
+
+from maru_operator.api.common import (
+    DNS1123_LABEL_PATTERN,
+    CustomResource,
+    KubeModel,
+    Quantity,
+    ResourceRequirements,
+    Toleration,
+)
+from maru_operator.api.common import Condition as Condition
+
+DevicePath = Annotated[str, Field(pattern=r"^/dev/[A-Za-z0-9._/-]+$", max_length=255)]
+NamespaceName = Annotated[str, Field(pattern=DNS1123_LABEL_PATTERN, max_length=63)]
+
+DEFAULT_POOL_IMAGE = "ghcr.io/maru-pd/maru-pool:0.1.0"
+DEFAULT_SOCKET_DIR = "/run/maru"
+
+
+class EvictionSpec(KubeModel):
+    """What the pool does when it is full."""
+
+    policy: Literal["LRU", "None"] = Field(
+        "LRU",
+        description=(
+            "LRU evicts the least recently used chunk that no reader has pinned. None refuses new "
+            "chunks when full (stores are skipped, serving goes on)."
+        ),
+    )
+    lease_seconds: int = Field(
+        30,
+        ge=1,
+        le=3600,
+        description=(
+            "How long a writer's allocation or a reader's pin lives without being renewed. A client "
+            "that dies mid-write leaks its space for at most this long."
+        ),
+    )
+
+
+class PoolDaemonSpec(KubeModel):
+    """The pool daemons: the only pods that touch the memory device."""
+
+    image: str = Field(DEFAULT_POOL_IMAGE, min_length=1, description="Pool daemon image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the pool daemon image."
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Resources of each pool daemon container."
+    )
+    socket_dir: str = Field(
+        DEFAULT_SOCKET_DIR,
+        pattern=r"^/.*$",
+        description=(
+            "Host directory holding the node agent's Unix socket; vLLM pods mount it to reach the pool. "
+            "Must be an absolute path."
+        ),
+    )
+    metadata_port: int = Field(7400, ge=1, le=65535, description="Port of the pool-wide metadata server.")
+    metrics_port: int = Field(9400, ge=1, le=65535, description="Port serving /metrics and /status.")
+
+
+class MaruPoolSpec(KubeModel):
+    """Desired state of a MaruPool."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.backend != 'shm' || has(self.size)",
+                    "message": "size is required when backend is shm",
+                    "fieldPath": ".size",
+                    "reason": "FieldValueRequired",
+                },
+                {
+                    "rule": "self.backend == 'dax' || !has(self.devices) || size(self.devices) == 0",
+                    "message": "devices may only be set when backend is dax",
+                    "fieldPath": ".devices",
+                    "reason": "FieldValueForbidden",
+                },
+            ]
+        }
+    )
+
+    backend: Literal["dax", "shm"] = Field(
+        description=(
+            "dax: CXL memory exposed as devdax character devices, shared by the selected nodes. "
+            "shm: shared memory (a file in /dev/shm) on each selected node, for single-node pools "
+            "and trials."
+        )
+    )
+    size: Quantity | None = Field(
+        None,
+        description=(
+            "Pool memory per node, e.g. 64Gi. Required for shm; for dax an optional cap on how much of "
+            "each device the pool uses."
+        ),
+    )
+    devices: list[DevicePath] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Devdax device paths such as /dev/dax0.0 (dax only). Empty: use every devdax device found.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the nodes that carry the pool memory. Empty selects every node.",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations of the pool daemons, as in a pod spec."
+    )
+    eviction: EvictionSpec = Field(default_factory=EvictionSpec, description="Behaviour when the pool is full.")
+    allowed_namespaces: list[NamespaceName] | None = Field(
+        None,
+        min_length=1,
+        description="Namespaces whose InferenceGroups may bind to this pool. Unset: every namespace.",
+    )
+    daemon: PoolDaemonSpec = Field(default_factory=PoolDaemonSpec, description="The pool daemons.")
+
+
+class PoolNodeStatus(KubeModel):
+    """One node's share of the pool."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    node: str = Field(description="Node name.")
+    device: str = Field("", description="Device or shm file backing the pool on this node.")
+    capacity: str = Field("", description="Pool memory on this node.")
+    ready: bool = Field(False, description="Whether this node's agent serves clients.")
+
+
+class MaruPoolStatus(KubeModel):
+    """Observed state of a MaruPool."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = Field(None, description="Generation the status was computed from.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Degraded, InUse.")
+    nodes_desired: int = Field(0, description="Nodes selected for the pool.")
+    nodes_ready: int = Field(0, description="Nodes whose agent is ready.")
+    node_summary: str = Field("", description="nodesReady/nodesDesired, for kubectl get.")
+    nodes: list[PoolNodeStatus] = Field(default_factory=list, description="Per-node entries.")
+    capacity: str = Field("", description="Total pool memory, as a quantity.")
+    used: str = Field("", description="Memory held by stored chunks, as a quantity.")
+    capacity_bytes: int = Field(0, description="Total pool memory in bytes.")
+    used_bytes: int = Field(0, description="Memory held by stored chunks in bytes.")
+    endpoint: str = Field(
+        "", description="URL vLLM pods use to reach the node agent, e.g. unix:///run/maru/pool.sock."
+    )
+    bound_groups: int = Field(0, description="InferenceGroups bound to this pool.")
+
+
+class MaruPool(CustomResource):
+    """A shared memory pool for KV cache, provisioned on the nodes that carry the memory."""
+
+    kind: ClassVar[str] = "MaruPool"
+    plural: ClassVar[str] = "marupools"
+    scope: ClassVar[Literal["Namespaced", "Cluster"]] = "Cluster"
+    short_names: ClassVar[list[str]] = ["mpool"]
+    description: ClassVar[str] = (
+        "MaruPool is a pool of shared memory (CXL devdax or shm) that carries the KV cache from prefill "
+        "to decode. The operator runs its daemons on the selected nodes and reports capacity and use."
+    )
+    printer_columns: ClassVar[list[dict[str, str]]] = [
+        {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
+        {"name": "Nodes", "type": "string", "jsonPath": ".status.nodeSummary", "description": "ready/desired"},
+        {"name": "Capacity", "type": "string", "jsonPath": ".status.capacity"},
+        {"name": "Used", "type": "string", "jsonPath": ".status.used"},
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: MaruPoolSpec
+    status: MaruPoolStatus | None = None
