@@ -26,7 +26,7 @@ Quantity = Annotated[
 """A quantity written as a string (``64Gi``)."""
 
 IntOrQuantity = Annotated[
-    int | str,
+    Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=QUANTITY_PATTERN)],
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
 ]
 """A quantity as users write them in pod resources: ``1`` or ``"16Gi"``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from maru_connector.config import DEFAULT_CHUNK_TOKENS
 from maru_operator.api.common import (
@@ -33,8 +33,9 @@ OPERATOR_OWNED_FLAGS = (
     "--dtype",
 )
 
-_EXTRA_ARGS_RULE = " && ".join(
-    f"!self.extraArgs.exists(a, a == '{flag}' || a.startsWith('{flag}='))" for flag in OPERATOR_OWNED_FLAGS
+# An absent list is not defaulted, and CEL errors on a missing field: guard with has().
+_EXTRA_ARGS_RULE = "!has(self.extraArgs) || !self.extraArgs.exists(a, {})".format(
+    " || ".join(f"a == '{flag}' || a.startsWith('{flag}=')" for flag in OPERATOR_OWNED_FLAGS)
 )
 
 
@@ -100,6 +101,13 @@ class RoleSpec(KubeModel):
     )
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of this role's pods.")
 
+    @model_validator(mode="after")
+    def _no_operator_owned_flags(self) -> RoleSpec:
+        for arg in self.extra_args:
+            if arg.split("=", 1)[0] in OPERATOR_OWNED_FLAGS:
+                raise ValueError(f"extraArgs: {arg!r} sets a flag the operator derives from the spec")
+        return self
+
 
 class ConnectorSpec(KubeModel):
     """How KV cache is cut into pool chunks. Shared by both roles by construction."""
@@ -129,6 +137,12 @@ class ConnectorSpec(KubeModel):
         description="Salt mixed into every chunk key; groups with different salts never share KV. "
         "Default: the group's namespace/name.",
     )
+
+    @model_validator(mode="after")
+    def _chunk_holds_whole_blocks(self) -> ConnectorSpec:
+        if self.chunk_tokens % self.block_size:
+            raise ValueError("chunkTokens: chunkTokens must be a positive multiple of blockSize")
+        return self
 
 
 class RouterSpec(KubeModel):

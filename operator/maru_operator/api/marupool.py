@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from maru_operator.api.common import (
     DNS1123_LABEL_PATTERN,
@@ -125,6 +125,15 @@ class MaruPoolSpec(KubeModel):
         description="Namespaces whose InferenceGroups may bind to this pool. Unset: every namespace.",
     )
     daemon: PoolDaemonSpec = Field(default_factory=PoolDaemonSpec, description="The pool daemons.")
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> MaruPoolSpec:
+        # Mirrors the CEL rules above, so objects built in Python obey what the API server enforces.
+        if self.backend == "shm" and self.size is None:
+            raise ValueError("size: size is required when backend is shm")
+        if self.backend != "dax" and self.devices:
+            raise ValueError("devices: devices may only be set when backend is dax")
+        return self
 
 
 class PoolNodeStatus(KubeModel):
