@@ -1,0 +1,206 @@
+"""A small simulated kube-controller-manager for the emulator.
+
+The emulator runs no controllers, so Deployments and DaemonSets never report ready replicas on
+their own. This writes their ``status`` (through the status subresource, as the real controllers
+do) whenever anything changes. No pods are created: readiness is decided by a test-controlled
+function, so a test can hold a workload "not ready" and release it later.
+
+Zero counts are omitted from the status, as the real API does (``omitempty``), so code reading
+``status.readyReplicas`` must cope with its absence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tests.k8s.emulator import Emulator, JsonObj
+
+if TYPE_CHECKING:
+    from tests.k8s.fixtures import KubeEmulator
+
+# Given a Deployment or DaemonSet, how many of its replicas (or nodes) are ready:
+# True = all of them, False = none, an int = that many (clamped to the desired count).
+Readiness = Callable[[JsonObj], bool | int]
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
+
+
+def _nonzero(status: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in status.items() if v != 0}
+
+
+def _conditions(old: list[JsonObj], wanted: list[tuple[str, bool, str, str]]) -> list[JsonObj]:
+    # Keep lastTransitionTime unless the condition flips, or every pass would be a write.
+    previous = {c.get('type'): c for c in old}
+    result = []
+    for type_, ok, reason, message in wanted:
+        status = 'True' if ok else 'False'
+        prev = previous.get(type_)
+        stamp = prev['lastTransitionTime'] if prev and prev.get('status') == status else _now()
+        update = prev.get('lastUpdateTime', stamp) if prev and prev.get('status') == status else stamp
+        result.append({'type': type_, 'status': status, 'reason': reason, 'message': message,
+                       'lastTransitionTime': stamp, 'lastUpdateTime': update})
+    return result
+
+
+def node_matches(node: JsonObj, pod_spec: JsonObj) -> bool:
+    """Does a pod template schedule onto this node? nodeSelector and required node affinity."""
+    labels = node.get('metadata', {}).get('labels') or {}
+    for k, v in (pod_spec.get('nodeSelector') or {}).items():
+        if labels.get(k) != v:
+            return False
+    required = (((pod_spec.get('affinity') or {}).get('nodeAffinity') or {})
+                .get('requiredDuringSchedulingIgnoredDuringExecution') or {})
+    terms = required.get('nodeSelectorTerms') or []
+    if terms:
+        return any(all(_expr_matches(labels, e) for e in term.get('matchExpressions') or [])
+                   for term in terms)
+    return True
+
+
+def _expr_matches(labels: dict[str, str], expr: JsonObj) -> bool:
+    key, op, values = expr.get('key'), expr.get('operator'), expr.get('values') or []
+    if op == 'In':
+        return labels.get(key) in values
+    if op == 'NotIn':
+        return labels.get(key) not in values
+    if op == 'Exists':
+        return key in labels
+    if op == 'DoesNotExist':
+        return key not in labels
+    return False
+
+
+class KubeControllers:
+    """Deployment and DaemonSet status controllers, running as a task on the emulator's loop."""
+
+    def __init__(self, kube: KubeEmulator, *, delay: float = 0.0) -> None:
+        self.kube = kube
+        self.delay = delay  # a pause before each pass, to let clients see intermediate states
+        self._readiness: Readiness = lambda obj: True
+        self._held = False
+        self._task: asyncio.Task[None] | None = None
+        self.passes = 0
+
+    # ---------------------------------------------------------------------------------------------
+    # Test controls (call from the test thread).
+
+    def set_readiness(self, readiness: Readiness) -> None:
+        """Decide per workload how many replicas/nodes are ready; re-evaluated on every change."""
+        self._readiness = readiness
+        self.kube.call(self.kube.emulator.poke)
+
+    def hold(self) -> None:
+        """Nothing becomes ready until :meth:`release`."""
+        self._held = True
+        self.kube.call(self.kube.emulator.poke)
+
+    def release(self) -> None:
+        self._held = False
+        self.kube.call(self.kube.emulator.poke)
+
+    def add_node(self, name: str, labels: dict[str, str] | None = None, ready: bool = True) -> JsonObj:
+        return self.kube.create({
+            'apiVersion': 'v1', 'kind': 'Node',
+            'metadata': {'name': name, 'labels': {'kubernetes.io/hostname': name, **(labels or {})}},
+            'status': {'conditions': [{'type': 'Ready', 'status': 'True' if ready else 'False'}]},
+        })
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle.
+
+    def __enter__(self) -> KubeControllers:
+        def start() -> None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        self.kube.call(start)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        def stop() -> None:
+            if self._task is not None:
+                self._task.cancel()
+        self.kube.call(stop)
+
+    async def _run(self) -> None:
+        emulator = self.kube.emulator
+        while True:
+            changed = emulator.next_change()
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            self.reconcile(emulator)
+            self.passes += 1
+            await changed
+
+    # ---------------------------------------------------------------------------------------------
+    # Reconciliation (on the emulator's loop).
+
+    def _ready_count(self, obj: JsonObj, desired: int) -> int:
+        if self._held:
+            return 0
+        verdict = self._readiness(obj)
+        if verdict is True:
+            return desired
+        if verdict is False:
+            return 0
+        return max(0, min(int(verdict), desired))
+
+    def reconcile(self, emulator: Emulator) -> None:
+        for deploy in emulator.list_objects('apps', 'deployments'):
+            self._write(emulator, 'deployments', deploy, self._deployment_status(deploy))
+        nodes = [n for n in emulator.list_objects('', 'nodes')
+                 if not n['metadata'].get('deletionTimestamp')]
+        for ds in emulator.list_objects('apps', 'daemonsets'):
+            self._write(emulator, 'daemonsets', ds, self._daemonset_status(ds, nodes))
+
+    def _write(self, emulator: Emulator, plural: str, obj: JsonObj, status: JsonObj) -> None:
+        if obj.get('status') != status and not obj['metadata'].get('deletionTimestamp'):
+            # A replace, not a merge patch: counts that dropped to zero must disappear.
+            meta = obj['metadata']
+            emulator.replace_object('apps', plural, meta.get('namespace'), meta['name'],
+                                    {**obj, 'status': status}, subresource='status')
+
+    def _deployment_status(self, deploy: JsonObj) -> JsonObj:
+        spec = deploy.get('spec') or {}
+        desired = int(spec.get('replicas', 1))
+        ready = self._ready_count(deploy, desired)
+        old = deploy.get('status') or {}
+        status = _nonzero({
+            'observedGeneration': deploy['metadata'].get('generation', 1),
+            'replicas': desired,
+            'updatedReplicas': desired,
+            'readyReplicas': ready,
+            'availableReplicas': ready,
+            'unavailableReplicas': desired - ready,
+        })
+        status['conditions'] = _conditions(old.get('conditions') or [], [
+            ('Available', ready >= desired, 'MinimumReplicasAvailable' if ready >= desired
+             else 'MinimumReplicasUnavailable',
+             'Deployment has minimum availability.' if ready >= desired
+             else 'Deployment does not have minimum availability.'),
+            ('Progressing', True, 'NewReplicaSetAvailable' if ready >= desired else 'ReplicaSetUpdated',
+             'ReplicaSet has successfully progressed.' if ready >= desired else 'ReplicaSet is progressing.'),
+        ])
+        return status
+
+    def _daemonset_status(self, ds: JsonObj, nodes: list[JsonObj]) -> JsonObj:
+        pod_spec = ((ds.get('spec') or {}).get('template') or {}).get('spec') or {}
+        desired = sum(1 for n in nodes if node_matches(n, pod_spec))
+        ready = self._ready_count(ds, desired)
+        return {
+            # The four counts below are required fields of DaemonSetStatus, so zeros stay.
+            'currentNumberScheduled': desired,
+            'desiredNumberScheduled': desired,
+            'numberMisscheduled': 0,
+            'numberReady': ready,
+            **_nonzero({
+                'observedGeneration': ds['metadata'].get('generation', 1),
+                'updatedNumberScheduled': desired,
+                'numberAvailable': ready,
+                'numberUnavailable': desired - ready,
+            }),
+        }

@@ -1,0 +1,1212 @@
+"""A Kubernetes API emulator for tests, served over real HTTP on loopback.
+
+It subclasses ``kmock.KubernetesEmulator`` (for its handler lifecycle) but replaces its request
+parsing and object store with ones that behave like a real kube-apiserver where our operator and
+kubectl can tell the difference: uids, a global resourceVersion, generation, the status subresource,
+finalizers, label/field selectors, resumable watches without gaps, CRD registration with
+discovery, ownerReference garbage collection, and optional CRD schema validation with pruning.
+
+Not emulated (documented gaps): admission webhooks, RBAC (everything is allowed), managedFields
+and real server-side-apply field ownership, CEL rules, pagination (lists are never chunked),
+foreground deletion (treated as background), the scale subresource, Table output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import dataclasses
+import datetime
+import itertools
+import json
+import re
+import time
+import traceback
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonschema
+import kmock
+import yaml
+from typing_extensions import override
+
+JsonObj = dict[str, Any]
+
+_NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
+_ALL_VERBS = ['create', 'delete', 'deletecollection', 'get', 'list', 'patch', 'update', 'watch']
+
+
+class ApiError(Exception):
+    """An error rendered as a Kubernetes ``Status`` body."""
+
+    def __init__(self, code: int, reason: str, message: str, details: JsonObj | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.details = details or {}
+
+    def status(self) -> JsonObj:
+        return {
+            'kind': 'Status', 'apiVersion': 'v1', 'metadata': {}, 'status': 'Failure',
+            'message': self.message, 'reason': self.reason, 'details': self.details, 'code': self.code,
+        }
+
+
+def _not_found(rt: ResourceType, name: str) -> ApiError:
+    resource = f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+    return ApiError(404, 'NotFound', f'{resource} "{name}" not found',
+                    {'name': name, 'group': rt.group, 'kind': rt.plural})
+
+
+@dataclasses.dataclass
+class ResourceType:
+    group: str
+    versions: list[str]
+    plural: str
+    singular: str
+    kind: str
+    namespaced: bool
+    short_names: list[str] = dataclasses.field(default_factory=list)
+    categories: list[str] = dataclasses.field(default_factory=list)
+    status: bool = False  # has the /status subresource
+    schemas: dict[str, JsonObj] = dataclasses.field(default_factory=dict)  # version -> openAPIV3Schema
+    custom: bool = False  # served because of a CRD
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.group, self.plural)
+
+    @property
+    def storage_version(self) -> str:
+        return self.versions[0]
+
+    def api_version(self, version: str | None = None) -> str:
+        version = version or self.storage_version
+        return f'{self.group}/{version}' if self.group else version
+
+    def discovery(self) -> list[JsonObj]:
+        main = {
+            'name': self.plural, 'singularName': self.singular, 'namespaced': self.namespaced,
+            'kind': self.kind, 'verbs': list(_ALL_VERBS),
+        }
+        if self.short_names:
+            main['shortNames'] = list(self.short_names)
+        if self.categories:
+            main['categories'] = list(self.categories)
+        result = [main]
+        if self.status:
+            result.append({'name': f'{self.plural}/status', 'singularName': '', 'namespaced': self.namespaced,
+                           'kind': self.kind, 'verbs': ['get', 'patch', 'update']})
+        return result
+
+
+def _builtin(group: str, version: str, plural: str, kind: str, namespaced: bool = True, *,
+             short: Iterable[str] = (), cats: Iterable[str] = (), status: bool = False) -> ResourceType:
+    return ResourceType(group=group, versions=[version], plural=plural, singular=kind.lower(), kind=kind,
+                        namespaced=namespaced, short_names=list(short), categories=list(cats), status=status)
+
+
+BUILTIN_RESOURCES: list[ResourceType] = [
+    _builtin('', 'v1', 'namespaces', 'Namespace', False, short=['ns'], status=True),
+    _builtin('', 'v1', 'nodes', 'Node', False, short=['no'], status=True),
+    _builtin('', 'v1', 'pods', 'Pod', short=['po'], cats=['all'], status=True),
+    _builtin('', 'v1', 'services', 'Service', short=['svc'], cats=['all'], status=True),
+    _builtin('', 'v1', 'endpoints', 'Endpoints', short=['ep']),
+    _builtin('', 'v1', 'configmaps', 'ConfigMap', short=['cm']),
+    _builtin('', 'v1', 'secrets', 'Secret'),
+    _builtin('', 'v1', 'serviceaccounts', 'ServiceAccount', short=['sa']),
+    _builtin('', 'v1', 'events', 'Event', short=['ev']),
+    _builtin('', 'v1', 'persistentvolumeclaims', 'PersistentVolumeClaim', short=['pvc'], status=True),
+    _builtin('events.k8s.io', 'v1', 'events', 'Event', short=['ev']),
+    _builtin('apps', 'v1', 'deployments', 'Deployment', short=['deploy'], cats=['all'], status=True),
+    _builtin('apps', 'v1', 'daemonsets', 'DaemonSet', short=['ds'], cats=['all'], status=True),
+    _builtin('apps', 'v1', 'statefulsets', 'StatefulSet', short=['sts'], cats=['all'], status=True),
+    _builtin('apps', 'v1', 'replicasets', 'ReplicaSet', short=['rs'], cats=['all'], status=True),
+    _builtin('batch', 'v1', 'jobs', 'Job', cats=['all'], status=True),
+    _builtin('rbac.authorization.k8s.io', 'v1', 'roles', 'Role'),
+    _builtin('rbac.authorization.k8s.io', 'v1', 'rolebindings', 'RoleBinding'),
+    _builtin('rbac.authorization.k8s.io', 'v1', 'clusterroles', 'ClusterRole', False),
+    _builtin('rbac.authorization.k8s.io', 'v1', 'clusterrolebindings', 'ClusterRoleBinding', False),
+    _builtin('coordination.k8s.io', 'v1', 'leases', 'Lease'),
+    _builtin('apiextensions.k8s.io', 'v1', 'customresourcedefinitions', 'CustomResourceDefinition', False,
+             short=['crd', 'crds'], cats=['api-extensions'], status=True),
+    _builtin('policy', 'v1', 'poddisruptionbudgets', 'PodDisruptionBudget', short=['pdb'], status=True),
+    _builtin('networking.k8s.io', 'v1', 'networkpolicies', 'NetworkPolicy', short=['netpol']),
+]
+
+# Strategic-merge-patch keys of lists merged element-wise (the rest are replaced, as in k8s).
+_SMP_MERGE_KEYS: dict[str, str] = {
+    'containers': 'name', 'initContainers': 'name', 'ephemeralContainers': 'name', 'env': 'name',
+    'volumes': 'name', 'volumeMounts': 'mountPath', 'volumeDevices': 'devicePath',
+    'imagePullSecrets': 'name', 'conditions': 'type', 'ownerReferences': 'uid',
+    'hostAliases': 'ip', 'topologySpreadConstraints': 'topologyKey', 'resourceClaims': 'name',
+}
+_SMP_PRIMITIVE_MERGE = {'finalizers'}
+
+
+# -------------------------------------------------------------------------------------------------
+# Selectors
+
+
+@dataclasses.dataclass(frozen=True)
+class _Req:
+    key: str
+    op: str  # '=', '!=', 'in', 'notin', 'exists', '!'
+    values: tuple[str, ...] = ()
+
+
+def parse_label_selector(text: str | None) -> list[_Req]:
+    if not text:
+        return []
+    reqs: list[_Req] = []
+    # Commas inside "in (a,b)" must not split the requirements.
+    for part in re.split(r',(?![^()]*\))', text):
+        part = part.strip()
+        if not part:
+            continue
+        if m := re.fullmatch(r'([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)', part):
+            values = tuple(v.strip() for v in m.group(3).split(',') if v.strip())
+            reqs.append(_Req(m.group(1), m.group(2), values))
+        elif m := re.fullmatch(r'([\w./-]+)\s*(==|=|!=)\s*([\w.-]*)', part):
+            reqs.append(_Req(m.group(1), '!=' if m.group(2) == '!=' else '=', (m.group(3),)))
+        elif m := re.fullmatch(r'!\s*([\w./-]+)', part):
+            reqs.append(_Req(m.group(1), '!'))
+        elif m := re.fullmatch(r'[\w./-]+', part):
+            reqs.append(_Req(part, 'exists'))
+        else:
+            raise ApiError(400, 'BadRequest', f'unable to parse requirement: {part!r}')
+    return reqs
+
+
+def parse_field_selector(text: str | None) -> list[_Req]:
+    if not text:
+        return []
+    reqs: list[_Req] = []
+    for part in text.split(','):
+        if m := re.fullmatch(r'\s*([\w.]+)\s*(==|=|!=)\s*(.*?)\s*', part):
+            reqs.append(_Req(m.group(1), '!=' if m.group(2) == '!=' else '=', (m.group(3),)))
+        elif part.strip():
+            raise ApiError(400, 'BadRequest', f'invalid field selector: {part!r}')
+    return reqs
+
+
+def _match_reqs(values: dict[str, str], reqs: list[_Req]) -> bool:
+    for r in reqs:
+        present = r.key in values
+        val = values.get(r.key)
+        ok = {
+            '=': present and val == r.values[0],
+            '!=': not present or val != r.values[0],
+            'in': present and val in r.values,
+            'notin': not present or val not in r.values,
+            'exists': present,
+            '!': not present,
+        }[r.op]
+        if not ok:
+            return False
+    return True
+
+
+def _field_value(obj: JsonObj, path: str) -> str | None:
+    cur: Any = obj
+    for part in path.split('.'):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    if cur is None:
+        return None
+    if isinstance(cur, bool):
+        return 'true' if cur else 'false'
+    return str(cur)
+
+
+def match_selectors(obj: JsonObj, labels: list[_Req], fields: list[_Req]) -> bool:
+    if labels and not _match_reqs(obj.get('metadata', {}).get('labels') or {}, labels):
+        return False
+    if fields:
+        values = {r.key: v for r in fields if (v := _field_value(obj, r.key)) is not None}
+        # A missing field compares as an empty string, as kube-apiserver does for e.g. spec.nodeName.
+        values = {r.key: values.get(r.key, '') for r in fields}
+        if not _match_reqs(values, fields):
+            return False
+    return True
+
+
+# -------------------------------------------------------------------------------------------------
+# Patching
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            result.pop(k, None)
+        else:
+            result[k] = merge_patch(result.get(k), v)
+    return result
+
+
+def _smp_list_key(field: str, items: list[Any]) -> str | None:
+    if field == 'ports':
+        # Container ports merge by containerPort, Service ports by port.
+        return 'containerPort' if any(isinstance(i, dict) and 'containerPort' in i for i in items) else 'port'
+    return _SMP_MERGE_KEYS.get(field)
+
+
+def strategic_merge_patch(target: Any, patch: Any, field: str = '') -> Any:
+    """A strategic merge patch with the patch strategies of the fields our kinds use."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    if patch.get('$patch') == 'replace':
+        return {k: copy.deepcopy(v) for k, v in patch.items() if k != '$patch'}
+    if patch.get('$patch') == 'delete':
+        return None
+    result = dict(target) if isinstance(target, dict) else {}
+    retain = patch.get('$retainKeys')
+    for k, v in patch.items():
+        if k in ('$patch', '$retainKeys') or k.startswith('$setElementOrder/'):
+            continue
+        if k.startswith('$deleteFromPrimitiveList/'):
+            name = k.split('/', 1)[1]
+            result[name] = [x for x in result.get(name) or [] if x not in v]
+            continue
+        if v is None:
+            result.pop(k, None)
+        elif isinstance(v, list):
+            result[k] = _smp_list(result.get(k), v, k)
+        else:
+            merged = strategic_merge_patch(result.get(k), v, k)
+            if merged is None:
+                result.pop(k, None)
+            else:
+                result[k] = merged
+    if isinstance(retain, list):
+        result = {k: v for k, v in result.items() if k in retain}
+    return result
+
+
+def _smp_list(current: Any, patch: list[Any], field: str) -> list[Any]:
+    current = list(current) if isinstance(current, list) else []
+    if field in _SMP_PRIMITIVE_MERGE:
+        return current + [x for x in patch if x not in current]
+    key = _smp_list_key(field, patch + current)
+    if key is None or not all(isinstance(x, dict) for x in patch):
+        return [x for x in copy.deepcopy(patch) if not (isinstance(x, dict) and x.get('$patch'))]
+    if any(isinstance(x, dict) and x.get('$patch') == 'replace' for x in patch):
+        return [x for x in copy.deepcopy(patch) if not x.get('$patch')]
+    result = [x for x in current]
+    for item in patch:
+        idx = next((i for i, x in enumerate(result) if isinstance(x, dict) and x.get(key) == item.get(key)),
+                   None)
+        if item.get('$patch') == 'delete':
+            if idx is not None:
+                result.pop(idx)
+        elif idx is None:
+            result.append(strategic_merge_patch({}, item, field))
+        else:
+            result[idx] = strategic_merge_patch(result[idx], item, field)
+    return result
+
+
+# -------------------------------------------------------------------------------------------------
+# Schemas
+
+
+def _to_jsonschema(schema: Any) -> Any:
+    """Translate OpenAPI v3 structural-schema quirks into plain JSON Schema."""
+    if isinstance(schema, list):
+        return [_to_jsonschema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _to_jsonschema(v) for k, v in schema.items()}
+    if out.pop('x-kubernetes-int-or-string', False):
+        out.pop('type', None)
+        out.setdefault('anyOf', [{'type': 'integer'}, {'type': 'string'}])
+    if out.pop('nullable', False) and isinstance(out.get('type'), str):
+        out['type'] = [out['type'], 'null']
+    # OpenAPI's "format" values are not all JSON Schema formats; k8s does not enforce most of them.
+    out.pop('format', None)
+    return out
+
+
+def prune(obj: Any, schema: JsonObj | None) -> Any:
+    """Drop the fields the structural schema does not know, as kube-apiserver does."""
+    if not schema or (schema.get('x-kubernetes-preserve-unknown-fields') and 'properties' not in schema):
+        return obj
+    if isinstance(obj, dict):
+        props = schema.get('properties')
+        addl = schema.get('additionalProperties')
+        preserve = schema.get('x-kubernetes-preserve-unknown-fields', False)
+        if props is None and addl is None:
+            return obj if preserve or schema.get('type') != 'object' else {}
+        result = {}
+        for k, v in obj.items():
+            if props is not None and k in props:
+                result[k] = prune(v, props[k])
+            elif isinstance(addl, dict):
+                result[k] = prune(v, addl)
+            elif addl is True or preserve:
+                result[k] = v
+        return result
+    if isinstance(obj, list) and isinstance(schema.get('items'), dict):
+        return [prune(x, schema['items']) for x in obj]
+    return obj
+
+
+def _json_path(path: Iterable[Any]) -> str:
+    out = ''
+    for p in path:
+        out += f'[{p}]' if isinstance(p, int) else f'.{p}'
+    return out.lstrip('.')
+
+
+# -------------------------------------------------------------------------------------------------
+# Requests: recording and fault injection
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedRequest:
+    method: str
+    path: str
+    query: dict[str, str]
+    content_type: str
+    timestamp: float  # time.monotonic()
+    status: int | None = None
+
+    @property
+    def is_write(self) -> bool:
+        return self.method in ('POST', 'PUT', 'PATCH', 'DELETE')
+
+    @property
+    def is_watch(self) -> bool:
+        return self.query.get('watch') in ('true', '1')
+
+
+@dataclasses.dataclass
+class Fault:
+    method: str | None  # None: any method
+    path: re.Pattern[str]
+    status: int
+    times: int  # how many more requests it applies to
+    message: str = 'injected fault'
+    hits: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or self.method == method) and bool(self.path.search(path))
+
+
+@dataclasses.dataclass
+class _Watcher:
+    rt: ResourceType
+    version: str
+    namespace: str | None
+    labels: list[_Req]
+    fields: list[_Req]
+    path: str
+    queue: asyncio.Queue[JsonObj | None] = dataclasses.field(default_factory=asyncio.Queue)
+
+
+@dataclasses.dataclass
+class _LoggedEvent:
+    rv: int
+    type: str
+    rt_key: tuple[str, str]
+    obj: JsonObj
+    old: JsonObj | None
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    """The emulator; all state lives in, and is changed on, the event loop that serves it."""
+
+    validate_schemas: bool = True  # validate & prune custom resources against their CRD's schema
+    event_log_size: int = 10000  # watch resumption older than this many changes gets 410 Gone
+
+    _types: dict[tuple[str, str], ResourceType] = attrs.field(factory=dict, init=False)
+    _store: dict[tuple[str, str, str | None, str], JsonObj] = attrs.field(factory=dict, init=False)
+    _uids: dict[str, tuple[str, str, str | None, str]] = attrs.field(factory=dict, init=False)
+    _rv: int = attrs.field(default=0, init=False)
+    _log: collections.deque[_LoggedEvent] = attrs.field(factory=collections.deque, init=False)
+    _log_floor: int = attrs.field(default=0, init=False)  # the newest rv that fell out of the log
+    _watchers: set[_Watcher] = attrs.field(factory=set, init=False)
+    faults: list[Fault] = attrs.field(factory=list, init=False)
+    request_log: list[RecordedRequest] = attrs.field(factory=list, init=False)
+    _stopping: bool = attrs.field(default=False, init=False)
+    _change_waiters: list[asyncio.Future[None]] = attrs.field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for rt in BUILTIN_RESOURCES:
+            self._types[rt.key] = copy.deepcopy(rt)
+        for ns in ('default', 'kube-system', 'kube-public', 'kube-node-lease'):
+            self.create_object('', 'namespaces', None, {'metadata': {'name': ns}})
+
+    # ---------------------------------------------------------------------------------------------
+    # Public, synchronous API (call it on the emulator's loop; the fixture marshals calls there).
+
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    def resource_type(self, group: str, plural: str) -> ResourceType:
+        try:
+            return self._types[(group, plural)]
+        except KeyError:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
+                                            f'({plural}.{group})') from None
+
+    def resource_types(self) -> list[ResourceType]:
+        return list(self._types.values())
+
+    def find_type(self, api_version: str, kind: str) -> ResourceType:
+        group = api_version.rpartition('/')[0] if '/' in api_version else ''
+        for rt in self._types.values():
+            if rt.group == group and rt.kind == kind:
+                return rt
+        raise ApiError(404, 'NotFound', f'no matches for kind "{kind}" in version "{api_version}"')
+
+    def get_object(self, group: str, plural: str, namespace: str | None, name: str) -> JsonObj | None:
+        rt = self.resource_type(group, plural)
+        obj = self._store.get((group, plural, namespace if rt.namespaced else None, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    def list_objects(self, group: str, plural: str, namespace: str | None = None,
+                     label_selector: str | None = None, field_selector: str | None = None) -> list[JsonObj]:
+        rt = self.resource_type(group, plural)
+        labels, fields = parse_label_selector(label_selector), parse_field_selector(field_selector)
+        return [copy.deepcopy(o) for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)]
+
+    def create_object(self, group: str, plural: str, namespace: str | None, body: JsonObj,
+                      *, dry_run: bool = False) -> JsonObj:
+        rt = self.resource_type(group, plural)
+        obj = copy.deepcopy(body)
+        meta = obj.setdefault('metadata', {})
+        obj['apiVersion'] = rt.api_version(_version_of(obj, rt))
+        obj['kind'] = rt.kind
+        if rt.namespaced:
+            namespace = namespace or meta.get('namespace')
+            if not namespace:
+                raise ApiError(400, 'BadRequest', 'the namespace of the object is not specified')
+            if meta.get('namespace') not in (None, namespace):
+                raise ApiError(400, 'BadRequest', 'the namespace of the provided object does not match '
+                                                  'the namespace sent on the request')
+            meta['namespace'] = namespace
+            ns = self._store.get(('', 'namespaces', None, namespace))
+            if ns is not None and ns['metadata'].get('deletionTimestamp'):
+                raise ApiError(403, 'Forbidden', f'unable to create new content in namespace {namespace} '
+                                                 f'because it is being terminated')
+        else:
+            namespace = None
+            meta.pop('namespace', None)
+        if not meta.get('name') and meta.get('generateName'):
+            meta['name'] = meta['generateName'] + uuid.uuid4().hex[:5]
+        name = meta.get('name')
+        if not name:
+            raise _invalid(rt, '', 'metadata.name', 'name or generateName is required')
+        if not _NAME_RE.match(name) or len(name) > 253:
+            raise _invalid(rt, name, 'metadata.name', f'Invalid value: "{name}": a lowercase RFC 1123 '
+                                                      f'subdomain must consist of lower case alphanumeric '
+                                                      f"characters, '-' or '.'")
+        key = (rt.group, rt.plural, namespace, name)
+        if key in self._store:
+            raise ApiError(409, 'AlreadyExists', f'{rt.plural}.{rt.group} "{name}" already exists',
+                           {'name': name, 'group': rt.group, 'kind': rt.plural})
+        for fld in ('uid', 'resourceVersion', 'deletionTimestamp', 'deletionGracePeriodSeconds',
+                    'managedFields', 'selfLink'):
+            meta.pop(fld, None)
+        if rt.status and rt.custom:
+            obj.pop('status', None)
+        for ref in meta.get('ownerReferences') or []:
+            if not ref.get('uid'):
+                raise _invalid(rt, name, 'metadata.ownerReferences.uid', 'Invalid value: "": uid must not be '
+                                                                         'empty')
+        obj = self._admit(rt, obj, None, name)
+        meta = obj['metadata']
+        meta['uid'] = str(uuid.uuid4())
+        meta['creationTimestamp'] = _now()
+        meta['generation'] = 1
+        if dry_run:
+            meta['resourceVersion'] = str(self._rv)
+            return obj
+        self._rv += 1
+        meta['resourceVersion'] = str(self._rv)
+        self._store[key] = obj
+        self._uids[meta['uid']] = key
+        self._emit('ADDED', rt, obj, None)
+        if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
+            self._register_crd(obj)
+        return copy.deepcopy(obj)
+
+    def replace_object(self, group: str, plural: str, namespace: str | None, name: str, body: JsonObj,
+                       *, subresource: str | None = None, dry_run: bool = False) -> JsonObj:
+        rt = self.resource_type(group, plural)
+        key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
+        old = self._store.get(key)
+        if old is None:
+            raise _not_found(rt, name)
+        body = copy.deepcopy(body)
+        want_rv = (body.get('metadata') or {}).get('resourceVersion')
+        if want_rv and want_rv != old['metadata']['resourceVersion']:
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
+                                            f'"{name}": the object has been modified; please apply your '
+                                            f'changes to the latest version and try again',
+                           {'name': name, 'group': rt.group, 'kind': rt.plural})
+        return self._commit(rt, key, old, body, subresource, dry_run)
+
+    def patch_object(self, group: str, plural: str, namespace: str | None, name: str, patch: Any,
+                     content_type: str = 'application/merge-patch+json', *,
+                     subresource: str | None = None, dry_run: bool = False) -> JsonObj:
+        rt = self.resource_type(group, plural)
+        key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
+        old = self._store.get(key)
+        ctype = content_type.split(';')[0].strip()
+        if old is None:
+            if ctype == 'application/apply-patch+yaml' and subresource is None:
+                return self.create_object(group, plural, namespace, patch, dry_run=dry_run)
+            raise _not_found(rt, name)
+        if ctype == 'application/merge-patch+json':
+            new = merge_patch(old, patch)
+        elif ctype == 'application/strategic-merge-patch+json':
+            if rt.custom:
+                # kube-apiserver has no patch strategies for custom resources.
+                raise ApiError(415, 'UnsupportedMediaType', 'the body of the request was in an unknown '
+                                                            'format - accepted media types include: '
+                                                            'application/json-patch+json, '
+                                                            'application/merge-patch+json, '
+                                                            'application/apply-patch+yaml')
+            new = strategic_merge_patch(old, patch)
+        elif ctype == 'application/json-patch+json':
+            try:
+                new = jsonpatch.apply_patch(old, patch)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+                raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our '
+                                               f'request: {e}') from None
+        elif ctype == 'application/apply-patch+yaml':
+            # Server-side apply without field ownership: the applied config is merged in, lists replaced.
+            new = merge_patch(old, patch)
+        else:
+            raise ApiError(415, 'UnsupportedMediaType', f'unsupported patch type: {ctype}')
+        if not isinstance(new, dict):
+            raise ApiError(400, 'BadRequest', 'the patch did not produce an object')
+        new.setdefault('metadata', {})
+        if new['metadata'].get('resourceVersion') not in (None, old['metadata']['resourceVersion']):
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
+                                            f'"{name}": the object has been modified; please apply your '
+                                            f'changes to the latest version and try again')
+        return self._commit(rt, key, old, new, subresource, dry_run)
+
+    def delete_object(self, group: str, plural: str, namespace: str | None, name: str, *,
+                      propagation: str | None = None, preconditions: JsonObj | None = None,
+                      dry_run: bool = False) -> JsonObj:
+        rt = self.resource_type(group, plural)
+        key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
+        old = self._store.get(key)
+        if old is None:
+            raise _not_found(rt, name)
+        pre = preconditions or {}
+        if (pre.get('uid') and pre['uid'] != old['metadata']['uid']) or (
+                pre.get('resourceVersion') and pre['resourceVersion'] != old['metadata']['resourceVersion']):
+            raise ApiError(409, 'Conflict', f'Precondition failed for {rt.plural} "{name}"')
+        if dry_run:
+            return copy.deepcopy(old)
+        if propagation == 'Orphan':
+            self._orphan_dependents(old['metadata']['uid'])
+        return self._delete(rt, key)
+
+    def next_change(self) -> asyncio.Future[None]:
+        """A future resolved at the next change of any object (or :meth:`poke`)."""
+        future = asyncio.get_running_loop().create_future()
+        self._change_waiters.append(future)
+        return future
+
+    def poke(self) -> None:
+        """Wake up whoever waits for a change, e.g. after a test changed what controllers report."""
+        waiters, self._change_waiters = self._change_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
+
+    def collect_garbage(self) -> None:
+        """Delete the objects whose owners are all gone (k8s does this in the background)."""
+        while True:
+            victims = []
+            for key, obj in list(self._store.items()):
+                refs = obj['metadata'].get('ownerReferences') or []
+                if refs and obj['metadata'].get('deletionTimestamp') is None:
+                    alive = [r for r in refs if r.get('uid') in self._uids]
+                    if not alive:
+                        victims.append(key)
+                    elif len(alive) < len(refs):
+                        rt = self._types[(key[0], key[1])]
+                        self._commit_internal(rt, key, {**obj, 'metadata': {**obj['metadata'],
+                                                                             'ownerReferences': alive}})
+            if not victims:
+                return
+            for key in victims:
+                if key in self._store:
+                    self._delete(self._types[(key[0], key[1])], key)
+
+    # ---------------------------------------------------------------------------------------------
+    # Internals of the store.
+
+    def _iter(self, rt: ResourceType, namespace: str | None) -> Iterator[JsonObj]:
+        for (g, p, ns, _), obj in self._store.items():
+            if (g, p) == rt.key and (namespace is None or ns == namespace):
+                yield obj
+
+    def _admit(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None, name: str) -> JsonObj:
+        if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
+            _check_crd(obj)
+        if rt.custom and self.validate_schemas:
+            version = _version_of(obj, rt)
+            schema = rt.schemas.get(version)
+            if schema:
+                meta = obj.get('metadata')
+                obj = prune(obj, schema)
+                obj['metadata'] = meta
+                for fld in ('apiVersion', 'kind'):
+                    obj.setdefault(fld, (old or {}).get(fld))
+                checked = {k: v for k, v in obj.items() if k != 'metadata'}
+                validator = jsonschema.Draft202012Validator(_to_jsonschema(
+                    {**schema, 'properties': {k: v for k, v in (schema.get('properties') or {}).items()
+                                              if k != 'metadata'}}))
+                errors = sorted(validator.iter_errors(checked), key=lambda e: list(e.absolute_path))
+                if errors:
+                    causes = [{'reason': 'FieldValueInvalid', 'message': e.message,
+                               'field': _json_path(e.absolute_path) or '<root>'} for e in errors]
+                    msg = '; '.join(f'{c["field"]}: Invalid value: {c["message"]}' for c in causes)
+                    raise ApiError(422, 'Invalid', f'{rt.kind}.{rt.group} "{name}" is invalid: {msg}',
+                                   {'name': name, 'group': rt.group, 'kind': rt.kind, 'causes': causes})
+        return obj
+
+    def _commit(self, rt: ResourceType, key: tuple[str, str, str | None, str], old: JsonObj, body: JsonObj,
+                subresource: str | None, dry_run: bool) -> JsonObj:
+        name = key[3]
+        if subresource == 'status':
+            if not rt.status:
+                raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
+                                                f'({rt.plural}/status)')
+            new = copy.deepcopy(old)
+            if 'status' in body:
+                new['status'] = body['status']
+            else:
+                new.pop('status', None)
+        elif subresource is not None:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
+                                            f'({rt.plural}/{subresource})')
+        else:
+            new = body
+            if rt.status:
+                if 'status' in old:
+                    new['status'] = copy.deepcopy(old['status'])
+                else:
+                    new.pop('status', None)
+        meta = new.setdefault('metadata', {})
+        old_meta = old['metadata']
+        for fld in ('uid', 'creationTimestamp', 'deletionTimestamp', 'deletionGracePeriodSeconds',
+                    'generation', 'resourceVersion', 'name', 'namespace'):
+            if fld in old_meta:
+                meta[fld] = old_meta[fld]
+            else:
+                meta.pop(fld, None)
+        new['apiVersion'] = rt.api_version(_version_of(new, rt) if 'apiVersion' in new else None)
+        new['kind'] = rt.kind
+        if subresource is None:
+            new = self._admit(rt, new, old, name)
+        if dry_run:
+            return new
+        return self._commit_internal(rt, key, new)
+
+    def _commit_internal(self, rt: ResourceType, key: tuple[str, str, str | None, str],
+                         new: JsonObj) -> JsonObj:
+        old = self._store[key]
+        if _strip_volatile(new, rt) != _strip_volatile(old, rt):
+            new['metadata']['generation'] = old['metadata'].get('generation', 1) + 1
+        if new == old:
+            return copy.deepcopy(old)  # a no-op write changes nothing and notifies nobody
+        meta = new['metadata']
+        if meta.get('deletionTimestamp') and not meta.get('finalizers'):
+            self._store[key] = new
+            return self._remove(rt, key)
+        self._rv += 1
+        meta['resourceVersion'] = str(self._rv)
+        self._store[key] = new
+        self._emit('MODIFIED', rt, new, old)
+        if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
+            self._register_crd(new)
+        return copy.deepcopy(new)
+
+    def _delete(self, rt: ResourceType, key: tuple[str, str, str | None, str]) -> JsonObj:
+        obj = self._store[key]
+        if rt.key == ('', 'namespaces'):
+            self._terminate_namespace(key[3])
+            obj = self._store.get(key, obj)
+            if key in self._store and any(ns == key[3] for (_, _, ns, _) in self._store):
+                return copy.deepcopy(self._store[key])
+        if obj['metadata'].get('finalizers'):
+            if obj['metadata'].get('deletionTimestamp'):
+                return copy.deepcopy(obj)
+            new = copy.deepcopy(obj)
+            new['metadata']['deletionTimestamp'] = _now()
+            new['metadata']['deletionGracePeriodSeconds'] = 0
+            self._rv += 1
+            new['metadata']['resourceVersion'] = str(self._rv)
+            new['metadata']['generation'] = obj['metadata'].get('generation', 1) + 1
+            self._store[key] = new
+            self._emit('MODIFIED', rt, new, obj)
+            return copy.deepcopy(new)
+        return self._remove(rt, key)
+
+    def _remove(self, rt: ResourceType, key: tuple[str, str, str | None, str]) -> JsonObj:
+        obj = self._store.pop(key)
+        self._uids.pop(obj['metadata']['uid'], None)
+        self._rv += 1
+        obj['metadata']['resourceVersion'] = str(self._rv)
+        self._emit('DELETED', rt, obj, obj)
+        if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
+            self._unregister_crd(obj)
+        self.collect_garbage()
+        ns_key = ('', 'namespaces', None, key[2])
+        if key[2] is not None and ns_key in self._store:
+            ns = self._store[ns_key]
+            if ns['metadata'].get('deletionTimestamp') and not any(n == key[2] for (_, _, n, _) in self._store):
+                self._remove(self._types[('', 'namespaces')], ns_key)
+        return copy.deepcopy(obj)
+
+    def _terminate_namespace(self, name: str) -> None:
+        key = ('', 'namespaces', None, name)
+        ns = self._store[key]
+        if not ns['metadata'].get('deletionTimestamp'):
+            new = copy.deepcopy(ns)
+            new['metadata']['deletionTimestamp'] = _now()
+            new['status'] = {'phase': 'Terminating'}
+            self._rv += 1
+            new['metadata']['resourceVersion'] = str(self._rv)
+            self._store[key] = new
+            self._emit('MODIFIED', self._types[('', 'namespaces')], new, ns)
+        for k in [k for k in self._store if k[2] == name]:
+            if k in self._store and not self._store[k]['metadata'].get('deletionTimestamp'):
+                self._delete(self._types[(k[0], k[1])], k)
+
+    def _orphan_dependents(self, uid: str) -> None:
+        for key, obj in list(self._store.items()):
+            refs = obj['metadata'].get('ownerReferences') or []
+            if any(r.get('uid') == uid for r in refs):
+                kept = [r for r in refs if r.get('uid') != uid]
+                meta = {**obj['metadata'], 'ownerReferences': kept}
+                if not kept:
+                    del meta['ownerReferences']
+                self._commit_internal(self._types[(key[0], key[1])], key, {**obj, 'metadata': meta})
+
+    def _emit(self, type_: str, rt: ResourceType, obj: JsonObj, old: JsonObj | None) -> None:
+        event = _LoggedEvent(self._rv, type_, rt.key, copy.deepcopy(obj), copy.deepcopy(old))
+        self._log.append(event)
+        while len(self._log) > self.event_log_size:
+            self._log_floor = self._log.popleft().rv
+        for w in list(self._watchers):
+            if w.rt.key == rt.key and (out := _watch_event(w, event)) is not None:
+                w.queue.put_nowait(out)
+        self.poke()
+
+    def _register_crd(self, crd: JsonObj) -> None:
+        spec = crd['spec']
+        names = spec['names']
+        served = [v for v in spec['versions'] if v.get('served', True)]
+        storage = [v['name'] for v in served if v.get('storage')]
+        versions = storage + [v['name'] for v in served if v['name'] not in storage]
+        self._types[(spec['group'], names['plural'])] = ResourceType(
+            group=spec['group'], versions=versions, plural=names['plural'],
+            singular=names.get('singular') or names['kind'].lower(), kind=names['kind'],
+            namespaced=spec.get('scope', 'Namespaced') == 'Namespaced',
+            short_names=list(names.get('shortNames') or []), categories=list(names.get('categories') or []),
+            status=any('status' in (v.get('subresources') or {}) for v in served),
+            schemas={v['name']: (v.get('schema') or {}).get('openAPIV3Schema') or {} for v in served},
+            custom=True,
+        )
+        status = {
+            'acceptedNames': {k: v for k, v in names.items()},
+            'storedVersions': storage,
+            'conditions': [
+                {'type': 'NamesAccepted', 'status': 'True', 'reason': 'NoConflicts',
+                 'message': 'no conflicts found', 'lastTransitionTime': _now()},
+                {'type': 'Established', 'status': 'True', 'reason': 'InitialNamesAccepted',
+                 'message': 'the initial names have been accepted', 'lastTransitionTime': _now()},
+            ],
+        }
+        key = ('apiextensions.k8s.io', 'customresourcedefinitions', None, crd['metadata']['name'])
+        current = self._store[key]
+        if (current.get('status') or {}).get('acceptedNames') != status['acceptedNames']:
+            self._commit_internal(self._types[key[:2]], key, {**current, 'status': status})
+
+    def _unregister_crd(self, crd: JsonObj) -> None:
+        spec = crd['spec']
+        rt = self._types.pop((spec['group'], spec['names']['plural']), None)
+        if rt is not None:
+            for key in [k for k in self._store if k[:2] == rt.key]:
+                obj = self._store.pop(key)
+                self._uids.pop(obj['metadata']['uid'], None)
+                self._rv += 1
+                self._emit('DELETED', rt, obj, obj)
+            for w in [w for w in self._watchers if w.rt.key == rt.key]:
+                w.queue.put_nowait(None)
+
+    # ---------------------------------------------------------------------------------------------
+    # HTTP.
+
+    @override
+    async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock's own request parsing and object store are bypassed: its path parser fails on
+        # some valid paths (e.g. /api/v1/namespaces) and its store lacks what this class adds.
+        await raw.read()
+        method, path = raw.method.upper(), raw.path
+        query = dict(raw.query)
+        ctype = raw.headers.get('Content-Type', '')
+        index = len(self.request_log)
+        self.request_log.append(RecordedRequest(method, path, query, ctype, time.monotonic()))
+        try:
+            response = await self._dispatch(raw, method, path, query, ctype)
+        except ApiError as e:
+            response = _json_response(e.status(), e.code)
+        except Exception as e:  # a bug in the emulator: make it visible to the client
+            err = ApiError(500, 'InternalError', f'{e!r}', {'traceback': traceback.format_exc()})
+            response = _json_response(err.status(), 500)
+        self.request_log[index] = dataclasses.replace(self.request_log[index], status=response.status)
+        return response
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        for fault in self.faults:
+            if fault.times > 0 and fault.matches(method, path):
+                fault.times -= 1
+                fault.hits += 1
+                return fault
+        return None
+
+    async def _dispatch(self, raw: aiohttp.web.BaseRequest, method: str, path: str, query: dict[str, str],
+                        ctype: str) -> aiohttp.web.StreamResponse:
+        if fault := self._take_fault(method, path):
+            reason = {409: 'Conflict', 429: 'TooManyRequests', 500: 'InternalError',
+                      503: 'ServiceUnavailable', 504: 'Timeout'}.get(fault.status, 'Unknown')
+            details = {'retryAfterSeconds': 1} if fault.status in (429, 503) else {}
+            return _json_response(ApiError(fault.status, reason, fault.message, details).status(), fault.status)
+        if 'protobuf' in ctype:
+            # Protobuf bodies are not decodable here; clients fall back to JSON on 415.
+            raise ApiError(415, 'UnsupportedMediaType', 'the body of the request was in an unknown format - '
+                                                        'accepted media types include: application/json, '
+                                                        'application/yaml')
+        if method == 'GET' and (doc := self._serve_discovery(path, raw)):
+            return doc
+        segs = [s for s in path.split('/') if s]
+        parsed = self._parse_path(segs)
+        if parsed is None:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({path})')
+        rt, version, namespace, name, subresource = parsed
+        body: Any = None
+        if method in ('POST', 'PUT', 'PATCH', 'DELETE'):
+            text = await raw.text()
+            if text.strip():
+                try:
+                    body = (yaml.safe_load(text) if 'yaml' in ctype else json.loads(text))
+                except (ValueError, yaml.YAMLError) as e:
+                    raise ApiError(400, 'BadRequest', f'unable to decode the body: {e}') from None
+        dry_run = query.get('dryRun') == 'All' or (
+                isinstance(body, dict) and 'All' in (body.get('dryRun') or []))
+
+        if method == 'GET' and name is None:
+            if query.get('watch') in ('true', '1'):
+                return await self._serve_watch_stream(raw, rt, version, namespace, query)
+            labels = parse_label_selector(query.get('labelSelector'))
+            fields = parse_field_selector(query.get('fieldSelector'))
+            items = [_at_version(o, rt, version) for o in self._iter(rt, namespace)
+                     if match_selectors(o, labels, fields)]
+            items.sort(key=lambda o: (o['metadata'].get('namespace') or '', o['metadata']['name']))
+            return _json_response({'apiVersion': rt.api_version(version), 'kind': f'{rt.kind}List',
+                                   'metadata': {'resourceVersion': str(self._rv)}, 'items': items})
+        if method == 'GET':
+            obj = self.get_object(rt.group, rt.plural, namespace, name) if name else None
+            if obj is None or subresource not in (None, 'status'):
+                raise _not_found(rt, name or '')
+            return _json_response(_at_version(obj, rt, version))
+        if method == 'POST' and name is None:
+            if not isinstance(body, dict):
+                raise ApiError(400, 'BadRequest', 'the request body must be an object')
+            obj = self.create_object(rt.group, rt.plural, namespace, body, dry_run=dry_run)
+            return _json_response(_at_version(obj, rt, version), 201)
+        if method == 'PUT' and name is not None:
+            if not isinstance(body, dict):
+                raise ApiError(400, 'BadRequest', 'the request body must be an object')
+            if (body.get('metadata') or {}).get('name') not in (None, name):
+                raise ApiError(400, 'BadRequest', 'the name of the object does not match the URL')
+            obj = self.replace_object(rt.group, rt.plural, namespace, name, body, subresource=subresource,
+                                      dry_run=dry_run)
+            return _json_response(_at_version(obj, rt, version))
+        if method == 'PATCH' and name is not None:
+            obj = self.patch_object(rt.group, rt.plural, namespace, name, body, ctype,
+                                    subresource=subresource, dry_run=dry_run)
+            return _json_response(_at_version(obj, rt, version))
+        if method == 'DELETE' and name is not None:
+            opts = body if isinstance(body, dict) else {}
+            obj = self.delete_object(rt.group, rt.plural, namespace, name,
+                                     propagation=opts.get('propagationPolicy') or query.get('propagationPolicy'),
+                                     preconditions=opts.get('preconditions'), dry_run=dry_run)
+            return _json_response(_at_version(obj, rt, version))
+        if method == 'DELETE':
+            labels = parse_label_selector(query.get('labelSelector'))
+            fields = parse_field_selector(query.get('fieldSelector'))
+            victims = [o for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)]
+            for o in victims:
+                key = (rt.group, rt.plural, o['metadata'].get('namespace'), o['metadata']['name'])
+                if key in self._store and not dry_run:
+                    self._delete(rt, key)
+            return _json_response({'apiVersion': rt.api_version(version), 'kind': f'{rt.kind}List',
+                                   'metadata': {'resourceVersion': str(self._rv)},
+                                   'items': [_at_version(o, rt, version) for o in victims]})
+        raise ApiError(405, 'MethodNotAllowed', f'the server does not allow this method on the requested '
+                                                f'resource ({method} {path})')
+
+    def _parse_path(self, segs: list[str]) -> tuple[ResourceType, str, str | None, str | None,
+                                                     str | None] | None:
+        if len(segs) >= 2 and segs[0] == 'api':
+            group, version, rest = '', segs[1], segs[2:]
+        elif len(segs) >= 3 and segs[0] == 'apis':
+            group, version, rest = segs[1], segs[2], segs[3:]
+        else:
+            return None
+        if rest and rest[0] == 'watch':  # the legacy /watch/ prefix
+            rest = rest[1:]
+        namespace = None
+        if len(rest) >= 3 and rest[0] == 'namespaces' and not (group == '' and rest[2] in ('status',
+                                                                                           'finalize')):
+            namespace, rest = rest[1], rest[2:]
+        if not rest or len(rest) > 3:
+            return None
+        rt = self._types.get((group, rest[0]))
+        if rt is None or version not in rt.versions:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
+                                            f'({rest[0]}.{group}/{version})')
+        if namespace is not None and not rt.namespaced:
+            return None
+        name = rest[1] if len(rest) > 1 else None
+        subresource = rest[2] if len(rest) > 2 else None
+        return rt, version, namespace, name, subresource
+
+    async def _serve_watch_stream(self, raw: aiohttp.web.BaseRequest, rt: ResourceType, version: str,
+                                  namespace: str | None, query: dict[str, str]) -> aiohttp.web.StreamResponse:
+        watcher = _Watcher(rt=rt, version=version, namespace=namespace, path=raw.path,
+                           labels=parse_label_selector(query.get('labelSelector')),
+                           fields=parse_field_selector(query.get('fieldSelector')))
+        rv_text = query.get('resourceVersion') or ''
+        # The backlog and the subscription are taken with no await in between, so no change is lost.
+        backlog: list[JsonObj] = []
+        if rv_text in ('', '0') or query.get('sendInitialEvents') == 'true':
+            for obj in self._iter(rt, namespace):
+                if match_selectors(obj, watcher.labels, watcher.fields):
+                    backlog.append({'type': 'ADDED', 'object': _at_version(copy.deepcopy(obj), rt, version)})
+            if query.get('sendInitialEvents') == 'true':
+                backlog.append({'type': 'BOOKMARK', 'object': {
+                    'kind': rt.kind, 'apiVersion': rt.api_version(version),
+                    'metadata': {'resourceVersion': str(self._rv),
+                                 'annotations': {'k8s.io/initial-events-end': 'true'}}}})
+        else:
+            try:
+                since = int(rv_text)
+            except ValueError:
+                raise ApiError(400, 'BadRequest', f'invalid resourceVersion: {rv_text}') from None
+            if since < self._log_floor:
+                backlog.append({'type': 'ERROR', 'object': ApiError(
+                    410, 'Expired', f'too old resource version: {since} ({self._log_floor})').status()})
+            else:
+                for event in self._log:
+                    if event.rv > since and event.rt_key == rt.key and (
+                            out := _watch_event(watcher, event)) is not None:
+                        backlog.append(out)
+        for item in backlog:
+            watcher.queue.put_nowait(item)
+        gone = bool(backlog) and backlog[-1]['type'] == 'ERROR'
+        if not gone:
+            self._watchers.add(watcher)
+        response = aiohttp.web.StreamResponse(status=200, headers={'Content-Type': 'application/json'})
+        response.enable_chunked_encoding()
+        timeout = float(query['timeoutSeconds']) if query.get('timeoutSeconds') else None
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            await response.prepare(raw)
+            while not self._stopping:
+                if gone and watcher.queue.empty():
+                    break
+                remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
+                if remaining is not None and remaining <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(watcher.queue.get(), timeout=remaining)
+                except TimeoutError:
+                    break
+                if item is None:  # dropped by a test or the resource went away
+                    break
+                await response.write(json.dumps(item).encode() + b'\n')
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self._watchers.discard(watcher)
+        return response
+
+    def drop_watches(self, path_regex: str | None = None) -> int:
+        """End the open watch streams (of paths matching the regex), as a flaky network would."""
+        pattern = re.compile(path_regex) if path_regex else None
+        dropped = 0
+        for w in list(self._watchers):
+            if pattern is None or pattern.search(w.path):
+                w.queue.put_nowait(None)
+                self._watchers.discard(w)
+                dropped += 1
+        return dropped
+
+    def open_watches(self) -> list[str]:
+        return [w.path for w in self._watchers]
+
+    def stop_watches(self) -> None:
+        self._stopping = True
+        self.drop_watches()
+
+    # ---------------------------------------------------------------------------------------------
+    # Discovery.
+
+    def _serve_discovery(self, path: str, raw: aiohttp.web.BaseRequest) -> aiohttp.web.Response | None:
+        path = path.rstrip('/') or '/'
+        host = raw.host
+        if path == '/version':
+            return _json_response({'major': '1', 'minor': '35', 'gitVersion': 'v1.35.0',
+                                   'gitCommit': '0' * 40, 'gitTreeState': 'clean',
+                                   'buildDate': '2026-01-01T00:00:00Z', 'goVersion': 'go1.25.0',
+                                   'compiler': 'gc', 'platform': 'linux/amd64'})
+        if path == '/':
+            return _json_response({'paths': sorted({'/api', '/api/v1', '/apis', '/version', '/openapi/v2',
+                                                    '/openapi/v3', '/healthz', '/readyz', '/livez'}
+                                                   | {f'/apis/{g}' for g in self._groups()})})
+        if path in ('/healthz', '/readyz', '/livez'):
+            return aiohttp.web.Response(text='ok')
+        if path == '/openapi/v2':
+            # An empty protobuf message is a valid, empty OpenAPI v2 document: kubectl then derives
+            # patch strategies from its compiled-in types and uses merge patches for custom resources.
+            return aiohttp.web.Response(
+                body=b'', content_type='application/com.github.proto-openapi.spec.v2.v1.0+protobuf')
+        if path == '/openapi/v3':
+            return _json_response({'paths': {}})
+        if path.startswith('/openapi/'):
+            raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
+        # Aggregated discovery is not served: clients accept plain lists and do the legacy walk.
+        if path == '/api':
+            return _json_response({'kind': 'APIVersions', 'versions': ['v1'], 'serverAddressByClientCIDRs': [
+                {'clientCIDR': '0.0.0.0/0', 'serverAddress': host}]})
+        if path == '/apis':
+            return _json_response({'kind': 'APIGroupList', 'apiVersion': 'v1',
+                                   'groups': [self._group_doc(g) for g in self._groups()]})
+        segs = path.strip('/').split('/')
+        if segs == ['api', 'v1']:
+            return self._resource_list('', 'v1')
+        if len(segs) == 2 and segs[0] == 'apis':
+            if segs[1] not in self._groups():
+                raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
+            return _json_response({'kind': 'APIGroup', 'apiVersion': 'v1', **self._group_doc(segs[1])})
+        if len(segs) == 3 and segs[0] == 'apis':
+            return self._resource_list(segs[1], segs[2])
+        return None
+
+    def _groups(self) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for rt in self._types.values():
+            if rt.group:
+                versions = groups.setdefault(rt.group, [])
+                versions.extend(v for v in rt.versions if v not in versions)
+        return groups
+
+    def _group_doc(self, group: str) -> JsonObj:
+        versions = [{'groupVersion': f'{group}/{v}', 'version': v} for v in self._groups()[group]]
+        return {'name': group, 'versions': versions, 'preferredVersion': versions[0]}
+
+    def _resource_list(self, group: str, version: str) -> aiohttp.web.Response:
+        rts = [rt for rt in self._types.values() if rt.group == group and version in rt.versions]
+        if not rts:
+            raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
+        gv = f'{group}/{version}' if group else version
+        return _json_response({'kind': 'APIResourceList', 'apiVersion': 'v1', 'groupVersion': gv,
+                               'resources': list(itertools.chain.from_iterable(rt.discovery() for rt in rts))})
+
+
+# -------------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _json_response(body: Any, status: int = 200) -> aiohttp.web.Response:
+    return aiohttp.web.Response(body=json.dumps(body).encode(), status=status, content_type='application/json')
+
+
+def _version_of(obj: JsonObj, rt: ResourceType) -> str:
+    api_version = obj.get('apiVersion') or ''
+    version = api_version.rpartition('/')[2]
+    return version if version in rt.versions else rt.storage_version
+
+
+def _at_version(obj: JsonObj, rt: ResourceType, version: str) -> JsonObj:
+    # All versions of a CRD share one storage; conversion is the identity ("None" strategy).
+    obj['apiVersion'] = rt.api_version(version)
+    return obj
+
+
+def _strip_volatile(obj: JsonObj, rt: ResourceType) -> JsonObj:
+    excluded = {'metadata', 'status'} if rt.status else {'metadata'}
+    return {k: v for k, v in obj.items() if k not in excluded}
+
+
+def _watch_event(w: _Watcher, event: _LoggedEvent) -> JsonObj | None:
+    """The event as this watcher sees it: objects entering or leaving its selection are added/deleted."""
+    def visible(obj: JsonObj | None) -> bool:
+        return obj is not None and (w.namespace is None or obj['metadata'].get('namespace') == w.namespace) \
+            and match_selectors(obj, w.labels, w.fields)
+
+    now, before = visible(event.obj), visible(event.old)
+    if event.type == 'MODIFIED' and now and not before:
+        type_ = 'ADDED'
+    elif event.type == 'MODIFIED' and before and not now:
+        type_ = 'DELETED'
+    elif now or (event.type == 'DELETED' and before):
+        type_ = event.type
+    else:
+        return None
+    rt = w.rt
+    return {'type': type_, 'object': _at_version(copy.deepcopy(event.obj), rt, w.version)}
+
+
+def _invalid(rt: ResourceType, name: str, field: str, message: str) -> ApiError:
+    return ApiError(422, 'Invalid', f'{rt.kind} "{name}" is invalid: {field}: {message}',
+                    {'name': name, 'group': rt.group, 'kind': rt.kind,
+                     'causes': [{'reason': 'FieldValueInvalid', 'message': message, 'field': field}]})
+
+
+def _check_crd(crd: JsonObj) -> None:
+    spec = crd.get('spec') or {}
+    name = crd.get('metadata', {}).get('name', '')
+    rt = BUILTIN_RESOURCES[[r.plural for r in BUILTIN_RESOURCES].index('customresourcedefinitions')]
+    names = spec.get('names') or {}
+    if not spec.get('group') or not names.get('plural') or not names.get('kind'):
+        raise _invalid(rt, name, 'spec', 'group, names.plural and names.kind are required')
+    if name != f'{names["plural"]}.{spec["group"]}':
+        raise _invalid(rt, name, 'metadata.name', 'must be spec.names.plural+"."+spec.group')
+    if spec.get('scope') not in ('Namespaced', 'Cluster'):
+        raise _invalid(rt, name, 'spec.scope', 'Unsupported value: must be "Cluster" or "Namespaced"')
+    versions = spec.get('versions') or []
+    if sum(1 for v in versions if v.get('storage')) != 1:
+        raise _invalid(rt, name, 'spec.versions', 'must have exactly one version marked as storage version')
