@@ -20,11 +20,13 @@ venv: $(VENV)/.installed  ## create the virtual environment with every dependenc
 lint: venv  ## ruff
 	$(PY) -m ruff check .
 
-crds: venv  ## regenerate crds/ and the chart's copy from the models
+crds: venv  ## regenerate crds/, the chart's copy and docs/api.md from the models
 	$(PY) -m maru_operator.crdgen
+	$(PY) -m maru_operator.apidocs
 
-check-crds: venv  ## fail if the committed CRDs are stale
+check-crds: venv  ## fail if the committed CRDs or docs/api.md are stale
 	$(PY) -m maru_operator.crdgen --check
+	$(PY) -m maru_operator.apidocs --check
 
 test: lint check-crds  ## every test: lint, CRD freshness, unit, real vLLM engines, operator on the API emulator, chart
 	$(PY) -m pytest

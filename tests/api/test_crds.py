@@ -97,3 +97,9 @@ def test_omitted_sections_get_their_defaults() -> None:
     assert filled["spec"]["router"]["enabled"] is True
     assert Validator.from_models().validate({"apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup",
                                               "metadata": {"name": "x"}, **obj}) == []
+
+
+def test_api_reference_is_fresh() -> None:
+    from maru_operator import apidocs
+
+    assert apidocs.DOC_PATH.read_text() == apidocs.render(), "regenerate with `make crds`"
