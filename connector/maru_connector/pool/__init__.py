@@ -1,0 +1,27 @@
+"""The shared KV memory pool: daemon (``maru-pool``) and client.
+
+Only the client API is exported here; the daemon is started through :mod:`.cli`. Nothing in this
+package may import vLLM, torch or the Kubernetes client: the daemon runs in a small image.
+"""
+
+from .client import (
+    ChecksumMismatch,
+    LeaseLost,
+    PoolClient,
+    PoolError,
+    PoolFull,
+    PoolUnavailable,
+    ReadPin,
+    WriteLease,
+)
+
+__all__ = [
+    "ChecksumMismatch",
+    "LeaseLost",
+    "PoolClient",
+    "PoolError",
+    "PoolFull",
+    "PoolUnavailable",
+    "ReadPin",
+    "WriteLease",
+]

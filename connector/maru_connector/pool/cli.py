@@ -1,0 +1,139 @@
+"""``maru-pool``: run a pool daemon in one of three roles.
+
+* ``serve``    single node: index and memory in one process (shm, or a device with ``--device``).
+* ``metadata`` multi-node: the pool-wide index, allocator, eviction and leases (offsets only, no bytes).
+* ``agent``    multi-node, one per node: maps the shared device and hands it to local clients.
+
+Each role prints one ``maru-pool ready ...`` line on stdout once it accepts connections, and exits 0
+on SIGTERM or SIGINT after removing its socket. Bad arguments exit 2 with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .daemon import Daemon, UsageError, build_agent, build_metadata, build_serve
+from .units import parse_size
+
+log = logging.getLogger("maru_connector.pool")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, naming the flag: this is what `kubectl logs` shows for a crash-looping pod.
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="maru-pool", description="Shared KV memory pool daemon for Maru.")
+    sub = parser.add_subparsers(dest="role", required=True, parser_class=_Parser)
+
+    def common(p: argparse.ArgumentParser, listen_help: str) -> None:
+        p.add_argument("--listen", required=True, help=listen_help)
+        p.add_argument(
+            "--metrics-addr",
+            default="0.0.0.0:9400",
+            help="host:port for /metrics, /healthz and /status; port 0 picks a free port (default %(default)s)",
+        )
+        p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    def index_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--lease-seconds",
+            type=_positive,
+            default=30.0,
+            help="how long a write lease or read pin lives before its space is reclaimed (default %(default)s)",
+        )
+
+    serve = sub.add_parser("serve", help="single-node pool: index and memory in one process")
+    common(serve, "unix:///path/pool.sock or tcp://host:port")
+    serve.add_argument("--size", type=_size, help="chunk capacity, e.g. 2GiB (required without --device)")
+    serve.add_argument("--device", help="devdax device (or a file standing in for one) instead of shm")
+    serve.add_argument("--shm-path", help="shm file to create (default: /dev/shm/maru-pool-<listen address>)")
+    index_flags(serve)
+
+    meta = sub.add_parser("metadata", help="multi-node pool: the pool-wide index (no memory)")
+    common(meta, "tcp://host:port the agents and clients reach")
+    meta.add_argument("--size", type=_size, required=True, help="chunk capacity of the shared device, e.g. 64Gi")
+    meta.add_argument(
+        "--agent-stale-seconds",
+        type=_positive,
+        default=10.0,
+        help="an agent silent this long is reported not ready in /status (default %(default)s)",
+    )
+    index_flags(meta)
+
+    agent = sub.add_parser("agent", help="multi-node pool: per-node owner of the device mapping")
+    common(agent, "unix:///path/pool.sock where local clients connect")
+    agent.add_argument("--metadata", required=True, help="tcp://host:port of the metadata server")
+    agent.add_argument("--device", required=True, help="devdax device shared by the nodes, e.g. /dev/dax0.0")
+    agent.add_argument("--node-name", default=socket.gethostname(), help="name in the metadata server's status")
+    agent.add_argument(
+        "--heartbeat-seconds",
+        type=_positive,
+        default=2.0,
+        help="how often to report to the metadata server and adopt its epoch (default %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    builders = {"serve": build_serve, "metadata": build_metadata, "agent": build_agent}
+    try:
+        daemon: Daemon = builders[args.role](args)
+    except UsageError as err:
+        print(f"maru-pool {args.role}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return _run(daemon)
+
+
+def _run(daemon: Daemon) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+        print("maru-pool ready " + " ".join(f"{k}={v}" for k, v in daemon.ready_fields().items()), flush=True)
+        while not stop.wait(daemon.tick_seconds):
+            daemon.tick()
+    finally:
+        daemon.close()
+    log.info("stopped (pid %d)", os.getpid())
+    return 0

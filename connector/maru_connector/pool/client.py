@@ -1,0 +1,499 @@
+"""Client of the pool daemon: batched metadata RPCs plus direct access to the shared mapping.
+
+The client connects lazily. Its first call sends ``hello`` to ``url`` and receives the pool memory
+(by SCM_RIGHTS on a Unix socket, or a path to open on TCP), maps it, and, when the hello names a
+metadata server (multi-node pools), sends every later RPC there. Chunk bytes are copied straight
+between the caller's buffers and the mapping; only keys, offsets, leases and checksums cross the
+socket.
+
+Failures of the daemon surface as :class:`PoolUnavailable`; the connection is dropped and the next
+call reconnects and re-maps, so a restarted daemon is picked up without the caller doing anything.
+Leases and pins issued before a restart carry the old epoch and are refused by the new daemon:
+their commit reports "not stored", their release is a no-op.
+
+One client may be shared by threads (calls are serialised). A client inherited across ``fork`` never
+reuses the parent's socket: the child reconnects on its first call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import xxhash
+
+from . import protocol
+from .memory import read_header_from
+from .units import Endpoint, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+# Copy and hash in blocks that stay in cache, so checksumming costs a second pass over cache, not memory.
+_BLOCK = 1 << 20
+
+
+class PoolError(Exception):
+    """Base of every failure the pool client raises."""
+
+
+class PoolUnavailable(PoolError):
+    """The daemon is down, its socket is missing, or it did not answer within the timeout."""
+
+
+class PoolFull(PoolError):
+    """No space, and nothing evictable (everything is pinned or being written)."""
+
+
+class ChecksumMismatch(PoolError):
+    """Bytes read from the pool do not match the checksum they were committed with."""
+
+
+class LeaseLost(PoolError):
+    """A write lease expired (or the daemon restarted) before commit: the chunk was not stored."""
+
+
+class _StaleEpoch(PoolError):
+    pass
+
+
+_ERRORS: dict[str, type[PoolError]] = {
+    protocol.E_FULL: PoolFull,
+    protocol.E_STALE_EPOCH: _StaleEpoch,
+}
+
+
+class WriteLease:
+    """Space reserved for one chunk. Write into :attr:`buffer`, then :meth:`commit` (or :meth:`abort`).
+
+    As a context manager it aborts on exit unless committed, so an exception (or a forgotten commit)
+    never makes a half-written chunk visible.
+    """
+
+    def __init__(
+        self, client: PoolClient, key: bytes, lease_id: int, epoch: int, offset: int, buffer: memoryview
+    ) -> None:
+        self.key = key
+        self.buffer = buffer
+        self.lease_id = lease_id
+        self.offset = offset  # into the pool's data region; for diagnostics
+        self.epoch = epoch
+        self._client = client
+        self.done = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def commit(self) -> None:
+        """Checksum the buffer (xxh3_64) and make the chunk visible. Raises :class:`LeaseLost`."""
+        if not self._client.commit_many([self])[0]:
+            raise LeaseLost(f"chunk {self.key.hex()[:16]}: lease expired or pool restarted before commit")
+
+    def abort(self) -> None:
+        self._client.abort_many([self])
+
+    def __enter__(self) -> WriteLease:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if not self.done:
+            self.abort()
+
+
+class ReadPin:
+    """A committed chunk pinned for reading: its bytes cannot be evicted or reused until released."""
+
+    def __init__(
+        self,
+        client: PoolClient,
+        key: bytes,
+        pin_id: int,
+        epoch: int,
+        offset: int,
+        checksum: int,
+        buffer: memoryview,
+    ) -> None:
+        self.key = key
+        self.buffer = buffer
+        self.pin_id = pin_id
+        self.offset = offset  # into the pool's data region; for diagnostics
+        self.epoch = epoch
+        self.checksum = checksum
+        self._client = client
+        self.done = False
+        self.corrupt = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def verify(self) -> None:
+        """Raise :class:`ChecksumMismatch` when the bytes in the pool no longer match the committed checksum."""
+        if xxhash.xxh3_64_intdigest(self.buffer) != self.checksum:
+            self.corrupt = True
+            raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes in the pool do not match their checksum")
+
+    def release(self) -> None:
+        self._client.release_many([self])
+
+    def __enter__(self) -> ReadPin:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+class _Mapping:
+    def __init__(self, mm: mmap.mmap, header_size: int, capacity: int) -> None:
+        self.mm = mm
+        self.data = memoryview(mm)[header_size : header_size + capacity]
+
+    def close(self) -> None:
+        self.data.release()
+        # Views handed to callers keep the mapping alive; it is unmapped with the last of them.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+class PoolClient:
+    def __init__(self, url: str, *, timeout_s: float = 0.5) -> None:
+        try:
+            self._endpoint = parse_endpoint(url)
+        except ValueError as err:
+            raise PoolError(f"pool url: {err}") from None
+        self.url = url
+        self.timeout_s = timeout_s
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._map: _Mapping | None = None
+        self._pid = os.getpid()
+        self.epoch = 0
+        self.backend = ""
+
+    # ------------------------------------------------------------ metadata calls
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are committed (stops at the first miss). One round trip."""
+        if not keys:
+            return 0
+        return int(self._call({"op": "lookup", "keys": protocol.hex_keys(list(keys))})["n"])
+
+    def begin_write(self, key: bytes, nbytes: int) -> WriteLease | None:
+        """A lease to write ``nbytes`` for ``key``; None when the key is already stored or being stored."""
+        return self.begin_write_many([(key, nbytes)])[0]
+
+    def begin_write_many(self, items: Sequence[tuple[bytes, int]]) -> list[WriteLease | None]:
+        """Leases for several chunks in one round trip.
+
+        None for a key already committed or being written by someone else, and, when the pool is
+        full, for the items that found no room after earlier items of the batch took it. Raises
+        :class:`PoolFull` only when not one item could be given space.
+        """
+        if not items:
+            return []
+        for key, nbytes in items:
+            if not isinstance(key, bytes) or nbytes <= 0:
+                raise PoolError(f"begin_write: need a bytes key and a positive size, got {key!r}, {nbytes}")
+        with self._lock:
+            reply = self._call({"op": "write", "items": [[k.hex(), int(n)] for k, n in items]})
+            data = self._mapping().data
+        epoch = int(reply["epoch"])
+        out: list[WriteLease | None] = []
+        full = 0
+        for (key, nbytes), grant in zip(items, reply["grants"], strict=True):
+            if grant is None or grant == "full":
+                full += grant == "full"
+                out.append(None)
+                continue
+            lease_id, offset = grant
+            out.append(WriteLease(self, key, int(lease_id), epoch, offset, data[offset : offset + nbytes]))
+        if full and all(lease is None for lease in out):
+            raise PoolFull(f"pool full: no room for {full} chunk(s) and nothing evictable (all pinned or in flight)")
+        return out
+
+    def commit_many(self, leases: Sequence[WriteLease]) -> list[bool]:
+        """Checksum and commit in one round trip; per lease, False when it was lost (expired or stale)."""
+        checksums = [xxhash.xxh3_64_intdigest(lease.buffer) for lease in leases]
+        return self._commit_checksummed(leases, checksums)
+
+    def abort_many(self, leases: Sequence[WriteLease]) -> None:
+        """Give the space back. Best effort: a lease that cannot be aborted expires on its own."""
+        pending = [lease for lease in leases if not lease.done]
+        for lease in pending:
+            lease.done = True
+            _release_view(lease.buffer)
+        for epoch, group in _by_epoch(pending).items():
+            try:
+                self._call({"op": "abort", "epoch": epoch, "leases": [lease.lease_id for lease in group]})
+            except PoolError as err:
+                log.debug("pool: abort of %d lease(s) failed (%s); they expire on their own", len(group), err)
+
+    def open_read(self, key: bytes) -> ReadPin | None:
+        """Pin a committed chunk for reading; None on a miss."""
+        return self.open_read_many([key])[0]
+
+    def open_read_many(self, keys: Sequence[bytes]) -> list[ReadPin | None]:
+        """Pin several chunks in one round trip; None for each miss."""
+        if not keys:
+            return []
+        with self._lock:
+            reply = self._call({"op": "read", "keys": protocol.hex_keys(list(keys))})
+            data = self._mapping().data
+        epoch = int(reply["epoch"])
+        out: list[ReadPin | None] = []
+        for key, pin in zip(keys, reply["pins"], strict=True):
+            if pin is None:
+                out.append(None)
+                continue
+            pin_id, offset, nbytes, checksum = pin
+            view = data[offset : offset + nbytes].toreadonly()
+            out.append(ReadPin(self, key, int(pin_id), epoch, offset, int(checksum), view))
+        return out
+
+    def release_many(self, pins: Sequence[ReadPin]) -> None:
+        """Unpin in one round trip; pins found corrupt are reported so the daemon drops their chunk."""
+        pending = [pin for pin in pins if not pin.done]
+        for pin in pending:
+            pin.done = True
+            _release_view(pin.buffer)
+        for epoch, group in _by_epoch(pending).items():
+            msg: dict[str, Any] = {"op": "release", "epoch": epoch, "pins": [p.pin_id for p in group]}
+            corrupt = [p.pin_id for p in group if p.corrupt]
+            if corrupt:
+                msg["corrupt"] = corrupt
+            try:
+                self._call(msg)
+            except PoolError as err:
+                log.debug("pool: release of %d pin(s) failed (%s); they expire on their own", len(group), err)
+
+    def stats(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self._call({"op": "stats"})["stats"].items()}
+
+    def status(self) -> dict[str, Any]:
+        return dict(self._call({"op": "status"}))
+
+    # ------------------------------------------------------------ convenience
+
+    def put(self, key: bytes, data: Any) -> bool:
+        """Store ``data`` (any C-contiguous buffer) under ``key``; False if the key is already present."""
+        src = _byte_view(data)
+        lease = self.begin_write(key, src.nbytes)
+        if lease is None:
+            return False
+        try:
+            checksum = _copy_and_hash(lease.buffer, src, hash_dst=False)
+        except BaseException:
+            lease.abort()
+            raise
+        if not self._commit_checksummed([lease], [checksum])[0]:
+            raise LeaseLost(f"chunk {key.hex()[:16]}: lease expired or pool restarted before commit")
+        return True
+
+    def get_into(self, key: bytes, out: Any) -> bool:
+        """Copy the chunk into the writable buffer ``out`` and verify the copy; False on a miss."""
+        pin = self.open_read(key)
+        if pin is None:
+            return False
+        with pin:
+            dst = _byte_view(out)
+            if dst.readonly or dst.nbytes < pin.nbytes:
+                raise PoolError(
+                    f"get_into: output buffer must be writable and hold {pin.nbytes} bytes, got {dst.nbytes}"
+                )
+            # Hash the copy, not the pool: the caller's bytes are what must be right.
+            if _copy_and_hash(dst[: pin.nbytes], pin.buffer, hash_dst=True) != pin.checksum:
+                pin.corrupt = True
+                raise ChecksumMismatch(f"chunk {key.hex()[:16]}: bytes read do not match their checksum")
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _commit_checksummed(self, leases: Sequence[WriteLease], checksums: Sequence[int]) -> list[bool]:
+        results = [False] * len(leases)
+        groups: dict[int, list[int]] = {}
+        for i, lease in enumerate(leases):
+            if not lease.done:
+                groups.setdefault(lease.epoch, []).append(i)
+        for epoch, idx in groups.items():
+            msg = {"op": "commit", "epoch": epoch, "items": [[leases[i].lease_id, checksums[i]] for i in idx]}
+            try:
+                reply = self._call(msg)["results"]
+            except _StaleEpoch:
+                reply = [False] * len(idx)
+            for i, ok in zip(idx, reply, strict=True):
+                results[i] = bool(ok)
+                leases[i].done = True
+                _release_view(leases[i].buffer)
+        return results
+
+    def _mapping(self) -> _Mapping:
+        assert self._map is not None  # set by the _call that just succeeded
+        return self._map
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Forked: the socket belongs to the parent; forget it without closing it.
+                self._sock, self._map, self._pid = None, None, os.getpid()
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                try:
+                    if self._sock is None:
+                        self._connect()
+                    assert self._sock is not None
+                    protocol.send_msg(self._sock, msg)
+                    reply, _ = protocol.recv_msg(self._sock)
+                    if reply is None:
+                        raise ConnectionError("pool daemon closed the connection")
+                except TimeoutError:
+                    self._reset()
+                    raise PoolUnavailable(
+                        f"pool at {self.url}: no answer to {msg['op']} within {self.timeout_s}s"
+                    ) from None
+                except (OSError, protocol.ProtocolError) as err:
+                    self._reset()
+                    if fresh or attempt:
+                        raise PoolUnavailable(f"pool at {self.url}: {err}") from None
+                    continue  # a connection from before a daemon restart: retry once on a new one
+                if not reply.get("ok"):
+                    code = str(reply.get("error"))
+                    raise _ERRORS.get(code, PoolError)(f"pool at {self.url}: {code}: {reply.get('message')}")
+                return reply
+        raise AssertionError("unreachable")
+
+    def _connect(self) -> None:
+        hello_sock = _open_socket(self._endpoint, self.timeout_s)
+        try:
+            protocol.send_msg(hello_sock, {"op": "hello"})
+            reply, fds = protocol.recv_msg(hello_sock, max_fds=1)
+        except BaseException:
+            hello_sock.close()
+            raise
+        try:
+            if reply is None:
+                raise ConnectionError("pool daemon closed the connection during hello")
+            if not reply.get("ok"):
+                raise PoolUnavailable(f"pool at {self.url}: {reply.get('error')}: {reply.get('message')}")
+            mapping = self._map_memory(reply, fds)
+        except BaseException:
+            hello_sock.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        metadata = reply.get("metadata")
+        if metadata:
+            hello_sock.close()
+            try:
+                rpc_sock = _open_socket(parse_endpoint(metadata), self.timeout_s)
+            except BaseException:
+                mapping.close()
+                raise
+        else:
+            rpc_sock = hello_sock
+        self._sock, self._map = rpc_sock, mapping
+        self.epoch = int(reply["epoch"])
+        self.backend = str(reply.get("backend", ""))
+        log.debug("pool: connected to %s (backend %s, epoch %d)", self.url, self.backend, self.epoch)
+
+    def _map_memory(self, reply: dict[str, Any], fds: list[int]) -> _Mapping:
+        map_size = int(reply["map_size"])
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if fds:
+            mm = mmap.mmap(fds[0], map_size, mmap.MAP_SHARED, prot)
+        elif reply.get("path"):
+            try:
+                fd = os.open(reply["path"], os.O_RDWR)
+            except OSError as err:
+                raise PoolUnavailable(
+                    f"pool at {self.url}: cannot open pool memory {reply['path']} ({err.strerror}); "
+                    "over tcp:// the client must run on the daemon's node, else use the unix:// socket"
+                ) from None
+            try:
+                mm = mmap.mmap(fd, map_size, mmap.MAP_SHARED, prot)
+            finally:
+                os.close(fd)
+        else:
+            raise PoolUnavailable(
+                f"pool at {self.url}: this daemon holds no pool memory (a metadata server?); "
+                "point the client at the node agent's unix:// socket"
+            )
+        if read_header_from(mm) is None:
+            mm.close()
+            raise PoolUnavailable(f"pool at {self.url}: the shared memory has no valid pool header")
+        return _Mapping(mm, int(reply["header_size"]), int(reply["capacity"]))
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def _open_socket(endpoint: Endpoint, timeout_s: float) -> socket.socket:
+    if endpoint.kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address: Any = endpoint.path
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        address = (endpoint.host, endpoint.port)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _by_epoch(items: Sequence[Any]) -> dict[int, list[Any]]:
+    groups: dict[int, list[Any]] = {}
+    for item in items:
+        groups.setdefault(item.epoch, []).append(item)
+    return groups
+
+
+def _byte_view(data: Any) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _release_view(view: memoryview) -> None:
+    # Views the caller derived keep working; ours stops, so a use after release fails loudly.
+    with contextlib.suppress(BufferError):
+        view.release()
+
+
+def _copy_and_hash(dst: memoryview, src: memoryview, *, hash_dst: bool) -> int:
+    """Copy ``src`` into ``dst`` block by block, hashing each block while it is still in cache."""
+    n = src.nbytes
+    hashed = dst if hash_dst else src
+    hasher = xxhash.xxh3_64()
+    for start in range(0, n, _BLOCK):
+        end = min(start + _BLOCK, n)
+        dst[start:end] = src[start:end]
+        hasher.update(hashed[start:end])
+    return hasher.intdigest()

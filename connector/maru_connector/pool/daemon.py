@@ -1,0 +1,269 @@
+"""Assembly of the three daemon roles from parsed flags: memory, index, RPC and HTTP servers.
+
+Builders turn every bad flag into a :class:`UsageError` naming it, before anything is listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .agent import NodeAgent
+from .httpd import HttpEndpoint
+from .index import PoolIndex
+from .memory import PoolMemory, PoolMemoryError, new_epoch_floor
+from .rpc import ListenError, RpcServer
+from .service import AgentRegistry, IndexService, LocalMemoryHello, Reply, fail
+from .units import Endpoint, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+
+class UsageError(Exception):
+    """A flag's value cannot be used; the message starts with the flag."""
+
+
+class Daemon:
+    """A started role: RPC and HTTP servers plus a periodic ``tick`` run by the main thread."""
+
+    def __init__(
+        self,
+        rpc: RpcServer,
+        http: HttpEndpoint,
+        *,
+        ready: Callable[[], dict[str, Any]],
+        tick: Callable[[], object],
+        tick_seconds: float,
+        cleanup: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.rpc = rpc
+        self.http = http
+        self._ready = ready
+        self._tick = tick
+        self.tick_seconds = tick_seconds
+        self._cleanup = cleanup
+
+    def start(self) -> None:
+        self.rpc.start()
+        self.http.start()
+
+    def ready_fields(self) -> dict[str, Any]:
+        return {**self._ready(), "metrics": self.http.address}
+
+    def tick(self) -> None:
+        try:
+            self._tick()
+        except Exception:  # housekeeping must never take the daemon down
+            log.exception("periodic housekeeping failed; retrying on the next tick")
+
+    def close(self) -> None:
+        for closer in (self.rpc.close, self.http.close, self._cleanup):
+            try:
+                closer()
+            except Exception:
+                log.exception("shutdown step failed; continuing")
+
+
+def build_serve(args: argparse.Namespace) -> Daemon:
+    endpoint = _listen(args.listen)
+    if args.device:
+        _must_exist("--device", args.device)
+        try:
+            memory = PoolMemory.open_device(args.device, args.size)
+        except (PoolMemoryError, OSError) as err:
+            raise UsageError(f"--device {args.device}: {err}") from None
+        owned_file = None
+    else:
+        if args.size is None:
+            raise UsageError("--size: required for the shm backend (e.g. --size 2GiB), or give --device")
+        path = args.shm_path or _default_shm_path(endpoint)
+        if not os.path.isdir(os.path.dirname(path) or "."):
+            raise UsageError(f"--shm-path {path}: directory {os.path.dirname(path)} does not exist")
+        try:
+            memory = PoolMemory.open_shm(path, args.size)
+        except OSError as err:
+            raise UsageError(f"--shm-path {path}: cannot create the pool memory: {err.strerror}") from None
+        owned_file = path
+    epoch = memory.bump_epoch()
+    index = PoolIndex(memory.capacity, epoch=epoch, lease_seconds=args.lease_seconds)
+
+    def status() -> dict[str, Any]:
+        stats = index.stats()
+        return {
+            "role": "serve",
+            "backend": memory.backend,
+            "capacity_bytes": stats["capacity_bytes"],
+            "used_bytes": stats["used_bytes"],
+            "chunks": stats["chunks"],
+            "epoch": epoch,
+            "nodes": [{"node": os.uname().nodename, "device": memory.path, "ready": True}],
+            "stats": stats,
+        }
+
+    service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
+
+    def cleanup() -> None:
+        memory.close()
+        if owned_file:
+            # The shm file is RAM; a stopped pool gives it back. The next start bumps the epoch anyway.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(owned_file)
+
+    rpc = _rpc(endpoint, service.handle, on_fail=cleanup)
+    http = _http(args.metrics_addr, index.stats, status, on_fail=lambda: (rpc.close(), cleanup()))
+    return Daemon(
+        rpc,
+        http,
+        ready=lambda: {
+            "role": "serve",
+            "listen": rpc.endpoint.url,
+            "backend": memory.backend,
+            "capacity": index.capacity,
+            "epoch": epoch,
+        },
+        tick=index.expire,
+        tick_seconds=_sweep_interval(args.lease_seconds),
+        cleanup=cleanup,
+    )
+
+
+def build_metadata(args: argparse.Namespace) -> Daemon:
+    endpoint = _listen(args.listen)
+    # No memory to keep an epoch in: the clock makes each start's epoch larger than the last one's.
+    epoch = new_epoch_floor()
+    index = PoolIndex(args.size, epoch=epoch, lease_seconds=args.lease_seconds)
+    agents = AgentRegistry(stale_after_s=args.agent_stale_seconds)
+
+    def stats() -> dict[str, int]:
+        return {**index.stats(), "agents_ready": sum(a["ready"] for a in agents.snapshot())}
+
+    def status() -> dict[str, Any]:
+        s = index.stats()
+        known = agents.snapshot()
+        return {
+            "role": "metadata",
+            "backend": known[0]["backend"] if known else "unknown",
+            "capacity_bytes": s["capacity_bytes"],
+            "used_bytes": s["used_bytes"],
+            "chunks": s["chunks"],
+            "epoch": epoch,
+            "agents": known,
+            "nodes": [{"node": a["node"], "ready": a["ready"]} for a in known],
+            "stats": stats(),
+        }
+
+    def hello(_is_unix: bool) -> Reply:
+        return fail("unavailable", "this is the metadata server; clients connect to their node agent's socket")
+
+    service = IndexService(index, hello=hello, status=status, agents=agents)
+    rpc = _rpc(endpoint, service.handle)
+    http = _http(args.metrics_addr, stats, status, on_fail=rpc.close)
+    return Daemon(
+        rpc,
+        http,
+        ready=lambda: {"role": "metadata", "listen": rpc.endpoint.url, "capacity": index.capacity, "epoch": epoch},
+        tick=index.expire,
+        tick_seconds=_sweep_interval(args.lease_seconds),
+    )
+
+
+def build_agent(args: argparse.Namespace) -> Daemon:
+    endpoint = _listen(args.listen)
+    if endpoint.kind != "unix":
+        raise UsageError(f"--listen {args.listen}: an agent passes the device by fd and needs a unix:// socket")
+    try:
+        metadata = parse_endpoint(args.metadata)
+    except ValueError as err:
+        raise UsageError(f"--metadata: {err}") from None
+    if metadata.kind != "tcp" or metadata.port == 0:
+        raise UsageError(f"--metadata {args.metadata}: expected tcp://host:port of the metadata server")
+    _must_exist("--device", args.device)
+    try:
+        memory = PoolMemory.open_device(args.device, None)
+    except (PoolMemoryError, OSError) as err:
+        raise UsageError(f"--device {args.device}: {err}") from None
+    agent = NodeAgent(memory, metadata, args.node_name)
+    # First contact before serving, so clients are not refused needlessly; a metadata server that
+    # is not up yet is retried on every heartbeat.
+    agent.heartbeat()
+
+    def cleanup() -> None:
+        agent.close()
+        memory.close()
+
+    rpc = _rpc(endpoint, agent.handle, on_fail=cleanup)
+    http = _http(args.metrics_addr, agent.stats, agent.status, healthy=agent.healthy, on_fail=rpc.close)
+    return Daemon(
+        rpc,
+        http,
+        ready=lambda: {
+            "role": "agent",
+            "listen": rpc.endpoint.url,
+            "metadata": metadata.url,
+            "backend": memory.backend,
+            "device": memory.path,
+            "node": args.node_name,
+            "connected": str(agent.connected).lower(),
+        },
+        tick=agent.heartbeat,
+        tick_seconds=args.heartbeat_seconds,
+        cleanup=cleanup,
+    )
+
+
+def _listen(url: str) -> Endpoint:
+    try:
+        endpoint = parse_endpoint(url)
+    except ValueError as err:
+        raise UsageError(f"--listen: {err}") from None
+    if endpoint.kind == "unix":
+        directory = os.path.dirname(endpoint.path)
+        if not os.path.isdir(directory):
+            raise UsageError(f"--listen {url}: socket directory {directory} does not exist; create it or mount it")
+    return endpoint
+
+
+def _must_exist(flag: str, path: str) -> None:
+    if not os.path.exists(path):
+        raise UsageError(f"{flag} {path}: not found")
+
+
+def _rpc(endpoint: Endpoint, handler: Any, on_fail: Callable[[], object] = lambda: None) -> RpcServer:
+    try:
+        return RpcServer(endpoint, handler)
+    except ListenError as err:
+        on_fail()
+        raise UsageError(str(err)) from None
+
+
+def _http(
+    address: str,
+    stats: Callable[[], dict[str, int]],
+    status: Callable[[], dict[str, Any]],
+    *,
+    healthy: Callable[[], bool] = lambda: True,
+    on_fail: Callable[[], object] = lambda: None,
+) -> HttpEndpoint:
+    try:
+        return HttpEndpoint(address, stats=stats, status=status, healthy=healthy)
+    except ValueError as err:
+        on_fail()
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        on_fail()
+        raise UsageError(f"--metrics-addr {address}: cannot bind: {err.strerror}") from None
+
+
+def _default_shm_path(endpoint: Endpoint) -> str:
+    name = endpoint.path if endpoint.kind == "unix" else f"{endpoint.host}-{endpoint.port}"
+    return "/dev/shm/maru-pool-" + re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
+def _sweep_interval(lease_seconds: float) -> float:
+    # Expired leases are reclaimed within a quarter of their lifetime, and at most every second.
+    return min(1.0, lease_seconds / 4)

@@ -1,0 +1,110 @@
+"""HTTP side of a pool daemon: Prometheus ``/metrics``, ``/healthz`` and a ``/status`` JSON document.
+
+Metrics are read from the role's stats at scrape time (a custom collector), so there is one source
+of truth and no counter to keep in step. The operator reads ``/status`` of the metadata server (or of
+``serve``) to fill in a MaruPool's capacity and use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from .units import split_host_port
+
+log = logging.getLogger(__name__)
+
+# stats name -> help text; counters get a ``_total`` suffix, everything else is a gauge.
+COUNTERS = {
+    "evictions": "Committed chunks evicted (least recently used) to make room.",
+    "hits": "Keys found by prefix lookups.",
+    "misses": "Keys looked up but not found (including those after the first miss of a lookup).",
+    "read_misses": "Reads of keys that were not committed (evicted since the lookup, or never stored).",
+    "lease_expiries": "Write leases and read pins reclaimed because their client did not finish in time.",
+    "errors": "Failed requests: malformed, stale epoch, lost commits, chunks that failed their checksum.",
+    "commits": "Chunks committed.",
+    "heartbeat_failures": "Agent heartbeats to the metadata server that failed.",
+}
+GAUGES = {
+    "capacity_bytes": "Bytes of pool memory for chunks.",
+    "used_bytes": "Bytes allocated to chunks (being written or committed).",
+    "chunks": "Committed chunks.",
+    "writing": "Chunks being written (under a write lease).",
+    "pins": "Read pins held by clients.",
+    "epoch": "Epoch of the pool index; changes on every daemon restart.",
+    "agents_ready": "Node agents that sent a heartbeat recently.",
+    "metadata_connected": "1 when this agent's last heartbeat reached the metadata server.",
+}
+
+
+class _StatsCollector:
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in self._stats().items():
+            if name in COUNTERS:
+                yield CounterMetricFamily(f"maru_pool_{name}", COUNTERS[name], value=value)
+            elif name in GAUGES:
+                yield GaugeMetricFamily(f"maru_pool_{name}", GAUGES[name], value=value)
+
+
+class HttpEndpoint:
+    """Serve metrics and status on ``host:port`` from a background thread; port 0 picks a free port."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        stats: Callable[[], dict[str, int]],
+        status: Callable[[], dict[str, Any]],
+        healthy: Callable[[], bool] = lambda: True,
+    ) -> None:
+        host, port = split_host_port(address, what=f"--metrics-addr {address}")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_StatsCollector(stats))
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                elif path == "/healthz":
+                    ok = healthy()
+                    self._send(200 if ok else 503, "text/plain", b"ok\n" if ok else b"unhealthy\n")
+                elif path == "/status":
+                    body = json.dumps(status(), sort_keys=True).encode()
+                    self._send(200, "application/json", body)
+                else:
+                    self._send(404, "text/plain", b"try /metrics, /healthz or /status\n")
+
+            def _send(self, code: int, ctype: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("http: " + format, *args)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        bound_host, bound_port = self._server.server_address[:2]
+        self.address = f"{bound_host}:{bound_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="maru-pool-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

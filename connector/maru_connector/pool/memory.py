@@ -1,0 +1,148 @@
+"""The pool memory: one shared mapping of a shm file or a devdax device, with a small header.
+
+Layout of the mapping::
+
+    [0, HEADER_SIZE)                      header (magic, version, header size, epoch, capacity)
+    [HEADER_SIZE, HEADER_SIZE + capacity) chunk bytes; allocator offsets are relative to HEADER_SIZE
+
+Both backends go through the same ``mmap`` call; they differ only in how the size is learnt (a shm
+file is sized by us, a devdax character device reports its size in sysfs) and in whether the file is
+created. A plain file passed as ``--device`` behaves like a device, which is how tests stand in for
+CXL memory.
+
+The epoch in the header is bumped by every daemon start. Leases and pins carry it; a daemon rejects
+any lease of another epoch, so offsets handed out before a restart can never be committed or
+released against the new index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MARUPOOL"
+VERSION = 1
+HEADER_SIZE = 4096
+# magic, version, header_size, epoch, capacity
+_HEADER = struct.Struct("<8sIIQQ")
+
+
+class PoolMemoryError(OSError):
+    """The pool memory cannot be opened or mapped; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class HeaderView:
+    epoch: int
+    capacity: int
+
+
+def device_size(path: str) -> int:
+    """Bytes behind ``path``: st_size for a file, the sysfs ``size`` attribute for a devdax device."""
+    st = os.stat(path)
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    if stat.S_ISCHR(st.st_mode):
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        candidates = [
+            f"/sys/dev/char/{major}:{minor}/size",
+            f"/sys/bus/dax/devices/{os.path.basename(path)}/size",
+        ]
+        for candidate in candidates:
+            try:
+                with open(candidate) as fh:
+                    return int(fh.read().strip())
+            except (OSError, ValueError):
+                continue
+        raise PoolMemoryError(f"device {path}: cannot read its size from sysfs ({', '.join(candidates)})")
+    raise PoolMemoryError(f"device {path}: neither a regular file nor a character device")
+
+
+class PoolMemory:
+    """An open, mapped pool region. Owns the file descriptor so it can be passed to clients."""
+
+    def __init__(self, path: str, fd: int, map_size: int, capacity: int, backend: str) -> None:
+        self.path = path
+        self.fd = fd
+        self.map_size = map_size
+        self.capacity = capacity
+        self.backend = backend
+        self.mm = mmap.mmap(fd, map_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    @classmethod
+    def open_shm(cls, path: str, capacity: int) -> PoolMemory:
+        """Create (or reuse) a shm file sized ``HEADER_SIZE + capacity``."""
+        map_size = HEADER_SIZE + capacity
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
+        try:
+            if os.fstat(fd).st_size != map_size:
+                os.ftruncate(fd, map_size)
+            return cls(path, fd, map_size, capacity, "shm")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open_device(cls, path: str, capacity: int | None) -> PoolMemory:
+        """Map a whole devdax device (or a file standing in for one); ``capacity`` defaults to all of it."""
+        size = device_size(path)
+        usable = size - HEADER_SIZE
+        if usable <= 0:
+            raise PoolMemoryError(f"device {path}: {size} bytes is too small for the {HEADER_SIZE}-byte header")
+        if capacity is None:
+            capacity = usable
+        if capacity > usable:
+            raise PoolMemoryError(
+                f"device {path}: holds {usable} usable bytes but the pool needs {capacity}; "
+                "lower --size or use a larger device"
+            )
+        fd = os.open(path, os.O_RDWR)
+        try:
+            # devdax only maps in multiples of its alignment; the whole device always is one.
+            return cls(path, fd, size, capacity, "dax")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def read_header(self) -> HeaderView | None:
+        return read_header_from(self.mm)
+
+    def write_header(self, epoch: int) -> None:
+        _HEADER.pack_into(self.mm, 0, MAGIC, VERSION, HEADER_SIZE, epoch, self.capacity)
+
+    def bump_epoch(self) -> int:
+        """Start a new epoch: above the one in memory, and above earlier starts even if the file was recreated."""
+        previous = self.read_header()
+        epoch = max((previous.epoch if previous else 0) + 1, new_epoch_floor())
+        self.write_header(epoch)
+        log.info("pool memory %s: epoch %d (was %s)", self.path, epoch, previous.epoch if previous else "none")
+        return epoch
+
+    def data(self) -> memoryview:
+        return memoryview(self.mm)[HEADER_SIZE : HEADER_SIZE + self.capacity]
+
+    def close(self) -> None:
+        # A view still exported (a test holding a buffer) keeps the mapping until it goes.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        os.close(self.fd)
+
+
+def new_epoch_floor() -> int:
+    """Milliseconds since the Unix epoch: a floor that makes epochs grow across restarts without state."""
+    return time.time_ns() // 1_000_000
+
+
+def read_header_from(mm: mmap.mmap) -> HeaderView | None:
+    magic, version, header_size, epoch, capacity = _HEADER.unpack_from(mm, 0)
+    if magic != MAGIC or version != VERSION or header_size != HEADER_SIZE:
+        return None
+    return HeaderView(epoch=epoch, capacity=capacity)

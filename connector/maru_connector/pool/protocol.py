@@ -1,0 +1,105 @@
+"""Wire format of pool RPCs: length-prefixed JSON frames over a Unix or TCP stream socket.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON. Requests are
+``{"op": NAME, ...}``; replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": CODE,
+"message": TEXT}``. Keys travel as hex strings. Only metadata crosses the socket: chunk bytes are
+read and written in the shared mapping. The one exception to "JSON only" is the ``hello`` reply on
+a Unix socket, which carries the pool memory's file descriptor as SCM_RIGHTS ancillary data.
+
+Operations (request fields -> reply fields):
+
+* ``hello``                               -> pool geometry, epoch, ``metadata`` URL or null, fd / ``path``
+* ``lookup``  keys                        -> n (leading committed keys)
+* ``write``   items [[key, nbytes]...]    -> epoch, grants [[lease_id, offset] | null | "full"]
+* ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]
+* ``abort``   epoch, leases [lease_id]    -> {}
+* ``read``    keys                        -> epoch, pins [[pin_id, offset, nbytes, checksum] | null]
+* ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
+* ``stats``                               -> stats {name: int}
+* ``status``                              -> the /status document
+* ``agent``   node, device, device_size  (agent -> metadata heartbeat) -> epoch, capacity
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+_LEN = struct.Struct(">I")
+MAX_FRAME = 64 * 1024 * 1024
+
+# Error codes of failed replies.
+E_BAD_REQUEST = "bad_request"
+E_FULL = "pool_full"
+E_STALE_EPOCH = "stale_epoch"
+E_INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return _LEN.pack(len(data)) + data
+
+
+def send_msg(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
+    frame = encode(obj)
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        frame = frame[sent:]
+    if frame:
+        sock.sendall(frame)
+
+
+def recv_msg(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One frame, and any file descriptors that came with it; ``(None, [])`` on a clean EOF."""
+    fds: list[int] = []
+    if max_fds:
+        head, fds, _, _ = socket.recv_fds(sock, _LEN.size, max_fds)
+        if not head:
+            return None, fds
+        if len(head) < _LEN.size:
+            head += _recv_exact(sock, _LEN.size - len(head))
+    else:
+        head = _recv_exact(sock, _LEN.size, eof_ok=True)
+        if not head:
+            return None, fds
+    (length,) = _LEN.unpack(head)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    body = _recv_exact(sock, length)
+    try:
+        msg = json.loads(body)
+    except ValueError as err:
+        raise ProtocolError(f"frame is not JSON: {err}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("frame is not a JSON object")
+    return msg, fds
+
+
+def _recv_exact(sock: socket.socket, n: int, *, eof_ok: bool = False) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if eof_ok and got == 0:
+                return b""
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def hex_keys(keys: list[bytes] | tuple[bytes, ...]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def unhex_keys(values: Any) -> list[bytes]:
+    if not isinstance(values, list):
+        raise ValueError("keys must be a list of hex strings")
+    return [bytes.fromhex(v) for v in values]

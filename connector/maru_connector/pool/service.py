@@ -1,0 +1,181 @@
+"""Request handlers of the three daemon roles, independent of the transport.
+
+* :class:`IndexService` answers the index operations (``serve`` and ``metadata``).
+* ``serve`` adds ``hello`` with its own memory (:class:`LocalMemoryHello`).
+* The node agent (:mod:`.agent`) answers only ``hello`` and points clients at the metadata server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import protocol
+from .index import FULL, PoolIndex, StaleEpoch
+from .memory import HEADER_SIZE, PoolMemory
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[dict[str, Any], list[int]]
+
+
+def fail(code: str, message: str) -> Reply:
+    return {"ok": False, "error": code, "message": message}, []
+
+
+@dataclass
+class AgentSeen:
+    node: str
+    device: str
+    backend: str
+    device_size: int
+    last_seen: float
+
+
+class AgentRegistry:
+    """Node agents known to a metadata server, from their heartbeats."""
+
+    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._agents: dict[str, AgentSeen] = {}  # node name -> last heartbeat
+
+    def seen(self, node: str, device: str, backend: str, device_size: int) -> None:
+        with self._lock:
+            self._agents[node] = AgentSeen(node, device, backend, device_size, self._clock())
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        with self._lock:
+            return [
+                {
+                    "node": a.node,
+                    "device": a.device,
+                    "backend": a.backend,
+                    "device_size": a.device_size,
+                    "last_seen_seconds": round(now - a.last_seen, 3),
+                    "ready": now - a.last_seen <= self.stale_after_s,
+                }
+                for a in sorted(self._agents.values(), key=lambda a: a.node)
+            ]
+
+
+class IndexService:
+    """Index operations; ``hello`` and ``status`` come from the role that owns this service."""
+
+    def __init__(
+        self,
+        index: PoolIndex,
+        *,
+        hello: Callable[[bool], Reply],
+        status: Callable[[], dict[str, Any]],
+        agents: AgentRegistry | None = None,
+    ) -> None:
+        self.index = index
+        self._hello = hello
+        self._status = status
+        self._agents = agents
+        self._ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "lookup": self._lookup,
+            "write": self._write,
+            "commit": self._commit,
+            "abort": self._abort,
+            "read": self._read,
+            "release": self._release,
+            "stats": lambda _msg: {"stats": self.index.stats()},
+            "status": lambda _msg: self._status(),
+            "agent": self._agent,
+        }
+
+    def handle(self, msg: dict[str, Any], is_unix: bool) -> Reply:
+        op = msg.get("op")
+        if op == "hello":
+            return self._hello(is_unix)
+        fn = self._ops.get(op) if isinstance(op, str) else None
+        if fn is None:
+            self.index.count_error()
+            return fail(protocol.E_BAD_REQUEST, f"unknown op {op!r}")
+        try:
+            reply = fn(msg)
+        except StaleEpoch as err:
+            return fail(protocol.E_STALE_EPOCH, f"{err}; the pool daemon restarted, reconnect")
+        except (KeyError, TypeError, ValueError) as err:
+            self.index.count_error()
+            return fail(protocol.E_BAD_REQUEST, f"op {op}: malformed request: {err!r}")
+        except Exception:  # a bug must cost one request, not the daemon
+            log.exception("rpc: op %s failed; the request was answered with an internal error", op)
+            self.index.count_error()
+            return fail(protocol.E_INTERNAL, f"op {op}: internal error (see the pool daemon's log)")
+        reply["ok"] = True
+        return reply, []
+
+    def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"n": self.index.lookup_prefix(protocol.unhex_keys(msg["keys"]))}
+
+    def _write(self, msg: dict[str, Any]) -> dict[str, Any]:
+        items = [(bytes.fromhex(k), int(n)) for k, n in msg["items"]]
+        grants = self.index.begin_write(items)
+        out: list[Any] = []
+        for g in grants:
+            if g is None or g == FULL:
+                out.append(g)
+            else:
+                out.append([g.lease_id, g.offset])  # type: ignore[union-attr]
+        return {"epoch": self.index.epoch, "grants": out}
+
+    def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        items = [(int(lid), int(csum)) for lid, csum in msg["items"]]
+        return {"results": self.index.commit(int(msg["epoch"]), items)}
+
+    def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.index.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]])
+        return {}
+
+    def _read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        grants = self.index.open_read(protocol.unhex_keys(msg["keys"]))
+        pins = [None if g is None else [g.pin_id, g.offset, g.nbytes, g.checksum] for g in grants]
+        return {"epoch": self.index.epoch, "pins": pins}
+
+    def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        corrupt = [int(x) for x in msg.get("corrupt", [])]
+        if corrupt:
+            log.warning(
+                "pool: %d chunk(s) failed their checksum on read and were dropped; if this repeats, "
+                "check the pool memory for another writer",
+                len(corrupt),
+            )
+        self.index.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt)
+        return {}
+
+    def _agent(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self._agents is None:
+            raise ValueError("this daemon is not a metadata server; agents must point --metadata elsewhere")
+        self._agents.seen(str(msg["node"]), str(msg["device"]), str(msg["backend"]), int(msg["device_size"]))
+        return {"epoch": self.index.epoch, "capacity": self.index.capacity}
+
+
+class LocalMemoryHello:
+    """``hello`` of the single-node daemon: its own mapping, by fd on Unix sockets, by path on TCP."""
+
+    def __init__(self, memory: PoolMemory, epoch: int, capacity: int) -> None:
+        self._memory = memory
+        self._epoch = epoch
+        self._capacity = capacity
+
+    def __call__(self, is_unix: bool) -> Reply:
+        reply = {
+            "ok": True,
+            "epoch": self._epoch,
+            "capacity": self._capacity,
+            "header_size": HEADER_SIZE,
+            "map_size": self._memory.map_size,
+            "backend": self._memory.backend,
+            "metadata": None,
+            "path": None if is_unix else self._memory.path,
+        }
+        return reply, [self._memory.fd] if is_unix else []

@@ -1,0 +1,69 @@
+"""Parsing of the pool's command-line values: byte sizes and listen/connect URLs.
+
+Kept apart from the CLI so the client and the daemon agree on what a URL means.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)([bB]?)\s*$")
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1073741824``, ``2GiB``, ``64Gi``, ``512M`` or ``1.5G``.
+
+    Binary (``Gi``, ``GiB``) and decimal (``G``, ``GB``) suffixes both follow Kubernetes quantity
+    conventions, so a size copied from a MaruPool spec means the same thing here.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"cannot parse size {text!r} (use e.g. 2GiB, 512Mi, 64G or a byte count)")
+    number, prefix, binary, _ = match.groups()
+    base = 1024 if binary else 1000
+    value = float(number) * base ** _POWERS[prefix.lower()]
+    if value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a pool process listens or a client connects: a Unix socket path or a TCP host and port."""
+
+    kind: str  # "unix" or "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        if self.kind == "unix":
+            return f"unix://{self.path}"
+        return f"tcp://{self.host}:{self.port}"
+
+
+def parse_endpoint(url: str) -> Endpoint:
+    """``unix:///abs/path.sock`` or ``tcp://host:port`` (port 0 allowed for listening)."""
+    if url.startswith("unix://"):
+        path = url[len("unix://") :]
+        if not path.startswith("/"):
+            raise ValueError(f"{url!r}: unix:// needs an absolute path, e.g. unix:///run/maru/pool.sock")
+        return Endpoint(kind="unix", path=path)
+    if url.startswith("tcp://"):
+        host, port = split_host_port(url[len("tcp://") :], what=url)
+        return Endpoint(kind="tcp", host=host, port=port)
+    raise ValueError(f"{url!r}: must start with unix:// or tcp://")
+
+
+def split_host_port(text: str, *, what: str | None = None) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) into its parts; port 0 means "pick a free one"."""
+    label = what or text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{label!r}: expected host:port with a port in 0..65535")
+    return host.strip("[]"), int(port)

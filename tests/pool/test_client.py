@@ -1,0 +1,194 @@
+"""The client against a real single-node daemon: the contract the vLLM connector codes against."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from maru_connector.pool import (
+    ChecksumMismatch,
+    LeaseLost,
+    PoolClient,
+    PoolError,
+    PoolUnavailable,
+)
+from maru_connector.pool.memory import HEADER_SIZE
+
+from .harness import Daemon, start_serve
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+@pytest.fixture
+def client(serve: Daemon) -> PoolClient:
+    c = PoolClient(serve.ready["listen"], timeout_s=5.0)
+    yield c
+    c.close()
+
+
+def test_put_then_get_round_trips_bytes(client: PoolClient) -> None:
+    data = os.urandom(300_000)
+    assert client.put(key(1), data) is True
+    out = bytearray(len(data))
+    assert client.get_into(key(1), out) is True
+    assert bytes(out) == data
+
+
+def test_put_twice_reports_already_present(client: PoolClient) -> None:
+    assert client.put(key(1), b"a" * 100) is True
+    assert client.put(key(1), b"b" * 100) is False
+    out = bytearray(100)
+    client.get_into(key(1), out)
+    assert bytes(out) == b"a" * 100
+
+
+def test_get_into_on_miss_returns_false_and_leaves_buffer(client: PoolClient) -> None:
+    out = bytearray(b"x" * 10)
+    assert client.get_into(key(9), out) is False
+    assert out == b"x" * 10
+
+
+def test_lookup_prefix_stops_at_first_miss(client: PoolClient) -> None:
+    for i in (0, 1, 2, 4):
+        client.put(key(i), bytes([i]) * 64)
+    assert client.lookup_prefix([key(i) for i in range(6)]) == 3
+    assert client.lookup_prefix([key(3), key(0)]) == 0
+    assert client.lookup_prefix([]) == 0
+
+
+def test_lookup_counts_hits_and_misses(client: PoolClient) -> None:
+    client.put(key(0), b"z" * 64)
+    before = client.stats()
+    client.lookup_prefix([key(0), key(1), key(2)])
+    after = client.stats()
+    assert after["hits"] - before["hits"] == 1
+    assert after["misses"] - before["misses"] == 2
+
+
+def test_write_lease_is_invisible_until_commit(client: PoolClient) -> None:
+    lease = client.begin_write(key(1), 1000)
+    assert lease is not None and lease.buffer.nbytes == 1000 and not lease.buffer.readonly
+    lease.buffer[:] = b"q" * 1000
+    assert client.lookup_prefix([key(1)]) == 0
+    assert client.open_read(key(1)) is None
+    lease.commit()
+    assert client.lookup_prefix([key(1)]) == 1
+    with client.open_read(key(1)) as pin:
+        assert pin is not None
+        assert pin.buffer.readonly and bytes(pin.buffer) == b"q" * 1000
+        pin.verify()
+
+
+def test_key_being_written_is_not_leased_twice(client: PoolClient) -> None:
+    first = client.begin_write(key(1), 100)
+    assert first is not None
+    assert client.begin_write(key(1), 100) is None
+    first.abort()
+    assert client.begin_write(key(1), 100) is not None
+
+
+def test_lease_context_aborts_on_exception(client: PoolClient) -> None:
+    with pytest.raises(RuntimeError), client.begin_write(key(1), 4096) as lease:
+        lease.buffer[:4] = b"half"
+        raise RuntimeError("writer failed")
+    assert client.lookup_prefix([key(1)]) == 0
+    assert client.stats()["used_bytes"] == 0
+
+
+def test_lease_context_without_commit_aborts(client: PoolClient) -> None:
+    with client.begin_write(key(1), 4096):
+        pass
+    assert client.stats()["used_bytes"] == 0
+    assert client.lookup_prefix([key(1)]) == 0
+
+
+def test_batched_write_commit_read_release(client: PoolClient) -> None:
+    payloads = {key(i): os.urandom(5000 + i) for i in range(8)}
+    leases = client.begin_write_many([(k, len(v)) for k, v in payloads.items()])
+    assert all(lease is not None for lease in leases)
+    for lease in leases:
+        lease.buffer[:] = payloads[lease.key]
+    assert client.commit_many(leases) == [True] * 8
+    keys = [*payloads, key(99)]
+    pins = client.open_read_many(keys)
+    assert pins[-1] is None
+    for pin in pins[:-1]:
+        assert bytes(pin.buffer) == payloads[pin.key]
+        pin.verify()
+    client.release_many([p for p in pins if p is not None])
+    assert client.stats()["pins"] == 0
+
+
+def test_batched_write_skips_present_keys(client: PoolClient) -> None:
+    client.put(key(1), b"x" * 10)
+    leases = client.begin_write_many([(key(0), 10), (key(1), 10), (key(0), 10)])
+    assert leases[0] is not None and leases[1] is None and leases[2] is None
+    leases[0].abort()
+
+
+def test_checksum_is_xxh3_of_the_bytes(client: PoolClient) -> None:
+    data = os.urandom(4096)
+    client.put(key(1), data)
+    with client.open_read(key(1)) as pin:
+        assert pin.checksum == xxhash.xxh3_64_intdigest(data)
+
+
+def _scribble(sock_dir: Path, offset: int) -> None:
+    """Flip one byte of the pool memory as a rogue process would, through its own mapping."""
+    with open(sock_dir / "pool.shm", "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
+        mm[HEADER_SIZE + offset] ^= 0xFF
+
+
+def test_get_into_raises_checksum_mismatch_then_the_chunk_is_dropped(client: PoolClient, sock_dir: Path) -> None:
+    data = os.urandom(8192)
+    client.put(key(1), data)
+    with client.open_read(key(1)) as pin:
+        offset = pin.offset
+    _scribble(sock_dir, offset + 100)
+    out = bytearray(8192)
+    with pytest.raises(ChecksumMismatch):
+        client.get_into(key(1), out)
+    # Reported corrupt: the daemon drops it, so the next lookup misses instead of failing again.
+    assert client.lookup_prefix([key(1)]) == 0
+    assert client.stats()["errors"] >= 1
+    assert client.stats()["used_bytes"] == 0
+
+
+def test_pin_verify_detects_bytes_changed_under_it(client: PoolClient, sock_dir: Path) -> None:
+    client.put(key(1), os.urandom(4096))
+    with client.open_read(key(1)) as pin:
+        pin.verify()
+        _scribble(sock_dir, pin.offset)
+        with pytest.raises(ChecksumMismatch):
+            pin.verify()
+
+
+def test_commit_after_pool_restart_is_refused(daemons: list[Daemon], sock_dir: Path) -> None:
+    first = start_serve(daemons, sock_dir)
+    client = PoolClient(first.ready["listen"], timeout_s=5.0)
+    lease = client.begin_write(key(1), 4096)
+    lease.buffer[:] = b"o" * 4096
+    first.stop()
+    start_serve(daemons, sock_dir)
+    with pytest.raises(LeaseLost):
+        lease.commit()
+    assert client.lookup_prefix([key(1)]) == 0
+    client.close()
+
+
+def test_unavailable_when_socket_missing(sock_dir: Path) -> None:
+    client = PoolClient(f"unix://{sock_dir}/nothing.sock", timeout_s=0.2)
+    with pytest.raises(PoolUnavailable):
+        client.lookup_prefix([key(1)])
+    assert issubclass(PoolUnavailable, PoolError)
+
+
+def test_bad_url_is_a_pool_error() -> None:
+    with pytest.raises(PoolError):
+        PoolClient("http://nope")
