@@ -1,0 +1,84 @@
+{{/*
+Names are truncated to 63 characters because Kubernetes label values and DNS-1123 labels
+(Service names among them) may not be longer; the trailing "-" a cut can leave is trimmed,
+since a name must end with an alphanumeric character.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "maru-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name of the release's objects: fullnameOverride, else "<release>-<chart>", or just the
+release name when it already contains the chart name (so "maru-operator" stays "maru-operator").
+*/}}
+{{- define "maru-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<chart>-<version>" for the helm.sh/chart label ("+" is not allowed in label values). */}}
+{{- define "maru-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select the operator pod; never change them in an upgrade (selectors are immutable). */}}
+{{- define "maru-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "maru-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of every object of the chart. */}}
+{{- define "maru-operator.labels" -}}
+helm.sh/chart: {{ include "maru-operator.chart" . }}
+{{ include "maru-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: maru
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The ServiceAccount the operator runs as. */}}
+{{- define "maru-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "maru-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image: repository:tag, or repository:tag@digest. */}}
+{{- define "maru-operator.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion }}
+{{- if .Values.image.digest }}
+{{- printf "%s:%s@%s" .Values.image.repository $tag .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+Namespaces that get a Role when watchNamespaces is set: the watched ones (InferenceGroups and
+their children) plus the release namespace (the pool daemons run there), without duplicates.
+*/}}
+{{- define "maru-operator.roleNamespaces" -}}
+{{- $namespaces := concat (list .Release.Namespace) .Values.watchNamespaces | uniq }}
+{{- toJson $namespaces }}
+{{- end }}
+
+{{/* The metrics Service: a Service name is a DNS-1035 label, so the suffix must fit in 63 characters too. */}}
+{{- define "maru-operator.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "maru-operator.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
