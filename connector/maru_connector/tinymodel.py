@@ -1,0 +1,109 @@
+"""A random-weight 2-layer Llama made offline, for tests, the benchmark and the local demo.
+
+Nothing is downloaded: the weights come from a seeded ``torch`` generator and the tokenizer is a
+``tokenizers`` WordLevel vocabulary of ``t0 .. t{N-1}``. The same seed gives the same bytes on disk,
+so two engines (prefill and decode) loading the directory compute the same KV.
+
+Compare outputs in float32: with random weights the top two logits often tie exactly in bf16, so
+greedy tokens would flip on any reordering of the arithmetic, including vLLM's own prefix caching.
+
+Usage::
+
+    python -m maru_connector.tinymodel /tmp/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZE = 512
+MAX_MODEL_LEN = 16384
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model; head_dim 64 is one the CPU attention kernels support."""
+
+    vocab_size: int = VOCAB_SIZE
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = MAX_MODEL_LEN
+    seed: int = 1234
+
+
+def make_tiny_llama(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write the model and tokenizer to ``path`` (created if missing) and return it.
+
+    Idempotent: a directory that already holds a model of the same spec is left alone, so a test
+    session and the demo can share it.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    spec = spec or TinyModelSpec()
+    out = Path(path)
+    stamp = out / "maru-tinymodel.json"
+    wanted = json.dumps(spec.__dict__, sort_keys=True)
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    # The default init (std 0.02) gives near-uniform logits; a wider spread makes greedy decoding
+    # stable against float32 reuse noise, which the token-equality tests rely on.
+    config.initializer_range = 0.2
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+
+    _tokenizer(spec.vocab_size, PreTrainedTokenizerFast).save_pretrained(out)
+    stamp.write_text(wanted)
+    return out
+
+
+def _tokenizer(vocab_size: int, fast_cls: type):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return fast_cls(
+        tokenizer_object=tok,
+        bos_token="t0",
+        eos_token="t1",
+        pad_token="t2",
+        unk_token="t3",
+        model_max_length=MAX_MODEL_LEN,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="directory to write the model into")
+    args = parser.parse_args(argv)
+    print(make_tiny_llama(args.path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Shared by both halves: counters, rate-limited failure logs, and the pool guard.
+
+The guard is why a sick pool never hurts the engine: every pool call goes through it, any failure
+becomes "no hit" or "not stored" plus a counter and (at most every few seconds) one log line, and
+after a failure the pool is left alone for a short back-off so a hung daemon costs one timeout,
+not one per request or per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
+
+from maru_connector.config import MaruConnectorConfig
+
+# A child of vLLM's logger, so lines land in the engine log with its format and level.
+log = logging.getLogger("vllm.maru_connector")
+
+T = TypeVar("T")
+
+# Counter names; tests and the benchmark read them through counters().
+LOOKUPS = "lookups"
+LOOKUP_CHUNKS_HIT = "lookup_chunks_hit"
+HIT_TOKENS = "hit_tokens"
+LOADED_CHUNKS = "loaded_chunks"
+LOAD_FAILED_CHUNKS = "load_failed_chunks"
+CHECKSUM_MISMATCHES = "checksum_mismatches"
+SAVED_CHUNKS = "saved_chunks"
+SAVE_ALREADY_PRESENT = "save_already_present"
+SAVE_SKIPPED_CHUNKS = "save_skipped_chunks"
+POOL_ERRORS = "pool_errors"
+POOL_SKIPPED_CALLS = "pool_skipped_calls"
+
+_counters: Counter[str] = Counter()
+_counters_lock = threading.Lock()
+
+
+def count(name: str, n: int = 1) -> None:
+    with _counters_lock:
+        _counters[name] += n
+
+
+def counters() -> dict[str, int]:
+    """A snapshot of this process's connector counters (both halves when they share a process)."""
+    with _counters_lock:
+        return dict(_counters)
+
+
+def reset_counters() -> None:
+    with _counters_lock:
+        _counters.clear()
+
+
+class RateLimitedLog:
+    """Logs the first occurrence of each failure kind, then at most once per ``interval_s``."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self._interval = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._suppressed[kind] += 1
+            return
+        self._last[kind] = now
+        n = self._suppressed.pop(kind, 0)
+        if n:
+            msg += " (%d similar since the last report)"
+            args = (*args, n)
+        log.warning(msg, *args)
+
+
+class PoolGuard:
+    """Wraps a lazily created pool client; calls fail soft and back off after a failure."""
+
+    def __init__(self, cfg: MaruConnectorConfig, side: str, backoff_s: tuple[float, float] = (0.25, 4.0)) -> None:
+        self._cfg = cfg
+        self._side = side
+        self._client = None
+        self._min_backoff, self._max_backoff = backoff_s
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self.log = RateLimitedLog()
+
+    @property
+    def client(self):  # -> maru_connector.pool.PoolClient, imported lazily: the pool may be absent
+        if self._client is None:
+            from maru_connector.pool import PoolClient
+
+            self._client = PoolClient(self._cfg.pool_url, timeout_s=self._cfg.rpc_timeout_ms / 1000)
+        return self._client
+
+    def call(self, what: str, fn: Callable[..., T], *args: object) -> tuple[bool, T | None]:
+        """Run ``fn(client, *args)``; ``(True, result)``, or ``(False, None)`` after logging."""
+        if self._retry_at and time.monotonic() < self._retry_at:
+            count(POOL_SKIPPED_CALLS)
+            return False, None
+        try:
+            result = fn(self.client, *args)
+        except Exception as err:  # never into vLLM: any failure is a miss or a skipped store
+            self.failed(what, err)
+            return False, None
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        return True, result
+
+    def failed(self, what: str, err: BaseException) -> None:
+        count(POOL_ERRORS)
+        full = type(err).__name__ == "PoolFull"
+        if not full:
+            # A full pool answers fast, so it needs no back-off; a dead or hung one does.
+            self._backoff = min(self._max_backoff, max(self._min_backoff, self._backoff * 2))
+            self._retry_at = time.monotonic() + self._backoff
+        self.log.warning(
+            f"{self._side}:{type(err).__name__}",
+            "maru pool %s failed on the %s side (%s: %s); treating as %s",
+            what,
+            self._side,
+            type(err).__name__,
+            err,
+            "not stored" if what.startswith("save") else "a miss",
+        )
+
+    def close(self) -> None:
+        if self._client is not None:
+            # Closing a broken client must not fail engine shutdown.
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
