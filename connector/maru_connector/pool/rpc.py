@@ -93,7 +93,9 @@ class RpcServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
+        # shutdown() waits for serve_forever to notice, so it would hang if that never started.
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
         if self.endpoint.kind == "unix":
             with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,238 @@
+"""The index's rules with a fake clock: leases, pins, LRU eviction, expiry and epochs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from maru_connector.pool.index import FULL, PoolIndex, ReadGrant, StaleEpoch, WriteGrant
+
+PAGE = 4096
+EPOCH = 7
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def make(pages: int = 4, lease_seconds: float = 10.0) -> tuple[PoolIndex, Clock]:
+    clock = Clock()
+    return PoolIndex(pages * PAGE, epoch=EPOCH, lease_seconds=lease_seconds, clock=clock), clock
+
+
+def store(index: PoolIndex, i: int, nbytes: int = PAGE) -> WriteGrant:
+    (grant,) = index.begin_write([(k(i), nbytes)])
+    assert isinstance(grant, WriteGrant)
+    assert index.commit(EPOCH, [(grant.lease_id, 1000 + i)]) == [True]
+    return grant
+
+
+def test_commit_makes_visible_with_its_checksum() -> None:
+    index, _ = make()
+    (grant,) = index.begin_write([(k(1), 100)])
+    assert index.lookup_prefix([k(1)]) == 0
+    index.commit(EPOCH, [(grant.lease_id, 42)])
+    (pin,) = index.open_read([k(1)])
+    assert pin == ReadGrant(pin.pin_id, grant.offset, 100, 42)
+
+
+def test_full_pool_evicts_least_recently_used() -> None:
+    index, _ = make(pages=3)
+    for i in range(3):
+        store(index, i)
+    index.lookup_prefix([k(0)])  # 0 is now the most recently used; 1 is the oldest
+    store(index, 3)
+    assert index.lookup_prefix([k(1)]) == 0
+    assert index.lookup_prefix([k(0)]) == 1 and index.lookup_prefix([k(2)]) == 1
+    assert index.stats()["evictions"] == 1
+
+
+def test_pinned_chunk_is_never_evicted_nor_reused() -> None:
+    index, _ = make(pages=2)
+    g0 = store(index, 0)
+    store(index, 1)
+    (pin,) = index.open_read([k(0)])  # pinned, and most recent
+    index.lookup_prefix([k(1)])  # now 0 is the LRU head, but pinned
+    g2 = store(index, 2)
+    assert g2.offset != g0.offset
+    assert index.lookup_prefix([k(0)]) == 1
+    (g3,) = index.begin_write([(k(3), PAGE)])
+    assert isinstance(g3, WriteGrant) and g3.offset != g0.offset
+    assert index.lookup_prefix([k(2)]) == 0  # evicted in its place
+    index.release(EPOCH, [pin.pin_id])
+    index.check_invariants()
+
+
+def test_everything_pinned_or_in_flight_means_full() -> None:
+    index, _ = make(pages=2)
+    store(index, 0)
+    index.open_read([k(0)])
+    index.begin_write([(k(1), PAGE)])
+    assert index.begin_write([(k(2), PAGE)]) == [FULL]
+
+
+def test_chunk_larger_than_pool_is_full_without_evicting() -> None:
+    index, _ = make(pages=2)
+    store(index, 0)
+    assert index.begin_write([(k(1), 3 * PAGE)]) == [FULL]
+    assert index.lookup_prefix([k(0)]) == 1
+
+
+def test_dead_writer_leaks_nothing_after_its_lease_expires() -> None:
+    index, clock = make(pages=2, lease_seconds=5)
+    index.begin_write([(k(0), PAGE), (k(1), PAGE)])
+    assert index.begin_write([(k(2), PAGE)]) == [FULL]
+    clock.now += 4.9
+    assert index.expire() == 0
+    clock.now += 0.2
+    assert index.expire() == 2
+    stats = index.stats()
+    assert stats["used_bytes"] == 0 and stats["lease_expiries"] == 2 and stats["writing"] == 0
+    # The key is free to be written again by someone alive.
+    assert isinstance(index.begin_write([(k(0), PAGE)])[0], WriteGrant)
+
+
+def test_full_pool_reclaims_expired_leases_before_refusing() -> None:
+    index, clock = make(pages=1, lease_seconds=5)
+    index.begin_write([(k(0), PAGE)])
+    clock.now += 6
+    assert isinstance(index.begin_write([(k(1), PAGE)])[0], WriteGrant)
+    assert index.stats()["lease_expiries"] == 1
+
+
+def test_commit_after_expiry_is_refused() -> None:
+    index, clock = make(lease_seconds=5)
+    (grant,) = index.begin_write([(k(0), PAGE)])
+    clock.now += 6
+    index.expire()
+    assert index.commit(EPOCH, [(grant.lease_id, 1)]) == [False]
+    assert index.lookup_prefix([k(0)]) == 0
+
+
+def test_expired_pin_unpins() -> None:
+    index, clock = make(pages=1, lease_seconds=5)
+    store(index, 0)
+    index.open_read([k(0)])
+    assert index.begin_write([(k(1), PAGE)]) == [FULL]
+    clock.now += 6
+    index.expire()
+    assert isinstance(index.begin_write([(k(1), PAGE)])[0], WriteGrant)
+
+
+def test_other_epoch_is_refused_and_counted() -> None:
+    index, _ = make()
+    (grant,) = index.begin_write([(k(0), PAGE)])
+    with pytest.raises(StaleEpoch):
+        index.commit(EPOCH - 1, [(grant.lease_id, 1)])
+    with pytest.raises(StaleEpoch):
+        index.release(EPOCH + 1, [grant.lease_id])
+    assert index.stats()["errors"] == 2
+    assert index.lookup_prefix([k(0)]) == 0
+
+
+def test_a_pin_id_cannot_commit_and_a_lease_id_cannot_release() -> None:
+    index, _ = make()
+    store(index, 0)
+    (pin,) = index.open_read([k(0)])
+    (grant,) = index.begin_write([(k(1), PAGE)])
+    assert index.commit(EPOCH, [(pin.pin_id, 5)]) == [False]
+    index.release(EPOCH, [grant.lease_id])
+    assert index.stats()["writing"] == 1
+    assert index.commit(EPOCH, [(grant.lease_id, 5)]) == [True]
+
+
+def test_corrupt_report_drops_chunk_and_frees_space_at_last_unpin() -> None:
+    index, _ = make(pages=2)
+    store(index, 0)
+    (p1,) = index.open_read([k(0)])
+    (p2,) = index.open_read([k(0)])
+    index.release(EPOCH, [p1.pin_id], corrupt=[p1.pin_id])
+    assert index.lookup_prefix([k(0)]) == 0
+    assert index.stats()["used_bytes"] == PAGE  # still pinned by p2
+    index.release(EPOCH, [p2.pin_id])
+    assert index.stats()["used_bytes"] == 0
+    index.check_invariants()
+
+
+def test_abort_frees_and_unknown_abort_is_harmless() -> None:
+    index, _ = make()
+    (grant,) = index.begin_write([(k(0), PAGE)])
+    index.abort(EPOCH, [grant.lease_id, 12345])
+    assert index.stats()["used_bytes"] == 0
+    index.abort(EPOCH, [grant.lease_id])
+    index.check_invariants()
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random sequences of every operation: live regions never overlap, pinned bytes never move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.index = PoolIndex(16 * PAGE, epoch=EPOCH, lease_seconds=10, align=PAGE, clock=self.clock)
+        self.leases: dict[int, tuple[bytes, int]] = {}  # lease id -> key, offset
+        self.pins: dict[int, tuple[bytes, int, int]] = {}  # pin id -> key, offset, checksum
+        self.committed_checksum: dict[bytes, int] = {}
+
+    @rule(i=st.integers(0, 30), pages=st.integers(1, 5), extra=st.integers(0, PAGE - 1))
+    def write(self, i: int, pages: int, extra: int) -> None:
+        (grant,) = self.index.begin_write([(k(i), pages * PAGE - extra)])
+        if isinstance(grant, WriteGrant):
+            self.leases[grant.lease_id] = (k(i), grant.offset)
+
+    @precondition(lambda self: self.leases)
+    @rule(pick=st.integers(0, 1000), abort=st.booleans())
+    def finish(self, pick: int, abort: bool) -> None:
+        lease_id = sorted(self.leases)[pick % len(self.leases)]
+        key, _ = self.leases.pop(lease_id)
+        if abort:
+            self.index.abort(EPOCH, [lease_id])
+        elif self.index.commit(EPOCH, [(lease_id, lease_id)]) == [True]:
+            self.committed_checksum[key] = lease_id
+
+    @rule(i=st.integers(0, 30))
+    def read(self, i: int) -> None:
+        (pin,) = self.index.open_read([k(i)])
+        if pin is not None:
+            self.pins[pin.pin_id] = (k(i), pin.offset, pin.checksum)
+
+    @precondition(lambda self: self.pins)
+    @rule(pick=st.integers(0, 1000))
+    def release(self, pick: int) -> None:
+        pin_id = sorted(self.pins)[pick % len(self.pins)]
+        del self.pins[pin_id]
+        self.index.release(EPOCH, [pin_id])
+
+    @rule(dt=st.floats(0, 6))
+    def time_passes(self, dt: float) -> None:
+        self.clock.now += dt
+        self.index.expire()
+        # Whatever expired is gone from our books too: a later commit/release of it must be harmless.
+        live = self.index._leases
+        self.leases = {lid: v for lid, v in self.leases.items() if lid in live}
+        self.pins = {pid: v for pid, v in self.pins.items() if pid in live}
+
+    @invariant()
+    def no_overlap_no_leak(self) -> None:
+        self.index.check_invariants()
+
+    @invariant()
+    def pinned_chunks_stay_put(self) -> None:
+        for key, offset, checksum in self.pins.values():
+            chunk = self.index._chunks.get(key)
+            assert chunk is not None and chunk.committed
+            assert (chunk.offset, chunk.checksum) == (offset, checksum)
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
