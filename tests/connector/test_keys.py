@@ -1,0 +1,133 @@
+"""Chunk keys: derived from vLLM's block hashes, separated by namespace, stable across processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from maru_connector.keys import (
+    Namespace,
+    block_hash_sharing_problem,
+    chunk_keys,
+    interleave_ranks,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+NS = Namespace(
+    model="tiny-llama",
+    revision="",
+    dtype="torch.float32/auto",
+    kv_layout="cpu",
+    block_size=128,
+    chunk_tokens=256,
+    num_layers=2,
+    tp_rank=0,
+    tp_size=1,
+    salt="",
+)
+
+
+def fake_block_hashes(n: int, seed: bytes = b"p") -> list[bytes]:
+    """A sha256 chain like vLLM's: hash j covers blocks 0..j."""
+    out, parent = [], b"root"
+    for j in range(n):
+        parent = hashlib.sha256(parent + seed + j.to_bytes(4, "little")).digest()
+        out.append(parent)
+    return out
+
+
+def keys(hashes: list[bytes], ns: Namespace = NS, **kw: int) -> list[bytes]:
+    fp = ns.fingerprint()
+    return chunk_keys(hashes, hash_block_size=ns.block_size, chunk_tokens=ns.chunk_tokens, fingerprint=fp, **kw)
+
+
+def test_one_key_per_full_chunk_from_its_last_block() -> None:
+    hashes = fake_block_hashes(9)  # 9 blocks of 128 = 4.5 chunks of 256
+    ks = keys(hashes)
+    assert len(ks) == 4
+    assert len(set(ks)) == 4
+    # The key depends on the chunk's last block hash only (which already chains the prefix).
+    other = list(hashes)
+    other[0] = b"x" * 32  # a first-block hash that is not a last block of any chunk
+    assert keys(other) == ks
+    other = list(hashes)
+    other[3] = b"y" * 32  # the last block of chunk 1
+    assert keys(other)[1] != ks[1]
+    assert keys(other)[0] == ks[0]
+
+
+def test_max_tokens_limits_to_prompt_chunks() -> None:
+    hashes = fake_block_hashes(8)
+    assert len(keys(hashes, max_tokens=700)) == 2
+    assert len(keys(hashes, max_tokens=768)) == 3
+    assert keys(hashes, max_tokens=0) == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other"},
+        {"revision": "abc"},
+        {"dtype": "torch.bfloat16/auto"},
+        {"kv_layout": "kv-first-nhd"},
+        {"block_size": 64},
+        {"chunk_tokens": 512},
+        {"num_layers": 3},
+        {"tp_rank": 1},
+        {"tp_size": 2},
+        {"salt": "tenant-b"},
+        {"hash_algo": "sha256_cbor"},
+        {"format_version": 99},
+    ],
+)
+def test_any_namespace_change_changes_every_key(change: dict) -> None:
+    hashes = fake_block_hashes(16)
+    other_ns = replace(NS, **change)
+    a = keys(hashes)
+    b = chunk_keys(hashes, hash_block_size=128, chunk_tokens=256, fingerprint=other_ns.fingerprint())
+    assert not set(a) & set(b)
+
+
+def test_keys_are_the_same_in_another_process() -> None:
+    hashes = fake_block_hashes(8)
+    script = (
+        "import json, sys\n"
+        "from maru_connector.keys import Namespace, chunk_keys\n"
+        "ns = Namespace(**json.loads(sys.argv[1]))\n"
+        "hs = [bytes.fromhex(h) for h in json.loads(sys.argv[2])]\n"
+        "print(json.dumps([k.hex() for k in chunk_keys(hs, hash_block_size=128, chunk_tokens=256,"
+        " fingerprint=ns.fingerprint())]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(NS.__dict__), json.dumps([h.hex() for h in hashes])],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(REPO / "connector"), "PYTHONHASHSEED": "random"},
+    )
+    assert json.loads(out.stdout) == [k.hex() for k in keys(hashes)]
+
+
+def test_chunk_size_must_hold_whole_blocks() -> None:
+    with pytest.raises(ValueError):
+        chunk_keys(fake_block_hashes(4), hash_block_size=128, chunk_tokens=200, fingerprint=b"f")
+
+
+def test_interleave_ranks_is_chunk_major() -> None:
+    assert interleave_ranks([[b"a0", b"a1", b"a2"], [b"b0", b"b1"]]) == [b"a0", b"b0", b"a1", b"b1"]
+    assert interleave_ranks([]) == []
+
+
+def test_random_seeded_block_hashes_are_detected() -> None:
+    assert block_hash_sharing_problem("sha256", {}) is None
+    assert block_hash_sharing_problem("sha256_cbor", {}) is None
+    assert block_hash_sharing_problem("xxhash", {"PYTHONHASHSEED": "0"}) is None
+    problem = block_hash_sharing_problem("xxhash_cbor", {})
+    assert problem is not None and "PYTHONHASHSEED" in problem
