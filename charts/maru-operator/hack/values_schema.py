@@ -15,8 +15,8 @@ The output is JSON schema draft-07, which both Helm 3 and Helm 4 evaluate.
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import re
 import sys
 from pathlib import Path
