@@ -200,14 +200,18 @@ def _match_reqs(values: dict[str, str], reqs: list[_Req]) -> bool:
     for r in reqs:
         present = r.key in values
         val = values.get(r.key)
-        ok = {
-            '=': present and val == r.values[0],
-            '!=': not present or val != r.values[0],
-            'in': present and val in r.values,
-            'notin': not present or val not in r.values,
-            'exists': present,
-            '!': not present,
-        }[r.op]
+        if r.op == '=':
+            ok = present and val == r.values[0]
+        elif r.op == '!=':
+            ok = not present or val != r.values[0]
+        elif r.op == 'in':
+            ok = present and val in r.values
+        elif r.op == 'notin':
+            ok = not present or val not in r.values
+        elif r.op == 'exists':
+            ok = present
+        else:
+            ok = not present
         if not ok:
             return False
     return True
@@ -404,7 +408,7 @@ class Fault:
         return (self.method is None or self.method == method) and bool(self.path.search(path))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Watcher:
     rt: ResourceType
     version: str
@@ -674,11 +678,9 @@ class Emulator(kmock.KubernetesEmulator):
             version = _version_of(obj, rt)
             schema = rt.schemas.get(version)
             if schema:
-                meta = obj.get('metadata')
-                obj = prune(obj, schema)
-                obj['metadata'] = meta
-                for fld in ('apiVersion', 'kind'):
-                    obj.setdefault(fld, (old or {}).get(fld))
+                # apiVersion, kind and metadata are never pruned, whatever the schema lists.
+                kept = {k: obj[k] for k in ('apiVersion', 'kind', 'metadata') if k in obj}
+                obj = {**prune(obj, schema), **kept}
                 checked = {k: v for k, v in obj.items() if k != 'metadata'}
                 validator = jsonschema.Draft202012Validator(_to_jsonschema(
                     {**schema, 'properties': {k: v for k, v in (schema.get('properties') or {}).items()
@@ -753,9 +755,12 @@ class Emulator(kmock.KubernetesEmulator):
         obj = self._store[key]
         if rt.key == ('', 'namespaces'):
             self._terminate_namespace(key[3])
-            obj = self._store.get(key, obj)
-            if key in self._store and any(ns == key[3] for (_, _, ns, _) in self._store):
-                return copy.deepcopy(self._store[key])
+            if key not in self._store:  # removed when its last object went away
+                return copy.deepcopy(obj)
+            obj = self._store[key]
+            if any(ns == key[3] for (_, _, ns, _) in self._store):
+                return copy.deepcopy(obj)  # Terminating until its objects' finalizers are done
+            return self._remove(rt, key)
         if obj['metadata'].get('finalizers'):
             if obj['metadata'].get('deletionTimestamp'):
                 return copy.deepcopy(obj)

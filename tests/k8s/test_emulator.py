@@ -1,0 +1,682 @@
+"""The emulator behaves like kube-apiserver where our operator, kopf and kubectl depend on it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.k8s.controllers import KubeControllers
+from tests.k8s.emulator import ApiError, merge_patch, parse_label_selector, strategic_merge_patch
+from tests.k8s.fixtures import KubeEmulator, running_emulator
+
+pytestmark = pytest.mark.emulator
+
+GROUP = 'test.example.com'
+
+CRD: dict[str, Any] = {
+    'apiVersion': 'apiextensions.k8s.io/v1',
+    'kind': 'CustomResourceDefinition',
+    'metadata': {'name': f'widgets.{GROUP}'},
+    'spec': {
+        'group': GROUP,
+        'scope': 'Namespaced',
+        'names': {'plural': 'widgets', 'singular': 'widget', 'kind': 'Widget', 'shortNames': ['wdg'],
+                  'categories': ['gadgets']},
+        'versions': [{
+            'name': 'v1', 'served': True, 'storage': True,
+            'subresources': {'status': {}},
+            'schema': {'openAPIV3Schema': {
+                'type': 'object',
+                'properties': {
+                    'spec': {'type': 'object', 'required': ['size'], 'properties': {
+                        'size': {'type': 'integer', 'minimum': 1},
+                        'color': {'type': 'string', 'enum': ['red', 'blue']},
+                        'extra': {'type': 'object', 'x-kubernetes-preserve-unknown-fields': True},
+                    }},
+                    'status': {'type': 'object', 'x-kubernetes-preserve-unknown-fields': True},
+                },
+            }},
+        }],
+    },
+}
+
+
+def widget(name: str, size: int = 1, **spec: Any) -> dict[str, Any]:
+    return {'apiVersion': f'{GROUP}/v1', 'kind': 'Widget', 'metadata': {'name': name, 'namespace': 'default'},
+            'spec': {'size': size, **spec}}
+
+
+@pytest.fixture
+def kube(k8s_emulator: KubeEmulator) -> KubeEmulator:
+    k8s_emulator.create(CRD)
+    return k8s_emulator
+
+
+def _dump(tmp: pathlib.Path, name: str, *docs: dict[str, Any]) -> str:
+    path = tmp / name
+    path.write_text(yaml.safe_dump_all(docs))
+    return str(path)
+
+
+# -------------------------------------------------------------------------------------------------
+# kubectl
+
+
+@pytest.mark.tools
+def test_kubectl_apply_crd_then_custom_resource(k8s_emulator: KubeEmulator, tmp_path: pathlib.Path) -> None:
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', _dump(tmp_path, 'crd.yaml', CRD))
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', _dump(tmp_path, 'w.yaml', widget('w1', 3)))
+
+    out = k8s_emulator.kubectl('get', 'wdg').stdout
+    assert 'w1' in out
+    assert 'w1' in k8s_emulator.kubectl('get', 'gadgets').stdout
+    assert 'w1' in k8s_emulator.kubectl('get', 'widgets.test.example.com', '-o', 'name').stdout
+
+    # A second apply with a change goes through the last-applied annotation and a merge patch.
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', _dump(tmp_path, 'w.yaml', widget('w1', 5)))
+    obj = k8s_emulator.get('widgets.test.example.com', 'w1', 'default')
+    assert obj is not None
+    assert obj['spec']['size'] == 5
+    assert obj['metadata']['generation'] == 2
+    assert 'kubectl.kubernetes.io/last-applied-configuration' in obj['metadata']['annotations']
+
+    got = json.loads(k8s_emulator.kubectl('get', 'wdg', 'w1', '-o', 'json').stdout)
+    assert got['metadata']['uid'] == obj['metadata']['uid']
+
+    k8s_emulator.kubectl('delete', 'wdg', 'w1')
+    assert k8s_emulator.get('widgets.test.example.com', 'w1', 'default') is None
+
+
+@pytest.mark.tools
+def test_kubectl_apply_builtin_kinds_with_strategic_merge(k8s_emulator: KubeEmulator,
+                                                          tmp_path: pathlib.Path) -> None:
+    deploy = {
+        'apiVersion': 'apps/v1', 'kind': 'Deployment',
+        'metadata': {'name': 'web', 'namespace': 'default', 'labels': {'app': 'web'}},
+        'spec': {'replicas': 1, 'selector': {'matchLabels': {'app': 'web'}}, 'template': {
+            'metadata': {'labels': {'app': 'web'}},
+            'spec': {'containers': [
+                {'name': 'a', 'image': 'a:1', 'env': [{'name': 'FOO', 'value': '1'}, {'name': 'BAR', 'value': '2'}]},
+                {'name': 'b', 'image': 'b:1'},
+            ]}}},
+    }
+    cm = {'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'cfg'}, 'data': {'k': 'v'}}
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', _dump(tmp_path, 'a.yaml', deploy, cm))
+
+    deploy['spec']['template']['spec']['containers'][0]['env'] = [{'name': 'BAR', 'value': '3'}]
+    deploy['spec']['template']['spec']['containers'][1]['image'] = 'b:2'
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', _dump(tmp_path, 'a.yaml', deploy, cm))
+
+    got = k8s_emulator.get('deployments.apps', 'web', 'default')
+    assert got is not None
+    containers = got['spec']['template']['spec']['containers']
+    assert [c['name'] for c in containers] == ['a', 'b']
+    assert containers[0]['env'] == [{'name': 'BAR', 'value': '3'}]
+    assert containers[1]['image'] == 'b:2'
+    assert got['metadata']['generation'] == 2
+    assert 'cfg' in k8s_emulator.kubectl('get', 'cm').stdout
+    assert 'web' in k8s_emulator.kubectl('get', 'all').stdout
+
+
+@pytest.mark.tools
+def test_kubectl_apply_product_crds_and_examples(k8s_emulator: KubeEmulator) -> None:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    crds, examples = root / 'crds', root / 'examples'
+    if not list(crds.glob('*.yaml')) or not list(examples.glob('*.yaml')):
+        pytest.skip('the product CRDs or examples are not generated yet')
+    # Like a real cluster, a CRD must be established before kubectl can map its custom resources,
+    # so the CRDs and the resources using them are applied in two steps.
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', str(crds))
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', str(examples))
+    assert k8s_emulator.list('marupools.maru.io') or k8s_emulator.list('inferencegroups.maru.io')
+
+
+# -------------------------------------------------------------------------------------------------
+# Object semantics
+
+
+def test_generation_and_resource_version(kube: KubeEmulator) -> None:
+    w = kube.create(widget('w', 1))
+    meta = w['metadata']
+    assert meta['generation'] == 1 and meta['uid'] and meta['creationTimestamp']
+    rv1 = int(meta['resourceVersion'])
+
+    w = kube.patch('widgets.test.example.com', 'w', {'metadata': {'labels': {'a': 'b'}}}, 'default')
+    assert w['metadata']['generation'] == 1
+    assert int(w['metadata']['resourceVersion']) > rv1
+
+    w = kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 2}}, 'default')
+    assert w['metadata']['generation'] == 2
+
+    # A no-op write neither bumps resourceVersion nor notifies watchers.
+    rv = w['metadata']['resourceVersion']
+    w = kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 2}}, 'default')
+    assert w['metadata']['resourceVersion'] == rv
+
+    # The global counter increases across objects.
+    cm = kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c'}})
+    assert int(cm['metadata']['resourceVersion']) > int(rv)
+
+
+def test_replace_with_stale_resource_version_conflicts(kube: KubeEmulator) -> None:
+    w = kube.create(widget('w', 1))
+    kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 2}}, 'default')
+    w['spec']['size'] = 3
+    with pytest.raises(ApiError) as err:
+        kube.replace('widgets.test.example.com', 'w', w, 'default')
+    assert err.value.code == 409
+    del w['metadata']['resourceVersion']
+    assert kube.replace('widgets.test.example.com', 'w', w, 'default')['spec']['size'] == 3
+
+
+def test_status_subresource(kube: KubeEmulator) -> None:
+    kube.create({**widget('w', 1), 'status': {'ignored': True}})
+    w = kube.get('widgets.test.example.com', 'w', 'default')
+    assert w is not None and 'status' not in w  # status on create is dropped
+
+    w = kube.patch_status('widgets.test.example.com', 'w', {'phase': 'Ready'}, 'default')
+    assert w['status'] == {'phase': 'Ready'}
+    assert w['metadata']['generation'] == 1
+
+    # The main endpoint ignores status; the status endpoint ignores spec.
+    w = kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 4}, 'status': {'phase': 'X'}}, 'default')
+    assert w['status'] == {'phase': 'Ready'} and w['spec']['size'] == 4
+    w = kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 9}, 'status': {'phase': 'Y'}}, 'default',
+                   subresource='status')
+    assert w['status'] == {'phase': 'Y'} and w['spec']['size'] == 4
+
+
+def test_status_subresource_over_http(kube: KubeEmulator) -> None:
+    from kubernetes import client
+
+    api = client.CustomObjectsApi(kube.api_client())
+    api.create_namespaced_custom_object(GROUP, 'v1', 'default', 'widgets', widget('w', 1))
+    got = api.patch_namespaced_custom_object_status(GROUP, 'v1', 'default', 'widgets', 'w',
+                                                    {'status': {'phase': 'Ready'}})
+    assert got['status'] == {'phase': 'Ready'}
+    assert got['metadata']['generation'] == 1
+
+
+def test_schema_validation_and_pruning(kube: KubeEmulator) -> None:
+    from kubernetes import client
+
+    api = client.CustomObjectsApi(kube.api_client())
+    with pytest.raises(client.ApiException) as err:
+        api.create_namespaced_custom_object(GROUP, 'v1', 'default', 'widgets', widget('bad', 0, color='green'))
+    assert err.value.status == 422
+    body = json.loads(err.value.body)
+    fields = {c['field'] for c in body['details']['causes']}
+    assert fields == {'spec.size', 'spec.color'}
+
+    obj = api.create_namespaced_custom_object(
+        GROUP, 'v1', 'default', 'widgets', widget('ok', 1, unknown=1, extra={'free': 'form'}))
+    assert 'unknown' not in obj['spec']
+    assert obj['spec']['extra'] == {'free': 'form'}
+
+
+def test_schema_validation_can_be_switched_off(tmp_path: pathlib.Path) -> None:
+    with running_emulator(tmp_path, validate_schemas=False) as kube:
+        kube.create(CRD)
+        obj = kube.create(widget('w', 0, unknown=1))
+        assert obj['spec'] == {'size': 0, 'unknown': 1}
+
+
+def test_label_and_field_selectors(kube: KubeEmulator) -> None:
+    for name, labels in [('a', {'app': 'x', 'tier': 'web'}), ('b', {'app': 'x', 'tier': 'db'}),
+                         ('c', {'app': 'y'})]:
+        kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': name, 'labels': labels}})
+
+    def names(**kwargs: str) -> list[str]:
+        return [o['metadata']['name'] for o in kube.list('configmaps', 'default', **kwargs)]
+
+    assert names(labels='app=x') == ['a', 'b']
+    assert names(labels='app=x,tier!=web') == ['b']
+    assert names(labels='tier in (web, db)') == ['a', 'b']
+    assert names(labels='app,!tier') == ['c']
+    assert names(labels='tier notin (web)') == ['b', 'c']
+    assert names(fields='metadata.name=c') == ['c']
+
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube.api_client())
+    assert [c.metadata.name for c in core.list_namespaced_config_map('default', label_selector='app=y').items] \
+        == ['c']
+    assert parse_label_selector('a in (b,c),d') [0].values == ('b', 'c')
+
+
+def test_watch_resume_delivers_every_event(kube: KubeEmulator) -> None:
+    from kubernetes import client, watch
+
+    core = client.CoreV1Api(kube.api_client())
+    listed = core.list_namespaced_config_map('default')
+    start_rv = listed.metadata.resource_version
+
+    for i in range(5):
+        kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': f'cm{i}'}})
+    kube.patch('configmaps', 'cm1', {'data': {'k': 'v'}}, 'default')
+    kube.delete('configmaps', 'cm2', 'default')
+
+    seen: list[tuple[str, str]] = []
+    w = watch.Watch()
+    for event in w.stream(core.list_namespaced_config_map, 'default', resource_version=start_rv,
+                          timeout_seconds=30):
+        seen.append((event['type'], event['object'].metadata.name))
+        if len(seen) == 7:
+            w.stop()
+    assert seen == [('ADDED', f'cm{i}') for i in range(5)] + [('MODIFIED', 'cm1'), ('DELETED', 'cm2')]
+
+
+def test_watch_from_a_list_loses_nothing_under_concurrent_writes(kube: KubeEmulator) -> None:
+    import urllib.request
+
+    listing = json.loads(urllib.request.urlopen(f'{kube.url}/api/v1/namespaces/default/configmaps').read())
+    rv = listing['metadata']['resourceVersion']
+    names: queue.Queue[str] = queue.Queue()
+
+    def reader() -> None:
+        url = f'{kube.url}/api/v1/namespaces/default/configmaps?watch=true&resourceVersion={rv}&timeoutSeconds=60'
+        with urllib.request.urlopen(url) as stream:
+            for line in stream:
+                names.put(json.loads(line)['object']['metadata']['name'])
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    for i in range(50):
+        kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': f'c{i}'}})
+    got = [names.get(timeout=30) for _ in range(50)]
+    assert got == [f'c{i}' for i in range(50)]
+    kube.drop_watches()
+    thread.join(30)
+
+
+def test_watch_with_label_selector_sees_objects_leave_and_enter(kube: KubeEmulator) -> None:
+    from kubernetes import client, watch
+
+    core = client.CoreV1Api(kube.api_client())
+    rv = core.list_namespaced_config_map('default').metadata.resource_version
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', 'labels': {'on': 'yes'}}})
+    kube.patch('configmaps', 'c', {'metadata': {'labels': {'on': 'no'}}}, 'default')
+    kube.patch('configmaps', 'c', {'metadata': {'labels': {'on': 'yes'}}}, 'default')
+    seen = []
+    w = watch.Watch()
+    for event in w.stream(core.list_namespaced_config_map, 'default', label_selector='on=yes',
+                          resource_version=rv, timeout_seconds=30):
+        seen.append(event['type'])
+        if len(seen) == 3:
+            w.stop()
+    assert seen == ['ADDED', 'DELETED', 'ADDED']
+
+
+def test_owner_reference_garbage_collection(kube: KubeEmulator) -> None:
+    owner = kube.create(widget('owner', 1))
+    ref = {'apiVersion': f'{GROUP}/v1', 'kind': 'Widget', 'name': 'owner', 'uid': owner['metadata']['uid'],
+           'controller': True, 'blockOwnerDeletion': True}
+    child = kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap',
+                         'metadata': {'name': 'child', 'ownerReferences': [ref]}})
+    grandchild_ref = {'apiVersion': 'v1', 'kind': 'ConfigMap', 'name': 'child', 'uid': child['metadata']['uid']}
+    kube.create({'apiVersion': 'v1', 'kind': 'Secret', 'metadata': {'name': 'grandchild',
+                                                                   'ownerReferences': [grandchild_ref]}})
+    other = kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'two-owners'}})
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'shared', 'ownerReferences': [
+        ref, {'apiVersion': 'v1', 'kind': 'ConfigMap', 'name': 'two-owners', 'uid': other['metadata']['uid']}]}})
+
+    kube.delete('widgets.test.example.com', 'owner', 'default')
+    kube.wait_gone('configmaps', 'child', 'default')
+    kube.wait_gone('secrets', 'grandchild', 'default')
+    shared = kube.get('configmaps', 'shared', 'default')
+    assert shared is not None
+    assert [r['name'] for r in shared['metadata']['ownerReferences']] == ['two-owners']
+
+
+def test_orphan_propagation_keeps_dependents(kube: KubeEmulator) -> None:
+    owner = kube.create(widget('owner', 1))
+    ref = {'apiVersion': f'{GROUP}/v1', 'kind': 'Widget', 'name': 'owner', 'uid': owner['metadata']['uid']}
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'child', 'ownerReferences': [ref]}})
+    kube.delete('widgets.test.example.com', 'owner', 'default', propagation='Orphan')
+    child = kube.get('configmaps', 'child', 'default')
+    assert child is not None and 'ownerReferences' not in child['metadata']
+
+
+def test_finalizers_delay_deletion(kube: KubeEmulator) -> None:
+    w = widget('w', 1)
+    w['metadata']['finalizers'] = ['example.com/cleanup']
+    kube.create(w)
+    deleted = kube.delete('widgets.test.example.com', 'w', 'default')
+    assert deleted is not None and deleted['metadata']['deletionTimestamp']
+    still = kube.get('widgets.test.example.com', 'w', 'default')
+    assert still is not None and still['metadata']['deletionTimestamp']
+
+    kube.patch('widgets.test.example.com', 'w', {'metadata': {'finalizers': None}}, 'default')
+    assert kube.get('widgets.test.example.com', 'w', 'default') is None
+
+
+def test_namespace_deletion_removes_its_objects(kube: KubeEmulator) -> None:
+    kube.create({'apiVersion': 'v1', 'kind': 'Namespace', 'metadata': {'name': 'scratch'}})
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', 'namespace': 'scratch'}})
+    kube.delete('namespaces', 'scratch')
+    assert kube.get('namespaces', 'scratch') is None
+    assert kube.list('configmaps', 'scratch') == []
+
+
+def test_deleting_a_crd_removes_its_resources_and_discovery(kube: KubeEmulator) -> None:
+    import urllib.error
+    import urllib.request
+
+    kube.create(widget('w', 1))
+    assert 'widgets' in urllib.request.urlopen(f'{kube.url}/apis/{GROUP}/v1').read().decode()
+    kube.delete('customresourcedefinitions.apiextensions.k8s.io', f'widgets.{GROUP}')
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f'{kube.url}/apis/{GROUP}/v1/namespaces/default/widgets')
+    assert err.value.code == 404
+
+
+def test_discovery_documents(kube: KubeEmulator) -> None:
+    import urllib.request
+
+    def get(path: str) -> Any:
+        return json.loads(urllib.request.urlopen(kube.url + path).read())
+
+    assert get('/api')['versions'] == ['v1']
+    assert get('/api/v1')['groupVersion'] == 'v1'
+    assert GROUP in [g['name'] for g in get('/apis')['groups']]
+    resources = {r['name']: r for r in get(f'/apis/{GROUP}/v1')['resources']}
+    assert resources['widgets']['shortNames'] == ['wdg']
+    assert resources['widgets']['categories'] == ['gadgets']
+    assert 'widgets/status' in resources
+    apps = {r['name'] for r in get('/apis/apps/v1')['resources']}
+    assert {'deployments', 'deployments/status', 'daemonsets', 'daemonsets/status'} <= apps
+    crd = kube.get('customresourcedefinitions.apiextensions.k8s.io', f'widgets.{GROUP}')
+    assert crd is not None
+    assert {c['type']: c['status'] for c in crd['status']['conditions']}['Established'] == 'True'
+
+
+def test_kubernetes_client_accepts_owner_references(kube: KubeEmulator) -> None:
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube.api_client())
+    owner = core.create_namespaced_config_map('default', {'metadata': {'name': 'owner'}})
+    child = core.create_namespaced_config_map('default', {'metadata': {'name': 'child', 'ownerReferences': [{
+        'apiVersion': 'v1', 'kind': 'ConfigMap', 'name': 'owner', 'uid': owner.metadata.uid}]}})
+    assert child.metadata.owner_references[0].uid == owner.metadata.uid
+    # The client sends a strategic merge patch for dicts; built-in kinds support it.
+    patched = core.patch_namespaced_config_map('child', 'default', {'data': {'a': 'b'}})
+    assert patched.data == {'a': 'b'}
+
+
+def test_strategic_merge_patch_for_custom_resources_is_rejected(kube: KubeEmulator) -> None:
+    kube.create(widget('w', 1))
+    with pytest.raises(ApiError) as err:
+        kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 2}}, 'default',
+                   content_type='application/strategic-merge-patch+json')
+    assert err.value.code == 415
+
+
+def test_json_patch(kube: KubeEmulator) -> None:
+    kube.create(widget('w', 1))
+    w = kube.patch('widgets.test.example.com', 'w', [{'op': 'replace', 'path': '/spec/size', 'value': 7}],
+                   'default', content_type='application/json-patch+json')
+    assert w['spec']['size'] == 7
+
+
+def test_patch_helpers() -> None:
+    assert merge_patch({'a': {'b': 1, 'c': 2}}, {'a': {'b': None, 'd': 3}}) == {'a': {'c': 2, 'd': 3}}
+    merged = strategic_merge_patch(
+        {'spec': {'containers': [{'name': 'a', 'image': '1'}, {'name': 'b', 'image': '1'}]},
+         'metadata': {'finalizers': ['x']}},
+        {'spec': {'containers': [{'name': 'b', 'image': '2'}, {'name': 'a', '$patch': 'delete'}],
+                  '$setElementOrder/containers': [{'name': 'b'}]},
+         'metadata': {'finalizers': ['y']}})
+    assert merged == {'spec': {'containers': [{'name': 'b', 'image': '2'}]}, 'metadata': {'finalizers': ['x', 'y']}}
+
+
+# -------------------------------------------------------------------------------------------------
+# Faults and the request log
+
+
+def test_fault_injection_returns_the_injected_status(kube: KubeEmulator) -> None:
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube.api_client())
+    fault = kube.inject_fault(r'/configmaps$', 503, method='POST', times=2)
+    for _ in range(2):
+        with pytest.raises(client.ApiException) as err:
+            core.create_namespaced_config_map('default', {'metadata': {'name': 'c'}})
+        assert err.value.status == 503
+    core.create_namespaced_config_map('default', {'metadata': {'name': 'c'}})
+    assert fault.hits == 2
+
+    kube.inject_fault(r'/configmaps/c$', 409, method='PATCH')
+    with pytest.raises(client.ApiException) as err:
+        core.patch_namespaced_config_map('c', 'default', {'data': {'a': 'b'}})
+    assert err.value.status == 409
+
+
+def test_dropping_watches_ends_the_stream(kube: KubeEmulator) -> None:
+    import urllib.request
+
+    opened = threading.Event()
+    finished = threading.Event()
+
+    def reader() -> None:
+        with urllib.request.urlopen(f'{kube.url}/api/v1/configmaps?watch=true&timeoutSeconds=120') as stream:
+            opened.set()
+            for _ in stream:
+                pass
+        finished.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert opened.wait(30)
+    kube.wait_until(lambda e: e.open_watches(), message='the watch is registered')
+    assert kube.drop_watches(r'/configmaps') == 1
+    assert finished.wait(30)
+
+
+def test_request_log_records_writes(kube: KubeEmulator) -> None:
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube.api_client())
+    mark = kube.mark()
+    core.list_namespaced_config_map('default')
+    assert kube.writes_since(mark) == []
+    core.create_namespaced_config_map('default', {'metadata': {'name': 'c'}})
+    writes = kube.writes_since(mark)
+    assert [(r.method, r.path, r.status) for r in writes] == [('POST', '/api/v1/namespaces/default/configmaps',
+                                                                201)]
+
+
+# -------------------------------------------------------------------------------------------------
+# Simulated controllers
+
+
+def _deployment(name: str, replicas: int) -> dict[str, Any]:
+    return {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'metadata': {'name': name, 'namespace': 'default'},
+            'spec': {'replicas': replicas, 'selector': {'matchLabels': {'app': name}},
+                     'template': {'metadata': {'labels': {'app': name}},
+                                  'spec': {'containers': [{'name': 'c', 'image': 'i'}]}}}}
+
+
+def test_controllers_report_deployment_readiness(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
+    kube_controllers.hold()
+    kube.create(_deployment('d', 3))
+    held = kube.wait_for('deployments.apps', 'd', 'default', lambda o: o.get('status', {}).get('replicas') == 3)
+    assert 'readyReplicas' not in held['status']
+    kube_controllers.release()
+    ready = kube.wait_for('deployments.apps', 'd', 'default',
+                          lambda o: o.get('status', {}).get('readyReplicas') == 3)
+    assert ready['status']['observedGeneration'] == 1
+
+    kube_controllers.set_readiness(lambda obj: 1)
+    kube.patch('deployments.apps', 'd', {'spec': {'replicas': 2}}, 'default')
+    partial = kube.wait_for('deployments.apps', 'd', 'default',
+                            lambda o: o['status'].get('observedGeneration') == 2)
+    assert partial['status']['readyReplicas'] == 1 and partial['status']['replicas'] == 2
+
+
+def test_controllers_count_daemonset_nodes(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
+    kube_controllers.add_node('n1', {'cxl': 'true'})
+    kube_controllers.add_node('n2', {'cxl': 'true'})
+    kube_controllers.add_node('n3')
+    kube.create({'apiVersion': 'apps/v1', 'kind': 'DaemonSet', 'metadata': {'name': 'agent', 'namespace': 'default'},
+                 'spec': {'selector': {'matchLabels': {'app': 'agent'}},
+                          'template': {'metadata': {'labels': {'app': 'agent'}},
+                                       'spec': {'nodeSelector': {'cxl': 'true'},
+                                                'containers': [{'name': 'c', 'image': 'i'}]}}}})
+    ds = kube.wait_for('daemonsets.apps', 'agent', 'default',
+                       lambda o: o.get('status', {}).get('numberReady') == 2)
+    assert ds['status']['desiredNumberScheduled'] == 2
+    kube_controllers.add_node('n4', {'cxl': 'true'})
+    kube.wait_for('daemonsets.apps', 'agent', 'default', lambda o: o['status']['desiredNumberScheduled'] == 3)
+
+
+# -------------------------------------------------------------------------------------------------
+# kopf, in-process and as `kopf run`
+
+OPERATOR = '''
+import kopf
+import kubernetes
+
+
+@kopf.on.create('test.example.com', 'v1', 'widgets')
+@kopf.on.update('test.example.com', 'v1', 'widgets')
+def reconcile(spec, name, namespace, body, patch, **_):
+    cm = {'apiVersion': 'v1', 'kind': 'ConfigMap',
+          'metadata': {'name': f'{name}-cfg', 'labels': {'owner': name}},
+          'data': {'size': str(spec['size'])}}
+    kopf.adopt(cm, owner=body)
+    kubernetes.config.load_kube_config()
+    core = kubernetes.client.CoreV1Api()
+    try:
+        core.create_namespaced_config_map(namespace, cm)
+    except kubernetes.client.ApiException as e:
+        if e.status != 409:
+            raise
+        core.replace_namespaced_config_map(f'{name}-cfg', namespace, cm)
+    patch.status['configured'] = spec['size']
+'''
+
+
+@pytest.fixture
+def kopf_settings() -> Iterator[Any]:
+    import kopf
+
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True
+    settings.watching.reconnect_backoff = 0.1
+    settings.posting.enabled = True
+    yield settings
+
+
+def _run_kopf_in_thread(kube: KubeEmulator, registry: Any, settings: Any) -> tuple[threading.Thread, Any]:
+    import asyncio
+
+    stop: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def main() -> None:
+        async def run() -> None:
+            stop['flag'] = asyncio.Event()
+            stop['loop'] = asyncio.get_running_loop()
+            ready.set()
+            import kopf
+            await kopf.operator(registry=registry, settings=settings, stop_flag=stop['flag'],
+                                clusterwide=False, namespaces=['default'])
+        asyncio.run(run())
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+
+    def stopper() -> None:
+        stop['loop'].call_soon_threadsafe(stop['flag'].set)
+        thread.join(30)
+
+    return thread, stopper
+
+
+def test_kopf_operator_in_process_reconciles(kube: KubeEmulator, kopf_settings: Any) -> None:
+    import kopf
+    from kubernetes import client
+
+    registry = kopf.OperatorRegistry()
+    core = client.CoreV1Api(kube.api_client())
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> Any:
+        return kube.kopf_connection()
+
+    # A short backoff: the test injects API errors and waits for the retry.
+    @kopf.on.create(GROUP, 'v1', 'widgets', registry=registry, backoff=0.2)
+    @kopf.on.update(GROUP, 'v1', 'widgets', registry=registry, backoff=0.2)
+    def reconcile(spec: Any, name: str, namespace: str, body: Any, patch: Any, **_: Any) -> None:
+        cm = {'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': f'{name}-cfg'},
+              'data': {'size': str(spec['size'])}}
+        kopf.adopt(cm, owner=body)
+        try:
+            core.create_namespaced_config_map(namespace, cm)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+            core.replace_namespaced_config_map(f'{name}-cfg', namespace, cm)
+        patch.status['configured'] = spec['size']
+
+    _, stop = _run_kopf_in_thread(kube, registry, kopf_settings)
+    try:
+        kube.create(widget('w', 2))
+        cm = kube.wait_for('configmaps', 'w-cfg', 'default')
+        w = kube.get('widgets.test.example.com', 'w', 'default')
+        assert w is not None
+        assert cm['metadata']['ownerReferences'][0]['uid'] == w['metadata']['uid']
+        kube.wait_for('widgets.test.example.com', 'w', 'default',
+                      lambda o: o.get('status', {}).get('configured') == 2)
+
+        kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 5}}, 'default')
+        kube.wait_for('configmaps', 'w-cfg', 'default', lambda o: o['data']['size'] == '5')
+
+        # The operator survives a broken watch and API errors (for its own calls and its handler's).
+        kube.inject_fault(r'/configmaps', 500, times=2)
+        kube.inject_fault(r'/widgets/w$', 503, method='PATCH', times=1)
+        assert kube.drop_watches(r'/widgets') >= 1
+        kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 6}}, 'default')
+        kube.wait_for('configmaps', 'w-cfg', 'default', lambda o: o['data']['size'] == '6')
+
+        kube.delete('widgets.test.example.com', 'w', 'default')
+        kube.wait_gone('widgets.test.example.com', 'w', 'default')
+        kube.wait_gone('configmaps', 'w-cfg', 'default')
+    finally:
+        stop()
+
+
+@pytest.mark.tools
+def test_kopf_run_subprocess_reconciles(kube: KubeEmulator, tmp_path: pathlib.Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / 'op.py'
+    script.write_text(OPERATOR)
+    log = open(tmp_path / 'kopf.log', 'w')  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen([sys.executable, '-m', 'kopf', 'run', '--standalone', '--namespace=default',
+                             str(script)], env=kube.env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        kube.create(widget('w', 3))
+        cm = kube.wait_for('configmaps', 'w-cfg', 'default', timeout=60)
+        assert cm['data']['size'] == '3'
+        kube.wait_for('widgets.test.example.com', 'w', 'default',
+                      lambda o: o.get('status', {}).get('configured') == 3)
+    except AssertionError:
+        log.flush()
+        raise AssertionError((tmp_path / 'kopf.log').read_text()[-5000:]) from None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        log.close()
