@@ -86,6 +86,8 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             raise UsageError(f"--shm-path {path}: directory {os.path.dirname(path)} does not exist")
         try:
             memory = PoolMemory.open_shm(path, args.size)
+        except PoolMemoryError as err:
+            raise UsageError(f"--size {args.size}: {err}") from None
         except OSError as err:
             raise UsageError(f"--shm-path {path}: cannot create the pool memory: {err.strerror}") from None
         owned_file = path

@@ -79,12 +79,21 @@ class PoolMemory:
 
     @classmethod
     def open_shm(cls, path: str, capacity: int) -> PoolMemory:
-        """Create (or reuse) a shm file sized ``HEADER_SIZE + capacity``."""
+        """Create (or reuse) a shm file sized ``HEADER_SIZE + capacity``, with all of its memory reserved."""
         map_size = HEADER_SIZE + capacity
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
         try:
             if os.fstat(fd).st_size != map_size:
                 os.ftruncate(fd, map_size)
+            # A sparse tmpfs file that outgrows its filesystem kills whichever client touches the
+            # missing page with SIGBUS; reserving now turns that into a clear error at start.
+            try:
+                os.posix_fallocate(fd, 0, map_size)
+            except OSError as err:
+                raise PoolMemoryError(
+                    f"shm {path}: cannot reserve {map_size} bytes ({err.strerror}); "
+                    f"free space in {os.path.dirname(path)} or lower --size"
+                ) from None
             return cls(path, fd, map_size, capacity, "shm")
         except BaseException:
             os.close(fd)

@@ -1,0 +1,168 @@
+"""A CXL pool simulated on one machine: a metadata server and two node agents mapping one file."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from maru_connector.pool import LeaseLost, PoolClient, PoolUnavailable
+from maru_connector.pool.memory import HEADER_SIZE, read_header_from
+
+from .harness import Daemon
+from .test_daemon import wait_for
+
+MiB = 1 << 20
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def status(d: Daemon) -> dict:
+    with urllib.request.urlopen(d.metrics_url + "/status", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def start_metadata(daemons: list[Daemon], port: int, size: str = "4MiB") -> Daemon:
+    d = Daemon(
+        ["metadata", "--listen", f"tcp://127.0.0.1:{port}", "--size", size,
+         "--metrics-addr", "127.0.0.1:0", "--lease-seconds", "30"]
+    )  # fmt: skip
+    daemons.append(d)
+    return d
+
+
+def start_agent(daemons: list[Daemon], sock_dir: Path, name: str, port: int, device: Path) -> Daemon:
+    d = Daemon(
+        ["agent", "--listen", f"unix://{sock_dir}/{name}.sock", "--metadata", f"tcp://127.0.0.1:{port}",
+         "--device", str(device), "--node-name", name, "--heartbeat-seconds", "0.1",
+         "--metrics-addr", "127.0.0.1:0"]
+    )  # fmt: skip
+    daemons.append(d)
+    return d
+
+
+@pytest.fixture
+def device(sock_dir: Path) -> Path:
+    path = sock_dir / "dax0.0"
+    with open(path, "wb") as fh:
+        fh.truncate(8 * MiB)
+    return path
+
+
+@pytest.fixture
+def cluster(daemons: list[Daemon], sock_dir: Path, device: Path) -> tuple[Daemon, Daemon, Daemon, int]:
+    port = free_port()
+    meta = start_metadata(daemons, port)
+    a = start_agent(daemons, sock_dir, "node-a", port, device)
+    b = start_agent(daemons, sock_dir, "node-b", port, device)
+    return meta, a, b, port
+
+
+def test_chunk_written_on_one_node_is_read_on_the_other(cluster: tuple[Daemon, Daemon, Daemon, int]) -> None:
+    meta, a, b, _ = cluster
+    assert a.ready["connected"] == "true" and a.ready["backend"] == "dax"
+    on_a = PoolClient(a.ready["listen"], timeout_s=5)
+    on_b = PoolClient(b.ready["listen"], timeout_s=5)
+    data = os.urandom(3 * MiB // 2)
+    assert on_a.put(key(1), data)
+    assert on_b.lookup_prefix([key(1), key(2)]) == 1
+    out = bytearray(len(data))
+    assert on_b.get_into(key(1), out) and out == data
+    assert on_b.put(key(1), data) is False  # one index for the whole pool
+    # Batched paths through the other node.
+    leases = on_b.begin_write_many([(key(2), 1000), (key(3), 2000)])
+    for lease in leases:
+        lease.buffer[:] = lease.key[-1:] * lease.nbytes
+    assert on_b.commit_many(leases) == [True, True]
+    pins = on_a.open_read_many([key(2), key(3)])
+    assert [bytes(p.buffer) for p in pins] == [b"\x02" * 1000, b"\x03" * 2000]
+    on_a.release_many(pins)
+    assert on_a.stats()["pins"] == 0
+    assert status(meta)["chunks"] == 3
+
+
+def test_metadata_status_reports_agents_and_capacity(cluster: tuple[Daemon, Daemon, Daemon, int]) -> None:
+    meta, a, _, _ = cluster
+    PoolClient(a.ready["listen"], timeout_s=5).put(key(1), b"x" * MiB)
+    s = status(meta)
+    assert s["role"] == "metadata" and s["backend"] == "dax"
+    assert s["capacity_bytes"] == 4 * MiB and s["used_bytes"] == MiB and s["chunks"] == 1
+    assert [(n["node"], n["ready"]) for n in s["nodes"]] == [("node-a", True), ("node-b", True)]
+    agent_status = status(a)
+    assert agent_status["metadata_connected"] is True and agent_status["epoch"] == s["epoch"]
+
+
+def test_agents_write_the_metadata_epoch_into_the_shared_header(
+    cluster: tuple[Daemon, Daemon, Daemon, int], device: Path
+) -> None:
+    meta, _, _, _ = cluster
+    with open(device, "r+b") as fh, mmap.mmap(fh.fileno(), HEADER_SIZE) as mm:
+        header = read_header_from(mm)
+    assert header is not None and header.epoch == int(meta.ready["epoch"])
+
+
+def test_client_pointed_at_the_metadata_server_is_told_where_to_go(
+    cluster: tuple[Daemon, Daemon, Daemon, int],
+) -> None:
+    meta, _, _, _ = cluster
+    with pytest.raises(PoolUnavailable, match="node agent"):
+        PoolClient(meta.ready["listen"], timeout_s=5).lookup_prefix([key(1)])
+
+
+def test_metadata_restart_drops_the_index_and_old_leases(
+    cluster: tuple[Daemon, Daemon, Daemon, int], daemons: list[Daemon]
+) -> None:
+    meta, a, b, port = cluster
+    on_a = PoolClient(a.ready["listen"], timeout_s=5)
+    on_a.put(key(1), b"1" * MiB)
+    lease = on_a.begin_write(key(2), MiB)
+    meta.stop(signal.SIGKILL)
+    meta2 = start_metadata(daemons, port)
+    assert int(meta2.ready["epoch"]) > int(meta.ready["epoch"])
+    wait_for(lambda: status(b)["epoch"] == int(meta2.ready["epoch"]), "agents adopt the new epoch")
+    with pytest.raises(LeaseLost):
+        lease.commit()
+    on_b = PoolClient(b.ready["listen"], timeout_s=5)
+    assert on_b.lookup_prefix([key(1)]) == 0
+    assert on_a.lookup_prefix([key(1)]) == 0
+    assert on_b.put(key(1), b"new" * 1000)
+    out = bytearray(3000)
+    assert on_a.get_into(key(1), out) and out == b"new" * 1000
+
+
+def test_agent_started_before_metadata_refuses_then_serves(daemons: list[Daemon], sock_dir: Path, device: Path) -> None:
+    port = free_port()
+    agent = start_agent(daemons, sock_dir, "early", port, device)
+    assert agent.ready["connected"] == "false"
+    client = PoolClient(agent.ready["listen"], timeout_s=5)
+    with pytest.raises(PoolUnavailable, match="metadata server"):
+        client.lookup_prefix([key(1)])
+    start_metadata(daemons, port)
+    wait_for(lambda: status(agent)["metadata_connected"], "the agent reaches the metadata server")
+    assert client.put(key(1), b"late" * 100)
+
+
+def test_device_smaller_than_the_pool_is_refused_with_the_fix(
+    daemons: list[Daemon], sock_dir: Path, device: Path
+) -> None:
+    port = free_port()
+    start_metadata(daemons, port, size="64MiB")
+    agent = start_agent(daemons, sock_dir, "small", port, device)
+    with pytest.raises(PoolUnavailable, match="--size"):
+        PoolClient(agent.ready["listen"], timeout_s=5).lookup_prefix([key(1)])
+    with urllib.request.urlopen(agent.metrics_url + "/status", timeout=5) as resp:
+        assert "lower the metadata server's --size" in json.loads(resp.read())["problem"]
