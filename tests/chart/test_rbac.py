@@ -19,6 +19,8 @@ CLUSTER_RULES = {
     ("maru.io", "marupools"): {"get", "list", "watch", "patch", "update"},
     ("maru.io", "marupools/status"): {"get", "patch", "update"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
 }
 NAMESPACED_RULES = {
     ("maru.io", "inferencegroups"): {"get", "list", "watch", "patch", "update"},
@@ -31,8 +33,6 @@ NAMESPACED_RULES = {
     ("rbac.authorization.k8s.io", "roles"): WORKLOAD_VERBS,
     ("rbac.authorization.k8s.io", "rolebindings"): WORKLOAD_VERBS,
     ("", "pods"): {"get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
 }
 WATCH_NAMESPACES_ONLY_RULES = {("", "namespaces"): {"get", "list", "watch"}}
 
