@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,11 +18,12 @@ from maru_connector.pool import (
     LeaseLost,
     PoolClient,
     PoolError,
+    PoolFull,
     PoolUnavailable,
 )
 from maru_connector.pool.memory import HEADER_SIZE
 
-from .harness import Daemon, start_serve
+from .harness import Daemon, pool_env, start_serve
 
 
 def key(i: int) -> bytes:
@@ -192,3 +197,81 @@ def test_unavailable_when_socket_missing(sock_dir: Path) -> None:
 def test_bad_url_is_a_pool_error() -> None:
     with pytest.raises(PoolError):
         PoolClient("http://nope")
+
+
+def test_pin_prefix_pins_leading_hits_and_counts_them(client: PoolClient) -> None:
+    for i in (0, 1, 3):
+        client.put(key(i), bytes([i]) * 5000)
+    before = client.stats()
+    pins = client.pin_prefix([key(0), key(1), key(2), key(3)])
+    assert [p.key for p in pins] == [key(0), key(1)]
+    after = client.stats()
+    assert after["pins"] == 2
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (2, 2)
+    client.release_many(pins)
+    assert client.stats()["pins"] == 0
+
+
+def test_ticket_lets_another_process_read_and_release_the_pin(serve: Daemon) -> None:
+    scheduler = PoolClient(serve.ready["listen"], timeout_s=5)
+    data = os.urandom(70_000)
+    scheduler.put(key(1), data)
+    (pin,) = scheduler.pin_prefix([key(1)])
+    ticket = pin.ticket()
+    code = (
+        "import sys, ast\n"
+        "from maru_connector.pool import PoolClient\n"
+        "worker = PoolClient(sys.argv[1], timeout_s=5)\n"
+        "(pin,) = worker.claim([ast.literal_eval(sys.argv[2])])\n"
+        "out = bytearray(pin.nbytes)\n"
+        "pin.read_into(out)\n"
+        "pin.release()\n"
+        "sys.stdout.buffer.write(bytes(out))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, serve.ready["listen"], repr(ticket)],
+        capture_output=True, env=pool_env(), timeout=60, check=True,
+    )  # fmt: skip
+    assert result.stdout == data
+    assert scheduler.stats()["pins"] == 0
+
+
+def test_begin_write_of_a_chunk_larger_than_the_pool_raises_pool_full(client: PoolClient) -> None:
+    client.put(key(1), b"k" * 1000)
+    with pytest.raises(PoolFull, match="larger than the pool"):
+        client.begin_write(key(2), 64 << 20)
+    assert client.lookup_prefix([key(1)]) == 1  # nothing was evicted for it
+
+
+def test_timeout_raises_pool_unavailable(sock_dir: Path) -> None:
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(str(sock_dir / "mute.sock"))
+    mute.listen(1)  # accepts connections into the backlog, never answers
+    try:
+        client = PoolClient(f"unix://{sock_dir}/mute.sock", timeout_s=0.2)
+        with pytest.raises(PoolUnavailable, match="no answer"):
+            client.lookup_prefix([key(1)])
+    finally:
+        mute.close()
+
+
+def test_one_client_shared_by_threads(client: PoolClient) -> None:
+    errors: list[BaseException] = []
+
+    def worker(base: int) -> None:
+        try:
+            for i in range(base, base + 20):
+                payload = i.to_bytes(4, "big") * 1000
+                client.put(key(i), payload)
+                out = bytearray(len(payload))
+                assert client.get_into(key(i), out) and out == payload
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(100 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert client.stats()["commits"] == 80

@@ -7,6 +7,7 @@ package may import vLLM, torch or the Kubernetes client: the daemon runs in a sm
 from .client import (
     ChecksumMismatch,
     LeaseLost,
+    PinTicket,
     PoolClient,
     PoolError,
     PoolFull,
@@ -18,6 +19,7 @@ from .client import (
 __all__ = [
     "ChecksumMismatch",
     "LeaseLost",
+    "PinTicket",
     "PoolClient",
     "PoolError",
     "PoolFull",

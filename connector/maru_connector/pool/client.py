@@ -64,6 +64,9 @@ class _StaleEpoch(PoolError):
     pass
 
 
+# key, pin id, epoch, offset, nbytes, checksum: a pin in a form that pickles and crosses processes.
+PinTicket = tuple[bytes, int, int, int, int, int]
+
 _ERRORS: dict[str, type[PoolError]] = {
     protocol.E_FULL: PoolFull,
     protocol.E_STALE_EPOCH: _StaleEpoch,
@@ -153,6 +156,10 @@ class ReadPin:
             self.corrupt = True
             raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes in the pool do not match their checksum")
 
+    def ticket(self) -> PinTicket:
+        """Plain values that let another process :meth:`PoolClient.claim` this pin (and release it)."""
+        return (self.key, self.pin_id, self.epoch, self.offset, self.nbytes, self.checksum)
+
     def read_into(self, out: Any) -> None:
         """Copy the chunk into the writable buffer ``out`` and verify the copy (not the pool) in one pass.
 
@@ -240,6 +247,8 @@ class PoolClient:
             lease_id, offset = grant
             out.append(WriteLease(self, key, int(lease_id), epoch, offset, data[offset : offset + nbytes]))
         if full and all(lease is None for lease in out):
+            if any(nbytes > data.nbytes for _, nbytes in items):
+                raise PoolFull(f"pool full: a chunk is larger than the pool ({data.nbytes} bytes); raise --size")
             raise PoolFull(f"pool full: no room for {full} chunk(s) and nothing evictable (all pinned or in flight)")
         return out
 
@@ -271,12 +280,48 @@ class PoolClient:
         """Pin several chunks in one round trip; None for each miss."""
         if not keys:
             return []
+        return self._read(keys, prefix=False)
+
+    def pin_prefix(self, keys: Sequence[bytes]) -> list[ReadPin]:
+        """Like :meth:`lookup_prefix`, but the leading hits come back pinned. One round trip.
+
+        Lets a scheduler guarantee that what it reported as a hit is still there when the worker
+        loads it: pass :meth:`ReadPin.ticket` values to the worker, which turns them back into pins
+        with :meth:`claim`, copies, and releases. Every pin must be released (or it lives until its
+        lease expires, holding its space).
+        """
+        if not keys:
+            return []
+        return [pin for pin in self._read(keys, prefix=True) if pin is not None]
+
+    def claim(self, tickets: Sequence[PinTicket]) -> list[ReadPin]:
+        """Pins from :meth:`ReadPin.ticket` values made by another client (another process) of the same pool.
+
+        No round trip. If the daemon restarted since, the bytes may have been reused: :meth:`ReadPin.read_into`
+        and :meth:`ReadPin.verify` then raise :class:`ChecksumMismatch`, and release is a no-op.
+        """
+        if not tickets:
+            return []
         with self._lock:
-            reply = self._call({"op": "read", "keys": protocol.hex_keys(list(keys))})
+            if self._map is None or self._pid != os.getpid():
+                self._call({"op": "stats"})  # any call connects and maps the pool
+            data = self._mapping().data
+        out = []
+        for key, pin_id, epoch, offset, nbytes, checksum in tickets:
+            view = data[offset : offset + nbytes].toreadonly()
+            out.append(ReadPin(self, key, pin_id, epoch, offset, checksum, view))
+        return out
+
+    def _read(self, keys: Sequence[bytes], *, prefix: bool) -> list[ReadPin | None]:
+        msg: dict[str, Any] = {"op": "read", "keys": protocol.hex_keys(list(keys))}
+        if prefix:
+            msg["prefix"] = True
+        with self._lock:
+            reply = self._call(msg)
             data = self._mapping().data
         epoch = int(reply["epoch"])
         out: list[ReadPin | None] = []
-        for key, pin in zip(keys, reply["pins"], strict=True):
+        for key, pin in zip(keys, reply["pins"], strict=False):
             if pin is None:
                 out.append(None)
                 continue

@@ -171,13 +171,18 @@ class PoolIndex:
 
     # ----------------------------------------------------------------- reads
 
-    def open_read(self, keys: Sequence[bytes]) -> list[ReadGrant | None]:
+    def open_read(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[ReadGrant | None]:
+        """Pin committed chunks; None per miss. With ``prefix``, a lookup that pins: it stops at the
+        first miss (returning only the leading hits) and counts hits and misses like :meth:`lookup_prefix`.
+        """
         with self._lock:
             now = self._clock()
             out: list[ReadGrant | None] = []
             for key in keys:
                 chunk = self._chunks.get(key)
                 if chunk is None or not chunk.committed:
+                    if prefix:
+                        break
                     self.counters["read_misses"] += 1
                     out.append(None)
                     continue
@@ -186,6 +191,9 @@ class PoolIndex:
                 pin_id = self._new_id()
                 self._leases[pin_id] = _Lease(chunk, now + self.lease_seconds, write=False)
                 out.append(ReadGrant(pin_id, chunk.offset, chunk.nbytes, chunk.checksum))
+            if prefix:
+                self.counters["hits"] += len(out)
+                self.counters["misses"] += len(keys) - len(out)
             return out
 
     def release(self, epoch: int, pin_ids: Iterable[int], corrupt: Iterable[int] = ()) -> None:

@@ -13,7 +13,8 @@ Operations (request fields -> reply fields):
 * ``write``   items [[key, nbytes]...]    -> epoch, grants [[lease_id, offset] | null | "full"]
 * ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]
 * ``abort``   epoch, leases [lease_id]    -> {}
-* ``read``    keys                        -> epoch, pins [[pin_id, offset, nbytes, checksum] | null]
+* ``read``    keys, prefix?               -> epoch, pins [[pin_id, offset, nbytes, checksum] | null]
+  (with ``prefix`` true: pins of the leading hits only, counted as a lookup)
 * ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
 * ``stats``                               -> stats {name: int}
 * ``status``                              -> the /status document

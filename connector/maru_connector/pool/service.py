@@ -137,7 +137,7 @@ class IndexService:
         return {}
 
     def _read(self, msg: dict[str, Any]) -> dict[str, Any]:
-        grants = self.index.open_read(protocol.unhex_keys(msg["keys"]))
+        grants = self.index.open_read(protocol.unhex_keys(msg["keys"]), prefix=bool(msg.get("prefix")))
         pins = [None if g is None else [g.pin_id, g.offset, g.nbytes, g.checksum] for g in grants]
         return {"epoch": self.index.epoch, "pins": pins}
 
