@@ -1,0 +1,343 @@
+"""Children of an InferenceGroup: prefill and decode vLLM Deployments, and the router in front.
+
+Both roles get their ``--kv-transfer-config`` from :func:`maru_connector.config.kv_transfer_config_json`,
+built from one spec, so prefill and decode can never disagree on chunk size, pool or key namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
+from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
+from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.builders.common import (
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    LABEL_POOL,
+    LABEL_ROLE,
+    Object,
+    Owner,
+    labels,
+    metadata,
+    restricted_container_security,
+    selector,
+)
+from maru_operator.builders.pool import pool_endpoint, socket_host_dir
+from maru_operator.names import child_name, label_value
+
+Role = Literal["prefill", "decode"]
+
+VLLM_APP = "vllm"
+ROUTER_APP = "vllm-router"
+VLLM_PORT = 8000
+ROUTER_CONTAINER_PORT = 8000
+ROUTER_METRICS_PORT = 29000
+
+# Prefill stores the prompt's KV, decode only loads it: by the time decode runs, prefill has already
+# committed every chunk of the prompt, so a decode-side store would only duplicate them.
+KV_ROLES: dict[Role, KVRole] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+# vLLM seeds the first block hash of every chain from PYTHONHASHSEED (random when unset); chunk keys
+# derive from those hashes, so every engine of a group must use the same seed or nothing ever hits.
+HASH_SEED_ENV = "PYTHONHASHSEED"
+HASH_SEED = "0"
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What a group needs to know about its pool."""
+
+    name: str
+    spec: MaruPoolSpec
+
+    @property
+    def endpoint(self) -> str:
+        return pool_endpoint(self.spec, self.name)
+
+    @property
+    def socket_dir(self) -> str:
+        return socket_host_dir(self.spec, self.name)
+
+
+def role_name(group: str, role: str) -> str:
+    return child_name(group, role)
+
+
+def router_name(group: str) -> str:
+    return child_name(group, "router")
+
+
+def service_name(group: str) -> str:
+    """The group's front door is named after the group: ``http://<group>.<namespace>.svc``."""
+    return child_name(group)
+
+
+def cache_namespace(spec: InferenceGroupSpec, owner: Owner) -> str:
+    return spec.connector.cache_namespace or f"{owner.namespace}/{owner.name}"
+
+
+def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> MaruConnectorConfig:
+    return MaruConnectorConfig(
+        pool_url=pool.endpoint,
+        chunk_tokens=spec.connector.chunk_tokens,
+        cache_namespace=cache_namespace(spec, owner),
+    )
+
+
+def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView) -> list[str]:
+    role_spec: RoleSpec = getattr(spec, role)
+    model = spec.model
+    args = [
+        model.name,
+        "--port", str(VLLM_PORT),
+        "--served-model-name", model.served_model_name or model.name,
+        "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
+        "--block-size", str(spec.connector.block_size),
+        "--dtype", model.dtype,
+    ]
+    if model.revision:
+        args += ["--revision", model.revision]
+    if model.max_model_len:
+        args += ["--max-model-len", str(model.max_model_len)]
+    args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool))]
+    return args + list(role_spec.extra_args)
+
+
+def pool_node_affinity(pool: MaruPoolSpec) -> dict[str, Any] | None:
+    """Required affinity to the nodes that carry the pool: elsewhere there is no socket to reach."""
+    if not pool.node_selector:
+        return None
+    expressions = [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(pool.node_selector.items())]
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": expressions}]}
+        }
+    }
+
+
+def _resources(role_spec: RoleSpec) -> dict[str, Any]:
+    return {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
+
+
+def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": 10, "timeoutSeconds": 5, **extra}
+
+
+def role_labels(owner: Owner, role: str, pool: str) -> dict[str, str]:
+    return {**labels(owner, app=VLLM_APP, component=role, role=role), LABEL_POOL: label_value(pool)}
+
+
+def discovery_selector(owner: Owner, role: str) -> dict[str, str]:
+    """Labels the router uses to find this group's pods of one role (and nothing else)."""
+    return {LABEL_NAME: VLLM_APP, LABEL_INSTANCE: owner.instance, LABEL_ROLE: role}
+
+
+def build_role_deployment(
+    spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView, *, replicas: int | None = None
+) -> Object:
+    """The vLLM Deployment of one role; ``replicas`` overrides the spec (0 when access is revoked)."""
+    role_spec: RoleSpec = getattr(spec, role)
+    pod_labels = role_labels(owner, role, pool.name)
+    env = [{"name": HASH_SEED_ENV, "value": HASH_SEED}]
+    env += [{"name": e.name, "value": e.value} for e in role_spec.env if e.name != HASH_SEED_ENV]
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["vllm", "serve"],
+        "args": vllm_args(spec, role, owner, pool),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
+        "resources": _resources(role_spec),
+        "volumeMounts": [
+            # Same path inside as on the host, so the pool URL in the connector config is valid in both.
+            {"name": "maru-socket", "mountPath": pool.socket_dir},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        # Loading weights can take many minutes; liveness only starts once the server answered once.
+        "startupProbe": _probe("/health", "http", failureThreshold=180),
+        "readinessProbe": _probe("/health", "http", failureThreshold=3),
+        "livenessProbe": _probe("/health", "http", failureThreshold=6),
+        # vLLM writes compile and download caches under $HOME and /tmp: the root filesystem stays writable.
+        "securityContext": restricted_container_security(read_only_root=False),
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [
+            {"name": "maru-socket", "hostPath": {"path": pool.socket_dir, "type": "Directory"}},
+            # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+        "terminationGracePeriodSeconds": 60,
+    }
+    affinity = pool_node_affinity(pool.spec)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if role_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(role_spec.node_selector)
+    # The pods must run where the pool is, so they tolerate the pool nodes' taints too.
+    tolerations: list[dict[str, Any]] = []
+    for t in [*pool.spec.tolerations, *role_spec.tolerations]:
+        dumped = t.model_dump(by_alias=True, exclude_none=True)
+        if dumped not in tolerations:
+            tolerations.append(dumped)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, name=role_name(owner.name, role), namespace=owner.namespace, labels=pod_labels),
+        "spec": {
+            "replicas": role_spec.replicas if replicas is None else replicas,
+            "selector": {"matchLabels": selector(owner, app=VLLM_APP, component=role)},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def _router_labels(owner: Owner) -> dict[str, str]:
+    return labels(owner, app=ROUTER_APP, component="router", role="router")
+
+
+def build_router_service_account(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
+    if not spec.router.enabled:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(owner, name=router_name(owner.name), namespace=owner.namespace,
+                             labels=_router_labels(owner)),
+    }
+
+
+def build_router_role(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
+    """The router discovers prefill and decode pods by label: read-only pods, this namespace only."""
+    if not spec.router.enabled:
+        return None
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(owner, name=router_name(owner.name), namespace=owner.namespace,
+                             labels=_router_labels(owner)),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def build_router_role_binding(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
+    if not spec.router.enabled:
+        return None
+    name = router_name(owner.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(owner, name=name, namespace=owner.namespace, labels=_router_labels(owner)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+
+
+def _selector_args(flag: str, match: dict[str, str]) -> list[str]:
+    return [flag, *(f"{k}={v}" for k, v in match.items())]
+
+
+def router_args(spec: InferenceGroupSpec, owner: Owner) -> list[str]:
+    """vllm-router 0.1.17 in P/D mode, finding workers by Kubernetes label selectors."""
+    return [
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_CONTAINER_PORT),
+        "--vllm-pd-disaggregation",
+        "--policy", spec.router.policy,
+        "--service-discovery",
+        "--service-discovery-namespace", str(owner.namespace),
+        "--service-discovery-port", str(VLLM_PORT),
+        *_selector_args("--prefill-selector", discovery_selector(owner, "prefill")),
+        *_selector_args("--decode-selector", discovery_selector(owner, "decode")),
+        "--prometheus-host", "0.0.0.0",
+        "--prometheus-port", str(ROUTER_METRICS_PORT),
+    ]
+
+
+def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
+    if not spec.router.enabled:
+        return None
+    pod_labels = _router_labels(owner)
+    resources = {k: v for k, v in spec.router.resources.model_dump(by_alias=True).items() if v}
+    container = {
+        "name": "router",
+        "image": spec.router.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["vllm-router"],
+        "args": router_args(spec, owner),
+        "ports": [
+            {"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": resources,
+        "readinessProbe": _probe("/readiness", "http", failureThreshold=3),
+        "livenessProbe": _probe("/liveness", "http", failureThreshold=6),
+        "securityContext": restricted_container_security(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, name=router_name(owner.name), namespace=owner.namespace, labels=pod_labels),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector(owner, app=ROUTER_APP, component="router")},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "serviceAccountName": router_name(owner.name),
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def build_router_service(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
+    if not spec.router.enabled:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, name=service_name(owner.name), namespace=owner.namespace,
+                             labels=_router_labels(owner)),
+        "spec": {
+            "type": spec.router.service_type,
+            "selector": selector(owner, app=ROUTER_APP, component="router"),
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_endpoint(spec: InferenceGroupSpec, owner: Owner) -> str:
+    if not spec.router.enabled:
+        return ""
+    return f"http://{service_name(owner.name)}.{owner.namespace}.svc:{spec.router.port}"
+
+
+def build_router_children(spec: InferenceGroupSpec, owner: Owner) -> list[Object]:
+    children = [
+        build_router_service_account(spec, owner),
+        build_router_role(spec, owner),
+        build_router_role_binding(spec, owner),
+        build_router_service(spec, owner),
+        build_router_deployment(spec, owner),
+    ]
+    return [c for c in children if c is not None]
+
+
+def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None) -> list[Object]:
+    """Every child of a bound group (``pool`` given), or only the router when there is no pool."""
+    children: list[Object] = []
+    if pool is not None:
+        children += [build_role_deployment(spec, role, owner, pool) for role in ("prefill", "decode")]
+    return children + build_router_children(spec, owner)

@@ -1,0 +1,271 @@
+"""Children of a MaruPool: the pool daemons, the only pods that touch the pool memory.
+
+backend ``dax``: one metadata server (Deployment + Service) holding the index and allocator of the
+shared CXL memory, and an agent DaemonSet that maps the devices on each selected node and hands the
+mapping to local vLLM pods over a Unix socket. backend ``shm``: every node's memory is separate, so
+each node runs a self-contained ``maru-pool serve``; a pool-wide metadata server would hand out
+offsets of memory it does not own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.builders.common import (
+    Object,
+    Owner,
+    labels,
+    metadata,
+    restricted_container_security,
+    selector,
+)
+from maru_operator.names import child_name
+
+APP = "maru-pool"
+COMPONENT_AGENT = "agent"
+COMPONENT_METADATA = "metadata"
+SOCKET_FILE = "pool.sock"
+SHM_FILE = "/dev/shm/maru-pool"
+# Unprivileged UID of the metadata server, which needs no host access at all.
+NONROOT_UID = 65532
+
+
+def agent_name(pool: str) -> str:
+    return child_name(pool, "agent")
+
+
+def metadata_name(pool: str) -> str:
+    return child_name(pool, "metadata")
+
+
+def socket_host_dir(spec: MaruPoolSpec, pool: str) -> str:
+    """Host directory of this pool's socket: one per pool, so two pools on a node never collide."""
+    return f"{spec.daemon.socket_dir.rstrip('/')}/{pool}"
+
+
+def pool_endpoint(spec: MaruPoolSpec, pool: str) -> str:
+    """The URL clients on a pool node use (status.endpoint, and the connector's pool URL)."""
+    return f"unix://{socket_host_dir(spec, pool)}/{SOCKET_FILE}"
+
+
+def metadata_url(spec: MaruPoolSpec, pool: str, namespace: str) -> str:
+    return f"tcp://{metadata_name(pool)}.{namespace}.svc:{spec.daemon.metadata_port}"
+
+
+def _eviction_args(spec: MaruPoolSpec) -> list[str]:
+    return ["--lease-seconds", str(spec.eviction.lease_seconds), "--eviction", spec.eviction.policy.lower()]
+
+
+def _pool_owner_labels(owner: Owner, component: str) -> dict[str, str]:
+    return labels(owner, app=APP, component=component)
+
+
+def _resources(spec: MaruPoolSpec) -> dict[str, Any]:
+    return {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
+
+
+def _tolerations(spec: MaruPoolSpec) -> list[dict[str, Any]]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+
+
+def _ports(spec: MaruPoolSpec, *, rpc: bool) -> list[dict[str, Any]]:
+    ports = [{"name": "metrics", "containerPort": spec.daemon.metrics_port, "protocol": "TCP"}]
+    if rpc:
+        ports.insert(0, {"name": "rpc", "containerPort": spec.daemon.metadata_port, "protocol": "TCP"})
+    return ports
+
+
+def _status_probe(spec: MaruPoolSpec) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/status", "port": "metrics"},
+        "periodSeconds": 10,
+        "timeoutSeconds": 2,
+        "failureThreshold": 3,
+    }
+
+
+def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) -> Object | None:
+    """The pool-wide metadata server (dax only): index, allocator, eviction and leases."""
+    if spec.backend != "dax":
+        return None
+    args = [
+        "metadata",
+        "--listen", f"tcp://0.0.0.0:{spec.daemon.metadata_port}",
+        "--metrics-addr", f"0.0.0.0:{spec.daemon.metrics_port}",
+        *_eviction_args(spec),
+    ]
+    if spec.size:
+        args += ["--size", spec.size]
+    pod_labels = _pool_owner_labels(owner, COMPONENT_METADATA)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, name=metadata_name(owner.name), namespace=namespace, labels=pod_labels),
+        "spec": {
+            "replicas": 1,
+            # Two metadata servers would allocate the same memory twice: never run old and new together.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector(owner, app=APP, component=COMPONENT_METADATA)},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": NONROOT_UID,
+                        "runAsGroup": NONROOT_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "tolerations": _tolerations(spec),
+                    "containers": [
+                        {
+                            "name": "metadata",
+                            "image": spec.daemon.image,
+                            "imagePullPolicy": spec.daemon.image_pull_policy,
+                            "command": ["maru-pool"],
+                            "args": args,
+                            "ports": _ports(spec, rpc=True),
+                            "resources": _resources(spec),
+                            "readinessProbe": _status_probe(spec),
+                            "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
+                            "securityContext": restricted_container_security(),
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def build_metadata_service(spec: MaruPoolSpec, owner: Owner, namespace: str) -> Object | None:
+    """Where the agents reach the metadata server (dax only)."""
+    if spec.backend != "dax":
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(
+            owner,
+            name=metadata_name(owner.name),
+            namespace=namespace,
+            labels=_pool_owner_labels(owner, COMPONENT_METADATA),
+        ),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(owner, app=APP, component=COMPONENT_METADATA),
+            "ports": [
+                {"name": "rpc", "port": spec.daemon.metadata_port, "targetPort": "rpc", "protocol": "TCP"},
+                {"name": "metrics", "port": spec.daemon.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _agent_args(spec: MaruPoolSpec, pool: str, namespace: str) -> list[str]:
+    listen = pool_endpoint(spec, pool)
+    metrics = f"0.0.0.0:{spec.daemon.metrics_port}"
+    if spec.backend == "shm":
+        assert spec.size, "the CRD requires size for shm"
+        return [
+            "serve",
+            "--listen", listen,
+            "--size", spec.size,
+            "--shm-path", SHM_FILE,
+            "--metrics-addr", metrics,
+            *_eviction_args(spec),
+        ]
+    args = ["agent", "--listen", listen, "--metadata", metadata_url(spec, pool, namespace), "--metrics-addr", metrics]
+    for device in spec.devices:
+        args += ["--device", device]
+    return args
+
+
+def _agent_security(spec: MaruPoolSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts of the agent.
+
+    The agent runs as UID 0 with every capability dropped: the kubelet creates the socket hostPath
+    directory owned by root, and only its owner may create the socket there without
+    CAP_DAC_OVERRIDE. With dax it must also open /dev/daxX.Y, which a container's device cgroup
+    denies unless the container is privileged (or a device plugin grants the device); privileged
+    is therefore set for dax only, and no other pod of the product is privileged.
+    """
+    pod = {"runAsUser": 0, "runAsGroup": 0, "seccompProfile": {"type": "RuntimeDefault"}}
+    if spec.backend == "dax":
+        container = {"privileged": True, "readOnlyRootFilesystem": True}
+    else:
+        container = {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": False,
+        }
+    return pod, container
+
+
+def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> Object:
+    """The per-node daemon: ``maru-pool agent`` (dax) or a self-contained ``maru-pool serve`` (shm)."""
+    pool = owner.name
+    host_dir = socket_host_dir(spec, pool)
+    volumes: list[dict[str, Any]] = [
+        {"name": "socket", "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "socket", "mountPath": host_dir}]
+    if spec.backend == "dax":
+        for index, device in enumerate(spec.devices):
+            volumes.append({"name": f"dax-{index}", "hostPath": {"path": device, "type": "CharDevice"}})
+            mounts.append({"name": f"dax-{index}", "mountPath": device})
+    else:
+        # The pool file lives in the pod's own memory-backed /dev/shm, sized to the pool: the
+        # container runtime's default /dev/shm is 64Mi. Clients get the file over the socket (fd
+        # passing), so they never need this path.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.size}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    pod_labels = _pool_owner_labels(owner, COMPONENT_AGENT)
+    pod_security, container_security = _agent_security(spec)
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": spec.daemon.image,
+        "imagePullPolicy": spec.daemon.image_pull_policy,
+        "command": ["maru-pool"],
+        "args": _agent_args(spec, pool, namespace),
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "ports": _ports(spec, rpc=False),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "readinessProbe": _status_probe(spec),
+        "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
+        "securityContext": container_security,
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security,
+        "tolerations": _tolerations(spec),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": metadata(owner, name=agent_name(pool), namespace=namespace, labels=pod_labels),
+        "spec": {
+            "selector": {"matchLabels": selector(owner, app=APP, component=COMPONENT_AGENT)},
+            # One node at a time: a restarting agent drops that node's cache, never the whole pool's.
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def build_pool_children(spec: MaruPoolSpec, owner: Owner, namespace: str) -> list[Object]:
+    """Every child the pool needs, in creation order."""
+    children = [
+        build_metadata_service(spec, owner, namespace),
+        build_metadata_deployment(spec, owner, namespace),
+        build_agent_daemonset(spec, owner, namespace),
+    ]
+    return [c for c in children if c is not None]

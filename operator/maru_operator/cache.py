@@ -1,0 +1,90 @@
+"""What the operator has seen through its watches: owners and the children they own, by key.
+
+Fed by kopf's watch events (and by our own write responses, so a reconcile right after a write does
+not act on a stale copy). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from maru_operator.api.common import GROUP
+
+Object = dict[str, Any]
+Key = tuple[str, str, str]  # (kind, namespace or "", name)
+
+OWNER_KINDS = ("MaruPool", "InferenceGroup")
+
+
+def key_of(obj: Object) -> Key:
+    meta = obj.get("metadata", {})
+    return obj.get("kind", ""), meta.get("namespace") or "", meta.get("name", "")
+
+
+def owner_key(obj: Object) -> Key | None:
+    """The owner (MaruPool or InferenceGroup) controlling ``obj``, from its ownerReferences."""
+    meta = obj.get("metadata", {})
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and str(ref.get("apiVersion", "")).startswith(GROUP + "/"):
+            kind = ref.get("kind")
+            if kind == "MaruPool":
+                return "MaruPool", "", ref.get("name", "")
+            if kind == "InferenceGroup":
+                return "InferenceGroup", meta.get("namespace") or "", ref.get("name", "")
+    return None
+
+
+def _newer_or_equal(new: Object, old: Object) -> bool:
+    """False only when ``new`` is provably older (numeric resourceVersions, as every real server uses)."""
+    a = new.get("metadata", {}).get("resourceVersion")
+    b = old.get("metadata", {}).get("resourceVersion")
+    try:
+        return int(a) >= int(b)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+
+
+class Store:
+    def __init__(self) -> None:
+        self.objects: dict[Key, Object] = {}
+        self._owned: dict[Key, set[Key]] = defaultdict(set)
+        self._owner_of: dict[Key, Key] = {}
+
+    def put(self, obj: Object) -> None:
+        key = key_of(obj)
+        old = self.objects.get(key)
+        if old is not None and not _newer_or_equal(obj, old):
+            return
+        self.objects[key] = obj
+        owner = owner_key(obj)
+        previous = self._owner_of.get(key)
+        if previous and previous != owner:
+            self._owned[previous].discard(key)
+        if owner:
+            self._owner_of[key] = owner
+            self._owned[owner].add(key)
+
+    def remove(self, obj_or_key: Object | Key) -> None:
+        key = obj_or_key if isinstance(obj_or_key, tuple) else key_of(obj_or_key)
+        self.objects.pop(key, None)
+        owner = self._owner_of.pop(key, None)
+        if owner:
+            self._owned[owner].discard(key)
+            if not self._owned[owner]:
+                del self._owned[owner]
+
+    def get(self, key: Key) -> Object | None:
+        return self.objects.get(key)
+
+    def children(self, owner: Key) -> dict[Key, Object]:
+        return {k: self.objects[k] for k in self._owned.get(owner, ()) if k in self.objects}
+
+    def owners(self, kind: str) -> list[Key]:
+        return [k for k in self.objects if k[0] == kind]
+
+    def groups_of_pool(self, pool: str) -> list[Key]:
+        return sorted(
+            k for k, g in self.objects.items()
+            if k[0] == "InferenceGroup" and ((g.get("spec") or {}).get("poolRef") or {}).get("name") == pool
+        )

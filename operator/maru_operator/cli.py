@@ -1,0 +1,114 @@
+"""``maru-operator run`` (the controller) and ``maru-operator render`` (offline manifests)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from maru_operator import __version__
+
+log = logging.getLogger("maru_operator")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="maru-operator", description="Maru P/D operator")
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the operator against the cluster in the kubeconfig (or in-cluster)")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="watch InferenceGroups in this namespace (repeatable); default: all namespaces")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    run.add_argument("--pool-namespace", default=None,
+                     help="namespace of the pool daemons (default: $POD_NAMESPACE, else maru-system)")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                     help="kopf liveness endpoint URL; empty to disable")
+    run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 to disable")
+    run.add_argument("--workers", type=int, default=8, help="objects reconciled at once")
+    run.add_argument("--resync-seconds", type=float, default=60.0, help="look at every object this often")
+    run.add_argument("--standalone", action="store_true", default=True,
+                     help="no peering: run exactly one replica (the default and only supported mode)")
+    run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+    render = sub.add_parser("render", help="print the child manifests for MaruPool/InferenceGroup files")
+    render.add_argument("-f", "--filename", action="append", required=True,
+                        help="a YAML file or a directory of them (repeatable)")
+    render.add_argument("--pool-namespace", default=None, help="namespace of the pool daemons")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "render":
+        return _render(args)
+    return _run(args)
+
+
+def _render(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from maru_operator.handlers import default_pool_namespace
+    from maru_operator.render import RenderError, render
+
+    try:
+        sys.stdout.write(render(args.filename, args.pool_namespace or default_pool_namespace()))
+    except (OSError, ValidationError, RenderError) as err:
+        print(f"maru-operator render: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from maru_operator import handlers
+    from maru_operator.kube import Kube, login
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # kopf's per-event debug lines drown ours at scale.
+    logging.getLogger("kopf").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    pool_namespace = args.pool_namespace or handlers.default_pool_namespace()
+    try:
+        connection = login()
+    except Exception as err:
+        print(f"maru-operator: cannot log in to Kubernetes: {err}", file=sys.stderr)
+        return 1
+
+    async def preflight() -> None:
+        async with Kube(connection, timeout=10) as kube:
+            await kube.preflight()
+
+    try:
+        asyncio.run(preflight())
+    except SystemExit as err:
+        print(f"maru-operator: {err}", file=sys.stderr)
+        return 1
+
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+    handlers.configure(handlers.Config(
+        pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
+        connection=connection,
+    ))
+    namespaces = list(args.namespace)
+    if namespaces and pool_namespace not in namespaces:
+        # The pools' daemons live there; without watching it the operator could not see them.
+        namespaces.append(pool_namespace)
+    log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,
+             "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces")
+    asyncio.run(kopf.operator(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0

@@ -1,0 +1,116 @@
+"""Every condition the operator writes is built here; Ready is derived from the others, never set by hand.
+
+Reasons are CamelCase and stable (alerts match on them); messages say what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from maru_operator.api.common import Condition
+
+READY = "Ready"
+DEGRADED = "Degraded"
+PROGRESSING = "Progressing"
+POOL_BOUND = "PoolBound"
+IN_USE = "InUse"
+
+
+def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None) -> Condition:
+    status = "Unknown" if ok is None else ("True" if ok else "False")
+    return Condition(type=type_, status=status, reason=reason, message=message, observed_generation=generation)
+
+
+# --- MaruPool -----------------------------------------------------------------------------------------
+
+def pool_degraded(nodes_ready: int, nodes_desired: int, metadata_ready: bool | None, gen: int | None) -> Condition:
+    if metadata_ready is False:
+        return condition(DEGRADED, True, "MetadataServerUnavailable",
+                         "the pool's metadata server is not ready; check its pod's logs and events", gen)
+    if nodes_desired and nodes_ready < nodes_desired:
+        return condition(DEGRADED, True, "AgentsUnavailable",
+                         f"{nodes_desired - nodes_ready} of {nodes_desired} node agents are not ready; "
+                         "groups on those nodes run without KV sharing", gen)
+    return condition(DEGRADED, False, "AllNodesReady", "", gen)
+
+
+def pool_ready(nodes_ready: int, nodes_desired: int, metadata_ready: bool | None, gen: int | None) -> Condition:
+    if nodes_desired == 0:
+        return condition(READY, False, "NoNodesSelected",
+                         "no node matches spec.nodeSelector (or none tolerates its taints); label the memory "
+                         "nodes or fix the selector", gen)
+    if metadata_ready is False:
+        return condition(READY, False, "MetadataServerNotReady", "waiting for the pool's metadata server", gen)
+    if nodes_ready == 0:
+        return condition(READY, False, "AgentsNotReady",
+                         f"0 of {nodes_desired} node agents are ready; see the agent pods' events", gen)
+    return condition(READY, True, "PoolReady", f"{nodes_ready} of {nodes_desired} nodes serve the pool", gen)
+
+
+def pool_in_use(groups: list[str], deleting: bool, gen: int | None) -> Condition:
+    if not groups:
+        return condition(IN_USE, False, "NoBoundGroups", "", gen)
+    names = ", ".join(groups[:10]) + (f" and {len(groups) - 10} more" if len(groups) > 10 else "")
+    if deleting:
+        return condition(IN_USE, True, "DeletionBlocked",
+                         f"deletion waits for the InferenceGroups bound to this pool: {names}; delete them or "
+                         "point their spec.poolRef at another pool", gen)
+    return condition(IN_USE, True, "GroupsBound", f"bound InferenceGroups: {names}", gen)
+
+
+# --- InferenceGroup -----------------------------------------------------------------------------------
+
+def pool_bound(ok: bool, reason: str, message: str, gen: int | None) -> Condition:
+    return condition(POOL_BOUND, ok, reason, message, gen)
+
+
+def group_progressing(rolling: list[str], gen: int | None) -> Condition:
+    if rolling:
+        return condition(PROGRESSING, True, "RollingOut", "rolling out: " + ", ".join(rolling), gen)
+    return condition(PROGRESSING, False, "RolloutComplete", "", gen)
+
+
+def group_degraded(problems: list[str], gen: int | None) -> Condition:
+    if problems:
+        return condition(DEGRADED, True, "ReplicasUnavailable", "; ".join(problems), gen)
+    return condition(DEGRADED, False, "AllReplicasAvailable", "", gen)
+
+
+def invalid_spec(errors: Iterable[str], gen: int | None) -> Condition:
+    return condition(READY, False, "InvalidSpec", "; ".join(errors), gen)
+
+
+def derived_ready(conditions: list[Condition], waiting: list[str], gen: int | None) -> Condition:
+    """Ready is True only when every prerequisite condition is good and nothing is still waited for."""
+    by_type = {c.type: c for c in conditions}
+    bound = by_type.get(POOL_BOUND)
+    if bound is not None and bound.status != "True":
+        return condition(READY, False, bound.reason, bound.message, gen)
+    if waiting:
+        return condition(READY, False, "ReplicasNotReady", "waiting for " + ", ".join(waiting), gen)
+    return condition(READY, True, "Serving", "all roles are ready", gen)
+
+
+# --- bookkeeping --------------------------------------------------------------------------------------
+
+def merge(old: list[Condition], new: list[Condition], now: str) -> list[Condition]:
+    """New conditions, keeping ``lastTransitionTime`` of those whose status did not change."""
+    previous = {c.type: c for c in old}
+    merged = []
+    for cond in new:
+        before = previous.get(cond.type)
+        if before is not None and before.status == cond.status and before.last_transition_time:
+            stamp = before.last_transition_time
+        else:
+            stamp = now
+        merged.append(cond.model_copy(update={"last_transition_time": stamp}))
+    return merged
+
+
+def get(conditions: list[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def is_true(conditions: list[Condition], type_: str) -> bool:
+    cond = get(conditions, type_)
+    return cond is not None and cond.status == "True"

@@ -1,0 +1,284 @@
+"""Reconcile one owner: read the snapshot, build the desired children, apply the difference, write status.
+
+Every reconcile computes the whole desired state from the spec, so running it twice changes nothing,
+and a child edited or deleted by hand is put back on the next pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from maru_operator import conditions as cond
+from maru_operator import metrics
+from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus
+from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
+from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
+from maru_operator.builders.group import build_group_children, role_name, router_endpoint, router_name
+from maru_operator.builders.pool import (
+    COMPONENT_AGENT,
+    agent_name,
+    build_pool_children,
+    metadata_name,
+)
+from maru_operator.cache import Key, Store, key_of
+from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
+from maru_operator.reconcile import patch_for, plan
+from maru_operator.status import (
+    PoolObservation,
+    bind,
+    changed,
+    group_status,
+    invalid_group_status,
+    pool_status,
+    status_body,
+)
+from maru_operator.validation import check_group
+
+log = logging.getLogger("maru_operator.controller")
+
+Object = dict[str, Any]
+
+POOL_FINALIZER = "maru.io/in-use-protection"
+# How often a pool is looked at even without events: its daemons' memory use changes silently.
+POOL_RESYNC_SECONDS = 30.0
+UNBOUND_RETRY_SECONDS = 30.0
+DELETION_RETRY_SECONDS = 15.0
+
+
+def utcnow() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Controller:
+    kube: Kube
+    store: Store
+    pool_namespace: str
+    fetch_status: StatusFetcher = fetch_daemon_status
+    clock: Callable[[], str] = utcnow
+
+    async def reconcile(self, key: Hashable) -> float | None:
+        assert isinstance(key, tuple)
+        if key[0] == "MaruPool":
+            return await self.reconcile_pool(key[2])
+        if key[0] == "InferenceGroup":
+            return await self.reconcile_group(key[1], key[2])
+        return None
+
+    # --- shared ---------------------------------------------------------------------------------
+
+    async def apply(self, owner: Key, desired: list[Object], keep: set[Key] = frozenset()) -> dict[Key, Object]:  # type: ignore[assignment]
+        """Create, patch and delete children so they match ``desired``; return what is there now."""
+        actual = self.store.children(owner)
+        creates, updates, deletes = plan(desired, actual)
+        now: dict[Key, Object] = dict(actual)
+        for obj in creates:
+            now[key_of(obj)] = await self._create(obj)
+        for obj, patch in updates:
+            now[key_of(obj)] = await self._patch(obj, patch)
+        for obj in deletes:
+            key = key_of(obj)
+            if key in keep:
+                continue
+            kind, ns, name = key
+            log.info("deleting %s %s/%s: no longer wanted by %s %s", kind, ns, name, owner[0], owner[2])
+            await self.kube.delete(kind, ns, name)
+            metrics.WRITES.labels(kind, "delete").inc()
+            self.store.remove(key)
+            now.pop(key, None)
+        return now
+
+    async def _create(self, obj: Object) -> Object:
+        kind, ns, name = key_of(obj)
+        try:
+            created = await self.kube.create(obj)
+            metrics.WRITES.labels(kind, "create").inc()
+            log.info("created %s %s/%s", kind, ns, name)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            # Created meanwhile (by an earlier pass whose watch event has not arrived yet): converge on it.
+            have = await self.kube.get(kind, ns, name)
+            if have is None:
+                raise
+            patch = patch_for(obj, have)
+            created = await self.kube.patch(kind, ns, name, patch) if patch else have
+        self.store.put(created)
+        return created
+
+    async def _patch(self, obj: Object, patch: Object) -> Object:
+        kind, ns, name = key_of(obj)
+        try:
+            patched = await self.kube.patch(kind, ns, name, patch)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            return await self._create(obj)
+        metrics.WRITES.labels(kind, "patch").inc()
+        log.info("updated %s %s/%s to match its owner's spec", kind, ns, name)
+        self.store.put(patched)
+        return patched
+
+    async def write_status(self, body: Object, old: Any, new: Any) -> None:
+        if not changed(old, new):
+            return
+        kind, ns, name = key_of(body)
+        updated = await self.kube.patch_status(kind, ns or None, name, status_body(new))
+        metrics.STATUS_WRITES.labels(kind).inc()
+        if isinstance(updated, dict) and updated.get("metadata"):
+            self.store.put(updated)
+        await self.announce(body, old.conditions, new.conditions)
+
+    async def announce(self, body: Object, old: list[Any], new: list[Any]) -> None:
+        """Post an Event for each condition that turned bad (Warning) or Ready that turned True."""
+        before = {(c.type, c.status, c.reason) for c in old}
+        for c in new:
+            if (c.type, c.status, c.reason) in before:
+                continue
+            bad = (c.type == cond.READY and c.status == "False" and c.reason in _WARN_READY) or (
+                c.type in (cond.DEGRADED, cond.IN_USE) and c.status == "True" and c.reason in _WARN_OTHER
+            )
+            good = c.type == cond.READY and c.status == "True"
+            if bad or good:
+                await self.kube.event(body, type_="Warning" if bad else "Normal", reason=c.reason,
+                                      message=c.message or c.reason, now=self.clock())
+
+    # --- MaruPool -------------------------------------------------------------------------------
+
+    async def reconcile_pool(self, name: str) -> float | None:
+        key: Key = ("MaruPool", "", name)
+        body = self.store.get(key)
+        if body is None:
+            return None
+        meta = body.get("metadata", {})
+        try:
+            spec = MaruPoolSpec.model_validate(body.get("spec") or {})
+        except ValidationError as err:
+            raise kopf.PermanentError(f"invalid spec: {err.errors()[0]['msg']}") from None
+        old = MaruPoolStatus.model_validate(body.get("status") or {})
+        owner = Owner.from_body(body)
+        deleting = bool(meta.get("deletionTimestamp"))
+        bound = [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(name)]
+        finalizers = list(meta.get("finalizers") or [])
+
+        if deleting:
+            if POOL_FINALIZER not in finalizers:
+                return None
+            if bound:
+                seen = PoolObservation(bound_groups=bound, deleting=True,
+                                       daemonset=self.store.get(("DaemonSet", self.pool_namespace, agent_name(name))))
+                new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
+                await self.write_status(body, old, new)
+                raise kopf.TemporaryError(
+                    f"deletion waits for {len(bound)} bound InferenceGroup(s): {', '.join(bound[:5])}",
+                    delay=DELETION_RETRY_SECONDS,
+                )
+            remaining = [f for f in finalizers if f != POOL_FINALIZER]
+            await self.kube.patch("MaruPool", None, name, {
+                "metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}
+            })
+            log.info("MaruPool %s: no group is bound any more; released for deletion", name)
+            return None
+
+        if POOL_FINALIZER not in finalizers:
+            # Nothing may delete the pool's memory from under the groups using it (see the deletion branch).
+            updated = await self.kube.patch("MaruPool", None, name, {"metadata": {
+                "finalizers": [*finalizers, POOL_FINALIZER], "resourceVersion": meta.get("resourceVersion"),
+            }})
+            self.store.put(updated)
+            body, meta = updated, updated.get("metadata", {})
+
+        ns = self.pool_namespace
+        children = await self.apply(key, build_pool_children(spec, owner, ns))
+        pods = await self.kube.list("Pod", ns, {
+            LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: owner.instance, LABEL_COMPONENT: COMPONENT_AGENT,
+        })
+        seen = PoolObservation(
+            daemonset=children.get(("DaemonSet", ns, agent_name(name))),
+            metadata_deployment=children.get(("Deployment", ns, metadata_name(name))),
+            agent_pods=pods,
+            bound_groups=bound,
+        )
+        seen.stats = await self._pool_stats(spec, name, pods)
+        new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
+        await self.write_status(body, old, new)
+        return POOL_RESYNC_SECONDS
+
+    async def _pool_stats(self, spec: MaruPoolSpec, name: str, pods: list[Object]) -> dict[str, Any]:
+        """Best effort: a daemon that does not answer leaves ``used`` unknown, never fails the reconcile."""
+        port = spec.daemon.metrics_port
+        urls: dict[str, str] = {}
+        if spec.backend == "dax":
+            urls["metadata"] = f"http://{metadata_name(name)}.{self.pool_namespace}.svc:{port}/status"
+        else:
+            for pod in pods:
+                node, ip = pod.get("spec", {}).get("nodeName"), pod.get("status", {}).get("podIP")
+                if node and ip:
+                    urls[node] = f"http://{ip}:{port}/status"
+        answers = await asyncio.gather(*(self.fetch_status(u) for u in urls.values()))
+        return dict(zip(urls, answers, strict=True))
+
+    # --- InferenceGroup -------------------------------------------------------------------------
+
+    async def reconcile_group(self, namespace: str, name: str) -> float | None:
+        key: Key = ("InferenceGroup", namespace, name)
+        body = self.store.get(key)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None  # the garbage collector removes the children through their ownerReferences
+        meta = body.get("metadata", {})
+        generation = meta.get("generation")
+        old = InferenceGroupStatus.model_validate(body.get("status") or {})
+        try:
+            spec = InferenceGroupSpec.model_validate(body.get("spec") or {})
+            errors = [str(e) for e in check_group(spec)]
+        except ValidationError as err:
+            errors = [f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+        if errors:
+            new = invalid_group_status(errors, generation, old, self.clock())
+            await self.write_status(body, old, new)
+            raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
+
+        owner = Owner.from_body(body)
+        binding = bind(namespace, spec, self.store.get(("MaruPool", "", spec.pool_ref.name)))
+        desired = build_group_children(spec, owner, binding.pool)
+        keep: set[Key] = set()
+        if not binding.ok:
+            # Running vLLM pods keep serving through a pool outage (the connector degrades to "no hit");
+            # only revoked access stops them. New ones are not created until the pool is usable.
+            for role in ("prefill", "decode"):
+                dep_key: Key = ("Deployment", namespace, role_name(name, role))
+                have = self.store.get(dep_key)
+                if have is None:
+                    continue
+                keep.add(dep_key)
+                if binding.revoke and have.get("spec", {}).get("replicas"):
+                    log.warning("InferenceGroup %s/%s: %s; scaling %s to 0", namespace, name, binding.message, role)
+                    scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {"spec": {"replicas": 0}})
+                    self.store.put(scaled)
+                    metrics.WRITES.labels("Deployment", "patch").inc()
+        children = await self.apply(key, desired, keep)
+        observed = {
+            "prefill": children.get(("Deployment", namespace, role_name(name, "prefill"))),
+            "decode": children.get(("Deployment", namespace, role_name(name, "decode"))),
+            "router": children.get(("Deployment", namespace, router_name(name))),
+        }
+        new = group_status(spec, generation, binding, observed, old,
+                           endpoint=router_endpoint(spec, owner), now=self.clock())
+        await self.write_status(body, old, new)
+        if not binding.ok:
+            raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
+        return None
+
+
+_WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
+               "NoNodesSelected"}
+_WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable"}
+

@@ -1,0 +1,191 @@
+"""Thin kopf glue: watch events feed the cache and wake the right owner; the work queue does the rest.
+
+Level-based, as kopf's own reconciliation guide recommends: no create/update handlers and no diffs.
+An event of an owner, of any child it owns (by ownerReference), or of the pool a group is bound to
+only enqueues the owner's key; a periodic resync enqueues every owner (the timer), so state that
+changes without an event (a pool's used memory) and lost events are covered too. No kopf finalizer or
+annotation is put on user objects; the only finalizer is the pool's in-use protection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from maru_operator.api.common import GROUP, VERSION
+from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from maru_operator.cache import Key, Store, key_of, owner_key
+from maru_operator.controller import Controller
+from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
+
+log = logging.getLogger("maru_operator.handlers")
+
+DEFAULT_POOL_NAMESPACE = "maru-system"
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("apps", "v1", "daemonsets"),
+    ("", "v1", "services"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+)
+OURS = {LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def default_pool_namespace() -> str:
+    return os.environ.get("POD_NAMESPACE") or DEFAULT_POOL_NAMESPACE
+
+
+@dataclass
+class Config:
+    pool_namespace: str = field(default_factory=default_pool_namespace)
+    workers: int = 8
+    resync_seconds: float = 60.0
+    fetch_status: StatusFetcher = fetch_daemon_status
+    connection: kopf.ConnectionInfo | None = None
+
+
+@dataclass
+class Runtime:
+    config: Config
+    store: Store
+    kube: Kube | None = None
+    controller: Controller | None = None
+    queue: Any = None
+    resync_task: asyncio.Task[None] | None = None
+    pool_fingerprints: dict[str, Any] = field(default_factory=dict)
+
+
+STATE = Runtime(config=Config(), store=Store())
+
+
+def configure(config: Config) -> Runtime:
+    """Set what the next operator run uses (the CLI and tests call this before kopf starts)."""
+    global STATE
+    STATE = Runtime(config=config, store=Store())
+    return STATE
+
+
+def _enqueue(key: Key | None) -> None:
+    if key is not None and STATE.queue is not None:
+        STATE.queue.add(key)
+
+
+@kopf.on.login(retries=3)
+def on_login(**kwargs: Any) -> kopf.ConnectionInfo:
+    if STATE.config.connection is None:
+        STATE.config.connection = login(**kwargs)
+    return STATE.config.connection
+
+
+@kopf.on.startup()
+async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+    from maru_operator.workqueue import WorkQueue
+
+    # Our own writes explain themselves in Events; kopf's per-handler events would only add noise.
+    settings.posting.level = logging.WARNING
+    # Re-list and resume well before API servers or load balancers cut idle watches.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.reconnect_backoff = 1.0
+    settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
+    if STATE.config.connection is None:
+        STATE.config.connection = login(settings=settings)
+    STATE.kube = Kube(STATE.config.connection)
+    STATE.controller = Controller(
+        kube=STATE.kube, store=STATE.store, pool_namespace=STATE.config.pool_namespace,
+        fetch_status=STATE.config.fetch_status,
+    )
+    STATE.queue = WorkQueue(STATE.controller.reconcile, workers=STATE.config.workers)
+    STATE.queue.start()
+    STATE.resync_task = asyncio.create_task(_resync(STATE.config.resync_seconds), name="maru-resync")
+    log.info("operator started: pools' daemons go to namespace %s, %d workers, resync every %.0fs",
+             STATE.config.pool_namespace, STATE.config.workers, STATE.config.resync_seconds)
+
+
+@kopf.on.cleanup()
+async def on_cleanup(**_: Any) -> None:
+    if STATE.resync_task is not None:
+        STATE.resync_task.cancel()
+        await asyncio.gather(STATE.resync_task, return_exceptions=True)
+    if STATE.queue is not None:
+        await STATE.queue.stop()
+    if STATE.kube is not None:
+        await STATE.kube.close()
+
+
+@kopf.on.probe(id="queue")
+def queue_probe(**_: Any) -> dict[str, Any]:
+    queue = STATE.queue
+    return {"idle": bool(queue and queue.idle()), "processed": queue.processed if queue else 0}
+
+
+async def _resync(every: float) -> None:
+    """The timer: every owner is looked at regularly, events or not."""
+    while True:
+        await asyncio.sleep(every)
+        for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
+            _enqueue(key)
+
+
+def _pool_fingerprint(body: dict[str, Any]) -> Any:
+    """What groups depend on: the pool's spec, whether it is going away, whether it is ready."""
+    ready = [c.get("status") for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    return repr((body.get("spec"), bool(body.get("metadata", {}).get("deletionTimestamp")), ready))
+
+
+@kopf.on.event(GROUP, VERSION, "marupools")
+async def pool_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    obj = dict(body)
+    name = obj.get("metadata", {}).get("name", "")
+    if type == "DELETED":
+        STATE.store.remove(obj)
+        STATE.pool_fingerprints.pop(name, None)
+    else:
+        STATE.store.put(obj)
+        _enqueue(key_of(obj))
+    fingerprint = _pool_fingerprint(obj) if type != "DELETED" else None
+    if STATE.pool_fingerprints.get(name) != fingerprint:
+        if fingerprint is not None:
+            STATE.pool_fingerprints[name] = fingerprint
+        for group in STATE.store.groups_of_pool(name):
+            _enqueue(group)
+
+
+@kopf.on.event(GROUP, VERSION, "inferencegroups")
+async def group_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    obj = dict(body)
+    key = key_of(obj)
+    before = STATE.store.get(key)
+    old_pool = ((before or {}).get("spec") or {}).get("poolRef", {}).get("name")
+    new_pool = (obj.get("spec") or {}).get("poolRef", {}).get("name")
+    if type == "DELETED":
+        STATE.store.remove(key)
+        new_pool = None
+    else:
+        STATE.store.put(obj)
+        _enqueue(key)
+    # A pool counts its groups and waits for them before it may be deleted.
+    if before is None or type == "DELETED" or old_pool != new_pool:
+        for pool in {old_pool, new_pool} - {None}:
+            _enqueue(("MaruPool", "", pool))
+
+
+async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    obj = dict(body)
+    if "kind" not in obj:
+        return
+    if type == "DELETED":
+        STATE.store.remove(obj)
+    else:
+        STATE.store.put(obj)
+    _enqueue(owner_key(obj))
+
+
+for _group, _version, _plural in CHILD_RESOURCES:
+    kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(_child_event)

@@ -1,0 +1,245 @@
+"""Pure status computation: a snapshot of the observed children in, the new status out.
+
+Nothing here reads the API or the clock; the caller passes ``now`` and writes the result only when
+:func:`changed` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru_operator import conditions as cond
+from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus, RoleStatus
+from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus, PoolNodeStatus
+from maru_operator.builders.group import PoolView
+from maru_operator.builders.pool import SHM_FILE, pool_endpoint
+from maru_operator.quantity import format_bytes, parse_quantity
+
+Object = dict[str, Any]
+
+
+# --- MaruPool -----------------------------------------------------------------------------------------
+
+@dataclass
+class PoolObservation:
+    """Everything the pool's status is derived from, gathered once per reconcile."""
+
+    daemonset: Object | None = None
+    metadata_deployment: Object | None = None
+    agent_pods: list[Object] = field(default_factory=list)
+    # Daemon /status JSON keyed by node name (shm) or "metadata" (dax); None: asked, no answer.
+    stats: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    bound_groups: list[str] = field(default_factory=list)
+    deleting: bool = False
+
+
+def _pod_ready(pod: Object) -> bool:
+    for c in pod.get("status", {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return False
+
+
+def _deployment_ready(dep: Object | None) -> bool | None:
+    if dep is None:
+        return None
+    want = dep.get("spec", {}).get("replicas", 1)
+    return int(dep.get("status", {}).get("readyReplicas") or 0) >= want > 0
+
+
+def pool_status(
+    name: str, spec: MaruPoolSpec, generation: int | None, seen: PoolObservation, old: MaruPoolStatus, now: str
+) -> MaruPoolStatus:
+    ds_status = (seen.daemonset or {}).get("status", {})
+    desired = int(ds_status.get("desiredNumberScheduled") or 0)
+    ready = int(ds_status.get("numberReady") or 0)
+    metadata_ready = _deployment_ready(seen.metadata_deployment) if spec.backend == "dax" else None
+    size_bytes = int(parse_quantity(spec.size)) if spec.size else 0
+
+    nodes = []
+    for pod in sorted(seen.agent_pods, key=lambda p: p.get("spec", {}).get("nodeName") or ""):
+        node = pod.get("spec", {}).get("nodeName")
+        if not node:
+            continue
+        stats = seen.stats.get(node) or {}
+        node_capacity = int(stats.get("capacity_bytes") or 0) or (size_bytes if spec.backend == "shm" else 0)
+        nodes.append(PoolNodeStatus(
+            node=node,
+            device=SHM_FILE if spec.backend == "shm" else ",".join(spec.devices) or "all devdax devices",
+            capacity=format_bytes(node_capacity) if node_capacity else "",
+            ready=_pod_ready(pod),
+        ))
+
+    capacity = used = None
+    if spec.backend == "shm":
+        # Each node is a pool of its own: capacity is what the ready nodes hold together.
+        capacity = size_bytes * ready
+        answers = [seen.stats.get(n.node) for n in nodes if n.ready]
+        if answers and all(a is not None and "used_bytes" in a for a in answers):
+            used = sum(int(a["used_bytes"]) for a in answers if a is not None)
+    else:
+        meta = seen.stats.get("metadata")
+        if meta is not None:
+            capacity = int(meta.get("capacity_bytes") or 0) or None
+            used = int(meta["used_bytes"]) if "used_bytes" in meta else None
+        if capacity is None and size_bytes:
+            capacity = size_bytes
+
+    gen = generation
+    new_conditions = [
+        cond.pool_ready(ready, desired, metadata_ready, gen),
+        cond.pool_degraded(ready, desired, metadata_ready, gen),
+        cond.pool_in_use(seen.bound_groups, seen.deleting, gen),
+    ]
+    return MaruPoolStatus(
+        observed_generation=generation,
+        conditions=cond.merge(old.conditions, new_conditions, now),
+        nodes_desired=desired,
+        nodes_ready=ready,
+        node_summary=f"{ready}/{desired}",
+        nodes=nodes,
+        capacity=format_bytes(capacity) if capacity else "",
+        capacity_bytes=capacity or 0,
+        # Unknown use stays empty rather than 0: a pool that did not answer is not an empty pool.
+        used=format_bytes(used) if used is not None else "",
+        used_bytes=used or 0,
+        endpoint=pool_endpoint(spec, name),
+        bound_groups=len(seen.bound_groups),
+    )
+
+
+# --- InferenceGroup -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Binding:
+    """Whether a group may use its pool; ``pool`` is set only when it may."""
+
+    ok: bool
+    reason: str
+    message: str
+    pool: PoolView | None = None
+    revoke: bool = False  # access was taken away: running vLLM pods must stop using the pool
+
+
+def bind(group_namespace: str, spec: InferenceGroupSpec, pool_body: Object | None) -> Binding:
+    name = spec.pool_ref.name
+    if pool_body is None:
+        return Binding(False, "PoolNotFound", f"MaruPool {name} does not exist; create it or fix spec.poolRef.name")
+    try:
+        pool_spec = MaruPoolSpec.model_validate(pool_body.get("spec") or {})
+    except ValueError:
+        return Binding(False, "PoolInvalid", f"MaruPool {name} has an invalid spec; see its status and events")
+    allowed = pool_spec.allowed_namespaces
+    if allowed is not None and group_namespace not in allowed:
+        return Binding(
+            False, "NamespaceNotAllowed",
+            f"MaruPool {name} does not list namespace {group_namespace} in spec.allowedNamespaces; "
+            "ask its owner to add it, or use another pool", revoke=True,
+        )
+    if pool_body.get("metadata", {}).get("deletionTimestamp"):
+        return Binding(False, "PoolDeleting", f"MaruPool {name} is being deleted; point spec.poolRef at another pool")
+    pool_conditions = MaruPoolStatus.model_validate(pool_body.get("status") or {}).conditions
+    if not cond.is_true(pool_conditions, cond.READY):
+        ready = cond.get(pool_conditions, cond.READY)
+        detail = f" ({ready.reason}: {ready.message})" if ready and ready.message else ""
+        return Binding(False, "PoolNotReady", f"MaruPool {name} is not ready{detail}; waiting for it")
+    view = PoolView(name=name, spec=pool_spec)
+    return Binding(True, "Bound", f"bound to MaruPool {name} at {view.endpoint}", view)
+
+
+def _role_status(dep: Object | None) -> RoleStatus:
+    if dep is None:
+        return RoleStatus(desired=0, ready=0, summary="0/0")
+    desired = int(dep.get("spec", {}).get("replicas", 1))
+    ready = int(dep.get("status", {}).get("readyReplicas") or 0)
+    return RoleStatus(desired=desired, ready=ready, summary=f"{ready}/{desired}")
+
+
+def rollout_done(dep: Object) -> bool:
+    """The same test as ``kubectl rollout status``."""
+    meta, spec, st = dep.get("metadata", {}), dep.get("spec", {}), dep.get("status", {})
+    want = int(spec.get("replicas", 1))
+    if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return False
+    updated = int(st.get("updatedReplicas") or 0)
+    return updated >= want and int(st.get("replicas") or 0) <= updated and int(st.get("availableReplicas") or 0) >= want
+
+
+def _deployment_problem(dep: Object) -> str | None:
+    name = dep.get("metadata", {}).get("name", "?")
+    for c in dep.get("status", {}).get("conditions") or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            return f"Deployment {name}: {c.get('message') or c.get('reason')}"
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            return f"Deployment {name} exceeded its progress deadline; check its pods' events"
+        if c.get("type") == "Available" and c.get("status") == "False" and rollout_done(dep):
+            return f"Deployment {name} has no available replicas"
+    return None
+
+
+def group_status(
+    spec: InferenceGroupSpec,
+    generation: int | None,
+    binding: Binding,
+    children: dict[str, Object | None],
+    old: InferenceGroupStatus,
+    *,
+    endpoint: str,
+    now: str,
+) -> InferenceGroupStatus:
+    """``children`` maps prefill, decode, router to their observed Deployment (None when absent)."""
+    roles = {r: _role_status(children.get(r)) for r in ("prefill", "decode", "router")}
+    rolling, problems, waiting = [], [], []
+    wanted = [("prefill", True), ("decode", True), ("router", spec.router.enabled)]
+    for role, needed in wanted:
+        dep = children.get(role)
+        if not needed:
+            continue
+        if dep is None:
+            waiting.append(f"{role} Deployment")
+            continue
+        if not rollout_done(dep):
+            rolling.append(role)
+        problem = _deployment_problem(dep)
+        if problem:
+            problems.append(problem)
+        if roles[role].ready < roles[role].desired or (roles[role].desired == 0 and role != "router"):
+            waiting.append(f"{role} {roles[role].summary} ready")
+    gen = generation
+    base = [
+        cond.pool_bound(binding.ok, binding.reason, binding.message, gen),
+        cond.group_progressing(rolling, gen),
+        cond.group_degraded(problems, gen),
+    ]
+    ready = cond.derived_ready(base, waiting, gen)
+    return InferenceGroupStatus(
+        observed_generation=generation,
+        conditions=cond.merge(old.conditions, [base[0], ready, *base[1:]], now),
+        prefill=roles["prefill"],
+        decode=roles["decode"],
+        router=roles["router"] if spec.router.enabled else RoleStatus(summary="disabled"),
+        endpoint=endpoint,
+        pool_endpoint=binding.pool.endpoint if binding.pool else "",
+    )
+
+
+def invalid_group_status(
+    errors: list[str], generation: int | None, old: InferenceGroupStatus, now: str
+) -> InferenceGroupStatus:
+    """Status of a group whose spec fails a semantic check: Ready=False, everything else as it was."""
+    keep = [c for c in old.conditions if c.type != cond.READY]
+    new = [*keep, cond.invalid_spec(errors, generation)]
+    return old.model_copy(update={
+        "observed_generation": generation,
+        "conditions": cond.merge(old.conditions, new, now),
+    })
+
+
+def changed(old: Any, new: Any) -> bool:
+    """Whether writing ``new`` would change anything a reader can see."""
+    return old.model_dump(by_alias=True, exclude_none=True) != new.model_dump(by_alias=True, exclude_none=True)
+
+
+def status_body(status: Any) -> dict[str, Any]:
+    return status.model_dump(by_alias=True, exclude_none=True)

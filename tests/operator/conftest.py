@@ -1,0 +1,157 @@
+"""Fixtures: the operator running for real (in-process kopf) against the Kubernetes API emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import pathlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.k8s.fixtures import KubeEmulator, k8s_emulator, kube_controllers
+
+__all__ = ["k8s_emulator", "kube_controllers"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+POOL_NS = "maru-system"
+GROUP_NS = "llm"
+
+SHM_POOL: dict[str, Any] = {
+    "apiVersion": "maru.io/v1alpha1",
+    "kind": "MaruPool",
+    "metadata": {"name": "local-shm"},
+    "spec": {"backend": "shm", "size": "1Gi", "nodeSelector": {"maru.io/pool": "yes"}},
+}
+
+GROUP: dict[str, Any] = {
+    "apiVersion": "maru.io/v1alpha1",
+    "kind": "InferenceGroup",
+    "metadata": {"name": "qwen", "namespace": GROUP_NS},
+    "spec": {
+        "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "servedModelName": "qwen"},
+        "poolRef": {"name": "local-shm"},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 2},
+    },
+}
+
+
+def pool(name: str = "local-shm", **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(SHM_POOL)
+    body["metadata"]["name"] = name
+    body["spec"].update(spec)
+    return body
+
+
+def group(name: str = "qwen", namespace: str = GROUP_NS, pool_name: str = "local-shm", **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(GROUP)
+    body["metadata"].update(name=name, namespace=namespace)
+    body["spec"]["poolRef"]["name"] = pool_name
+    for key, value in spec.items():
+        body["spec"][key] = value
+    return body
+
+
+def install_crds(kube: KubeEmulator) -> None:
+    for path in sorted(CRDS.glob("*.yaml")):
+        kube.create(yaml.safe_load(path.read_text()))
+
+
+def create_namespace(kube: KubeEmulator, name: str) -> None:
+    if kube.get("namespaces", name) is None:
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+
+@pytest.fixture
+def cluster(k8s_emulator: KubeEmulator, kube_controllers: Any) -> KubeEmulator:
+    """An emulated cluster with our CRDs, two namespaces and one pool node, controllers running."""
+    install_crds(k8s_emulator)
+    for ns in (POOL_NS, GROUP_NS):
+        create_namespace(k8s_emulator, ns)
+    kube_controllers.add_node("node-1", {"maru.io/pool": "yes"})
+    return k8s_emulator
+
+
+class StubStats:
+    """Stands in for the pool daemons' /status: answers per URL, or not at all."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, dict[str, Any] | None] = {}
+        self.default: dict[str, Any] | None = None
+        self.calls: list[str] = []
+
+    async def __call__(self, url: str) -> dict[str, Any] | None:
+        self.calls.append(url)
+        return self.answers.get(url, self.default)
+
+
+class RunningOperator:
+    def __init__(self, kube: KubeEmulator, stats: StubStats, **config: Any) -> None:
+        from maru_operator import handlers
+
+        self.kube = kube
+        self.stats = stats
+        self.runtime = handlers.configure(handlers.Config(
+            pool_namespace=POOL_NS, connection=kube.kopf_connection(), fetch_status=stats, **config,
+        ))
+        self._stop: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        import kopf
+
+        async def run() -> None:
+            self._stop["flag"] = asyncio.Event()
+            self._stop["loop"] = asyncio.get_running_loop()
+            self._ready.set()
+            settings = kopf.OperatorSettings()
+            settings.peering.standalone = True
+            await kopf.operator(settings=settings, stop_flag=self._stop["flag"], clusterwide=True,
+                                standalone=True)
+
+        try:
+            asyncio.run(run())
+        except BaseException as err:  # surfaced by stop()
+            self.error = err
+
+    def start(self) -> RunningOperator:
+        self._thread.start()
+        assert self._ready.wait(30)
+        return self
+
+    def stop(self) -> None:
+        if "loop" in self._stop and self._thread.is_alive():
+            self._stop["loop"].call_soon_threadsafe(self._stop["flag"].set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the operator did not stop"
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the operator's loop (to read its queue or cache safely)."""
+        async def run() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self._stop["loop"]).result(30)
+
+    def idle(self) -> bool:
+        queue = self.runtime.queue
+        return bool(queue is not None and self.call(queue.idle))
+
+
+@pytest.fixture
+def stats() -> StubStats:
+    return StubStats()
+
+
+@pytest.fixture
+def operator(cluster: KubeEmulator, stats: StubStats) -> Iterator[RunningOperator]:
+    running = RunningOperator(cluster, stats, resync_seconds=3600, workers=4).start()
+    try:
+        yield running
+    finally:
+        running.stop()
