@@ -32,6 +32,7 @@ def test_parse_endpoint() -> None:
     assert parse_endpoint("unix:///run/maru/pool.sock") == Endpoint(kind="unix", path="/run/maru/pool.sock")
     assert parse_endpoint("tcp://0.0.0.0:7400") == Endpoint(kind="tcp", host="0.0.0.0", port=7400)
     assert parse_endpoint("tcp://[::1]:7400").host == "::1"
+    assert parse_endpoint("tcp://[::1]:7400").url == "tcp://[::1]:7400"
     assert parse_endpoint("tcp://meta.maru.svc:7400").url == "tcp://meta.maru.svc:7400"
 
 

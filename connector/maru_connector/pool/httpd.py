@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from .units import split_host_port
+from .units import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class _StatsCollector:
                 yield CounterMetricFamily(f"maru_pool_{name}", COUNTERS[name], value=value)
             elif name in GAUGES:
                 yield GaugeMetricFamily(f"maru_pool_{name}", GAUGES[name], value=value)
+
+
+class _Http6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 class HttpEndpoint:
@@ -96,10 +101,11 @@ class HttpEndpoint:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("http: " + format, *args)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        server_cls = _Http6Server if ":" in host else ThreadingHTTPServer
+        self._server = server_cls((host, port), Handler)
         self._server.daemon_threads = True
         bound_host, bound_port = self._server.server_address[:2]
-        self.address = f"{bound_host}:{bound_port}"
+        self.address = join_host_port(str(bound_host), int(bound_port))
         self._thread = threading.Thread(target=self._server.serve_forever, name="maru-pool-http", daemon=True)
 
     def start(self) -> None:

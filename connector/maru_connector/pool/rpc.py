@@ -64,12 +64,17 @@ class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     handler: Handler
 
 
+class _Tcp6Server(_TcpServer):
+    address_family = socket.AF_INET6
+
+
 class RpcServer:
     """Serve ``handler`` on ``endpoint`` from a background thread until :meth:`close`."""
 
     def __init__(self, endpoint: Endpoint, handler: Handler, *, socket_mode: int = 0o666) -> None:
         self.endpoint = endpoint
         server: _UnixServer | _TcpServer
+        cls: type[_TcpServer]
         if endpoint.kind == "unix":
             _clear_stale_socket(endpoint.path)
             try:
@@ -80,7 +85,8 @@ class RpcServer:
             os.chmod(endpoint.path, socket_mode)
         else:
             try:
-                server = _TcpServer((endpoint.host, endpoint.port), _Connection)
+                cls = _Tcp6Server if ":" in endpoint.host else _TcpServer
+                server = cls((endpoint.host, endpoint.port), _Connection)
             except OSError as err:
                 raise ListenError(f"--listen {endpoint.url}: cannot bind: {err.strerror}") from None
             host, port = server.server_address[:2]

@@ -44,7 +44,7 @@ class Endpoint:
     def url(self) -> str:
         if self.kind == "unix":
             return f"unix://{self.path}"
-        return f"tcp://{self.host}:{self.port}"
+        return f"tcp://{join_host_port(self.host, self.port)}"
 
 
 def parse_endpoint(url: str) -> Endpoint:
@@ -67,3 +67,7 @@ def split_host_port(text: str, *, what: str | None = None) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"{label!r}: expected host:port with a port in 0..65535")
     return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
