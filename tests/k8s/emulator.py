@@ -77,6 +77,7 @@ class ResourceType:
     status: bool = False  # has the /status subresource
     schemas: dict[str, JsonObj] = dataclasses.field(default_factory=dict)  # version -> openAPIV3Schema
     custom: bool = False  # served because of a CRD
+    columns: dict[str, list[JsonObj]] = dataclasses.field(default_factory=dict)  # additionalPrinterColumns
 
     @property
     def key(self) -> tuple[str, str]:
@@ -366,6 +367,77 @@ def prune(obj: Any, schema: JsonObj | None) -> Any:
     return obj
 
 
+def apply_defaults(obj: Any, schema: JsonObj | None) -> None:
+    """Fill in the schema's defaults for absent fields, in place, as kube-apiserver does."""
+    if not schema:
+        return
+    if isinstance(obj, dict):
+        for key, sub in (schema.get('properties') or {}).items():
+            if key not in obj and 'default' in sub:
+                obj[key] = copy.deepcopy(sub['default'])
+            if key in obj:
+                apply_defaults(obj[key], sub)
+        addl = schema.get('additionalProperties')
+        if isinstance(addl, dict):
+            for key, value in obj.items():
+                if key not in (schema.get('properties') or {}):
+                    apply_defaults(value, addl)
+    elif isinstance(obj, list) and isinstance(schema.get('items'), dict):
+        for item in obj:
+            apply_defaults(item, schema['items'])
+
+
+_CEL_PROGRAMS: dict[str, Any] = {}
+
+
+def _cel_program(rule: str) -> Any:
+    import celpy  # imported lazily: only CRDs with x-kubernetes-validations need it
+
+    if rule not in _CEL_PROGRAMS:
+        env = celpy.Environment()
+        _CEL_PROGRAMS[rule] = env.program(env.compile(rule))
+    return _CEL_PROGRAMS[rule]
+
+
+def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str = '') -> list[JsonObj]:
+    """Evaluate ``x-kubernetes-validations`` (CEL) rules; returns Status causes for the failures.
+
+    Transition rules (those using ``oldSelf``) are checked only on updates, as in Kubernetes.
+    """
+    if not schema or obj is None:
+        return []
+    import celpy
+
+    causes: list[JsonObj] = []
+    if isinstance(obj, dict):
+        props = schema.get('properties') or {}
+        for key, value in obj.items():
+            sub = props.get(key) or (schema.get('additionalProperties')
+                                     if isinstance(schema.get('additionalProperties'), dict) else None)
+            old_value = old.get(key) if isinstance(old, dict) else None
+            causes += check_cel_rules(value, sub, old_value, f'{path}.{key}' if path else key)
+    elif isinstance(obj, list) and isinstance(schema.get('items'), dict):
+        for i, item in enumerate(obj):
+            causes += check_cel_rules(item, schema['items'], None, f'{path}[{i}]')
+    for rule in schema.get('x-kubernetes-validations') or []:
+        text = rule['rule']
+        if 'oldSelf' in text and old is None:
+            continue
+        activation = {'self': celpy.json_to_cel(obj)}
+        if 'oldSelf' in text:
+            activation['oldSelf'] = celpy.json_to_cel(old)
+        try:
+            result = _cel_program(text).evaluate(activation)
+        except Exception as e:  # a rule that cannot be evaluated fails, as in Kubernetes
+            result = e
+        if result is not True and not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
+            field = path + (rule.get('fieldPath') or '')
+            causes.append({'reason': rule.get('reason', 'FieldValueInvalid'),
+                           'message': rule.get('message') or f'failed rule: {text}',
+                           'field': field.lstrip('.') or '<root>'})
+    return causes
+
+
 def _json_path(path: Iterable[Any]) -> str:
     out = ''
     for p in path:
@@ -509,7 +581,10 @@ class Emulator(kmock.KubernetesEmulator):
                                                   'the namespace sent on the request')
             meta['namespace'] = namespace
             ns = self._store.get(('', 'namespaces', None, namespace))
-            if ns is not None and ns['metadata'].get('deletionTimestamp'):
+            if ns is None:
+                raise ApiError(404, 'NotFound', f'namespaces "{namespace}" not found',
+                               {'name': namespace, 'kind': 'namespaces'})
+            if ns['metadata'].get('deletionTimestamp'):
                 raise ApiError(403, 'Forbidden', f'unable to create new content in namespace {namespace} '
                                                  f'because it is being terminated')
         else:
@@ -681,15 +756,19 @@ class Emulator(kmock.KubernetesEmulator):
                 # apiVersion, kind and metadata are never pruned, whatever the schema lists.
                 kept = {k: obj[k] for k in ('apiVersion', 'kind', 'metadata') if k in obj}
                 obj = {**prune(obj, schema), **kept}
+                body_schema = {**schema, 'properties': {k: v for k, v in (schema.get('properties') or {}).items()
+                                                        if k != 'metadata'}}
                 checked = {k: v for k, v in obj.items() if k != 'metadata'}
-                validator = jsonschema.Draft202012Validator(_to_jsonschema(
-                    {**schema, 'properties': {k: v for k, v in (schema.get('properties') or {}).items()
-                                              if k != 'metadata'}}))
-                errors = sorted(validator.iter_errors(checked), key=lambda e: list(e.absolute_path))
-                if errors:
-                    causes = [{'reason': 'FieldValueInvalid', 'message': e.message,
-                               'field': _json_path(e.absolute_path) or '<root>'} for e in errors]
-                    msg = '; '.join(f'{c["field"]}: Invalid value: {c["message"]}' for c in causes)
+                apply_defaults(checked, body_schema)
+                obj = {**checked, 'metadata': obj.get('metadata', {})}
+                validator = jsonschema.Draft202012Validator(_to_jsonschema(body_schema))
+                causes = [{'reason': 'FieldValueInvalid', 'message': e.message,
+                           'field': _json_path(e.absolute_path) or '<root>'}
+                          for e in sorted(validator.iter_errors(checked), key=lambda e: list(e.absolute_path))]
+                old_body = None if old is None else {k: v for k, v in old.items() if k != 'metadata'}
+                causes += check_cel_rules(checked, body_schema, old_body)
+                if causes:
+                    msg = '; '.join(f'{c["field"]}: {c["message"]}' for c in causes)
                     raise ApiError(422, 'Invalid', f'{rt.kind}.{rt.group} "{name}" is invalid: {msg}',
                                    {'name': name, 'group': rt.group, 'kind': rt.kind, 'causes': causes})
         return obj
@@ -726,8 +805,7 @@ class Emulator(kmock.KubernetesEmulator):
                 meta.pop(fld, None)
         new['apiVersion'] = rt.api_version(_version_of(new, rt) if 'apiVersion' in new else None)
         new['kind'] = rt.kind
-        if subresource is None:
-            new = self._admit(rt, new, old, name)
+        new = self._admit(rt, new, old, name)
         if dry_run:
             return new
         return self._commit_internal(rt, key, new)
@@ -839,6 +917,7 @@ class Emulator(kmock.KubernetesEmulator):
             short_names=list(names.get('shortNames') or []), categories=list(names.get('categories') or []),
             status=any('status' in (v.get('subresources') or {}) for v in served),
             schemas={v['name']: (v.get('schema') or {}).get('openAPIV3Schema') or {} for v in served},
+            columns={v['name']: list(v.get('additionalPrinterColumns') or []) for v in served},
             custom=True,
         )
         status = {
@@ -934,15 +1013,19 @@ class Emulator(kmock.KubernetesEmulator):
                 return await self._serve_watch_stream(raw, rt, version, namespace, query)
             labels = parse_label_selector(query.get('labelSelector'))
             fields = parse_field_selector(query.get('fieldSelector'))
-            items = [_at_version(o, rt, version) for o in self._iter(rt, namespace)
+            items = [_at_version(copy.deepcopy(o), rt, version) for o in self._iter(rt, namespace)
                      if match_selectors(o, labels, fields)]
             items.sort(key=lambda o: (o['metadata'].get('namespace') or '', o['metadata']['name']))
+            if _wants_table(raw, rt, version):
+                return _json_response(_table(rt, version, items, query, str(self._rv)))
             return _json_response({'apiVersion': rt.api_version(version), 'kind': f'{rt.kind}List',
                                    'metadata': {'resourceVersion': str(self._rv)}, 'items': items})
         if method == 'GET':
             obj = self.get_object(rt.group, rt.plural, namespace, name) if name else None
             if obj is None or subresource not in (None, 'status'):
                 raise _not_found(rt, name or '')
+            if _wants_table(raw, rt, version):
+                return _json_response(_table(rt, version, [obj], query, obj['metadata']['resourceVersion']))
             return _json_response(_at_version(obj, rt, version))
         if method == 'POST' and name is None:
             if not isinstance(body, dict):
@@ -970,7 +1053,7 @@ class Emulator(kmock.KubernetesEmulator):
         if method == 'DELETE':
             labels = parse_label_selector(query.get('labelSelector'))
             fields = parse_field_selector(query.get('fieldSelector'))
-            victims = [o for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)]
+            victims = [copy.deepcopy(o) for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)]
             for o in victims:
                 key = (rt.group, rt.plural, o['metadata'].get('namespace'), o['metadata']['name'])
                 if key in self._store and not dry_run:
@@ -1193,6 +1276,73 @@ def _watch_event(w: _Watcher, event: _LoggedEvent) -> JsonObj | None:
         return None
     rt = w.rt
     return {'type': type_, 'object': _at_version(copy.deepcopy(event.obj), rt, w.version)}
+
+
+def _wants_table(raw: aiohttp.web.BaseRequest, rt: ResourceType, version: str) -> bool:
+    # Only custom resources with printer columns get server-side tables: for everything else,
+    # kubectl's own fallback printing (NAME, AGE) is what a table of ours would show anyway.
+    return 'as=Table' in raw.headers.get('Accept', '') and bool(rt.columns.get(version))
+
+
+def json_path(obj: Any, path: str) -> list[Any]:
+    """The small JSONPath subset printer columns use: ``.a.b``, ``[0]``, ``[*]``, ``[?(@.k=="v")]``."""
+    tokens = re.findall(r'\.([\w-]+)|\[(\d+|\*)\]|\[\?\(@\.([\w.-]+)\s*==\s*["\']([^"\']*)["\']\)\]', path)
+    values = [obj]
+    for key, index, filter_key, filter_value in tokens:
+        nxt: list[Any] = []
+        for v in values:
+            if key and isinstance(v, dict) and key in v:
+                nxt.append(v[key])
+            elif index == '*' and isinstance(v, list):
+                nxt.extend(v)
+            elif index and index != '*' and isinstance(v, list) and int(index) < len(v):
+                nxt.append(v[int(index)])
+            elif filter_key and isinstance(v, list):
+                nxt.extend(x for x in v if _field_value(x, filter_key) == filter_value)
+        values = nxt
+    return values
+
+
+def _age(timestamp: str) -> str:
+    then = datetime.datetime.strptime(timestamp, '%Y-%m-%dT%H:%M:%SZ').replace(tzinfo=datetime.UTC)
+    s = max(0, int((datetime.datetime.now(tz=datetime.UTC) - then).total_seconds()))
+    if s < 120:
+        return f'{s}s'
+    if s < 600:
+        return f'{s // 60}m{s % 60}s' if s % 60 else f'{s // 60}m'
+    if s < 3 * 3600:
+        return f'{s // 60}m'
+    if s < 48 * 3600:
+        return f'{s // 3600}h'
+    return f'{s // 86400}d'
+
+
+def _table(rt: ResourceType, version: str, objs: list[JsonObj], query: dict[str, str], rv: str) -> JsonObj:
+    """A meta.k8s.io/v1 Table built from the CRD's additionalPrinterColumns, as kube-apiserver does."""
+    columns = rt.columns[version]
+    defs = [{'name': 'Name', 'type': 'string', 'format': 'name', 'priority': 0,
+             'description': 'Name must be unique within a namespace.'}]
+    defs += [{'name': c['name'], 'type': c.get('type', 'string'), 'format': c.get('format', ''),
+              'description': c.get('description', ''), 'priority': c.get('priority', 0)} for c in columns]
+    include = query.get('includeObject', 'Metadata')
+    rows = []
+    for obj in objs:
+        cells: list[Any] = [obj['metadata']['name']]
+        for col in columns:
+            found = json_path(obj, col['jsonPath'])
+            value = found[0] if found else None
+            if value is not None and col.get('type') == 'date':
+                value = _age(value)
+            cells.append(value)
+        row: JsonObj = {'cells': cells}
+        if include == 'Object':
+            row['object'] = _at_version(obj, rt, version)
+        elif include != 'None':
+            row['object'] = {'kind': 'PartialObjectMetadata', 'apiVersion': 'meta.k8s.io/v1',
+                             'metadata': obj['metadata']}
+        rows.append(row)
+    return {'kind': 'Table', 'apiVersion': 'meta.k8s.io/v1', 'metadata': {'resourceVersion': rv},
+            'columnDefinitions': defs, 'rows': rows}
 
 
 def _invalid(rt: ResourceType, name: str, field: str, message: str) -> ApiError:

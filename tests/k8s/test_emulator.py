@@ -37,9 +37,13 @@ CRD: dict[str, Any] = {
                 'properties': {
                     'spec': {'type': 'object', 'required': ['size'], 'properties': {
                         'size': {'type': 'integer', 'minimum': 1},
-                        'color': {'type': 'string', 'enum': ['red', 'blue']},
+                        'color': {'type': 'string', 'enum': ['red', 'blue'], 'default': 'blue'},
                         'extra': {'type': 'object', 'x-kubernetes-preserve-unknown-fields': True},
-                    }},
+                    }, 'x-kubernetes-validations': [
+                        {'rule': "self.color != 'red' || self.size > 1", 'fieldPath': '.size',
+                         'message': 'red widgets need a size above 1'},
+                        {'rule': 'self.size >= oldSelf.size', 'message': 'widgets never shrink'},
+                    ]},
                     'status': {'type': 'object', 'x-kubernetes-preserve-unknown-fields': True},
                 },
             }},
@@ -134,8 +138,15 @@ def test_kubectl_apply_product_crds_and_examples(k8s_emulator: KubeEmulator) -> 
     # Like a real cluster, a CRD must be established before kubectl can map its custom resources,
     # so the CRDs and the resources using them are applied in two steps.
     k8s_emulator.kubectl('apply', '--validate=false', '-f', str(crds))
+    # As on a real cluster, the examples' namespaces must exist first (`kubectl create namespace`).
+    for path in examples.glob('*.yaml'):
+        for doc in yaml.safe_load_all(path.read_text()):
+            ns = (doc or {}).get('metadata', {}).get('namespace')
+            if ns and k8s_emulator.get('namespaces', ns) is None:
+                k8s_emulator.create({'apiVersion': 'v1', 'kind': 'Namespace', 'metadata': {'name': ns}})
     k8s_emulator.kubectl('apply', '--validate=false', '-f', str(examples))
     assert k8s_emulator.list('marupools.maru.io') or k8s_emulator.list('inferencegroups.maru.io')
+    assert k8s_emulator.kubectl('get', 'crd').stdout.count('maru.io') == 2
 
 
 # -------------------------------------------------------------------------------------------------
@@ -219,6 +230,23 @@ def test_schema_validation_and_pruning(kube: KubeEmulator) -> None:
         GROUP, 'v1', 'default', 'widgets', widget('ok', 1, unknown=1, extra={'free': 'form'}))
     assert 'unknown' not in obj['spec']
     assert obj['spec']['extra'] == {'free': 'form'}
+
+
+def test_schema_defaults_and_cel_rules(kube: KubeEmulator) -> None:
+    w = kube.create(widget('w', 2))
+    assert w['spec']['color'] == 'blue'  # defaulted by the schema
+
+    with pytest.raises(ApiError) as err:
+        kube.create(widget('red', 1, color='red'))
+    assert err.value.code == 422
+    assert err.value.details['causes'] == [{'reason': 'FieldValueInvalid', 'field': 'spec.size',
+                                            'message': 'red widgets need a size above 1'}]
+
+    # A transition rule (oldSelf) applies to updates only.
+    with pytest.raises(ApiError) as err:
+        kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 1}}, 'default')
+    assert 'widgets never shrink' in err.value.message
+    assert kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 3}}, 'default')['spec']['size'] == 3
 
 
 def test_schema_validation_can_be_switched_off(tmp_path: pathlib.Path) -> None:
@@ -355,6 +383,12 @@ def test_finalizers_delay_deletion(kube: KubeEmulator) -> None:
 
     kube.patch('widgets.test.example.com', 'w', {'metadata': {'finalizers': None}}, 'default')
     assert kube.get('widgets.test.example.com', 'w', 'default') is None
+
+
+def test_objects_need_an_existing_namespace(kube: KubeEmulator) -> None:
+    with pytest.raises(ApiError) as err:
+        kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', 'namespace': 'nope'}})
+    assert err.value.code == 404
 
 
 def test_namespace_deletion_removes_its_objects(kube: KubeEmulator) -> None:
