@@ -75,6 +75,7 @@ class ResourceType:
     short_names: list[str] = dataclasses.field(default_factory=list)
     categories: list[str] = dataclasses.field(default_factory=list)
     status: bool = False  # has the /status subresource
+    scale: JsonObj | None = None  # the /scale subresource's paths, as in a CRD
     schemas: dict[str, JsonObj] = dataclasses.field(default_factory=dict)  # version -> openAPIV3Schema
     custom: bool = False  # served because of a CRD
     columns: dict[str, list[JsonObj]] = dataclasses.field(default_factory=dict)  # additionalPrinterColumns
@@ -104,13 +105,23 @@ class ResourceType:
         if self.status:
             result.append({'name': f'{self.plural}/status', 'singularName': '', 'namespaced': self.namespaced,
                            'kind': self.kind, 'verbs': ['get', 'patch', 'update']})
+        if self.scale:
+            result.append({'name': f'{self.plural}/scale', 'singularName': '', 'namespaced': self.namespaced,
+                           'group': 'autoscaling', 'version': 'v1', 'kind': 'Scale',
+                           'verbs': ['get', 'patch', 'update']})
         return result
 
 
 def _builtin(group: str, version: str, plural: str, kind: str, namespaced: bool = True, *,
-             short: Iterable[str] = (), cats: Iterable[str] = (), status: bool = False) -> ResourceType:
+             short: Iterable[str] = (), cats: Iterable[str] = (), status: bool = False,
+             scale: JsonObj | None = None) -> ResourceType:
     return ResourceType(group=group, versions=[version], plural=plural, singular=kind.lower(), kind=kind,
-                        namespaced=namespaced, short_names=list(short), categories=list(cats), status=status)
+                        namespaced=namespaced, short_names=list(short), categories=list(cats), status=status,
+                        scale=scale)
+
+
+_SCALE = {'specReplicasPath': '.spec.replicas', 'statusReplicasPath': '.status.replicas',
+          'labelSelectorPath': '.spec.selector'}
 
 
 BUILTIN_RESOURCES: list[ResourceType] = [
@@ -125,10 +136,10 @@ BUILTIN_RESOURCES: list[ResourceType] = [
     _builtin('', 'v1', 'events', 'Event', short=['ev']),
     _builtin('', 'v1', 'persistentvolumeclaims', 'PersistentVolumeClaim', short=['pvc'], status=True),
     _builtin('events.k8s.io', 'v1', 'events', 'Event', short=['ev']),
-    _builtin('apps', 'v1', 'deployments', 'Deployment', short=['deploy'], cats=['all'], status=True),
+    _builtin('apps', 'v1', 'deployments', 'Deployment', short=['deploy'], cats=['all'], status=True, scale=_SCALE),
     _builtin('apps', 'v1', 'daemonsets', 'DaemonSet', short=['ds'], cats=['all'], status=True),
-    _builtin('apps', 'v1', 'statefulsets', 'StatefulSet', short=['sts'], cats=['all'], status=True),
-    _builtin('apps', 'v1', 'replicasets', 'ReplicaSet', short=['rs'], cats=['all'], status=True),
+    _builtin('apps', 'v1', 'statefulsets', 'StatefulSet', short=['sts'], cats=['all'], status=True, scale=_SCALE),
+    _builtin('apps', 'v1', 'replicasets', 'ReplicaSet', short=['rs'], cats=['all'], status=True, scale=_SCALE),
     _builtin('batch', 'v1', 'jobs', 'Job', cats=['all'], status=True),
     _builtin('rbac.authorization.k8s.io', 'v1', 'roles', 'Role'),
     _builtin('rbac.authorization.k8s.io', 'v1', 'rolebindings', 'RoleBinding'),
@@ -916,6 +927,8 @@ class Emulator(kmock.KubernetesEmulator):
             namespaced=spec.get('scope', 'Namespaced') == 'Namespaced',
             short_names=list(names.get('shortNames') or []), categories=list(names.get('categories') or []),
             status=any('status' in (v.get('subresources') or {}) for v in served),
+            scale=next((v['subresources']['scale'] for v in served
+                        if 'scale' in (v.get('subresources') or {})), None),
             schemas={v['name']: (v.get('schema') or {}).get('openAPIV3Schema') or {} for v in served},
             columns={v['name']: list(v.get('additionalPrinterColumns') or []) for v in served},
             custom=True,
@@ -1008,6 +1021,8 @@ class Emulator(kmock.KubernetesEmulator):
         dry_run = query.get('dryRun') == 'All' or (
                 isinstance(body, dict) and 'All' in (body.get('dryRun') or []))
 
+        if subresource == 'scale' and name is not None:
+            return _json_response(self._serve_scale(rt, namespace, name, method, body, ctype, dry_run))
         if method == 'GET' and name is None:
             if query.get('watch') in ('true', '1'):
                 return await self._serve_watch_stream(raw, rt, version, namespace, query)
@@ -1063,6 +1078,37 @@ class Emulator(kmock.KubernetesEmulator):
                                    'items': [_at_version(o, rt, version) for o in victims]})
         raise ApiError(405, 'MethodNotAllowed', f'the server does not allow this method on the requested '
                                                 f'resource ({method} {path})')
+
+    def _serve_scale(self, rt: ResourceType, namespace: str | None, name: str, method: str, body: Any,
+                     ctype: str, dry_run: bool) -> JsonObj:
+        if not rt.scale:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
+                                            f'({rt.plural}/scale)')
+        obj = self.get_object(rt.group, rt.plural, namespace, name)
+        if obj is None:
+            raise _not_found(rt, name)
+        scale = _scale_of(obj, rt.scale)
+        if method == 'GET':
+            return scale
+        if method == 'PUT':
+            wanted = body
+        elif method == 'PATCH' and 'json-patch' in ctype:
+            wanted = jsonpatch.apply_patch(scale, body)
+        elif method == 'PATCH':
+            wanted = merge_patch(scale, body)
+        else:
+            raise ApiError(405, 'MethodNotAllowed', f'{method} is not allowed on {rt.plural}/scale')
+        replicas = ((wanted or {}).get('spec') or {}).get('replicas')
+        if not isinstance(replicas, int) or replicas < 0:
+            raise ApiError(422, 'Invalid', 'spec.replicas: must be a non-negative integer')
+        patch: JsonObj = {}
+        cur = patch
+        parts = rt.scale['specReplicasPath'].strip('.').split('.')
+        for part in parts[:-1]:
+            cur = cur.setdefault(part, {})
+        cur[parts[-1]] = replicas
+        updated = self.patch_object(rt.group, rt.plural, namespace, name, patch, dry_run=dry_run)
+        return _scale_of(updated, rt.scale)
 
     def _parse_path(self, segs: list[str]) -> tuple[ResourceType, str, str | None, str | None,
                                                      str | None] | None:
@@ -1276,6 +1322,21 @@ def _watch_event(w: _Watcher, event: _LoggedEvent) -> JsonObj | None:
         return None
     rt = w.rt
     return {'type': type_, 'object': _at_version(copy.deepcopy(event.obj), rt, w.version)}
+
+
+def _scale_of(obj: JsonObj, paths: JsonObj) -> JsonObj:
+    spec = json_path(obj, paths['specReplicasPath'])
+    status = json_path(obj, paths.get('statusReplicasPath', '.status.replicas'))
+    selector = json_path(obj, paths['labelSelectorPath']) if paths.get('labelSelectorPath') else []
+    sel = selector[0] if selector else None
+    if isinstance(sel, dict):  # a LabelSelector: Scale carries it in its string form
+        sel = ','.join(f'{k}={v}' for k, v in (sel.get('matchLabels') or {}).items())
+    meta = obj['metadata']
+    return {'kind': 'Scale', 'apiVersion': 'autoscaling/v1',
+            'metadata': {k: meta[k] for k in ('name', 'namespace', 'uid', 'resourceVersion', 'creationTimestamp')
+                         if k in meta},
+            'spec': {'replicas': spec[0] if spec else 0},
+            'status': {'replicas': status[0] if status else 0, **({'selector': sel} if sel else {})}}
 
 
 def _wants_table(raw: aiohttp.web.BaseRequest, rt: ResourceType, version: str) -> bool:

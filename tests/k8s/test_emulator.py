@@ -128,6 +128,32 @@ def test_kubectl_apply_builtin_kinds_with_strategic_merge(k8s_emulator: KubeEmul
     assert 'cfg' in k8s_emulator.kubectl('get', 'cm').stdout
     assert 'web' in k8s_emulator.kubectl('get', 'all').stdout
 
+    k8s_emulator.kubectl('scale', 'deployment/web', '--replicas=4')
+    scaled = k8s_emulator.get('deployments.apps', 'web', 'default')
+    assert scaled is not None and scaled['spec']['replicas'] == 4
+    k8s_emulator.kubectl('label', 'deployment/web', 'tier=front')
+    assert 'web' in k8s_emulator.kubectl('get', 'deploy', '-l', 'tier=front', '-o', 'name').stdout
+    k8s_emulator.kubectl('patch', 'deployment/web', '--type=merge', '-p', '{"spec":{"replicas":2}}')
+    k8s_emulator.kubectl('delete', '-f', str(tmp_path / 'a.yaml'))
+    assert k8s_emulator.list('deployments.apps', 'default') == []
+
+
+@pytest.mark.tools
+def test_kubectl_server_side_apply_wait_and_rollout(k8s_emulator: KubeEmulator, kube_controllers: KubeControllers,
+                                                    tmp_path: pathlib.Path) -> None:
+    path = _dump(tmp_path, 'd.yaml', _deployment('api', 2))
+    kube_controllers.hold()
+    k8s_emulator.kubectl('apply', '--server-side', '-f', path)
+    k8s_emulator.kubectl('apply', '--server-side', '-f', path)  # re-applying the same config is a no-op
+    got = k8s_emulator.get('deployments.apps', 'api', 'default')
+    assert got is not None and got['metadata']['generation'] == 1
+    not_yet = k8s_emulator.kubectl('wait', '--for=condition=Available', 'deploy/api', '--timeout=1s', check=False)
+    assert not_yet.returncode != 0
+    kube_controllers.release()
+    k8s_emulator.kubectl('wait', '--for=condition=Available', 'deploy/api', '--timeout=30s')
+    assert 'successfully rolled out' in k8s_emulator.kubectl('rollout', 'status', 'deploy/api',
+                                                             '--timeout=30s').stdout
+
 
 @pytest.mark.tools
 def test_kubectl_apply_product_crds_and_examples(k8s_emulator: KubeEmulator) -> None:
