@@ -37,10 +37,11 @@ from maru_operator.status import (
     changed,
     group_status,
     invalid_group_status,
+    invalid_pool_status,
     pool_status,
     status_body,
 )
-from maru_operator.validation import check_group
+from maru_operator.validation import check_group, check_pool
 
 log = logging.getLogger("maru_operator.controller")
 
@@ -164,6 +165,11 @@ class Controller:
         except ValidationError as err:
             raise kopf.PermanentError(f"invalid spec: {err.errors()[0]['msg']}") from None
         old = MaruPoolStatus.model_validate(body.get("status") or {})
+        errors = [str(e) for e in check_pool(spec, name)]
+        if errors and not meta.get("deletionTimestamp"):
+            new_status = invalid_pool_status(errors, meta.get("generation"), old, self.clock())
+            await self.write_status(body, old, new_status)
+            raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         owner = Owner.from_body(body)
         deleting = bool(meta.get("deletionTimestamp"))
         bound = [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(name)]

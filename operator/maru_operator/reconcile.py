@@ -52,7 +52,7 @@ def is_subset(desired: Any, actual: Any, path: str = "") -> str | None:
     if desired == actual and type(desired) is type(actual):
         return None
     if isinstance(desired, bool) or isinstance(actual, bool):
-        return None if desired == actual else path
+        return path  # equal bools of the same type returned above; True is not 1
     # Quantities come back normalised (``1`` for 1, ``1Gi`` stays, ``0.5`` becomes ``500m``).
     if str(desired) == str(actual) or same_quantity(desired, actual):
         return None

@@ -236,6 +236,13 @@ def invalid_group_status(
     })
 
 
+def invalid_pool_status(errors: list[str], generation: int | None, old: MaruPoolStatus, now: str) -> MaruPoolStatus:
+    keep = [c for c in old.conditions if c.type != cond.READY]
+    new = [cond.invalid_spec(errors, generation), *keep]
+    merged = cond.merge(old.conditions, new, now)
+    return old.model_copy(update={"observed_generation": generation, "conditions": merged})
+
+
 def changed(old: Any, new: Any) -> bool:
     """Whether writing ``new`` would change anything a reader can see."""
     return old.model_dump(by_alias=True, exclude_none=True) != new.model_dump(by_alias=True, exclude_none=True)

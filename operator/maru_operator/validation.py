@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
+from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.group import HASH_SEED, HASH_SEED_ENV
+from maru_operator.builders.pool import pool_endpoint
 from maru_operator.quantity import parse_quantity
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -91,5 +93,21 @@ def check_group(spec: InferenceGroupSpec) -> list[SpecError]:
             "spec.connector.chunkTokens",
             f"{spec.connector.chunk_tokens} is not a multiple of blockSize {spec.connector.block_size}: "
             "a chunk must hold whole KV blocks",
+        ))
+    return errors
+
+
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+def check_pool(spec: MaruPoolSpec, name: str) -> list[SpecError]:
+    errors: list[SpecError] = []
+    socket = pool_endpoint(spec, name).removeprefix("unix://")
+    if len(socket.encode()) > MAX_SOCKET_PATH:
+        errors.append(SpecError(
+            "spec.daemon.socketDir",
+            f"the socket path {socket} is {len(socket.encode())} bytes, over the {MAX_SOCKET_PATH} a Unix socket "
+            "path may have; choose a shorter socketDir",
         ))
     return errors

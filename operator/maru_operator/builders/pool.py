@@ -20,7 +20,7 @@ from maru_operator.builders.common import (
     restricted_container_security,
     selector,
 )
-from maru_operator.names import child_name
+from maru_operator.names import MAX_NAME, child_name
 
 APP = "maru-pool"
 COMPONENT_AGENT = "agent"
@@ -40,8 +40,11 @@ def metadata_name(pool: str) -> str:
 
 
 def socket_host_dir(spec: MaruPoolSpec, pool: str) -> str:
-    """Host directory of this pool's socket: one per pool, so two pools on a node never collide."""
-    return f"{spec.daemon.socket_dir.rstrip('/')}/{pool}"
+    """Host directory of this pool's socket: one per pool, so two pools on a node never collide.
+
+    Long pool names are shortened: a Unix socket path must fit in 107 bytes (``sun_path``).
+    """
+    return f"{spec.daemon.socket_dir.rstrip('/')}/{pool if len(pool) <= MAX_NAME else child_name(pool)}"
 
 
 def pool_endpoint(spec: MaruPoolSpec, pool: str) -> str:

@@ -1,0 +1,249 @@
+"""One class per group builder: vLLM roles, the router and its RBAC."""
+
+from __future__ import annotations
+
+import json
+
+from maru_connector.config import MaruConnectorConfig
+from maru_operator.builders.common import LABEL_POOL, LABEL_ROLE
+from maru_operator.builders.group import (
+    build_group_children,
+    build_role_deployment,
+    build_router_deployment,
+    build_router_role,
+    build_router_role_binding,
+    build_router_service,
+    build_router_service_account,
+    router_endpoint,
+)
+from tests.operator.helpers import GROUP_OWNER, assert_valid, container, flag, group_spec, pool_view
+
+
+def kv_config(dep: dict) -> dict:
+    return json.loads(flag(container(dep)["args"], "--kv-transfer-config"))
+
+
+class TestRoleDeployment:
+    def test_valid_and_named(self) -> None:
+        for role in ("prefill", "decode"):
+            dep = build_role_deployment(group_spec(), role, GROUP_OWNER, pool_view())
+            assert_valid(dep)
+            assert dep["metadata"]["name"] == f"llama-{role}"
+            assert dep["metadata"]["namespace"] == "llm"
+            assert dep["metadata"]["labels"][LABEL_ROLE] == role
+            assert dep["spec"]["template"]["metadata"]["labels"][LABEL_ROLE] == role
+            assert dep["metadata"]["labels"][LABEL_POOL] == "pool"
+
+    def test_vllm_command_line(self) -> None:
+        spec = group_spec(
+            model={"name": "m/x", "revision": "abc", "servedModelName": "x", "dtype": "float32", "maxModelLen": 4096},
+            connector={"blockSize": 128, "chunkTokens": 512},
+            prefill={"tensorParallelSize": 2, "extraArgs": ["--max-num-seqs=8"]},
+            decode={"tensorParallelSize": 2},
+        )
+        c = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
+        assert c["command"] == ["vllm", "serve"]
+        args = c["args"]
+        assert args[0] == "m/x"
+        assert flag(args, "--port") == "8000"
+        assert flag(args, "--served-model-name") == "x"
+        assert flag(args, "--tensor-parallel-size") == "2"
+        assert flag(args, "--block-size") == "128"
+        assert flag(args, "--dtype") == "float32"
+        assert flag(args, "--revision") == "abc"
+        assert flag(args, "--max-model-len") == "4096"
+        assert args[-1] == "--max-num-seqs=8"
+
+    def test_optional_flags_absent(self) -> None:
+        args = container(build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view()))["args"]
+        assert "--revision" not in args and "--max-model-len" not in args
+        assert flag(args, "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
+
+    def test_kv_transfer_config_from_the_connector_model(self) -> None:
+        spec = group_spec(connector={"chunkTokens": 512, "blockSize": 16})
+        prefill = kv_config(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
+        decode = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
+        assert prefill["kv_role"] == "kv_producer"
+        assert decode["kv_role"] == "kv_consumer"
+        # Everything but the role is identical: the two can never disagree.
+        assert {**prefill, "kv_role": None} == {**decode, "kv_role": None}
+        parsed = MaruConnectorConfig.from_extra_config(prefill["kv_connector_extra_config"])
+        assert parsed.pool_url == "unix:///run/maru/pool/pool.sock"
+        assert parsed.chunk_tokens == 512
+        assert parsed.cache_namespace == "llm/llama"
+
+    def test_cache_namespace_override(self) -> None:
+        spec = group_spec(connector={"cacheNamespace": "tenant-a"})
+        extra = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["kv_connector_extra_config"]
+        assert extra["maru_cache_namespace"] == "tenant-a"
+
+    def test_hash_seed_and_user_env(self) -> None:
+        spec = group_spec(decode={"env": [{"name": "HF_HOME", "value": "/cache"}]})
+        env = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["env"]
+        assert env == [{"name": "PYTHONHASHSEED", "value": "0"}, {"name": "HF_HOME", "value": "/cache"}]
+        env = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))["env"]
+        assert env == [{"name": "PYTHONHASHSEED", "value": "0"}]
+
+    def test_pinned_to_pool_nodes(self) -> None:
+        view = pool_view(tolerations=[{"key": "cxl", "operator": "Exists"}])
+        spec = group_spec(decode={"nodeSelector": {"gpu": "h100"},
+                                  "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+        pod = build_role_deployment(spec, "decode", GROUP_OWNER, view)["spec"]["template"]["spec"]
+        required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        terms = required["nodeSelectorTerms"]
+        assert terms == [{"matchExpressions": [{"key": "maru.io/pool", "operator": "In", "values": ["yes"]}]}]
+        assert pod["nodeSelector"] == {"gpu": "h100"}
+        assert [t["key"] for t in pod["tolerations"]] == ["cxl", "gpu"]
+
+    def test_no_affinity_when_pool_selects_every_node(self) -> None:
+        pod = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view(nodeSelector={}))
+        assert "affinity" not in pod["spec"]["template"]["spec"]
+
+    def test_socket_mount_and_shm(self) -> None:
+        dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
+        pod = dep["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["maru-socket"]["hostPath"] == {"path": "/run/maru/pool", "type": "Directory"}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+        mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
+        assert mounts == {"maru-socket": "/run/maru/pool", "dshm": "/dev/shm"}
+
+    def test_security_and_probes(self) -> None:
+        dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["automountServiceAccountToken"] is False
+        c = container(dep)
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert "privileged" not in c["securityContext"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+    def test_gpus_from_resources(self) -> None:
+        spec = group_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}})
+        c = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}
+        c = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
+        assert c["resources"] == {}
+
+    def test_replicas_override(self) -> None:
+        spec = group_spec(decode={"replicas": 3})
+        assert build_role_deployment(spec, "decode", GROUP_OWNER, pool_view())["spec"]["replicas"] == 3
+        assert build_role_deployment(spec, "decode", GROUP_OWNER, pool_view(), replicas=0)["spec"]["replicas"] == 0
+
+
+class TestRouterServiceAccount:
+    def test_shape(self) -> None:
+        sa = build_router_service_account(group_spec(), GROUP_OWNER)
+        assert sa is not None
+        assert_valid(sa)
+        assert sa["metadata"]["name"] == "llama-router"
+
+    def test_disabled(self) -> None:
+        assert build_router_service_account(group_spec(router={"enabled": False}), GROUP_OWNER) is None
+
+
+class TestRouterRole:
+    def test_read_only_pods_in_namespace(self) -> None:
+        role = build_router_role(group_spec(), GROUP_OWNER)
+        assert role is not None
+        assert_valid(role)
+        assert role["kind"] == "Role" and role["metadata"]["namespace"] == "llm"
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+    def test_disabled(self) -> None:
+        assert build_router_role(group_spec(router={"enabled": False}), GROUP_OWNER) is None
+
+
+class TestRouterRoleBinding:
+    def test_binds_the_router_account(self) -> None:
+        rb = build_router_role_binding(group_spec(), GROUP_OWNER)
+        assert rb is not None
+        assert_valid(rb)
+        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llama-router"}
+        assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "llm"}]
+
+    def test_disabled(self) -> None:
+        assert build_router_role_binding(group_spec(router={"enabled": False}), GROUP_OWNER) is None
+
+
+class TestRouterDeployment:
+    def test_pd_mode_with_kubernetes_discovery(self) -> None:
+        dep = build_router_deployment(group_spec(router={"policy": "power_of_two", "replicas": 2}), GROUP_OWNER)
+        assert dep is not None
+        assert_valid(dep)
+        assert dep["spec"]["replicas"] == 2
+        c = container(dep)
+        assert c["command"] == ["vllm-router"]
+        args = c["args"]
+        assert "--vllm-pd-disaggregation" in args and "--service-discovery" in args
+        assert flag(args, "--service-discovery-namespace") == "llm"
+        assert flag(args, "--service-discovery-port") == "8000"
+        assert flag(args, "--policy") == "power_of_two"
+        assert flag(args, "--host") == "0.0.0.0"
+        i = args.index("--prefill-selector")
+        assert args[i + 1:i + 4] == ["app.kubernetes.io/name=vllm", "app.kubernetes.io/instance=llama",
+                                     "maru.io/role=prefill"]
+        i = args.index("--decode-selector")
+        assert args[i + 3] == "maru.io/role=decode"
+        assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama-router"
+
+    def test_selectors_match_the_role_pods(self) -> None:
+        spec = group_spec()
+        args = container(build_router_deployment(spec, GROUP_OWNER))["args"]  # type: ignore[arg-type]
+        for role in ("prefill", "decode"):
+            i = args.index(f"--{role}-selector")
+            wanted = dict(a.split("=", 1) for a in args[i + 1:i + 4])
+            pod_labels = build_role_deployment(spec, role, GROUP_OWNER, pool_view())["spec"]["template"]["metadata"]
+            assert wanted.items() <= pod_labels["labels"].items()
+
+    def test_flags_parse_with_the_pinned_router(self) -> None:
+        """The exact argument list is accepted by vllm-router 0.1.17's own parser."""
+        import argparse
+
+        from vllm_router.router_args import RouterArgs
+
+        parser = argparse.ArgumentParser()
+        RouterArgs.add_cli_args(parser)
+        args = container(build_router_deployment(group_spec(), GROUP_OWNER))["args"]  # type: ignore[arg-type]
+        parsed = RouterArgs.from_cli_args(parser.parse_args(args))
+        parsed._validate_router_args()
+        assert parsed.vllm_pd_disaggregation and parsed.service_discovery
+        assert parsed.prefill_selector == {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "llama",
+                                           "maru.io/role": "prefill"}
+        assert parsed.decode_selector["maru.io/role"] == "decode"
+        assert parsed.service_discovery_port == 8000
+
+    def test_disabled(self) -> None:
+        assert build_router_deployment(group_spec(router={"enabled": False}), GROUP_OWNER) is None
+
+
+class TestRouterService:
+    def test_named_after_the_group(self) -> None:
+        svc = build_router_service(group_spec(router={"serviceType": "NodePort", "port": 9000}), GROUP_OWNER)
+        assert svc is not None
+        assert_valid(svc)
+        assert svc["metadata"]["name"] == "llama"
+        assert svc["spec"]["type"] == "NodePort"
+        assert svc["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+        assert router_endpoint(group_spec(router={"port": 9000}), GROUP_OWNER) == "http://llama.llm.svc:9000"
+
+    def test_disabled(self) -> None:
+        spec = group_spec(router={"enabled": False})
+        assert build_router_service(spec, GROUP_OWNER) is None
+        assert router_endpoint(spec, GROUP_OWNER) == ""
+
+
+class TestGroupChildren:
+    def test_unbound_group_gets_only_the_router(self) -> None:
+        kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, None)]
+        assert "Deployment" in kinds and len(kinds) == 5
+        assert all(c["metadata"]["name"].startswith("llama") for c in build_group_children(group_spec(), GROUP_OWNER,
+                                                                                             None))
+
+    def test_bound_group(self) -> None:
+        names = [c["metadata"]["name"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
+        assert names == ["llama-prefill", "llama-decode", "llama-router", "llama-router", "llama-router", "llama",
+                         "llama-router"]

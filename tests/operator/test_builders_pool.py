@@ -1,0 +1,139 @@
+"""One class per pool builder: the pool daemons' exact shape, flags and security."""
+
+from __future__ import annotations
+
+from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from maru_operator.builders.pool import (
+    build_agent_daemonset,
+    build_metadata_deployment,
+    build_metadata_service,
+    build_pool_children,
+    pool_endpoint,
+)
+from tests.operator.helpers import POOL_OWNER, assert_valid, container, dax_spec, flag, pool_spec
+
+NS = "maru-system"
+
+
+class TestMetadataDeployment:
+    def test_only_for_dax(self) -> None:
+        assert build_metadata_deployment(pool_spec(), POOL_OWNER, NS) is None
+
+    def test_runs_metadata_server_with_contract_flags(self) -> None:
+        dep = build_metadata_deployment(dax_spec(size="64Gi"), POOL_OWNER, NS)
+        assert dep is not None
+        assert_valid(dep)
+        c = container(dep)
+        assert c["command"] == ["maru-pool"]
+        args = c["args"]
+        assert args[0] == "metadata"
+        assert flag(args, "--listen") == "tcp://0.0.0.0:7400"
+        assert flag(args, "--metrics-addr") == "0.0.0.0:9400"
+        assert flag(args, "--lease-seconds") == "30"
+        assert flag(args, "--eviction") == "lru"
+        assert flag(args, "--size") == "64Gi"
+
+    def test_never_two_at_once(self) -> None:
+        dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
+        assert dep is not None
+        assert dep["spec"]["replicas"] == 1
+        assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+    def test_unprivileged(self) -> None:
+        dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
+        assert dep is not None
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        sc = container(dep)["securityContext"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["allowPrivilegeEscalation"] is False
+        assert "volumes" not in pod
+
+    def test_owned_and_labelled(self) -> None:
+        dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
+        assert dep is not None
+        meta = dep["metadata"]
+        assert meta["name"] == "pool-metadata" and meta["namespace"] == NS
+        assert meta["ownerReferences"][0]["uid"] == "uid-pool"
+        assert meta["ownerReferences"][0]["kind"] == "MaruPool"
+        assert meta["labels"][LABEL_MANAGED_BY] == MANAGED_BY
+        assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+class TestMetadataService:
+    def test_only_for_dax(self) -> None:
+        assert build_metadata_service(pool_spec(), POOL_OWNER, NS) is None
+
+    def test_exposes_rpc_and_metrics(self) -> None:
+        svc = build_metadata_service(dax_spec(daemon={"metadataPort": 7500}), POOL_OWNER, NS)
+        assert svc is not None
+        assert_valid(svc)
+        assert svc["metadata"]["name"] == "pool-metadata"
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rpc": 7500, "metrics": 9400}
+        dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
+        assert dep is not None
+        assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+class TestAgentDaemonSet:
+    def test_dax_agent_flags(self) -> None:
+        ds = build_agent_daemonset(dax_spec(), POOL_OWNER, NS)
+        assert_valid(ds)
+        args = container(ds)["args"]
+        assert args[0] == "agent"
+        assert flag(args, "--listen") == "unix:///run/maru/pool/pool.sock"
+        assert flag(args, "--metadata") == "tcp://pool-metadata.maru-system.svc:7400"
+        assert [args[i + 1] for i, a in enumerate(args) if a == "--device"] == ["/dev/dax0.0", "/dev/dax1.0"]
+
+    def test_dax_devices_are_char_device_hostpaths(self) -> None:
+        ds = build_agent_daemonset(dax_spec(), POOL_OWNER, NS)
+        volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["dax-0"]["hostPath"] == {"path": "/dev/dax0.0", "type": "CharDevice"}
+        mounts = {m["mountPath"] for m in container(ds)["volumeMounts"]}
+        assert {"/dev/dax0.0", "/dev/dax1.0", "/run/maru/pool"} <= mounts
+
+    def test_dax_is_the_only_privileged_pod(self) -> None:
+        assert container(build_agent_daemonset(dax_spec(), POOL_OWNER, NS))["securityContext"]["privileged"] is True
+        shm = container(build_agent_daemonset(pool_spec(), POOL_OWNER, NS))["securityContext"]
+        assert "privileged" not in shm
+        assert shm["capabilities"] == {"drop": ["ALL"]}
+        assert shm["allowPrivilegeEscalation"] is False
+        assert shm["readOnlyRootFilesystem"] is True
+
+    def test_shm_serves_each_node_alone(self) -> None:
+        ds = build_agent_daemonset(pool_spec(size="2Gi", eviction={"policy": "None", "leaseSeconds": 5}),
+                                   POOL_OWNER, NS)
+        assert_valid(ds)
+        args = container(ds)["args"]
+        assert args[0] == "serve"
+        assert "--metadata" not in args
+        assert flag(args, "--size") == "2Gi"
+        assert flag(args, "--eviction") == "none"
+        assert flag(args, "--lease-seconds") == "5"
+        assert flag(args, "--metrics-addr") == "0.0.0.0:9400"
+        shm = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}["shm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+
+    def test_runs_on_selected_nodes_with_tolerations(self) -> None:
+        spec = pool_spec(tolerations=[{"key": "cxl", "operator": "Exists", "effect": "NoSchedule"}])
+        pod = build_agent_daemonset(spec, POOL_OWNER, NS)["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"maru.io/pool": "yes"}
+        assert pod["tolerations"] == [{"key": "cxl", "operator": "Exists", "effect": "NoSchedule"}]
+        assert pod["automountServiceAccountToken"] is False
+
+    def test_socket_dir_per_pool(self) -> None:
+        spec = pool_spec(daemon={"socketDir": "/var/run/maru/"})
+        ds = build_agent_daemonset(spec, POOL_OWNER, NS)
+        volume = ds["spec"]["template"]["spec"]["volumes"][0]
+        assert volume["hostPath"] == {"path": "/var/run/maru/pool", "type": "DirectoryOrCreate"}
+        assert pool_endpoint(spec, "pool") == "unix:///var/run/maru/pool/pool.sock"
+
+
+class TestPoolChildren:
+    def test_dax_has_three_shm_one(self) -> None:
+        assert [c["kind"] for c in build_pool_children(dax_spec(), POOL_OWNER, NS)] == [
+            "Service", "Deployment", "DaemonSet"]
+        assert [c["kind"] for c in build_pool_children(pool_spec(), POOL_OWNER, NS)] == ["DaemonSet"]
+
+    def test_pure(self) -> None:
+        assert build_pool_children(dax_spec(), POOL_OWNER, NS) == build_pool_children(dax_spec(), POOL_OWNER, NS)
