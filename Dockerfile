@@ -1,0 +1,97 @@
+# syntax=docker/dockerfile:1.7
+#
+# Images of Maru P/D, one target each. Build from the repository root (BuildKit, the default builder):
+#
+#   docker build --target operator -t ghcr.io/maru-pd/maru-operator:0.1.0 .
+#   docker build --target pool     -t ghcr.io/maru-pd/maru-pool:0.1.0 .
+#   docker build --target vllm     -t ghcr.io/maru-pd/vllm-maru:0.1.0 .
+#   docker build --target router   -t ghcr.io/maru-pd/vllm-router:0.1.17 .
+#
+# These are the defaults the rest of the product refers to: the chart's image.repository (operator),
+# MaruPool spec.daemon.image (pool), InferenceGroup spec.image (vllm) and spec.router.image (router).
+# Add --platform linux/amd64,linux/arm64 with `docker buildx build` for multi-arch operator, pool and
+# router images; the vllm target follows the platforms of its upstream base image.
+#
+# operator, pool and router run as UID/GID 65532 by default and need no writable root filesystem.
+# The pool daemon gets access to devdax devices and the host socket directory from its pod spec
+# (the operator writes it), never from this image. The vllm image is the official vLLM image plus the
+# connector, run as UID 65532 with a writable home for vLLM's caches; its entrypoint stays `vllm serve`.
+
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+# The vLLM release the connector is written and tested against (KVConnectorBase_V1 of vLLM 0.32).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+
+# ---- wheel: the repository as one wheel (operator and connector packages), built once -----------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator/ operator/
+COPY connector/ connector/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- runtime: slim Python, a non-root user, no project yet -------------------------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --system --gid 65532 maru \
+    && useradd --system --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin maru
+LABEL org.opencontainers.image.source="https://github.com/maru-pd/maru-pd" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# ---- project: the runtime plus the repository and its base dependencies (no vLLM, no torch) ------------
+FROM runtime AS project
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install /wheels/*.whl \
+    && python -c "import maru_operator, maru_connector.pool.cli"
+
+# ---- operator: the control plane (the Helm chart runs it) --------------------------------------------
+FROM project AS operator
+LABEL org.opencontainers.image.title="maru-operator" \
+      org.opencontainers.image.description="Kubernetes operator for P/D disaggregated vLLM over a shared KV pool"
+USER 65532:65532
+# 8080: liveness (/healthz), 9090: Prometheus metrics.
+EXPOSE 8080 9090
+ENTRYPOINT ["python", "-m", "maru_operator"]
+CMD ["run", "--all-namespaces"]
+
+# ---- pool: the pool daemon (`maru-pool serve | metadata | agent`) -------------------------------------
+FROM project AS pool
+LABEL org.opencontainers.image.title="maru-pool" \
+      org.opencontainers.image.description="Shared KV memory pool daemon (CXL devdax or shm)"
+USER 65532:65532
+# 7400: metadata server, 9400: /metrics, /healthz and /status.
+EXPOSE 7400 9400
+ENTRYPOINT ["maru-pool"]
+CMD ["--help"]
+
+# ---- router: vllm-router in P/D mode, with Kubernetes pod discovery ----------------------------------
+FROM runtime AS router
+LABEL org.opencontainers.image.title="vllm-router" \
+      org.opencontainers.image.description="vllm-router for Maru InferenceGroups"
+RUN pip install vllm-router==0.1.17 && vllm-router --help > /dev/null
+USER 65532:65532
+EXPOSE 8000
+ENTRYPOINT ["vllm-router"]
+
+# ---- vllm: the official vLLM image with the Maru connector -------------------------------------------
+FROM ${VLLM_IMAGE} AS vllm
+LABEL org.opencontainers.image.title="vllm-maru" \
+      org.opencontainers.image.description="vLLM with the Maru KV connector (kv_connector_module_path: maru_connector.vllm)" \
+      org.opencontainers.image.source="https://github.com/maru-pd/maru-pd"
+# --no-deps: vLLM's own pins must not move. Of the connector's imports, only xxhash is not already in
+# the vLLM image (pydantic, pyyaml and prometheus-client are); a test checks that list.
+# PIP_BREAK_SYSTEM_PACKAGES: the image's Python is the system one; pip versions without the marker ignore it.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl xxhash==4.1.0 \
+    && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config; sys.exit(u.find_spec('maru_connector.vllm') is None)"
+# InferenceGroup pods run with runAsNonRoot and no runAsUser: the image names a numeric user, whose
+# home holds vLLM's and Hugging Face's caches (the root filesystem stays writable for them).
+RUN groupadd --system --gid 65532 maru \
+    && useradd --system --uid 65532 --gid 65532 --create-home --home-dir /home/maru --shell /usr/sbin/nologin maru
+ENV HOME=/home/maru \
+    HF_HOME=/home/maru/.cache/huggingface
+USER 65532:65532
+WORKDIR /home/maru
