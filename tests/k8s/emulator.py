@@ -35,6 +35,8 @@ import kmock
 import yaml
 from typing_extensions import override
 
+from tests.k8s import protobuf
+
 JsonObj = dict[str, Any]
 
 _NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
@@ -998,11 +1000,6 @@ class Emulator(kmock.KubernetesEmulator):
                       503: 'ServiceUnavailable', 504: 'Timeout'}.get(fault.status, 'Unknown')
             details = {'retryAfterSeconds': 1} if fault.status in (429, 503) else {}
             return _json_response(ApiError(fault.status, reason, fault.message, details).status(), fault.status)
-        if 'protobuf' in ctype:
-            # Protobuf bodies are not decodable here; clients fall back to JSON on 415.
-            raise ApiError(415, 'UnsupportedMediaType', 'the body of the request was in an unknown format - '
-                                                        'accepted media types include: application/json, '
-                                                        'application/yaml')
         if method == 'GET' and (doc := self._serve_discovery(path, raw)):
             return doc
         segs = [s for s in path.split('/') if s]
@@ -1011,7 +1008,15 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({path})')
         rt, version, namespace, name, subresource = parsed
         body: Any = None
-        if method in ('POST', 'PUT', 'PATCH', 'DELETE'):
+        if method in ('POST', 'PUT', 'PATCH', 'DELETE') and 'protobuf' in ctype:
+            try:
+                body = protobuf.decode(await raw.read())
+            except protobuf.ProtobufError as e:
+                # Clients that can, fall back to JSON on a 415.
+                raise ApiError(415, 'UnsupportedMediaType', f'the body of the request was in an unknown '
+                                                            f'format - accepted media types include: '
+                                                            f'application/json, application/yaml ({e})') from None
+        elif method in ('POST', 'PUT', 'PATCH', 'DELETE'):
             text = await raw.text()
             if text.strip():
                 try:

@@ -156,6 +156,52 @@ def test_kubectl_server_side_apply_wait_and_rollout(k8s_emulator: KubeEmulator, 
 
 
 @pytest.mark.tools
+def test_kubectl_create_generators_send_protobuf_we_decode(k8s_emulator: KubeEmulator) -> None:
+    k8s_emulator.kubectl('create', 'namespace', 'llm')
+    k8s_emulator.kubectl('create', 'configmap', 'cfg', '-n', 'llm', '--from-literal=a=b')
+    k8s_emulator.kubectl('create', 'secret', 'generic', 's', '-n', 'llm', '--from-literal=p=q')
+    cm = k8s_emulator.get('configmaps', 'cfg', 'llm')
+    secret = k8s_emulator.get('secrets', 's', 'llm')
+    assert cm is not None and cm['data'] == {'a': 'b'}
+    assert secret is not None and secret['data'] == {'p': 'cQ=='}
+    k8s_emulator.kubectl('delete', 'namespace', 'llm')
+    assert k8s_emulator.get('namespaces', 'llm') is None and k8s_emulator.list('configmaps', 'llm') == []
+
+
+@pytest.mark.tools
+def test_helm_install_upgrade_uninstall(k8s_emulator: KubeEmulator, kube_controllers: KubeControllers,
+                                        tmp_path: pathlib.Path) -> None:
+    import subprocess
+
+    from tests.k8s.tools import helm_path
+
+    chart = tmp_path / 'chart'
+    (chart / 'templates').mkdir(parents=True)
+    (chart / 'Chart.yaml').write_text('apiVersion: v2\nname: tiny\nversion: 0.1.0\n')
+    (chart / 'templates' / 'all.yaml').write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cfg\n'
+        'data:\n  replicas: "{{ .Values.replicas }}"\n---\n' + yaml.safe_dump(_deployment('web', 1)).replace(
+            'replicas: 1', 'replicas: {{ .Values.replicas }}').replace('namespace: default', ''))
+    (chart / 'values.yaml').write_text('replicas: 1\n')
+
+    def helm(*args: str) -> str:
+        result = subprocess.run([str(helm_path()), *args], capture_output=True, text=True, timeout=120,
+                                env=k8s_emulator.env())
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    helm('install', 'rel', str(chart), '--wait', '--timeout', '60s')
+    assert k8s_emulator.get('configmaps', 'rel-cfg', 'default') is not None
+    helm('upgrade', 'rel', str(chart), '--set', 'replicas=2', '--wait', '--timeout', '60s')
+    web = k8s_emulator.get('deployments.apps', 'web', 'default')
+    assert web is not None and web['spec']['replicas'] == 2
+    assert 'rel' in helm('list')
+    helm('uninstall', 'rel')
+    assert k8s_emulator.get('configmaps', 'rel-cfg', 'default') is None
+    assert k8s_emulator.list('secrets', 'default', labels='owner=helm') == []
+
+
+@pytest.mark.tools
 def test_kubectl_apply_product_crds_and_examples(k8s_emulator: KubeEmulator) -> None:
     root = pathlib.Path(__file__).resolve().parents[2]
     crds, examples = root / 'crds', root / 'examples'
@@ -164,12 +210,12 @@ def test_kubectl_apply_product_crds_and_examples(k8s_emulator: KubeEmulator) -> 
     # Like a real cluster, a CRD must be established before kubectl can map its custom resources,
     # so the CRDs and the resources using them are applied in two steps.
     k8s_emulator.kubectl('apply', '--validate=false', '-f', str(crds))
-    # As on a real cluster, the examples' namespaces must exist first (`kubectl create namespace`).
+    # As on a real cluster, the examples' namespaces must exist first.
     for path in examples.glob('*.yaml'):
         for doc in yaml.safe_load_all(path.read_text()):
             ns = (doc or {}).get('metadata', {}).get('namespace')
             if ns and k8s_emulator.get('namespaces', ns) is None:
-                k8s_emulator.create({'apiVersion': 'v1', 'kind': 'Namespace', 'metadata': {'name': ns}})
+                k8s_emulator.kubectl('create', 'namespace', ns)
     k8s_emulator.kubectl('apply', '--validate=false', '-f', str(examples))
     assert k8s_emulator.list('marupools.maru.io') or k8s_emulator.list('inferencegroups.maru.io')
     assert k8s_emulator.kubectl('get', 'crd').stdout.count('maru.io') == 2
