@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_connector.pool.allocator import ExtentAllocator
+from maru_connector.pool.allocator import ExtentAllocator, RegionAllocator, split_offset
 
 
 def test_uniform_chunks_fill_the_pool_exactly() -> None:
@@ -76,3 +76,23 @@ def test_random_alloc_free_never_overlaps(ops: list[tuple[bool, int, int]]) -> N
             assert o1 + s1 <= o2
         assert sum(s for _, s in regions) == a.capacity
         assert a.used == sum(live.values())
+
+
+def test_regions_never_share_a_chunk_and_fill_in_order() -> None:
+    a = RegionAllocator([2 * 4096, 3 * 4096])
+    offsets = [a.alloc(4096) for _ in range(5)]
+    assert [split_offset(o)[0] for o in offsets] == [0, 0, 1, 1, 1]
+    assert a.alloc(1) is None
+    assert a.capacity == 5 * 4096 and a.used == 5 * 4096
+    a.free(offsets[0], 4096)
+    a.free(offsets[1], 4096)
+    # 2 pages free in region 0 and none in region 1: a 3-page chunk must not straddle.
+    assert a.alloc(3 * 4096) is None
+    assert split_offset(a.alloc(2 * 4096)) == (0, 0)
+
+
+def test_region_offsets_round_trip() -> None:
+    a = RegionAllocator([4096, 4096, 4096])
+    for expected_region in range(3):
+        region, local = split_offset(a.alloc(4096))
+        assert (region, local) == (expected_region, 0)

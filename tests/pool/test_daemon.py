@@ -78,7 +78,8 @@ def metric(text: str, name: str) -> float:
             ["agent", "--listen", "unix:///tmp/x.sock", "--metadata", "unix:///m.sock", "--device", "/dev/null"],
             "--metadata",
         ),
-        (["metadata", "--listen", "tcp://127.0.0.1:0"], "--size"),
+        (["metadata", "--listen", "tcp://127.0.0.1:0", "--size", "0"], "--size"),
+        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1MiB", "--eviction", "fifo"], "--eviction"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_one_line_naming_the_flag(args: list[str], flag: str) -> None:

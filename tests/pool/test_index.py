@@ -236,3 +236,23 @@ class IndexMachine(RuleBasedStateMachine):
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_without_eviction_a_full_pool_refuses_but_still_reclaims_dead_leases() -> None:
+    clock = Clock()
+    index = PoolIndex(2 * PAGE, epoch=EPOCH, lease_seconds=5, evict=False, clock=clock)
+    store(index, 0)
+    index.begin_write([(k(1), PAGE)])  # a writer that will die
+    assert index.begin_write([(k(2), PAGE)]) == [FULL]
+    assert index.lookup_prefix([k(0)]) == 1 and index.stats()["evictions"] == 0
+    clock.now += 6
+    assert isinstance(index.begin_write([(k(2), PAGE)])[0], WriteGrant)
+
+
+def test_chunks_spread_over_regions() -> None:
+    index = PoolIndex([PAGE, 2 * PAGE], epoch=EPOCH)
+    grants = index.begin_write([(k(i), PAGE) for i in range(3)])
+    assert all(isinstance(g, WriteGrant) for g in grants)
+    assert index.capacity == 3 * PAGE and index.capacities == [PAGE, 2 * PAGE]
+    assert index.begin_write([(k(9), 2 * PAGE)]) == [FULL]  # fits no single region once full
+    index.check_invariants()

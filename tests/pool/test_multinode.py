@@ -36,20 +36,20 @@ def status(d: Daemon) -> dict:
         return json.loads(resp.read())
 
 
-def start_metadata(daemons: list[Daemon], port: int, size: str = "4MiB") -> Daemon:
+def start_metadata(daemons: list[Daemon], port: int, size: str | None = "4MiB") -> Daemon:
     d = Daemon(
-        ["metadata", "--listen", f"tcp://127.0.0.1:{port}", "--size", size,
+        ["metadata", "--listen", f"tcp://127.0.0.1:{port}", *(["--size", size] if size else []),
          "--metrics-addr", "127.0.0.1:0", "--lease-seconds", "30"]
     )  # fmt: skip
     daemons.append(d)
     return d
 
 
-def start_agent(daemons: list[Daemon], sock_dir: Path, name: str, port: int, device: Path) -> Daemon:
+def start_agent(daemons: list[Daemon], sock_dir: Path, name: str, port: int, *devices: Path) -> Daemon:
+    flags = [x for d in devices for x in ("--device", str(d))]
     d = Daemon(
         ["agent", "--listen", f"unix://{sock_dir}/{name}.sock", "--metadata", f"tcp://127.0.0.1:{port}",
-         "--device", str(device), "--node-name", name, "--heartbeat-seconds", "0.1",
-         "--metrics-addr", "127.0.0.1:0"]
+         *flags, "--node-name", name, "--heartbeat-seconds", "0.1", "--metrics-addr", "127.0.0.1:0"]
     )  # fmt: skip
     daemons.append(d)
     return d
@@ -156,13 +156,54 @@ def test_agent_started_before_metadata_refuses_then_serves(daemons: list[Daemon]
     assert client.put(key(1), b"late" * 100)
 
 
-def test_device_smaller_than_the_pool_is_refused_with_the_fix(
-    daemons: list[Daemon], sock_dir: Path, device: Path
+def test_node_with_a_smaller_device_is_refused_with_the_fix(
+    cluster: tuple[Daemon, Daemon, Daemon, int], daemons: list[Daemon], sock_dir: Path
 ) -> None:
-    port = free_port()
-    start_metadata(daemons, port, size="64MiB")
-    agent = start_agent(daemons, sock_dir, "small", port, device)
+    meta, _, _, port = cluster
+    small = sock_dir / "dax-small"
+    small.write_bytes(bytes(2 * MiB))
+    agent = start_agent(daemons, sock_dir, "node-c", port, small)
     with pytest.raises(PoolUnavailable, match="--size"):
         PoolClient(agent.ready["listen"], timeout_s=5).lookup_prefix([key(1)])
-    with urllib.request.urlopen(agent.metrics_url + "/status", timeout=5) as resp:
-        assert "lower the metadata server's --size" in json.loads(resp.read())["problem"]
+    assert "lower the metadata server's --size" in status(agent)["problem"]
+    nodes = {n["node"]: n["ready"] for n in status(meta)["nodes"]}
+    assert nodes == {"node-a": True, "node-b": True, "node-c": False}
+
+
+def test_without_size_the_pool_spans_every_listed_device(daemons: list[Daemon], sock_dir: Path) -> None:
+    devices = []
+    for name, size in (("dax0.0", 3 * MiB), ("dax1.0", 5 * MiB)):
+        path = sock_dir / name
+        path.write_bytes(bytes(size))
+        devices.append(path)
+    port = free_port()
+    meta = start_metadata(daemons, port, size=None)
+    a = start_agent(daemons, sock_dir, "node-a", port, *devices)
+    b = start_agent(daemons, sock_dir, "node-b", port, *devices)
+    s = status(meta)
+    assert s["regions"] == [3 * MiB - HEADER_SIZE, 5 * MiB - HEADER_SIZE]
+    assert s["capacity_bytes"] == 8 * MiB - 2 * HEADER_SIZE
+    on_a = PoolClient(a.ready["listen"], timeout_s=5)
+    on_b = PoolClient(b.ready["listen"], timeout_s=5)
+    payloads = {key(i): os.urandom(MiB) for i in range(7)}  # 2 fit in the first device, 4 in the second
+    for k, v in payloads.items():
+        assert on_a.put(k, v)
+    assert status(meta)["stats"]["evictions"] == 1  # the seventh did not fit without evicting
+    out = bytearray(MiB)
+    found = 0
+    for k, v in payloads.items():
+        if on_b.get_into(k, out):
+            assert out == v
+            found += 1
+    assert found == 6
+    # Each device got its share: chunk bytes sit in both files.
+    assert any(device.read_bytes()[HEADER_SIZE:].strip(b"\0") for device in devices[:1])
+    assert any(device.read_bytes()[HEADER_SIZE:].strip(b"\0") for device in devices[1:])
+
+
+def test_metadata_without_agents_answers_unavailable_and_reports_empty_status(daemons: list[Daemon]) -> None:
+    meta = start_metadata(daemons, free_port(), size=None)
+    s = status(meta)
+    assert s["capacity_bytes"] == 0 and s["nodes"] == [] and s["regions"] == []
+    with urllib.request.urlopen(meta.metrics_url + "/metrics", timeout=5) as resp:
+        assert "maru_pool_capacity_bytes 0.0" in resp.read().decode()

@@ -40,3 +40,10 @@ def test_parse_endpoint() -> None:
 def test_parse_endpoint_rejects(url: str) -> None:
     with pytest.raises(ValueError):
         parse_endpoint(url)
+
+
+def test_discover_devices_ignores_regular_files(tmp_path) -> None:
+    from maru_connector.pool.memory import discover_devices
+
+    (tmp_path / "dax0.0").write_bytes(b"")
+    assert discover_devices(str(tmp_path)) == []

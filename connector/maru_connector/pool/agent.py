@@ -1,8 +1,9 @@
 """The per-node agent of a multi-node (CXL) pool.
 
-It maps the shared device, keeps the pool header's epoch in step with the metadata server, and
-answers ``hello`` on a Unix socket by passing the device's file descriptor (SCM_RIGHTS), so client
-pods map CXL memory without access to ``/dev/dax*`` themselves.
+It maps the shared devices, keeps their headers' epoch in step with the metadata server, and
+answers ``hello`` on a Unix socket by passing the devices' file descriptors (SCM_RIGHTS), so client
+pods map CXL memory without access to ``/dev/dax*`` themselves. Every node must list the same
+devices in the same order: device *i* is region *i* of the pool's offsets on every node.
 
 Index calls are not forwarded: the ``hello`` reply names the metadata server and the client talks to
 it directly. That keeps the scheduler's lookup one network round trip instead of two, and the agent
@@ -24,19 +25,17 @@ from .units import Endpoint
 
 log = logging.getLogger(__name__)
 
-E_UNAVAILABLE = "unavailable"
-
 
 class NodeAgent:
-    def __init__(self, memory: PoolMemory, metadata: Endpoint, node: str, *, timeout_s: float = 2.0) -> None:
-        self.memory = memory
+    def __init__(self, memories: list[PoolMemory], metadata: Endpoint, node: str, *, timeout_s: float = 2.0) -> None:
+        self.memories = memories
         self.metadata = metadata
         self.node = node
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.epoch: int | None = None
-        self.capacity = 0
+        self.regions: list[int] = []
         self.connected = False
         self.problem: str | None = None
         self.heartbeat_failures = 0
@@ -46,9 +45,8 @@ class NodeAgent:
         msg = {
             "op": "agent",
             "node": self.node,
-            "device": self.memory.path,
-            "backend": self.memory.backend,
-            "device_size": self.memory.map_size,
+            "backend": "dax",
+            "devices": [{"path": m.path, "size": m.map_size, "usable": m.capacity} for m in self.memories],
         }
         try:
             reply = self._rpc(msg)
@@ -69,20 +67,17 @@ class NodeAgent:
             log.error("agent %s: %s", self.node, self.problem)
             self.connected = False
             return False
-        epoch, capacity = int(reply["epoch"]), int(reply["capacity"])
+        epoch, regions = int(reply["epoch"]), [int(c) for c in reply["regions"]]
         with self._lock:
-            if capacity > self.memory.capacity:
-                self.problem = (
-                    f"device {self.memory.path} holds {self.memory.capacity} usable bytes but the metadata "
-                    f"server's pool is {capacity} bytes; lower the metadata server's --size"
-                )
+            # The metadata server checks the layout (it sees every node); this agent just obeys.
+            self.problem = reply.get("problem")
+            if self.problem:
                 log.error("agent %s: %s", self.node, self.problem)
-            else:
-                self.problem = None
-            if epoch != self.epoch:
-                self.memory.write_header(epoch)
+            elif epoch != self.epoch:
+                for memory in self.memories:
+                    memory.write_header(epoch)
                 log.info("agent %s: pool epoch is now %d (was %s)", self.node, epoch, self.epoch)
-            self.epoch, self.capacity = epoch, capacity
+            self.epoch, self.regions = epoch, regions
             self.connected = True
         return True
 
@@ -101,27 +96,28 @@ class NodeAgent:
 
     def _hello(self, is_unix: bool) -> Reply:
         with self._lock:
-            epoch, capacity, problem = self.epoch, self.capacity, self.problem
+            epoch, regions, problem = self.epoch, self.regions, self.problem
         if problem:
-            return fail(E_UNAVAILABLE, problem)
+            return fail(protocol.E_UNAVAILABLE, problem)
         if epoch is None:
-            return fail(E_UNAVAILABLE, f"agent has not reached the metadata server {self.metadata.url} yet")
+            return fail(protocol.E_UNAVAILABLE, f"agent has not reached the metadata server {self.metadata.url} yet")
         reply = {
             "ok": True,
             "epoch": epoch,
-            "capacity": capacity,
             "header_size": HEADER_SIZE,
-            "map_size": self.memory.map_size,
-            "backend": self.memory.backend,
+            "regions": [
+                {"map_size": m.map_size, "capacity": cap} for m, cap in zip(self.memories, regions, strict=True)
+            ],
+            "backend": "dax",
             "metadata": self.metadata.url,
             "node": self.node,
-            "path": None if is_unix else self.memory.path,
+            "paths": None if is_unix else [m.path for m in self.memories],
         }
-        return reply, [self.memory.fd] if is_unix else []
+        return reply, [m.fd for m in self.memories] if is_unix else []
 
     def stats(self) -> dict[str, int]:
         return {
-            "capacity_bytes": self.capacity,
+            "capacity_bytes": sum(self.regions),
             "epoch": self.epoch or 0,
             "metadata_connected": int(self.connected),
             "heartbeat_failures": self.heartbeat_failures,
@@ -131,10 +127,9 @@ class NodeAgent:
         return {
             "role": "agent",
             "node": self.node,
-            "device": self.memory.path,
-            "backend": self.memory.backend,
-            "device_size": self.memory.map_size,
-            "capacity_bytes": self.capacity,
+            "devices": [m.path for m in self.memories],
+            "backend": "dax",
+            "capacity_bytes": sum(self.regions),
             "epoch": self.epoch or 0,
             "metadata": self.metadata.url,
             "metadata_connected": self.connected,

@@ -10,6 +10,9 @@ Free extents are kept sorted by offset (``_starts`` + ``_sizes``) so freeing mer
 neighbours in O(log n) lookups. Allocation scans first-fit from the lowest offset; the number of
 free extents stays small because neighbours always merge.
 
+A pool spread over several devices gets one extent allocator per device (:class:`RegionAllocator`);
+the device index sits in the high bits of every offset, so a chunk never straddles two devices.
+
 The allocator knows nothing of keys, leases or eviction: the index decides what to free.
 """
 
@@ -82,3 +85,69 @@ class ExtentAllocator:
 
     def free_extents(self) -> list[tuple[int, int]]:
         return [(start, self._sizes[start]) for start in self._starts]
+
+
+# Offsets of region i start at i << REGION_SHIFT: a chunk can never straddle two devices, and the
+# region of any offset is one shift away. 2**44 bytes (16 TiB) per device is far beyond CXL sizes.
+REGION_SHIFT = 44
+
+
+def split_offset(offset: int) -> tuple[int, int]:
+    """(region, offset inside the region) of a pool offset."""
+    return offset >> REGION_SHIFT, offset & ((1 << REGION_SHIFT) - 1)
+
+
+class RegionAllocator:
+    """One :class:`ExtentAllocator` per memory region (device), behind one offset space.
+
+    Allocation is first fit across regions in order, so a single-region pool behaves exactly like
+    its one extent allocator.
+    """
+
+    def __init__(self, capacities: list[int], align: int = 4096) -> None:
+        if not capacities:
+            raise ValueError("a pool needs at least one memory region")
+        for cap in capacities:
+            if cap >= 1 << REGION_SHIFT:
+                raise ValueError(f"region of {cap} bytes exceeds the {1 << REGION_SHIFT}-byte limit")
+        self.align = align
+        self._regions = [ExtentAllocator(cap, align) for cap in capacities]
+
+    @property
+    def capacity(self) -> int:
+        return sum(r.capacity for r in self._regions)
+
+    @property
+    def used(self) -> int:
+        return sum(r.used for r in self._regions)
+
+    @property
+    def capacities(self) -> list[int]:
+        return [r.capacity for r in self._regions]
+
+    def round(self, nbytes: int) -> int:
+        return self._regions[0].round(nbytes)
+
+    def alloc(self, nbytes: int) -> int | None:
+        for index, region in enumerate(self._regions):
+            offset = region.alloc(nbytes)
+            if offset is not None:
+                return (index << REGION_SHIFT) | offset
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        index, local = split_offset(offset)
+        self._regions[index].free(local, nbytes)
+
+    def largest_free(self) -> int:
+        return max(r.largest_free() for r in self._regions)
+
+    def largest_region(self) -> int:
+        return max(r.capacity for r in self._regions)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        return [
+            ((index << REGION_SHIFT) | start, size)
+            for index, region in enumerate(self._regions)
+            for start, size in region.free_extents()
+        ]

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
             default=30.0,
             help="how long a write lease or read pin lives before its space is reclaimed (default %(default)s)",
         )
+        p.add_argument(
+            "--eviction",
+            type=str.lower,
+            choices=["lru", "none"],
+            default="lru",
+            help="when full: evict the least recently used unpinned chunk, or refuse new chunks (default lru)",
+        )
 
     serve = sub.add_parser("serve", help="single-node pool: index and memory in one process")
     common(serve, "unix:///path/pool.sock or tcp://host:port")
@@ -79,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     meta = sub.add_parser("metadata", help="multi-node pool: the pool-wide index (no memory)")
     common(meta, "tcp://host:port the agents and clients reach")
-    meta.add_argument("--size", type=_size, required=True, help="chunk capacity of the shared device, e.g. 64Gi")
+    meta.add_argument(
+        "--size",
+        type=_size,
+        help="cap on the bytes used of each device, e.g. 64Gi (default: all of what the first agent reports)",
+    )
     meta.add_argument(
         "--agent-stale-seconds",
         type=_positive,
@@ -91,8 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="multi-node pool: per-node owner of the device mapping")
     common(agent, "unix:///path/pool.sock where local clients connect")
     agent.add_argument("--metadata", required=True, help="tcp://host:port of the metadata server")
-    agent.add_argument("--device", required=True, help="devdax device shared by the nodes, e.g. /dev/dax0.0")
-    agent.add_argument("--node-name", default=socket.gethostname(), help="name in the metadata server's status")
+    agent.add_argument(
+        "--device",
+        action="append",
+        help="devdax device shared by the nodes, e.g. /dev/dax0.0; repeat for several, in the same order on "
+        "every node (default: every /dev/dax*.* found)",
+    )
+    agent.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="name in the metadata server's status (default: $NODE_NAME, else the host name)",
+    )
     agent.add_argument(
         "--heartbeat-seconds",
         type=_positive,

@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 
 from . import protocol
+from .allocator import split_offset
 from .memory import read_header_from
 from .units import Endpoint, parse_endpoint
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 # (1 MiB of L2 per core) between shm and heap buffers: 1 MiB blocks beat 32-256 KiB blocks by ~45%
 # on loads and match them on stores.
 _BLOCK = 1 << 20
+# Devices of one pool a hello may pass (SCM_RIGHTS carries at most 253 fds per message).
+MAX_REGIONS = 64
 
 
 class PoolError(Exception):
@@ -69,6 +72,7 @@ class _StaleEpoch(PoolError):
 PinTicket = tuple[bytes, int, int, int, int, int]
 
 _ERRORS: dict[str, type[PoolError]] = {
+    protocol.E_UNAVAILABLE: PoolUnavailable,
     protocol.E_FULL: PoolFull,
     protocol.E_STALE_EPOCH: _StaleEpoch,
 }
@@ -184,15 +188,33 @@ class ReadPin:
 
 
 class _Mapping:
-    def __init__(self, mm: mmap.mmap, header_size: int, capacity: int) -> None:
-        self.mm = mm
-        self.data = memoryview(mm)[header_size : header_size + capacity]
+    """The pool's memory regions (one per device) as mapped by this process."""
+
+    def __init__(self, mms: list[mmap.mmap], header_size: int, capacities: list[int]) -> None:
+        self.mms = mms
+        self.views = [memoryview(mm)[header_size : header_size + cap] for mm, cap in zip(mms, capacities, strict=True)]
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        region, local = split_offset(offset)
+        if region >= len(self.views) or local + nbytes > self.views[region].nbytes:
+            raise PoolError(f"pool handed out [{offset}, +{nbytes}) outside its memory; reconnecting may help")
+        return self.views[region][local : local + nbytes]
+
+    @property
+    def capacity(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+    @property
+    def largest_region(self) -> int:
+        return max(v.nbytes for v in self.views)
 
     def close(self) -> None:
-        self.data.release()
-        # Views handed to callers keep the mapping alive; it is unmapped with the last of them.
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        for view in self.views:
+            view.release()
+        # Views handed to callers keep a mapping alive; it is unmapped with the last of them.
+        for mm in self.mms:
+            with contextlib.suppress(BufferError):
+                mm.close()
 
 
 class PoolClient:
@@ -236,7 +258,7 @@ class PoolClient:
                 raise PoolError(f"begin_write: need a bytes key and a positive size, got {key!r}, {nbytes}")
         with self._lock:
             reply = self._call({"op": "write", "items": [[k.hex(), int(n)] for k, n in items]})
-            data = self._mapping().data
+            mapping = self._mapping()
         epoch = int(reply["epoch"])
         out: list[WriteLease | None] = []
         full = 0
@@ -246,10 +268,12 @@ class PoolClient:
                 out.append(None)
                 continue
             lease_id, offset = grant
-            out.append(WriteLease(self, key, int(lease_id), epoch, offset, data[offset : offset + nbytes]))
+            out.append(WriteLease(self, key, int(lease_id), epoch, offset, mapping.view(offset, nbytes)))
         if full and all(lease is None for lease in out):
-            if any(nbytes > data.nbytes for _, nbytes in items):
-                raise PoolFull(f"pool full: a chunk is larger than the pool ({data.nbytes} bytes); raise --size")
+            if any(nbytes > mapping.largest_region for _, nbytes in items):
+                raise PoolFull(
+                    f"pool full: a chunk is larger than the pool ({mapping.largest_region} bytes); raise --size"
+                )
             raise PoolFull(f"pool full: no room for {full} chunk(s) and nothing evictable (all pinned or in flight)")
         return out
 
@@ -306,10 +330,10 @@ class PoolClient:
         with self._lock:
             if self._map is None or self._pid != os.getpid():
                 self._call({"op": "stats"})  # any call connects and maps the pool
-            data = self._mapping().data
+            mapping = self._mapping()
         out = []
         for key, pin_id, epoch, offset, nbytes, checksum in tickets:
-            view = data[offset : offset + nbytes].toreadonly()
+            view = mapping.view(offset, nbytes).toreadonly()
             out.append(ReadPin(self, key, pin_id, epoch, offset, checksum, view))
         return out
 
@@ -319,7 +343,7 @@ class PoolClient:
             msg["prefix"] = True
         with self._lock:
             reply = self._call(msg)
-            data = self._mapping().data
+            mapping = self._mapping()
         epoch = int(reply["epoch"])
         out: list[ReadPin | None] = []
         for key, pin in zip(keys, reply["pins"], strict=False):
@@ -327,7 +351,7 @@ class PoolClient:
                 out.append(None)
                 continue
             pin_id, offset, nbytes, checksum = pin
-            view = data[offset : offset + nbytes].toreadonly()
+            view = mapping.view(offset, nbytes).toreadonly()
             out.append(ReadPin(self, key, int(pin_id), epoch, offset, int(checksum), view))
         return out
 
@@ -448,7 +472,7 @@ class PoolClient:
         hello_sock = _open_socket(self._endpoint, self.timeout_s)
         try:
             protocol.send_msg(hello_sock, {"op": "hello"})
-            reply, fds = protocol.recv_msg(hello_sock, max_fds=1)
+            reply, fds = protocol.recv_msg(hello_sock, max_fds=MAX_REGIONS)
         except BaseException:
             hello_sock.close()
             raise
@@ -480,31 +504,44 @@ class PoolClient:
         log.debug("pool: connected to %s (backend %s, epoch %d)", self.url, self.backend, self.epoch)
 
     def _map_memory(self, reply: dict[str, Any], fds: list[int]) -> _Mapping:
-        map_size = int(reply["map_size"])
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        if fds:
-            mm = mmap.mmap(fds[0], map_size, mmap.MAP_SHARED, prot)
-        elif reply.get("path"):
-            try:
-                fd = os.open(reply["path"], os.O_RDWR)
-            except OSError as err:
-                raise PoolUnavailable(
-                    f"pool at {self.url}: cannot open pool memory {reply['path']} ({err.strerror}); "
-                    "over tcp:// the client must run on the daemon's node, else use the unix:// socket"
-                ) from None
-            try:
-                mm = mmap.mmap(fd, map_size, mmap.MAP_SHARED, prot)
-            finally:
-                os.close(fd)
-        else:
+        regions = reply["regions"]
+        paths = reply.get("paths") or []
+        if fds and len(fds) != len(regions):
+            raise PoolUnavailable(f"pool at {self.url}: got {len(fds)} memory fds for {len(regions)} regions")
+        if not fds and len(paths) != len(regions):
             raise PoolUnavailable(
                 f"pool at {self.url}: this daemon holds no pool memory (a metadata server?); "
                 "point the client at the node agent's unix:// socket"
             )
-        if read_header_from(mm) is None:
-            mm.close()
-            raise PoolUnavailable(f"pool at {self.url}: the shared memory has no valid pool header")
-        return _Mapping(mm, int(reply["header_size"]), int(reply["capacity"]))
+        mms: list[mmap.mmap] = []
+        try:
+            for i, region in enumerate(regions):
+                mm = self._map_one(fds[i] if fds else None, paths[i] if not fds else None, int(region["map_size"]))
+                mms.append(mm)
+                if read_header_from(mm) is None:
+                    raise PoolUnavailable(f"pool at {self.url}: memory region {i} has no valid pool header")
+        except BaseException:
+            for mm in mms:
+                mm.close()
+            raise
+        return _Mapping(mms, int(reply["header_size"]), [int(r["capacity"]) for r in regions])
+
+    def _map_one(self, fd: int | None, path: str | None, map_size: int) -> mmap.mmap:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if fd is not None:
+            return mmap.mmap(fd, map_size, mmap.MAP_SHARED, prot)
+        assert path is not None
+        try:
+            own_fd = os.open(path, os.O_RDWR)
+        except OSError as err:
+            raise PoolUnavailable(
+                f"pool at {self.url}: cannot open pool memory {path} ({err.strerror}); "
+                "over tcp:// the client must run on the daemon's node, else use the unix:// socket"
+            ) from None
+        try:
+            return mmap.mmap(own_fd, map_size, mmap.MAP_SHARED, prot)
+        finally:
+            os.close(own_fd)
 
     def _reset(self) -> None:
         if self._sock is not None:

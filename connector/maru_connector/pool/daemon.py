@@ -16,7 +16,7 @@ from typing import Any
 from .agent import NodeAgent
 from .httpd import HttpEndpoint
 from .index import PoolIndex
-from .memory import PoolMemory, PoolMemoryError, new_epoch_floor
+from .memory import PoolMemory, PoolMemoryError, discover_devices, new_epoch_floor
 from .rpc import ListenError, RpcServer
 from .service import AgentRegistry, IndexService, LocalMemoryHello, Reply, fail
 from .units import Endpoint, parse_endpoint
@@ -92,7 +92,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             raise UsageError(f"--shm-path {path}: cannot create the pool memory: {err.strerror}") from None
         owned_file = path
     epoch = memory.bump_epoch()
-    index = PoolIndex(memory.capacity, epoch=epoch, lease_seconds=args.lease_seconds)
+    index = PoolIndex(memory.capacity, epoch=epoch, lease_seconds=args.lease_seconds, evict=args.eviction == "lru")
 
     def status() -> dict[str, Any]:
         stats = index.stats()
@@ -138,38 +138,59 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
     endpoint = _listen(args.listen)
     # No memory to keep an epoch in: the clock makes each start's epoch larger than the last one's.
     epoch = new_epoch_floor()
-    index = PoolIndex(args.size, epoch=epoch, lease_seconds=args.lease_seconds)
     agents = AgentRegistry(stale_after_s=args.agent_stale_seconds)
 
+    def make_index(usable: list[int]) -> PoolIndex:
+        # --size caps each device; without it the pool uses all of what the first agent reports.
+        capacities = [min(u, args.size) if args.size else u for u in usable]
+        return PoolIndex(capacities, epoch=epoch, lease_seconds=args.lease_seconds, evict=args.eviction == "lru")
+
+    service: IndexService
+
     def stats() -> dict[str, int]:
-        return {**index.stats(), "agents_ready": sum(a["ready"] for a in agents.snapshot())}
+        ready = sum(a["ready"] for a in agents.snapshot())
+        if service.index is None:
+            return {"capacity_bytes": 0, "used_bytes": 0, "chunks": 0, "epoch": epoch,
+                    "errors": service.errors_before_index, "agents_ready": ready}  # fmt: skip
+        return {**service.index.stats(), "agents_ready": ready}
 
     def status() -> dict[str, Any]:
-        s = index.stats()
+        s = stats()
         known = agents.snapshot()
         return {
             "role": "metadata",
-            "backend": known[0]["backend"] if known else "unknown",
+            "backend": "dax",
             "capacity_bytes": s["capacity_bytes"],
             "used_bytes": s["used_bytes"],
             "chunks": s["chunks"],
             "epoch": epoch,
+            "regions": service.index.capacities if service.index else [],
             "agents": known,
             "nodes": [{"node": a["node"], "ready": a["ready"]} for a in known],
-            "stats": stats(),
+            "stats": s,
         }
 
     def hello(_is_unix: bool) -> Reply:
         return fail("unavailable", "this is the metadata server; clients connect to their node agent's socket")
 
-    service = IndexService(index, hello=hello, status=status, agents=agents)
+    service = IndexService(None, hello=hello, status=status, agents=agents, make_index=make_index)
     rpc = _rpc(endpoint, service.handle)
     http = _http(args.metrics_addr, stats, status, on_fail=rpc.close)
+
+    def expire() -> None:
+        if service.index is not None:
+            service.index.expire()
+
     return Daemon(
         rpc,
         http,
-        ready=lambda: {"role": "metadata", "listen": rpc.endpoint.url, "capacity": index.capacity, "epoch": epoch},
-        tick=index.expire,
+        ready=lambda: {
+            "role": "metadata",
+            "listen": rpc.endpoint.url,
+            "size_cap": args.size or "none",
+            "epoch": epoch,
+        },
+        tick=expire,
         tick_seconds=_sweep_interval(args.lease_seconds),
     )
 
@@ -184,19 +205,32 @@ def build_agent(args: argparse.Namespace) -> Daemon:
         raise UsageError(f"--metadata: {err}") from None
     if metadata.kind != "tcp" or metadata.port == 0:
         raise UsageError(f"--metadata {args.metadata}: expected tcp://host:port of the metadata server")
-    _must_exist("--device", args.device)
+    devices = args.device or discover_devices()
+    if not devices:
+        raise UsageError("--device: none given and no devdax device (/dev/dax*.*) found on this node")
+    if len(set(devices)) != len(devices):
+        raise UsageError(f"--device: listed twice: {sorted(d for d in devices if devices.count(d) > 1)[0]}")
+    memories: list[PoolMemory] = []
     try:
-        memory = PoolMemory.open_device(args.device, None)
-    except (PoolMemoryError, OSError) as err:
-        raise UsageError(f"--device {args.device}: {err}") from None
-    agent = NodeAgent(memory, metadata, args.node_name)
+        for device in devices:
+            _must_exist("--device", device)
+            try:
+                memories.append(PoolMemory.open_device(device, None))
+            except (PoolMemoryError, OSError) as err:
+                raise UsageError(f"--device {device}: {err}") from None
+    except UsageError:
+        for memory in memories:
+            memory.close()
+        raise
+    agent = NodeAgent(memories, metadata, args.node_name)
     # First contact before serving, so clients are not refused needlessly; a metadata server that
     # is not up yet is retried on every heartbeat.
     agent.heartbeat()
 
     def cleanup() -> None:
         agent.close()
-        memory.close()
+        for memory in memories:
+            memory.close()
 
     rpc = _rpc(endpoint, agent.handle, on_fail=cleanup)
     http = _http(args.metrics_addr, agent.stats, agent.status, healthy=agent.healthy, on_fail=rpc.close)
@@ -207,8 +241,8 @@ def build_agent(args: argparse.Namespace) -> Daemon:
             "role": "agent",
             "listen": rpc.endpoint.url,
             "metadata": metadata.url,
-            "backend": memory.backend,
-            "device": memory.path,
+            "backend": "dax",
+            "devices": ",".join(m.path for m in memories),
             "node": args.node_name,
             "connected": str(agent.connected).lower(),
         },

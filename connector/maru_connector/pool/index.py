@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .allocator import ExtentAllocator
+from .allocator import RegionAllocator
 
 FULL = "full"
 
@@ -71,18 +71,21 @@ class ReadGrant:
 class PoolIndex:
     def __init__(
         self,
-        capacity: int,
+        capacity: int | list[int],
         *,
         epoch: int,
         lease_seconds: float = 30.0,
+        evict: bool = True,
         align: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``capacity``: bytes, or bytes per memory region (device); ``evict``: False refuses writes when full."""
         self.epoch = epoch
         self.lease_seconds = lease_seconds
+        self.evict = evict
         self._clock = clock
         self._lock = threading.Lock()
-        self._alloc = ExtentAllocator(capacity, align)
+        self._alloc = RegionAllocator(capacity if isinstance(capacity, list) else [capacity], align)
         self._chunks: dict[bytes, Chunk] = {}  # key -> chunk, writing or committed
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed keys, least recently used first
         self._leases: dict[int, _Lease] = {}  # lease or pin id -> its chunk and deadline
@@ -100,6 +103,11 @@ class PoolIndex:
     @property
     def capacity(self) -> int:
         return self._alloc.capacity
+
+    @property
+    def capacities(self) -> list[int]:
+        """Usable bytes of each region, in region order."""
+        return self._alloc.capacities
 
     # ----------------------------------------------------------------- lookups
 
@@ -261,12 +269,12 @@ class PoolIndex:
             raise StaleEpoch(f"epoch {epoch} is not the pool's current epoch {self.epoch}")
 
     def _make_room(self, nbytes: int, now: float) -> int | None:
-        if self._alloc.round(nbytes) > self._alloc.capacity:
+        if self._alloc.round(nbytes) > self._alloc.largest_region():
             return None
         offset = self._alloc.alloc(nbytes)
         expired_once = False
         while offset is None:
-            victim = next((k for k in self._lru if self._chunks[k].pins == 0), None)
+            victim = next((k for k in self._lru if self._chunks[k].pins == 0), None) if self.evict else None
             if victim is None:
                 # Dead clients' leases are the last resort before refusing.
                 if expired_once or not self._expire(now):

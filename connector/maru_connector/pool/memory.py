@@ -18,9 +18,11 @@ released against the new index.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import mmap
 import os
+import re
 import stat
 import struct
 import time
@@ -143,6 +145,16 @@ class PoolMemory:
         with contextlib.suppress(BufferError):
             self.mm.close()
         os.close(self.fd)
+
+
+def discover_devices(dev_dir: str = "/dev") -> list[str]:
+    """Devdax devices of this node in a stable order (dax0.0, dax0.1, dax1.0, ...)."""
+    found = [p for p in glob.glob(os.path.join(dev_dir, "dax*.*")) if stat.S_ISCHR(os.stat(p).st_mode)]
+
+    def order(path: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", os.path.basename(path)))
+
+    return sorted(found, key=order)
 
 
 def new_epoch_floor() -> int:

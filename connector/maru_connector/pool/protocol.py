@@ -8,7 +8,8 @@ a Unix socket, which carries the pool memory's file descriptor as SCM_RIGHTS anc
 
 Operations (request fields -> reply fields):
 
-* ``hello``                               -> pool geometry, epoch, ``metadata`` URL or null, fd / ``path``
+* ``hello``                               -> epoch, header_size, regions [{map_size, capacity}],
+  ``metadata`` URL or null, one fd per region (Unix) or ``paths`` (TCP)
 * ``lookup``  keys                        -> n (leading committed keys)
 * ``write``   items [[key, nbytes]...]    -> epoch, grants [[lease_id, offset] | null | "full"]
 * ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]
@@ -18,7 +19,8 @@ Operations (request fields -> reply fields):
 * ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
 * ``stats``                               -> stats {name: int}
 * ``status``                              -> the /status document
-* ``agent``   node, device, device_size  (agent -> metadata heartbeat) -> epoch, capacity
+* ``agent``   node, backend, devices [{path, size, usable}] (agent -> metadata heartbeat)
+  -> epoch, regions [capacity per device]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ E_BAD_REQUEST = "bad_request"
 E_FULL = "pool_full"
 E_STALE_EPOCH = "stale_epoch"
 E_INTERNAL = "internal"
+E_UNAVAILABLE = "unavailable"
 
 
 class ProtocolError(Exception):

@@ -30,10 +30,10 @@ def fail(code: str, message: str) -> Reply:
 @dataclass
 class AgentSeen:
     node: str
-    device: str
+    devices: list[str]
     backend: str
-    device_size: int
     last_seen: float
+    problem: str | None = None
 
 
 class AgentRegistry:
@@ -45,9 +45,9 @@ class AgentRegistry:
         self._lock = threading.Lock()
         self._agents: dict[str, AgentSeen] = {}  # node name -> last heartbeat
 
-    def seen(self, node: str, device: str, backend: str, device_size: int) -> None:
+    def seen(self, node: str, devices: list[str], backend: str, problem: str | None) -> None:
         with self._lock:
-            self._agents[node] = AgentSeen(node, device, backend, device_size, self._clock())
+            self._agents[node] = AgentSeen(node, devices, backend, self._clock(), problem)
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = self._clock()
@@ -55,28 +55,36 @@ class AgentRegistry:
             return [
                 {
                     "node": a.node,
-                    "device": a.device,
+                    "devices": a.devices,
                     "backend": a.backend,
-                    "device_size": a.device_size,
                     "last_seen_seconds": round(now - a.last_seen, 3),
-                    "ready": now - a.last_seen <= self.stale_after_s,
+                    "ready": now - a.last_seen <= self.stale_after_s and a.problem is None,
+                    "problem": a.problem,
                 }
                 for a in sorted(self._agents.values(), key=lambda a: a.node)
             ]
 
 
 class IndexService:
-    """Index operations; ``hello`` and ``status`` come from the role that owns this service."""
+    """Index operations; ``hello`` and ``status`` come from the role that owns this service.
+
+    A metadata server started without ``--size`` has no index until the first agent reports its
+    devices (``make_index``); until then index calls are answered "unavailable".
+    """
 
     def __init__(
         self,
-        index: PoolIndex,
+        index: PoolIndex | None,
         *,
         hello: Callable[[bool], Reply],
         status: Callable[[], dict[str, Any]],
         agents: AgentRegistry | None = None,
+        make_index: Callable[[list[int]], PoolIndex] | None = None,
     ) -> None:
         self.index = index
+        self._make_index = make_index
+        self._index_lock = threading.Lock()
+        self.errors_before_index = 0
         self._hello = hello
         self._status = status
         self._agents = agents
@@ -87,7 +95,7 @@ class IndexService:
             "abort": self._abort,
             "read": self._read,
             "release": self._release,
-            "stats": lambda _msg: {"stats": self.index.stats()},
+            "stats": lambda _msg: {"stats": self._ix.stats()},
             "status": lambda _msg: self._status(),
             "agent": self._agent,
         }
@@ -98,48 +106,64 @@ class IndexService:
             return self._hello(is_unix)
         fn = self._ops.get(op) if isinstance(op, str) else None
         if fn is None:
-            self.index.count_error()
+            self._count_error()
             return fail(protocol.E_BAD_REQUEST, f"unknown op {op!r}")
+        if self.index is None and op not in ("agent", "status"):
+            return fail(
+                protocol.E_UNAVAILABLE,
+                "no node agent has reported the pool's devices yet; check that the agents reach this server",
+            )
         try:
             reply = fn(msg)
         except StaleEpoch as err:
             return fail(protocol.E_STALE_EPOCH, f"{err}; the pool daemon restarted, reconnect")
         except (KeyError, TypeError, ValueError) as err:
-            self.index.count_error()
+            self._count_error()
             return fail(protocol.E_BAD_REQUEST, f"op {op}: malformed request: {err!r}")
         except Exception:  # a bug must cost one request, not the daemon
             log.exception("rpc: op %s failed; the request was answered with an internal error", op)
-            self.index.count_error()
+            self._count_error()
             return fail(protocol.E_INTERNAL, f"op {op}: internal error (see the pool daemon's log)")
         reply["ok"] = True
         return reply, []
 
+    @property
+    def _ix(self) -> PoolIndex:
+        assert self.index is not None  # handle() answers "unavailable" before any op gets here
+        return self.index
+
+    def _count_error(self) -> None:
+        if self.index is None:
+            self.errors_before_index += 1
+        else:
+            self.index.count_error()
+
     def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"n": self.index.lookup_prefix(protocol.unhex_keys(msg["keys"]))}
+        return {"n": self._ix.lookup_prefix(protocol.unhex_keys(msg["keys"]))}
 
     def _write(self, msg: dict[str, Any]) -> dict[str, Any]:
         items = [(bytes.fromhex(k), int(n)) for k, n in msg["items"]]
-        grants = self.index.begin_write(items)
+        grants = self._ix.begin_write(items)
         out: list[Any] = []
         for g in grants:
             if g is None or g == FULL:
                 out.append(g)
             else:
                 out.append([g.lease_id, g.offset])  # type: ignore[union-attr]
-        return {"epoch": self.index.epoch, "grants": out}
+        return {"epoch": self._ix.epoch, "grants": out}
 
     def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
         items = [(int(lid), int(csum)) for lid, csum in msg["items"]]
-        return {"results": self.index.commit(int(msg["epoch"]), items)}
+        return {"results": self._ix.commit(int(msg["epoch"]), items)}
 
     def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.index.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]])
+        self._ix.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]])
         return {}
 
     def _read(self, msg: dict[str, Any]) -> dict[str, Any]:
-        grants = self.index.open_read(protocol.unhex_keys(msg["keys"]), prefix=bool(msg.get("prefix")))
+        grants = self._ix.open_read(protocol.unhex_keys(msg["keys"]), prefix=bool(msg.get("prefix")))
         pins = [None if g is None else [g.pin_id, g.offset, g.nbytes, g.checksum] for g in grants]
-        return {"epoch": self.index.epoch, "pins": pins}
+        return {"epoch": self._ix.epoch, "pins": pins}
 
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         corrupt = [int(x) for x in msg.get("corrupt", [])]
@@ -149,14 +173,38 @@ class IndexService:
                 "check the pool memory for another writer",
                 len(corrupt),
             )
-        self.index.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt)
+        self._ix.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt)
         return {}
 
     def _agent(self, msg: dict[str, Any]) -> dict[str, Any]:
-        if self._agents is None:
+        """Heartbeat of a node agent: the pool's layout is fixed by the first agent's devices."""
+        if self._agents is None or self._make_index is None:
             raise ValueError("this daemon is not a metadata server; agents must point --metadata elsewhere")
-        self._agents.seen(str(msg["node"]), str(msg["device"]), str(msg["backend"]), int(msg["device_size"]))
-        return {"epoch": self.index.epoch, "capacity": self.index.capacity}
+        node, backend = str(msg["node"]), str(msg["backend"])
+        devices = [(str(d["path"]), int(d["usable"])) for d in msg["devices"]]
+        with self._index_lock:
+            if self.index is None:
+                self.index = self._make_index([usable for _, usable in devices])
+                log.info(
+                    "metadata: pool laid out from node %s: %d region(s), %d bytes",
+                    node, len(devices), self._ix.capacity,
+                )  # fmt: skip
+        capacities = self._ix.capacities
+        problem = None
+        if len(devices) != len(capacities):
+            problem = f"node {node} has {len(devices)} device(s), the pool has {len(capacities)}; list the same devices"
+        else:
+            for (path, usable), cap in zip(devices, capacities, strict=True):
+                if usable < cap:
+                    problem = (
+                        f"node {node}: device {path} holds {usable} usable bytes but the pool's region needs "
+                        f"{cap}; lower the metadata server's --size or use the same devices on every node"
+                    )
+                    break
+        if problem:
+            log.error("metadata: refusing agent: %s", problem)
+        self._agents.seen(node, [path for path, _ in devices], backend, problem)
+        return {"epoch": self._ix.epoch, "regions": capacities, "problem": problem}
 
 
 class LocalMemoryHello:
@@ -171,11 +219,10 @@ class LocalMemoryHello:
         reply = {
             "ok": True,
             "epoch": self._epoch,
-            "capacity": self._capacity,
             "header_size": HEADER_SIZE,
-            "map_size": self._memory.map_size,
+            "regions": [{"map_size": self._memory.map_size, "capacity": self._capacity}],
             "backend": self._memory.backend,
             "metadata": None,
-            "path": None if is_unix else self._memory.path,
+            "paths": None if is_unix else [self._memory.path],
         }
         return reply, [self._memory.fd] if is_unix else []
