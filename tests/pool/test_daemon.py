@@ -273,7 +273,8 @@ def test_restart_never_serves_bytes_of_another_key(daemons: list[Daemon], sock_d
 # ------------------------------------------------------------------ HTTP
 
 
-def test_metrics_healthz_and_status_move(serve: Daemon) -> None:
+def test_metrics_healthz_and_status_move(daemons: list[Daemon], sock_dir: Path) -> None:
+    serve = start_serve(daemons, sock_dir, "--node-name", "node-1")
     client = PoolClient(serve.ready["listen"], timeout_s=5)
     code, text = http_get(serve.metrics_url + "/metrics")
     assert code == 200
@@ -299,5 +300,5 @@ def test_metrics_healthz_and_status_move(serve: Daemon) -> None:
     assert status["capacity_bytes"] == 8 * MiB and status["used_bytes"] == 8 * MiB
     assert status["chunks"] == 8 and status["backend"] == "shm"
     assert status["epoch"] == int(serve.ready["epoch"])
-    assert status["nodes"][0]["ready"] is True
+    assert status["nodes"] == [{"node": "node-1", "device": str(sock_dir / "pool.shm"), "ready": True}]
     assert http_get(serve.metrics_url + "/nope")[0] == 404

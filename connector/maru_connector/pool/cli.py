@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
+    def node_name(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--node-name",
+            default=os.environ.get("NODE_NAME") or socket.gethostname(),
+            help="this node's name in /status (default: $NODE_NAME, else the host name)",
+        )
+
     def index_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--lease-seconds",
@@ -83,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="devdax device (or a file standing in for one) instead of shm")
     serve.add_argument("--shm-path", help="shm file to create (default: /dev/shm/maru-pool-<listen address>)")
     index_flags(serve)
+    node_name(serve)
 
     meta = sub.add_parser("metadata", help="multi-node pool: the pool-wide index (no memory)")
     common(meta, "tcp://host:port the agents and clients reach")
@@ -108,11 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="devdax device shared by the nodes, e.g. /dev/dax0.0; repeat for several, in the same order on "
         "every node (default: every /dev/dax*.* found)",
     )
-    agent.add_argument(
-        "--node-name",
-        default=os.environ.get("NODE_NAME") or socket.gethostname(),
-        help="name in the metadata server's status (default: $NODE_NAME, else the host name)",
-    )
+    node_name(agent)
     agent.add_argument(
         "--heartbeat-seconds",
         type=_positive,

@@ -103,7 +103,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             "used_bytes": stats["used_bytes"],
             "chunks": stats["chunks"],
             "epoch": epoch,
-            "nodes": [{"node": os.uname().nodename, "device": memory.path, "ready": True}],
+            "nodes": [{"node": args.node_name, "device": memory.path, "ready": True}],
             "stats": stats,
         }
 
