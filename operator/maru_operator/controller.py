@@ -253,7 +253,14 @@ class Controller:
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
 
         owner = Owner.from_body(body)
-        binding = bind(namespace, spec, self.store.get(("MaruPool", "", spec.pool_ref.name)))
+        pool_body = self.store.get(("MaruPool", "", spec.pool_ref.name))
+        if pool_body is None:
+            # Right after start-up the pools' watch may not have listed yet: ask before calling it missing,
+            # or every group would flap to PoolNotFound on each operator restart.
+            pool_body = await self.kube.get("MaruPool", None, spec.pool_ref.name)
+            if pool_body is not None:
+                self.store.put(pool_body)
+        binding = bind(namespace, spec, pool_body)
         desired = build_group_children(spec, owner, binding.pool)
         keep: set[Key] = set()
         if not binding.ok:

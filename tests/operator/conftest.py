@@ -155,3 +155,37 @@ def operator(cluster: KubeEmulator, stats: StubStats) -> Iterator[RunningOperato
         yield running
     finally:
         running.stop()
+
+
+def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) -> None:
+    """Enqueue every owner (as the resync timer would) and wait until the queue stays idle."""
+    import time
+
+    from maru_operator import handlers
+
+    if resync:
+        def enqueue_all() -> None:
+            for key in op.runtime.store.owners("MaruPool") + op.runtime.store.owners("InferenceGroup"):
+                handlers._enqueue(key)
+        op.call(enqueue_all)
+    quiet = 0
+    for _ in range(2000):
+        quiet = quiet + 1 if op.idle() else 0
+        if quiet >= quiet_polls:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the operator never went idle")
+
+
+def has_condition(obj: dict[str, Any], type_: str, status: str, reason: str | None = None) -> bool:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c.get("status") == status and (reason is None or c.get("reason") == reason)
+    return False
+
+
+def condition_of(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    raise AssertionError(f"no {type_} condition in {obj.get('status')}")

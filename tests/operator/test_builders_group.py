@@ -77,6 +77,16 @@ class TestRoleDeployment:
         extra = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["kv_connector_extra_config"]
         assert extra["maru_cache_namespace"] == "tenant-a"
 
+    def test_cache_namespace_of_a_long_name_fits(self) -> None:
+        from maru_operator.builders.common import Owner
+
+        owner = Owner(kind="InferenceGroup", name="g" * 253, namespace="n" * 63, uid="u")
+        extra = kv_config(build_role_deployment(group_spec(), "decode", owner, pool_view()))["kv_connector_extra_config"]
+        assert len(extra["maru_cache_namespace"]) <= 253
+        other = Owner(kind="InferenceGroup", name="g" * 252 + "h", namespace="n" * 63, uid="u")
+        extra2 = kv_config(build_role_deployment(group_spec(), "decode", other, pool_view()))["kv_connector_extra_config"]
+        assert extra["maru_cache_namespace"] != extra2["maru_cache_namespace"]
+
     def test_hash_seed_and_user_env(self) -> None:
         spec = group_spec(decode={"env": [{"name": "HF_HOME", "value": "/cache"}]})
         env = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["env"]

@@ -35,7 +35,8 @@ def test_tensor_parallel_mismatch() -> None:
 
 
 def test_kv_cache_dtype_on_one_role_only() -> None:
-    spec = group_spec(prefill={"extraArgs": ["--kv-cache-dtype", "fp8"]}, decode={"extraArgs": ["--kv-cache-dtype=fp8"]})
+    spec = group_spec(prefill={"extraArgs": ["--kv-cache-dtype", "fp8"]},
+                      decode={"extraArgs": ["--kv-cache-dtype=fp8"]})
     assert check_group(spec) == []
     errors = check_group(group_spec(prefill={"extraArgs": ["--kv-cache-dtype=fp8"]}))
     assert [e.field for e in errors] == ["spec.decode.extraArgs"]

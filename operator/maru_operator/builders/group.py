@@ -25,7 +25,7 @@ from maru_operator.builders.common import (
     selector,
 )
 from maru_operator.builders.pool import pool_endpoint, socket_host_dir
-from maru_operator.names import child_name, label_value
+from maru_operator.names import child_name, label_value, short_hash
 
 Role = Literal["prefill", "decode"]
 
@@ -74,8 +74,17 @@ def service_name(group: str) -> str:
     return child_name(group)
 
 
+MAX_CACHE_NAMESPACE = 253
+
+
 def cache_namespace(spec: InferenceGroupSpec, owner: Owner) -> str:
-    return spec.connector.cache_namespace or f"{owner.namespace}/{owner.name}"
+    """The key salt: the user's, or ``<namespace>/<name>`` (hashed down to 253 characters when longer)."""
+    if spec.connector.cache_namespace:
+        return spec.connector.cache_namespace
+    salt = f"{owner.namespace}/{owner.name}"
+    if len(salt) <= MAX_CACHE_NAMESPACE:
+        return salt
+    return salt[: MAX_CACHE_NAMESPACE - 9] + "-" + short_hash(salt)
 
 
 def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> MaruConnectorConfig:

@@ -1,0 +1,306 @@
+"""The operator for real (in-process kopf) against the API emulator over HTTP, with simulated controllers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.k8s.fixtures import KubeEmulator
+from tests.operator.conftest import (
+    GROUP_NS,
+    POOL_NS,
+    RunningOperator,
+    StubStats,
+    condition_of,
+    create_namespace,
+    group,
+    has_condition,
+    pool,
+    settle,
+)
+
+pytestmark = pytest.mark.emulator
+
+IG = "inferencegroups.maru.io"
+MP = "marupools.maru.io"
+DEPLOY = "deployments.apps"
+DS = "daemonsets.apps"
+
+
+def ready(obj: dict[str, Any]) -> bool:
+    return has_condition(obj, "Ready", "True")
+
+
+def events(kube: KubeEmulator, namespace: str, name: str) -> list[dict[str, Any]]:
+    return [e for e in kube.list("events", namespace) if e.get("involvedObject", {}).get("name") == name]
+
+
+def wait_event(kube: KubeEmulator, namespace: str, name: str, reason: str) -> dict[str, Any]:
+    """The first Event with this reason on the object (Events are posted right after the status write)."""
+    return kube.wait_until(
+        lambda e: next((ev for ev in e.list_objects("", "events", namespace)
+                        if ev.get("involvedObject", {}).get("name") == name and ev.get("reason") == reason), None),
+        message=f"an Event {reason} on {namespace}/{name}",
+    )
+
+
+def wait_group_ready(kube: KubeEmulator, name: str = "qwen", namespace: str = GROUP_NS) -> dict[str, Any]:
+    return kube.wait_for(IG, name, namespace, ready)
+
+
+@pytest.fixture
+def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
+    cluster.create(pool())
+    return cluster.wait_for(MP, "local-shm", None, ready)
+
+
+def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
+    ds = cluster.get(DS, "local-shm-agent", POOL_NS)
+    assert ds is not None
+    assert ds["metadata"]["ownerReferences"][0]["uid"] == ready_pool["metadata"]["uid"]
+    assert "maru.io/in-use-protection" in ready_pool["metadata"]["finalizers"]
+    st = ready_pool["status"]
+    assert (st["nodeSummary"], st["capacity"], st["endpoint"]) == ("1/1", "1Gi", "unix:///run/maru/local-shm/pool.sock")
+
+    cluster.create(group())
+    ig = wait_group_ready(cluster)
+    uid = ig["metadata"]["uid"]
+    for resource, name in [(DEPLOY, "qwen-prefill"), (DEPLOY, "qwen-decode"), (DEPLOY, "qwen-router"),
+                           ("services", "qwen"), ("serviceaccounts", "qwen-router"),
+                           ("roles.rbac.authorization.k8s.io", "qwen-router"),
+                           ("rolebindings.rbac.authorization.k8s.io", "qwen-router")]:
+        child = cluster.get(resource, name, GROUP_NS)
+        assert child is not None, f"{resource} {name} missing"
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+    st = ig["status"]
+    assert (st["prefill"]["summary"], st["decode"]["summary"], st["router"]["summary"]) == ("1/1", "2/2", "1/1")
+    assert st["endpoint"] == "http://qwen.llm.svc:8000"
+    assert st["observedGeneration"] == ig["metadata"]["generation"]
+    assert has_condition(ig, "PoolBound", "True", "Bound")
+    cluster.wait_for(MP, "local-shm", None, lambda p: p["status"].get("boundGroups") == 1)
+    assert wait_event(cluster, GROUP_NS, "qwen", "Serving")["type"] == "Normal"
+
+
+def test_update_rolls_children(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    wait_group_ready(cluster)
+    cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 3, "extraArgs": ["--max-num-seqs=8"]},
+                                        "connector": {"chunkTokens": 512}}}, GROUP_NS)
+    decode = cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 3)
+    args = decode["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-1] == "--max-num-seqs=8"
+    prefill = cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS,
+                               lambda d: '"maru_kv_chunk_tokens":512' in str(d["spec"]["template"]))
+    assert prefill is not None
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o["status"]["decode"]["summary"] == "3/3" and ready(o)
+                          and o["status"]["observedGeneration"] == o["metadata"]["generation"])
+    assert ig["metadata"]["generation"] == 2
+
+    cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
+    cluster.wait_gone(DEPLOY, "qwen-router", GROUP_NS)
+    cluster.wait_gone("services", "qwen", GROUP_NS)
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o["status"]["endpoint"] == "" and ready(o))
+
+
+def test_drift_is_corrected(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    wait_group_ready(cluster)
+    original = cluster.get(DEPLOY, "qwen-decode", GROUP_NS)
+    assert original is not None
+    wanted = original["spec"]["template"]["spec"]["containers"][0]["args"]
+    cluster.patch(DEPLOY, "qwen-decode", {"spec": {"replicas": 7, "template": {"spec": {"containers": [
+        {**original["spec"]["template"]["spec"]["containers"][0], "args": ["hacked"]}]}}}}, GROUP_NS)
+    cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS,
+                     lambda d: d["spec"]["replicas"] == 2
+                     and d["spec"]["template"]["spec"]["containers"][0]["args"] == wanted)
+    cluster.delete("services", "qwen", GROUP_NS)
+    cluster.delete(DS, "local-shm-agent", POOL_NS)
+    cluster.wait_for("services", "qwen", GROUP_NS)
+    cluster.wait_for(DS, "local-shm-agent", POOL_NS)
+
+
+def test_delete_group_removes_children(cluster: KubeEmulator, operator: RunningOperator,
+                                       ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    wait_group_ready(cluster)
+    cluster.delete(IG, "qwen", GROUP_NS)
+    for name in ("qwen-prefill", "qwen-decode", "qwen-router"):
+        cluster.wait_gone(DEPLOY, name, GROUP_NS)
+    cluster.wait_gone("services", "qwen", GROUP_NS)
+    cluster.wait_for(MP, "local-shm", None, lambda p: p["status"]["boundGroups"] == 0)
+
+
+def test_pool_not_ready_then_ready(cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any) -> None:
+    kube_controllers.hold()
+    cluster.create(pool())
+    cluster.create(group())
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "PoolBound", "False", "PoolNotReady"))
+    assert has_condition(ig, "Ready", "False", "PoolNotReady")
+    assert "local-shm" in condition_of(ig, "PoolBound")["message"]
+    settle(operator)
+    assert cluster.get(DEPLOY, "qwen-prefill", GROUP_NS) is None
+    assert cluster.get(DEPLOY, "qwen-decode", GROUP_NS) is None
+    assert wait_event(cluster, GROUP_NS, "qwen", "PoolNotReady")["type"] == "Warning"
+    kube_controllers.release()
+    wait_group_ready(cluster)
+    assert cluster.get(DEPLOY, "qwen-prefill", GROUP_NS) is not None
+
+
+def test_missing_pool_then_created(cluster: KubeEmulator, operator: RunningOperator) -> None:
+    cluster.create(group(pool_name="later"))
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "PoolBound", "False", "PoolNotFound"))
+    cluster.create(pool("later"))
+    wait_group_ready(cluster)
+
+
+def test_namespace_not_allowed(cluster: KubeEmulator, operator: RunningOperator) -> None:
+    cluster.create(pool(allowedNamespaces=["prod"]))
+    cluster.create(group())
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "PoolBound", "False", "NamespaceNotAllowed"))
+    assert "allowedNamespaces" in condition_of(ig, "PoolBound")["message"]
+    wait_event(cluster, GROUP_NS, "qwen", "NamespaceNotAllowed")
+    settle(operator)
+    assert cluster.get(DEPLOY, "qwen-prefill", GROUP_NS) is None
+    warnings = [e for e in events(cluster, GROUP_NS, "qwen") if e["type"] == "Warning"]
+    assert [e["reason"] for e in warnings] == ["NamespaceNotAllowed"]
+    # Granting access lets the group proceed by itself; revoking it again scales the vLLM pods to zero.
+    cluster.patch(MP, "local-shm", {"spec": {"allowedNamespaces": ["prod", GROUP_NS]}})
+    wait_group_ready(cluster)
+    cluster.patch(MP, "local-shm", {"spec": {"allowedNamespaces": ["prod"]}})
+    cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 0)
+
+
+def test_pool_deletion_waits_for_bound_groups(cluster: KubeEmulator, operator: RunningOperator,
+                                              ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    wait_group_ready(cluster)
+    cluster.delete(MP, "local-shm")
+    held = cluster.wait_for(MP, "local-shm", None, lambda p: has_condition(p, "InUse", "True", "DeletionBlocked"))
+    assert "llm/qwen" in condition_of(held, "InUse")["message"]
+    blocked = wait_event(cluster, "default", "local-shm", "DeletionBlocked")
+    assert blocked["type"] == "Warning" and "llm/qwen" in blocked["message"]
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "PoolBound", "False", "PoolDeleting"))
+    assert cluster.get(DEPLOY, "qwen-decode", GROUP_NS) is not None  # serving pods are left alone
+    cluster.delete(IG, "qwen", GROUP_NS)
+    cluster.wait_gone(MP, "local-shm")
+    cluster.wait_gone(DS, "local-shm-agent", POOL_NS)
+
+
+def test_long_names(cluster: KubeEmulator, operator: RunningOperator) -> None:
+    pool_name = "p." + "x" * 240
+    group_name = "g" * 250
+    cluster.create(pool(pool_name))
+    cluster.create(group(group_name, pool_name=pool_name))
+    ig = cluster.wait_for(IG, group_name, GROUP_NS, ready)
+    deployments = cluster.list(DEPLOY, GROUP_NS)
+    assert len(deployments) == 3
+    assert all(len(d["metadata"]["name"]) <= 63 for d in deployments)
+    assert all(len(v) <= 63 for d in deployments for v in d["metadata"]["labels"].values())
+    assert len(ig["status"]["endpoint"]) < 120
+
+
+def test_idempotent_after_convergence(cluster: KubeEmulator, operator: RunningOperator,
+                                      ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    cluster.create(group("other"))
+    wait_group_ready(cluster)
+    wait_group_ready(cluster, "other")
+    cluster.wait_for(MP, "local-shm", None, lambda p: p["status"]["boundGroups"] == 2)
+    settle(operator)
+    mark = cluster.mark()
+    for _ in range(3):
+        settle(operator)
+    writes = cluster.writes_since(mark)
+    assert writes == [], [f"{r.method} {r.path}" for r in writes]
+    reads = cluster.requests_since(mark)
+    assert any(r.method == "GET" for r in reads)  # the resync did run (pool pods are listed)
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"prefill": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+      "decode": {"tensorParallelSize": 2}}, "spec.prefill.tensorParallelSize"),
+    ({"decode": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]}}, "spec.decode.env"),
+    ({"prefill": {"tensorParallelSize": 2}}, "spec.decode.tensorParallelSize"),
+    ({"decode": {"extraArgs": ["--kv-cache-dtype=fp8"]}}, "spec.decode.extraArgs"),
+], ids=["tp-over-gpus", "hash-seed", "tp-mismatch", "kv-dtype-one-role"])
+def test_semantic_error(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any],
+                        spec: dict[str, Any], field: str) -> None:
+    # A fresh invalid group: no child at all.
+    cluster.create(group("fresh", **spec))
+    ig = cluster.wait_for(IG, "fresh", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
+    assert field in condition_of(ig, "Ready")["message"]
+    warning = wait_event(cluster, GROUP_NS, "fresh", "InvalidSpec")
+    assert warning["type"] == "Warning" and field in warning["message"]
+    settle(operator)
+    assert [d for d in cluster.list(DEPLOY, GROUP_NS) if d["metadata"]["name"].startswith("fresh")] == []
+
+    # A running group made invalid: its children are not touched, it keeps serving.
+    cluster.create(group())
+    wait_group_ready(cluster)
+    before = {d["metadata"]["name"]: d["metadata"]["resourceVersion"] for d in cluster.list(DEPLOY, GROUP_NS)}
+    mark = cluster.mark()
+    cluster.patch(IG, "qwen", {"spec": spec}, GROUP_NS)
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec")
+                     and o["status"]["observedGeneration"] == 2)
+    settle(operator)
+    after = {d["metadata"]["name"]: d["metadata"]["resourceVersion"] for d in cluster.list(DEPLOY, GROUP_NS)}
+    assert after == before
+    assert [r.path for r in cluster.writes_since(mark) if "/deployments" in r.path] == []
+    assert operator.error is None
+
+
+def test_api_errors_and_dropped_watches(cluster: KubeEmulator, operator: RunningOperator,
+                                        ready_pool: dict[str, Any]) -> None:
+    cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1,
+                         message="already exists")
+    cluster.inject_fault(r"/namespaces/llm/deployments$", 500, method="POST", times=2)
+    cluster.inject_fault(r"/inferencegroups/qwen/status$", 500, method="PATCH", times=2)
+    cluster.inject_fault(r"/namespaces/llm/services$", 503, method="POST", times=1)
+    cluster.create(group())
+    wait_group_ready(cluster)
+    assert cluster.drop_watches(r"/inferencegroups") >= 1
+    assert cluster.drop_watches(r"/deployments") >= 1
+    cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 4}}}, GROUP_NS)
+    cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 4)
+    cluster.inject_fault(r"/deployments/qwen-decode$", 500, method="PATCH", times=2)
+    cluster.delete(DEPLOY, "qwen-prefill", GROUP_NS)
+    cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o["status"]["decode"]["summary"] == "4/4" and ready(o))
+    assert operator.error is None
+
+
+def test_pool_usage_from_the_daemons(cluster: KubeEmulator, operator: RunningOperator, stats: StubStats,
+                                     ready_pool: dict[str, Any]) -> None:
+    agent = cluster.get(DS, "local-shm-agent", POOL_NS)
+    assert agent is not None
+    labels = agent["spec"]["template"]["metadata"]["labels"]
+    cluster.create({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": "local-shm-agent-abcde", "namespace": POOL_NS, "labels": labels},
+                    "spec": {"nodeName": "node-1", "containers": [{"name": "agent", "image": "x"}]},
+                    "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}})
+    stats.answers["http://10.1.2.3:9400/status"] = {"capacity_bytes": 1 << 30, "used_bytes": 3 << 20, "chunks": 12}
+    settle(operator)
+    p = cluster.wait_for(MP, "local-shm", None, lambda o: o["status"].get("used") == "3Mi")
+    assert p["status"]["nodes"] == [{"node": "node-1", "device": "/dev/shm/maru-pool", "capacity": "1Gi",
+                                     "ready": True}]
+    stats.answers["http://10.1.2.3:9400/status"] = None  # the daemon stops answering
+    settle(operator)
+    p = cluster.wait_for(MP, "local-shm", None, lambda o: o["status"].get("used") == "")
+    assert ready(p)
+
+
+def test_kubectl_apply_examples(cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any) -> None:
+    from tests.operator.conftest import ROOT
+
+    kube_controllers.add_node("cxl-1", {"maru.io/cxl": "true"})
+    kube_controllers.add_node("cxl-2", {"maru.io/cxl": "true"})
+    create_namespace(cluster, "llm")
+    result = cluster.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"), "-f", str(ROOT / "examples"))
+    assert "inferencegroup.maru.io/qwen-7b" in result.stdout
+    cxl = cluster.wait_for(MP, "cxl-pool", None, ready)
+    assert cxl["status"]["nodeSummary"] == "2/2"
+    assert cluster.get(DEPLOY, "cxl-pool-metadata", POOL_NS) is not None
+    cluster.wait_for(IG, "qwen-7b", "llm", ready)
+    out = cluster.kubectl("get", "ig", "-n", "llm").stdout
+    assert "qwen-7b" in out and "1/1" in out and "2/2" in out
