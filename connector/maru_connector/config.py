@@ -95,6 +95,9 @@ def kv_transfer_config(role: KVRole, config: MaruConnectorConfig) -> dict[str, A
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": role,
+        # A chunk that fails its checksum on load is recomputed instead of failing the request
+        # (vLLM's default policy is "fail").
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": config.to_extra_config(),
     }
 
