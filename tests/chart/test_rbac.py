@@ -6,35 +6,37 @@ import re
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.chart.conftest import CHART, NAMESPACE, RELEASE, find, one
+from tests.chart.conftest import CHART, NAMESPACE, RELEASE, REPO_ROOT, find, one
 
 pytestmark = pytest.mark.tools
 
 ROLE_KINDS = ("ClusterRole", "Role")
-WORKLOAD_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+CHILD_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 
 # (apiGroup, resource) -> verbs, as the operator needs them; the README table must say the same.
 CLUSTER_RULES = {
-    ("maru.io", "marupools"): {"get", "list", "watch", "patch", "update"},
-    ("maru.io", "marupools/status"): {"get", "patch", "update"},
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
+    ("maru.io", "marupools"): {"get", "list", "watch", "patch"},
+    ("maru.io", "marupools/status"): {"patch"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("", "events"): {"create"},
+}
+WATCH_NAMESPACES_ONLY_RULES = {
+    ("", "namespaces"): {"list", "watch"},
+    ("maru.io", "inferencegroups"): {"list"},
 }
 NAMESPACED_RULES = {
-    ("maru.io", "inferencegroups"): {"get", "list", "watch", "patch", "update"},
-    ("maru.io", "inferencegroups/status"): {"get", "patch", "update"},
-    ("apps", "deployments"): WORKLOAD_VERBS,
-    ("apps", "daemonsets"): WORKLOAD_VERBS,
-    ("", "services"): WORKLOAD_VERBS,
-    ("", "serviceaccounts"): WORKLOAD_VERBS,
-    ("", "configmaps"): WORKLOAD_VERBS,
-    ("rbac.authorization.k8s.io", "roles"): WORKLOAD_VERBS,
-    ("rbac.authorization.k8s.io", "rolebindings"): WORKLOAD_VERBS,
+    ("maru.io", "inferencegroups"): {"get", "list", "watch"},
+    ("maru.io", "inferencegroups/status"): {"patch"},
+    ("apps", "deployments"): CHILD_VERBS,
+    ("apps", "daemonsets"): CHILD_VERBS,
+    ("", "services"): CHILD_VERBS,
+    ("", "serviceaccounts"): CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},
 }
-WATCH_NAMESPACES_ONLY_RULES = {("", "namespaces"): {"get", "list", "watch"}}
 
 
 def grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
@@ -119,7 +121,7 @@ def test_router_role_can_be_granted_where_routers_live(custom_objects: list[dict
     namespaced = grants(one(custom_objects, "ClusterRole", f"{RELEASE}-namespaced"))
     assert {"llm-serving", "llm-staging"} <= bound
     assert {"get", "list", "watch"} <= namespaced[("", "pods")]
-    assert {"create", "update", "patch"} <= namespaced[("rbac.authorization.k8s.io", "roles")]
+    assert {"create", "patch"} <= namespaced[("rbac.authorization.k8s.io", "roles")]
 
 
 def test_rbac_create_false_renders_no_rbac(render) -> None:
@@ -127,25 +129,89 @@ def test_rbac_create_false_renders_no_rbac(render) -> None:
     assert not [o for o in objects if o["apiVersion"].startswith("rbac.authorization.k8s.io/")]
 
 
-def readme_table() -> dict[tuple[str, str], set[str]]:
-    """The RBAC table of the chart README: (apiGroup, resource) -> verbs."""
+def readme_table() -> dict[str, dict[tuple[str, str], set[str]]]:
+    """The RBAC table of the chart README: scope -> (apiGroup, resource) -> verbs."""
     text = (CHART / "README.md").read_text()
     table = text.split("<!-- rbac-table:start -->", 1)[1].split("<!-- rbac-table:end -->", 1)[0]
-    rows: dict[tuple[str, str], set[str]] = {}
+    rows: dict[str, dict[tuple[str, str], set[str]]] = {}
     for line in table.strip().splitlines()[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         group = cells[0].strip("`")
         group = "" if group == "core" else group
         verbs = set(re.findall(r"[a-z]+", cells[2]))
+        scope = rows.setdefault(cells[3], {})
         for resource in re.findall(r"`([a-z/.]+)`", cells[1]):
-            assert (group, resource) not in rows, f"README lists {group}/{resource} twice"
-            rows[(group, resource)] = verbs
-        assert cells[4], f"README row {cells[0]} {cells[1]} gives no reason"
+            assert (group, resource) not in scope, f"README lists {group}/{resource} twice in one scope"
+            scope[(group, resource)] = verbs
+        assert len(cells[4]) > 20, f"README row {cells[0]} {cells[1]} gives no reason"
     return rows
 
 
 def test_readme_lists_every_rule_and_verb(custom_objects: list[dict[str, Any]]) -> None:
-    rendered: dict[tuple[str, str], set[str]] = {}
-    for role in all_roles(custom_objects):
-        rendered.update(grants(role))
-    assert readme_table() == rendered
+    table = readme_table()
+    assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced"}
+    assert table["cluster"] == CLUSTER_RULES
+    assert table["cluster, only with `watchNamespaces`"] == WATCH_NAMESPACES_ONLY_RULES
+    assert table["namespaced"] == NAMESPACED_RULES
+    assert (
+        grants(one(custom_objects, "ClusterRole", RELEASE))
+        == table["cluster"] | table["cluster, only with `watchNamespaces`"]
+    )
+    assert grants(one(custom_objects, "ClusterRole", f"{RELEASE}-namespaced")) == table["namespaced"]
+
+
+# --- the rules against the operator's code ------------------------------------------------------------
+
+VERB_OF_METHOD = {"POST": {"create"}, "PATCH": {"patch"}, "DELETE": {"delete"}, "PUT": {"update"}}
+
+
+def _operator_children() -> list[dict[str, Any]]:
+    """What the operator creates for the examples, through its own builders."""
+    from maru_operator.render import render as render_children
+
+    return [d for d in yaml.safe_load_all(render_children([REPO_ROOT / "examples"], NAMESPACE)) if d]
+
+
+def _plural(obj: dict[str, Any]) -> tuple[str, str]:
+    from maru_operator.kube import KINDS
+
+    group = obj["apiVersion"].rpartition("/")[0]
+    return group, KINDS[obj["kind"]].plural
+
+
+def test_operator_client_methods_are_covered() -> None:
+    """Every HTTP method the operator's client sends maps to a granted verb, and nothing unused is granted."""
+    source = (REPO_ROOT / "operator" / "maru_operator" / "kube.py").read_text()
+    methods = set(re.findall(r"self\.request\(\s*\"([A-Z]+)\"", source))
+    assert {"GET", "POST", "PATCH", "DELETE"} <= methods
+    used = set().union(*(VERB_OF_METHOD.get(m, set()) for m in methods))
+    granted = set().union(*NAMESPACED_RULES.values(), *CLUSTER_RULES.values())
+    write_verbs = {"create", "patch", "delete", "update"}
+    assert granted & write_verbs == used & write_verbs
+
+
+def test_every_kind_the_operator_creates_is_granted() -> None:
+    children = _operator_children()
+    created = {_plural(obj) for obj in children}
+    assert {("apps", "deployments"), ("apps", "daemonsets"), ("", "services")} <= created
+    for key in created:
+        assert NAMESPACED_RULES.get(key, set()) >= CHILD_VERBS, f"the operator creates {key} without the rights"
+
+
+def test_every_resource_the_operator_watches_is_granted() -> None:
+    from maru_operator.handlers import CHILD_RESOURCES
+
+    for group, _version, plural in CHILD_RESOURCES:
+        assert {"list", "watch"} <= NAMESPACED_RULES[(group, plural)], plural
+    for key in (("maru.io", "marupools"),):
+        assert {"list", "watch"} <= CLUSTER_RULES[key]
+    assert {"list", "watch"} <= NAMESPACED_RULES[("maru.io", "inferencegroups")]
+
+
+def test_router_role_needs_nothing_the_operator_lacks() -> None:
+    """Kubernetes refuses a Role that grants more than its creator holds (no escalate verb here)."""
+    roles = [o for o in _operator_children() if o["kind"] == "Role"]
+    assert roles, "the examples' InferenceGroup has a router Role"
+    for role in roles:
+        for key, verbs in grants(role).items():
+            assert verbs <= NAMESPACED_RULES.get(key, set()), (role["metadata"]["name"], key, verbs)

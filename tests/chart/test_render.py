@@ -173,11 +173,13 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
     assert c["imagePullPolicy"] == "IfNotPresent"
     assert c["args"] == [
         "run",
+        "--standalone",
         "--all-namespaces",
         f"--pool-namespace={NAMESPACE}",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--metrics-port=9090",
-        "--log-level=info",
+        "--workers=8",
+        "--resync-seconds=60",
     ]
     assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
     probe = c["livenessProbe"]["httpGet"]
@@ -200,14 +202,45 @@ def test_operator_command_custom(custom_objects: list[dict[str, Any]]) -> None:
     assert f"--pool-namespace={NAMESPACE}" in args
     assert "--liveness=http://0.0.0.0:8081/healthz" in args
     assert "--metrics-port=9191" in args
-    assert "--log-level=debug" in args
-    assert args[-1] == "--verbose"
+    assert "--verbose" in args
+    assert "--workers=16" in args
+    assert args[-1] == "--resync-seconds=45"
     assert {"name": "HTTPS_PROXY", "value": "http://proxy.example.com:3128"} in c["env"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"healthz": 8081, "metrics": 9191}
     assert c["resources"] == {
         "requests": {"cpu": "100m", "memory": "256Mi"},
         "limits": {"cpu": "1", "memory": "1Gi"},
     }
+
+
+@pytest.mark.parametrize("which", ["default", "custom"])
+def test_operator_accepts_the_rendered_arguments(request: pytest.FixtureRequest, which: str) -> None:
+    """The contract with the operator: its own argument parser reads what the chart renders."""
+    from maru_operator.cli import _parser
+
+    objects = request.getfixturevalue(f"{which}_objects")
+    args = _parser().parse_args(container(objects)["args"])
+    assert args.command == "run"
+    assert args.standalone is True
+    assert args.pool_namespace == NAMESPACE
+    if which == "default":
+        assert args.all_namespaces and args.namespace == []
+        assert (args.liveness, args.metrics_port, args.workers, args.resync_seconds, args.verbose) == (
+            "http://0.0.0.0:8080/healthz",
+            9090,
+            8,
+            60.0,
+            False,
+        )
+    else:
+        assert not args.all_namespaces and args.namespace == ["llm-serving", "llm-staging"]
+        assert (args.liveness, args.metrics_port, args.workers, args.resync_seconds, args.verbose) == (
+            "http://0.0.0.0:8081/healthz",
+            9191,
+            16,
+            45.0,
+            True,
+        )
 
 
 def test_pod_placement_custom(custom_objects: list[dict[str, Any]]) -> None:

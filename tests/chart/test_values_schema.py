@@ -171,6 +171,8 @@ WRONG_VALUES = [
     pytest.param(["--set", "metrics.port=70000"], ["/metrics/port"], id="out-of-range"),
     pytest.param(["--set-string", "rbac.create=yes"], ["/rbac/create", "boolean"], id="string-for-bool"),
     pytest.param(["--set", "logLevel=verbose"], ["/logLevel", "debug"], id="bad-enum"),
+    pytest.param(["--set", "logLevel=warning"], ["/logLevel"], id="unsupported-level"),
+    pytest.param(["--set", "workers=0"], ["/workers"], id="below-minimum"),
     pytest.param(["--set", "image.pullPolicy=Sometimes"], ["/image/pullPolicy", "IfNotPresent"], id="bad-enum-2"),
     pytest.param(["--set", "watchNamespaces={LLM_Serving}"], ["/watchNamespaces/0"], id="bad-namespace"),
     pytest.param(["--set", "watchNamespaces=llm-serving"], ["/watchNamespaces", "array"], id="string-for-list"),

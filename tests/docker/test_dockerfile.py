@@ -168,6 +168,11 @@ def test_base_images_pinned_by_tag(text: str, parsed: dict[str, dict]) -> None:
 
 def test_operator_target(parsed: dict[str, dict]) -> None:
     assert json.loads(last(parsed, "operator", "ENTRYPOINT")) == ["python", "-m", "maru_operator"]
+    # The default command is one the operator accepts.
+    from maru_operator.cli import _parser
+
+    default = _parser().parse_args(json.loads(last(parsed, "operator", "CMD")))
+    assert default.command == "run"
     user = last(parsed, "operator", "USER")
     assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"operator USER {user} is not a numeric non-root user"
     # The chart's pod security context runs the same UID the image names.

@@ -114,7 +114,9 @@ VALUES: dict[str, Any] = obj(
             "uniqueItems": True,
             "items": string(pattern=DNS1123_LABEL, maxLength=63),
         },
-        "logLevel": enum("debug", "info", "warning", "error"),
+        "logLevel": enum("info", "debug"),
+        "workers": integer(1, 256),
+        "resyncSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
         "extraArgs": {"type": "array", "items": string(minLength=1)},
         "extraEnv": kube_list(CORE + "EnvVar"),
         "livenessProbe": obj(
@@ -165,7 +167,7 @@ VALUES: dict[str, Any] = obj(
         "podSecurityContext": kube(CORE + "PodSecurityContext"),
         "securityContext": kube(CORE + "SecurityContext"),
     },
-    required=["image", "logLevel", "livenessProbe", "metrics", "serviceAccount", "rbac"],
+    required=["image", "logLevel", "workers", "resyncSeconds", "livenessProbe", "metrics", "serviceAccount", "rbac"],
 )
 
 
