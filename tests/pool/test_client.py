@@ -275,3 +275,15 @@ def test_one_client_shared_by_threads(client: PoolClient) -> None:
         t.join()
     assert not errors
     assert client.stats()["commits"] == 80
+
+
+def test_renew_reports_which_leases_and_pins_are_still_held(client: PoolClient) -> None:
+    client.put(key(1), b"r" * 100)
+    pin = client.open_read(key(1))
+    lease = client.begin_write(key(2), 100)
+    gone = client.open_read(key(1))
+    gone.release()
+    assert client.renew_many([pin, lease, gone]) == [True, True, False]
+    pin.release()
+    lease.abort()
+    assert client.renew_many([pin, lease]) == [False, False]

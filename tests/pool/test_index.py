@@ -256,3 +256,19 @@ def test_chunks_spread_over_regions() -> None:
     assert index.capacity == 3 * PAGE and index.capacities == [PAGE, 2 * PAGE]
     assert index.begin_write([(k(9), 2 * PAGE)]) == [FULL]  # fits no single region once full
     index.check_invariants()
+
+
+def test_renew_keeps_a_pin_past_its_first_deadline() -> None:
+    index, clock = make(pages=1, lease_seconds=5)
+    store(index, 0)
+    (pin,) = index.open_read([k(0)])
+    assert index.begin_write([(k(1), PAGE)]) == [FULL]
+    clock.now += 4
+    assert index.renew(EPOCH, [pin.pin_id, 424242]) == [True, False]
+    clock.now += 4  # 8 s after the pin, 4 s after the renewal
+    assert index.expire() == 0
+    assert index.begin_write([(k(1), PAGE)]) == [FULL]
+    clock.now += 2
+    assert index.expire() == 1
+    with pytest.raises(StaleEpoch):
+        index.renew(EPOCH + 1, [pin.pin_id])

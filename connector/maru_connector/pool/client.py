@@ -371,6 +371,26 @@ class PoolClient:
             except PoolError as err:
                 log.debug("pool: release of %d pin(s) failed (%s); they expire on their own", len(group), err)
 
+    def renew_many(self, held: Sequence[WriteLease | ReadPin]) -> list[bool]:
+        """Extend write leases and read pins by a full lease period; False for each one already lost.
+
+        For holders that may outlive ``--lease-seconds`` (a scheduler keeping pins of a queued request).
+        """
+        results = [False] * len(held)
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(held):
+            if not item.done:
+                groups.setdefault(item.epoch, []).append(i)
+        for epoch, idx in groups.items():
+            ids = [held[i].lease_id if isinstance(held[i], WriteLease) else held[i].pin_id for i in idx]
+            try:
+                reply = self._call({"op": "renew", "epoch": epoch, "ids": ids})["results"]
+            except _StaleEpoch:
+                continue
+            for i, ok in zip(idx, reply, strict=True):
+                results[i] = bool(ok)
+        return results
+
     def stats(self) -> dict[str, int]:
         return {k: int(v) for k, v in self._call({"op": "stats"})["stats"].items()}
 

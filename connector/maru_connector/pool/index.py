@@ -219,6 +219,19 @@ class PoolIndex:
                     del self._leases[pin_id]
                     self._unpin(lease.chunk)
 
+    def renew(self, epoch: int, ids: Iterable[int]) -> list[bool]:
+        """Push the deadline of leases and pins a full lease period from now; False for ones already gone."""
+        with self._lock:
+            self._check_epoch(epoch)
+            deadline = self._clock() + self.lease_seconds
+            out = []
+            for lease_id in ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    lease.deadline = deadline
+                out.append(lease is not None)
+            return out
+
     # ----------------------------------------------------------------- housekeeping
 
     def expire(self) -> int:

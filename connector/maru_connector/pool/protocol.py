@@ -17,6 +17,7 @@ Operations (request fields -> reply fields):
 * ``read``    keys, prefix?               -> epoch, pins [[pin_id, offset, nbytes, checksum] | null]
   (with ``prefix`` true: pins of the leading hits only, counted as a lookup)
 * ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
+* ``renew``   epoch, ids [lease or pin id] -> results [bool] (False: already expired or released)
 * ``stats``                               -> stats {name: int}
 * ``status``                              -> the /status document
 * ``agent``   node, backend, devices [{path, size, usable}] (agent -> metadata heartbeat)

@@ -95,6 +95,7 @@ class IndexService:
             "abort": self._abort,
             "read": self._read,
             "release": self._release,
+            "renew": lambda msg: {"results": self._ix.renew(int(msg["epoch"]), [int(x) for x in msg["ids"]])},
             "stats": lambda _msg: {"stats": self._ix.stats()},
             "status": lambda _msg: self._status(),
             "agent": self._agent,
