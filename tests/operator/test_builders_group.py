@@ -81,11 +81,11 @@ class TestRoleDeployment:
         from maru_operator.builders.common import Owner
 
         owner = Owner(kind="InferenceGroup", name="g" * 253, namespace="n" * 63, uid="u")
-        extra = kv_config(build_role_deployment(group_spec(), "decode", owner, pool_view()))["kv_connector_extra_config"]
-        assert len(extra["maru_cache_namespace"]) <= 253
         other = Owner(kind="InferenceGroup", name="g" * 252 + "h", namespace="n" * 63, uid="u")
-        extra2 = kv_config(build_role_deployment(group_spec(), "decode", other, pool_view()))["kv_connector_extra_config"]
-        assert extra["maru_cache_namespace"] != extra2["maru_cache_namespace"]
+        salts = [kv_config(build_role_deployment(group_spec(), "decode", o, pool_view()))["kv_connector_extra_config"][
+            "maru_cache_namespace"] for o in (owner, other)]
+        assert all(len(s) <= 253 for s in salts)
+        assert salts[0] != salts[1]
 
     def test_hash_seed_and_user_env(self) -> None:
         spec = group_spec(decode={"env": [{"name": "HF_HOME", "value": "/cache"}]})

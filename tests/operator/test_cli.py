@@ -1,0 +1,160 @@
+"""The command line: `run` as a real subprocess against the emulator, start-up errors, `render`."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.k8s import tools
+from tests.k8s.fixtures import KubeEmulator
+from tests.operator.conftest import GROUP_NS, ROOT, group, has_condition, install_crds, pool
+
+pytestmark = pytest.mark.emulator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "maru_operator", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+def http_get(url: str) -> tuple[int, str]:
+    for _ in range(200):
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status, resp.read().decode()
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"{url} never answered")
+
+
+@pytest.fixture
+def operator_process(cluster: KubeEmulator, tmp_path: pathlib.Path) -> Iterator[dict[str, Any]]:
+    liveness, metrics = free_port(), free_port()
+    log_path = tmp_path / "operator.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", "maru-system",
+         "--liveness", f"http://127.0.0.1:{liveness}/healthz", "--metrics-port", str(metrics)],
+        env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+    )
+    info = {"proc": proc, "liveness": liveness, "metrics": metrics, "log": log_path}
+    try:
+        yield info
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+        log.close()
+
+
+def test_run_as_a_process(cluster: KubeEmulator, operator_process: dict[str, Any]) -> None:
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        ig = cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"),
+                              timeout=60)
+        assert ig["status"]["decode"]["summary"] == "2/2"
+        status, _ = http_get(f"http://127.0.0.1:{operator_process['liveness']}/healthz")
+        assert status == 200
+        _, text = http_get(f"http://127.0.0.1:{operator_process['metrics']}/metrics")
+        assert 'maru_operator_reconciles_total{kind="InferenceGroup",result="ok"}' in text
+        assert "maru_operator_child_writes_total" in text
+    except AssertionError:
+        raise AssertionError(operator_process["log"].read_text()[-5000:]) from None
+    proc = operator_process["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, operator_process["log"].read_text()[-3000:]
+
+
+def test_no_cluster_exits_with_the_server_named(tmp_path: pathlib.Path) -> None:
+    port = free_port()
+    kubeconfig = tools.write_kubeconfig(f"http://127.0.0.1:{port}", tmp_path / "kubeconfig")
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    result = run_cli("run", "--metrics-port", "0", "--liveness", "", env=env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"cannot reach the Kubernetes API server at http://127.0.0.1:{port}" in lines[0]
+
+
+def test_missing_crds_exit_with_the_fix(k8s_emulator: KubeEmulator) -> None:
+    result = run_cli("run", "--metrics-port", "0", "--liveness", "", env=k8s_emulator.env())
+    assert result.returncode == 1
+    assert "CRD is not installed" in result.stderr
+    assert "kubectl apply -f crds/" in result.stderr and "Helm chart" in result.stderr
+
+
+def test_crds_present_passes_preflight(k8s_emulator: KubeEmulator) -> None:
+    import asyncio
+
+    from maru_operator.kube import Kube
+
+    install_crds(k8s_emulator)
+
+    async def check() -> None:
+        async with Kube(k8s_emulator.kopf_connection()) as kube:
+            await kube.preflight()
+
+    asyncio.run(check())
+
+
+def test_render_examples() -> None:
+    result = run_cli("render", "-f", "examples/")
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {("Deployment", "qwen-7b-prefill"), ("Deployment", "qwen-7b-decode"), ("Service", "qwen-7b"),
+            ("DaemonSet", "cxl-pool-agent"), ("Deployment", "cxl-pool-metadata"),
+            ("DaemonSet", "local-shm-agent")} <= names
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+        assert "ownerReferences" not in doc["metadata"]
+
+
+def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
+    from maru_operator.builders.common import Owner
+    from maru_operator.builders.group import PoolView, build_group_children
+    from maru_operator.render import render
+
+    pool_doc, group_doc = pool(), group()
+    path = tmp_path / "in.yaml"
+    path.write_text(yaml.safe_dump_all([pool_doc, group_doc]))
+    rendered = [d for d in yaml.safe_load_all(render([path], "maru-system")) if d]
+    from maru_operator.api.inferencegroup import InferenceGroupSpec
+    from maru_operator.api.marupool import MaruPoolSpec
+
+    expected = build_group_children(InferenceGroupSpec.model_validate(group_doc["spec"]),
+                                    Owner(kind="InferenceGroup", name="qwen", namespace=GROUP_NS),
+                                    PoolView("local-shm", MaruPoolSpec.model_validate(pool_doc["spec"])))
+    assert rendered[1:] == expected
+
+
+def test_render_reports_an_invalid_group(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(group(prefill={"tensorParallelSize": 2})))
+    result = run_cli("render", "-f", str(path))
+    assert result.returncode == 1
+    assert "spec.decode.tensorParallelSize" in result.stderr
