@@ -287,3 +287,21 @@ def test_renew_reports_which_leases_and_pins_are_still_held(client: PoolClient) 
     pin.release()
     lease.abort()
     assert client.renew_many([pin, lease]) == [False, False]
+
+
+def test_forked_child_reconnects_and_leaves_the_parent_connection_alone(client: PoolClient) -> None:
+    client.put(key(1), b"parent" * 100)
+    inherited = client._sock
+    pid = os.fork()
+    if pid == 0:  # child: must not talk over the parent's socket, whose replies could go to either process
+        code = 1
+        try:
+            out = bytearray(600)
+            ok = client.get_into(key(1), out) and out == b"parent" * 100 and client.put(key(2), b"child" * 10)
+            code = 0 if ok and client._sock is not inherited else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.lookup_prefix([key(1), key(2)]) == 2
+    assert client._sock is inherited
