@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -42,7 +43,6 @@ def build(opts: dict[str, Any]):
             {"maru_pool_url": opts["pool_url"], "maru_kv_chunk_tokens": opts.get("chunk_tokens", 256)}
         )
         ktc = kv_transfer_config(opts["role"], cfg)
-        ktc.setdefault("kv_load_failure_policy", "recompute")
         if opts.get("connector_module"):
             ktc["kv_connector"], ktc["kv_connector_module_path"] = opts["connector_module"]
         kwargs["kv_transfer_config"] = ktc
@@ -54,8 +54,10 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=req.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], sp, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    elapsed = time.perf_counter() - start
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "elapsed_s": elapsed}
 
 
 def chunk_key(llm, prompt: list[int], chunk: int) -> bytes:
