@@ -5,7 +5,8 @@ Every chunk goes through ``writing -> committed -> (evicted | dropped)``:
 * ``begin_write`` allocates space and hands out a write lease; the chunk is invisible to readers.
 * ``commit`` records the writer's checksum and makes the chunk visible (LRU tail).
 * ``open_read`` pins a committed chunk; pinned chunks are never evicted and their space never reused.
-* When space runs out, committed unpinned chunks are evicted from the LRU head until the request fits.
+* When space runs out, committed unpinned chunks are evicted from the LRU head until the request fits
+  (with ``evict=False`` the write is refused instead).
 * Every lease and pin has a deadline: a client that dies mid-write or mid-read leaks nothing once
   :meth:`expire` runs (the daemon calls it periodically and before declaring the pool full).
 
