@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jsonschema
@@ -9,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, CUSTOM_VALUES, NAMESPACE, RELEASE, find, one
+from tests.chart.conftest import CHART, CUSTOM_VALUES, NAMESPACE, RELEASE, REPO_ROOT, find, one
 
 pytestmark = pytest.mark.tools
 
@@ -345,6 +346,14 @@ def test_notes_tell_the_next_three_commands(run_helm) -> None:
     result = run_helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:", 1)[1]
-    assert "kubectl apply -f examples/pool-shm.yaml" in notes
-    assert "kubectl apply -f examples/inferencegroup.yaml" in notes
-    assert "kubectl get mpool,ig" in notes
+    commands = re.findall(r"kubectl [^#\n]+?(?=\s+#|\n)", notes)
+    assert commands == [
+        "kubectl apply -f examples/pool-cxl.yaml",
+        "kubectl create namespace llm && kubectl apply -f examples/inferencegroup.yaml",
+        "kubectl get mpool,ig --all-namespaces --watch",
+    ]
+    # The group in the example binds to the pool the notes apply first, in the namespace they create.
+    group = yaml.safe_load((REPO_ROOT / "examples" / "inferencegroup.yaml").read_text())
+    pool = yaml.safe_load((REPO_ROOT / "examples" / "pool-cxl.yaml").read_text())
+    assert group["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
+    assert group["metadata"]["namespace"] == "llm"
