@@ -52,9 +52,9 @@ class KubeEmulator:
     notified exactly as for HTTP writes. Writes made here are not in the request log.
     """
 
-    def __init__(self, workdir: pathlib.Path, *, validate_schemas: bool = True) -> None:
+    def __init__(self, workdir: pathlib.Path, *, validate_schemas: bool = True, **options: Any) -> None:
         self.workdir = workdir
-        self._validate = validate_schemas
+        self._options = {'validate_schemas': validate_schemas, **options}  # Emulator's attributes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._emulator: Emulator | None = None
         self._server: aiohttp.test_utils.RawTestServer | None = None
@@ -96,7 +96,7 @@ class KubeEmulator:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self._emulator = Emulator(validate_schemas=self._validate)
+        self._emulator = Emulator(**self._options)
         async with self._emulator:
             self._server = aiohttp.test_utils.RawTestServer(self._emulator, host='127.0.0.1', port=None,
                                                             shutdown_timeout=2)
@@ -285,8 +285,10 @@ class KubeEmulator:
 
 
 @contextlib.contextmanager
-def running_emulator(workdir: pathlib.Path, *, validate_schemas: bool = True) -> Iterator[KubeEmulator]:
-    handle = KubeEmulator(workdir, validate_schemas=validate_schemas)
+def running_emulator(workdir: pathlib.Path, *, validate_schemas: bool = True,
+                     **options: Any) -> Iterator[KubeEmulator]:
+    """An emulator for a block of code; ``options`` are Emulator attributes (e.g. event_log_size)."""
+    handle = KubeEmulator(workdir, validate_schemas=validate_schemas, **options)
     with handle:
         yield handle
 

@@ -396,6 +396,21 @@ def test_watch_from_a_list_loses_nothing_under_concurrent_writes(kube: KubeEmula
     thread.join(30)
 
 
+def test_watch_from_a_compacted_resource_version_gets_410(tmp_path: pathlib.Path) -> None:
+    from kubernetes import client, watch
+
+    with running_emulator(tmp_path, event_log_size=3) as kube:
+        core = client.CoreV1Api(kube.api_client())
+        rv = core.list_namespaced_config_map('default').metadata.resource_version
+        for i in range(5):
+            kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': f'c{i}'}})
+        with pytest.raises(client.ApiException) as err:
+            for _ in watch.Watch().stream(core.list_namespaced_config_map, 'default', resource_version=rv,
+                                          timeout_seconds=30):
+                pass
+        assert err.value.status == 410
+
+
 def test_watch_with_label_selector_sees_objects_leave_and_enter(kube: KubeEmulator) -> None:
     from kubernetes import client, watch
 
@@ -731,6 +746,7 @@ def test_kopf_operator_in_process_reconciles(kube: KubeEmulator, kopf_settings: 
                 raise
             core.replace_namespaced_config_map(f'{name}-cfg', namespace, cm)
         patch.status['configured'] = spec['size']
+        kopf.info(body, reason='Configured', message=f'size {spec["size"]}')
 
     _, stop = _run_kopf_in_thread(kube, registry, kopf_settings)
     try:
@@ -751,6 +767,11 @@ def test_kopf_operator_in_process_reconciles(kube: KubeEmulator, kopf_settings: 
         assert kube.drop_watches(r'/widgets') >= 1
         kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 6}}, 'default')
         kube.wait_for('configmaps', 'w-cfg', 'default', lambda o: o['data']['size'] == '6')
+
+        # Events posted with kopf.info() are core v1 Events about the object.
+        kube.wait_until(lambda e: [ev for ev in e.list_objects('', 'events', 'default')
+                                   if ev['involvedObject']['name'] == 'w' and ev['reason'] == 'Configured'],
+                        message='an event about w')
 
         kube.delete('widgets.test.example.com', 'w', 'default')
         kube.wait_gone('widgets.test.example.com', 'w', 'default')
