@@ -193,3 +193,23 @@ def test_wrong_values_are_refused_by_name(run_helm, template_args, args: list[st
     assert "schema" in result.stderr
     for word in words:
         assert word in result.stderr, result.stderr
+
+
+# The repository's YAML style, as ruff's for Python: 120 columns; no "---" required at the top.
+YAMLLINT_CONFIG = "{extends: default, rules: {line-length: {max: 120}, document-start: disable}}"
+
+
+def test_yamllint_values_and_examples() -> None:
+    from yamllint import linter
+    from yamllint.config import YamlLintConfig
+
+    config = YamlLintConfig(YAMLLINT_CONFIG)
+    files = [VALUES_FILE, CHART / "Chart.yaml", CUSTOM_VALUES, *sorted((CHART.parents[1] / "examples").glob("*.yaml"))]
+    problems = [
+        f"{path.name}:{p.line}:{p.column} {p.message}"
+        for path in files
+        for p in linter.run(path.read_text(), config, str(path))
+    ]
+    assert not problems, "\n".join(problems)
+    # The linter does flag what it should, so a pass means something.
+    assert list(linter.run("key: value   \n", config))
