@@ -92,9 +92,12 @@ def test_exact_multiple_fully_hit_never_reports_the_whole_prompt(n_chunks: int, 
     prompt_len = n_chunks * chunk
     got = hit(n_chunks, prompt_len, chunk=chunk, block=block)
     assert got == prompt_len - block
-    assert uncapped_hit_tokens(
-        chunks_hit=n_chunks, chunk_tokens=chunk, prompt_len=prompt_len, block_size=block, num_computed_tokens=0
-    ) == prompt_len
+    assert (
+        uncapped_hit_tokens(
+            chunks_hit=n_chunks, chunk_tokens=chunk, prompt_len=prompt_len, block_size=block, num_computed_tokens=0
+        )
+        == prompt_len
+    )
 
 
 def test_rejects_nonsense_sizes() -> None:

@@ -161,8 +161,14 @@ class SwappedLayers(PagedKV):
     """Broken on purpose: writes the layers in reverse order."""
 
     def __init__(self, inner: PagedKV) -> None:
-        super().__init__(inner.name, inner.layer_names, list(reversed(inner._views)), inner._kv_first,
-                         inner.block_bytes, inner.num_blocks)
+        super().__init__(
+            inner.name,
+            inner.layer_names,
+            list(reversed(inner._views)),
+            inner._kv_first,
+            inner.block_bytes,
+            inner.num_blocks,
+        )
 
 
 class SwappedKV(PagedKV):

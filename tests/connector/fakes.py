@@ -1,0 +1,86 @@
+"""Minimal stand-ins for the vLLM objects the connector halves read (not for the connector itself)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+BLOCK = 128
+CHUNK = 256
+
+
+def vllm_config(*, block_size: int = BLOCK, hash_algo: str = "sha256", tp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        model_config=SimpleNamespace(
+            model="tiny-llama", revision=None, dtype="torch.float32", get_num_layers=lambda _pc: 2
+        ),
+    )
+
+
+def kv_cache_config(*, block_size: int = BLOCK, heads: int = 2, head_size: int = 64) -> SimpleNamespace:
+    spec = SimpleNamespace(num_kv_heads=heads, head_size=head_size)
+    return SimpleNamespace(hash_block_size=block_size, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+
+
+def block_hashes(n_tokens: int, seed: int, block: int = BLOCK) -> list[bytes]:
+    out, parent = [], b"root"
+    for j in range(n_tokens // block):
+        parent = hashlib.sha256(parent + f"{seed}:{j}".encode()).digest()
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: list[bytes]
+
+
+def request(req_id: str, n_tokens: int, seed: int = 0) -> Request:
+    return Request(req_id, n_tokens, block_hashes(n_tokens, seed))
+
+
+@dataclass
+class Blocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class BlockState:
+    tables: dict[str, list[int]]
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        return (self.tables[req_id],) if req_id in self.tables else None
+
+
+@dataclass
+class StepOutput:
+    """The fields of vLLM's SchedulerOutput that build_connector_meta reads."""
+
+    scheduled_new_reqs: list[SimpleNamespace] = field(default_factory=list)
+    scheduled_cached_reqs: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(req_ids=[], num_computed_tokens=[])
+    )
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    kv_connector_block_state: BlockState | None = None
+
+
+def step(
+    tables: dict[str, list[int]], new: dict[str, tuple[int, int]], cached: dict[str, tuple[int, int]]
+) -> StepOutput:
+    """One step: ``req_id -> (num_computed_tokens before the step, tokens scheduled)``."""
+    return StepOutput(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, (c, _) in new.items()],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(cached), num_computed_tokens=[c for c, _ in cached.values()]
+        ),
+        num_scheduled_tokens={r: n for r, (_, n) in {**new, **cached}.items()},
+        kv_connector_block_state=BlockState(tables),
+    )
