@@ -1,14 +1,21 @@
 """A Kubernetes API emulator for tests, served over real HTTP on loopback.
 
 It subclasses ``kmock.KubernetesEmulator`` (for its handler lifecycle) but replaces its request
-parsing and object store with ones that behave like a real kube-apiserver where our operator and
-kubectl can tell the difference: uids, a global resourceVersion, generation, the status subresource,
-finalizers, label/field selectors, resumable watches without gaps, CRD registration with
-discovery, ownerReference garbage collection, and optional CRD schema validation with pruning.
+parsing and object store with ones that behave like a real kube-apiserver where our operator,
+kopf, kubectl and helm can tell the difference: uids, a global resourceVersion, generation,
+creationTimestamp, the status and scale subresources, finalizers and deletionTimestamp,
+label/field selectors, watches resumable from a resourceVersion without gaps (410 once compacted),
+CRD registration with discovery (short names, categories, printer columns as server-side Tables),
+ownerReference garbage collection, namespace termination, CRD schema pruning, defaulting,
+validation and CEL rules (switchable), merge/strategic-merge/JSON patches, a simple server-side
+apply, dry runs, and the protobuf bodies kubectl's ``create`` generators and helm send.
 
-Not emulated (documented gaps): admission webhooks, RBAC (everything is allowed), managedFields
-and real server-side-apply field ownership, CEL rules, pagination (lists are never chunked),
-foreground deletion (treated as background), the scale subresource, Table output.
+Not emulated: admission webhooks, RBAC and authentication (everything is allowed), managedFields
+and server-side-apply field ownership (applied configs are merged; fields dropped from a manifest
+stay), pagination (lists are never chunked), foreground deletion (treated as background), watch
+bookmarks, CRD version conversion (all versions share one storage), protobuf bodies of kinds other
+than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions, pods and every controller (see
+``controllers.py`` for Deployment/DaemonSet status).
 """
 
 from __future__ import annotations
@@ -651,6 +658,10 @@ class Emulator(kmock.KubernetesEmulator):
             raise _not_found(rt, name)
         body = copy.deepcopy(body)
         want_rv = (body.get('metadata') or {}).get('resourceVersion')
+        if rt.custom and not want_rv and subresource is None:
+            # As kube-apiserver: custom resources have no unconditional updates.
+            raise _invalid(rt, name, 'metadata.resourceVersion', 'Invalid value: 0x0: must be specified for an '
+                                                                 'update')
         if want_rv and want_rv != old['metadata']['resourceVersion']:
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
                                             f'"{name}": the object has been modified; please apply your '
@@ -958,6 +969,7 @@ class Emulator(kmock.KubernetesEmulator):
                 obj = self._store.pop(key)
                 self._uids.pop(obj['metadata']['uid'], None)
                 self._rv += 1
+                obj['metadata']['resourceVersion'] = str(self._rv)
                 self._emit('DELETED', rt, obj, obj)
             for w in [w for w in self._watchers if w.rt.key == rt.key]:
                 w.queue.put_nowait(None)

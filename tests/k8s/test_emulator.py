@@ -256,7 +256,16 @@ def test_replace_with_stale_resource_version_conflicts(kube: KubeEmulator) -> No
         kube.replace('widgets.test.example.com', 'w', w, 'default')
     assert err.value.code == 409
     del w['metadata']['resourceVersion']
-    assert kube.replace('widgets.test.example.com', 'w', w, 'default')['spec']['size'] == 3
+    with pytest.raises(ApiError) as err:  # custom resources have no unconditional updates
+        kube.replace('widgets.test.example.com', 'w', w, 'default')
+    assert err.value.code == 422
+    current = kube.get('widgets.test.example.com', 'w', 'default')
+    assert current is not None
+    current['spec']['size'] = 3
+    assert kube.replace('widgets.test.example.com', 'w', current, 'default')['spec']['size'] == 3
+    # Built-in kinds do accept an update without a resourceVersion.
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c'}})
+    assert kube.replace('configmaps', 'c', {'metadata': {'name': 'c'}, 'data': {'a': 'b'}}, 'default')['data']
 
 
 def test_status_subresource(kube: KubeEmulator) -> None:
