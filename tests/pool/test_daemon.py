@@ -101,13 +101,38 @@ def test_metrics_port_in_use_is_reported(daemons: list[Daemon], sock_dir: Path) 
     assert not (sock_dir / "other.sock").exists()
 
 
-def test_second_daemon_on_a_live_socket_is_refused(serve: Daemon, sock_dir: Path) -> None:
+def test_second_daemon_on_a_live_socket_is_refused_and_changes_nothing(serve: Daemon, sock_dir: Path) -> None:
+    client = PoolClient(serve.ready["listen"], timeout_s=5)
+    client.put(key(1), b"kept" * 1000)
+    shm = sock_dir / "pool.shm"
+    size_before = shm.stat().st_size
     result = run_cli(
         "serve", "--listen", serve.ready["listen"], "--size", "1MiB",
-        "--shm-path", str(sock_dir / "other.shm"), "--metrics-addr", "127.0.0.1:0",
+        "--shm-path", str(shm), "--metrics-addr", "127.0.0.1:0",
     )  # fmt: skip
     assert result.returncode == 2 and "another pool daemon" in result.stderr
-    assert PoolClient(serve.ready["listen"], timeout_s=5).lookup_prefix([key(1)]) == 0
+    assert shm.stat().st_size == size_before  # not resized under the live daemon
+    out = bytearray(4000)
+    assert client.get_into(key(1), out) and out == b"kept" * 1000
+    assert PoolClient(serve.ready["listen"], timeout_s=5).lookup_prefix([key(1)]) == 1
+
+
+def test_second_daemon_on_live_memory_is_refused_and_changes_nothing(serve: Daemon, sock_dir: Path) -> None:
+    client = PoolClient(serve.ready["listen"], timeout_s=5)
+    client.put(key(1), b"mine" * 1000)
+    shm = sock_dir / "pool.shm"
+    header = shm.read_bytes()[:64]
+    result = run_cli(
+        "serve", "--listen", f"unix://{sock_dir}/other.sock", "--size", "1MiB",
+        "--shm-path", str(shm), "--metrics-addr", "127.0.0.1:0",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--shm-path" in result.stderr and "in use by another pool daemon" in result.stderr
+    assert shm.read_bytes()[:64] == header  # epoch untouched
+    assert shm.stat().st_size == 4096 + 8 * MiB
+    assert not (sock_dir / "other.sock").exists()
+    out = bytearray(4000)
+    assert client.get_into(key(1), out) and out == b"mine" * 1000
 
 
 # ------------------------------------------------------------------ lifecycle

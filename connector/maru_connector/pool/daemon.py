@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import re
@@ -69,28 +71,46 @@ class Daemon:
                 log.exception("shutdown step failed; continuing")
 
 
+class _Late:
+    """Callbacks wired after the sockets are bound: a daemon claims its socket and metrics port
+    before it touches any memory, so a second daemon started by mistake changes nothing."""
+
+    def __init__(self) -> None:
+        self.handle: Callable[[dict[str, Any], bool], Reply] = lambda _m, _u: fail("unavailable", "starting")
+        self.stats: Callable[[], dict[str, int]] = dict
+        self.status: Callable[[], dict[str, Any]] = dict
+        self.healthy: Callable[[], bool] = lambda: True
+
+    def bind(self, endpoint: Endpoint, metrics_addr: str) -> tuple[RpcServer, HttpEndpoint]:
+        rpc = _rpc(endpoint, lambda msg, is_unix: self.handle(msg, is_unix))
+        http = _http(
+            metrics_addr,
+            lambda: self.stats(),
+            lambda: self.status(),
+            healthy=lambda: self.healthy(),
+            on_fail=rpc.close,
+        )
+        return rpc, http
+
+
 def build_serve(args: argparse.Namespace) -> Daemon:
     endpoint = _listen(args.listen)
     if args.device:
         _must_exist("--device", args.device)
-        try:
-            memory = PoolMemory.open_device(args.device, args.size)
-        except (PoolMemoryError, OSError) as err:
-            raise UsageError(f"--device {args.device}: {err}") from None
-        owned_file = None
+    elif args.size is None:
+        raise UsageError("--size: required for the shm backend (e.g. --size 2GiB), or give --device")
     else:
-        if args.size is None:
-            raise UsageError("--size: required for the shm backend (e.g. --size 2GiB), or give --device")
         path = args.shm_path or _default_shm_path(endpoint)
         if not os.path.isdir(os.path.dirname(path) or "."):
             raise UsageError(f"--shm-path {path}: directory {os.path.dirname(path)} does not exist")
-        try:
-            memory = PoolMemory.open_shm(path, args.size)
-        except PoolMemoryError as err:
-            raise UsageError(f"--size {args.size}: {err}") from None
-        except OSError as err:
-            raise UsageError(f"--shm-path {path}: cannot create the pool memory: {err.strerror}") from None
-        owned_file = path
+    late = _Late()
+    rpc, http = late.bind(endpoint, args.metrics_addr)
+    try:
+        memory, owned_file = _open_serve_memory(args, endpoint)
+    except UsageError:
+        rpc.close()
+        http.close()
+        raise
     epoch = memory.bump_epoch()
     index = PoolIndex(memory.capacity, epoch=epoch, lease_seconds=args.lease_seconds, evict=args.eviction == "lru")
 
@@ -108,6 +128,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         }
 
     service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
+    late.handle, late.stats, late.status = service.handle, index.stats, status
 
     def cleanup() -> None:
         memory.close()
@@ -116,8 +137,6 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(owned_file)
 
-    rpc = _rpc(endpoint, service.handle, on_fail=cleanup)
-    http = _http(args.metrics_addr, index.stats, status, on_fail=lambda: (rpc.close(), cleanup()))
     return Daemon(
         rpc,
         http,
@@ -132,6 +151,49 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         tick_seconds=_sweep_interval(args.lease_seconds),
         cleanup=cleanup,
     )
+
+
+def _open_serve_memory(args: argparse.Namespace, endpoint: Endpoint) -> tuple[PoolMemory, str | None]:
+    """The memory of a ``serve`` daemon, locked so no second daemon can index the same bytes."""
+    if args.device:
+        flag, path = "--device", args.device
+        try:
+            memory = PoolMemory.open_device(path, args.size)
+        except (PoolMemoryError, OSError) as err:
+            raise UsageError(f"--device {path}: {err}") from None
+    else:
+        flag, path = "--shm-path", args.shm_path or _default_shm_path(endpoint)
+        try:
+            memory = PoolMemory.open_shm(path, args.size, before_resize=_lock_or_refuse(flag))
+        except PoolMemoryError as err:
+            raise UsageError(f"--size {args.size}: {err}") from None
+        except OSError as err:
+            raise UsageError(f"--shm-path {path}: cannot create the pool memory: {err.strerror}") from None
+        return memory, path
+    try:
+        _lock_or_refuse(flag)(memory.fd, path)
+    except UsageError:
+        memory.close()
+        raise
+    return memory, None
+
+
+def _lock_or_refuse(flag: str) -> Callable[[int, str], None]:
+    def lock(fd: int, path: str) -> None:
+        # A POSIX record lock belongs to this process alone. flock() would not do: it belongs to the
+        # open file, which clients share through the passed fd (Python's mmap keeps a dup of it), so
+        # a restarted daemon would find it still held by its old clients.
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                log.warning(
+                    "%s %s: cannot be locked (%s); make sure no other pool daemon uses it", flag, path, err.strerror
+                )
+                return
+            raise UsageError(f"{flag} {path}: in use by another pool daemon; stop it or use other memory") from None
+
+    return lock
 
 
 def build_metadata(args: argparse.Namespace) -> Daemon:
@@ -210,10 +272,13 @@ def build_agent(args: argparse.Namespace) -> Daemon:
         raise UsageError("--device: none given and no devdax device (/dev/dax*.*) found on this node")
     if len(set(devices)) != len(devices):
         raise UsageError(f"--device: listed twice: {sorted(d for d in devices if devices.count(d) > 1)[0]}")
+    for device in devices:
+        _must_exist("--device", device)
+    late = _Late()
+    rpc, http = late.bind(endpoint, args.metrics_addr)
     memories: list[PoolMemory] = []
     try:
         for device in devices:
-            _must_exist("--device", device)
             try:
                 memories.append(PoolMemory.open_device(device, None))
             except (PoolMemoryError, OSError) as err:
@@ -221,8 +286,11 @@ def build_agent(args: argparse.Namespace) -> Daemon:
     except UsageError:
         for memory in memories:
             memory.close()
+        rpc.close()
+        http.close()
         raise
     agent = NodeAgent(memories, metadata, args.node_name)
+    late.handle, late.stats, late.status, late.healthy = agent.handle, agent.stats, agent.status, agent.healthy
     # First contact before serving, so clients are not refused needlessly; a metadata server that
     # is not up yet is retried on every heartbeat.
     agent.heartbeat()
@@ -232,8 +300,6 @@ def build_agent(args: argparse.Namespace) -> Daemon:
         for memory in memories:
             memory.close()
 
-    rpc = _rpc(endpoint, agent.handle, on_fail=cleanup)
-    http = _http(args.metrics_addr, agent.stats, agent.status, healthy=agent.healthy, on_fail=rpc.close)
     return Daemon(
         rpc,
         http,

@@ -26,6 +26,7 @@ import re
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,19 @@ class PoolMemory:
         self.mm = mmap.mmap(fd, map_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     @classmethod
-    def open_shm(cls, path: str, capacity: int) -> PoolMemory:
-        """Create (or reuse) a shm file sized ``HEADER_SIZE + capacity``, with all of its memory reserved."""
+    def open_shm(
+        cls, path: str, capacity: int, *, before_resize: Callable[[int, str], None] | None = None
+    ) -> PoolMemory:
+        """Create (or reuse) a shm file sized ``HEADER_SIZE + capacity``, with all of its memory reserved.
+
+        ``before_resize(fd, path)`` runs before the file is touched (the daemon takes its lock there:
+        resizing a file another daemon still serves would crash that daemon's clients).
+        """
         map_size = HEADER_SIZE + capacity
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
         try:
+            if before_resize is not None:
+                before_resize(fd, path)
             if os.fstat(fd).st_size != map_size:
                 os.ftruncate(fd, map_size)
             # A sparse tmpfs file that outgrows its filesystem kills whichever client touches the
