@@ -35,6 +35,7 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.epoch: int | None = None
+        self._header_epoch: int | None = None  # last epoch written into the devices' headers
         self.regions: list[int] = []
         self.connected = False
         self.problem: str | None = None
@@ -73,10 +74,11 @@ class NodeAgent:
             self.problem = reply.get("problem")
             if self.problem:
                 log.error("agent %s: %s", self.node, self.problem)
-            elif epoch != self.epoch:
+            elif epoch != self._header_epoch:
                 for memory in self.memories:
                     memory.write_header(epoch)
-                log.info("agent %s: pool epoch is now %d (was %s)", self.node, epoch, self.epoch)
+                log.info("agent %s: pool epoch is now %d (was %s)", self.node, epoch, self._header_epoch)
+                self._header_epoch = epoch
             self.epoch, self.regions = epoch, regions
             self.connected = True
         return True
