@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import copy
 import dataclasses
 import datetime
@@ -46,6 +47,8 @@ from tests.k8s import protobuf
 
 JsonObj = dict[str, Any]
 
+# The fieldValidation of the request being served (Strict, Warn or Ignore; only Strict acts).
+_FIELD_VALIDATION: contextvars.ContextVar[str] = contextvars.ContextVar('field_validation', default='Ignore')
 _NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
 _ALL_VERBS = ['create', 'delete', 'deletecollection', 'get', 'list', 'patch', 'update', 'watch']
 
@@ -458,6 +461,19 @@ def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str
     return causes
 
 
+def _dropped_fields(before: Any, after: Any, path: str = '') -> list[str]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        result = []
+        for k, v in before.items():
+            sub = f'{path}.{k}' if path else k
+            result += [sub] if k not in after else _dropped_fields(v, after[k], sub)
+        return result
+    if isinstance(before, list) and isinstance(after, list):
+        return [f for i, (b, a) in enumerate(zip(before, after, strict=False))
+                for f in _dropped_fields(b, a, f'{path}[{i}]')]
+    return []
+
+
 def _json_path(path: Iterable[Any]) -> str:
     out = ''
     for p in path:
@@ -779,7 +795,13 @@ class Emulator(kmock.KubernetesEmulator):
             if schema:
                 # apiVersion, kind and metadata are never pruned, whatever the schema lists.
                 kept = {k: obj[k] for k in ('apiVersion', 'kind', 'metadata') if k in obj}
-                obj = {**prune(obj, schema), **kept}
+                pruned = {**prune(obj, schema), **kept}
+                if _FIELD_VALIDATION.get() == 'Strict' and (dropped := _dropped_fields(obj, pruned)):
+                    # kubectl apply asks for strict field validation by default (--validate=strict).
+                    raise ApiError(400, 'BadRequest', f'{rt.kind} in version "{version}" cannot be handled as '
+                                                      f'a {rt.kind}: strict decoding error: ' + ', '.join(
+                                                          f'unknown field "{f}"' for f in dropped))
+                obj = pruned
                 body_schema = {**schema, 'properties': {k: v for k, v in (schema.get('properties') or {}).items()
                                                         if k != 'metadata'}}
                 checked = {k: v for k, v in obj.items() if k != 'metadata'}
@@ -1035,6 +1057,14 @@ class Emulator(kmock.KubernetesEmulator):
                     body = (yaml.safe_load(text) if 'yaml' in ctype else json.loads(text))
                 except (ValueError, yaml.YAMLError) as e:
                     raise ApiError(400, 'BadRequest', f'unable to decode the body: {e}') from None
+        # Each request is served in its own task, so the context variable is per request.
+        _FIELD_VALIDATION.set(query.get('fieldValidation', 'Ignore'))
+        return await self._serve_resource(raw, method, path, query, ctype, body, rt, version, namespace,
+                                          name, subresource)
+
+    async def _serve_resource(self, raw: aiohttp.web.BaseRequest, method: str, path: str, query: dict[str, str],
+                              ctype: str, body: Any, rt: ResourceType, version: str, namespace: str | None,
+                              name: str | None, subresource: str | None) -> aiohttp.web.StreamResponse:
         dry_run = query.get('dryRun') == 'All' or (
                 isinstance(body, dict) and 'All' in (body.get('dryRun') or []))
 

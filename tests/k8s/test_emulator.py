@@ -91,6 +91,12 @@ def test_kubectl_apply_crd_then_custom_resource(k8s_emulator: KubeEmulator, tmp_
     assert obj['metadata']['generation'] == 2
     assert 'kubectl.kubernetes.io/last-applied-configuration' in obj['metadata']['annotations']
 
+    # kubectl's default --validate=strict makes the server reject unknown fields instead of pruning them.
+    typo = _dump(tmp_path, 'typo.yaml', widget('w1', 5, sise=6))
+    rejected = k8s_emulator.kubectl('apply', '-f', typo, check=False)
+    assert rejected.returncode != 0 and 'unknown field "spec.sise"' in rejected.stderr
+    k8s_emulator.kubectl('apply', '--validate=false', '-f', typo)  # pruned silently
+
     got = json.loads(k8s_emulator.kubectl('get', 'wdg', 'w1', '-o', 'json').stdout)
     assert got['metadata']['uid'] == obj['metadata']['uid']
 
@@ -816,3 +822,30 @@ def test_kopf_run_subprocess_reconciles(kube: KubeEmulator, tmp_path: pathlib.Pa
             proc.kill()
             proc.wait(30)
         log.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# Tools
+
+
+@pytest.mark.tools
+def test_tools_extract_once_and_concurrently(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.k8s import tools
+
+    monkeypatch.setattr(tools, 'TOOLS_DIR', tmp_path / 'bin')
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda f: f(), [tools.kubectl_path, tools.helm_path]))
+    assert [p.name for p in paths] == ['kubectl', 'helm']
+    assert sorted(p.name for p in (tmp_path / 'bin').iterdir()) == ['helm', 'kubectl']  # no temp leftovers
+    assert 'v1.35' in subprocess.run([str(paths[0]), 'version', '--client'], capture_output=True, text=True,
+                                     timeout=60).stdout
+    assert subprocess.run([str(paths[1]), 'version', '--short'], capture_output=True, text=True,
+                          timeout=60).stdout.startswith('v4')
+    mtime = paths[0].stat().st_mtime_ns
+    assert tools.kubectl_path().stat().st_mtime_ns == mtime  # idempotent: not extracted again
+
+    kubeconfig = tools.write_kubeconfig('http://127.0.0.1:1', tmp_path / 'kc')
+    assert yaml.safe_load(kubeconfig.read_text())['clusters'][0]['cluster']['server'] == 'http://127.0.0.1:1'
