@@ -44,3 +44,19 @@ def test_dax_pool_without_size_or_devices_parses() -> None:
     assert agent.device is None  # discovered on the node
     meta = build_parser().parse_args(container_args(builders.build_metadata_deployment(spec, OWNER, "maru-system")))
     assert meta.size is None  # laid out from the first agent's devices
+
+
+def test_the_daemon_imports_no_engine_and_no_kubernetes_client() -> None:
+    import subprocess
+    import sys
+
+    from .harness import pool_env
+
+    code = (
+        "import sys, maru_connector.pool, maru_connector.pool.cli, maru_connector.pool.daemon\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'kubernetes', 'kopf', 'numpy'})\n"
+        "print(','.join(bad))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=pool_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
