@@ -6,9 +6,11 @@ kopf, kubectl and helm can tell the difference: uids, a global resourceVersion, 
 creationTimestamp, the status and scale subresources, finalizers and deletionTimestamp,
 label/field selectors, watches resumable from a resourceVersion without gaps (410 once compacted),
 CRD registration with discovery (short names, categories, printer columns as server-side Tables),
-ownerReference garbage collection, namespace termination, CRD schema pruning, defaulting,
-validation and CEL rules (switchable), merge/strategic-merge/JSON patches, a simple server-side
-apply, dry runs, and the protobuf bodies kubectl's ``create`` generators and helm send.
+ownerReference garbage collection, namespace termination, the server-side defaults of the
+built-in workload kinds (``defaults.py``), CRD schema pruning, defaulting, validation and CEL rules
+(switchable), strict field validation when asked (kubectl's default), merge/strategic-merge/JSON
+patches, a simple server-side apply, dry runs, and the protobuf bodies kubectl's ``create``
+generators and helm send.
 
 Not emulated: admission webhooks, RBAC and authentication (everything is allowed), managedFields
 and server-side-apply field ownership (applied configs are merged; fields dropped from a manifest
@@ -43,7 +45,7 @@ import kmock
 import yaml
 from typing_extensions import override
 
-from tests.k8s import protobuf
+from tests.k8s import defaults, protobuf
 
 JsonObj = dict[str, Any]
 
@@ -642,7 +644,7 @@ class Emulator(kmock.KubernetesEmulator):
         for fld in ('uid', 'resourceVersion', 'deletionTimestamp', 'deletionGracePeriodSeconds',
                     'managedFields', 'selfLink'):
             meta.pop(fld, None)
-        if rt.status and rt.custom:
+        if rt.status and rt.key != ('', 'nodes'):  # status is the controllers' to write (kubelet's for nodes)
             obj.pop('status', None)
         for ref in meta.get('ownerReferences') or []:
             if not ref.get('uid'):
@@ -789,6 +791,8 @@ class Emulator(kmock.KubernetesEmulator):
     def _admit(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None, name: str) -> JsonObj:
         if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
             _check_crd(obj)
+        if not rt.custom:
+            defaults.apply(rt.group, rt.plural, obj, old)
         if rt.custom and self.validate_schemas:
             version = _version_of(obj, rt)
             schema = rt.schemas.get(version)

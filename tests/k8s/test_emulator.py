@@ -561,6 +561,31 @@ def test_json_patch(kube: KubeEmulator) -> None:
     assert w['spec']['size'] == 7
 
 
+def test_builtin_defaults_are_filled_in_like_kube_apiserver(kube: KubeEmulator) -> None:
+    desired = _deployment('d', 2)
+    desired['spec']['template']['spec']['containers'][0]['ports'] = [{'containerPort': 80}]
+    got = kube.create(desired)
+    assert got['spec']['strategy']['type'] == 'RollingUpdate'
+    assert got['spec']['revisionHistoryLimit'] == 10
+    pod = got['spec']['template']['spec']
+    assert pod['restartPolicy'] == 'Always' and pod['dnsPolicy'] == 'ClusterFirst'
+    assert pod['containers'][0]['ports'][0]['protocol'] == 'TCP'
+    assert pod['containers'][0]['imagePullPolicy'] == 'Always'  # untagged image
+    assert 'status' not in got  # status is the controllers' to write
+
+    # So a reconciler comparing desired with actual sees differences; re-patching desired is a no-op.
+    assert got['spec'] != desired['spec']
+    again = kube.patch('deployments.apps', 'd', {'spec': desired['spec']}, 'default')
+    assert again['metadata']['resourceVersion'] == got['metadata']['resourceVersion']
+
+    svc = kube.create({'apiVersion': 'v1', 'kind': 'Service', 'metadata': {'name': 's'},
+                       'spec': {'selector': {'app': 'd'}, 'ports': [{'port': 80}]}})
+    assert svc['spec']['clusterIP'] and svc['spec']['ports'][0]['targetPort'] == 80
+    replaced = kube.replace('services', 's', {'metadata': {'name': 's'}, 'spec': {'ports': [{'port': 81}]}},
+                            'default')
+    assert replaced['spec']['clusterIP'] == svc['spec']['clusterIP']
+
+
 def test_patch_helpers() -> None:
     assert merge_patch({'a': {'b': 1, 'c': 2}}, {'a': {'b': None, 'd': 3}}) == {'a': {'c': 2, 'd': 3}}
     merged = strategic_merge_patch(
