@@ -52,6 +52,25 @@ JsonObj = dict[str, Any]
 # The fieldValidation of the request being served (Strict, Warn or Ignore; only Strict acts).
 _FIELD_VALIDATION: contextvars.ContextVar[str] = contextvars.ContextVar('field_validation', default='Ignore')
 _NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
+_DNS1123_LABEL_RE = re.compile(r'^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')
+_DNS1035_RE = re.compile(r'^[a-z]([-a-z0-9]*[a-z0-9])?$')
+_LABEL_NAME_RE = re.compile(r'^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$')
+
+
+def label_errors(labels: Any) -> list[str]:
+    """What kube-apiserver would reject in a label map (keys: [prefix/]name, values: <=63 chars)."""
+    errors = []
+    for key, value in (labels or {}).items():
+        prefix, _, name = key.rpartition('/')
+        if (prefix and (len(prefix) > 253 or not _NAME_RE.match(prefix))) or len(name) > 63 \
+                or not _LABEL_NAME_RE.match(name):
+            errors.append(f'metadata.labels: Invalid value: "{key}": name part must consist of alphanumeric '
+                          f"characters, '-', '_' or '.', at most 63, with an optional DNS subdomain prefix")
+        if not isinstance(value, str) or len(value) > 63 or (value and not _LABEL_NAME_RE.match(value)):
+            errors.append(f'metadata.labels: Invalid value: "{value}": a valid label must be an empty string '
+                          f"or consist of at most 63 alphanumeric characters, '-', '_' or '.', and must "
+                          f'start and end with an alphanumeric character')
+    return errors
 _ALL_VERBS = ['create', 'delete', 'deletecollection', 'get', 'list', 'patch', 'update', 'watch']
 
 
@@ -633,13 +652,22 @@ class Emulator(kmock.KubernetesEmulator):
         name = meta.get('name')
         if not name:
             raise _invalid(rt, '', 'metadata.name', 'name or generateName is required')
-        if not _NAME_RE.match(name) or len(name) > 253:
+        if rt.key in (('', 'services'), ('', 'namespaces')):
+            # Services need an RFC 1035 label (a DNS name), namespaces an RFC 1123 label: no dots.
+            pattern = _DNS1035_RE if rt.plural == 'services' else _DNS1123_LABEL_RE
+            if not pattern.match(name) or len(name) > 63:
+                raise _invalid(rt, name, 'metadata.name', f'Invalid value: "{name}": a DNS label must consist '
+                                                          f"of at most 63 lower case alphanumeric characters "
+                                                          f"or '-'" + (', start with a letter' if
+                                                                       rt.plural == 'services' else ''))
+        elif not _NAME_RE.match(name) or len(name) > 253:
             raise _invalid(rt, name, 'metadata.name', f'Invalid value: "{name}": a lowercase RFC 1123 '
                                                       f'subdomain must consist of lower case alphanumeric '
                                                       f"characters, '-' or '.'")
         key = (rt.group, rt.plural, namespace, name)
         if key in self._store:
-            raise ApiError(409, 'AlreadyExists', f'{rt.plural}.{rt.group} "{name}" already exists',
+            resource = f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+            raise ApiError(409, 'AlreadyExists', f'{resource} "{name}" already exists',
                            {'name': name, 'group': rt.group, 'kind': rt.plural})
         for fld in ('uid', 'resourceVersion', 'deletionTimestamp', 'deletionGracePeriodSeconds',
                     'managedFields', 'selfLink'):
@@ -791,6 +819,11 @@ class Emulator(kmock.KubernetesEmulator):
     def _admit(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None, name: str) -> JsonObj:
         if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
             _check_crd(obj)
+        if errors := label_errors((obj.get('metadata') or {}).get('labels')):
+            raise ApiError(422, 'Invalid', f'{rt.kind} "{name}" is invalid: ' + '; '.join(errors),
+                           {'name': name, 'group': rt.group, 'kind': rt.kind,
+                            'causes': [{'reason': 'FieldValueInvalid', 'field': 'metadata.labels', 'message': e}
+                                       for e in errors]})
         if not rt.custom:
             defaults.apply(rt.group, rt.plural, obj, old)
         if rt.custom and self.validate_schemas:

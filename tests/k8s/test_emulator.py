@@ -487,6 +487,25 @@ def test_finalizers_delay_deletion(kube: KubeEmulator) -> None:
     assert kube.get('widgets.test.example.com', 'w', 'default') is None
 
 
+def test_names_and_labels_are_validated(kube: KubeEmulator) -> None:
+    def rejected(body: dict[str, Any]) -> int:
+        with pytest.raises(ApiError) as err:
+            kube.create(body)
+        return err.value.code
+
+    assert rejected({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'Upper'}}) == 422
+    assert rejected({'apiVersion': 'v1', 'kind': 'Service', 'metadata': {'name': 'a.b'}}) == 422
+    assert rejected({'apiVersion': 'v1', 'kind': 'Service', 'metadata': {'name': '7b-router'}}) == 422
+    assert rejected({'apiVersion': 'v1', 'kind': 'ConfigMap',
+                     'metadata': {'name': 'c', 'labels': {'model': 'Qwen/Qwen2.5-7B'}}}) == 422
+    assert rejected({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', 'labels': {'x': 'a' * 64}}}) \
+        == 422
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', 'labels': {
+        'app.kubernetes.io/name': 'maru-pool', 'empty': ''}}})
+    with pytest.raises(ApiError):
+        kube.patch('configmaps', 'c', {'metadata': {'labels': {'bad': 'a b'}}}, 'default')
+
+
 def test_objects_need_an_existing_namespace(kube: KubeEmulator) -> None:
     with pytest.raises(ApiError) as err:
         kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', 'namespace': 'nope'}})
