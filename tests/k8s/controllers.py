@@ -12,7 +12,11 @@ Zero counts are omitted from the status, as the real API does (``omitempty``), s
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
+import hashlib
+import itertools
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -79,9 +83,14 @@ def _expr_matches(labels: dict[str, str], expr: JsonObj) -> bool:
 class KubeControllers:
     """Deployment and DaemonSet status controllers, running as a task on the emulator's loop."""
 
-    def __init__(self, kube: KubeEmulator, *, delay: float = 0.0) -> None:
+    def __init__(self, kube: KubeEmulator, *, delay: float = 0.0, pods: bool = False) -> None:
         self.kube = kube
         self.delay = delay  # a pause before each pass, to let clients see intermediate states
+        # Also keep Pod objects (Running, with a podIP, Ready per the readiness) for each workload,
+        # e.g. for a router's pod discovery. Pods are owned by their Deployment/DaemonSet directly
+        # (no ReplicaSets) and are replaced when the pod template changes.
+        self.pods = pods
+        self._pod_ips = itertools.count(2)
         self._readiness: Readiness = lambda obj: True
         self._held = False
         self._task: asyncio.Task[None] | None = None
@@ -150,12 +159,76 @@ class KubeControllers:
         return max(0, min(int(verdict), desired))
 
     def reconcile(self, emulator: Emulator) -> None:
-        for deploy in emulator.list_objects('apps', 'deployments'):
-            self._write(emulator, 'deployments', deploy, self._deployment_status(deploy))
         nodes = [n for n in emulator.list_objects('', 'nodes')
                  if not n['metadata'].get('deletionTimestamp')]
+        for deploy in emulator.list_objects('apps', 'deployments'):
+            desired = int((deploy.get('spec') or {}).get('replicas', 1))
+            if not self.pods:
+                self._write(emulator, 'deployments', deploy, self._deployment_status(deploy))
+                continue
+            # With no Node objects at all, pods run "somewhere"; with nodes, they must fit one.
+            pod_spec = deploy['spec']['template'].get('spec') or {}
+            fitting = [n['metadata']['name'] for n in nodes if node_matches(n, pod_spec)]
+            placements: list[str | None] = [fitting[i % len(fitting)] if fitting else None for i in range(desired)]
+            schedulable = desired if (fitting or not nodes) else 0
+            status = self._deployment_status(deploy, schedulable)
+            self._write(emulator, 'deployments', deploy, status)
+            self._sync_pods(emulator, deploy, placements, status.get('readyReplicas', 0), bool(nodes))
         for ds in emulator.list_objects('apps', 'daemonsets'):
-            self._write(emulator, 'daemonsets', ds, self._daemonset_status(ds, nodes))
+            status = self._daemonset_status(ds, nodes)
+            self._write(emulator, 'daemonsets', ds, status)
+            if self.pods:
+                pod_spec = ds['spec']['template'].get('spec') or {}
+                placements = [n['metadata']['name'] for n in nodes if node_matches(n, pod_spec)]
+                self._sync_pods(emulator, ds, list(placements), status['numberReady'], True)
+
+    def _sync_pods(self, emulator: Emulator, owner: JsonObj, placements: list[str | None], ready: int,
+                   have_nodes: bool) -> None:
+        meta = owner['metadata']
+        if meta.get('deletionTimestamp'):
+            return
+        namespace = meta['namespace']
+        template = owner['spec']['template']
+        template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+        owned = [p for p in emulator.list_objects('', 'pods', namespace)
+                 if any(r.get('uid') == meta['uid'] for r in p['metadata'].get('ownerReferences') or [])]
+        wanted = {f'{meta["name"]}-{template_hash}-{i}': node for i, node in enumerate(placements)}
+        for pod in owned:
+            if pod['metadata']['name'] not in wanted:
+                emulator.delete_object('', 'pods', namespace, pod['metadata']['name'])
+        existing = {p['metadata']['name'] for p in owned}
+        for i, (name, node) in enumerate(wanted.items()):
+            if name not in existing:
+                spec = copy.deepcopy(template.get('spec') or {})
+                if node:
+                    spec['nodeName'] = node
+                emulator.create_object('', 'pods', namespace, {
+                    'apiVersion': 'v1', 'kind': 'Pod',
+                    'metadata': {'name': name, 'labels': {**(template.get('metadata') or {}).get('labels', {}),
+                                                          'pod-template-hash': template_hash},
+                                 'ownerReferences': [{'apiVersion': owner['apiVersion'], 'kind': owner['kind'],
+                                                      'name': meta['name'], 'uid': meta['uid'],
+                                                      'controller': True, 'blockOwnerDeletion': True}]},
+                    'spec': spec})
+            pod = emulator.get_object('', 'pods', namespace, name)
+            assert pod is not None
+            scheduled = node is not None or not have_nodes
+            is_ready = scheduled and i < ready
+            old_status = pod.get('status') or {}
+            n = next(self._pod_ips)
+            pod_ip = old_status.get('podIP') or f'10.244.{n // 250}.{n % 250 + 2}'
+            status = {
+                'phase': 'Running' if scheduled else 'Pending',
+                'podIP': pod_ip, 'podIPs': [{'ip': pod_ip}],
+                'hostIP': '192.168.0.1',
+                'conditions': _conditions(old_status.get('conditions') or [], [
+                    ('PodScheduled', scheduled, 'Scheduled' if scheduled else 'Unschedulable', ''),
+                    ('Ready', is_ready, 'PodReady' if is_ready else 'ContainersNotReady', ''),
+                ]),
+            }
+            if pod.get('status') != status:
+                emulator.replace_object('', 'pods', namespace, name, {**pod, 'status': status},
+                                        subresource='status')
 
     def _write(self, emulator: Emulator, plural: str, obj: JsonObj, status: JsonObj) -> None:
         if obj.get('status') != status and not obj['metadata'].get('deletionTimestamp'):
@@ -164,10 +237,10 @@ class KubeControllers:
             emulator.replace_object('apps', plural, meta.get('namespace'), meta['name'],
                                     {**obj, 'status': status}, subresource='status')
 
-    def _deployment_status(self, deploy: JsonObj) -> JsonObj:
+    def _deployment_status(self, deploy: JsonObj, schedulable: int | None = None) -> JsonObj:
         spec = deploy.get('spec') or {}
         desired = int(spec.get('replicas', 1))
-        ready = self._ready_count(deploy, desired)
+        ready = self._ready_count(deploy, desired if schedulable is None else min(desired, schedulable))
         old = deploy.get('status') or {}
         status = _nonzero({
             'observedGeneration': deploy['metadata'].get('generation', 1),

@@ -893,3 +893,27 @@ def test_tools_extract_once_and_concurrently(tmp_path: pathlib.Path, monkeypatch
 
     kubeconfig = tools.write_kubeconfig('http://127.0.0.1:1', tmp_path / 'kc')
     assert yaml.safe_load(kubeconfig.read_text())['clusters'][0]['cluster']['server'] == 'http://127.0.0.1:1'
+
+
+def test_controllers_can_keep_pods(kube: KubeEmulator) -> None:
+    with KubeControllers(kube, pods=True) as controllers:
+        controllers.add_node('n1', {'cxl': 'true'})
+        controllers.add_node('n2')
+        controllers.set_readiness(lambda obj: 1)
+        deploy = _deployment('dec', 2)
+        deploy['spec']['template']['spec']['nodeSelector'] = {'cxl': 'true'}
+        kube.create(deploy)
+        kube.wait_until(lambda e: len(e.list_objects('', 'pods', 'default', 'app=dec')) == 2, message='2 pods')
+        pods = kube.list('pods', 'default', labels='app=dec')
+        assert {p['spec']['nodeName'] for p in pods} == {'n1'}
+        assert sorted(c['status'] for p in pods for c in p['status']['conditions'] if c['type'] == 'Ready') \
+            == ['False', 'True']
+        assert all(p['status']['podIP'] for p in pods)
+
+        # A template change replaces the pods; deleting the owner collects them.
+        kube.patch('deployments.apps', 'dec', {'spec': {'template': {'metadata': {'labels': {'v': '2'}}}}},
+                   'default')
+        kube.wait_until(lambda e: len(e.list_objects('', 'pods', 'default', 'app=dec,v=2')) == 2
+                        and len(e.list_objects('', 'pods', 'default', 'app=dec')) == 2, message='new pods')
+        kube.delete('deployments.apps', 'dec', 'default')
+        kube.wait_until(lambda e: not e.list_objects('', 'pods', 'default'), message='pods collected')
