@@ -41,7 +41,7 @@ def make_tiny_llama(path: str | Path, spec: TinyModelSpec | None = None) -> Path
     """Write the model and tokenizer to ``path`` (created if missing) and return it.
 
     Idempotent: a directory that already holds a model of the same spec is left alone, so a test
-    session and the demo can share it.
+    run and the demo can share it.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

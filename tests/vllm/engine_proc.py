@@ -4,7 +4,8 @@ Run as ``python -m tests.vllm.engine_proc '<json options>'``. Each request is on
 each answer one line on stdout prefixed with ``@@`` (vLLM writes its own lines there too).
 
 Ops: ``generate`` (prompts as token ids, greedy), ``counters`` (connector counters of this process,
-both halves), ``corrupt`` (flip bytes of one stored chunk in the pool memory), ``exit``.
+both halves), ``metrics`` (the connector's Prometheus counters), ``corrupt`` (flip bytes of one stored
+chunk in the pool memory), ``exit``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def build(opts: dict[str, Any]):
         max_num_seqs=8,
         seed=0,
     )
+    if opts.get("log_stats"):
+        kwargs["disable_log_stats"] = False
     if opts.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
     if opts.get("role"):
@@ -101,6 +104,19 @@ def corrupt(llm, req: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "key": key.hex()}
 
 
+def metrics(llm) -> dict[str, float]:
+    """The connector's Prometheus counters as vLLM exports them (needs ``log_stats``)."""
+    from prometheus_client import REGISTRY
+
+    llm.llm_engine.do_log_stats()
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:maru_connector_") and sample.name.endswith("_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
 def main() -> int:
     opts = json.loads(sys.argv[1])
     llm = build(opts)
@@ -122,6 +138,8 @@ def main() -> int:
                 answer(generate(llm, req))
             elif op == "counters":
                 answer({"counters": counters()})
+            elif op == "metrics":
+                answer({"metrics": metrics(llm)})
             elif op == "corrupt":
                 answer(corrupt(llm, req))
             else:

@@ -21,7 +21,9 @@ def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
 
 @pytest.fixture(scope="module")
 def both(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine("both", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK)
+    engine = Engine(
+        "both", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK, log_stats=True
+    )
     yield engine
     engine.close()
 
@@ -43,6 +45,10 @@ def test_exact_multiple_prompt_twice_hits_the_pool_and_matches(both: Engine, poo
     assert len(first) == 16
     assert second == first
     assert pool.stats()  # the daemon is alive and answering
+    # The same counts reach vLLM's Prometheus registry (what /metrics serves).
+    metrics = both.call("metrics")["metrics"]
+    assert metrics["vllm:maru_connector_saved_chunks_total"] >= 8
+    assert metrics["vllm:maru_connector_loaded_chunks_total"] >= 8
 
 
 def test_without_the_cap_the_engine_dies(tiny_model: str, pool: PoolDaemon, workdir: Path) -> None:

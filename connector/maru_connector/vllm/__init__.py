@@ -32,11 +32,18 @@ from maru_connector.vllm import common
 from maru_connector.vllm.common import counters, reset_counters
 from maru_connector.vllm.metadata import MaruConnectorMetadata, MaruWorkerInfo
 from maru_connector.vllm.scheduler import MaruScheduler
+from maru_connector.vllm.stats import MaruConnectorStats, MaruPromMetrics
 from maru_connector.vllm.worker import MaruWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -131,6 +138,26 @@ class MaruConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, once per step after ``wait_for_save``: blocks whose load failed this step."""
         return self._worker.take_invalid_blocks() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Either side, every step: this half's counts since the last call (vLLM sums and exports them)."""
+        half = self._scheduler or self._worker
+        data = half.stats.take() if half is not None else {}
+        return MaruConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return MaruConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for half in (self._scheduler, self._worker):

@@ -36,13 +36,22 @@ SAVE_SKIPPED_CHUNKS = "save_skipped_chunks"
 POOL_ERRORS = "pool_errors"
 POOL_SKIPPED_CALLS = "pool_skipped_calls"
 
+ALL_COUNTERS = (
+    LOOKUPS,
+    LOOKUP_CHUNKS_HIT,
+    HIT_TOKENS,
+    LOADED_CHUNKS,
+    LOAD_FAILED_CHUNKS,
+    CHECKSUM_MISMATCHES,
+    SAVED_CHUNKS,
+    SAVE_ALREADY_PRESENT,
+    SAVE_SKIPPED_CHUNKS,
+    POOL_ERRORS,
+    POOL_SKIPPED_CALLS,
+)
+
 _counters: Counter[str] = Counter()
 _counters_lock = threading.Lock()
-
-
-def count(name: str, n: int = 1) -> None:
-    with _counters_lock:
-        _counters[name] += n
 
 
 def counters() -> dict[str, int]:
@@ -54,6 +63,28 @@ def counters() -> dict[str, int]:
 def reset_counters() -> None:
     with _counters_lock:
         _counters.clear()
+
+
+class Counters:
+    """One half's counters: what it reports to vLLM's stats (deltas) and to :func:`counters`."""
+
+    def __init__(self) -> None:
+        self._pending: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def count(self, name: str, n: int = 1) -> None:
+        if not n:
+            return
+        with self._lock:
+            self._pending[name] += n
+        with _counters_lock:
+            _counters[name] += n
+
+    def take(self) -> dict[str, int]:
+        """Counts since the last call (vLLM pulls these once per step and sums them up)."""
+        with self._lock:
+            out, self._pending = dict(self._pending), Counter()
+        return out
 
 
 class RateLimitedLog:
@@ -81,8 +112,11 @@ class RateLimitedLog:
 class PoolGuard:
     """Wraps a lazily created pool client; calls fail soft and back off after a failure."""
 
-    def __init__(self, cfg: MaruConnectorConfig, side: str, backoff_s: tuple[float, float] = (0.25, 4.0)) -> None:
+    def __init__(
+        self, cfg: MaruConnectorConfig, side: str, stats: Counters, backoff_s: tuple[float, float] = (0.25, 4.0)
+    ) -> None:
         self._cfg = cfg
+        self._stats = stats
         self._side = side
         self._client = None
         self._min_backoff, self._max_backoff = backoff_s
@@ -101,7 +135,7 @@ class PoolGuard:
     def call(self, what: str, fn: Callable[..., T], *args: object) -> tuple[bool, T | None]:
         """Run ``fn(client, *args)``; ``(True, result)``, or ``(False, None)`` after logging."""
         if self._retry_at and time.monotonic() < self._retry_at:
-            count(POOL_SKIPPED_CALLS)
+            self._stats.count(POOL_SKIPPED_CALLS)
             return False, None
         try:
             result = fn(self.client, *args)
@@ -113,7 +147,7 @@ class PoolGuard:
         return True, result
 
     def failed(self, what: str, err: BaseException) -> None:
-        count(POOL_ERRORS)
+        self._stats.count(POOL_ERRORS)
         full = type(err).__name__ == "PoolFull"
         if not full:
             # A full pool answers fast, so it needs no back-off; a dead or hung one does.

@@ -73,7 +73,8 @@ class MaruScheduler:
         self._fingerprints: list[bytes] | None = None
         self._tracked: dict[str, _Tracked] = {}  # req_id -> state, from first sight to finish
         self._plan = _Plan()
-        self.guard = common.PoolGuard(cfg, "scheduler")
+        self.stats = common.Counters()
+        self.guard = common.PoolGuard(cfg, "scheduler", self.stats)
 
         model = vllm_config.model_config
         hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
@@ -151,7 +152,7 @@ class MaruScheduler:
         )
         if best <= 0:
             return 0, False  # the engine already holds all the pool could give
-        common.count(common.LOOKUPS)
+        self.stats.count(common.LOOKUPS)
         ok, n = self.guard.call(
             "lookup", lambda c, ks: c.lookup_prefix(ks), interleave_ranks(list(zip(*keys, strict=True)))
         )
@@ -165,7 +166,7 @@ class MaruScheduler:
             block_size=self.block_size,
             num_computed_tokens=num_computed_tokens,
         )
-        common.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
+        self.stats.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
         return ext, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -189,7 +190,7 @@ class MaruScheduler:
             )
             plan.append(ChunkLoad(keys=keys[chunk], slots=slots))
         self._plan.loads[request.request_id] = plan
-        common.count(common.HIT_TOKENS, num_external_tokens)
+        self.stats.count(common.HIT_TOKENS, num_external_tokens)
         # Chunks the pool already holds need no store.
         tracked.handled = max(tracked.handled, tracked.chunks_hit)
 
@@ -244,7 +245,7 @@ class MaruScheduler:
     def shutdown(self) -> None:
         self.guard.close()
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ internals
 
     def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)

@@ -44,7 +44,8 @@ class MaruWorker:
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self._kv_cache_config = kv_cache_config
         self.paged: PagedKV | None = None
-        self.guard = common.PoolGuard(cfg, f"worker{tp_rank}")
+        self.stats = common.Counters()
+        self.guard = common.PoolGuard(cfg, f"worker{tp_rank}", self.stats)
         # Destination block ids whose load failed since the last report to the scheduler.
         self._invalid_blocks: set[int] = set()
 
@@ -111,7 +112,7 @@ class MaruWorker:
         if done < len(chunks):
             lost = [d for chunk in chunks[done:] for _, d in chunk.slots]
             self._invalid_blocks.update(lost)
-            common.count(common.LOAD_FAILED_CHUNKS, len(chunks) - done)
+            self.stats.count(common.LOAD_FAILED_CHUNKS, len(chunks) - done)
             if ok:
                 self.guard.log.warning(
                     "load-miss",
@@ -120,7 +121,7 @@ class MaruWorker:
                     len(chunks),
                     len(lost),
                 )
-        common.count(common.LOADED_CHUNKS, done)
+        self.stats.count(common.LOADED_CHUNKS, done)
         return done == len(chunks)
 
     def _load_chunk(self, chunk: ChunkLoad, pin) -> bool:
@@ -133,7 +134,7 @@ class MaruWorker:
             return True
         except Exception as err:  # a corrupt or odd-sized chunk is a failed load, not an engine error
             if type(err).__name__ == "ChecksumMismatch":
-                common.count(common.CHECKSUM_MISMATCHES)
+                self.stats.count(common.CHECKSUM_MISMATCHES)
             self.guard.log.warning(
                 f"load-{type(err).__name__}",
                 "maru pool: chunk %s unusable (%s: %s); recomputing it",
@@ -165,13 +166,13 @@ class MaruWorker:
             "save", lambda c, items: c.begin_write_many(items), [(ch.keys[self.tp_rank], nbytes) for ch in chunks]
         )
         if not ok or leases is None:
-            common.count(common.SAVE_SKIPPED_CHUNKS, len(chunks))
+            self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(chunks))
             return
         written = []
         try:
             for chunk, lease in zip(chunks, leases, strict=True):
                 if lease is None:
-                    common.count(common.SAVE_ALREADY_PRESENT)
+                    self.stats.count(common.SAVE_ALREADY_PRESENT)
                     continue
                 out = self.paged.chunk_view(lease.buffer, self.blocks_per_chunk)
                 self.paged.gather(chunk.block_ids, out)
@@ -186,8 +187,8 @@ class MaruWorker:
             return
         ok, committed = self.guard.call("save-commit", lambda c, ls: c.commit_many(ls), written)
         stored = sum(1 for x in committed or () if x) if ok else 0
-        common.count(common.SAVED_CHUNKS, stored)
-        common.count(common.SAVE_SKIPPED_CHUNKS, len(written) - stored)
+        self.stats.count(common.SAVED_CHUNKS, stored)
+        self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(written) - stored)
 
     def shutdown(self) -> None:
         self.guard.close()

@@ -1,0 +1,81 @@
+"""The connector's counters in vLLM's stats pipeline: the periodic log line and ``/metrics``.
+
+Each half hands vLLM the counts since its last report (``get_kv_connector_stats``); vLLM sums
+the workers' and the scheduler's, logs them every interval and feeds them to
+:class:`MaruPromMetrics`, which exposes one ``vllm:maru_connector_<name>_total`` counter each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from maru_connector.vllm import common
+
+_HELP = {
+    common.LOOKUPS: "Prompts looked up in the Maru pool (one round trip each).",
+    common.LOOKUP_CHUNKS_HIT: "Leading prompt chunks found in the pool by lookups.",
+    common.HIT_TOKENS: "Prompt tokens the engine took from the pool instead of computing them.",
+    common.LOADED_CHUNKS: "Chunks copied from the pool into KV blocks.",
+    common.LOAD_FAILED_CHUNKS: "Chunks that could not be loaded (missing, unreadable, corrupt); recomputed.",
+    common.CHECKSUM_MISMATCHES: "Chunks whose bytes no longer matched their checksum.",
+    common.SAVED_CHUNKS: "Chunks stored and committed to the pool.",
+    common.SAVE_ALREADY_PRESENT: "Chunks not stored because the pool already held them.",
+    common.SAVE_SKIPPED_CHUNKS: "Chunks not stored because the pool failed, was full or refused the commit.",
+    common.POOL_ERRORS: "Pool calls that failed (down, slow, full, protocol error).",
+    common.POOL_SKIPPED_CALLS: "Pool calls not attempted during the back-off after a failure.",
+}
+
+
+@dataclass
+class MaruConnectorStats(KVConnectorStats):
+    """``data`` is ``counter name -> count`` over one interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> MaruConnectorStats:
+        merged = dict(self.data)
+        for name, n in other.data.items():
+            merged[name] = merged.get(name, 0) + n
+        return MaruConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data[name] for name in common.ALL_COUNTERS if self.data.get(name)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class MaruPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per connector counter, labelled per engine like vLLM's own."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:maru_connector_{name}", documentation=_HELP[name], labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name in common.ALL_COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, n in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and n:
+                per_engine[engine_idx].inc(n)
