@@ -807,9 +807,17 @@ def test_kopf_operator_in_process_reconciles(kube: KubeEmulator, kopf_settings: 
         patch.status['configured'] = spec['size']
         kopf.info(body, reason='Configured', message=f'size {spec["size"]}')
 
+    deleted: list[str] = []
+
+    @kopf.on.delete(GROUP, 'v1', 'widgets', registry=registry)
+    def cleanup(name: str, **_: Any) -> None:
+        deleted.append(name)
+
     _, stop = _run_kopf_in_thread(kube, registry, kopf_settings)
     try:
         kube.create(widget('w', 2))
+        # A deletion handler makes kopf put its finalizer on the object.
+        kube.wait_for('widgets.test.example.com', 'w', 'default', lambda o: o['metadata'].get('finalizers'))
         cm = kube.wait_for('configmaps', 'w-cfg', 'default')
         w = kube.get('widgets.test.example.com', 'w', 'default')
         assert w is not None
@@ -832,8 +840,10 @@ def test_kopf_operator_in_process_reconciles(kube: KubeEmulator, kopf_settings: 
                                    if ev['involvedObject']['name'] == 'w' and ev['reason'] == 'Configured'],
                         message='an event about w')
 
-        kube.delete('widgets.test.example.com', 'w', 'default')
+        marked = kube.delete('widgets.test.example.com', 'w', 'default')
+        assert marked is not None and marked['metadata']['deletionTimestamp']  # held by the finalizer
         kube.wait_gone('widgets.test.example.com', 'w', 'default')
+        assert deleted == ['w']
         kube.wait_gone('configmaps', 'w-cfg', 'default')
     finally:
         stop()
