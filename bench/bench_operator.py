@@ -1,0 +1,234 @@
+"""Operator at scale: 200 InferenceGroups and one pool against the Kubernetes API emulator.
+
+The operator runs as a real subprocess (``python -m maru_operator run``) against the emulator over
+HTTP on loopback, with the simulated Deployment/DaemonSet controllers writing status. Measures the
+time from the first create until every group has all its children and a Ready status, the operator's
+peak RSS (VmHWM of the process), the API requests it made, and the writes it makes once converged
+(must be zero). Prints a table and merges the figures into ``bench/results.json`` under "operator".
+
+Targets on a 2-core machine: converge in <= 60 s, peak RSS <= 150 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.k8s.controllers import KubeControllers  # noqa: E402
+from tests.k8s.fixtures import KubeEmulator, running_emulator  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results.json"
+TARGET_SECONDS = 60.0
+TARGET_RSS_MB = 150.0
+NS = "bench"
+POOL_NS = "maru-system"
+
+
+class FastControllers(KubeControllers):
+    """The simulated controllers, looking only at objects that changed since their last pass.
+
+    The stock pass recomputes (and deep-copies) every Deployment on every change: O(objects x
+    changes), which at 600 Deployments would dominate what this benchmark means to measure, the
+    operator. Status is still written through the emulator, so the operator sees ordinary watch
+    events; everything is recomputed whenever the node set changes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._seen: dict[tuple[str, str, str], str] = {}
+        self._nodes_seen: tuple[str, ...] = ()
+
+    def reconcile(self, emulator: Any) -> None:
+        nodes = [n for n in emulator._iter(emulator.resource_type("", "nodes"), None)
+                 if not n["metadata"].get("deletionTimestamp")]
+        node_versions = tuple(n["metadata"]["resourceVersion"] for n in nodes)
+        if node_versions != self._nodes_seen:
+            self._seen.clear()
+            self._nodes_seen = node_versions
+        for plural in ("deployments", "daemonsets"):
+            for obj in list(emulator._iter(emulator.resource_type("apps", plural), None)):
+                meta = obj["metadata"]
+                key = (plural, meta.get("namespace") or "", meta["name"])
+                if self._seen.get(key) == meta["resourceVersion"]:
+                    continue
+                status = self._deployment_status(obj) if plural == "deployments" else self._daemonset_status(
+                    obj, nodes)
+                self._write(emulator, plural, obj, status)
+                self._seen[key] = meta["resourceVersion"] if obj.get("status") == status else ""
+
+
+def rss_kb(pid: int, field: str) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc/<pid>/stat."""
+    import os
+
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def is_ready(obj: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])
+
+
+def group(i: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup",
+        "metadata": {"name": f"model-{i:03d}", "namespace": NS},
+        "spec": {"model": {"name": f"org/model-{i}"}, "poolRef": {"name": "bench-pool"},
+                 "prefill": {"replicas": 1}, "decode": {"replicas": 2}},
+    }
+
+
+def setup(kube: KubeEmulator, controllers: KubeControllers) -> None:
+    import yaml
+
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        kube.create(yaml.safe_load(path.read_text()))
+    for ns in (NS, POOL_NS):
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    for n in range(4):
+        controllers.add_node(f"node-{n}", {"maru.io/pool": "yes"})
+
+
+def run(groups: int, workers: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, running_emulator(pathlib.Path(tmp)) as kube, \
+            FastControllers(kube) as controllers:
+        setup(kube, controllers)
+        log_path = pathlib.Path(tmp) / "operator.log"
+        log = open(log_path, "w")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", POOL_NS, "--liveness", "",
+             "--metrics-port", "0", "--workers", str(workers)],
+            env=kube.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        peak = {"rss": 0}
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.2):
+                try:
+                    peak["rss"] = max(peak["rss"], rss_kb(proc.pid, "VmRSS"))
+                except OSError:
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            kube.create({"apiVersion": "maru.io/v1alpha1", "kind": "MaruPool", "metadata": {"name": "bench-pool"},
+                         "spec": {"backend": "shm", "size": "8Gi", "nodeSelector": {"maru.io/pool": "yes"}}})
+            kube.wait_for("marupools.maru.io", "bench-pool", None, is_ready, timeout=60)
+            mark = kube.mark()
+            cpu_before = cpu_seconds(proc.pid)
+            started = time.monotonic()
+            for i in range(groups):
+                kube.create(group(i))
+            created = time.monotonic() - started
+
+            def converged(emulator: Any) -> bool:
+                # Read the store in place: listing (deep copies) after every change would cost more
+                # than everything the operator does.
+                def count(group: str, plural: str, pred: Any = None) -> int:
+                    rt = emulator.resource_type(group, plural)
+                    return sum(1 for o in emulator._iter(rt, NS) if pred is None or pred(o))
+
+                return (count("maru.io", "inferencegroups", is_ready) == groups
+                        and count("apps", "deployments") == 3 * groups and count("", "services") == groups)
+
+            deadline = time.monotonic() + 600
+            while not kube.call(converged, kube.emulator):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the operator did not converge")
+                time.sleep(0.1)
+            elapsed = time.monotonic() - started
+            operator_cpu = cpu_seconds(proc.pid) - cpu_before
+            requests = kube.requests_since(mark)
+            # Converged: let it run through a resync-free quiet spell; nothing may be written.
+            time.sleep(3.0)
+            idle_mark = kube.mark()
+            time.sleep(3.0)
+            idle_writes = len(kube.writes_since(idle_mark))
+            peak_hwm = rss_kb(proc.pid, "VmHWM")
+        except BaseException:
+            log.flush()
+            print(log_path.read_text()[-5000:], file=sys.stderr)
+            raise
+        finally:
+            stop.set()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    counts = collections.Counter(r.method for r in requests if not r.is_watch)
+    return {
+        "groups": groups,
+        "workers": workers,
+        "create_seconds": round(created, 2),
+        "converge_seconds": round(elapsed, 2),
+        "operator_cpu_seconds": round(operator_cpu, 2),
+        "peak_rss_mb": round(max(peak_hwm, peak["rss"]) / 1024, 1),
+        "api_requests": sum(counts.values()),
+        "api_requests_by_method": dict(sorted(counts.items())),
+        "writes_per_group": round(sum(v for k, v in counts.items() if k != "GET") / groups, 2),
+        "idle_writes": idle_writes,
+        "target_seconds": TARGET_SECONDS,
+        "target_rss_mb": TARGET_RSS_MB,
+        "meets_targets": elapsed <= TARGET_SECONDS and max(peak_hwm, peak["rss"]) / 1024 <= TARGET_RSS_MB
+        and idle_writes == 0,
+    }
+
+
+def merge_results(key: str, value: dict[str, Any]) -> None:
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[key] = value
+    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--no-save", action="store_true", help="print only, do not touch bench/results.json")
+    args = parser.parse_args()
+    result = run(args.groups, args.workers)
+    rows = [
+        ("InferenceGroups", f"{result['groups']}", ""),
+        ("converge (all Ready, all children)", f"{result['converge_seconds']:.1f} s", f"<= {TARGET_SECONDS:.0f} s"),
+        ("operator CPU time while converging", f"{result['operator_cpu_seconds']:.1f} s", ""),
+        ("operator peak RSS", f"{result['peak_rss_mb']:.1f} MB", f"<= {TARGET_RSS_MB:.0f} MB"),
+        ("API requests (non-watch)", f"{result['api_requests']}", json.dumps(result["api_requests_by_method"])),
+        ("writes per group", f"{result['writes_per_group']}", ""),
+        ("writes once converged (3 s)", f"{result['idle_writes']}", "== 0"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'metric':<{width}}  {'value':>12}  target")
+    for name, value, target in rows:
+        print(f"{name:<{width}}  {value:>12}  {target}")
+    print("meets targets:", result["meets_targets"])
+    if not args.no_save:
+        merge_results("operator", result)
+    return 0 if result["meets_targets"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
