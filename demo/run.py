@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,9 +49,10 @@ BLOCK_TOKENS = 128
 CHUNK_TOKENS = 256
 # Long enough that recomputing it is visible in TTFT, short enough for two cores; the remainder
 # (77) makes it an ordinary prompt. The second prompt is exactly 4 chunks: fully cached, nothing left.
-LONG_TOKENS = 12 * CHUNK_TOKENS + 77
+LONG_TOKENS = 24 * CHUNK_TOKENS + 77
 EXACT_TOKENS = 4 * CHUNK_TOKENS
-MAX_MODEL_LEN = 4096
+ROUNDS = 3
+MAX_MODEL_LEN = 8192
 OUTPUT_TOKENS = 16
 POOL_SIZE = "1GiB"
 KV_CACHE_BYTES = 256 << 20
@@ -106,6 +108,7 @@ def say(text: str = "") -> None:
 @dataclass
 class RequestResult:
     name: str
+    kind: str
     prompt_tokens: int
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     ttft_ms: float | None = None
@@ -357,10 +360,10 @@ Answer = tuple[str, list[int], float | None, float | None]
 
 
 def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer],
-             engines: tuple[str, ...] = ("prefill", "decode")) -> RequestResult:
+             engines: tuple[str, ...] = ("prefill", "decode"), kind: str = "") -> RequestResult:
     """Run one request and attribute its prompt tokens by source from the engines' counter deltas."""
     tokens = len(prompt)
-    result = RequestResult(name=name, prompt_tokens=tokens, prompt_ids=prompt)
+    result = RequestResult(name=name, kind=kind, prompt_tokens=tokens, prompt_ids=prompt)
     before = snapshot(d)
     try:
         result.text, result.token_ids, ttft, total = send()
@@ -402,24 +405,24 @@ def via_router(d: Demo, prompt: list[int]) -> Callable[[], Answer]:
 
 
 def run_traffic(d: Demo) -> list[RequestResult]:
-    long_prompt = prompt_ids(LONG_TOKENS, seed=1)
-    exact_prompt = prompt_ids(EXACT_TOKENS, seed=2)
+    """Long prompts cold then repeated (a few rounds: TTFT on a shared machine is noisy, medians less
+    so), then the exact-multiple prompt twice, then an unrelated prompt to show decode still serves."""
     results: list[RequestResult] = []
+    for k in range(1, ROUNDS + 1):
+        prompt = prompt_ids(LONG_TOKENS, seed=k)
+        for kind in ("cold", "repeated"):
+            results.append(measured(d, f"long #{k}, {kind}", prompt, via_router(d, prompt), kind=kind))
+    exact_prompt = prompt_ids(EXACT_TOKENS, seed=100)
     exact = f"exact {EXACT_TOKENS // CHUNK_TOKENS}x{CHUNK_TOKENS}"
-    plan = [
-        ("long prompt, cold", long_prompt),
-        ("long prompt, repeated", long_prompt),
-        (f"{exact}, first", exact_prompt),
-        (f"{exact}, again", exact_prompt),
-        ("follow-up after exact", prompt_ids(200, seed=3)),
-    ]
-    for name, prompt in plan:
-        results.append(measured(d, name, prompt, via_router(d, prompt)))
+    for when in ("first", "again"):
+        results.append(measured(d, f"{exact}, {when}", exact_prompt, via_router(d, exact_prompt), kind="exact"))
+    follow = prompt_ids(200, seed=101)
+    results.append(measured(d, "follow-up after exact", follow, via_router(d, follow), kind="follow-up"))
     return results
 
 
 def reference(d: Demo) -> RequestResult:
-    """The long prompt answered by the prefill engine alone: KV it computed itself, never from the pool."""
+    """Long prompt #1 answered by the prefill engine alone: KV it computed itself, never from the pool."""
     prompt = prompt_ids(LONG_TOKENS, seed=1)
     body = request_body(prompt)
 
@@ -427,7 +430,7 @@ def reference(d: Demo) -> RequestResult:
         text, ids = completion(d.prefill_url, body, timeout_s=REQUEST_TIMEOUT_S)
         return text, ids, None, None
 
-    return measured(d, "reference: prefill alone", prompt, send, engines=("prefill",))
+    return measured(d, "reference: prefill alone", prompt, send, engines=("prefill",), kind="reference")
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -464,40 +467,51 @@ def print_table(results: list[RequestResult], ref: RequestResult | None) -> None
         say(f"{r.name:<26} {r.prompt_tokens:>6} {_fmt_ms(r.ttft_ms):>8}  {p:>23}  {dec:>25}  {out}")
 
 
+def _of(results: list[RequestResult], kind: str) -> list[RequestResult]:
+    return [r for r in results if r.kind == kind]
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -> dict[str, bool]:
-    by = {r.name: r for r in results}
-    cold, again = results[0], results[1]
-    exact_first = results[2]
-    follow = results[-1]
+    colds, repeats = _of(results, "cold"), _of(results, "repeated")
+    exacts, follow = _of(results, "exact"), _of(results, "follow-up")[0]
     assert d.decode is not None
     health, _ = get(d.decode_url + "/health")
     alive = d.decode.alive() and health == 200 and follow.error is None and bool(follow.text)
     checks = {
-        "pool_hit_on_repeated_prompt": again.decode.get("from_pool", 0) > 0,
-        "same_output_cold_vs_cached": same_output(cold, again),
-        "matches_prefill_only_reference": same_output(cold, ref),
-        "exact_multiple_served": all(r.error is None for n, r in by.items() if n.startswith("exact")),
+        "pool_hit_on_repeated_prompt": all(r.decode.get("from_pool", 0) > 0 for r in repeats),
+        "same_output_cold_vs_cached": all(same_output(c, r) for c, r in zip(colds, repeats, strict=True)),
+        "matches_prefill_only_reference": same_output(colds[0], ref),
+        "exact_multiple_served": all(r.error is None for r in exacts),
         "decode_alive_after_exact_multiple": alive,
     }
     d.summary["decode_health_after_exact"] = health
+    d.summary["ttft_ms_median"] = {"cold": _median([r.ttft_ms for r in colds]),
+                                   "cached": _median([r.ttft_ms for r in repeats]), "rounds": len(colds)}
     d.summary["exact_multiple"] = {
-        "prompt_tokens": exact_first.prompt_tokens,
-        "from_pool": exact_first.decode.get("from_pool", 0),
-        "computed_by_decode": exact_first.decode.get("computed", 0),
+        "prompt_tokens": exacts[0].prompt_tokens,
+        "from_pool": exacts[0].decode.get("from_pool", 0),
+        "computed_by_decode": exacts[0].decode.get("computed", 0),
     }
     return checks
 
 
 def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]) -> None:
-    cold, again = results[0], results[1]
+    colds, repeats = _of(results, "cold"), _of(results, "repeated")
     ex = d.summary["exact_multiple"]
+    ttft = d.summary["ttft_ms_median"]
     yes = {True: "yes", False: "NO"}
     say()
-    if cold.ttft_ms and again.ttft_ms:
-        say(f"TTFT through the router: cold {cold.ttft_ms:.0f} ms, cached {again.ttft_ms:.0f} ms "
-            f"({cold.ttft_ms / again.ttft_ms:.1f}x)")
-    say(f"tokens decode loaded from the pool: cold {cold.decode.get('from_pool', 0)}, "
-        f"repeated {again.decode.get('from_pool', 0)} of {LONG_TOKENS}")
+    if ttft["cold"] and ttft["cached"]:
+        say(f"TTFT through the router, median of {ttft['rounds']}: cold {ttft['cold']:.0f} ms, "
+            f"cached {ttft['cached']:.0f} ms ({ttft['cold'] / ttft['cached']:.1f}x)")
+    say(f"tokens decode loaded from the pool per long prompt ({LONG_TOKENS} tokens): cold "
+        f"{colds[0].decode.get('from_pool', 0)}, repeated {repeats[0].decode.get('from_pool', 0)}; "
+        f"decode computed the remaining {colds[0].decode.get('computed', 0)}")
     say(f"exact multiple ({ex['prompt_tokens']} tokens, every chunk in the pool): decode loaded "
         f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block)")
     say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered): "
@@ -611,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             s["detail"] = start_router(d)
         with step("warm-up request through the router") as s:
             warm_prompt = prompt_ids(64, seed=0)
-            warm = measured(d, "warm-up", warm_prompt, via_router(d, warm_prompt))
+            warm = measured(d, "warm-up", warm_prompt, via_router(d, warm_prompt), kind="warm-up")
             if warm.error:
                 d.sup.check_alive()
                 raise StepFailed(f"warm-up request failed: {warm.error}\n{_router_tail(d)}")
