@@ -1,7 +1,8 @@
 """A random-weight 2-layer Llama made offline, for tests, the benchmark and the local demo.
 
 Nothing is downloaded: the weights come from a seeded ``torch`` generator and the tokenizer is a
-``tokenizers`` WordLevel vocabulary of ``t0 .. t{N-1}``. The same seed gives the same bytes on disk,
+``tokenizers`` WordLevel vocabulary of ``t4 .. t{N-1}``. Special tokens are ``<s> </s> <pad> <unk>`` (ids 0-3), so text
+prompts like ``"t17 t305 t42"`` map one word to one token. The same seed gives the same bytes on disk,
 so two engines (prefill and decode) loading the directory compute the same KV.
 
 Compare outputs in float32: with random weights the top two logits often tie exactly in bf16, so
@@ -21,6 +22,9 @@ from pathlib import Path
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 16384
+# Bumped when the tokenizer files change, so an older model directory is rewritten.
+TOKENIZER_VERSION = 2
+SPECIALS = ("<s>", "</s>", "<pad>", "<unk>")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def make_tiny_llama(path: str | Path, spec: TinyModelSpec | None = None) -> Path
     spec = spec or TinyModelSpec()
     out = Path(path)
     stamp = out / "maru-tinymodel.json"
-    wanted = json.dumps(spec.__dict__, sort_keys=True)
+    wanted = json.dumps({**spec.__dict__, "tokenizer": TOKENIZER_VERSION}, sort_keys=True)
     if stamp.is_file() and stamp.read_text() == wanted:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -84,15 +88,17 @@ def make_tiny_llama(path: str | Path, spec: TinyModelSpec | None = None) -> Path
 def _tokenizer(vocab_size: int, fast_cls: type):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+    # Special tokens must not be prefixes of ordinary words: added tokens match inside words.
+    vocab = {name: i for i, name in enumerate(SPECIALS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIALS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return fast_cls(
         tokenizer_object=tok,
-        bos_token="t0",
-        eos_token="t1",
-        pad_token="t2",
-        unk_token="t3",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         model_max_length=MAX_MODEL_LEN,
     )
 

