@@ -92,7 +92,7 @@ def test_second_save_of_a_chunk_is_a_no_op(pool) -> None:
     worker.save(save_meta({7: (0, 1)}))
     c = common.counters()
     assert c[common.SAVED_CHUNKS] == 1
-    assert c[common.SAVE_ALREADY_PRESENT] == 1
+    assert c[common.SAVE_NOT_LEASED] == 1
 
 
 def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool) -> None:

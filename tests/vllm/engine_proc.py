@@ -33,7 +33,7 @@ def build(opts: dict[str, Any]):
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=256 << 20,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(opts.get("prefix_caching", False)),
         max_num_seqs=8,
         seed=0,
     )

@@ -104,6 +104,37 @@ def test_chunked_prefill_budget_not_aligned_to_chunks(
     assert got == baseline
 
 
+def test_local_prefix_cache_and_pool_together(
+    tiny_model: str, pool: PoolDaemon, workdir: Path, producer: Engine
+) -> None:
+    """With vLLM's own prefix cache on (the default), the pool fills in only what the engine lacks."""
+    engine = Engine(
+        "decode-prefix-cache", workdir, model=tiny_model, role="kv_consumer", pool_url=pool.url,
+        chunk_tokens=CHUNK, prefix_caching=True,
+    )  # fmt: skip
+    try:
+        full = prompt(8 * CHUNK, seed=41)
+        baseline = producer.generate([full])[0]
+        # A request sharing the first 5 blocks: 2 chunks come from the pool, the rest is computed
+        # and kept in the engine's prefix cache.
+        head = full[: 5 * BLOCK] + prompt(100, seed=42)
+        c0 = engine.counters()
+        engine.generate([head])
+        c1 = engine.counters()
+        assert delta(c1, c0, "loaded_chunks") == 2
+        # Now blocks 0-4 are local: chunk 2 is half local, so the load starts mid-chunk.
+        got = engine.generate([full])[0]
+        c2 = engine.counters()
+        assert delta(c2, c1, "hit_tokens") == 15 * BLOCK - 5 * BLOCK
+        assert delta(c2, c1, "loaded_chunks") == 6
+        assert got == baseline
+        # The same prompt again is served by the engine's own cache: no lookup is even needed.
+        assert engine.generate([full])[0] == baseline
+        assert delta(engine.counters(), c2, "loaded_chunks") == 0
+    finally:
+        engine.close()
+
+
 def test_pool_daemon_killed_and_back(producer: Engine, consumer: Engine, pool: PoolDaemon) -> None:
     pool.kill()
     p = prompt(4 * CHUNK, seed=31)

@@ -31,7 +31,7 @@ LOADED_CHUNKS = "loaded_chunks"
 LOAD_FAILED_CHUNKS = "load_failed_chunks"
 CHECKSUM_MISMATCHES = "checksum_mismatches"
 SAVED_CHUNKS = "saved_chunks"
-SAVE_ALREADY_PRESENT = "save_already_present"
+SAVE_NOT_LEASED = "save_not_leased"
 SAVE_SKIPPED_CHUNKS = "save_skipped_chunks"
 POOL_ERRORS = "pool_errors"
 POOL_SKIPPED_CALLS = "pool_skipped_calls"
@@ -44,7 +44,7 @@ ALL_COUNTERS = (
     LOAD_FAILED_CHUNKS,
     CHECKSUM_MISMATCHES,
     SAVED_CHUNKS,
-    SAVE_ALREADY_PRESENT,
+    SAVE_NOT_LEASED,
     SAVE_SKIPPED_CHUNKS,
     POOL_ERRORS,
     POOL_SKIPPED_CALLS,

@@ -28,7 +28,7 @@ _HELP = {
     common.LOAD_FAILED_CHUNKS: "Chunks that could not be loaded (missing, unreadable, corrupt); recomputed.",
     common.CHECKSUM_MISMATCHES: "Chunks whose bytes no longer matched their checksum.",
     common.SAVED_CHUNKS: "Chunks stored and committed to the pool.",
-    common.SAVE_ALREADY_PRESENT: "Chunks not stored because the pool already held them.",
+    common.SAVE_NOT_LEASED: "Chunks the pool gave no lease for: already stored, being stored elsewhere, or no room.",
     common.SAVE_SKIPPED_CHUNKS: "Chunks not stored because the pool failed, was full or refused the commit.",
     common.POOL_ERRORS: "Pool calls that failed (down, slow, full, protocol error).",
     common.POOL_SKIPPED_CALLS: "Pool calls not attempted during the back-off after a failure.",

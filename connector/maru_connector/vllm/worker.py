@@ -172,7 +172,7 @@ class MaruWorker:
         try:
             for chunk, lease in zip(chunks, leases, strict=True):
                 if lease is None:
-                    self.stats.count(common.SAVE_ALREADY_PRESENT)
+                    self.stats.count(common.SAVE_NOT_LEASED)
                     continue
                 out = self.paged.chunk_view(lease.buffer, self.blocks_per_chunk)
                 self.paged.gather(chunk.block_ids, out)
