@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     pool_namespace = args.pool_namespace or handlers.default_pool_namespace()
     try:
         connection = login()
-    except Exception as err:
+    except Exception as err:  # any login failure is a start-up error
         print(f"maru-operator: cannot log in to Kubernetes: {err}", file=sys.stderr)
         return 1
 
@@ -95,14 +95,14 @@ def _run(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    handlers.configure(handlers.Config(
-        pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
-        connection=connection,
-    ))
     namespaces = list(args.namespace)
     if namespaces and pool_namespace not in namespaces:
         # The pools' daemons live there; without watching it the operator could not see them.
         namespaces.append(pool_namespace)
+    handlers.configure(handlers.Config(
+        pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
+        connection=connection, namespaces=namespaces,
+    ))
     log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,
              "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces")
     asyncio.run(kopf.operator(

@@ -48,6 +48,7 @@ class Config:
     resync_seconds: float = 60.0
     fetch_status: StatusFetcher = fetch_daemon_status
     connection: kopf.ConnectionInfo | None = None
+    namespaces: list[str] = field(default_factory=list)  # empty: every namespace
 
 
 @dataclass
@@ -102,10 +103,36 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         fetch_status=STATE.config.fetch_status,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=STATE.config.workers)
+    await _prime(STATE.kube, STATE.config.namespaces)
     STATE.queue.start()
     STATE.resync_task = asyncio.create_task(_resync(STATE.config.resync_seconds), name="maru-resync")
     log.info("operator started: pools' daemons go to namespace %s, %d workers, resync every %.0fs",
              STATE.config.pool_namespace, STATE.config.workers, STATE.config.resync_seconds)
+
+
+PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
+                "RoleBinding")
+
+
+async def _prime(kube: Kube, namespaces: list[str]) -> None:
+    """Observe everything once before the first reconcile (kopf's watches fill in the rest).
+
+    Without it, a restarted operator would reconcile groups before its child watches have listed and
+    try to create children that exist (harmless 409s, but writes nonetheless).
+    """
+    for kind in PRIMED_KINDS:
+        selector = None if kind in ("MaruPool", "InferenceGroup") else OURS
+        scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
+        try:
+            for namespace in scopes:
+                for item in await kube.list(kind, namespace, selector):
+                    # List items come without kind and apiVersion; the cache keys on kind.
+                    item.setdefault("kind", kind)
+                    STATE.store.put(item)
+        except Exception as err:  # the watches catch up; priming only saves writes
+            log.warning("could not list %ss at start-up (%s); relying on the watch", kind, err)
+    for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
+        _enqueue(key)
 
 
 @kopf.on.cleanup()

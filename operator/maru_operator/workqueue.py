@@ -97,7 +97,7 @@ class WorkQueue:
                 log.warning("%s %s: %s; waiting for the object to change", kind, _name(key), err)
             except asyncio.CancelledError:
                 raise
-            except Exception as err:
+            except Exception as err:  # one bad object must not stop the others
                 count = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(self._max_backoff, 0.5 * 2 ** (count - 1))
                 metrics.RECONCILES.labels(kind, "error").inc()

@@ -113,8 +113,9 @@ class RunningOperator:
             self._ready.set()
             settings = kopf.OperatorSettings()
             settings.peering.standalone = True
-            await kopf.operator(settings=settings, stop_flag=self._stop["flag"], clusterwide=True,
-                                standalone=True)
+            namespaces = self.runtime.config.namespaces
+            await kopf.operator(settings=settings, stop_flag=self._stop["flag"], clusterwide=not namespaces,
+                                namespaces=namespaces, standalone=True)
 
         try:
             asyncio.run(run())
@@ -189,3 +190,16 @@ def condition_of(obj: dict[str, Any], type_: str) -> dict[str, Any]:
         if c.get("type") == type_:
             return c
     raise AssertionError(f"no {type_} condition in {obj.get('status')}")
+
+
+def fake_agent_pod(kube: KubeEmulator, pool_name: str, node: str, ip: str) -> None:
+    """An agent pod as the DaemonSet controller and kubelet would leave it: scheduled, Ready, with an IP."""
+    ds = kube.get("daemonsets.apps", f"{pool_name}-agent", POOL_NS)
+    assert ds is not None
+    name = f"{pool_name}-agent-{node}"
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    kube.create({"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": name, "namespace": POOL_NS, "labels": labels},
+                 "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "x"}]}})
+    # Status is the kubelet's to write, through the status subresource (a create drops it).
+    kube.patch_status("pods", name, {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}, POOL_NS)

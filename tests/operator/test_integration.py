@@ -14,6 +14,7 @@ from tests.operator.conftest import (
     StubStats,
     condition_of,
     create_namespace,
+    fake_agent_pod,
     group,
     has_condition,
     pool,
@@ -78,7 +79,7 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     assert st["endpoint"] == "http://qwen.llm.svc:8000"
     assert st["observedGeneration"] == ig["metadata"]["generation"]
     assert has_condition(ig, "PoolBound", "True", "Bound")
-    cluster.wait_for(MP, "local-shm", None, lambda p: p["status"].get("boundGroups") == 1)
+    cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {}).get("boundGroups") == 1)
     assert wait_event(cluster, GROUP_NS, "qwen", "Serving")["type"] == "Normal"
 
 
@@ -93,14 +94,14 @@ def test_update_rolls_children(cluster: KubeEmulator, operator: RunningOperator,
     prefill = cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS,
                                lambda d: '"maru_kv_chunk_tokens":512' in str(d["spec"]["template"]))
     assert prefill is not None
-    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o["status"]["decode"]["summary"] == "3/3" and ready(o)
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o.get("status", {})["decode"]["summary"] == "3/3" and ready(o)
                           and o["status"]["observedGeneration"] == o["metadata"]["generation"])
     assert ig["metadata"]["generation"] == 2
 
     cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
     cluster.wait_gone(DEPLOY, "qwen-router", GROUP_NS)
     cluster.wait_gone("services", "qwen", GROUP_NS)
-    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o["status"]["endpoint"] == "" and ready(o))
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o.get("status", {})["endpoint"] == "" and ready(o))
 
 
 def test_drift_is_corrected(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
@@ -128,7 +129,7 @@ def test_delete_group_removes_children(cluster: KubeEmulator, operator: RunningO
     for name in ("qwen-prefill", "qwen-decode", "qwen-router"):
         cluster.wait_gone(DEPLOY, name, GROUP_NS)
     cluster.wait_gone("services", "qwen", GROUP_NS)
-    cluster.wait_for(MP, "local-shm", None, lambda p: p["status"]["boundGroups"] == 0)
+    cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {})["boundGroups"] == 0)
 
 
 def test_pool_not_ready_then_ready(cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any) -> None:
@@ -206,7 +207,7 @@ def test_idempotent_after_convergence(cluster: KubeEmulator, operator: RunningOp
     cluster.create(group("other"))
     wait_group_ready(cluster)
     wait_group_ready(cluster, "other")
-    cluster.wait_for(MP, "local-shm", None, lambda p: p["status"]["boundGroups"] == 2)
+    cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {})["boundGroups"] == 2)
     settle(operator)
     mark = cluster.mark()
     for _ in range(3):
@@ -266,27 +267,21 @@ def test_api_errors_and_dropped_watches(cluster: KubeEmulator, operator: Running
     cluster.inject_fault(r"/deployments/qwen-decode$", 500, method="PATCH", times=2)
     cluster.delete(DEPLOY, "qwen-prefill", GROUP_NS)
     cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
-    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o["status"]["decode"]["summary"] == "4/4" and ready(o))
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o.get("status", {})["decode"]["summary"] == "4/4" and ready(o))
     assert operator.error is None
 
 
 def test_pool_usage_from_the_daemons(cluster: KubeEmulator, operator: RunningOperator, stats: StubStats,
                                      ready_pool: dict[str, Any]) -> None:
-    agent = cluster.get(DS, "local-shm-agent", POOL_NS)
-    assert agent is not None
-    labels = agent["spec"]["template"]["metadata"]["labels"]
-    cluster.create({"apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"name": "local-shm-agent-abcde", "namespace": POOL_NS, "labels": labels},
-                    "spec": {"nodeName": "node-1", "containers": [{"name": "agent", "image": "x"}]},
-                    "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}})
+    fake_agent_pod(cluster, "local-shm", "node-1", "10.1.2.3")
     stats.answers["http://10.1.2.3:9400/status"] = {"capacity_bytes": 1 << 30, "used_bytes": 3 << 20, "chunks": 12}
     settle(operator)
-    p = cluster.wait_for(MP, "local-shm", None, lambda o: o["status"].get("used") == "3Mi")
+    p = cluster.wait_for(MP, "local-shm", None, lambda o: o.get("status", {}).get("used") == "3Mi")
     assert p["status"]["nodes"] == [{"node": "node-1", "device": "/dev/shm/maru-pool", "capacity": "1Gi",
                                      "ready": True}]
     stats.answers["http://10.1.2.3:9400/status"] = None  # the daemon stops answering
     settle(operator)
-    p = cluster.wait_for(MP, "local-shm", None, lambda o: o["status"].get("used") == "")
+    p = cluster.wait_for(MP, "local-shm", None, lambda o: o.get("status", {}).get("used") == "")
     assert ready(p)
 
 
@@ -304,3 +299,40 @@ def test_kubectl_apply_examples(cluster: KubeEmulator, operator: RunningOperator
     cluster.wait_for(IG, "qwen-7b", "llm", ready)
     out = cluster.kubectl("get", "ig", "-n", "llm").stdout
     assert "qwen-7b" in out and "1/1" in out and "2/2" in out
+
+
+def test_restart_writes_nothing(cluster: KubeEmulator, operator: RunningOperator, stats: StubStats,
+                                ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    wait_group_ready(cluster)
+    cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {})["boundGroups"] == 1)
+    settle(operator)
+    operator.stop()
+    mark = cluster.mark()
+    restarted = RunningOperator(cluster, stats, resync_seconds=3600, workers=4).start()
+    try:
+        settle(restarted)
+        settle(restarted)
+        writes = cluster.writes_since(mark)
+        assert writes == [], [f"{r.method} {r.path}" for r in writes]
+        # ... and it is alive: a change made now is acted on.
+        cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 1}}}, GROUP_NS)
+        cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 1)
+    finally:
+        restarted.stop()
+
+
+def test_watched_namespaces_only(cluster: KubeEmulator, stats: StubStats) -> None:
+    create_namespace(cluster, "elsewhere")
+    op = RunningOperator(cluster, stats, resync_seconds=3600, workers=2, namespaces=[GROUP_NS, POOL_NS]).start()
+    try:
+        cluster.create(pool())
+        cluster.wait_for(MP, "local-shm", None, ready)  # cluster-scoped pools are always served
+        cluster.create(group())
+        cluster.create(group(namespace="elsewhere"))
+        wait_group_ready(cluster)
+        settle(op)
+        assert cluster.get(DEPLOY, "qwen-prefill", "elsewhere") is None
+        assert "status" not in (cluster.get(IG, "qwen", "elsewhere") or {})
+    finally:
+        op.stop()
