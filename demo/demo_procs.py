@@ -138,6 +138,12 @@ class Supervisor:
             child.stopped = True
         return report
 
+    def stop_one(self, child: Child, grace_s: float = 15.0) -> str:
+        if child.stopped:
+            return f"{child.name} (pid {child.pid}) already stopped"
+        child.stopped = True
+        return self._stop(child, grace_s)
+
     def _stop(self, child: Child, grace_s: float) -> str:
         pgid = child.pid  # start_new_session makes the child its group's leader
         if child.alive():
@@ -164,6 +170,10 @@ class Supervisor:
         if group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
             how += ", leftover group members killed"
+            # SIGKILL is asynchronous: return only once they are really gone.
+            deadline = time.monotonic() + 10.0
+            while group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return f"{child.name} (pid {child.pid}) {how}"
 
 

@@ -82,7 +82,10 @@ def _run_demo(
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any], Path]:
     tmp = tmp_path_factory.mktemp("demo")
     summary_path, logs = tmp / "summary.json", tmp / "logs"
-    rc, out = _run_demo(["--json-out", str(summary_path), "--keep-logs", str(logs)], RUN_TIMEOUT_S)
+    # --show-uncapped as well: it proves the exact-multiple prompt really is a killer, so that
+    # "decode alive" below is not passing for want of a dangerous request.
+    rc, out = _run_demo(["--json-out", str(summary_path), "--keep-logs", str(logs), "--show-uncapped"],
+                        RUN_TIMEOUT_S)
     assert summary_path.exists(), f"the demo wrote no summary (exit {rc}):\n{out}"
     return rc, out, json.loads(summary_path.read_text()), logs
 
@@ -145,9 +148,16 @@ def test_decode_survives_the_exact_multiple_prompt(demo: tuple[int, str, dict[st
     assert follow["error"] is None and follow["text"]
 
 
+def test_without_the_cap_the_same_prompt_kills_decode(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    _, _, summary, logs = demo
+    uncapped = summary["uncapped"]
+    assert uncapped["died"], (uncapped, _explain(demo))
+    assert "num_new_tokens > 0" in (logs / "decode-uncapped.log").read_text(errors="replace")
+
+
 def test_prints_progress_and_the_table(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     _, out, _, _ = demo
-    assert "[1/7]" in out and "[7/7]" in out
+    assert "[1/8]" in out and "[8/8]" in out
     assert "decode from pool/computed" in out
     assert "TTFT through the router" in out
 
@@ -155,7 +165,7 @@ def test_prints_progress_and_the_table(demo: tuple[int, str, dict[str, Any], Pat
 def test_no_process_is_left_behind(demo: tuple[int, str, dict[str, Any], Path], demo_procs: ModuleType) -> None:
     _, _, summary, _ = demo
     names = {p["name"] for p in summary["processes"]}
-    assert names == {"pool", "prefill", "decode", "router"}
+    assert names == {"pool", "prefill", "decode", "router", "decode-uncapped"}
     assert summary["leftover_pids"] == []
     assert demo_procs.pids_with_run_id(summary["run_id"]) == []
     for p in summary["processes"]:
