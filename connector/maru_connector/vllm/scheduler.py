@@ -8,7 +8,8 @@ worker half does all copying.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from maru_connector import hits
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-HitRule = Any  # signature of hits.capped_hit_tokens
+# hits.capped_hit_tokens, or (in one test) the uncapped rule it replaces; keyword arguments only.
+HitRule = Callable[..., int]
 
 
 @dataclass
@@ -39,11 +41,6 @@ class _Tracked:
     # From the last lookup: local tokens the engine held then, and pool chunks hit.
     local_tokens: int = 0
     chunks_hit: int = 0
-
-
-@dataclass
-class _Plan:
-    loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)
 
 
 class MaruScheduler:
@@ -72,7 +69,7 @@ class MaruScheduler:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._fingerprints: list[bytes] | None = None
         self._tracked: dict[str, _Tracked] = {}  # req_id -> state, from first sight to finish
-        self._plan = _Plan()
+        self._loads: dict[str, list[ChunkLoad]] = {}  # req_id -> load plan for the next step
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, "scheduler", self.stats)
 
@@ -176,7 +173,11 @@ class MaruScheduler:
         step). Decides on ``num_external_tokens`` only, as the base class asks.
         """
         tracked = self._track(request)
-        if num_external_tokens <= 0 or not self.active:
+        if not self.active:
+            return
+        # Chunks the pool already holds need no store, whether or not they are loaded.
+        tracked.handled = max(tracked.handled, tracked.chunks_hit)
+        if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
         start, end = tracked.local_tokens, tracked.local_tokens + num_external_tokens
@@ -189,10 +190,8 @@ class MaruScheduler:
                 (j, block_ids[base + j]) for j in range(self.blocks_per_chunk) if first_block <= base + j < end_block
             )
             plan.append(ChunkLoad(keys=keys[chunk], slots=slots))
-        self._plan.loads[request.request_id] = plan
+        self._loads[request.request_id] = plan
         self.stats.count(common.HIT_TOKENS, num_external_tokens)
-        # Chunks the pool already holds need no store.
-        tracked.handled = max(tracked.handled, tracked.chunks_hit)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
         """The step's loads (planned at allocation) and saves (chunks this step completes).
@@ -201,8 +200,8 @@ class MaruScheduler:
         its last token, whatever the chunked-prefill budget did to earlier steps, so saved bytes
         always match their key. Does not modify ``scheduler_output``.
         """
-        meta = MaruConnectorMetadata(loads=self._plan.loads)
-        self._plan = _Plan()
+        meta = MaruConnectorMetadata(loads=self._loads)
+        self._loads = {}
         if not (self.saves_enabled and self.active):
             return meta
         block_state = scheduler_output.kv_connector_block_state
@@ -239,7 +238,7 @@ class MaruScheduler:
         finished its KV is already committed and nothing still reads its blocks.
         """
         self._tracked.pop(request.request_id, None)
-        self._plan.loads.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         return False, None
 
     def shutdown(self) -> None:
