@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("-f", "--filename", action="append", required=True,
                         help="a YAML file or a directory of them (repeatable)")
     render.add_argument("--pool-namespace", default=None, help="namespace of the pool daemons")
+
+    rbac = sub.add_parser("rbac", help="print the ClusterRole the operator needs")
+    rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole")
     return parser
 
 
@@ -45,6 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "render":
         return _render(args)
+    if args.command == "rbac":
+        import yaml
+
+        from maru_operator.rbac import RULES, cluster_role
+
+        for groups, resources, verbs, why in RULES:
+            print(f"# {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
+        sys.stdout.write(yaml.safe_dump(cluster_role(args.name), sort_keys=False))
+        return 0
     return _run(args)
 
 

@@ -158,3 +158,12 @@ def test_render_reports_an_invalid_group(tmp_path: pathlib.Path) -> None:
     result = run_cli("render", "-f", str(path))
     assert result.returncode == 1
     assert "spec.decode.tensorParallelSize" in result.stderr
+
+
+def test_rbac_prints_a_cluster_role() -> None:
+    result = run_cli("rbac")
+    assert result.returncode == 0, result.stderr
+    role = yaml.safe_load(result.stdout)
+    assert role["kind"] == "ClusterRole"
+    kubernetes_validate.validate(role, "1.33", strict=True)
+    assert "# pods (core): get, list, watch" in result.stdout

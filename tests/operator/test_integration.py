@@ -285,6 +285,7 @@ def test_pool_usage_from_the_daemons(cluster: KubeEmulator, operator: RunningOpe
     assert ready(p)
 
 
+@pytest.mark.tools
 def test_kubectl_apply_examples(cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any) -> None:
     from tests.operator.conftest import ROOT
 

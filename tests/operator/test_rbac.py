@@ -1,0 +1,69 @@
+"""Every request the operator makes is allowed by the ClusterRole it documents (``maru-operator rbac``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from maru_operator.rbac import allows, cluster_role
+from tests.k8s.fixtures import KubeEmulator
+from tests.operator.conftest import GROUP_NS, RunningOperator, group, has_condition, pool, settle
+
+DISCOVERY = {"/api", "/apis", "/version"}
+
+
+def permission(method: str, path: str, watch: bool) -> tuple[str, str, str] | None:
+    """(verb, apiGroup, resource[/subresource]) of a request; None for discovery."""
+    segs = [s for s in path.split("/") if s]
+    if path in DISCOVERY or not segs:
+        return None
+    if segs[0] == "api":
+        group, rest = "", segs[2:]
+    else:
+        group, rest = segs[1], segs[3:]
+    if not rest:
+        return None  # /api/v1, /apis/<group>/<version>: discovery
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        rest = rest[2:]
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    named = len(rest) > 1
+    verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method)
+    if verb is None:
+        verb = "watch" if watch else ("get" if named else "list")
+    return verb, group, resource
+
+
+def test_cluster_role_is_valid() -> None:
+    kubernetes_validate.validate(cluster_role(), "1.33", strict=True)
+    assert "&id" not in yaml.safe_dump(cluster_role())
+
+
+@pytest.mark.emulator
+def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperator) -> None:
+    cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1)
+    cluster.create(pool())
+    cluster.create(group())
+    cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+    cluster.patch("inferencegroups.maru.io", "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
+    cluster.wait_gone("deployments.apps", "qwen-router", GROUP_NS)
+    cluster.delete("marupools.maru.io", "local-shm")
+    cluster.wait_for("marupools.maru.io", "local-shm", None, lambda p: has_condition(p, "InUse", "True"))
+    cluster.delete("inferencegroups.maru.io", "qwen", GROUP_NS)
+    cluster.wait_gone("marupools.maru.io", "local-shm")
+    settle(operator, resync=False)
+    denied: set[Any] = set()
+    used: set[Any] = set()
+    for r in cluster.requests:
+        perm = permission(r.method, r.path, r.is_watch)
+        if perm is None:
+            continue
+        used.add(perm)
+        if not allows(*perm):
+            denied.add((perm, r.path))
+    assert not denied, sorted(denied)
+    assert ("patch", "maru.io", "marupools") in used  # the finalizer
+    assert ("delete", "apps", "deployments") in used  # pruning
+    assert ("list", "", "pods") in used
