@@ -72,7 +72,9 @@ def group_progressing(rolling: list[str], gen: int | None) -> Condition:
 
 def group_degraded(problems: list[str], gen: int | None) -> Condition:
     if problems:
-        return condition(DEGRADED, True, "ReplicasUnavailable", "; ".join(problems), gen)
+        # The first problem names the reason: replicas first, then the pool.
+        reason = "PoolDegraded" if problems[0].startswith("MaruPool ") else "ReplicasUnavailable"
+        return condition(DEGRADED, True, reason, "; ".join(problems), gen)
     return condition(DEGRADED, False, "AllReplicasAvailable", "", gen)
 
 

@@ -30,7 +30,7 @@ from maru_operator.builders.pool import (
 )
 from maru_operator.cache import Key, Store, key_of
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
-from maru_operator.reconcile import patch_for, plan
+from maru_operator.reconcile import is_subset, patch_for, plan
 from maru_operator.status import (
     PoolObservation,
     bind,
@@ -84,7 +84,8 @@ class Controller:
         for obj in creates:
             now[key_of(obj)] = await self._create(obj)
         for obj, patch in updates:
-            now[key_of(obj)] = await self._patch(obj, patch)
+            differs = is_subset(obj, actual[key_of(obj)])
+            now[key_of(obj)] = await self._patch(obj, patch, differs or "?")
         for obj in deletes:
             key = key_of(obj)
             if key in keep:
@@ -115,7 +116,7 @@ class Controller:
         self.store.put(created)
         return created
 
-    async def _patch(self, obj: Object, patch: Object) -> Object:
+    async def _patch(self, obj: Object, patch: Object, differs: str) -> Object:
         kind, ns, name = key_of(obj)
         try:
             patched = await self.kube.patch(kind, ns, name, patch)
@@ -124,7 +125,7 @@ class Controller:
                 raise
             return await self._create(obj)
         metrics.WRITES.labels(kind, "patch").inc()
-        log.info("updated %s %s/%s to match its owner's spec", kind, ns, name)
+        log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, differs)
         self.store.put(patched)
         return patched
 
@@ -293,5 +294,6 @@ class Controller:
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
                "NoNodesSelected"}
-_WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable"}
+_WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable",
+               "PoolDegraded"}
 

@@ -161,9 +161,10 @@ async def _resync(every: float) -> None:
 
 
 def _pool_fingerprint(body: dict[str, Any]) -> Any:
-    """What groups depend on: the pool's spec, whether it is going away, whether it is ready."""
-    ready = [c.get("status") for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
-    return repr((body.get("spec"), bool(body.get("metadata", {}).get("deletionTimestamp")), ready))
+    """What groups depend on: the pool's spec, whether it is going away, whether it is ready or degraded."""
+    health = [(c.get("type"), c.get("status"), c.get("message")) for c in (body.get("status") or {}).get(
+        "conditions") or [] if c.get("type") in ("Ready", "Degraded")]
+    return repr((body.get("spec"), bool(body.get("metadata", {}).get("deletionTimestamp")), health))
 
 
 @kopf.on.event(GROUP, VERSION, "marupools")

@@ -120,6 +120,7 @@ class Binding:
     message: str
     pool: PoolView | None = None
     revoke: bool = False  # access was taken away: running vLLM pods must stop using the pool
+    pool_problem: str = ""  # the pool serves, but not fully (its Degraded message)
 
 
 def bind(group_namespace: str, spec: InferenceGroupSpec, pool_body: Object | None) -> Binding:
@@ -145,7 +146,9 @@ def bind(group_namespace: str, spec: InferenceGroupSpec, pool_body: Object | Non
         detail = f" ({ready.reason}: {ready.message})" if ready and ready.message else ""
         return Binding(False, "PoolNotReady", f"MaruPool {name} is not ready{detail}; waiting for it")
     view = PoolView(name=name, spec=pool_spec)
-    return Binding(True, "Bound", f"bound to MaruPool {name} at {view.endpoint}", view)
+    degraded = cond.get(pool_conditions, cond.DEGRADED)
+    problem = f"MaruPool {name} is degraded: {degraded.message}" if degraded and degraded.status == "True" else ""
+    return Binding(True, "Bound", f"bound to MaruPool {name} at {view.endpoint}", view, pool_problem=problem)
 
 
 def _role_status(dep: Object | None) -> RoleStatus:
@@ -206,6 +209,8 @@ def group_status(
             problems.append(problem)
         if roles[role].ready < roles[role].desired or (roles[role].desired == 0 and role != "router"):
             waiting.append(f"{role} {roles[role].summary} ready")
+    if binding.pool_problem:
+        problems.append(binding.pool_problem)
     gen = generation
     base = [
         cond.pool_bound(binding.ok, binding.reason, binding.message, gen),

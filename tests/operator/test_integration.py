@@ -337,3 +337,14 @@ def test_watched_namespaces_only(cluster: KubeEmulator, stats: StubStats) -> Non
         assert "status" not in (cluster.get(IG, "qwen", "elsewhere") or {})
     finally:
         op.stop()
+
+
+def test_pool_semantic_error(cluster: KubeEmulator, operator: RunningOperator) -> None:
+    cluster.create(pool(daemon={"socketDir": "/" + "s" * 100}))
+    p = cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
+    assert "spec.daemon.socketDir" in condition_of(p, "Ready")["message"]
+    assert wait_event(cluster, "default", "local-shm", "InvalidSpec")["type"] == "Warning"
+    settle(operator)
+    assert cluster.list(DS, POOL_NS) == []
+    cluster.patch(MP, "local-shm", {"spec": {"daemon": {"socketDir": "/run/maru"}}})
+    cluster.wait_for(MP, "local-shm", None, ready)

@@ -215,3 +215,15 @@ class TestConditions:
 
     def test_unknown(self) -> None:
         assert cond.condition("X", None, "R", "", None).status == "Unknown"
+
+
+def test_degraded_pool_degrades_its_groups() -> None:
+    body = pool_body()
+    body["status"]["conditions"].append({"type": "Degraded", "status": "True", "reason": "AgentsUnavailable",
+                                         "message": "1 of 2 node agents are not ready"})
+    b = bind("llm", group_spec(), body)
+    assert b.ok and "1 of 2" in b.pool_problem
+    children = TestGroupStatus().children()
+    st = group_status(group_spec(), 1, b, children, InferenceGroupStatus(), endpoint="", now=NOW)
+    assert types(st.conditions)["Degraded"] == ("True", "PoolDegraded")
+    assert types(st.conditions)["Ready"] == ("True", "Serving")  # still serving, without KV sharing on one node
