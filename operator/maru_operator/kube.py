@@ -7,6 +7,7 @@ library's models. Responses are plain dicts, exactly as the server sent them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -158,6 +159,31 @@ class Kube:
     async def request(
         self, method: str, url: str, *, body: Any = None, content_type: str = "application/json",
         params: dict[str, str] | None = None, what: str = "",
+    ) -> Any:
+        try:
+            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what)
+        except ApiError as err:
+            if err.status != 401 or not self._relogin():
+                raise
+            # Service account tokens are rotated on disk; read the current one and try once more.
+            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what)
+
+    def _relogin(self) -> bool:
+        try:
+            info = login()
+        except Exception as err:  # a failed re-login leaves the 401 to be reported
+            log.warning("re-login after HTTP 401 failed: %s", err)
+            return False
+        if info.token == self.info.token and info.certificate_data == self.info.certificate_data:
+            return False
+        self.info = info
+        if self._session is not None and not self._session.closed:
+            asyncio.get_running_loop().create_task(self._session.close())
+        self._session = None
+        return True
+
+    async def _request(
+        self, method: str, url: str, *, body: Any, content_type: str, params: dict[str, str] | None, what: str,
     ) -> Any:
         full = self.server + url + (("?" + urlencode(params)) if params else "")
         data = json.dumps(body) if body is not None else None

@@ -1,0 +1,68 @@
+"""The API client: paths, errors, and a rotated service-account token."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+import pytest
+from aiohttp import web
+
+from maru_operator import kube as kube_module
+from maru_operator.kube import ApiError, Kube, Unreachable, path
+
+
+def test_paths() -> None:
+    assert path("Deployment", "llm", "x") == "/apis/apps/v1/namespaces/llm/deployments/x"
+    assert path("MaruPool", "ignored", "p", "status") == "/apis/maru.io/v1alpha1/marupools/p/status"
+    assert path("Service", None) == "/api/v1/services"
+
+
+async def serve(handler: Any) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_rotated_token_is_picked_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        async def handler(request: web.Request) -> web.Response:
+            if request.headers.get("Authorization") != "Bearer new":
+                return web.json_response({"reason": "Unauthorized", "message": "token expired"}, status=401)
+            return web.json_response({"kind": "Service", "metadata": {"name": "x"}})
+
+        runner, url = await serve(handler)
+        monkeypatch.setattr(kube_module, "login", lambda **_: kopf.ConnectionInfo(server=url, token="new"))
+        try:
+            async with Kube(kopf.ConnectionInfo(server=url, token="old")) as client:
+                assert (await client.get("Service", "default", "x"))["metadata"]["name"] == "x"  # type: ignore[index]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_errors_carry_status_reason_and_what() -> None:
+    async def main() -> None:
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response({"reason": "Forbidden", "message": "no"}, status=403)
+
+        runner, url = await serve(handler)
+        try:
+            async with Kube(kopf.ConnectionInfo(server=url)) as client:
+                with pytest.raises(ApiError) as caught:
+                    await client.patch("Deployment", "llm", "x", {})
+                assert caught.value.status == 403 and "patch Deployment llm/x" in str(caught.value)
+        finally:
+            await runner.cleanup()
+        async with Kube(kopf.ConnectionInfo(server=url), timeout=2) as client:
+            with pytest.raises(Unreachable):
+                await client.list("Pod", "llm")
+
+    asyncio.run(main())
