@@ -166,6 +166,7 @@ class Supervisor:
             time.sleep(0.1)
         if group_alive(pgid):
             _signal_group(pgid, signal.SIGTERM)
+            how += ", rest of its group sent SIGTERM"
             time.sleep(1.0)
         if group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
