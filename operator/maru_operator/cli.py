@@ -13,6 +13,17 @@ from maru_operator import __version__
 log = logging.getLogger("maru_operator")
 
 
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="maru-operator", description="Maru P/D operator")
     parser.add_argument("--version", action="version", version=__version__)
@@ -33,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--standalone", action="store_true", default=True,
                      help="no peering: run exactly one replica (the default and only supported mode)")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    run.add_argument("--log-format", choices=["text", "json"], default="text",
+                     help="json: one JSON object per line, for log collectors")
 
     render = sub.add_parser("render", help="print the child manifests for MaruPool/InferenceGroup files")
     render.add_argument("-f", "--filename", action="append", required=True,
@@ -80,10 +93,10 @@ def _run(args: argparse.Namespace) -> int:
     from maru_operator import handlers
     from maru_operator.kube import Kube, login
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if args.log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     # kopf's per-event debug lines drown ours at scale.
     logging.getLogger("kopf").setLevel(logging.INFO if args.verbose else logging.WARNING)
     pool_namespace = args.pool_namespace or handlers.default_pool_namespace()

@@ -149,6 +149,9 @@ class Controller:
                 c.type in (cond.DEGRADED, cond.IN_USE) and c.status == "True" and c.reason in _WARN_OTHER
             )
             good = c.type == cond.READY and c.status == "True"
+            kind, ns, name = key_of(body)
+            log.log(logging.WARNING if bad else logging.INFO, "%s %s: %s=%s (%s) %s", kind,
+                    f"{ns}/{name}" if ns else name, c.type, c.status, c.reason, c.message)
             if bad or good:
                 await self.kube.event(body, type_="Warning" if bad else "Normal", reason=c.reason,
                                       message=c.message or c.reason, now=self.clock())

@@ -52,7 +52,8 @@ def operator_process(cluster: KubeEmulator, tmp_path: pathlib.Path) -> Iterator[
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", "maru-system",
-         "--liveness", f"http://127.0.0.1:{liveness}/healthz", "--metrics-port", str(metrics)],
+         "--liveness", f"http://127.0.0.1:{liveness}/healthz", "--metrics-port", str(metrics),
+         "--log-format", "json"],
         env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )
     info = {"proc": proc, "liveness": liveness, "metrics": metrics, "log": log_path}
@@ -86,6 +87,12 @@ def test_run_as_a_process(cluster: KubeEmulator, operator_process: dict[str, Any
     proc = operator_process["proc"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0, operator_process["log"].read_text()[-3000:]
+    import json
+
+    entries = [json.loads(line) for line in operator_process["log"].read_text().splitlines() if line.startswith("{")]
+    messages = [e["message"] for e in entries]
+    assert "created Deployment llm/qwen-prefill" in messages
+    assert any(m.startswith("InferenceGroup llm/qwen: Ready=True (Serving)") for m in messages)
 
 
 def test_no_cluster_exits_with_the_server_named(tmp_path: pathlib.Path) -> None:
