@@ -7,7 +7,8 @@ rendered against the pool of the same name in the input (or as if its pool had t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,13 @@ def load_documents(paths: Iterable[str | Path]) -> list[Object]:
     return docs
 
 
-def render_objects(docs: list[Object], pool_namespace: str) -> Iterator[Object]:
+def _stderr(message: str) -> None:
+    print(f"maru-operator render: warning: {message}", file=sys.stderr)
+
+
+def render_objects(
+    docs: list[Object], pool_namespace: str, warn: Callable[[str], None] = _stderr
+) -> Iterator[Object]:
     ours = [d for d in docs if d.get("apiVersion") == API_VERSION]
     pools = {d["metadata"]["name"]: MaruPoolSpec.model_validate(d.get("spec") or {})
              for d in ours if d.get("kind") == "MaruPool"}
@@ -55,7 +62,11 @@ def render_objects(docs: list[Object], pool_namespace: str) -> Iterator[Object]:
             if errors:
                 raise RenderError(f"InferenceGroup {owner.namespace}/{owner.name}: " + "; ".join(map(str, errors)))
             pool_name = spec.pool_ref.name
-            pool_spec = pools.get(pool_name) or MaruPoolSpec.model_validate({"backend": "shm", "size": "1Gi"})
+            pool_spec = pools.get(pool_name)
+            if pool_spec is None:
+                warn(f"MaruPool {pool_name} is not in the input: InferenceGroup {owner.namespace}/{owner.name} is "
+                     "rendered as if the pool had the default socketDir and no nodeSelector")
+                pool_spec = MaruPoolSpec.model_validate({"backend": "shm", "size": "1Gi"})
             yield from build_group_children(spec, owner, PoolView(pool_name, pool_spec))
 
 

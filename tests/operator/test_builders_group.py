@@ -105,9 +105,24 @@ class TestRoleDeployment:
         assert pod["nodeSelector"] == {"gpu": "h100"}
         assert [t["key"] for t in pod["tolerations"]] == ["cxl", "gpu"]
 
-    def test_no_affinity_when_pool_selects_every_node(self) -> None:
-        pod = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view(nodeSelector={}))
+    def test_no_node_affinity_when_pool_selects_every_node(self) -> None:
+        pod = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view(nodeSelector={}))
         assert "affinity" not in pod["spec"]["template"]["spec"]
+
+    def test_decode_prefers_prefill_nodes_on_shm(self) -> None:
+        dep = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view())
+        pod_affinity = dep["spec"]["template"]["spec"]["affinity"]["podAffinity"]
+        terms = pod_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+        selector = terms[0]["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        prefill = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
+        assert selector.items() <= prefill["spec"]["template"]["metadata"]["labels"].items()
+        assert terms[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert "podAffinity" not in prefill["spec"]["template"]["spec"]["affinity"]
+        from maru_operator.builders.group import PoolView
+        from tests.operator.helpers import dax_spec
+
+        dax = build_role_deployment(group_spec(), "decode", GROUP_OWNER, PoolView("pool", dax_spec()))
+        assert "podAffinity" not in dax["spec"]["template"]["spec"]["affinity"]
 
     def test_socket_mount_and_shm(self) -> None:
         dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())

@@ -159,6 +159,15 @@ def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
     assert rendered[1:] == expected
 
 
+def test_render_warns_about_a_missing_pool(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "group.yaml"
+    path.write_text(yaml.safe_dump(group()))
+    result = run_cli("render", "-f", str(path))
+    assert result.returncode == 0
+    assert "MaruPool local-shm is not in the input" in result.stderr
+    assert {d["metadata"]["name"] for d in yaml.safe_load_all(result.stdout) if d} >= {"qwen-prefill", "qwen"}
+
+
 def test_render_reports_an_invalid_group(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(group(prefill={"tensorParallelSize": 2})))

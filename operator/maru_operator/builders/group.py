@@ -184,7 +184,16 @@ def build_role_deployment(
         ],
         "terminationGracePeriodSeconds": 60,
     }
-    affinity = pool_node_affinity(pool.spec)
+    affinity = pool_node_affinity(pool.spec) or {}
+    if pool.spec.backend == "shm" and role == "decode":
+        # An shm pool is one independent pool per node: decode finds prefill's KV only on prefill's node.
+        affinity["podAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {
+                "labelSelector": {"matchLabels": discovery_selector(owner, "prefill")},
+                "topologyKey": "kubernetes.io/hostname",
+            },
+        }]}
     if affinity:
         pod_spec["affinity"] = affinity
     if role_spec.node_selector:
