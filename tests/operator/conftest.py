@@ -67,14 +67,28 @@ def create_namespace(kube: KubeEmulator, name: str) -> None:
         kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 
 
+def prepare(kube: KubeEmulator, controllers: Any) -> KubeEmulator:
+    install_crds(kube)
+    for ns in (POOL_NS, GROUP_NS):
+        create_namespace(kube, ns)
+    controllers.add_node("node-1", {"maru.io/pool": "yes"})
+    return kube
+
+
 @pytest.fixture
 def cluster(k8s_emulator: KubeEmulator, kube_controllers: Any) -> KubeEmulator:
     """An emulated cluster with our CRDs, two namespaces and one pool node, controllers running."""
-    install_crds(k8s_emulator)
-    for ns in (POOL_NS, GROUP_NS):
-        create_namespace(k8s_emulator, ns)
-    kube_controllers.add_node("node-1", {"maru.io/pool": "yes"})
-    return k8s_emulator
+    return prepare(k8s_emulator, kube_controllers)
+
+
+@pytest.fixture
+def pod_controllers(k8s_emulator: KubeEmulator) -> Iterator[Any]:
+    """Simulated controllers that also keep Pod objects (scheduled, with IPs, Ready per readiness)."""
+    from tests.k8s.controllers import KubeControllers
+
+    with KubeControllers(k8s_emulator, pods=True) as controllers:
+        prepare(k8s_emulator, controllers)
+        yield controllers
 
 
 class StubStats:

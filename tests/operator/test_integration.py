@@ -348,3 +348,32 @@ def test_pool_semantic_error(cluster: KubeEmulator, operator: RunningOperator) -
     assert cluster.list(DS, POOL_NS) == []
     cluster.patch(MP, "local-shm", {"spec": {"daemon": {"socketDir": "/run/maru"}}})
     cluster.wait_for(MP, "local-shm", None, ready)
+
+
+def test_partly_ready_pool_with_real_pods(k8s_emulator: KubeEmulator, pod_controllers: Any, stats: StubStats) -> None:
+    """Per-node entries come from the agent pods; a node whose agent is down degrades the pool and its groups."""
+    kube = k8s_emulator
+    pod_controllers.add_node("node-2", {"maru.io/pool": "yes"})
+    pod_controllers.add_node("gpu-only", {})
+    op = RunningOperator(kube, stats, resync_seconds=3600, workers=2).start()
+    try:
+        stats.default = {"capacity_bytes": 1 << 30, "used_bytes": 1 << 20}
+        kube.create(pool())
+        p = kube.wait_for(MP, "local-shm", None, lambda o: ready(o) and o.get("status", {}).get("used") == "2Mi")
+        assert [(n["node"], n["ready"]) for n in p["status"]["nodes"]] == [("node-1", True), ("node-2", True)]
+        assert p["status"]["capacity"] == "2Gi"
+        kube.create(group())
+        wait_group_ready(kube)
+        pod_controllers.set_readiness(lambda obj: 1 if obj["kind"] == "DaemonSet" else True)
+        p = kube.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Degraded", "True", "AgentsUnavailable"))
+        assert has_condition(p, "Ready", "True")
+        settle(op)
+        p = kube.get(MP, "local-shm")
+        assert p is not None
+        assert sorted(n["ready"] for n in p["status"]["nodes"]) == [False, True]
+        assert p["status"]["capacity"] == "1Gi"
+        assert p["status"]["used"] == "1Mi"  # only ready nodes' daemons count
+        ig = kube.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Degraded", "True", "PoolDegraded"))
+        assert "1 of 2 node agents" in condition_of(ig, "Degraded")["message"]
+    finally:
+        op.stop()
