@@ -61,6 +61,9 @@ ENGINE_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# The connector's own counters, exported by each engine as vllm:maru_connector_<name>_total.
+CONNECTOR_COUNTERS = ("hit_tokens", "loaded_chunks", "load_failed_chunks", "checksum_mismatches", "saved_chunks",
+                      "pool_errors")
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -211,8 +214,6 @@ def kv_transfer_config(role: str, pool_url: str, uncapped: bool = False) -> str:
 
     cfg = MaruConnectorConfig(pool_url=pool_url, chunk_tokens=CHUNK_TOKENS, cache_namespace="demo/tiny")
     ktc = build(role, cfg)  # type: ignore[arg-type]
-    # A chunk that fails its checksum is recomputed rather than failing the request.
-    ktc.setdefault("kv_load_failure_policy", "recompute")
     if uncapped:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = "UncappedMaruConnector", "demo_uncapped"
     return json.dumps(ktc, sort_keys=True, separators=(",", ":"))
@@ -509,6 +510,30 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
     return checks
 
 
+def connector_counters(d: Demo) -> dict[str, dict[str, int]]:
+    """Run totals of the connector's counters per engine (absent when the connector exports none)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, url in (("prefill", d.prefill_url), ("decode", d.decode_url)):
+        try:
+            samples = scrape(url + "/metrics")
+        except RuntimeError:
+            continue
+        present = {n for n, _ in samples}
+        out[name] = {c: int(metric_sum(samples, f"vllm:maru_connector_{c}_total")) for c in CONNECTOR_COUNTERS
+                     if f"vllm:maru_connector_{c}_total" in present}
+    return out
+
+
+def connector_checks(counters: dict[str, dict[str, int]]) -> dict[str, bool]:
+    """Every chunk decode loaded was intact, and no pool call failed (judged only where exported)."""
+    dec = counters.get("decode", {})
+    if "load_failed_chunks" not in dec:
+        return {}
+    bad = sum(side.get(k, 0) for side in counters.values()
+              for k in ("load_failed_chunks", "checksum_mismatches", "pool_errors"))
+    return {"no_failed_loads_or_pool_errors": bad == 0}
+
+
 def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]) -> None:
     colds, repeats = _of(results, "cold"), _of(results, "repeated")
     ex = d.summary["exact_multiple"]
@@ -529,6 +554,13 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
         f"{yes[checks['decode_alive_after_exact_multiple']]}")
     say(f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
         f"same as the prefill engine alone: {yes[checks['matches_prefill_only_reference']]}")
+    conn = d.summary.get("connector", {})
+    if conn.get("decode"):
+        p, dc = conn.get("prefill", {}), conn["decode"]
+        say(f"connector (vllm:maru_connector_*): prefill saved {p.get('saved_chunks', '?')} chunks; decode loaded "
+            f"{dc.get('loaded_chunks', '?')} chunks ({dc.get('hit_tokens', '?')} tokens), "
+            f"{dc.get('load_failed_chunks', 0)} failed loads, {dc.get('checksum_mismatches', 0)} checksum "
+            f"mismatches; pool errors {p.get('pool_errors', 0) + dc.get('pool_errors', 0)}")
     pool = d.summary.get("pool_status", {}).get("stats", {})
     if pool:
         say(f"pool: {pool.get('chunks', 0)} chunks, {pool.get('used_bytes', 0) / 2**20:.1f} MiB used, "
@@ -698,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = reference(d)
             checks = evaluate(d, results, ref)
             d.summary["pool_status"] = get_json(d.pool_http + "/status")
+            d.summary["connector"] = connector_counters(d)
+            checks.update(connector_checks(d.summary["connector"]))
             s["detail"] = f"{len(results) + 1} requests, {sum(r.error is not None for r in results)} failed"
         if args.show_uncapped:
             with step("the same exact-multiple prompt, decode engine WITHOUT the cap") as s:

@@ -148,6 +148,19 @@ def test_decode_survives_the_exact_multiple_prompt(demo: tuple[int, str, dict[st
     assert follow["error"] is None and follow["text"]
 
 
+def test_connector_counters_agree_with_vllms_accounting(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    _, _, summary, _ = demo
+    decode = summary["connector"].get("decode", {})
+    if "hit_tokens" not in decode:
+        pytest.fail(f"the decode engine exports no vllm:maru_connector_* counters: {summary['connector']}")
+    # Two independent ledgers of the same tokens: the connector's, and vLLM's per-source prompt counts.
+    from_pool = sum(r["decode"].get("from_pool", 0) for r in summary["requests"] if r["decode"])
+    assert decode["hit_tokens"] == from_pool
+    assert decode["loaded_chunks"] > 0
+    assert decode.get("load_failed_chunks", 0) == 0 and decode.get("checksum_mismatches", 0) == 0
+    assert summary["connector"]["prefill"]["saved_chunks"] == summary["pool_status"]["stats"]["commits"]
+
+
 def test_without_the_cap_the_same_prompt_kills_decode(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     _, _, summary, logs = demo
     uncapped = summary["uncapped"]
