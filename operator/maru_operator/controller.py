@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class Controller:
 
     # --- shared ---------------------------------------------------------------------------------
 
-    async def apply(self, owner: Key, desired: list[Object], keep: set[Key] = frozenset()) -> dict[Key, Object]:  # type: ignore[assignment]
+    async def apply(self, owner: Key, desired: list[Object], keep: Collection[Key] = ()) -> dict[Key, Object]:
         """Create, patch and delete children so they match ``desired``; return what is there now."""
         actual = self.store.children(owner)
         creates, updates, deletes = plan(desired, actual)
@@ -176,7 +176,9 @@ class Controller:
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         owner = Owner.from_body(body)
         deleting = bool(meta.get("deletionTimestamp"))
-        bound = [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(name)]
+        allowed = spec.allowed_namespaces
+        # Groups refused by allowedNamespaces never got pods using this pool: they do not hold it.
+        bound = [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(name) if allowed is None or ns in allowed]
         finalizers = list(meta.get("finalizers") or [])
 
         if deleting:

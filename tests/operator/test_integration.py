@@ -170,6 +170,10 @@ def test_namespace_not_allowed(cluster: KubeEmulator, operator: RunningOperator)
     wait_group_ready(cluster)
     cluster.patch(MP, "local-shm", {"spec": {"allowedNamespaces": ["prod"]}})
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 0)
+    # A group refused by the pool does not hold it: the pool can be deleted.
+    cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {}).get("boundGroups") == 0)
+    cluster.delete(MP, "local-shm")
+    cluster.wait_gone(MP, "local-shm")
 
 
 def test_pool_deletion_waits_for_bound_groups(cluster: KubeEmulator, operator: RunningOperator,
