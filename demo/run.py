@@ -81,6 +81,14 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ------------------------------------------------------------------------------------------ output
 
 
+class Interrupted(BaseException):
+    """Ctrl-C, SIGTERM or SIGHUP, raised where the demo happens to be, so the cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class Progress:
     def __init__(self, total: int) -> None:
         self.total = total
@@ -95,6 +103,9 @@ class Progress:
         result = {"detail": "done"}
         try:
             yield result
+        except Interrupted:
+            print("interrupted", flush=True)
+            raise
         except BaseException:
             print("FAILED", flush=True)
             raise
@@ -668,12 +679,6 @@ def print_operator(d: Demo) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
-class Interrupted(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
@@ -813,7 +818,8 @@ def _cleanup(d: Demo, results: list[RequestResult], ref: RequestResult | None, c
     if d.args.json_out:
         d.args.json_out.write_text(json.dumps(d.summary, indent=2, default=str))
     shutil.rmtree(d.workdir, ignore_errors=True)
-    say(f"{'done' if rc == 0 else 'FAILED'} in {time.monotonic() - started:.0f}s")
+    outcome = "done" if rc == 0 else "interrupted" if rc > 128 else "FAILED"
+    say(f"{outcome} in {time.monotonic() - started:.0f}s")
     return rc
 
 
