@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rbac = sub.add_parser("rbac", help="print the ClusterRole the operator needs")
     rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole")
+    rbac.add_argument("--namespaced", action="store_true", help="the rules for a run with --namespace")
     return parser
 
 
@@ -64,11 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rbac":
         import yaml
 
-        from maru_operator.rbac import RULES, cluster_role
+        from maru_operator.rbac import cluster_role, rules
 
-        for groups, resources, verbs, why in RULES:
+        for groups, resources, verbs, why in rules(args.namespaced):
             print(f"# {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
-        sys.stdout.write(yaml.safe_dump(cluster_role(args.name), sort_keys=False))
+        sys.stdout.write(yaml.safe_dump(cluster_role(args.name, args.namespaced), sort_keys=False))
         return 0
     return _run(args)
 

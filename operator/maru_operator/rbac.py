@@ -13,10 +13,10 @@ MANAGE = ["get", "list", "watch", "create", "patch", "delete"]
 
 # (apiGroups, resources, verbs, why)
 RULES: list[tuple[list[str], list[str], list[str], str]] = [
-    (["maru.io"], ["marupools", "inferencegroups"], [*READ, "patch"],
-     "watch the custom resources; patch adds and removes the pool's in-use finalizer"),
-    (["maru.io"], ["marupools/status", "inferencegroups/status"], ["get", "patch"],
-     "write status (only when it changed)"),
+    (["maru.io"], ["marupools"], [*READ, "patch"],
+     "watch the pools; patch adds and removes the pool's in-use finalizer"),
+    (["maru.io"], ["inferencegroups"], READ, "watch the groups (the operator writes only their status)"),
+    (["maru.io"], ["marupools/status", "inferencegroups/status"], ["patch"], "write status (only when it changed)"),
     (["apps"], ["deployments", "daemonsets"], MANAGE,
      "the vLLM, router and pool metadata Deployments, the pool agent DaemonSet; delete prunes unwanted ones"),
     ([""], ["services", "serviceaccounts"], MANAGE, "the router Service and ServiceAccount, the pool metadata Service"),
@@ -25,22 +25,32 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
     ([""], ["pods"], READ,
      "list the pool agents' pods for per-node status; also required to grant the router read access to pods "
      "(RBAC refuses to create a Role with permissions its creator lacks)"),
-    ([""], ["events"], ["create", "patch"],
-     "Events on groups and pools (pools' in the default namespace); kopf may patch its own"),
-    (["apiextensions.k8s.io"], ["customresourcedefinitions"], READ,
-     "kopf discovers the CRDs it serves and notices when they are installed or removed"),
+    ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),
+    (["apiextensions.k8s.io"], ["customresourcedefinitions"], ["list", "watch"],
+     "kopf notices when the CRDs it serves are installed or removed"),
 ]
 
 
-def cluster_role(name: str = "maru-operator") -> dict[str, Any]:
+# Only with --namespace: kopf lists and watches namespaces to follow the ones it serves.
+NAMESPACED_RULES: list[tuple[list[str], list[str], list[str], str]] = [
+    ([""], ["namespaces"], ["list", "watch"], "kopf follows the namespaces it serves (only with --namespace)"),
+]
+
+
+def rules(namespaced: bool = False) -> list[tuple[list[str], list[str], list[str], str]]:
+    return RULES + (NAMESPACED_RULES if namespaced else [])
+
+
+def cluster_role(name: str = "maru-operator", namespaced: bool = False) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "maru-operator"}},
         "rules": [{"apiGroups": list(groups), "resources": list(resources), "verbs": list(verbs)}
-                  for groups, resources, verbs, _ in RULES],
+                  for groups, resources, verbs, _ in rules(namespaced)],
     }
 
 
-def allows(verb: str, group: str, resource: str) -> bool:
-    return any(group in groups and resource in resources and verb in verbs for groups, resources, verbs, _ in RULES)
+def allows(verb: str, group: str, resource: str, namespaced: bool = False) -> bool:
+    return any(group in groups and resource in resources and verb in verbs
+               for groups, resources, verbs, _ in rules(namespaced))

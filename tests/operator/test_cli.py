@@ -183,3 +183,4 @@ def test_rbac_prints_a_cluster_role() -> None:
     assert role["kind"] == "ClusterRole"
     kubernetes_validate.validate(role, "1.33", strict=True)
     assert "# pods (core): get, list, watch" in result.stdout
+    assert "# inferencegroups (maru.io): get, list, watch:" in result.stdout

@@ -10,7 +10,7 @@ import yaml
 
 from maru_operator.rbac import allows, cluster_role
 from tests.k8s.fixtures import KubeEmulator
-from tests.operator.conftest import GROUP_NS, RunningOperator, group, has_condition, pool, settle
+from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
 DISCOVERY = {"/api", "/apis", "/version"}
 
@@ -41,6 +41,20 @@ def test_cluster_role_is_valid() -> None:
     assert "&id" not in yaml.safe_dump(cluster_role())
 
 
+def check_requests(kube: KubeEmulator, namespaced: bool) -> set[Any]:
+    denied: set[Any] = set()
+    used: set[Any] = set()
+    for r in kube.requests:
+        perm = permission(r.method, r.path, r.is_watch)
+        if perm is None:
+            continue
+        used.add(perm)
+        if not allows(*perm, namespaced=namespaced):
+            denied.add((perm, r.path))
+    assert not denied, sorted(denied)
+    return used
+
+
 @pytest.mark.emulator
 def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperator) -> None:
     cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1)
@@ -54,16 +68,29 @@ def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperat
     cluster.delete("inferencegroups.maru.io", "qwen", GROUP_NS)
     cluster.wait_gone("marupools.maru.io", "local-shm")
     settle(operator, resync=False)
-    denied: set[Any] = set()
-    used: set[Any] = set()
-    for r in cluster.requests:
-        perm = permission(r.method, r.path, r.is_watch)
-        if perm is None:
-            continue
-        used.add(perm)
-        if not allows(*perm):
-            denied.add((perm, r.path))
-    assert not denied, sorted(denied)
+    used = check_requests(cluster, namespaced=False)
     assert ("patch", "maru.io", "marupools") in used  # the finalizer
     assert ("delete", "apps", "deployments") in used  # pruning
     assert ("list", "", "pods") in used
+
+
+@pytest.mark.emulator
+def test_every_request_is_allowed_in_namespaced_mode(cluster: KubeEmulator, stats: StubStats) -> None:
+    op = RunningOperator(cluster, stats, resync_seconds=3600, workers=2, namespaces=[GROUP_NS, POOL_NS]).start()
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+        settle(op)
+    finally:
+        op.stop()
+    used = check_requests(cluster, namespaced=True)
+    assert ("watch", "", "namespaces") in used
+    # With --namespace the chart grants workload rights only inside those namespaces (RoleBindings):
+    # nothing may be listed or watched cluster-wide except what the cluster-wide role covers.
+    cluster_wide_ok = {"marupools", "customresourcedefinitions", "namespaces", "events"}
+    for r in cluster.requests:
+        perm = permission(r.method, r.path, r.is_watch)
+        if perm is None or perm[2].split("/")[0] in cluster_wide_ok:
+            continue
+        assert any(f"/namespaces/{ns}/" in r.path for ns in (GROUP_NS, POOL_NS)), f"{r.method} {r.path}"
