@@ -22,7 +22,8 @@ NO_POOL = "unix:///nonexistent/maru/pool.sock"
 
 
 def make(url: str = NO_POOL, *, loads: bool = True, saves: bool = True, hash_algo: str = "sha256") -> MaruScheduler:
-    cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK})
+    extra = {"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
+    cfg = MaruConnectorConfig.from_extra_config(extra)
     sched = MaruScheduler(
         fakes.vllm_config(hash_algo=hash_algo), fakes.kv_cache_config(), cfg, loads=loads, saves=saves
     )
@@ -119,7 +120,8 @@ def test_partial_pool_hit_counts_leading_chunks_only(pool) -> None:
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
 
 
-def test_pool_down_is_a_miss_then_backs_off() -> None:
+def test_pool_down_is_a_miss_then_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common.PoolGuard, "BACKOFF_S", (60.0, 60.0))
     common.reset_counters()
     sched = make(NO_POOL)
     req = fakes.request("r", 4 * CHUNK, seed=9)
@@ -158,7 +160,8 @@ def test_workers_disagreeing_on_layout_disable_the_connector() -> None:
 
 
 def test_tensor_parallel_hit_needs_every_rank(pool) -> None:
-    cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK})
+    extra = {"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
+    cfg = MaruConnectorConfig.from_extra_config(extra)
     sched = MaruScheduler(fakes.vllm_config(tp=2), fakes.kv_cache_config(), cfg, loads=True, saves=True)
     sched.set_worker_info({r: MaruWorkerInfo(kv_layout="cpu", tp_rank=r, block_bytes=1, num_layers=2) for r in (0, 1)})
     req = fakes.request("r", 4 * CHUNK + 1, seed=3)

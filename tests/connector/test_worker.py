@@ -25,7 +25,7 @@ BS, HEADS, HD, NUM_BLOCKS = 32, 2, 32, 16  # CPU layout needs block sizes that a
 CHUNK = 2 * BS
 
 
-def make(url: str, *, rpc_ms: int = 500) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
+def make(url: str, *, rpc_ms: int = 5000) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
     cfg = MaruConnectorConfig.from_extra_config(
         {"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": rpc_ms}
     )
@@ -148,11 +148,14 @@ def test_dead_pool_never_raises(pool) -> None:
     assert c.get(common.SAVED_CHUNKS, 0) == 0
 
 
-def test_hung_pool_costs_one_timeout_then_backs_off(pool) -> None:
+def test_hung_pool_costs_one_timeout_then_backs_off(pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A long back-off, so a slow machine cannot let it lapse between the calls below.
+    monkeypatch.setattr(common.PoolGuard, "BACKOFF_S", (60.0, 60.0))
     common.reset_counters()
-    worker, caches = make(pool.url, rpc_ms=200)
+    worker, caches = make(pool.url, rpc_ms=1000)
     fill(caches, seed=6)
     worker.save(save_meta({1: (0, 1)}))  # connects while the daemon answers
+    assert common.counters()[common.SAVED_CHUNKS] == 1
     assert pool.proc is not None
     os.kill(pool.proc.pid, signal.SIGSTOP)
     try:

@@ -43,7 +43,12 @@ def build(opts: dict[str, Any]):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
     if opts.get("role"):
         cfg = MaruConnectorConfig.from_extra_config(
-            {"maru_pool_url": opts["pool_url"], "maru_kv_chunk_tokens": opts.get("chunk_tokens", 256)}
+            {
+                "maru_pool_url": opts["pool_url"],
+                "maru_kv_chunk_tokens": opts.get("chunk_tokens", 256),
+                # Generous: a loaded CI machine must not turn a slow answer into a miss the test counts.
+                "maru_rpc_timeout_ms": opts.get("rpc_timeout_ms", 5000),
+            }
         )
         ktc = kv_transfer_config(opts["role"], cfg)
         if opts.get("connector_module"):

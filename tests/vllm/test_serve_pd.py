@@ -50,7 +50,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.log_path = workdir / f"serve-{name}.log"
-        cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256})
+        cfg = MaruConnectorConfig.from_extra_config(
+            {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 5000}
+        )
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "16384",

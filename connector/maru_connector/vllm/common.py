@@ -112,14 +112,15 @@ class RateLimitedLog:
 class PoolGuard:
     """Wraps a lazily created pool client; calls fail soft and back off after a failure."""
 
-    def __init__(
-        self, cfg: MaruConnectorConfig, side: str, stats: Counters, backoff_s: tuple[float, float] = (0.25, 4.0)
-    ) -> None:
+    # First and longest pause after a failure; doubles per failure in a row, resets on success.
+    BACKOFF_S: tuple[float, float] = (0.25, 4.0)
+
+    def __init__(self, cfg: MaruConnectorConfig, side: str, stats: Counters) -> None:
         self._cfg = cfg
         self._stats = stats
         self._side = side
         self._client = None
-        self._min_backoff, self._max_backoff = backoff_s
+        self._min_backoff, self._max_backoff = self.BACKOFF_S
         self._backoff = 0.0
         self._retry_at = 0.0
         self.log = RateLimitedLog()
