@@ -106,10 +106,11 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as err:  # any login failure is a start-up error
         print(f"maru-operator: cannot log in to Kubernetes: {err}", file=sys.stderr)
         return 1
+    namespaces = list(args.namespace)
 
     async def preflight() -> None:
         async with Kube(connection, timeout=10) as kube:
-            await kube.preflight()
+            await kube.preflight(namespaces[0] if namespaces else None)
 
     try:
         asyncio.run(preflight())
@@ -121,7 +122,6 @@ def _run(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    namespaces = list(args.namespace)
     if namespaces and pool_namespace not in namespaces:
         # The pools' daemons live there; without watching it the operator could not see them.
         namespaces.append(pool_namespace)

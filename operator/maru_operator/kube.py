@@ -286,8 +286,12 @@ class Kube:
 
     # --- start-up checks -------------------------------------------------------------------------
 
-    async def preflight(self) -> None:
-        """Raise with a one-line, actionable message when the API or the CRDs are missing."""
+    async def preflight(self, namespace: str | None = None) -> None:
+        """Raise with a one-line, actionable message when the API or the CRDs are missing.
+
+        ``namespace``: where to look for InferenceGroups when the operator serves only some namespaces
+        (it may have no right to list them cluster-wide).
+        """
         try:
             await self.request("GET", "/version", what="get /version")
         except Unreachable as err:
@@ -297,7 +301,7 @@ class Kube:
                 raise SystemExit(f"the Kubernetes API server at {self.server} refused our credentials: {err}") from None
         for kind in ("MaruPool", "InferenceGroup"):
             try:
-                await self.request("GET", path(kind), params={"limit": "1"}, what=f"list {kind}")
+                await self.request("GET", path(kind, namespace), params={"limit": "1"}, what=f"list {kind}")
             except ApiError as err:
                 if err.status == 404:
                     raise SystemExit(

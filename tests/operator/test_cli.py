@@ -184,3 +184,20 @@ def test_rbac_prints_a_cluster_role() -> None:
     kubernetes_validate.validate(role, "1.33", strict=True)
     assert "# pods (core): get, list, watch" in result.stdout
     assert "# inferencegroups (maru.io): get, list, watch:" in result.stdout
+
+
+def test_namespaced_preflight_stays_in_its_namespace(k8s_emulator: KubeEmulator) -> None:
+    install_crds(k8s_emulator)
+    mark = k8s_emulator.mark()
+    import asyncio
+
+    from maru_operator.kube import Kube
+
+    async def check() -> None:
+        async with Kube(k8s_emulator.kopf_connection()) as kube:
+            await kube.preflight("llm")
+
+    asyncio.run(check())
+    paths = [r.path for r in k8s_emulator.requests_since(mark)]
+    assert "/apis/maru.io/v1alpha1/namespaces/llm/inferencegroups" in paths
+    assert "/apis/maru.io/v1alpha1/inferencegroups" not in paths
