@@ -16,6 +16,7 @@ subdomains = st.from_regex(DNS1123_SUBDOMAIN_PATTERN, fullmatch=True).filter(lam
 suffixes = st.sampled_from(["", "prefill", "decode", "router", "agent", "metadata"])
 
 
+@settings(deadline=None)
 @given(subdomains, suffixes)
 def test_child_names_are_valid_labels(owner: str, suffix: str) -> None:
     name = child_name(owner, suffix)
@@ -25,6 +26,7 @@ def test_child_names_are_valid_labels(owner: str, suffix: str) -> None:
         assert name.endswith("-" + suffix)
 
 
+@settings(deadline=None)
 @given(subdomains, subdomains)
 def test_distinct_owners_distinct_children(a: str, b: str) -> None:
     if a != b:
@@ -32,6 +34,7 @@ def test_distinct_owners_distinct_children(a: str, b: str) -> None:
         assert label_value(a) != label_value(b)
 
 
+@settings(deadline=None)
 @given(st.text(max_size=300))
 def test_label_values_always_valid(value: str) -> None:
     assert is_label_value(label_value(value))
