@@ -182,3 +182,21 @@ def test_unknown_layout_is_refused_at_registration(pool) -> None:
     )
     with pytest.raises(KVLayoutError, match="MLA"):
         worker.register_kv_caches({"layer0": torch.zeros(NUM_BLOCKS, BS, 576)})
+
+
+def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
+    producer, src = make(pool.url)
+    fill(src, seed=7)
+    producer.save(save_meta({1: (0, 1)}))
+    consumer, dst = make(pool.url)
+    meta = MaruConnectorMetadata(
+        loads={
+            "a": [ChunkLoad(keys=key(1), slots=((0, 6), (1, 7)))],
+            "b": [ChunkLoad(keys=key(77), slots=((0, 8),))],  # never stored
+        }
+    )
+    assert consumer.load(meta) == {"b"}
+    assert consumer.take_invalid_blocks() == {8}
+    for name in src:
+        assert torch.equal(dst[name][6], src[name][0])
+        assert torch.equal(dst[name][7], src[name][1])

@@ -82,47 +82,50 @@ class MaruWorker:
     def load(self, meta: MaruConnectorMetadata) -> set[str]:
         """Copy every planned chunk into its blocks; return the ids of requests whose load failed.
 
-        A chunk that is missing (evicted since the lookup), unreadable or fails its checksum marks
-        its destination blocks, and those of every later chunk of the request, as failed; vLLM
-        then recomputes from the first failed block (kv_load_failure_policy=recompute).
+        All of the step's chunks are pinned in one round trip and released in one. A chunk that is
+        missing (evicted since the lookup), unreadable or fails its checksum marks its destination
+        blocks, and those of every later chunk of the request, as failed; vLLM then recomputes from
+        the first failed block (kv_load_failure_policy=recompute).
         """
         failed: set[str] = set()
         if not meta.loads or self.paged is None:
             return failed
-        for req_id, chunks in meta.loads.items():
-            if not self._load_request(chunks):
-                failed.add(req_id)
-        return failed
-
-    def _load_request(self, chunks: list[ChunkLoad]) -> bool:
-        assert self.paged is not None
-        keys = [chunk.keys[self.tp_rank] for chunk in chunks]
+        keys = [chunk.keys[self.tp_rank] for chunks in meta.loads.values() for chunk in chunks]
         ok, pins = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
-        pins = pins if ok and pins is not None else [None] * len(chunks)
-        done = 0
+        pins = pins if ok and pins is not None else [None] * len(keys)
         try:
-            for chunk, pin in zip(chunks, pins, strict=True):
-                if pin is None or not self._load_chunk(chunk, pin):
-                    break
-                done += 1
+            at = 0
+            for req_id, chunks in meta.loads.items():
+                if not self._load_request(chunks, pins[at : at + len(chunks)], pool_ok=ok):
+                    failed.add(req_id)
+                at += len(chunks)
         finally:
             held = [p for p in pins if p is not None]
             if held:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
-        if done < len(chunks):
-            lost = [d for chunk in chunks[done:] for _, d in chunk.slots]
-            self._invalid_blocks.update(lost)
-            self.stats.count(common.LOAD_FAILED_CHUNKS, len(chunks) - done)
-            if ok:
-                self.guard.log.warning(
-                    "load-miss",
-                    "maru pool: %d of %d chunk(s) could not be loaded; vLLM recomputes %d block(s)",
-                    len(chunks) - done,
-                    len(chunks),
-                    len(lost),
-                )
+        return failed
+
+    def _load_request(self, chunks: list[ChunkLoad], pins: list, *, pool_ok: bool) -> bool:
+        done = 0
+        for chunk, pin in zip(chunks, pins, strict=True):
+            if pin is None or not self._load_chunk(chunk, pin):
+                break
+            done += 1
         self.stats.count(common.LOADED_CHUNKS, done)
-        return done == len(chunks)
+        if done == len(chunks):
+            return True
+        lost = [d for chunk in chunks[done:] for _, d in chunk.slots]
+        self._invalid_blocks.update(lost)
+        self.stats.count(common.LOAD_FAILED_CHUNKS, len(chunks) - done)
+        if pool_ok:
+            self.guard.log.warning(
+                "load-miss",
+                "maru pool: %d of %d chunk(s) could not be loaded; vLLM recomputes %d block(s)",
+                len(chunks) - done,
+                len(chunks),
+                len(lost),
+            )
+        return False
 
     def _load_chunk(self, chunk: ChunkLoad, pin) -> bool:
         assert self.paged is not None
