@@ -5,9 +5,9 @@
                        ->  decode vLLM  (kv_consumer)  <-
 
 Prefill stores the prompt's KV in the pool; decode loads it from there instead of recomputing it.
-The script sends requests through the router - a long prompt twice, and a prompt whose length is an
-exact multiple of the chunk size, the shape that used to kill the loading engine (capped-hit bug) -
-and prints time to first token, where each prompt token's KV came from (measured by vLLM's own
+The script sends requests through the router - long prompts cold and then repeated, and a prompt
+whose length is an exact multiple of the chunk size, the shape that used to kill the loading engine
+(the capped-hit bug) - and prints time to first token, where each prompt token's KV came from (measured by vLLM's own
 counters), and whether the decode engine is still serving. Then it prints what the operator would
 create for ``examples/``.
 
@@ -55,7 +55,7 @@ EXACT_TOKENS = 4 * CHUNK_TOKENS
 ROUNDS = 5
 MAX_MODEL_LEN = 8192
 OUTPUT_TOKENS = 16
-# Room for every chunk the demo stores (~40 MiB) several times over; reserved in RAM at start.
+# Room for every chunk the demo stores (~75 MiB) with margin; the daemon reserves it in RAM at start.
 POOL_SIZE = "256MiB"
 KV_CACHE_BYTES = 256 << 20
 
@@ -334,7 +334,7 @@ def start_router(d: Demo) -> str:
     d.router = d.sup.start("router", argv, {"RUST_LOG": "info"})
     d.summary["router"] = {"url": d.router_url, "argv": argv, "version": _version("vllm-router")}
     d.sup.wait_for("the router's /health", lambda: is_up(d.router_url + "/health"), 90)
-    return f"{d.router_url} (vllm-router {_version('vllm-router')}, --vllm-pd-disaggregation)"
+    return f"{d.router_url}: vllm-router {_version('vllm-router')} --vllm-pd-disaggregation --prefill URL --decode URL"
 
 
 def _version(dist: str) -> str:
