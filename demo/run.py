@@ -460,7 +460,7 @@ def _fmt_ms(v: float | None) -> str:
 
 def same_output(a: RequestResult | None, b: RequestResult | None) -> bool:
     """Both answered, with the same token ids (and text); greedy float32 makes this exact."""
-    if a is None or b is None or a.error or b.error or not a.text:
+    if a is None or b is None or a.error or b.error or not (a.token_ids or a.text):
         return False
     return a.token_ids == b.token_ids and a.text == b.text
 
@@ -756,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             say()
             say(f"FAILED checks: {', '.join(failed)}")
+            d.summary["error"] = f"failed checks: {', '.join(failed)}"
             for r in results:
                 if r.error:
                     say(f"  {r.name}: {r.error}")
@@ -764,8 +765,13 @@ def main(argv: list[str] | None = None) -> int:
                     say(child.died_message())
         else:
             rc = 0
-    except StepFailed as err:
+    except (StepFailed, RuntimeError, OSError) as err:
         say(f"\nERROR: {err}")
+        if not isinstance(err, StepFailed):
+            # A request or probe failed outside a step's own checks: a dead process is the usual cause.
+            for child in d.sup.children:
+                if not child.stopped and not child.alive():
+                    say(child.died_message())
         d.summary["error"] = str(err)
     except Interrupted as err:
         say(f"\ninterrupted ({err}); stopping everything")
