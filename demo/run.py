@@ -391,7 +391,7 @@ def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer],
         result.error = str(err)
     # vLLM records a request's prompt-token sources when its first output is processed, which can
     # trail the HTTP answer by a scheduler step: wait until each engine has accounted for the prompt.
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 15.0
     after = snapshot(d)
     while time.monotonic() < deadline and any(
         after.get(e, {}).get("prompt_tokens", 0.0) - before.get(e, {}).get("prompt_tokens", 0.0) < tokens
@@ -825,6 +825,7 @@ def _cleanup(d: Demo, results: list[RequestResult], ref: RequestResult | None, c
         (dest / "summary.json").write_text(json.dumps(d.summary, indent=2, default=str))
         say(f"logs kept in {dest}")
     if d.args.json_out:
+        d.args.json_out.parent.mkdir(parents=True, exist_ok=True)
         d.args.json_out.write_text(json.dumps(d.summary, indent=2, default=str))
     shutil.rmtree(d.workdir, ignore_errors=True)
     outcome = "done" if rc == 0 else "interrupted" if rc > 128 else "FAILED"
