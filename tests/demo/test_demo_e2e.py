@@ -54,7 +54,7 @@ def _run_demo(
     )
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
-    # Raw reads, not lines: a step's progress line is finished only when the step ends.
+    # Drained on a thread, so a full pipe can never stall the demo while the test waits on it.
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(fd, 4096), b"")), daemon=True)
     reader.start()
