@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from maru_connector.pool.memory import HEADER_SIZE
 from maru_connector.vllm import common
 from maru_connector.vllm.metadata import ChunkLoad, ChunkSave, MaruConnectorMetadata
 from maru_connector.vllm.worker import MaruWorker
+from tests.vllm.harness import PoolDaemon
 
 from . import fakes
 
@@ -200,3 +204,29 @@ def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
     for name in src:
         assert torch.equal(dst[name][6], src[name][0])
         assert torch.equal(dst[name][7], src[name][1])
+
+
+def test_full_pool_skips_the_store_without_backing_off() -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="maru-full-", dir="/tmp"))
+    small = PoolDaemon(workdir, size="1MiB")
+    try:
+        common.reset_counters()
+        worker, caches = make(small.url)
+        fill(caches, seed=8)
+        nbytes = worker.paged.geometry(worker.blocks_per_chunk).chunk_bytes
+        with PoolClient(small.url, timeout_s=5) as client:
+            fillers = [(1000 + i).to_bytes(16, "little") for i in range((1 << 20) // nbytes)]
+            for k in fillers:
+                assert client.put(k, b"\1" * nbytes)
+            pins = client.open_read_many(fillers)  # pinned chunks cannot be evicted
+            worker.save(save_meta({1: (0, 1)}))
+            c = common.counters()
+            assert c[common.SAVE_SKIPPED_CHUNKS] == 1
+            assert c[common.POOL_ERRORS] == 1
+            client.release_many([p for p in pins if p is not None])
+        # Space can be reclaimed now (LRU); a full pool is not a sick pool, so no back-off delays this.
+        worker.save(save_meta({1: (0, 1)}))
+        assert common.counters()[common.SAVED_CHUNKS] == 1
+    finally:
+        small.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
