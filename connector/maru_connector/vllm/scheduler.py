@@ -223,9 +223,10 @@ class MaruScheduler:
             saves = []
             for chunk in range(tracked.handled, full):
                 ids = block_ids[chunk * self.blocks_per_chunk : (chunk + 1) * self.blocks_per_chunk]
-                if len(ids) == self.blocks_per_chunk:
-                    saves.append(ChunkSave(keys=keys[chunk], block_ids=tuple(ids)))
-            tracked.handled = full
+                if len(ids) < self.blocks_per_chunk:
+                    break  # no block table for it (never expected): try again next step
+                saves.append(ChunkSave(keys=keys[chunk], block_ids=tuple(ids)))
+            tracked.handled += len(saves)
             if saves:
                 meta.saves[req_id] = saves
         return meta
