@@ -681,8 +681,13 @@ def print_operator(d: Demo) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
+_cleaning = False
+
+
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise Interrupted(signum)
+    # Once cleanup has begun, a further Ctrl-C must not abort it halfway and orphan children.
+    if not _cleaning:
+        raise Interrupted(signum)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -698,6 +703,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _cleaning
     args = parse_args(argv)
     started = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
@@ -778,9 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         d.summary["error"] = f"interrupted by {err}"
         rc = 128 + err.signum
     finally:
-        # Nothing may cut the cleanup short: a second Ctrl-C is ignored until every child is gone.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        _cleaning = True
         rc = _cleanup(d, results, ref, checks, started, rc)
     return rc
 
