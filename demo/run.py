@@ -225,7 +225,10 @@ def kv_transfer_config(role: str, pool_url: str, uncapped: bool = False) -> str:
     from maru_connector.config import MaruConnectorConfig
     from maru_connector.config import kv_transfer_config as build
 
-    cfg = MaruConnectorConfig(pool_url=pool_url, chunk_tokens=CHUNK_TOKENS, cache_namespace="demo/tiny")
+    # A generous pool timeout: on two busy shared cores a pool call can stall past the production
+    # default, and the connector would rightly count it as a miss, making the demo's numbers flaky.
+    cfg = MaruConnectorConfig(pool_url=pool_url, chunk_tokens=CHUNK_TOKENS, cache_namespace="demo/tiny",
+                              rpc_timeout_ms=5000)
     ktc = build(role, cfg)  # type: ignore[arg-type]
     if uncapped:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = "UncappedMaruConnector", "demo_uncapped"
