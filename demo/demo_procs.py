@@ -1,8 +1,9 @@
 """Child processes of the demo: started in their own process groups, always stopped.
 
 Every child gets its own session, so a Ctrl-C at the terminal reaches only the demo, which then
-stops the children in order (router first, pool last) instead of racing them. A group is signalled
-as a whole because ``vllm serve`` forks an engine-core process that must go down with it. Every
+stops the children in order (router first, pool last) instead of racing them. ``vllm serve`` forks
+an engine core and a worker, so after the leader has had its SIGTERM (and the chance to stop them in
+order), whatever is left of its group is signalled as a whole. Every
 child also carries ``MARU_DEMO_RUN_ID`` in its environment, so a test can prove after the fact that
 nothing of a run survived, including grandchildren that left their group.
 """
@@ -129,7 +130,7 @@ class Supervisor:
             time.sleep(interval_s)
 
     def stop_all(self, grace_s: float = 15.0) -> list[str]:
-        """SIGTERM every child's group (newest first), then SIGKILL what is left. Returns a line per child."""
+        """Stop every child, newest first: SIGTERM to it, then its group, then SIGKILL. A line per child."""
         report: list[str] = []
         for child in reversed(self.children):
             if child.stopped:
