@@ -39,8 +39,10 @@ ROUTER_METRICS_PORT = 29000
 # committed every chunk of the prompt, so a decode-side store would only duplicate them.
 KV_ROLES: dict[Role, KVRole] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
-# vLLM seeds the first block hash of every chain from PYTHONHASHSEED (random when unset); chunk keys
-# derive from those hashes, so every engine of a group must use the same seed or nothing ever hits.
+# Chunk keys derive from vLLM's block hashes. With the xxhash block-hash options vLLM seeds every chain
+# from PYTHONHASHSEED, randomly when it is unset, so engines would never agree on a key; sha256 (the
+# default) uses a fixed seed. Setting one value on every engine keeps keys shared whichever option
+# a user picks in extraArgs.
 HASH_SEED_ENV = "PYTHONHASHSEED"
 HASH_SEED = "0"
 
