@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +28,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO / "connector"), str(REPO)]
+
+from results import merge_results  # noqa: E402
 
 from maru_connector.keys import Namespace, chunk_keys  # noqa: E402
 from maru_connector.pool import PoolClient  # noqa: E402
@@ -145,16 +145,6 @@ def bench_ttft(pool: PoolDaemon, workdir: Path, repeats: int) -> dict[str, float
     }
 
 
-def merge_results(figures: dict[str, object]) -> Path:
-    path = HERE / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
-    results["connector"] = figures
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lookup-only", action="store_true", help="skip the engine TTFT part")
@@ -183,7 +173,7 @@ def main() -> int:
                 )
         finally:
             pool.kill()
-    print(f"merged into {merge_results(figures).relative_to(REPO)}")
+    print(f"merged into {merge_results('connector', figures).relative_to(REPO)}")
     return 0
 
 

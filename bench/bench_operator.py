@@ -26,10 +26,11 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results import merge_results  # noqa: E402
+
 from tests.k8s.controllers import KubeControllers  # noqa: E402
 from tests.k8s.fixtures import KubeEmulator, running_emulator  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results.json"
 TARGET_SECONDS = 60.0
 TARGET_RSS_MB = 150.0
 NS = "bench"
@@ -196,12 +197,6 @@ def run(groups: int, workers: int) -> dict[str, Any]:
         "meets_targets": elapsed <= TARGET_SECONDS and max(peak_hwm, peak["rss"]) / 1024 <= TARGET_RSS_MB
         and idle_writes == 0,
     }
-
-
-def merge_results(key: str, value: dict[str, Any]) -> None:
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[key] = value
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def main() -> int:

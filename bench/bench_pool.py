@@ -10,7 +10,6 @@ Run: ``python bench/bench_pool.py``
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "connector"))
+
+from results import merge_results  # noqa: E402
 
 from maru_connector.pool import PoolClient  # noqa: E402
 
@@ -146,16 +147,6 @@ def bench_lookup(client: PoolClient, nkeys: int, calls: int) -> dict[str, float]
     }
 
 
-def merge_results(figures: dict[str, object]) -> Path:
-    path = HERE / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
-    results["pool"] = figures
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)  # other benches read-modify-write the same file: never leave it half written
-    return path
-
-
 def main() -> int:
     repeats = int(os.environ.get("BENCH_REPEATS", "5"))
     with tempfile.TemporaryDirectory(prefix="maru-bench-") as workdir:
@@ -180,6 +171,7 @@ def main() -> int:
     for r in lookups:
         print(f"{r['keys']:<20}{r['median_us']:>10.1f}{r['p99_us']:>10.1f}")
     path = merge_results(
+        "pool",
         {
             "chunks": chunks,
             "lookup_prefix": lookups,
