@@ -11,22 +11,13 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from maru_operator.api.common import FieldError
 from maru_operator.crdgen import KINDS, build_crd
-
-
-@dataclass(frozen=True)
-class FieldError:
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
 
 
 class Validator:

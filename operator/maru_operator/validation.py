@@ -6,8 +6,7 @@ children is touched, so a typo never rolls healthy pods.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from maru_operator.api.common import FieldError
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.group import HASH_SEED, HASH_SEED_ENV
@@ -19,15 +18,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # vLLM flags that change the KV cache's bytes or layout: chunk keys include them, so a value set on
 # one role and not the other means decode never finds (or worse, misreads) what prefill stored.
 KV_LAYOUT_FLAGS = ("--kv-cache-dtype", "--quantization")
-
-
-@dataclass(frozen=True)
-class SpecError:
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 def _flag_values(args: list[str], flag: str) -> list[str]:
@@ -52,27 +42,27 @@ def _gpu_limit(role: RoleSpec) -> int | None:
         return None
 
 
-def check_group(spec: InferenceGroupSpec) -> list[SpecError]:
-    errors: list[SpecError] = []
+def check_group(spec: InferenceGroupSpec) -> list[FieldError]:
+    errors: list[FieldError] = []
     for role_name in ("prefill", "decode"):
         role: RoleSpec = getattr(spec, role_name)
         gpus = _gpu_limit(role)
         if gpus is not None and role.tensor_parallel_size > gpus:
-            errors.append(SpecError(
+            errors.append(FieldError(
                 f"spec.{role_name}.tensorParallelSize",
                 f"{role.tensor_parallel_size} exceeds the {GPU_RESOURCE} limit of {gpus}: vLLM needs one GPU per "
                 f"tensor-parallel rank; raise resources.limits[{GPU_RESOURCE}] or lower tensorParallelSize",
             ))
         seeds = {e.value for e in role.env if e.name == HASH_SEED_ENV}
         if seeds and seeds != {HASH_SEED}:
-            errors.append(SpecError(
+            errors.append(FieldError(
                 f"spec.{role_name}.env",
                 f"{HASH_SEED_ENV} must stay {HASH_SEED}: vLLM seeds its block hashes from it and the pool's chunk "
                 "keys come from those hashes, so a different seed means prefill and decode never share KV; "
                 f"remove {HASH_SEED_ENV} from env",
             ))
     if spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size:
-        errors.append(SpecError(
+        errors.append(FieldError(
             "spec.decode.tensorParallelSize",
             f"{spec.decode.tensor_parallel_size} differs from prefill's {spec.prefill.tensor_parallel_size}: "
             "KV chunks are stored per tensor-parallel rank, so decode would never find prefill's KV; "
@@ -82,14 +72,14 @@ def check_group(spec: InferenceGroupSpec) -> list[SpecError]:
         prefill = _flag_values(spec.prefill.extra_args, flag)
         decode = _flag_values(spec.decode.extra_args, flag)
         if prefill != decode:
-            errors.append(SpecError(
+            errors.append(FieldError(
                 "spec.decode.extraArgs",
                 f"{flag} is {prefill or 'unset'} for prefill but {decode or 'unset'} for decode: it changes the "
                 "KV cache layout, so both roles must set it the same way",
             ))
     if spec.connector.chunk_tokens % spec.connector.block_size:
         # The CRD's CEL rule catches this on API servers that run CEL; this keeps older ones honest.
-        errors.append(SpecError(
+        errors.append(FieldError(
             "spec.connector.chunkTokens",
             f"{spec.connector.chunk_tokens} is not a multiple of blockSize {spec.connector.block_size}: "
             "a chunk must hold whole KV blocks",
@@ -101,11 +91,11 @@ def check_group(spec: InferenceGroupSpec) -> list[SpecError]:
 MAX_SOCKET_PATH = 107
 
 
-def check_pool(spec: MaruPoolSpec, name: str) -> list[SpecError]:
-    errors: list[SpecError] = []
+def check_pool(spec: MaruPoolSpec, name: str) -> list[FieldError]:
+    errors: list[FieldError] = []
     socket = pool_endpoint(spec, name).removeprefix("unix://")
     if len(socket.encode()) > MAX_SOCKET_PATH:
-        errors.append(SpecError(
+        errors.append(FieldError(
             "spec.daemon.socketDir",
             f"the socket path {socket} is {len(socket.encode())} bytes, over the {MAX_SOCKET_PATH} a Unix socket "
             "path may have; choose a shorter socketDir",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -30,6 +31,17 @@ IntOrQuantity = Annotated[
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
 ]
 """A quantity as users write them in pod resources: ``1`` or ``"16Gi"``."""
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One reason an object is refused: the field path (``spec.connector.chunkTokens``) and the rule."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
 
 
 class KubeModel(BaseModel):
