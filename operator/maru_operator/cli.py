@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="a YAML file or a directory of them (repeatable)")
     render.add_argument("--pool-namespace", default=None, help="namespace of the pool daemons")
 
+    validate = sub.add_parser(
+        "validate", help="check MaruPool/InferenceGroup files as the API server and the operator would, offline"
+    )
+    validate.add_argument("-f", "--filename", action="append", required=True,
+                          help="a YAML file or a directory of them (repeatable)")
+
     rbac = sub.add_parser("rbac", help="print the ClusterRole the operator needs")
     rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole")
     rbac.add_argument("--namespaced", action="store_true", help="the rules for a run with --namespace")
@@ -62,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "render":
         return _render(args)
+    if args.command == "validate":
+        return _validate(args)
     if args.command == "rbac":
         import yaml
 
@@ -86,6 +94,44 @@ def _render(args: argparse.Namespace) -> int:
         print(f"maru-operator render: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Schema and CEL rules of the CRDs, then the operator's semantic checks; one line per object."""
+    from pydantic import ValidationError
+
+    from maru_operator.api import InferenceGroupSpec, MaruPoolSpec
+    from maru_operator.crdvalidate import Validator
+    from maru_operator.render import load_documents
+    from maru_operator.validation import check_group, check_pool
+
+    validator = Validator.from_models()
+    failed = 0
+    try:
+        docs = load_documents(args.filename)
+    except (OSError, ValueError) as err:
+        print(f"maru-operator validate: {err}", file=sys.stderr)
+        return 1
+    for doc in docs:
+        if not validator.knows(doc):
+            continue
+        name = (doc.get("metadata") or {}).get("name", "?")
+        errors = [str(e) for e in validator.validate(doc)]
+        if not errors:
+            try:
+                if doc["kind"] == "MaruPool":
+                    errors = [str(e) for e in check_pool(MaruPoolSpec.model_validate(doc["spec"]), name)]
+                else:
+                    errors = [str(e) for e in check_group(InferenceGroupSpec.model_validate(doc["spec"]))]
+            except ValidationError as err:
+                errors = [f"spec: {err}"]
+        for error in errors:
+            print(f"{doc['kind']} {name}: {error}")
+        if errors:
+            failed += 1
+        else:
+            print(f"{doc['kind']} {name}: valid")
+    return 1 if failed else 0
 
 
 def _run(args: argparse.Namespace) -> int:
