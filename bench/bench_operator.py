@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from results import merge_results  # noqa: E402
 
-from tests.k8s.controllers import KubeControllers  # noqa: E402
-from tests.k8s.fixtures import KubeEmulator, running_emulator  # noqa: E402
+from maru_localcluster.server import KubeEmulator, running_emulator  # noqa: E402
+from maru_localcluster.simcontrollers import KubeControllers  # noqa: E402
 
 TARGET_SECONDS = 60.0
 TARGET_RSS_MB = 150.0

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.k8s.tools import ToolUnavailable, helm_path
+from maru_localcluster.tools import ToolUnavailable, helm_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "maru-operator"

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from maru_localcluster.tools import helm_path
 from tests.chart.conftest import CHART, NAMESPACE, RELEASE, REPO_ROOT
 from tests.k8s.fixtures import KubeEmulator, k8s_emulator  # noqa: F401  (fixture)
-from tests.k8s.tools import helm_path
 
 pytestmark = [pytest.mark.tools, pytest.mark.emulator]
 

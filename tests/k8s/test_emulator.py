@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.k8s.controllers import KubeControllers
-from tests.k8s.emulator import ApiError, merge_patch, parse_label_selector, strategic_merge_patch
-from tests.k8s.fixtures import KubeEmulator, running_emulator
+from maru_localcluster.apiserver import ApiError, merge_patch, parse_label_selector, strategic_merge_patch
+from maru_localcluster.server import KubeEmulator, running_emulator
+from maru_localcluster.simcontrollers import KubeControllers
 
 pytestmark = pytest.mark.emulator
 
@@ -179,7 +179,7 @@ def test_helm_install_upgrade_uninstall(k8s_emulator: KubeEmulator, kube_control
                                         tmp_path: pathlib.Path) -> None:
     import subprocess
 
-    from tests.k8s.tools import helm_path
+    from maru_localcluster.tools import helm_path
 
     chart = tmp_path / 'chart'
     (chart / 'templates').mkdir(parents=True)
@@ -887,7 +887,7 @@ def test_tools_extract_once_and_concurrently(tmp_path: pathlib.Path, monkeypatch
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.k8s import tools
+    from maru_localcluster import tools
 
     monkeypatch.setattr(tools, 'TOOLS_DIR', tmp_path / 'bin')
     with ThreadPoolExecutor(2) as pool:

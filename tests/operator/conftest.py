@@ -84,7 +84,7 @@ def cluster(k8s_emulator: KubeEmulator, kube_controllers: Any) -> KubeEmulator:
 @pytest.fixture
 def pod_controllers(k8s_emulator: KubeEmulator) -> Iterator[Any]:
     """Simulated controllers that also keep Pod objects (scheduled, with IPs, Ready per readiness)."""
-    from tests.k8s.controllers import KubeControllers
+    from maru_localcluster.simcontrollers import KubeControllers
 
     with KubeControllers(k8s_emulator, pods=True) as controllers:
         prepare(k8s_emulator, controllers)

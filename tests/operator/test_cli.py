@@ -17,8 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.k8s import tools
-from tests.k8s.fixtures import KubeEmulator
+from maru_localcluster import tools
+from maru_localcluster.server import KubeEmulator
 from tests.operator.conftest import GROUP_NS, ROOT, group, has_condition, install_crds, pool
 
 pytestmark = pytest.mark.emulator

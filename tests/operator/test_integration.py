@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.k8s.fixtures import KubeEmulator
+from maru_localcluster.server import KubeEmulator
 from tests.operator.conftest import (
     GROUP_NS,
     POOL_NS,

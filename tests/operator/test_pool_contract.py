@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from maru_connector.pool.cli import build_parser
+from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment
 from maru_operator.kube import fetch_daemon_status
-from tests.k8s.fixtures import KubeEmulator
 from tests.operator.conftest import POOL_NS, RunningOperator, fake_agent_pod, has_condition, pool
 from tests.operator.helpers import POOL_OWNER, container, dax_spec, pool_spec
 

@@ -8,8 +8,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from maru_localcluster.server import KubeEmulator
 from maru_operator.rbac import allows, cluster_role
-from tests.k8s.fixtures import KubeEmulator
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
 DISCOVERY = {"/api", "/apis", "/version"}

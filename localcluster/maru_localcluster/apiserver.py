@@ -45,7 +45,7 @@ import kmock
 import yaml
 from typing_extensions import override
 
-from tests.k8s import defaults, protobuf
+from maru_localcluster import defaults, protobuf
 
 JsonObj = dict[str, Any]
 

@@ -20,10 +20,10 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tests.k8s.emulator import Emulator, JsonObj
+from maru_localcluster.apiserver import Emulator, JsonObj
 
 if TYPE_CHECKING:
-    from tests.k8s.fixtures import KubeEmulator
+    from maru_localcluster.server import KubeEmulator
 
 # Given a Deployment or DaemonSet, how many of its replicas (or nodes) are ready:
 # True = all of them, False = none, an int = that many (clamped to the desired count).
