@@ -90,9 +90,27 @@ class TestRoleDeployment:
     def test_hash_seed_and_user_env(self) -> None:
         spec = group_spec(decode={"env": [{"name": "HF_HOME", "value": "/cache"}]})
         env = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["env"]
-        assert env == [{"name": "PYTHONHASHSEED", "value": "0"}, {"name": "HF_HOME", "value": "/cache"}]
+        assert env[:2] == [{"name": "PYTHONHASHSEED", "value": "0"}, {"name": "HF_HOME", "value": "/cache"}]
+        # The user's value wins over the cache default, and no name appears twice (server-side apply refuses).
+        names = [e["name"] for e in env]
+        assert len(names) == len(set(names)) and "HOME" in names
         env = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))["env"]
-        assert env == [{"name": "PYTHONHASHSEED", "value": "0"}]
+        assert env[0] == {"name": "PYTHONHASHSEED", "value": "0"}
+        assert {"name": "HF_HOME", "value": "/home/maru/.cache/huggingface"} in env
+
+    def test_read_only_root_with_writable_caches(self) -> None:
+        dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
+        c, pod = container(dep), dep["spec"]["template"]["spec"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        env = {e["name"]: e["value"] for e in c["env"]}
+        # Every directory vLLM writes to is on a volume of the pod.
+        for variable in ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TMPDIR"):
+            under = [path for path in mounts if env[variable] == path or env[variable].startswith(path + "/")]
+            assert under, f"{variable}={env[variable]} is on the read-only root"
+            assert "emptyDir" in volumes[mounts[under[0]]]
+        assert mounts["/tmp"] == "tmp"
 
     def test_pinned_to_pool_nodes(self) -> None:
         view = pool_view(tolerations=[{"key": "cxl", "operator": "Exists"}])
@@ -133,7 +151,7 @@ class TestRoleDeployment:
             "driver": "csi.maru.io", "readOnly": True, "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru"}}}
         assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
         mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
-        assert mounts == {"maru-socket": "/run/maru/pool", "dshm": "/dev/shm"}
+        assert mounts == {"maru-socket": "/run/maru/pool", "dshm": "/dev/shm", "home": "/home/maru", "tmp": "/tmp"}
         assert next(m for m in container(dep)["volumeMounts"] if m["name"] == "maru-socket")["readOnly"] is True
 
     def test_security_and_probes(self) -> None:
@@ -154,9 +172,18 @@ class TestRoleDeployment:
     def test_gpus_from_resources(self) -> None:
         spec = group_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}})
         c = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
-        assert c["resources"] == {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": 2, "memory": "32Gi"},
+                                  "requests": {"cpu": "4", "memory": "8Gi"}}
         c = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
-        assert c["resources"] == {}
+        assert c["resources"] == {"limits": {"memory": "32Gi"}, "requests": {"memory": "8Gi"}}
+
+    def test_memory_defaults_scale_with_tensor_parallel_size_and_yield_to_the_user(self) -> None:
+        spec = group_spec(prefill={"tensorParallelSize": 4}, decode={"resources": {"limits": {"memory": "20Gi"}}})
+        prefill = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))["resources"]
+        assert prefill == {"limits": {"memory": "128Gi"}, "requests": {"memory": "32Gi"}}
+        decode = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["resources"]
+        # A limit alone: Kubernetes defaults the request to it, nothing is added.
+        assert decode == {"limits": {"memory": "20Gi"}}
 
     def test_replicas_override(self) -> None:
         spec = group_spec(decode={"replicas": 3})
@@ -277,3 +304,15 @@ class TestGroupChildren:
         names = [c["metadata"]["name"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
         assert names == ["llama-prefill", "llama-decode", "llama-router", "llama-router", "llama-router", "llama",
                          "llama-router"]
+
+
+class TestRouterResources:
+    def test_memory_limit_by_default(self) -> None:
+        dep = build_router_deployment(group_spec(), GROUP_OWNER)
+        assert dep is not None
+        assert container(dep)["resources"] == {"limits": {"memory": "1Gi"}, "requests": {"memory": "128Mi"}}
+
+    def test_a_larger_request_raises_the_limit(self) -> None:
+        dep = build_router_deployment(group_spec(router={"resources": {"requests": {"memory": "2Gi"}}}), GROUP_OWNER)
+        assert dep is not None
+        assert container(dep)["resources"] == {"limits": {"memory": "2Gi"}, "requests": {"memory": "2Gi"}}

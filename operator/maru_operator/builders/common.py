@@ -108,12 +108,12 @@ def restricted_pod_security(uid: int = NONROOT_UID) -> dict[str, Any]:
     }
 
 
-def restricted_container_security(*, read_only_root: bool = True) -> dict[str, Any]:
+def restricted_container_security() -> dict[str, Any]:
     """Pod Security Standards "restricted" for a container: no privilege, no capabilities."""
     return {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
-        "readOnlyRootFilesystem": read_only_root,
+        "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }

@@ -27,6 +27,8 @@ from maru_operator.builders.common import (
 )
 from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import pool_socket_mount, pool_socket_volume
+from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_memory_defaults
+from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
 from maru_operator.names import child_name, label_value, short_hash
 
 Role = Literal["prefill", "decode"]
@@ -127,7 +129,8 @@ def pool_node_affinity(pool: MaruPoolSpec) -> dict[str, Any] | None:
 
 
 def _resources(role_spec: RoleSpec) -> dict[str, Any]:
-    return {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
+    given = {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
+    return with_memory_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size))
 
 
 def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
@@ -151,6 +154,7 @@ def build_role_deployment(
     pod_labels = role_labels(owner, role, pool.name)
     env = [{"name": HASH_SEED_ENV, "value": HASH_SEED}]
     env += [{"name": e.name, "value": e.value} for e in role_spec.env if e.name != HASH_SEED_ENV]
+    env += scratch_env({e["name"] for e in env})
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.image,
@@ -163,13 +167,14 @@ def build_role_deployment(
         "volumeMounts": [
             pool_socket_mount(pool.spec, pool.name),
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *scratch_mounts(),
         ],
         # Loading weights can take many minutes; liveness only starts once the server answered once.
         "startupProbe": _probe("/health", "http", failureThreshold=180),
         "readinessProbe": _probe("/health", "http", failureThreshold=3),
         "livenessProbe": _probe("/health", "http", failureThreshold=6),
-        # vLLM writes compile and download caches under $HOME and /tmp: the root filesystem stays writable.
-        "securityContext": restricted_container_security(read_only_root=False),
+        # vLLM's caches and temporary files go to emptyDirs (scratch_env points them there).
+        "securityContext": restricted_container_security(),
     }
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -180,6 +185,7 @@ def build_role_deployment(
             pool_socket_volume(pool.spec, pool.name),
             # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *scratch_volumes(),
         ],
         "terminationGracePeriodSeconds": 60,
     }
@@ -283,7 +289,8 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
     if not spec.router.enabled:
         return None
     pod_labels = _router_labels(owner)
-    resources = {k: v for k, v in spec.router.resources.model_dump(by_alias=True).items() if v}
+    given = {k: v for k, v in spec.router.resources.model_dump(by_alias=True).items() if v}
+    resources = with_memory_defaults(given, ROUTER)
     container = {
         "name": "router",
         "image": spec.router.image,

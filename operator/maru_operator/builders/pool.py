@@ -21,7 +21,16 @@ from maru_operator.builders.common import (
     restricted_pod_security,
     selector,
 )
+from maru_operator.builders.resources import (
+    INDEX_BYTES_PER_POOL_BYTE,
+    METADATA_UNSIZED_LIMIT,
+    POOL_DAEMON,
+    MemoryDefault,
+    plus,
+    with_memory_defaults,
+)
 from maru_operator.names import MAX_NAME, child_name
+from maru_operator.quantity import parse_quantity
 
 APP = "maru-pool"
 COMPONENT_AGENT = "agent"
@@ -63,8 +72,23 @@ def _pool_owner_labels(owner: Owner, component: str) -> dict[str, str]:
     return labels(owner, app=APP, component=component)
 
 
-def _resources(spec: MaruPoolSpec) -> dict[str, Any]:
-    return {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
+def memory_default(spec: MaruPoolSpec, component: str) -> MemoryDefault:
+    """A pool daemon's memory when ``spec.daemon.resources`` names none.
+
+    The shm agent holds the pool itself: its memory-backed /dev/shm is charged to the container, so
+    request and limit include the pool's size. The metadata server's index grows with the pool.
+    """
+    size = int(parse_quantity(spec.size)) if spec.size else 0
+    if component == COMPONENT_AGENT:
+        return plus(POOL_DAEMON, size) if spec.backend == "shm" else POOL_DAEMON
+    if not size:
+        return MemoryDefault(request=POOL_DAEMON.request, limit=METADATA_UNSIZED_LIMIT)
+    return MemoryDefault(request=POOL_DAEMON.request, limit=POOL_DAEMON.limit + int(size * INDEX_BYTES_PER_POOL_BYTE))
+
+
+def _resources(spec: MaruPoolSpec, component: str) -> dict[str, Any]:
+    given = {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
+    return with_memory_defaults(given, memory_default(spec, component))
 
 
 def _tolerations(spec: MaruPoolSpec) -> list[dict[str, Any]]:
@@ -125,7 +149,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                             "command": ["maru-pool"],
                             "args": args,
                             "ports": _ports(spec, rpc=True),
-                            "resources": _resources(spec),
+                            "resources": _resources(spec, COMPONENT_METADATA),
                             "readinessProbe": _status_probe(spec),
                             "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
                             "securityContext": restricted_container_security(),
@@ -230,7 +254,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
         "args": _agent_args(spec, pool, namespace),
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
         "ports": _ports(spec, rpc=False),
-        "resources": _resources(spec),
+        "resources": _resources(spec, COMPONENT_AGENT),
         "volumeMounts": mounts,
         "readinessProbe": _status_probe(spec),
         "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
