@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from maru_operator import __version__
+from maru_operator.builders.netpol import NetworkPolicyConfig
 
 log = logging.getLogger("maru_operator")
 
@@ -22,6 +23,29 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
+
+
+def _network_policy_flags(parser: argparse.ArgumentParser) -> None:
+    """The cluster facts the children's NetworkPolicies need (see builders/netpol.py)."""
+    parser.add_argument("--network-policies", action=argparse.BooleanOptionalAction, default=True,
+                        help="write a NetworkPolicy for every pool daemon and serving pod (default: on)")
+    parser.add_argument("--scrape-namespace", action="append", default=[], metavar="NAMESPACE",
+                        help="pods in this namespace may scrape the metrics ports, e.g. monitoring (repeatable)")
+    parser.add_argument("--api-server-cidr", action="append", default=[], metavar="CIDR",
+                        help="where the routers reach the API server (repeatable; default 0.0.0.0/0 and ::/0)")
+    parser.add_argument("--api-server-port", action="append", default=[], type=int, metavar="PORT",
+                        help="API server port after the Service's translation (repeatable; default 443 and 6443)")
+
+
+def network_policy_config(args: argparse.Namespace, operator_namespace: str | None = None) -> NetworkPolicyConfig:
+    defaults = NetworkPolicyConfig()
+    return NetworkPolicyConfig(
+        enabled=args.network_policies,
+        operator_namespace=operator_namespace,
+        scrape_namespaces=tuple(args.scrape_namespace),
+        api_server_cidrs=tuple(args.api_server_cidr) or defaults.api_server_cidrs,
+        api_server_ports=tuple(args.api_server_port) or defaults.api_server_ports,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,11 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     run.add_argument("--log-format", choices=["text", "json"], default="text",
                      help="json: one JSON object per line, for log collectors")
+    _network_policy_flags(run)
 
     render = sub.add_parser("render", help="print the child manifests for MaruPool/InferenceGroup files")
     render.add_argument("-f", "--filename", action="append", required=True,
                         help="a YAML file or a directory of them (repeatable)")
     render.add_argument("--pool-namespace", default=None, help="namespace of the pool daemons")
+    _network_policy_flags(render)
 
     validate = sub.add_parser(
         "validate", help="check MaruPool/InferenceGroup files as the API server and the operator would, offline"
@@ -89,7 +115,8 @@ def _render(args: argparse.Namespace) -> int:
     from maru_operator.render import RenderError, render
 
     try:
-        sys.stdout.write(render(args.filename, args.pool_namespace or default_pool_namespace()))
+        sys.stdout.write(render(args.filename, args.pool_namespace or default_pool_namespace(),
+                                network_policy_config(args)))
     except (OSError, ValidationError, RenderError) as err:
         print(f"maru-operator render: {err}", file=sys.stderr)
         return 1
@@ -174,6 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     handlers.configure(handlers.Config(
         pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
         connection=connection, namespaces=namespaces,
+        network=network_policy_config(args, handlers.operator_namespace()),
     ))
     log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,
              "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces")

@@ -10,7 +10,7 @@ import asyncio
 import datetime
 import logging
 from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -22,6 +22,7 @@ from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupS
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
 from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
 from maru_operator.builders.group import build_group_children, role_name, router_endpoint, router_name
+from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies, build_pool_policies
 from maru_operator.builders.pool import (
     COMPONENT_AGENT,
     agent_name,
@@ -65,6 +66,7 @@ class Controller:
     pool_namespace: str
     fetch_status: StatusFetcher = fetch_daemon_status
     clock: Callable[[], str] = utcnow
+    network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -209,7 +211,8 @@ class Controller:
             body, meta = updated, updated.get("metadata", {})
 
         ns = self.pool_namespace
-        children = await self.apply(key, build_pool_children(spec, owner, ns))
+        desired = build_pool_children(spec, owner, ns) + build_pool_policies(spec, owner, ns, self.network)
+        children = await self.apply(key, desired)
         pods = await self.kube.list("Pod", ns, {
             LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: owner.instance, LABEL_COMPONENT: COMPONENT_AGENT,
         })
@@ -268,6 +271,7 @@ class Controller:
                 self.store.put(pool_body)
         binding = bind(namespace, spec, pool_body)
         desired = build_group_children(spec, owner, binding.pool)
+        desired += build_group_policies(spec, owner, binding.pool, self.pool_namespace, self.network)
         keep: set[Key] = set()
         if not binding.ok:
             # Running vLLM pods keep serving through a pool outage (the connector degrades to "no hit");

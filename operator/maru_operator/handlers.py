@@ -19,6 +19,7 @@ import kopf
 
 from maru_operator.api.common import GROUP, VERSION
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from maru_operator.builders.netpol import NetworkPolicyConfig
 from maru_operator.cache import Key, Store, key_of, owner_key
 from maru_operator.controller import Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
@@ -33,12 +34,18 @@ CHILD_RESOURCES = (
     ("", "v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 )
 OURS = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
 def default_pool_namespace() -> str:
     return os.environ.get("POD_NAMESPACE") or DEFAULT_POOL_NAMESPACE
+
+
+def operator_namespace() -> str | None:
+    """Where this operator's pod runs (the chart sets POD_NAMESPACE); None outside a pod."""
+    return os.environ.get("POD_NAMESPACE") or None
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Config:
     fetch_status: StatusFetcher = fetch_daemon_status
     connection: kopf.ConnectionInfo | None = None
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
 
 
 @dataclass
@@ -100,7 +108,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     STATE.kube = Kube(STATE.config.connection)
     STATE.controller = Controller(
         kube=STATE.kube, store=STATE.store, pool_namespace=STATE.config.pool_namespace,
-        fetch_status=STATE.config.fetch_status,
+        fetch_status=STATE.config.fetch_status, network=STATE.config.network,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=STATE.config.workers)
     await _prime(STATE.kube, STATE.config.namespaces)
@@ -111,7 +119,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
 
 
 PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
-                "RoleBinding")
+                "RoleBinding", "NetworkPolicy")
 
 
 async def _prime(kube: Kube, namespaces: list[str]) -> None:

@@ -49,6 +49,7 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("api/v1", "events"),
     "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": Kind("apis/networking.k8s.io/v1", "networkpolicies"),
     "MaruPool": Kind("apis/maru.io/v1alpha1", "marupools", namespaced=False),
     "InferenceGroup": Kind("apis/maru.io/v1alpha1", "inferencegroups"),
 }

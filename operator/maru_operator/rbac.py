@@ -22,6 +22,8 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
     ([""], ["services", "serviceaccounts"], MANAGE, "the router Service and ServiceAccount, the pool metadata Service"),
     (["rbac.authorization.k8s.io"], ["roles", "rolebindings"], MANAGE,
      "the router's Role (read pods in its namespace) and RoleBinding"),
+    (["networking.k8s.io"], ["networkpolicies"], MANAGE,
+     "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)"),
     ([""], ["pods"], READ,
      "list the pool agents' pods for per-node status; also required to grant the router read access to pods "
      "(RBAC refuses to create a Role with permissions its creator lacks)"),

@@ -19,6 +19,12 @@ from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import Owner
 from maru_operator.builders.group import PoolView, build_group_children
+from maru_operator.builders.netpol import (
+    DEFAULT_NETWORK,
+    NetworkPolicyConfig,
+    build_group_policies,
+    build_pool_policies,
+)
 from maru_operator.builders.pool import build_pool_children
 from maru_operator.validation import check_group
 
@@ -45,7 +51,8 @@ def _stderr(message: str) -> None:
 
 
 def render_objects(
-    docs: list[Object], pool_namespace: str, warn: Callable[[str], None] = _stderr
+    docs: list[Object], pool_namespace: str, warn: Callable[[str], None] = _stderr,
+    network: NetworkPolicyConfig = DEFAULT_NETWORK,
 ) -> Iterator[Object]:
     ours = [d for d in docs if d.get("apiVersion") == API_VERSION]
     pools = {d["metadata"]["name"]: MaruPoolSpec.model_validate(d.get("spec") or {})
@@ -55,6 +62,7 @@ def render_objects(
         owner = Owner(kind=str(kind), name=meta.get("name", ""), namespace=meta.get("namespace") or None)
         if kind == "MaruPool":
             yield from build_pool_children(pools[owner.name], owner, pool_namespace)
+            yield from build_pool_policies(pools[owner.name], owner, pool_namespace, network)
         elif kind == "InferenceGroup":
             owner = Owner(kind="InferenceGroup", name=owner.name, namespace=owner.namespace or "default")
             spec = InferenceGroupSpec.model_validate(doc.get("spec") or {})
@@ -67,9 +75,12 @@ def render_objects(
                 warn(f"MaruPool {pool_name} is not in the input: InferenceGroup {owner.namespace}/{owner.name} is "
                      "rendered as if the pool had the default socketDir and no nodeSelector")
                 pool_spec = MaruPoolSpec.model_validate({"backend": "shm", "size": "1Gi"})
-            yield from build_group_children(spec, owner, PoolView(pool_name, pool_spec))
+            pool = PoolView(pool_name, pool_spec)
+            yield from build_group_children(spec, owner, pool)
+            yield from build_group_policies(spec, owner, pool, pool_namespace, network)
 
 
-def render(paths: Iterable[str | Path], pool_namespace: str) -> str:
-    objects = list(render_objects(load_documents(paths), pool_namespace))
+def render(paths: Iterable[str | Path], pool_namespace: str,
+           network: NetworkPolicyConfig = DEFAULT_NETWORK) -> str:
+    objects = list(render_objects(load_documents(paths), pool_namespace, network=network))
     return yaml.safe_dump_all(objects, sort_keys=False, width=120)

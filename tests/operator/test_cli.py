@@ -153,10 +153,15 @@ def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
     from maru_operator.api.inferencegroup import InferenceGroupSpec
     from maru_operator.api.marupool import MaruPoolSpec
 
-    expected = build_group_children(InferenceGroupSpec.model_validate(group_doc["spec"]),
-                                    Owner(kind="InferenceGroup", name="qwen", namespace=GROUP_NS),
-                                    PoolView("local-shm", MaruPoolSpec.model_validate(pool_doc["spec"])))
-    assert rendered[1:] == expected
+    from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies
+
+    owner = Owner(kind="InferenceGroup", name="qwen", namespace=GROUP_NS)
+    spec = InferenceGroupSpec.model_validate(group_doc["spec"])
+    view = PoolView("local-shm", MaruPoolSpec.model_validate(pool_doc["spec"]))
+    expected = build_group_children(spec, owner, view)
+    expected += build_group_policies(spec, owner, view, "maru-system", NetworkPolicyConfig())
+    assert [o["kind"] for o in rendered[:2]] == ["DaemonSet", "NetworkPolicy"]
+    assert rendered[2:] == expected
 
 
 def test_render_warns_about_a_missing_pool(tmp_path: pathlib.Path) -> None:

@@ -27,6 +27,7 @@ IG = "inferencegroups.maru.io"
 MP = "marupools.maru.io"
 DEPLOY = "deployments.apps"
 DS = "daemonsets.apps"
+NETPOL = "networkpolicies.networking.k8s.io"
 
 
 def ready(obj: dict[str, Any]) -> bool:
@@ -70,7 +71,8 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     for resource, name in [(DEPLOY, "qwen-prefill"), (DEPLOY, "qwen-decode"), (DEPLOY, "qwen-router"),
                            ("services", "qwen"), ("serviceaccounts", "qwen-router"),
                            ("roles.rbac.authorization.k8s.io", "qwen-router"),
-                           ("rolebindings.rbac.authorization.k8s.io", "qwen-router")]:
+                           ("rolebindings.rbac.authorization.k8s.io", "qwen-router"),
+                           (NETPOL, "qwen-vllm"), (NETPOL, "qwen-router")]:
         child = cluster.get(resource, name, GROUP_NS)
         assert child is not None, f"{resource} {name} missing"
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -81,6 +83,23 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     assert has_condition(ig, "PoolBound", "True", "Bound")
     cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {}).get("boundGroups") == 1)
     assert wait_event(cluster, GROUP_NS, "qwen", "Serving")["type"] == "Normal"
+
+
+def test_network_policies_are_children_kept_as_built(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    agent_policy = cluster.wait_for(NETPOL, "local-shm-agent", POOL_NS)
+    assert agent_policy["metadata"]["ownerReferences"][0]["uid"] == ready_pool["metadata"]["uid"]
+    cluster.create(group())
+    wait_group_ready(cluster)
+    # Opened by hand (ingress from anywhere): put back on the next pass.
+    cluster.patch(NETPOL, "qwen-vllm", {"spec": {"ingress": [{}]}}, GROUP_NS)
+    cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS, lambda p: p["spec"]["ingress"] != [{}])
+    cluster.delete(NETPOL, "qwen-router", GROUP_NS)
+    cluster.wait_for(NETPOL, "qwen-router", GROUP_NS)
+    # No router, no router policy.
+    cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
+    cluster.wait_gone(NETPOL, "qwen-router", GROUP_NS)
 
 
 def test_update_rolls_children(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:

@@ -17,56 +17,21 @@ against the Pod Security Standards:
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from maru_localcluster.podsecurity import check, pod_template
+from tests.security.renders import EXAMPLES, POOL_NAMESPACE, examples_bound_to_each_pool, operator_render
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples"
-POOL_NAMESPACE = "maru-system"
 SERVING_APPS = {"vllm", "vllm-router"}
 ROLES = {"prefill", "decode", "router"}
-
-
-def _render(paths: list[Path]) -> list[dict[str, Any]]:
-    args = [sys.executable, "-m", "maru_operator", "render", "--pool-namespace", POOL_NAMESPACE]
-    for path in paths:
-        args += ["-f", str(path)]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def _examples() -> list[dict[str, Any]]:
-    docs = []
-    for path in sorted(EXAMPLES.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Pool name -> the children of every example, with the example groups bound to that pool."""
-    docs = _examples()
-    pools = [d["metadata"]["name"] for d in docs if d["kind"] == "MaruPool"]
-    groups = [d for d in docs if d["kind"] == "InferenceGroup"]
-    assert len(pools) >= 2 and groups, "the examples hold a dax pool, an shm pool and a group"
-    out: dict[str, list[dict[str, Any]]] = {}
-    for pool in pools:
-        folder = tmp_path_factory.mktemp(f"bound-to-{pool}")
-        bound = [
-            {**d, "spec": {**d["spec"], "poolRef": {"name": pool}}} if d["kind"] == "InferenceGroup" else d
-            for d in docs
-        ]
-        (folder / "all.yaml").write_text(yaml.safe_dump_all(bound))
-        out[pool] = _render([folder])
-    return out
+    return examples_bound_to_each_pool(tmp_path_factory.mktemp("examples"))
 
 
 def _app(obj: dict[str, Any]) -> str:
@@ -84,7 +49,7 @@ def _describe(obj: dict[str, Any]) -> str:
 
 def test_the_examples_render_through_the_real_command() -> None:
     # The unmodified examples, exactly as `make render` shows them.
-    objects = _render([EXAMPLES])
+    objects = operator_render([EXAMPLES])
     assert {_app(o) for o in _pods(objects)} >= SERVING_APPS
 
 

@@ -1,0 +1,246 @@
+"""NetworkPolicies of the operator's children: each pod may be reached, and may reach, only what it needs.
+
+Who talks to whom (every other connection to or from these pods is refused once a CNI enforces them):
+
+=====================  ==============================================  ======================================
+pods                   may be reached by                               may reach
+=====================  ==============================================  ======================================
+vLLM (a group's)       its router, on the vLLM port (anyone, when the  DNS; the pool's metadata server (dax);
+                       group has no router); scrapers (same port)      HTTPS anywhere (model downloads)
+router (a group's)     anyone, on its API port; scrapers (metrics)     DNS; the API server (pod discovery);
+                                                                       its group's vLLM pods
+pool metadata (dax)    the pool's agents and the vLLM pods bound to    nothing
+                       the pool (RPC); the operator, scrapers (metrics)
+pool agent             the operator, scrapers (metrics)                dax: DNS, the pool's metadata server
+=====================  ==============================================  ======================================
+
+Policies only add permissions, so a user can allow more with a policy of their own (weights from an
+S3 endpoint on another port, an HTTP proxy, tracing), but never less than these. The kubelet's
+probes come from the node, which common CNIs (Calico, Cilium, the kube-router family) always admit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from maru_operator.api.inferencegroup import InferenceGroupSpec
+from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.builders.common import (
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    LABEL_POOL,
+    MANAGED_BY,
+    PART_OF,
+    Object,
+    Owner,
+    labels,
+    metadata,
+    selector,
+)
+from maru_operator.builders.group import (
+    ROUTER_APP,
+    ROUTER_CONTAINER_PORT,
+    ROUTER_METRICS_PORT,
+    VLLM_APP,
+    VLLM_PORT,
+    PoolView,
+)
+from maru_operator.builders.pool import APP as POOL_APP
+from maru_operator.builders.pool import COMPONENT_AGENT, COMPONENT_METADATA, agent_name, metadata_name
+from maru_operator.names import child_name, label_value
+
+# Set on every namespace by the API server (since Kubernetes 1.22): selects a namespace by its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+# The operator's pod, as the chart labels it.
+OPERATOR_POD = {LABEL_PART_OF: PART_OF, LABEL_COMPONENT: "operator"}
+HTTPS_PORT = 443
+DNS_PORT = 53
+
+
+@dataclass(frozen=True)
+class NetworkPolicyConfig:
+    """Cluster facts the policies need; the chart passes them to the operator as flags."""
+
+    enabled: bool = True
+    # Where the operator runs (it reads the pool daemons' /status); None: the pool namespace.
+    operator_namespace: str | None = None
+    # Namespaces whose pods may scrape metrics ports (Prometheus).
+    scrape_namespaces: tuple[str, ...] = ()
+    # Where the API server's endpoints are, as the pods' traffic reaches them (after the Service's DNAT).
+    api_server_cidrs: tuple[str, ...] = ("0.0.0.0/0", "::/0")
+    api_server_ports: tuple[int, ...] = (443, 6443)
+
+
+DEFAULT_NETWORK = NetworkPolicyConfig()
+
+
+def _in_namespace(namespace: str) -> dict[str, Any]:
+    return {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}
+
+
+def _peer(pods: dict[str, str], namespace: str | None = None) -> Object:
+    """Pods with ``pods`` labels, in ``namespace`` (None: the policy's own namespace)."""
+    peer: Object = {"podSelector": {"matchLabels": dict(pods)}}
+    if namespace is not None:
+        peer["namespaceSelector"] = _in_namespace(namespace)
+    return peer
+
+
+def _tcp(*ports: int) -> list[Object]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def _scrapers(config: NetworkPolicyConfig) -> list[Object]:
+    return [{"namespaceSelector": _in_namespace(ns)} for ns in config.scrape_namespaces]
+
+
+def _operator(config: NetworkPolicyConfig, pool_namespace: str) -> Object:
+    return _peer(OPERATOR_POD, config.operator_namespace or pool_namespace)
+
+
+def dns_egress() -> Object:
+    """Name lookups, wherever the cluster's resolver is (kube-dns, NodeLocal DNSCache, OpenShift's)."""
+    return {"ports": [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}]}
+
+
+def api_server_egress(config: NetworkPolicyConfig) -> Object:
+    return {"to": [{"ipBlock": {"cidr": cidr}} for cidr in config.api_server_cidrs],
+            "ports": _tcp(*config.api_server_ports)}
+
+
+def _policy(owner: Owner, *, name: str, namespace: str, pod_labels: dict[str, str], select: dict[str, str],
+            ingress: list[Object], egress: list[Object]) -> Object:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(owner, name=name, namespace=namespace, labels=pod_labels),
+        "spec": {
+            "podSelector": {"matchLabels": dict(select)},
+            # Both directions are isolated: an empty list then means "nothing".
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
+        },
+    }
+
+
+# --- MaruPool -------------------------------------------------------------------------------------
+
+
+def _pool_selector(owner: Owner, component: str) -> dict[str, str]:
+    return selector(owner, app=POOL_APP, component=component)
+
+
+def pool_clients(pool: str) -> dict[str, str]:
+    """Labels of the vLLM pods bound to ``pool``, in any namespace (the group builder sets them)."""
+    return {LABEL_NAME: VLLM_APP, LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def _client_namespaces(spec: MaruPoolSpec) -> dict[str, Any]:
+    if spec.allowed_namespaces is None:
+        return {}
+    return {"matchExpressions": [
+        {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(spec.allowed_namespaces)}
+    ]}
+
+
+def build_metadata_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, config: NetworkPolicyConfig) -> Object:
+    """The metadata server (dax): RPC from the pool's agents and clients, metrics from the operator."""
+    agents = _peer(_pool_selector(owner, COMPONENT_AGENT))
+    clients = {"namespaceSelector": _client_namespaces(spec), "podSelector": {"matchLabels": pool_clients(owner.name)}}
+    return _policy(
+        owner, name=metadata_name(owner.name), namespace=namespace,
+        pod_labels=labels(owner, app=POOL_APP, component=COMPONENT_METADATA),
+        select=_pool_selector(owner, COMPONENT_METADATA),
+        ingress=[
+            {"from": [agents, clients], "ports": _tcp(spec.daemon.metadata_port)},
+            {"from": [_operator(config, namespace), *_scrapers(config)], "ports": _tcp(spec.daemon.metrics_port)},
+        ],
+        egress=[],
+    )
+
+
+def build_agent_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, config: NetworkPolicyConfig) -> Object:
+    """The node agents: metrics in; out only to the metadata server (dax). Clients use a Unix socket."""
+    egress: list[Object] = []
+    if spec.backend == "dax":
+        egress = [dns_egress(), {"to": [_peer(_pool_selector(owner, COMPONENT_METADATA))],
+                                 "ports": _tcp(spec.daemon.metadata_port)}]
+    return _policy(
+        owner, name=agent_name(owner.name), namespace=namespace,
+        pod_labels=labels(owner, app=POOL_APP, component=COMPONENT_AGENT),
+        select=_pool_selector(owner, COMPONENT_AGENT),
+        ingress=[{"from": [_operator(config, namespace), *_scrapers(config)], "ports": _tcp(spec.daemon.metrics_port)}],
+        egress=egress,
+    )
+
+
+def build_pool_policies(spec: MaruPoolSpec, owner: Owner, namespace: str, config: NetworkPolicyConfig) -> list[Object]:
+    if not config.enabled:
+        return []
+    policies = [build_agent_policy(spec, owner, namespace, config)]
+    if spec.backend == "dax":
+        policies.insert(0, build_metadata_policy(spec, owner, namespace, config))
+    return policies
+
+
+# --- InferenceGroup -------------------------------------------------------------------------------
+
+
+def vllm_pods(owner: Owner) -> dict[str, str]:
+    """Both roles' vLLM pods of one group."""
+    return {LABEL_NAME: VLLM_APP, LABEL_INSTANCE: owner.instance}
+
+
+def router_pods(owner: Owner) -> dict[str, str]:
+    return selector(owner, app=ROUTER_APP, component="router")
+
+
+def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str,
+                      config: NetworkPolicyConfig) -> Object:
+    """Kept while the group is unbound too: its running pods stay isolated (without a pool to reach)."""
+    if spec.router.enabled:
+        ingress = [{"from": [_peer(router_pods(owner))], "ports": _tcp(VLLM_PORT)}]
+        if config.scrape_namespaces:
+            ingress.append({"from": _scrapers(config), "ports": _tcp(VLLM_PORT)})
+    else:
+        # Without our router, whatever routes to the pods is the user's: the API port stays open.
+        ingress = [{"ports": _tcp(VLLM_PORT)}]
+    egress = [dns_egress()]
+    if pool is not None and pool.spec.backend == "dax":
+        # The agent's hello names the metadata server; clients send it their lookups directly.
+        metadata_pods = _pool_selector(Owner(kind="MaruPool", name=pool.name), COMPONENT_METADATA)
+        egress.append({"to": [_peer(metadata_pods, pool_namespace)], "ports": _tcp(pool.spec.daemon.metadata_port)})
+    # Weights and tokenizers come from the Hugging Face Hub (or a mirror) over HTTPS.
+    egress.append({"ports": _tcp(HTTPS_PORT)})
+    return _policy(
+        owner, name=child_name(owner.name, "vllm"), namespace=str(owner.namespace),
+        pod_labels=labels(owner, app=VLLM_APP, component="vllm"), select=vllm_pods(owner),
+        ingress=ingress, egress=egress,
+    )
+
+
+def build_router_policy(owner: Owner, config: NetworkPolicyConfig) -> Object:
+    ingress: list[Object] = [{"ports": _tcp(ROUTER_CONTAINER_PORT)}]
+    if config.scrape_namespaces:
+        ingress.append({"from": _scrapers(config), "ports": _tcp(ROUTER_METRICS_PORT)})
+    return _policy(
+        owner, name=child_name(owner.name, "router"), namespace=str(owner.namespace),
+        pod_labels=labels(owner, app=ROUTER_APP, component="router"), select=router_pods(owner),
+        ingress=ingress,
+        egress=[dns_egress(), api_server_egress(config), {"to": [_peer(vllm_pods(owner))], "ports": _tcp(VLLM_PORT)}],
+    )
+
+
+def build_group_policies(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str,
+                         config: NetworkPolicyConfig) -> list[Object]:
+    if not config.enabled:
+        return []
+    policies = [build_vllm_policy(spec, owner, pool, pool_namespace, config)]
+    if spec.router.enabled:
+        policies.append(build_router_policy(owner, config))
+    return policies
