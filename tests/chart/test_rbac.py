@@ -35,6 +35,7 @@ NAMESPACED_RULES = {
     ("", "serviceaccounts"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
+    ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},
 }
 

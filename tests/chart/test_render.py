@@ -119,6 +119,8 @@ def test_default_objects(default_objects: list[dict[str, Any]]) -> None:
         "ClusterRoleBinding",
         "DaemonSet",
         "Deployment",
+        "NetworkPolicy",
+        "NetworkPolicy",
         "Service",
         "ServiceAccount",
         "ServiceAccount",
@@ -184,6 +186,10 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
         "--metrics-port=9090",
         "--workers=8",
         "--resync-seconds=60",
+        "--api-server-cidr=0.0.0.0/0",
+        "--api-server-cidr=::/0",
+        "--api-server-port=443",
+        "--api-server-port=6443",
     ]
     assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
     probe = c["livenessProbe"]["httpGet"]
@@ -191,6 +197,8 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"healthz": 8080, "metrics": 9090}
     assert probe["port"] == "healthz"
+    # Ready once the operator answers on the same endpoint.
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
 
 
 def test_operator_command_custom(custom_objects: list[dict[str, Any]]) -> None:

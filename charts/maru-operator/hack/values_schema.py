@@ -90,6 +90,8 @@ CORE = "io.k8s.api.core.v1."
 # An absolute host path other than "/" (a trailing "/" is allowed).
 ABSOLUTE_PATH = r"^/.*[^/]/?$"
 IMAGE_TAG = r"^$|^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
+# An IPv4 or IPv6 address range in CIDR notation (the shape only; the API server checks the rest).
+CIDR = r"^([0-9]{1,3}(\.[0-9]{1,3}){3}|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*)/[0-9]{1,3}$"
 PULL_POLICY = ("Always", "IfNotPresent", "Never")
 INT_OR_PERCENT = {
     "oneOf": [
@@ -139,6 +141,34 @@ VALUES: dict[str, Any] = obj(
                 "failureThreshold": integer(1),
             },
             required=["enabled", "port"],
+        ),
+        "readinessProbe": obj(
+            {
+                "enabled": boolean(),
+                "initialDelaySeconds": integer(0),
+                "periodSeconds": integer(1),
+                "timeoutSeconds": integer(1),
+                "failureThreshold": integer(1),
+            },
+            required=["enabled"],
+        ),
+        "networkPolicy": obj(
+            {
+                "enabled": boolean(),
+                "scrapeNamespaces": {
+                    "type": "array",
+                    "uniqueItems": True,
+                    "items": string(pattern=DNS1123_LABEL, maxLength=63),
+                },
+                "apiServer": obj(
+                    {
+                        "cidrs": {"type": "array", "minItems": 1, "items": string(pattern=CIDR)},
+                        "ports": {"type": "array", "minItems": 1, "items": port()},
+                    },
+                    required=["cidrs", "ports"],
+                ),
+            },
+            required=["enabled", "apiServer"],
         ),
         "metrics": obj(
             {
@@ -193,7 +223,8 @@ VALUES: dict[str, Any] = obj(
             required=["enabled", "socketRoot", "kubeletDir", "image", "registrar"],
         ),
     },
-    required=["image", "logLevel", "workers", "resyncSeconds", "livenessProbe", "metrics", "serviceAccount", "rbac"],
+    required=["image", "logLevel", "workers", "resyncSeconds", "livenessProbe", "readinessProbe", "metrics",
+              "networkPolicy", "serviceAccount", "rbac"],
 )
 
 
