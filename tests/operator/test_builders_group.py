@@ -175,15 +175,15 @@ class TestRoleDeployment:
         assert c["resources"] == {"limits": {"nvidia.com/gpu": 2, "memory": "32Gi"},
                                   "requests": {"cpu": "4", "memory": "8Gi"}}
         c = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
-        assert c["resources"] == {"limits": {"memory": "32Gi"}, "requests": {"memory": "8Gi"}}
+        assert c["resources"] == {"limits": {"memory": "32Gi"}, "requests": {"cpu": "1", "memory": "8Gi"}}
 
     def test_memory_defaults_scale_with_tensor_parallel_size_and_yield_to_the_user(self) -> None:
         spec = group_spec(prefill={"tensorParallelSize": 4}, decode={"resources": {"limits": {"memory": "20Gi"}}})
         prefill = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))["resources"]
-        assert prefill == {"limits": {"memory": "128Gi"}, "requests": {"memory": "32Gi"}}
+        assert prefill == {"limits": {"memory": "128Gi"}, "requests": {"cpu": "4", "memory": "32Gi"}}
         decode = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["resources"]
         # A limit alone: Kubernetes defaults the request to it, nothing is added.
-        assert decode == {"limits": {"memory": "20Gi"}}
+        assert decode == {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}
 
     def test_replicas_override(self) -> None:
         spec = group_spec(decode={"replicas": 3})
@@ -310,9 +310,11 @@ class TestRouterResources:
     def test_memory_limit_by_default(self) -> None:
         dep = build_router_deployment(group_spec(), GROUP_OWNER)
         assert dep is not None
-        assert container(dep)["resources"] == {"limits": {"memory": "1Gi"}, "requests": {"memory": "128Mi"}}
+        assert container(dep)["resources"] == {"limits": {"memory": "1Gi"},
+                                               "requests": {"cpu": "100m", "memory": "128Mi"}}
 
     def test_a_larger_request_raises_the_limit(self) -> None:
         dep = build_router_deployment(group_spec(router={"resources": {"requests": {"memory": "2Gi"}}}), GROUP_OWNER)
         assert dep is not None
-        assert container(dep)["resources"] == {"limits": {"memory": "2Gi"}, "requests": {"memory": "2Gi"}}
+        assert container(dep)["resources"] == {"limits": {"memory": "2Gi"},
+                                               "requests": {"cpu": "100m", "memory": "2Gi"}}

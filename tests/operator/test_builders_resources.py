@@ -3,31 +3,31 @@
 from __future__ import annotations
 
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment, memory_default
-from maru_operator.builders.resources import MemoryDefault, with_memory_defaults
+from maru_operator.builders.resources import ResourceDefault, with_defaults
 from maru_operator.quantity import parse_quantity
 from tests.operator.helpers import POOL_OWNER, container, dax_spec, pool_spec
 
-DEFAULT = MemoryDefault(request=2**30, limit=4 * 2**30)
+DEFAULT = ResourceDefault(request=2**30, limit=4 * 2**30, cpu_millis=250)
 
 
 def test_neither_given_sets_both() -> None:
-    assert with_memory_defaults({}, DEFAULT) == {"requests": {"memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    assert with_defaults({}, DEFAULT) == {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
 
 
 def test_a_user_limit_is_kept_and_nothing_added() -> None:
-    given = {"limits": {"memory": "512Mi", "nvidia.com/gpu": 1}}
-    assert with_memory_defaults(given, DEFAULT) == given
+    given = {"limits": {"memory": "512Mi", "cpu": "2", "nvidia.com/gpu": 1}}
+    assert with_defaults(given, DEFAULT) == given
 
 
 def test_a_request_above_the_default_limit_becomes_the_limit() -> None:
-    result = with_memory_defaults({"requests": {"memory": "10Gi", "cpu": "2"}}, DEFAULT)
+    result = with_defaults({"requests": {"memory": "10Gi", "cpu": "2"}}, DEFAULT)
     assert result == {"requests": {"memory": "10Gi", "cpu": "2"}, "limits": {"memory": "10Gi"}}
-    result = with_memory_defaults({"requests": {"memory": "100Mi"}}, DEFAULT)
-    assert result == {"requests": {"memory": "100Mi"}, "limits": {"memory": "4Gi"}}
+    result = with_defaults({"requests": {"memory": "100Mi"}}, DEFAULT)
+    assert result == {"requests": {"memory": "100Mi", "cpu": "250m"}, "limits": {"memory": "4Gi"}}
 
 
 def test_cpu_limits_are_never_added() -> None:
-    assert "cpu" not in with_memory_defaults({"requests": {"cpu": "1"}}, DEFAULT)["limits"]
+    assert "cpu" not in with_defaults({"requests": {"cpu": "1"}}, DEFAULT)["limits"]
 
 
 def test_the_shm_agent_holds_the_pool_in_its_memory() -> None:
@@ -44,7 +44,7 @@ def test_the_shm_agent_holds_the_pool_in_its_memory() -> None:
 def test_the_dax_agent_maps_device_memory_not_ram() -> None:
     assert memory_default(dax_spec(size="256Gi"), "agent") == memory_default(dax_spec(), "agent")
     resources = container(build_agent_daemonset(dax_spec(), POOL_OWNER, "maru-system"))["resources"]
-    assert resources == {"requests": {"memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    assert resources == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 
 
 def test_the_metadata_index_grows_with_the_pool() -> None:
@@ -56,6 +56,6 @@ def test_the_metadata_index_grows_with_the_pool() -> None:
 
 
 def test_user_resources_of_the_pool_daemons_win() -> None:
-    spec = pool_spec(daemon={"resources": {"limits": {"memory": "20Gi"}}})
+    spec = pool_spec(daemon={"resources": {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}})
     assert container(build_agent_daemonset(spec, POOL_OWNER, "maru-system"))["resources"] == {
-        "limits": {"memory": "20Gi"}}
+        "limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}

@@ -152,7 +152,6 @@ def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
     rendered = [d for d in yaml.safe_load_all(render([path], "maru-system")) if d]
     from maru_operator.api.inferencegroup import InferenceGroupSpec
     from maru_operator.api.marupool import MaruPoolSpec
-
     from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies
 
     owner = Owner(kind="InferenceGroup", name="qwen", namespace=GROUP_NS)

@@ -27,7 +27,7 @@ from maru_operator.builders.common import (
 )
 from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import pool_socket_mount, pool_socket_volume
-from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_memory_defaults
+from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_defaults
 from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
 from maru_operator.names import child_name, label_value, short_hash
 
@@ -130,7 +130,7 @@ def pool_node_affinity(pool: MaruPoolSpec) -> dict[str, Any] | None:
 
 def _resources(role_spec: RoleSpec) -> dict[str, Any]:
     given = {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
-    return with_memory_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size))
+    return with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size))
 
 
 def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
@@ -290,7 +290,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
         return None
     pod_labels = _router_labels(owner)
     given = {k: v for k, v in spec.router.resources.model_dump(by_alias=True).items() if v}
-    resources = with_memory_defaults(given, ROUTER)
+    resources = with_defaults(given, ROUTER)
     container = {
         "name": "router",
         "image": spec.router.image,

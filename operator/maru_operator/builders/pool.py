@@ -9,6 +9,7 @@ offsets of memory it does not own.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from maru_operator.api.marupool import MaruPoolSpec
@@ -25,9 +26,9 @@ from maru_operator.builders.resources import (
     INDEX_BYTES_PER_POOL_BYTE,
     METADATA_UNSIZED_LIMIT,
     POOL_DAEMON,
-    MemoryDefault,
+    ResourceDefault,
     plus,
-    with_memory_defaults,
+    with_defaults,
 )
 from maru_operator.names import MAX_NAME, child_name
 from maru_operator.quantity import parse_quantity
@@ -72,7 +73,7 @@ def _pool_owner_labels(owner: Owner, component: str) -> dict[str, str]:
     return labels(owner, app=APP, component=component)
 
 
-def memory_default(spec: MaruPoolSpec, component: str) -> MemoryDefault:
+def memory_default(spec: MaruPoolSpec, component: str) -> ResourceDefault:
     """A pool daemon's memory when ``spec.daemon.resources`` names none.
 
     The shm agent holds the pool itself: its memory-backed /dev/shm is charged to the container, so
@@ -82,13 +83,13 @@ def memory_default(spec: MaruPoolSpec, component: str) -> MemoryDefault:
     if component == COMPONENT_AGENT:
         return plus(POOL_DAEMON, size) if spec.backend == "shm" else POOL_DAEMON
     if not size:
-        return MemoryDefault(request=POOL_DAEMON.request, limit=METADATA_UNSIZED_LIMIT)
-    return MemoryDefault(request=POOL_DAEMON.request, limit=POOL_DAEMON.limit + int(size * INDEX_BYTES_PER_POOL_BYTE))
+        return replace(POOL_DAEMON, limit=METADATA_UNSIZED_LIMIT)
+    return replace(POOL_DAEMON, limit=POOL_DAEMON.limit + int(size * INDEX_BYTES_PER_POOL_BYTE))
 
 
 def _resources(spec: MaruPoolSpec, component: str) -> dict[str, Any]:
     given = {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
-    return with_memory_defaults(given, memory_default(spec, component))
+    return with_defaults(given, memory_default(spec, component))
 
 
 def _tolerations(spec: MaruPoolSpec) -> list[dict[str, Any]]:
