@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv test lint crds check-crds protos demo render bench clean
+.PHONY: help venv test lint crds check-crds scan protos demo render bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -16,6 +16,16 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed  ## create the virtual environment with every dependency
+
+# checkov pins many packages of its own: it gets a virtual environment of its own, never .venv.
+CHECKOV_VENV := .tools/checkov
+CHECKOV_REQUIREMENTS := tests/security/checkov-requirements.txt
+
+$(CHECKOV_VENV)/.installed: $(CHECKOV_REQUIREMENTS)
+	rm -rf $(CHECKOV_VENV)
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q -r $(CHECKOV_REQUIREMENTS)
+	touch $@
 
 lint: venv  ## ruff
 	$(PY) -m ruff check .
@@ -32,7 +42,10 @@ check-crds: venv  ## fail if the committed CRDs, docs/api.md or the CSI gRPC cod
 protos: venv  ## regenerate the CSI plugin's gRPC code from maru_connector/csi/csi.proto
 	$(PY) -m maru_connector.csi.protogen
 
-test: lint check-crds  ## every test: lint, CRD freshness, unit, real vLLM engines, operator on the API emulator, chart
+scan: venv $(CHECKOV_VENV)/.installed  ## checkov over the chart and the rendered examples; fails on findings not documented as exceptions
+	$(PY) -m tests.security.checkov_scan --checkov $(CHECKOV_VENV)/bin/checkov
+
+test: lint check-crds scan  ## every test: lint, CRD freshness, checkov, unit, real vLLM engines, operator on the API emulator, chart
 	$(PY) -m pytest
 
 demo: venv  ## the main job on one machine, no cluster, no GPU
