@@ -91,8 +91,8 @@ LABEL org.opencontainers.image.title="vllm-maru" \
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl xxhash==4.1.0 \
     && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config; sys.exit(u.find_spec('maru_connector.vllm') is None)"
-# InferenceGroup pods run with runAsNonRoot and no runAsUser: the image names a numeric user, whose
-# home holds vLLM's and Hugging Face's caches (the root filesystem stays writable for them).
+# A numeric non-root user with a home for vLLM's and Hugging Face's caches, for running the image by hand.
+# InferenceGroup pods name the same user and mount emptyDirs there and at /tmp (their root is read-only).
 RUN groupadd --system --gid 65532 maru \
     && useradd --system --uid 65532 --gid 65532 --create-home --home-dir /home/maru --shell /usr/sbin/nologin maru
 ENV HOME=/home/maru \
