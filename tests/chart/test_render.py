@@ -217,6 +217,12 @@ def test_operator_command_custom(custom_objects: list[dict[str, Any]]) -> None:
     assert "--verbose" in args
     assert "--workers=16" in args
     assert args[-1] == "--resync-seconds=45"
+    assert [a for a in args if a.startswith(("--scrape-namespace", "--api-server"))] == [
+        "--scrape-namespace=monitoring", "--api-server-cidr=192.0.2.10/32", "--api-server-port=6443"]
+    assert c["readinessProbe"]["periodSeconds"] == 20
+    policy = one(custom_objects, "NetworkPolicy", "maru-operator")["spec"]
+    assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9191}]
+    assert {"ipBlock": {"cidr": "192.0.2.10/32"}} in policy["egress"][1]["to"]
     assert {"name": "HTTPS_PROXY", "value": "http://proxy.example.com:3128"} in c["env"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"healthz": 8081, "metrics": 9191}
     assert c["resources"] == {
