@@ -143,7 +143,7 @@ class MaruConnector(KVConnectorBase_V1):
                     tc.kv_load_failure_policy,
                 )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
             self._worker = MaruWorker(
                 vllm_config,
@@ -152,6 +152,7 @@ class MaruConnector(KVConnectorBase_V1):
                 loads=loads,
                 saves=saves,
                 tp_rank=get_tensor_model_parallel_rank(),
+                tp_group=get_tp_group(),
             )
         half = self._scheduler or self._worker
         self._stats = half.stats if half is not None else common.Counters()

@@ -16,7 +16,7 @@ What became of each load and save goes back to the scheduler half in :meth:`Maru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,6 @@ from maru_connector.vllm.metadata import (
     MaruConnectorMetadata,
     MaruWorkerInfo,
     MaruWorkerReport,
-    SavePlan,
 )
 from maru_connector.vllm.namespace import kv_layers_digest
 
@@ -58,11 +57,14 @@ class MaruWorker:
         loads: bool,
         saves: bool,
         tp_rank: int,
+        tp_group: Any = None,
     ) -> None:
+        """``tp_group`` is vLLM's tensor-parallel GroupCoordinator (None: a single rank)."""
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
         self.tp_rank = tp_rank
+        self._tp_group = tp_group
         self.block_size = vllm_config.cache_config.block_size
         cfg.check_block_size(self.block_size)
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
@@ -233,9 +235,11 @@ class MaruWorker:
         """
         if not meta.saves:
             return
+        # First, and on every rank alike: a collective must not be skipped by one rank's early return.
+        failed = self._failed_on_any_rank(meta)
         todo: list[tuple[str, int, object]] = []  # (req_id, chunk index, ChunkSave)
         for req_id, plan in meta.saves.items():
-            if self._tainted(plan):
+            if failed.intersection(plan.depends_on):
                 self._outcome(req_id, [c.index for c in plan.chunks], TAINTED)
                 self.stats.count(common.SAVE_TAINTED_CHUNKS, len(plan.chunks))
                 continue
@@ -300,8 +304,21 @@ class MaruWorker:
 
     # ------------------------------------------------------------------ internals
 
-    def _tainted(self, plan: SavePlan) -> bool:
-        return any(load_id in self._failed_loads for load_id in plan.depends_on)
+    def _failed_on_any_rank(self, meta: MaruConnectorMetadata) -> set[int]:
+        """Which of the loads the step's saves depend on failed, on this rank or any other.
+
+        Tensor-parallel ranks sum their partial results after every layer, so KV computed over a
+        load that failed on one rank is wrong on all of them: every rank must drop it. One small
+        all-reduce on the CPU group, only in steps whose saves depend on unsettled loads.
+        """
+        deps = sorted({load_id for plan in meta.saves.values() for load_id in plan.depends_on})
+        if not deps:
+            return set()
+        flags = torch.tensor([int(load_id in self._failed_loads) for load_id in deps], dtype=torch.int32)
+        group = self._tp_group
+        if group is not None and getattr(group, "world_size", 1) > 1:
+            torch.distributed.all_reduce(flags, group=group.cpu_group)
+        return {load_id for load_id, n in zip(deps, flags.tolist(), strict=True) if n}
 
     def _skip(self, todo: list) -> None:
         for req_id, index, _ in todo:
