@@ -3,8 +3,9 @@
 vLLM already hashes every full block of a request into ``request.block_hashes``: a chain where
 the hash of block *j* covers every token of blocks ``0..j`` (plus LoRA, multimodal inputs and the
 request's ``cache_salt``). The key of chunk *i* is therefore the block hash at the chunk's last
-block, keyed with a fingerprint of everything that changes the bytes of the KV: model, revision,
-dtype, KV layout, block and chunk size, tensor-parallel rank and size, and the tenant salt.
+block, keyed with a fingerprint of everything that changes the bytes of the KV (:class:`Namespace`):
+the weights themselves, quantization, config overrides, dtypes, the KV cache's byte format and
+layers, the vLLM version, block and chunk size, tensor-parallel rank and size, and the tenant salt.
 Nothing re-reads token ids, so a 128k-token prompt costs one small hash per chunk.
 
 The chain only matches across engines when vLLM's root hash (``NONE_HASH``) is the same in every
@@ -21,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 # Bumped whenever the packed chunk format or the key derivation changes, so old pool content
-# turns into misses instead of wrong KV.
-FORMAT_VERSION = 1
+# turns into misses instead of wrong KV. 2: pages copied in memory order of vLLM 0.32's layouts.
+FORMAT_VERSION = 2
 
 KEY_BYTES = 16
 
@@ -33,12 +34,22 @@ RANDOM_SEEDED_HASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything two engines must agree on for a chunk's bytes to be interchangeable."""
+    """Everything two engines must agree on for a chunk's bytes to be interchangeable.
 
-    model: str
+    The engine's half comes from its configuration (``vllm.namespace``), the KV cache's half from
+    what the workers registered (``kv_format``, ``kv_layers``): the scheduler cannot see the latter.
+    """
+
+    model: str  # as configured: a repo id or a path (for people reading logs; the weights field decides)
     revision: str
-    dtype: str
-    kv_layout: str
+    weights: str  # weights.weights_identity: a commit, or the weight files' names, sizes and times
+    quantization: str
+    hf_overrides: str  # canonical JSON of --hf-overrides (e.g. rope scaling)
+    dtype: str  # the model's dtype
+    kv_cache_dtype: str  # --kv-cache-dtype, and the layers it skips; the scales come with the weights
+    kv_format: str  # layout.PagedKV.format: attention backend, page order, tensor dtype
+    kv_layers: str  # digest of the KV layers' names and page sizes, from the workers
+    vllm_version: str
     block_size: int
     chunk_tokens: int
     num_layers: int
@@ -81,6 +92,60 @@ def chunk_keys(
         last = block_hashes[(i + 1) * per_chunk - 1]
         keys.append(hashlib.blake2b(bytes(last), digest_size=KEY_BYTES, key=fingerprint).digest())
     return keys
+
+
+class PromptKeys:
+    """The keys of a live request's full prompt chunks, one per TP rank, following the prompt.
+
+    vLLM can grow a request's prompt while it lives (streaming input sessions extend it with new
+    tokens and drop the hashes of blocks past what was computed), so keys are recomputed whenever
+    the request's block hashes or prompt length changed, and only from the first chunk that did.
+    Because block hashes form a chain, one comparison per chunk boundary tells where they differ.
+    """
+
+    def __init__(self, fingerprints: Sequence[bytes], *, hash_block_size: int, chunk_tokens: int) -> None:
+        if hash_block_size <= 0 or chunk_tokens % hash_block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of block size {hash_block_size}")
+        self._fingerprints = list(fingerprints)
+        self._hash_block_size = hash_block_size
+        self._chunk_tokens = chunk_tokens
+        self._per_chunk = chunk_tokens // hash_block_size
+        self._keys: list[tuple[bytes, ...]] = []  # per chunk, one key per rank
+        self._ends: list[bytes] = []  # per chunk, the block hash its keys derive from
+        self._seen: tuple[int, int] = (-1, -1)
+
+    def update(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> int:
+        """Follow the request; returns the first chunk whose key changed (``len(self)`` if none did)."""
+        if (len(block_hashes), num_prompt_tokens) == self._seen:
+            return len(self._keys)
+        self._seen = (len(block_hashes), num_prompt_tokens)
+        n = min(len(block_hashes) // self._per_chunk, max(0, num_prompt_tokens) // self._chunk_tokens)
+        same = min(n, len(self._ends))
+        while same and bytes(block_hashes[same * self._per_chunk - 1]) != self._ends[same - 1]:
+            same -= 1
+        del self._keys[same:], self._ends[same:]
+        for i in range(same, n):
+            end = bytes(block_hashes[(i + 1) * self._per_chunk - 1])
+            self._ends.append(end)
+            self._keys.append(
+                tuple(hashlib.blake2b(end, digest_size=KEY_BYTES, key=fp).digest() for fp in self._fingerprints)
+            )
+        return same
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, chunk: int) -> tuple[bytes, ...]:
+        return self._keys[chunk]
+
+    def parents(self, chunk: int) -> tuple[bytes | None, ...]:
+        """Per rank, the key of the chunk before ``chunk`` in the prompt (None for the first chunk)."""
+        return self._keys[chunk - 1] if chunk else (None,) * len(self._fingerprints)
+
+    def lookup_order(self, n: int | None = None) -> list[bytes]:
+        """The first ``n`` chunks' keys, chunk-major and rank-minor (see :func:`interleave_ranks`)."""
+        chunks = self._keys[:n]
+        return [key for keys in chunks for key in keys]
 
 
 def interleave_ranks(per_rank: Sequence[Sequence[bytes]]) -> list[bytes]:

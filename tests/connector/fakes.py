@@ -10,19 +10,40 @@ BLOCK = 128
 CHUNK = 256
 
 
-def vllm_config(*, block_size: int = BLOCK, hash_algo: str = "sha256", tp: int = 1) -> SimpleNamespace:
+def vllm_config(
+    *, block_size: int = BLOCK, hash_algo: str = "sha256", tp: int = 1, dcp: int = 1, backend: str = "CPU_ATTN"
+) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads; the model is a name, so its weights are unresolved."""
+    layers = {f"layer{i}": SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend)) for i in range(2)}
     return SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-        model_config=SimpleNamespace(
-            model="tiny-llama", revision=None, dtype="torch.float32", get_num_layers=lambda _pc: 2
+        cache_config=SimpleNamespace(
+            block_size=block_size, prefix_caching_hash_algo=hash_algo, cache_dtype="auto", kv_cache_dtype_skip_layers=[]
         ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
+        model_config=SimpleNamespace(
+            model="tiny-llama",
+            model_weights="",
+            revision=None,
+            dtype="torch.float32",
+            quantization=None,
+            hf_overrides={},
+            get_num_layers=lambda _pc: 2,
+        ),
+        load_config=SimpleNamespace(download_dir=None),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
     )
 
 
-def kv_cache_config(*, block_size: int = BLOCK, heads: int = 2, head_size: int = 64) -> SimpleNamespace:
+def kv_cache_config(
+    *, block_size: int = BLOCK, heads: int = 2, head_size: int = 64, num_blocks: int = 16
+) -> SimpleNamespace:
     spec = SimpleNamespace(num_kv_heads=heads, head_size=head_size)
-    return SimpleNamespace(hash_block_size=block_size, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    return SimpleNamespace(
+        hash_block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_layout="LBHNC",
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)],
+    )
 
 
 def block_hashes(n_tokens: int, seed: int, block: int = BLOCK) -> list[bytes]:

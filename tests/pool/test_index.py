@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from maru_connector.pool.index import FULL, PoolIndex, ReadGrant, StaleEpoch, WriteGrant
+from maru_connector.pool.index import FULL, ORPHAN, PoolIndex, ReadGrant, StaleEpoch, WriteGrant
 
 PAGE = 4096
 EPOCH = 7
@@ -173,6 +173,85 @@ def test_abort_frees_and_unknown_abort_is_harmless() -> None:
     index.check_invariants()
 
 
+def chain(index: PoolIndex, prompt: str, chunks: range | list[int]) -> list[bytes]:
+    """Store chunks of one prompt in one batch, each naming the chunk before it as its parent."""
+    keys = [pk(prompt, i) for i in chunks]
+    grants = index.begin_write([(pk(prompt, i), PAGE, pk(prompt, i - 1) if i else None) for i in chunks])
+    assert all(isinstance(g, WriteGrant) for g in grants), grants
+    assert index.commit(EPOCH, [(g.lease_id, 1) for g in grants]) == [True] * len(grants)
+    return keys
+
+
+def pk(prompt: str, i: int) -> bytes:
+    return f"{prompt}:{i}".encode().ljust(32, b"\0")
+
+
+def survivors(index: PoolIndex, prompt: str, n: int) -> list[int]:
+    return [i for i in range(n) if pk(prompt, i) in index._chunks]
+
+
+def test_what_survives_of_a_prompt_is_always_a_prefix() -> None:
+    """A prefill stores a prompt over two steps; pressure from the next prompt must cut its tail."""
+    index, _ = make(pages=10)
+    index.lookup_prefix([pk("A", i) for i in range(8)])  # the prefill's lookup: a miss
+    chain(index, "A", range(4))  # chunks completed in the first step
+    chain(index, "A", range(4, 8))  # ... and in the second
+    index.lookup_prefix([pk("B", i) for i in range(4)])
+    chain(index, "B", range(2))
+    chain(index, "B", range(2, 4))
+    kept = survivors(index, "A", 8)
+    assert kept == list(range(len(kept))), f"A keeps {kept}: not a prefix"
+    assert index.lookup_prefix([pk("A", i) for i in range(8)]) == len(kept) == 6
+    index.check_invariants()
+
+
+def test_lookups_age_a_prompts_tail_before_its_head() -> None:
+    index, _ = make(pages=6)
+    chain(index, "A", range(3))
+    chain(index, "B", range(3))
+    index.lookup_prefix([pk("A", i) for i in range(3)])  # A used again: B is now the older prompt
+    chain(index, "C", range(2))
+    assert survivors(index, "A", 3) == [0, 1, 2]
+    assert survivors(index, "B", 3) == [0]
+
+
+def test_a_chunk_whose_parent_is_missing_is_refused() -> None:
+    index, _ = make(pages=6)
+    assert index.begin_write([(pk("A", 1), PAGE, pk("A", 0))]) == [ORPHAN]
+    assert index.stats()["used_bytes"] == 0 and index.stats()["orphans"] == 1
+    # Parent and child in one batch: the child is granted while its parent is being written ...
+    parent, child = index.begin_write([(pk("A", 0), PAGE, None), (pk("A", 1), PAGE, pk("A", 0))])
+    # ... but committed only after it: a child whose parent never made it is refused and freed.
+    index.abort(EPOCH, [parent.lease_id])
+    assert index.commit(EPOCH, [(child.lease_id, 1)]) == [False]
+    assert index.stats()["used_bytes"] == 0
+    index.check_invariants()
+
+
+def test_a_corrupt_chunk_takes_its_descendants_with_it() -> None:
+    index, _ = make(pages=6)
+    chain(index, "A", range(4))
+    (pin,) = index.open_read([pk("A", 1)])
+    index.release(EPOCH, [pin.pin_id], [pin.pin_id])
+    assert survivors(index, "A", 4) == [0]
+    assert index.stats()["used_bytes"] == PAGE
+    index.check_invariants()
+
+
+def test_a_pinned_leaf_is_skipped_and_the_parent_of_a_new_chunk_is_spared() -> None:
+    index, _ = make(pages=4)
+    chain(index, "A", range(2))
+    chain(index, "B", range(1))
+    chain(index, "C", range(1))
+    (pin,) = index.open_read([pk("A", 1)])  # A is the oldest prompt, but its leaf is being read
+    (grant,) = index.begin_write([(pk("B", 1), PAGE, pk("B", 0))])  # B:0 is older than C:0, yet needed
+    assert isinstance(grant, WriteGrant)
+    assert survivors(index, "A", 2) == [0, 1] and survivors(index, "B", 1) == [0]
+    assert survivors(index, "C", 1) == []
+    index.release(EPOCH, [pin.pin_id])
+    index.check_invariants()
+
+
 class IndexMachine(RuleBasedStateMachine):
     """Random sequences of every operation: live regions never overlap, pinned bytes never move."""
 
@@ -184,16 +263,19 @@ class IndexMachine(RuleBasedStateMachine):
         self.pins: dict[int, tuple[bytes, int, int]] = {}  # pin id -> key, offset, checksum
         self.committed_checksum: dict[bytes, int] = {}
 
-    @rule(i=st.integers(0, 30), pages=st.integers(1, 5), extra=st.integers(0, PAGE - 1))
-    def write(self, i: int, pages: int, extra: int) -> None:
-        (grant,) = self.index.begin_write([(k(i), pages * PAGE - extra)])
+    @rule(i=st.integers(0, 30), pages=st.integers(1, 5), extra=st.integers(0, PAGE - 1), chained=st.booleans())
+    def write(self, i: int, pages: int, extra: int, chained: bool) -> None:
+        # Chained: chunk i of a prompt whose chunk i - 1 must be stored first.
+        parent = k(i - 1) if chained and i else None
+        (grant,) = self.index.begin_write([(k(i), pages * PAGE - extra, parent)])
         if isinstance(grant, WriteGrant):
             self.leases[grant.lease_id] = (k(i), grant.offset)
 
     @precondition(lambda self: self.leases)
     @rule(pick=st.integers(0, 1000), abort=st.booleans())
     def finish(self, pick: int, abort: bool) -> None:
-        lease_id = sorted(self.leases)[pick % len(self.leases)]
+        # Ids are random: pick by insertion order, which the rule sequence alone determines.
+        lease_id = list(self.leases)[pick % len(self.leases)]
         key, _ = self.leases.pop(lease_id)
         if abort:
             self.index.abort(EPOCH, [lease_id])
@@ -207,11 +289,14 @@ class IndexMachine(RuleBasedStateMachine):
             self.pins[pin.pin_id] = (k(i), pin.offset, pin.checksum)
 
     @precondition(lambda self: self.pins)
-    @rule(pick=st.integers(0, 1000))
-    def release(self, pick: int) -> None:
-        pin_id = sorted(self.pins)[pick % len(self.pins)]
+    @rule(pick=st.integers(0, 1000), corrupt=st.booleans())
+    def release(self, pick: int, corrupt: bool) -> None:
+        pin_id = list(self.pins)[pick % len(self.pins)]
         del self.pins[pin_id]
-        self.index.release(EPOCH, [pin_id])
+        self.index.release(EPOCH, [pin_id], [pin_id] if corrupt else [])
+        if corrupt:
+            # The chunk and its descendants left the index; other pins of them now hold dropped chunks.
+            self.pins = {p: v for p, v in self.pins.items() if self.index._chunks.get(v[0]) is not None}
 
     @rule(dt=st.floats(0, 6))
     def time_passes(self, dt: float) -> None:
@@ -232,6 +317,12 @@ class IndexMachine(RuleBasedStateMachine):
             chunk = self.index._chunks.get(key)
             assert chunk is not None and chunk.committed
             assert (chunk.offset, chunk.checksum) == (offset, checksum)
+
+    @invariant()
+    def every_stored_chunk_can_be_hit(self) -> None:
+        for chunk in self.index._chunks.values():
+            if chunk.committed and chunk.parent is not None:
+                assert self.index._chunks[chunk.parent].committed
 
 
 TestIndexMachine = IndexMachine.TestCase

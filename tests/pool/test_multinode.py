@@ -161,7 +161,8 @@ def test_node_with_a_smaller_device_is_refused_with_the_fix(
 ) -> None:
     meta, _, _, port = cluster
     small = sock_dir / "dax-small"
-    small.write_bytes(bytes(2 * MiB))
+    # The pool's device as another node sees it, but smaller (say, a different namespace size).
+    small.write_bytes((sock_dir / "dax0.0").read_bytes()[:HEADER_SIZE] + bytes(2 * MiB - HEADER_SIZE))
     agent = start_agent(daemons, sock_dir, "node-c", port, small)
     with pytest.raises(PoolUnavailable, match="--size"):
         PoolClient(agent.ready["listen"], timeout_s=5).lookup_prefix([key(1)])
@@ -207,3 +208,41 @@ def test_metadata_without_agents_answers_unavailable_and_reports_empty_status(da
     assert s["capacity_bytes"] == 0 and s["nodes"] == [] and s["regions"] == []
     with urllib.request.urlopen(meta.metrics_url + "/metrics", timeout=5) as resp:
         assert "maru_pool_capacity_bytes 0.0" in resp.read().decode()
+
+
+def test_devices_listed_in_another_order_are_matched_by_their_header(daemons: list[Daemon], sock_dir: Path) -> None:
+    """Node b lists the same two devices in the other order: each is still found by its UUID."""
+    first, second = sock_dir / "dax0.0", sock_dir / "dax1.0"
+    for path in (first, second):
+        path.write_bytes(bytes(3 * MiB))
+    port = free_port()
+    start_metadata(daemons, port, size=None)
+    a = start_agent(daemons, sock_dir, "node-a", port, first, second)
+    b = start_agent(daemons, sock_dir, "node-b", port, second, first)
+    on_a = PoolClient(a.ready["listen"], timeout_s=5)
+    on_b = PoolClient(b.ready["listen"], timeout_s=5)
+    payloads = {key(i): os.urandom(MiB) for i in range(4)}  # two chunks in each device
+    for i, (k, v) in enumerate(payloads.items()):
+        assert (on_a if i % 2 else on_b).put(k, v)
+    out = bytearray(MiB)
+    for k, v in payloads.items():
+        for client in (on_a, on_b):
+            assert client.get_into(k, out) and out == v
+
+
+def test_a_device_of_another_pool_is_refused(
+    cluster: tuple[Daemon, Daemon, Daemon, int], daemons: list[Daemon], sock_dir: Path
+) -> None:
+    """Same size, other memory: a node that lists it must not write into what it believes is the pool."""
+    meta, a, _, port = cluster
+    on_a = PoolClient(a.ready["listen"], timeout_s=5)
+    assert on_a.put(key(1), b"pool" * 1000)
+    stranger = sock_dir / "dax9.0"
+    stranger.write_bytes(bytes(8 * MiB))
+    c = start_agent(daemons, sock_dir, "node-c", port, stranger)
+    wait_for(lambda: status(c)["problem"] is not None, "node-c is refused")
+    assert "dax9.0" in status(c)["problem"] and "not a device of this pool" in status(c)["problem"]
+    with pytest.raises(PoolUnavailable, match="not a device of this pool"):
+        PoolClient(c.ready["listen"], timeout_s=5).lookup_prefix([key(1)])
+    nodes = {n["node"]: n["ready"] for n in status(meta)["nodes"]}
+    assert nodes["node-c"] is False

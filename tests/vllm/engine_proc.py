@@ -3,9 +3,15 @@
 Run as ``python -m tests.vllm.engine_proc '<json options>'``. Each request is one JSON line on stdin,
 each answer one line on stdout prefixed with ``@@`` (vLLM writes its own lines there too).
 
-Ops: ``generate`` (prompts as token ids, greedy), ``counters`` (connector counters of this process,
-both halves), ``metrics`` (the connector's Prometheus counters), ``corrupt`` (flip bytes of one stored
-chunk in the pool memory), ``exit``.
+Ops: ``generate`` (prompts as token ids, greedy), ``session`` (a streaming-input session: one
+request whose prompt grows turn by turn), ``counters`` (connector counters of this process, both
+halves), ``metrics`` (the connector's Prometheus counters), ``keys`` (the pool keys of a prompt's
+chunks), ``corrupt`` (flip bytes of one stored chunk in the pool memory), ``inject`` / ``clear``
+(make a connector or pool-client method fail, to prove the engine survives it), ``exit``.
+
+Option ``async_scheduling``: vLLM's CPU platform turns asynchronous scheduling off (it gains nothing
+on a CPU), but it is the default on GPUs, where step N+1 is planned before step N's output is known;
+the option turns it back on so that path runs here too.
 """
 
 from __future__ import annotations
@@ -19,6 +25,20 @@ import traceback
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def keep_async_scheduling() -> None:
+    """Undo vLLM-CPU's override of ``async_scheduling`` (the engine runs the GPU default path)."""
+    from vllm.platforms import cpu
+
+    original = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        wanted = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def build(opts: dict[str, Any]):
@@ -41,6 +61,9 @@ def build(opts: dict[str, Any]):
         kwargs["disable_log_stats"] = False
     if opts.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
+    if opts.get("async_scheduling"):
+        keep_async_scheduling()
+        kwargs["async_scheduling"] = True
     if opts.get("role"):
         cfg = MaruConnectorConfig.from_extra_config(
             {
@@ -68,6 +91,97 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "elapsed_s": elapsed}
 
 
+def session(llm, req: dict[str, Any]) -> dict[str, Any]:
+    """One streaming-input request: each of ``parts`` extends the live request's prompt, as vLLM's
+    ``_update_request_as_session`` does for ``AsyncLLM.generate`` with an input stream.
+
+    Driven through the engine core directly (``LLM`` has no streaming-input API); returns the tokens
+    generated after each part.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    rid = req.get("request_id", "session")
+    turns: list[list[int]] = []
+    for part in req["parts"]:
+        params = SamplingParams(max_tokens=req.get("max_tokens", 4), temperature=0.0, ignore_eos=True)
+        request = engine.input_processor.process_inputs(
+            rid, TokensPrompt(prompt_token_ids=part), params, supported_tasks=("generate",), resumable=True
+        )
+        core.add_request(*core.preprocess_add_request(request))
+        tokens: list[int] = []
+        for _ in range(10_000):
+            outputs, _ = core.step_fn()
+            for batch in (outputs or {}).values():
+                tokens += [t for out in batch.outputs if out.request_id == rid for t in out.new_token_ids]
+            live = core.scheduler.requests.get(rid)
+            if live is None or live.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                break
+        turns.append(tokens)
+    core.abort_requests([rid])
+    return {"turns": turns}
+
+
+_injected: list[tuple[object, str, object]] = []
+
+
+def inject(req: dict[str, Any]) -> dict[str, Any]:
+    """Make a method fail: ``target`` is ``module:Class.method`` (the first of a list that exists),
+    ``error`` the exception class name (a pool error, or RuntimeError), ``times`` how many calls fail
+    (None: every call until ``clear``), ``lose_from`` for ``open_read_many`` only: pins from this
+    index on come back as misses (a chunk evicted between lookup and load)."""
+    import importlib
+
+    from maru_connector import pool
+
+    for target in req["target"] if isinstance(req["target"], list) else [req["target"]]:
+        module_name, _, attr = target.partition(":")
+        owner_name, _, method = attr.rpartition(".")
+        owner = importlib.import_module(module_name)
+        for part in owner_name.split("."):
+            owner = getattr(owner, part)
+        if hasattr(owner, method):
+            break
+    else:
+        return {"error": f"none of {req['target']} exists"}
+    original = getattr(owner, method)
+    left = [req.get("times")]
+    error = getattr(pool, req.get("error", ""), RuntimeError)
+    lose_from = req.get("lose_from")
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if left[0] is not None and left[0] <= 0:
+            return original(*args, **kwargs)
+        if left[0] is not None:
+            left[0] -= 1
+        if lose_from is None:
+            raise error(f"fault injected into {target}")
+        pins = original(*args, **kwargs)
+        lost = [p for p in pins[lose_from:] if p is not None]
+        if lost:
+            args[0].release_many(lost)
+        return pins[:lose_from] + [None] * len(pins[lose_from:])
+
+    _injected.append((owner, method, original))
+    setattr(owner, method, failing)
+    return {"ok": True, "target": target}
+
+
+def clear() -> dict[str, Any]:
+    while _injected:
+        owner, method, original = _injected.pop()
+        setattr(owner, method, original)
+    return {"ok": True}
+
+
+def keys(llm, req: dict[str, Any]) -> dict[str, Any]:
+    n = len(req["prompt"]) // llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.chunk_tokens
+    return {"keys": [chunk_key(llm, req["prompt"], i).hex() for i in range(n)]}
+
+
 def chunk_key(llm, prompt: list[int], chunk: int) -> bytes:
     """The key the connector stores chunk ``chunk`` of ``prompt`` under, from vLLM's block hash chain."""
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -83,7 +197,7 @@ def chunk_key(llm, prompt: list[int], chunk: int) -> bytes:
     for b in range(len(prompt) // bs):
         parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, prompt[b * bs : (b + 1) * bs])
         hashes.append(parent)
-    keys = chunk_keys(hashes, hash_block_size=bs, chunk_tokens=sched.chunk_tokens, fingerprint=sched._fingerprints[0])
+    keys = chunk_keys(hashes, hash_block_size=bs, chunk_tokens=sched.chunk_tokens, fingerprint=sched.fingerprints[0])
     return keys[chunk]
 
 
@@ -147,6 +261,14 @@ def main() -> int:
                 answer({"metrics": metrics(llm)})
             elif op == "corrupt":
                 answer(corrupt(llm, req))
+            elif op == "session":
+                answer(session(llm, req))
+            elif op == "inject":
+                answer(inject(req))
+            elif op == "clear":
+                answer(clear())
+            elif op == "keys":
+                answer(keys(llm, req))
             else:
                 answer({"error": f"unknown op {op}"})
         except Exception as err:  # report to the test, which decides whether dying was expected

@@ -32,9 +32,10 @@ def env() -> dict[str, str]:
 class PoolDaemon:
     """``maru-pool serve`` on a shm file in ``workdir``; can be killed and started again."""
 
-    def __init__(self, workdir: Path, size: str = "1GiB") -> None:
+    def __init__(self, workdir: Path, size: str = "1GiB", *, lease_seconds: float | None = None) -> None:
         self.workdir = workdir
         self.size = size
+        self.lease_seconds = lease_seconds
         self.url = f"unix://{workdir}/pool.sock"
         self.shm_path = str(workdir / "pool.shm")
         self.proc: subprocess.Popen[str] | None = None
@@ -56,6 +57,7 @@ class PoolDaemon:
                 self.shm_path,
                 "--metrics-addr",
                 "127.0.0.1:0",
+                *(["--lease-seconds", str(self.lease_seconds)] if self.lease_seconds else []),
             ],
             stdout=subprocess.PIPE,
             stderr=log,

@@ -84,15 +84,13 @@ def test_corrupt_chunk_is_detected_and_recomputed(both: Engine, pool: PoolDaemon
     assert delta(c1, c0, "checksum_mismatches") == 1
     assert delta(c1, c0, "loaded_chunks") == 3  # chunks 0..2 load; 3 fails, 4..7 are not trusted
     assert delta(c1, c0, "load_failed_chunks") == 5
+    # The pool dropped the corrupt chunk (and the ones after it, which a lookup could no longer
+    # reach); the recompute stored them again on the way.
+    assert delta(c1, c0, "saved_chunks") == 5
     assert second == first
 
-    # The pool dropped the corrupt chunk: the next run hits chunks 0..2, recomputes and re-stores the rest.
     third = both.generate([p])[0]
     c2 = both.counters()
-    assert delta(c2, c1, "loaded_chunks") == 3
+    assert delta(c2, c1, "loaded_chunks") == 8
     assert delta(c2, c1, "checksum_mismatches") == 0
-    assert delta(c2, c1, "saved_chunks") >= 1
     assert third == first
-    fourth = both.generate([p])[0]
-    assert delta(both.counters(), c2, "loaded_chunks") == 8
-    assert fourth == first

@@ -3,7 +3,9 @@
 It maps the shared devices, keeps their headers' epoch in step with the metadata server, and
 answers ``hello`` on a Unix socket by passing the devices' file descriptors (SCM_RIGHTS), so client
 pods map CXL memory without access to ``/dev/dax*`` themselves. Every node must list the same
-devices in the same order: device *i* is region *i* of the pool's offsets on every node.
+devices, in any order and under any name: each device carries a uuid in its header, and the agent
+hands out its devices in the order of the pool's regions as the metadata server names them by uuid.
+A device whose uuid is not one of the pool's is refused.
 
 Index calls are not forwarded: the ``hello`` reply names the metadata server and the client talks to
 it directly. That keeps the scheduler's lookup one network round trip instead of two, and the agent
@@ -20,6 +22,7 @@ from typing import Any
 
 from . import protocol
 from .memory import HEADER_SIZE, PoolMemory
+from .rpc import Peer
 from .service import Reply, fail
 from .units import Endpoint
 
@@ -37,17 +40,22 @@ class NodeAgent:
         self.epoch: int | None = None
         self._header_epoch: int | None = None  # last epoch written into the devices' headers
         self.regions: list[int] = []
+        self._ordered: list[PoolMemory] = []  # the devices in region order, once matched by uuid
         self.connected = False
         self.problem: str | None = None
         self.heartbeat_failures = 0
 
     def heartbeat(self) -> bool:
         """Report to the metadata server and adopt its epoch and capacity; False when unreachable."""
+        for memory in self.memories:
+            memory.refresh_uuid()  # another node may have made it part of the pool since
         msg = {
             "op": "agent",
             "node": self.node,
             "backend": "dax",
-            "devices": [{"path": m.path, "size": m.map_size, "usable": m.capacity} for m in self.memories],
+            "devices": [
+                {"path": m.path, "size": m.map_size, "usable": m.capacity, "uuid": m.uuid} for m in self.memories
+            ],
         }
         try:
             reply = self._rpc(msg)
@@ -69,24 +77,31 @@ class NodeAgent:
             self.connected = False
             return False
         epoch, regions = int(reply["epoch"]), [int(c) for c in reply["regions"]]
+        by_path = {m.path: m for m in self.memories}
         with self._lock:
+            for path, new_uuid in (reply.get("assign") or {}).items():
+                by_path[path].format(new_uuid, epoch)
             # The metadata server checks the layout (it sees every node); this agent just obeys.
             self.problem = reply.get("problem")
             if self.problem:
                 log.error("agent %s: %s", self.node, self.problem)
-            elif epoch != self._header_epoch:
-                for memory in self.memories:
-                    memory.write_header(epoch)
-                log.info("agent %s: pool epoch is now %d (was %s)", self.node, epoch, self._header_epoch)
-                self._header_epoch = epoch
+                self._ordered = []
+            else:
+                by_uuid = {m.uuid: m for m in self.memories}
+                self._ordered = [by_uuid[u] for u in reply["region_uuids"]]
+                if epoch != self._header_epoch:
+                    for memory in self._ordered:
+                        memory.write_header(epoch)
+                    log.info("agent %s: pool epoch is now %d (was %s)", self.node, epoch, self._header_epoch)
+                    self._header_epoch = epoch
             self.epoch, self.regions = epoch, regions
             self.connected = True
         return True
 
-    def handle(self, msg: dict[str, Any], is_unix: bool) -> Reply:
+    def handle(self, msg: dict[str, Any], peer: Peer) -> Reply:
         op = msg.get("op")
         if op == "hello":
-            return self._hello(is_unix)
+            return self._hello(peer.is_unix)
         if op == "status":
             return {"ok": True, **self.status()}, []
         if op == "stats":
@@ -98,24 +113,25 @@ class NodeAgent:
 
     def _hello(self, is_unix: bool) -> Reply:
         with self._lock:
-            epoch, regions, problem = self.epoch, self.regions, self.problem
+            epoch, regions, problem, ordered = self.epoch, self.regions, self.problem, self._ordered
         if problem:
             return fail(protocol.E_UNAVAILABLE, problem)
-        if epoch is None:
+        if epoch is None or not ordered:
             return fail(protocol.E_UNAVAILABLE, f"agent has not reached the metadata server {self.metadata.url} yet")
         reply = {
             "ok": True,
             "epoch": epoch,
             "header_size": HEADER_SIZE,
             "regions": [
-                {"map_size": m.map_size, "capacity": cap} for m, cap in zip(self.memories, regions, strict=True)
+                {"map_size": m.map_size, "capacity": cap, "uuid": m.uuid}
+                for m, cap in zip(ordered, regions, strict=True)
             ],
             "backend": "dax",
             "metadata": self.metadata.url,
             "node": self.node,
-            "paths": None if is_unix else [m.path for m in self.memories],
+            "paths": None if is_unix else [m.path for m in ordered],
         }
-        return reply, [m.fd for m in self.memories] if is_unix else []
+        return reply, [m.fd for m in ordered] if is_unix else []
 
     def stats(self) -> dict[str, int]:
         return {

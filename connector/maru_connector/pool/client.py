@@ -9,7 +9,13 @@ socket.
 Failures of the daemon surface as :class:`PoolUnavailable`; the connection is dropped and the next
 call reconnects and re-maps, so a restarted daemon is picked up without the caller doing anything.
 Leases and pins issued before a restart carry the old epoch and are refused by the new daemon:
-their commit reports "not stored", their release is a no-op.
+their commit reports "not stored", their release is a no-op. Leases and pins are bound to the
+connection that took them: a dropped connection gives them back, and its leases cannot be committed.
+
+Every lease and pin has a deadline (the daemon's ``--lease-seconds``), which the client tracks on its
+own clock, conservatively: :meth:`WriteLease.fill` and :meth:`ReadPin.read_into` refuse to touch pool
+memory once it has passed (:class:`LeaseLost`), so a stalled writer never writes into space the daemon
+has handed to someone else, and :meth:`PoolClient.keep_alive` renews what is about to expire.
 
 One client may be shared by threads (calls are serialised). A client inherited across ``fork`` never
 reuses the parent's socket: the child reconnects on its first call.
@@ -19,10 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -42,6 +50,13 @@ log = logging.getLogger(__name__)
 _BLOCK = 1 << 20
 # Devices of one pool a hello may pass (SCM_RIGHTS carries at most 253 fds per message).
 MAX_REGIONS = 64
+# Share of the daemon's lease period the client allows itself: its clock started before the daemon's.
+_DEADLINE_SHARE = 0.8
+
+# Why a write was not granted (lease_many): stored or being stored already, no room, parent missing.
+PRESENT = "present"
+FULL = "full"
+ORPHAN = "orphan"
 
 
 class PoolError(Exception):
@@ -78,21 +93,46 @@ _ERRORS: dict[str, type[PoolError]] = {
 }
 
 
-class WriteLease:
-    """Space reserved for one chunk. Write into :attr:`buffer`, then :meth:`commit` (or :meth:`abort`).
+class _Held:
+    """Deadline bookkeeping shared by write leases and read pins (client clock, conservative)."""
+
+    deadline: float
+    lease_s: float
+
+    def remaining(self) -> float:
+        """Seconds left before the daemon may reclaim this (``inf`` when the daemon set no limit)."""
+        return self.deadline - time.monotonic()
+
+    def _extend(self, asked_at: float) -> None:
+        self.deadline = asked_at + self.lease_s * _DEADLINE_SHARE
+
+
+class WriteLease(_Held):
+    """Space reserved for one chunk. :meth:`fill` it, then :meth:`commit` (or :meth:`abort`).
 
     As a context manager it aborts on exit unless committed, so an exception (or a forgotten commit)
     never makes a half-written chunk visible.
     """
 
     def __init__(
-        self, client: PoolClient, key: bytes, lease_id: int, epoch: int, offset: int, buffer: memoryview
+        self,
+        client: PoolClient,
+        key: bytes,
+        lease_id: int,
+        epoch: int,
+        offset: int,
+        buffer: memoryview,
+        *,
+        lease_s: float = math.inf,
+        asked_at: float = 0.0,
     ) -> None:
         self.key = key
         self.buffer = buffer
         self.lease_id = lease_id
         self.offset = offset  # into the pool's data region; for diagnostics
         self.epoch = epoch
+        self.lease_s = lease_s
+        self._extend(asked_at)
         self._client = client
         self.done = False
         self._checksum: int | None = None
@@ -102,14 +142,17 @@ class WriteLease:
         return self.buffer.nbytes
 
     def fill(self, data: Any) -> None:
-        """Copy all of ``data`` into the buffer, checksumming it on the way so commit needs no second pass.
+        """Copy all of ``data`` into the buffer, checksumming the *source* on the way.
 
-        Writing to :attr:`buffer` after ``fill`` makes the recorded checksum wrong; readers would then
-        get :class:`ChecksumMismatch`, never wrong bytes.
+        The checksum describes the caller's bytes, not whatever the buffer holds at commit: a late
+        writer that scribbled over this space could only make readers see :class:`ChecksumMismatch`.
+        Raises :class:`LeaseLost` (touching nothing) once the lease's deadline has passed.
         """
         src = _byte_view(data)
         if src.nbytes != self.buffer.nbytes:
             raise PoolError(f"fill: lease holds {self.buffer.nbytes} bytes, data has {src.nbytes}")
+        if self.remaining() <= 0:
+            raise LeaseLost(f"chunk {self.key.hex()[:16]}: write lease ran out before the copy; not written")
         self._checksum = _copy_and_hash(self.buffer, src, hash_dst=False)
 
     def commit(self) -> None:
@@ -128,7 +171,7 @@ class WriteLease:
             self.abort()
 
 
-class ReadPin:
+class ReadPin(_Held):
     """A committed chunk pinned for reading: its bytes cannot be evicted or reused until released."""
 
     def __init__(
@@ -140,6 +183,10 @@ class ReadPin:
         offset: int,
         checksum: int,
         buffer: memoryview,
+        *,
+        lease_s: float = math.inf,
+        asked_at: float = 0.0,
+        borrowed: bool = False,
     ) -> None:
         self.key = key
         self.buffer = buffer
@@ -147,7 +194,11 @@ class ReadPin:
         self.offset = offset  # into the pool's data region; for diagnostics
         self.epoch = epoch
         self.checksum = checksum
+        self.lease_s = lease_s
+        self._extend(asked_at)
         self._client = client
+        # Claimed from another connection's ticket: only that connection can release it.
+        self.borrowed = borrowed
         self.done = False
         self.corrupt = False
 
@@ -168,11 +219,15 @@ class ReadPin:
     def read_into(self, out: Any) -> None:
         """Copy the chunk into the writable buffer ``out`` and verify the copy (not the pool) in one pass.
 
-        Raises :class:`ChecksumMismatch` and marks the pin corrupt, so its release drops the chunk.
+        What lands in ``out`` is exactly what was checked: the pool's bytes are read once. Raises
+        :class:`ChecksumMismatch` and marks the pin corrupt, so its release drops the chunk; raises
+        :class:`LeaseLost` once the pin's deadline has passed (the space may belong to a writer now).
         """
         dst = _byte_view(out)
         if dst.readonly or dst.nbytes < self.nbytes:
             raise PoolError(f"read_into: output must be writable and hold {self.nbytes} bytes, got {dst.nbytes}")
+        if self.remaining() <= 0:
+            raise LeaseLost(f"chunk {self.key.hex()[:16]}: read pin ran out before the copy")
         if _copy_and_hash(dst[: self.nbytes], self.buffer, hash_dst=True) != self.checksum:
             self.corrupt = True
             raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes read do not match their checksum")
@@ -251,30 +306,46 @@ class PoolClient:
         full, for the items that found no room after earlier items of the batch took it. Raises
         :class:`PoolFull` only when not one item could be given space.
         """
+        out = self.lease_many(items)
+        full = sum(1 for lease in out if lease == FULL)
+        if full and not any(isinstance(lease, WriteLease) for lease in out):
+            largest = self._mapping().largest_region
+            if any(nbytes > largest for _, nbytes, *_ in items):
+                raise PoolFull(f"pool full: a chunk is larger than the pool ({largest} bytes); raise --size")
+            raise PoolFull(f"pool full: no room for {full} chunk(s) and nothing evictable (all pinned or in flight)")
+        return [lease if isinstance(lease, WriteLease) else None for lease in out]
+
+    def lease_many(
+        self, items: Sequence[tuple[bytes, int] | tuple[bytes, int, bytes | None]]
+    ) -> list[WriteLease | str]:
+        """Leases for ``(key, nbytes[, parent])`` items in one round trip; never raises for a full pool.
+
+        Per item a :class:`WriteLease`, or why not: :data:`PRESENT` (stored or being stored already),
+        :data:`FULL` (no room even after eviction) or :data:`ORPHAN` (``parent``, the chunk before this
+        one in its prompt, is not stored: this one could never be hit, so the daemon keeps prompts
+        prefix-closed and refuses it).
+        """
         if not items:
             return []
-        for key, nbytes in items:
+        wire = []
+        for key, nbytes, *rest in items:
+            parent = rest[0] if rest else None
             if not isinstance(key, bytes) or nbytes <= 0:
                 raise PoolError(f"begin_write: need a bytes key and a positive size, got {key!r}, {nbytes}")
+            wire.append([key.hex(), int(nbytes)] + ([parent.hex()] if parent is not None else []))
+        asked_at = time.monotonic()
         with self._lock:
-            reply = self._call({"op": "write", "items": [[k.hex(), int(n)] for k, n in items]})
+            reply = self._call({"op": "write", "items": wire})
             mapping = self._mapping()
-        epoch = int(reply["epoch"])
-        out: list[WriteLease | None] = []
-        full = 0
-        for (key, nbytes), grant in zip(items, reply["grants"], strict=True):
-            if grant is None or grant == "full":
-                full += grant == "full"
-                out.append(None)
+        epoch, lease_s = int(reply["epoch"]), _lease_seconds(reply)
+        out: list[WriteLease | str] = []
+        for (key, nbytes, *_), grant in zip(items, reply["grants"], strict=True):
+            if grant is None or isinstance(grant, str):
+                out.append({None: PRESENT, "full": FULL, "orphan": ORPHAN}.get(grant, FULL))
                 continue
             lease_id, offset = grant
-            out.append(WriteLease(self, key, int(lease_id), epoch, offset, mapping.view(offset, nbytes)))
-        if full and all(lease is None for lease in out):
-            if any(nbytes > mapping.largest_region for _, nbytes in items):
-                raise PoolFull(
-                    f"pool full: a chunk is larger than the pool ({mapping.largest_region} bytes); raise --size"
-                )
-            raise PoolFull(f"pool full: no room for {full} chunk(s) and nothing evictable (all pinned or in flight)")
+            view = mapping.view(offset, nbytes)
+            out.append(WriteLease(self, key, int(lease_id), epoch, offset, view, lease_s=lease_s, asked_at=asked_at))
         return out
 
     def commit_many(self, leases: Sequence[WriteLease]) -> list[bool]:
@@ -322,8 +393,10 @@ class PoolClient:
     def claim(self, tickets: Sequence[PinTicket]) -> list[ReadPin]:
         """Pins from :meth:`ReadPin.ticket` values made by another client (another process) of the same pool.
 
-        No round trip. If the daemon restarted since, the bytes may have been reused: :meth:`ReadPin.read_into`
-        and :meth:`ReadPin.verify` then raise :class:`ChecksumMismatch`, and release is a no-op.
+        No round trip. The pins stay bound to the connection that took them: only that client can
+        release or renew them, and releasing a claimed pin here only stops using it. If the daemon
+        restarted since, the bytes may have been reused: :meth:`ReadPin.read_into` and
+        :meth:`ReadPin.verify` then raise :class:`ChecksumMismatch`.
         """
         if not tickets:
             return []
@@ -334,17 +407,18 @@ class PoolClient:
         out = []
         for key, pin_id, epoch, offset, nbytes, checksum in tickets:
             view = mapping.view(offset, nbytes).toreadonly()
-            out.append(ReadPin(self, key, pin_id, epoch, offset, checksum, view))
+            out.append(ReadPin(self, key, pin_id, epoch, offset, checksum, view, borrowed=True))
         return out
 
     def _read(self, keys: Sequence[bytes], *, prefix: bool) -> list[ReadPin | None]:
         msg: dict[str, Any] = {"op": "read", "keys": protocol.hex_keys(list(keys))}
         if prefix:
             msg["prefix"] = True
+        asked_at = time.monotonic()
         with self._lock:
             reply = self._call(msg)
             mapping = self._mapping()
-        epoch = int(reply["epoch"])
+        epoch, lease_s = int(reply["epoch"]), _lease_seconds(reply)
         out: list[ReadPin | None] = []
         for key, pin in zip(keys, reply["pins"], strict=False):
             if pin is None:
@@ -352,7 +426,9 @@ class PoolClient:
                 continue
             pin_id, offset, nbytes, checksum = pin
             view = mapping.view(offset, nbytes).toreadonly()
-            out.append(ReadPin(self, key, int(pin_id), epoch, offset, int(checksum), view))
+            out.append(
+                ReadPin(self, key, int(pin_id), epoch, offset, int(checksum), view, lease_s=lease_s, asked_at=asked_at)
+            )
         return out
 
     def release_many(self, pins: Sequence[ReadPin]) -> None:
@@ -361,6 +437,7 @@ class PoolClient:
         for pin in pending:
             pin.done = True
             _release_view(pin.buffer)
+        pending = [pin for pin in pending if not pin.borrowed]
         for epoch, group in _by_epoch(pending).items():
             msg: dict[str, Any] = {"op": "release", "epoch": epoch, "pins": [p.pin_id for p in group]}
             corrupt = [p.pin_id for p in group if p.corrupt]
@@ -379,17 +456,30 @@ class PoolClient:
         results = [False] * len(held)
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(held):
-            if not item.done:
+            if not item.done and not getattr(item, "borrowed", False):
                 groups.setdefault(item.epoch, []).append(i)
         for epoch, idx in groups.items():
             ids = [held[i].lease_id if isinstance(held[i], WriteLease) else held[i].pin_id for i in idx]
+            asked_at = time.monotonic()
             try:
                 reply = self._call({"op": "renew", "epoch": epoch, "ids": ids})["results"]
             except _StaleEpoch:
                 continue
             for i, ok in zip(idx, reply, strict=True):
                 results[i] = bool(ok)
+                if ok:
+                    held[i]._extend(asked_at)
         return results
+
+    def keep_alive(self, held: Sequence[WriteLease | ReadPin], *, min_left_s: float) -> None:
+        """Renew, in one round trip, those of ``held`` with less than ``min_left_s`` seconds left.
+
+        For copies that may outlast a lease. A lease the daemon no longer knows keeps its old deadline,
+        so the next :meth:`WriteLease.fill` or :meth:`ReadPin.read_into` on it fails cleanly.
+        """
+        due = [item for item in held if not item.done and item.remaining() < min_left_s]
+        if due:
+            self.renew_many(due)
 
     def stats(self) -> dict[str, int]:
         return {k: int(v) for k, v in self._call({"op": "stats"})["stats"].items()}
@@ -538,8 +628,14 @@ class PoolClient:
             for i, region in enumerate(regions):
                 mm = self._map_one(fds[i] if fds else None, paths[i] if not fds else None, int(region["map_size"]))
                 mms.append(mm)
-                if read_header_from(mm) is None:
+                header = read_header_from(mm)
+                if header is None:
                     raise PoolUnavailable(f"pool at {self.url}: memory region {i} has no valid pool header")
+                if region.get("uuid") and header.uuid != region["uuid"]:
+                    raise PoolUnavailable(
+                        f"pool at {self.url}: memory region {i} is device {header.uuid}, the daemon named "
+                        f"{region['uuid']}; the daemon's devices changed under it, restart it"
+                    )
         except BaseException:
             for mm in mms:
                 mm.close()
@@ -588,6 +684,12 @@ def _open_socket(endpoint: Endpoint, timeout_s: float) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _lease_seconds(reply: dict[str, Any]) -> float:
+    """The daemon's lease period from a write or read reply (an older daemon sends none: no limit)."""
+    lease_ms = reply.get("lease_ms")
+    return lease_ms / 1000 if isinstance(lease_ms, (int, float)) and lease_ms > 0 else math.inf
 
 
 def _by_epoch(items: Sequence[Any]) -> dict[int, list[Any]]:

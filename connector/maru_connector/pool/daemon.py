@@ -19,7 +19,7 @@ from .agent import NodeAgent
 from .httpd import HttpEndpoint
 from .index import PoolIndex
 from .memory import PoolMemory, PoolMemoryError, discover_devices, new_epoch_floor
-from .rpc import ListenError, RpcServer
+from .rpc import ListenError, Peer, RpcServer
 from .service import AgentRegistry, IndexService, LocalMemoryHello, Reply, fail
 from .units import Endpoint, parse_endpoint
 
@@ -76,13 +76,14 @@ class _Late:
     before it touches any memory, so a second daemon started by mistake changes nothing."""
 
     def __init__(self) -> None:
-        self.handle: Callable[[dict[str, Any], bool], Reply] = lambda _m, _u: fail("unavailable", "starting")
+        self.handle: Callable[[dict[str, Any], Peer], Reply] = lambda _m, _p: fail("unavailable", "starting")
+        self.closed: Callable[[Peer], None] = lambda _p: None
         self.stats: Callable[[], dict[str, int]] = dict
         self.status: Callable[[], dict[str, Any]] = dict
         self.healthy: Callable[[], bool] = lambda: True
 
     def bind(self, endpoint: Endpoint, metrics_addr: str) -> tuple[RpcServer, HttpEndpoint]:
-        rpc = _rpc(endpoint, lambda msg, is_unix: self.handle(msg, is_unix))
+        rpc = _rpc(endpoint, lambda msg, peer: self.handle(msg, peer), on_close=lambda peer: self.closed(peer))
         http = _http(
             metrics_addr,
             lambda: self.stats(),
@@ -128,7 +129,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         }
 
     service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
-    late.handle, late.stats, late.status = service.handle, index.stats, status
+    late.handle, late.closed, late.stats, late.status = service.handle, service.closed, index.stats, status
 
     def cleanup() -> None:
         memory.close()
@@ -236,7 +237,7 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
         return fail("unavailable", "this is the metadata server; clients connect to their node agent's socket")
 
     service = IndexService(None, hello=hello, status=status, agents=agents, make_index=make_index)
-    rpc = _rpc(endpoint, service.handle)
+    rpc = _rpc(endpoint, service.handle, on_close=service.closed)
     http = _http(args.metrics_addr, stats, status, on_fail=rpc.close)
 
     def expire() -> None:
@@ -335,9 +336,14 @@ def _must_exist(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: not found")
 
 
-def _rpc(endpoint: Endpoint, handler: Any, on_fail: Callable[[], object] = lambda: None) -> RpcServer:
+def _rpc(
+    endpoint: Endpoint,
+    handler: Any,
+    on_fail: Callable[[], object] = lambda: None,
+    on_close: Callable[[Peer], None] = lambda _peer: None,
+) -> RpcServer:
     try:
-        return RpcServer(endpoint, handler)
+        return RpcServer(endpoint, handler, on_close=on_close)
     except ListenError as err:
         on_fail()
         raise UsageError(str(err)) from None

@@ -30,6 +30,8 @@ COUNTERS = {
     "misses": "Keys looked up but not found (including those after the first miss of a lookup).",
     "read_misses": "Reads of keys that were not committed (evicted since the lookup, or never stored).",
     "lease_expiries": "Write leases and read pins reclaimed because their client did not finish in time.",
+    "disconnect_releases": "Write leases and read pins given back because their client's connection closed.",
+    "orphans": "Chunks refused because the chunk before them in their prompt is not stored (never hit).",
     "errors": "Failed requests: malformed, stale epoch, lost commits, chunks that failed their checksum.",
     "commits": "Chunks committed.",
     "heartbeat_failures": "Agent heartbeats to the metadata server that failed.",

@@ -3,15 +3,26 @@
 Every chunk goes through ``writing -> committed -> (evicted | dropped)``:
 
 * ``begin_write`` allocates space and hands out a write lease; the chunk is invisible to readers.
-* ``commit`` records the writer's checksum and makes the chunk visible (LRU tail).
+* ``commit`` records the writer's checksum and makes the chunk visible.
 * ``open_read`` pins a committed chunk; pinned chunks are never evicted and their space never reused.
-* When space runs out, committed unpinned chunks are evicted from the LRU head until the request fits
-  (with ``evict=False`` the write is refused instead).
 * Every lease and pin has a deadline: a client that dies mid-write or mid-read leaks nothing once
-  :meth:`expire` runs (the daemon calls it periodically and before declaring the pool full).
+  :meth:`expire` runs (the daemon calls it periodically and before declaring the pool full), and one
+  whose connection closes leaks nothing at once (:meth:`release_owner`).
 
-Leases and pins share one id space that starts at a random point, and every mutating call carries the
-epoch it was issued in, so a lease from before a daemon restart can never touch the new index.
+**Prompts are chains.** A chunk may name its *parent*, the chunk before it in the same prompt (and
+the same TP rank). A lookup stops at the first miss, so a chunk whose parent is gone can never be hit:
+the index therefore keeps every prompt prefix-closed. A chunk is granted only when its parent is
+stored or being stored, committed only when its parent is committed, eviction takes only *leaves*
+(chunks no stored chunk descends from), and a chunk dropped as corrupt takes its descendants with it.
+When space runs out, the least recently used chunk is found and the deepest stored descendant of it
+is evicted, repeatedly, until the request fits (with ``evict=False`` the write is refused instead).
+Lookups and reads touch a prompt's chunks from the last to the first, so the head of a prompt is
+always its most recently used chunk and the tail ages first.
+
+Lease and pin ids are random 64-bit numbers, and each is bound to its *owner* (the connection that
+took it): another connection cannot commit, abort, renew or release it, even knowing the id. Every
+mutating call also carries the epoch it was issued in, so a lease from before a daemon restart can
+never touch the new index.
 
 The index only manages offsets: it never sees chunk bytes, so the same class serves the single-node
 daemon and the multi-node metadata server. All public methods are thread-safe.
@@ -20,16 +31,18 @@ daemon and the multi-node metadata server. All public methods are thread-safe.
 from __future__ import annotations
 
 import itertools
-import random
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .allocator import RegionAllocator
 
 FULL = "full"
+# Refused because the chunk's parent is neither stored nor being stored: it could never be hit.
+ORPHAN = "orphan"
 
 
 class StaleEpoch(Exception):
@@ -41,11 +54,14 @@ class Chunk:
     key: bytes
     offset: int
     nbytes: int
+    parent: bytes | None = None
     checksum: int = 0
     committed: bool = False
     pins: int = 0
-    # Reported corrupt while pinned: already out of the index, space freed at the last unpin.
+    # Removed while pinned (dropped as corrupt, or with a dropped ancestor): space freed at the last unpin.
     dropped: bool = False
+    # Committed chunks whose parent this is (insertion-ordered set).
+    children: dict[bytes, None] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -53,6 +69,7 @@ class _Lease:
     chunk: Chunk
     deadline: float
     write: bool
+    owner: int
 
 
 @dataclass(frozen=True)
@@ -89,14 +106,15 @@ class PoolIndex:
         self._alloc = RegionAllocator(capacity if isinstance(capacity, list) else [capacity], align)
         self._chunks: dict[bytes, Chunk] = {}  # key -> chunk, writing or committed
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed keys, least recently used first
-        self._leases: dict[int, _Lease] = {}  # lease or pin id -> its chunk and deadline
-        self._next_id = random.getrandbits(48) + 1
+        self._leases: dict[int, _Lease] = {}  # lease or pin id -> its chunk, deadline and owner
         self.counters = {
             "evictions": 0,
             "hits": 0,
             "misses": 0,
             "read_misses": 0,
             "lease_expiries": 0,
+            "disconnect_releases": 0,
+            "orphans": 0,
             "errors": 0,
             "commits": 0,
         }
@@ -119,68 +137,85 @@ class PoolIndex:
                 chunk = self._chunks.get(key)
                 if chunk is None or not chunk.committed:
                     break
-                self._lru.move_to_end(key)
                 n += 1
+            self._touch(keys[:n])
             self.counters["hits"] += n
             self.counters["misses"] += len(keys) - n
             return n
 
     # ----------------------------------------------------------------- writes
 
-    def begin_write(self, items: Sequence[tuple[bytes, int]]) -> list[WriteGrant | str | None]:
-        """Per item: a grant, None (key present or being written), or ``FULL`` (no room even after eviction)."""
+    def begin_write(
+        self, items: Sequence[tuple[bytes, int] | tuple[bytes, int, bytes | None]], owner: int = 0
+    ) -> list[WriteGrant | str | None]:
+        """Per ``(key, nbytes[, parent])``: a grant, None (key present or being written), ``ORPHAN`` (the
+        parent is neither stored nor being stored) or ``FULL`` (no room even after eviction)."""
         with self._lock:
             now = self._clock()
             out: list[WriteGrant | str | None] = []
-            for key, nbytes in items:
+            for key, nbytes, *rest in items:
+                parent = rest[0] if rest else None
                 if nbytes <= 0:
                     raise ValueError(f"chunk size must be positive, got {nbytes}")
                 if key in self._chunks:
                     out.append(None)
                     continue
-                offset = self._make_room(nbytes, now)
+                if parent is not None and parent not in self._chunks:
+                    self.counters["orphans"] += 1
+                    out.append(ORPHAN)
+                    continue
+                offset = self._make_room(nbytes, now, keep=parent)
                 if offset is None:
                     out.append(FULL)
                     continue
-                chunk = Chunk(key=key, offset=offset, nbytes=nbytes)
+                chunk = Chunk(key=key, offset=offset, nbytes=nbytes, parent=parent)
                 self._chunks[key] = chunk
                 lease_id = self._new_id()
-                self._leases[lease_id] = _Lease(chunk, now + self.lease_seconds, write=True)
+                self._leases[lease_id] = _Lease(chunk, now + self.lease_seconds, write=True, owner=owner)
                 out.append(WriteGrant(lease_id, offset))
             return out
 
-    def commit(self, epoch: int, items: Sequence[tuple[int, int]]) -> list[bool]:
-        """Per (lease id, checksum): True when now visible, False when the lease had expired or was unknown."""
+    def commit(self, epoch: int, items: Sequence[tuple[int, int]], owner: int = 0) -> list[bool]:
+        """Per (lease id, checksum): True when now visible; False when the lease had expired, is unknown,
+        belongs to another owner, or the chunk's parent is not committed (it could never be hit)."""
         with self._lock:
             self._check_epoch(epoch)
             out = []
             for lease_id, checksum in items:
-                lease = self._leases.get(lease_id)
-                if lease is None or not lease.write:
+                lease = self._owned(lease_id, owner, write=True)
+                if lease is None:
                     self.counters["errors"] += 1
                     out.append(False)
                     continue
                 del self._leases[lease_id]
                 chunk = lease.chunk
+                parent = self._chunks.get(chunk.parent) if chunk.parent is not None else None
+                if chunk.parent is not None and (parent is None or not parent.committed):
+                    self.counters["orphans"] += 1
+                    self._forget_writing(chunk)
+                    out.append(False)
+                    continue
                 chunk.checksum = checksum
                 chunk.committed = True
+                if parent is not None:
+                    parent.children[chunk.key] = None
                 self._lru[chunk.key] = None
                 self.counters["commits"] += 1
                 out.append(True)
             return out
 
-    def abort(self, epoch: int, lease_ids: Iterable[int]) -> None:
+    def abort(self, epoch: int, lease_ids: Iterable[int], owner: int = 0) -> None:
         with self._lock:
             self._check_epoch(epoch)
             for lease_id in lease_ids:
-                lease = self._leases.get(lease_id)
-                if lease is not None and lease.write:
+                lease = self._owned(lease_id, owner, write=True)
+                if lease is not None:
                     del self._leases[lease_id]
                     self._forget_writing(lease.chunk)
 
     # ----------------------------------------------------------------- reads
 
-    def open_read(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[ReadGrant | None]:
+    def open_read(self, keys: Sequence[bytes], *, prefix: bool = False, owner: int = 0) -> list[ReadGrant | None]:
         """Pin committed chunks; None per miss. With ``prefix``, a lookup that pins: it stops at the
         first miss (returning only the leading hits) and counts hits and misses like :meth:`lookup_prefix`.
         """
@@ -195,43 +230,58 @@ class PoolIndex:
                     self.counters["read_misses"] += 1
                     out.append(None)
                     continue
-                self._lru.move_to_end(key)
                 chunk.pins += 1
                 pin_id = self._new_id()
-                self._leases[pin_id] = _Lease(chunk, now + self.lease_seconds, write=False)
+                self._leases[pin_id] = _Lease(chunk, now + self.lease_seconds, write=False, owner=owner)
                 out.append(ReadGrant(pin_id, chunk.offset, chunk.nbytes, chunk.checksum))
+            self._touch([key for key, grant in zip(keys, out, strict=False) if grant is not None])
             if prefix:
                 self.counters["hits"] += len(out)
                 self.counters["misses"] += len(keys) - len(out)
             return out
 
-    def release(self, epoch: int, pin_ids: Iterable[int], corrupt: Iterable[int] = ()) -> None:
-        """Unpin; pins listed in ``corrupt`` read bytes that failed their checksum, so the chunk is dropped."""
+    def release(self, epoch: int, pin_ids: Iterable[int], corrupt: Iterable[int] = (), owner: int = 0) -> None:
+        """Unpin; pins listed in ``corrupt`` read bytes that failed their checksum, so the chunk is dropped
+        (with its descendants, which could no longer be hit)."""
         with self._lock:
             self._check_epoch(epoch)
             for pin_id in corrupt:
-                lease = self._leases.get(pin_id)
-                if lease is not None and not lease.write:
+                lease = self._owned(pin_id, owner, write=False)
+                if lease is not None:
                     self.counters["errors"] += 1
                     self._drop(lease.chunk)
             for pin_id in pin_ids:
-                lease = self._leases.get(pin_id)
-                if lease is not None and not lease.write:
+                lease = self._owned(pin_id, owner, write=False)
+                if lease is not None:
                     del self._leases[pin_id]
                     self._unpin(lease.chunk)
 
-    def renew(self, epoch: int, ids: Iterable[int]) -> list[bool]:
-        """Push the deadline of leases and pins a full lease period from now; False for ones already gone."""
+    def renew(self, epoch: int, ids: Iterable[int], owner: int = 0) -> list[bool]:
+        """Push the deadline of leases and pins a full lease period from now; False for ones already gone
+        (or another owner's)."""
         with self._lock:
             self._check_epoch(epoch)
             deadline = self._clock() + self.lease_seconds
             out = []
             for lease_id in ids:
-                lease = self._leases.get(lease_id)
+                lease = self._owned(lease_id, owner, write=None)
                 if lease is not None:
                     lease.deadline = deadline
                 out.append(lease is not None)
             return out
+
+    def release_owner(self, owner: int) -> int:
+        """Abort every write lease and drop every pin of ``owner`` (its connection closed); returns how many."""
+        with self._lock:
+            held = [(lid, lease) for lid, lease in self._leases.items() if lease.owner == owner]
+            for lease_id, lease in held:
+                del self._leases[lease_id]
+                if lease.write:
+                    self._forget_writing(lease.chunk)
+                else:
+                    self._unpin(lease.chunk)
+            self.counters["disconnect_releases"] += len(held)
+            return len(held)
 
     # ----------------------------------------------------------------- housekeeping
 
@@ -270,25 +320,47 @@ class PoolIndex:
             assert sum(size for _, size in regions) == self._alloc.capacity, "space leaked or double counted"
             for key in self._lru:
                 assert self._chunks[key].committed
+            for chunk in self._chunks.values():
+                if chunk.committed and chunk.parent is not None:
+                    parent = self._chunks.get(chunk.parent)
+                    assert parent is not None and parent.committed, "a stored chunk lost its parent"
+                    assert chunk.key in parent.children
+                for child in chunk.children:
+                    assert self._chunks[child].parent == chunk.key
 
     # ----------------------------------------------------------------- internals
 
     def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+        while True:
+            lease_id = secrets.randbits(64)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
+
+    def _owned(self, lease_id: int, owner: int, *, write: bool | None) -> _Lease | None:
+        """The lease or pin ``lease_id`` if ``owner`` holds it (and it is of the kind asked for)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner or (write is not None and lease.write != write):
+            return None
+        return lease
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Mark a prompt's chunks used, its head last: the tail of a prompt ages before its head."""
+        for key in reversed(keys):
+            self._lru.move_to_end(key)
 
     def _check_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.counters["errors"] += 1
             raise StaleEpoch(f"epoch {epoch} is not the pool's current epoch {self.epoch}")
 
-    def _make_room(self, nbytes: int, now: float) -> int | None:
+    def _make_room(self, nbytes: int, now: float, keep: bytes | None = None) -> int | None:
+        """Space for ``nbytes``, evicting leaves as needed; ``keep`` (the new chunk's parent) is spared."""
         if self._alloc.round(nbytes) > self._alloc.largest_region():
             return None
         offset = self._alloc.alloc(nbytes)
         expired_once = False
         while offset is None:
-            victim = next((k for k in self._lru if self._chunks[k].pins == 0), None) if self.evict else None
+            victim = self._victim(keep) if self.evict else None
             if victim is None:
                 # Dead clients' leases are the last resort before refusing.
                 if expired_once or not self._expire(now):
@@ -299,11 +371,27 @@ class PoolIndex:
             offset = self._alloc.alloc(nbytes)
         return offset
 
-    def _evict(self, key: bytes) -> None:
-        chunk = self._chunks.pop(key)
-        del self._lru[key]
+    def _victim(self, keep: bytes | None) -> Chunk | None:
+        """The deepest stored descendant of the least recently used chunk that has an unpinned one."""
+        for key in self._lru:
+            chunk = self._chunks[key]
+            while chunk.children:
+                chunk = self._chunks[next(reversed(chunk.children))]
+            if chunk.pins == 0 and chunk.key != keep:
+                return chunk
+        return None
+
+    def _evict(self, chunk: Chunk) -> None:
+        del self._chunks[chunk.key]
+        del self._lru[chunk.key]
+        self._unlink(chunk)
         self._alloc.free(chunk.offset, chunk.nbytes)
         self.counters["evictions"] += 1
+
+    def _unlink(self, chunk: Chunk) -> None:
+        parent = self._chunks.get(chunk.parent) if chunk.parent is not None else None
+        if parent is not None:
+            parent.children.pop(chunk.key, None)
 
     def _forget_writing(self, chunk: Chunk) -> None:
         if self._chunks.get(chunk.key) is chunk:
@@ -311,14 +399,21 @@ class PoolIndex:
         self._alloc.free(chunk.offset, chunk.nbytes)
 
     def _drop(self, chunk: Chunk) -> None:
-        if chunk.dropped:
-            return
-        chunk.dropped = True
-        if self._chunks.get(chunk.key) is chunk:
-            del self._chunks[chunk.key]
-            self._lru.pop(chunk.key, None)
-        if chunk.pins == 0:
-            self._alloc.free(chunk.offset, chunk.nbytes)
+        """Take a chunk and its descendants out of the index; pinned ones keep their space until unpinned."""
+        doomed = [chunk]
+        while doomed:
+            chunk = doomed.pop()
+            if chunk.dropped:
+                continue
+            chunk.dropped = True
+            if self._chunks.get(chunk.key) is chunk:
+                del self._chunks[chunk.key]
+                self._lru.pop(chunk.key, None)
+                self._unlink(chunk)
+            doomed.extend(self._chunks[k] for k in chunk.children if k in self._chunks)
+            chunk.children.clear()
+            if chunk.pins == 0:
+                self._alloc.free(chunk.offset, chunk.nbytes)
 
     def _unpin(self, chunk: Chunk) -> None:
         chunk.pins -= 1

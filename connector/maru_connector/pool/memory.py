@@ -2,7 +2,7 @@
 
 Layout of the mapping::
 
-    [0, HEADER_SIZE)                      header (magic, version, header size, epoch, capacity)
+    [0, HEADER_SIZE)                      header (magic, version, header size, epoch, capacity, uuid)
     [HEADER_SIZE, HEADER_SIZE + capacity) chunk bytes; allocator offsets are relative to HEADER_SIZE
 
 Both backends go through the same ``mmap`` call; they differ only in how the size is learnt (a shm
@@ -13,6 +13,10 @@ CXL memory.
 The epoch in the header is bumped by every daemon start. Leases and pins carry it; a daemon rejects
 any lease of another epoch, so offsets handed out before a restart can never be committed or
 released against the new index.
+
+The uuid names the memory itself. It is written once, when the memory first becomes part of a pool,
+and kept across restarts: in a multi-node pool every node finds each shared device by it, whatever
+the device is called on that node and in whatever order it is listed.
 """
 
 from __future__ import annotations
@@ -26,16 +30,17 @@ import re
 import stat
 import struct
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"MARUPOOL"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 4096
-# magic, version, header_size, epoch, capacity
-_HEADER = struct.Struct("<8sIIQQ")
+# magic, version, header_size, epoch, capacity, uuid (16 bytes; all zero: not part of a pool yet)
+_HEADER = struct.Struct("<8sIIQQ16s")
 
 
 class PoolMemoryError(OSError):
@@ -46,6 +51,7 @@ class PoolMemoryError(OSError):
 class HeaderView:
     epoch: int
     capacity: int
+    uuid: str | None  # hex, or None when the memory was never given one
 
 
 def device_size(path: str) -> int:
@@ -79,6 +85,8 @@ class PoolMemory:
         self.capacity = capacity
         self.backend = backend
         self.mm = mmap.mmap(fd, map_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        header = self.read_header()
+        self.uuid: str | None = header.uuid if header is not None else None
 
     @classmethod
     def open_shm(
@@ -135,13 +143,28 @@ class PoolMemory:
     def read_header(self) -> HeaderView | None:
         return read_header_from(self.mm)
 
+    def refresh_uuid(self) -> str | None:
+        """Re-read the uuid from the header (another node may have written it since)."""
+        header = self.read_header()
+        self.uuid = header.uuid if header is not None else None
+        return self.uuid
+
     def write_header(self, epoch: int) -> None:
-        _HEADER.pack_into(self.mm, 0, MAGIC, VERSION, HEADER_SIZE, epoch, self.capacity)
+        raw = bytes.fromhex(self.uuid) if self.uuid else bytes(16)
+        _HEADER.pack_into(self.mm, 0, MAGIC, VERSION, HEADER_SIZE, epoch, self.capacity, raw)
+
+    def format(self, new_uuid: str, epoch: int = 0) -> None:
+        """Make this memory part of a pool under ``new_uuid``."""
+        self.uuid = new_uuid
+        self.write_header(epoch)
+        log.info("pool memory %s: now pool device %s", self.path, new_uuid)
 
     def bump_epoch(self) -> int:
         """Start a new epoch: above the one in memory, and above earlier starts even if the file was recreated."""
         previous = self.read_header()
         epoch = max((previous.epoch if previous else 0) + 1, new_epoch_floor())
+        if self.uuid is None:
+            self.uuid = new_device_uuid()
         self.write_header(epoch)
         log.info("pool memory %s: epoch %d (was %s)", self.path, epoch, previous.epoch if previous else "none")
         return epoch
@@ -166,13 +189,17 @@ def discover_devices(dev_dir: str = "/dev") -> list[str]:
     return sorted(found, key=order)
 
 
+def new_device_uuid() -> str:
+    return uuid.uuid4().hex
+
+
 def new_epoch_floor() -> int:
     """Milliseconds since the Unix epoch: a floor that makes epochs grow across restarts without state."""
     return time.time_ns() // 1_000_000
 
 
 def read_header_from(mm: mmap.mmap) -> HeaderView | None:
-    magic, version, header_size, epoch, capacity = _HEADER.unpack_from(mm, 0)
+    magic, version, header_size, epoch, capacity, raw_uuid = _HEADER.unpack_from(mm, 0)
     if magic != MAGIC or version != VERSION or header_size != HEADER_SIZE:
         return None
-    return HeaderView(epoch=epoch, capacity=capacity)
+    return HeaderView(epoch=epoch, capacity=capacity, uuid=raw_uuid.hex() if any(raw_uuid) else None)

@@ -8,20 +8,25 @@ a Unix socket, which carries the pool memory's file descriptor as SCM_RIGHTS anc
 
 Operations (request fields -> reply fields):
 
-* ``hello``                               -> epoch, header_size, regions [{map_size, capacity}],
+* ``hello``                               -> epoch, header_size, regions [{map_size, capacity, uuid}],
   ``metadata`` URL or null, one fd per region (Unix) or ``paths`` (TCP)
 * ``lookup``  keys                        -> n (leading committed keys)
-* ``write``   items [[key, nbytes]...]    -> epoch, grants [[lease_id, offset] | null | "full"]
+* ``write``   items [[key, nbytes, parent?]...] -> epoch, lease_ms, grants [[lease_id, offset] | null
+  (present) | "full" | "orphan" (parent not stored)]
 * ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]
 * ``abort``   epoch, leases [lease_id]    -> {}
-* ``read``    keys, prefix?               -> epoch, pins [[pin_id, offset, nbytes, checksum] | null]
+* ``read``    keys, prefix?               -> epoch, lease_ms, pins [[pin_id, offset, nbytes, checksum] | null]
   (with ``prefix`` true: pins of the leading hits only, counted as a lookup)
 * ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
 * ``renew``   epoch, ids [lease or pin id] -> results [bool] (False: already expired or released)
 * ``stats``                               -> stats {name: int}
 * ``status``                              -> the /status document
-* ``agent``   node, backend, devices [{path, size, usable}] (agent -> metadata heartbeat)
-  -> epoch, regions [capacity per device]
+* ``agent``   node, backend, devices [{path, size, usable, uuid}] (agent -> metadata heartbeat)
+  -> epoch, regions [capacity per region], region_uuids [uuid per region], assign {path: uuid to write},
+  problem
+
+Lease and pin ids are bound to the connection that took them: ``commit``, ``abort``, ``release`` and
+``renew`` from another connection treat them as unknown.
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import socketserver
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
@@ -20,8 +22,19 @@ from .units import Endpoint
 
 log = logging.getLogger(__name__)
 
-# request, came over a Unix socket -> reply, fds to pass with it
-Handler = Callable[[dict[str, Any], bool], tuple[dict[str, Any], list[int]]]
+
+@dataclass(frozen=True)
+class Peer:
+    """One client connection. Leases and pins are bound to ``id``: only this connection may use them."""
+
+    id: int
+    is_unix: bool
+
+
+# request, the connection it came on -> reply, fds to pass with it
+Handler = Callable[[dict[str, Any], Peer], tuple[dict[str, Any], list[int]]]
+# called once when a connection closes, for whatever reason
+CloseHandler = Callable[[Peer], None]
 
 
 class ListenError(OSError):
@@ -33,9 +46,18 @@ class _Connection(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        is_unix = sock.family == socket.AF_UNIX
-        if not is_unix:
+        peer = Peer(id=secrets.randbits(63) + 1, is_unix=sock.family == socket.AF_UNIX)
+        if not peer.is_unix:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._serve(sock, peer)
+        finally:
+            try:
+                self.server.on_close(peer)
+            except Exception:  # a bug in cleanup must not kill the server thread silently
+                log.exception("rpc: cleanup after a closed connection failed")
+
+    def _serve(self, sock: socket.socket, peer: Peer) -> None:
         while True:
             try:
                 msg, _ = protocol.recv_msg(sock)
@@ -46,7 +68,7 @@ class _Connection(socketserver.BaseRequestHandler):
                 return
             if msg is None:
                 return
-            reply, fds = self.server.handler(msg, is_unix)
+            reply, fds = self.server.handler(msg, peer)
             try:
                 protocol.send_msg(sock, reply, fds)
             except OSError:
@@ -56,12 +78,14 @@ class _Connection(socketserver.BaseRequestHandler):
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     handler: Handler
+    on_close: CloseHandler
 
 
 class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
     handler: Handler
+    on_close: CloseHandler
 
 
 class _Tcp6Server(_TcpServer):
@@ -71,7 +95,14 @@ class _Tcp6Server(_TcpServer):
 class RpcServer:
     """Serve ``handler`` on ``endpoint`` from a background thread until :meth:`close`."""
 
-    def __init__(self, endpoint: Endpoint, handler: Handler, *, socket_mode: int = 0o666) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        handler: Handler,
+        *,
+        on_close: CloseHandler = lambda _peer: None,
+        socket_mode: int = 0o666,
+    ) -> None:
         self.endpoint = endpoint
         server: _UnixServer | _TcpServer
         cls: type[_TcpServer]
@@ -92,6 +123,7 @@ class RpcServer:
             host, port = server.server_address[:2]
             self.endpoint = Endpoint(kind="tcp", host=str(host), port=int(port))
         server.handler = handler
+        server.on_close = on_close
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="maru-pool-rpc", daemon=True)
 

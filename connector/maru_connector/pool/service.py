@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
-from .index import FULL, PoolIndex, StaleEpoch
-from .memory import HEADER_SIZE, PoolMemory
+from .index import FULL, ORPHAN, PoolIndex, StaleEpoch
+from .memory import HEADER_SIZE, PoolMemory, new_device_uuid
+from .rpc import Peer
 
 log = logging.getLogger(__name__)
 
@@ -83,28 +84,37 @@ class IndexService:
     ) -> None:
         self.index = index
         self._make_index = make_index
+        self._region_uuids: list[str] = []  # device uuid of each region, fixed when the pool is laid out
         self._index_lock = threading.Lock()
         self.errors_before_index = 0
         self._hello = hello
         self._status = status
         self._agents = agents
-        self._ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        # op -> handler(request, owner): owner is the connection's id, which leases and pins are bound to
+        self._ops: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
             "lookup": self._lookup,
             "write": self._write,
             "commit": self._commit,
             "abort": self._abort,
             "read": self._read,
             "release": self._release,
-            "renew": lambda msg: {"results": self._ix.renew(int(msg["epoch"]), [int(x) for x in msg["ids"]])},
-            "stats": lambda _msg: {"stats": self._ix.stats()},
-            "status": lambda _msg: self._status(),
+            "renew": self._renew,
+            "stats": lambda _msg, _owner: {"stats": self._ix.stats()},
+            "status": lambda _msg, _owner: self._status(),
             "agent": self._agent,
         }
 
-    def handle(self, msg: dict[str, Any], is_unix: bool) -> Reply:
+    def closed(self, peer: Peer) -> None:
+        """A connection closed: whatever it still held is given back now, not at lease expiry."""
+        if self.index is not None:
+            n = self.index.release_owner(peer.id)
+            if n:
+                log.info("pool: a closed connection still held %d lease(s) or pin(s); freed them", n)
+
+    def handle(self, msg: dict[str, Any], peer: Peer) -> Reply:
         op = msg.get("op")
         if op == "hello":
-            return self._hello(is_unix)
+            return self._hello(peer.is_unix)
         fn = self._ops.get(op) if isinstance(op, str) else None
         if fn is None:
             self._count_error()
@@ -115,7 +125,7 @@ class IndexService:
                 "no node agent has reported the pool's devices yet; check that the agents reach this server",
             )
         try:
-            reply = fn(msg)
+            reply = fn(msg, peer.id)
         except StaleEpoch as err:
             return fail(protocol.E_STALE_EPOCH, f"{err}; the pool daemon restarted, reconnect")
         except (KeyError, TypeError, ValueError) as err:
@@ -139,34 +149,37 @@ class IndexService:
         else:
             self.index.count_error()
 
-    def _lookup(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _lookup(self, msg: dict[str, Any], _owner: int) -> dict[str, Any]:
         return {"n": self._ix.lookup_prefix(protocol.unhex_keys(msg["keys"]))}
 
-    def _write(self, msg: dict[str, Any]) -> dict[str, Any]:
-        items = [(bytes.fromhex(k), int(n)) for k, n in msg["items"]]
-        grants = self._ix.begin_write(items)
+    def _write(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+        items = [
+            (bytes.fromhex(k), int(n), bytes.fromhex(rest[0]) if rest and rest[0] is not None else None)
+            for k, n, *rest in msg["items"]
+        ]
+        grants = self._ix.begin_write(items, owner)
         out: list[Any] = []
         for g in grants:
-            if g is None or g == FULL:
+            if g is None or g in (FULL, ORPHAN):
                 out.append(g)
             else:
                 out.append([g.lease_id, g.offset])  # type: ignore[union-attr]
-        return {"epoch": self._ix.epoch, "grants": out}
+        return {"epoch": self._ix.epoch, "lease_ms": self._lease_ms, "grants": out}
 
-    def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _commit(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
         items = [(int(lid), int(csum)) for lid, csum in msg["items"]]
-        return {"results": self._ix.commit(int(msg["epoch"]), items)}
+        return {"results": self._ix.commit(int(msg["epoch"]), items, owner)}
 
-    def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self._ix.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]])
+    def _abort(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+        self._ix.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]], owner)
         return {}
 
-    def _read(self, msg: dict[str, Any]) -> dict[str, Any]:
-        grants = self._ix.open_read(protocol.unhex_keys(msg["keys"]), prefix=bool(msg.get("prefix")))
+    def _read(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+        grants = self._ix.open_read(protocol.unhex_keys(msg["keys"]), prefix=bool(msg.get("prefix")), owner=owner)
         pins = [None if g is None else [g.pin_id, g.offset, g.nbytes, g.checksum] for g in grants]
-        return {"epoch": self._ix.epoch, "pins": pins}
+        return {"epoch": self._ix.epoch, "lease_ms": self._lease_ms, "pins": pins}
 
-    def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _release(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
         corrupt = [int(x) for x in msg.get("corrupt", [])]
         if corrupt:
             log.warning(
@@ -174,38 +187,81 @@ class IndexService:
                 "check the pool memory for another writer",
                 len(corrupt),
             )
-        self._ix.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt)
+        self._ix.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt, owner)
         return {}
 
-    def _agent(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Heartbeat of a node agent: the pool's layout is fixed by the first agent's devices."""
+    def _renew(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+        return {"results": self._ix.renew(int(msg["epoch"]), [int(x) for x in msg["ids"]], owner)}
+
+    @property
+    def _lease_ms(self) -> int:
+        return int(self._ix.lease_seconds * 1000)
+
+    def _agent(self, msg: dict[str, Any], _owner: int) -> dict[str, Any]:
+        """Heartbeat of a node agent: the pool's layout is fixed by the first agent's devices.
+
+        Devices are matched to the pool's regions by the uuid in their header, never by order or
+        size; the agent that lays the pool out is told which uuid to write into devices that have none.
+        """
         if self._agents is None or self._make_index is None:
             raise ValueError("this daemon is not a metadata server; agents must point --metadata elsewhere")
         node, backend = str(msg["node"]), str(msg["backend"])
-        devices = [(str(d["path"]), int(d["usable"])) for d in msg["devices"]]
+        devices = [(str(d["path"]), int(d["usable"]), d.get("uuid") or None) for d in msg["devices"]]
+        assign: dict[str, str] = {}
         with self._index_lock:
             if self.index is None:
-                self.index = self._make_index([usable for _, usable in devices])
+                assign = {path: new_device_uuid() for path, _, found in devices if found is None}
+                self._region_uuids = [found or assign[path] for path, _, found in devices]
+                self.index = self._make_index([usable for _, usable, _ in devices])
                 log.info(
-                    "metadata: pool laid out from node %s: %d region(s), %d bytes",
-                    node, len(devices), self._ix.capacity,
+                    "metadata: pool laid out from node %s: %d region(s), %d bytes, devices %s",
+                    node, len(devices), self._ix.capacity, ", ".join(self._region_uuids),
                 )  # fmt: skip
+        devices = [(path, usable, found or assign.get(path)) for path, usable, found in devices]
         capacities = self._ix.capacities
-        problem = None
-        if len(devices) != len(capacities):
-            problem = f"node {node} has {len(devices)} device(s), the pool has {len(capacities)}; list the same devices"
-        else:
-            for (path, usable), cap in zip(devices, capacities, strict=True):
-                if usable < cap:
-                    problem = (
-                        f"node {node}: device {path} holds {usable} usable bytes but the pool's region needs "
-                        f"{cap}; lower the metadata server's --size or use the same devices on every node"
-                    )
-                    break
+        problem = self._layout_problem(node, devices, capacities)
         if problem:
             log.error("metadata: refusing agent: %s", problem)
-        self._agents.seen(node, [path for path, _ in devices], backend, problem)
-        return {"epoch": self._ix.epoch, "regions": capacities, "problem": problem}
+        self._agents.seen(node, [path for path, _, _ in devices], backend, problem)
+        return {
+            "epoch": self._ix.epoch,
+            "regions": capacities,
+            "region_uuids": self._region_uuids,
+            "assign": assign,
+            "problem": problem,
+        }
+
+    def _layout_problem(
+        self, node: str, devices: list[tuple[str, int, str | None]], capacities: list[int]
+    ) -> str | None:
+        """Why ``node``'s devices cannot serve the pool's regions, or None."""
+        by_uuid = {found: (path, usable) for path, usable, found in devices if found is not None}
+        if len(by_uuid) != len([found for _, _, found in devices if found is not None]):
+            return f"node {node} lists one device twice (two paths carry the same uuid); list each device once"
+        for path, _, found in devices:
+            if found is None:
+                return (
+                    f"node {node}: device {path} carries no pool header: it is not a device of this pool "
+                    "(yet); list only the devices the first node listed"
+                )
+            if found not in self._region_uuids:
+                return (
+                    f"node {node}: device {path} (uuid {found}) is not a device of this pool "
+                    f"(pool devices: {', '.join(self._region_uuids)}); list only the pool's devices"
+                )
+        for region, (wanted, cap) in enumerate(zip(self._region_uuids, capacities, strict=True)):
+            if wanted not in by_uuid:
+                return (
+                    f"node {node} does not list the pool's device {wanted} (region {region}); "
+                    "list the same devices on every node"
+                )
+            path, usable = by_uuid[wanted]
+            if usable < cap:
+                return (
+                    f"node {node}: device {path} holds {usable} usable bytes but the pool's region needs "
+                    f"{cap}; lower the metadata server's --size or use the same devices on every node"
+                )
+        return None
 
 
 class LocalMemoryHello:
@@ -221,7 +277,9 @@ class LocalMemoryHello:
             "ok": True,
             "epoch": self._epoch,
             "header_size": HEADER_SIZE,
-            "regions": [{"map_size": self._memory.map_size, "capacity": self._capacity}],
+            "regions": [
+                {"map_size": self._memory.map_size, "capacity": self._capacity, "uuid": self._memory.uuid}
+            ],
             "backend": self._memory.backend,
             "metadata": None,
             "paths": None if is_unix else [self._memory.path],

@@ -9,10 +9,14 @@ Load it with the ``--kv-transfer-config`` that ``maru_connector.config.kv_transf
 vLLM builds this class twice: once in the scheduler (role SCHEDULER) and once in every model
 worker (role WORKER). The facade builds only the half its role needs (``scheduler.py`` or
 ``worker.py``) and forwards to it; what the scheduler half decides each step travels to the
-workers as one ``metadata.MaruConnectorMetadata``.
+workers as one ``metadata.MaruConnectorMetadata``, and what became of it comes back as one
+``metadata.MaruWorkerReport``.
 
 Roles: ``kv_producer`` (prefill) stores prompt chunks, ``kv_consumer`` (decode) loads them,
-``kv_both`` does both. Pool trouble of any kind degrades to misses and skipped stores.
+``kv_both`` does both. Pool trouble of any kind degrades to misses and skipped stores, and so does
+a bug: every hook catches what its half raises, logs it (rate-limited), and degrades for that step
+(a load is reported failed so vLLM recomputes it; a save is skipped), because an exception that
+reaches vLLM kills its engine. Only a configuration the connector cannot serve is refused, at start.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru_connector import hits
 from maru_connector.config import MaruConnectorConfig
@@ -49,13 +55,72 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["MaruConnector", "MaruConnectorMetadata", "counters", "reset_counters"]
+__all__ = ["HOOKS", "MaruConnector", "MaruConnectorMetadata", "counters", "reset_counters"]
+
+# Every hook of KVConnectorBase_V1 (0.32, and the ones 0.33 adds), and why the connector answers it
+# the way it does. A test fails when vLLM's base class grows a hook that is not listed here.
+HOOKS: dict[str, str] = {
+    # ---- implemented here
+    "register_kv_caches": "implemented: recognise the KV cache's pages; refuse what cannot be copied",
+    "get_handshake_metadata": "implemented: the worker's KV format, which goes into every key",
+    "set_xfer_handshake_metadata": "implemented: the scheduler waits for the workers' KV format",
+    "start_load_kv": "implemented: synchronous loads before the forward",
+    "wait_for_layer_load": "implemented: nothing to wait for, loads finished in start_load_kv",
+    "save_kv_layer": "implemented: nothing per layer; saves copy every layer in wait_for_save",
+    "wait_for_save": "implemented: store and commit before the step's output leaves the worker",
+    "get_block_ids_with_load_errors": "implemented: blocks whose load failed, so vLLM recomputes them",
+    "build_connector_worker_meta": "implemented: what became of each load and save, for the scheduler",
+    "get_kv_connector_stats": "implemented: counters for vLLM's log line and /metrics",
+    "build_kv_connector_stats": "implemented: our stats class",
+    "build_prom_metrics": "implemented: one Prometheus counter per connector counter",
+    "shutdown": "implemented: close the pool connection",
+    "on_new_request": "implemented: start following the request",
+    "get_num_new_matched_tokens": "implemented: one pool lookup, capped hit",
+    "update_state_after_alloc": "implemented: plan the load into the blocks just allocated",
+    "build_connector_meta": "implemented: the step's loads and saves",
+    "update_connector_output": "implemented: settle loads, retry skipped saves, roll back tainted ones",
+    "request_finished": "implemented: forget the request; nothing is pending, blocks may be freed",
+    "requires_kv_delivery": "implemented: False, saves finish inside their step",
+    "supports_sleep_mode": "implemented (vLLM 0.33): True, the KV cache is re-registered on wake",
+    "unregister_kv_caches": "implemented (vLLM 0.33): stop touching the KV cache while it sleeps",
+    "restore_kv_caches": "implemented (vLLM 0.33): describe the KV cache again on wake",
+    # ---- vLLM's default is right for this connector
+    "role": "base: set by the constructor",
+    "bind_connector_metadata": "base: stores the step's metadata",
+    "clear_connector_metadata": "base: drops it after the step",
+    "has_connector_metadata": "base",
+    "get_mem_pool_context": "base: the engine's own allocator; the pool is mapped, not allocated",
+    "set_host_xfer_buffer_ops": "base: no host transfer buffer, copies go straight to the mapping",
+    "finish_forward": "base: nothing runs after the forward but wait_for_save",
+    "reset_capture_state": "base: nothing is captured in CUDA graphs",
+    "handle_preemptions": "base: no save is in flight across steps",
+    "get_finished": "base: no asynchronous transfer ever",
+    "get_transfer_results": "base: built on get_finished",
+    "get_finished_count": "base: no asynchronous transfer ever",
+    "get_kv_connector_kv_cache_events": "base: the pool emits no KV events",
+    "bind_kv_cache_manager": "base: the block pool is not needed",
+    "bind_gpu_block_pool": "base: the block pool is not needed",
+    "get_loaded_kv_cache_group_ids": "base: the one prefix-cacheable group",
+    "get_external_cache_hit_sources": "base, with _cache_hit_source = HOST (shared host or CXL memory)",
+    "register_finished_partial_tail": "base: partial tails are never stored",
+    "take_events": "base: no KV events",
+    "has_pending_block_frees": "base: blocks are never held after a request finishes",
+    "has_pending_push_work": "base: no push transfers",
+    "get_required_kvcache_layout": "base: None, every layout vLLM 0.32 resolves is copied as it is",
+    "requires_piecewise_for_cudagraph": "base: no layer-by-layer work inside the graph",
+    "reset_cache": "base: the pool is shared by the fleet, one engine must not clear it",
+    "set_xfer_handshake_metadata_pp_aware": "base: refuses pipeline-parallel ranks, which are not supported",
+    "supports_divergent_local_hybrid_hits": "base: False, one KV cache group only",
+}
 
 
 class MaruConnector(KVConnectorBase_V1):
     """Stores prompt KV in the shared pool and loads it back on a (capped) hit."""
+
+    _cache_hit_source = CacheHitSource.HOST
 
     # Test seam: the uncapped rule reproduces the engine crash the cap prevents.
     hit_rule = staticmethod(hits.capped_hit_tokens)
@@ -78,7 +143,7 @@ class MaruConnector(KVConnectorBase_V1):
                     tc.kv_load_failure_policy,
                 )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
             self._worker = MaruWorker(
                 vllm_config,
@@ -87,34 +152,66 @@ class MaruConnector(KVConnectorBase_V1):
                 loads=loads,
                 saves=saves,
                 tp_rank=get_tensor_model_parallel_rank(),
+                tp_group=get_tp_group(),
             )
-        self._failed_loads: set[str] = set()
+        half = self._scheduler or self._worker
+        self._stats = half.stats if half is not None else common.Counters()
+        self._hook_log = common.RateLimitedLog()
 
     @property
     def requires_kv_delivery(self) -> bool:
         # Saves finish inside the step that computes them: nothing is pending at preemption.
         return False
 
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """vLLM 0.33: the connector lets go of the KV cache on sleep and describes it again on wake."""
+        return True
+
+    def _failed(self, hook: str, err: BaseException, degraded: str) -> None:
+        common.hook_failed(self._stats, self._hook_log, hook, err, degraded)
+
     # ============================================================== worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Worker, once at start: learn the KV layout; raises on a layout we cannot copy."""
+        """Worker, once at start: learn the KV cache's pages; raises on a cache it cannot copy."""
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """Worker (vLLM 0.33), before the KV cache sleeps: stop touching it; loads and saves degrade."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """Worker (vLLM 0.33), after wake-up: describe the KV cache again."""
+        if self._worker is not None:
+            try:
+                self._worker.restore_kv_caches(kv_caches)
+            except Exception as err:
+                self._failed("restore_kv_caches", err, "the pool stays unused until the next restart")
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """Worker, once after ``register_kv_caches``: the layout and rank the scheduler keys with."""
+        """Worker, once after ``register_kv_caches``: the KV format and rank the scheduler keys with."""
         return self._worker.handshake() if self._worker is not None else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Worker, every step before the forward (when the step has loads): copy chunks in, synchronously.
+        """Worker, every step with loads, before the forward: copy chunks in, synchronously.
 
         Touches only the blocks the scheduler planned; failures are reported through
         :meth:`get_block_ids_with_load_errors`, never raised.
         """
         meta = self._meta()
-        if meta is not None and self._worker is not None and self._worker.loads_enabled:
-            self._failed_loads = self._worker.load(meta)
+        if meta is None or self._worker is None or not meta.loads:
+            return
+        try:
+            self._worker.load(meta)
+        except Exception as err:
+            self._failed("start_load_kv", err, "the step's loads are reported failed and vLLM recomputes them")
+            try:
+                self._worker.fail_loads(meta)
+            except Exception as again:
+                self._failed("start_load_kv (failing the loads)", again, "some loaded blocks may be unusable")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker, per attention layer: nothing to wait for, loads completed in ``start_load_kv``."""
@@ -131,18 +228,45 @@ class MaruConnector(KVConnectorBase_V1):
         a finished prefill is visible before vLLM returns the request's output.
         """
         meta = self._meta()
-        if meta is not None and self._worker is not None and self._worker.saves_enabled:
-            self._worker.save(meta, skip_requests=self._failed_loads)
-        self._failed_loads = set()
+        if meta is None or self._worker is None or not meta.saves:
+            return
+        try:
+            self._worker.save(meta)
+        except Exception as err:
+            self._failed("wait_for_save", err, "the step's unfinished saves are skipped and retried later")
+            try:
+                self._worker.skip_saves(meta)
+            except Exception as again:
+                self._failed("wait_for_save (skipping)", again, "some saves are not retried")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, once per step after ``wait_for_save``: blocks whose load failed this step."""
-        return self._worker.take_invalid_blocks() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        try:
+            return self._worker.take_invalid_blocks()
+        except Exception as err:
+            self._failed("get_block_ids_with_load_errors", err, "failed blocks are reported directly")
+            out, self._worker.invalid_blocks = set(self._worker.invalid_blocks), set()
+            return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Worker, once per step: what became of the step's loads and saves, for the scheduler half."""
+        if self._worker is None:
+            return None
+        try:
+            return self._worker.report()
+        except Exception as err:
+            self._failed("build_connector_worker_meta", err, "the step's outcomes are lost; its saves are retried")
+            return None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Either side, every step: this half's counts since the last call (vLLM sums and exports them)."""
-        half = self._scheduler or self._worker
-        data = half.stats.take() if half is not None else {}
+        try:
+            data = self._stats.take()
+        except Exception as err:
+            self._failed("get_kv_connector_stats", err, "this interval's counts are lost")
+            return None
         return MaruConnectorStats(data=data) if data else None
 
     @classmethod
@@ -162,7 +286,10 @@ class MaruConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         for half in (self._scheduler, self._worker):
             if half is not None:
-                half.shutdown()
+                try:
+                    half.shutdown()
+                except Exception as err:
+                    self._failed("shutdown", err, "the pool connection is left to the process exit")
 
     def _meta(self) -> MaruConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -173,30 +300,70 @@ class MaruConnector(KVConnectorBase_V1):
     # ============================================================== scheduler side
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """Scheduler, once before serving: every worker's layout, by TP rank."""
-        if self._scheduler is not None:
+        """Scheduler, once before serving: every worker's KV format, by TP rank."""
+        if self._scheduler is None:
+            return
+        try:
             self._scheduler.set_worker_info({r: m for r, m in metadata.items() if isinstance(m, MaruWorkerInfo)})
+        except Exception as err:
+            self._failed("set_xfer_handshake_metadata", err, "the connector stays disabled")
+
+    def on_new_request(self, request: Request) -> None:
+        """Scheduler, when a request arrives: start following it."""
+        try:
+            self._sched.track(request)
+        except Exception as err:
+            self._failed("on_new_request", err, "the request is followed from its first step instead")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler, when a waiting request is considered: loadable tokens beyond the local hit."""
-        assert self._scheduler is not None
         try:
-            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        except Exception as err:  # a bug here must cost a miss, not the engine
-            common.log.exception("maru connector: lookup failed unexpectedly (%s); treating as a miss", err)
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception as err:
+            self._failed("get_num_new_matched_tokens", err, "the request is treated as a miss")
             return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Scheduler, after blocks are allocated for a request it will run this step: plan the load."""
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as err:
+            self._failed("update_state_after_alloc", err, "its load is reported failed and vLLM recomputes it")
+            if num_external_tokens > 0:
+                try:
+                    self._sched.abandon_load(request, blocks, num_external_tokens)
+                except Exception as again:
+                    self._failed("update_state_after_alloc (abandoning)", again, "its loaded blocks may be unusable")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler, once per step: the loads and saves the workers run for this step."""
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        try:
+            return self._sched.build_connector_meta(scheduler_output)
+        except Exception as err:
+            self._failed("build_connector_meta", err, "the step's loads are reported failed and nothing is saved")
+            try:
+                return self._sched.fallback_meta()
+            except Exception as again:
+                self._failed("build_connector_meta (fallback)", again, "the step's loads may be unusable")
+                return MaruConnectorMetadata()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler, once per step output: the workers' report on that step."""
+        try:
+            self._sched.update_connector_output(connector_output)
+        except Exception as err:
+            self._failed("update_connector_output", err, "the step's outcomes are lost; its saves are retried")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request: ``(False, None)``, the KV is already committed."""
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        try:
+            return self._sched.request_finished(request, block_ids)
+        except Exception as err:
+            self._failed("request_finished", err, "the request is forgotten")
+            self._sched.forget(request.request_id)
+            return False, None
+
+    @property
+    def _sched(self) -> MaruScheduler:
+        assert self._scheduler is not None, "a scheduler hook was called on a worker"
+        return self._scheduler

@@ -33,8 +33,11 @@ CHECKSUM_MISMATCHES = "checksum_mismatches"
 SAVED_CHUNKS = "saved_chunks"
 SAVE_NOT_LEASED = "save_not_leased"
 SAVE_SKIPPED_CHUNKS = "save_skipped_chunks"
+SAVE_RETRIES = "save_retries"
+SAVE_TAINTED_CHUNKS = "save_tainted_chunks"
 POOL_ERRORS = "pool_errors"
 POOL_SKIPPED_CALLS = "pool_skipped_calls"
+HOOK_ERRORS = "hook_errors"
 
 ALL_COUNTERS = (
     LOOKUPS,
@@ -46,8 +49,11 @@ ALL_COUNTERS = (
     SAVED_CHUNKS,
     SAVE_NOT_LEASED,
     SAVE_SKIPPED_CHUNKS,
+    SAVE_RETRIES,
+    SAVE_TAINTED_CHUNKS,
     POOL_ERRORS,
     POOL_SKIPPED_CALLS,
+    HOOK_ERRORS,
 )
 
 _counters: Counter[str] = Counter()
@@ -94,19 +100,43 @@ class RateLimitedLog:
         self._interval = interval_s
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
+        self._lock = threading.Lock()
 
-    def warning(self, kind: str, msg: str, *args: object) -> None:
+    def warning(self, kind: str, msg: str, *args: object, level: int = logging.WARNING, exc: bool = False) -> None:
+        """Log now unless ``kind`` was logged less than ``interval_s`` ago; ``exc`` adds the traceback
+        (only to the first line of a kind: the rest would repeat it)."""
         now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval:
-            self._suppressed[kind] += 1
-            return
-        self._last[kind] = now
-        n = self._suppressed.pop(kind, 0)
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval:
+                self._suppressed[kind] += 1
+                return
+            self._last[kind] = now
+            n = self._suppressed.pop(kind, 0)
         if n:
             msg += " (%d similar since the last report)"
             args = (*args, n)
-        log.warning(msg, *args)
+        log.log(level, msg, *args, exc_info=exc and last is None)
+
+
+def hook_failed(stats: Counters, hook_log: RateLimitedLog, hook: str, err: BaseException, degraded: str) -> None:
+    """A connector hook raised: count it and say, at most every few seconds, what it cost.
+
+    The hook's caller then degrades (no load, no save) instead of letting the error reach vLLM, whose
+    engine would die of it. A hook raising is a connector bug, not a pool problem.
+    """
+    stats.count(HOOK_ERRORS)
+    hook_log.warning(
+        f"hook:{hook}",
+        "maru connector: %s raised %s: %s; %s. The engine keeps serving. This is a connector bug: "
+        "report it with this log line",
+        hook,
+        type(err).__name__,
+        err,
+        degraded,
+        level=logging.ERROR,
+        exc=True,
+    )
 
 
 class PoolGuard:

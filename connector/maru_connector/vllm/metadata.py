@@ -1,7 +1,9 @@
-"""What the scheduler half tells the worker half each step, and what workers tell the scheduler once.
+"""What the scheduler half tells the worker half each step, and what the workers tell it back.
 
-Plain dataclasses: vLLM pickles the step metadata to every worker process. Built once per step in
-``MaruConnector.build_connector_meta``; the worker never mutates it.
+Plain dataclasses: vLLM pickles the step metadata to every worker process, and each worker's report
+back to the scheduler (``build_connector_worker_meta``), summing the TP ranks' reports with
+:meth:`MaruWorkerReport.aggregate`. Built once per step in ``build_connector_meta``; the worker never
+mutates it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,17 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
+
+# What became of one chunk the scheduler handed over for saving (MaruWorkerReport.saves).
+STORED = "stored"  # committed by this step
+PRESENT = "present"  # already stored, or being stored by another engine: nothing to do
+RETRY = "retry"  # not stored (pool full or failing, lease lost): try again later
+ORPHAN = "orphan"  # refused: the chunk before it is no longer stored; store that one again first
+TAINTED = "tainted"  # computed over a load that failed: dropped; saved again once recomputed
+# When ranks disagree, the worse outcome wins (a chunk counts as stored only if every rank stored it).
+_SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, ORPHAN: 2, TAINTED: 3}
 
 
 @dataclass(frozen=True)
@@ -26,22 +38,81 @@ class ChunkLoad:
 
 
 @dataclass(frozen=True)
+class LoadPlan:
+    """One request's load for this step; ``load_id`` names it in the workers' reports."""
+
+    load_id: int
+    # Chunks in prompt order; a failed chunk invalidates the ones after it.
+    chunks: tuple[ChunkLoad, ...]
+    # Blocks to report as failed without trying: vLLM was promised KV there that the scheduler
+    # half could not plan (a fault in one of its hooks). vLLM recomputes them.
+    fail_blocks: tuple[int, ...] = ()
+    # Prompt index of the first chunk (the report names failures by position in ``chunks``).
+    first_chunk: int = 0
+
+
+@dataclass(frozen=True)
 class ChunkSave:
     """Copy the engine's blocks of one fully computed prompt chunk into the pool."""
 
+    index: int  # the chunk's position in the prompt, echoed in the report
     keys: tuple[bytes, ...]
+    # Per TP rank, the key of the chunk before this one (None for the first): the pool stores a
+    # chunk only after its parent, so what it keeps of a prompt is always a prefix.
+    parents: tuple[bytes | None, ...]
     # Source block ids, in chunk order; exactly blocks_per_chunk of them.
     block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """One request's chunks completed by this step."""
+
+    chunks: tuple[ChunkSave, ...]
+    # Loads not yet confirmed when this step was planned whose blocks this request's KV was
+    # computed over (its own, or another request's reused through vLLM's prefix cache). If any of
+    # them failed, every chunk here is dropped (TAINTED).
+    depends_on: tuple[int, ...] = ()
 
 
 @dataclass
 class MaruConnectorMetadata(KVConnectorMetadata):
     """The step's work for the worker half: loads run before the forward, saves after it."""
 
-    # req_id -> chunks to load, in prompt order; a failed chunk invalidates the ones after it.
-    loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)
-    # req_id -> chunks to save, in prompt order.
-    saves: dict[str, list[ChunkSave]] = field(default_factory=dict)
+    # req_id -> the request's load
+    loads: dict[str, LoadPlan] = field(default_factory=dict)
+    # req_id -> the request's saves
+    saves: dict[str, SavePlan] = field(default_factory=dict)
+    # Every load id below this is settled on the scheduler side: workers may forget its outcome.
+    settled_below: int = 0
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves
+
+
+@dataclass
+class MaruWorkerReport(KVConnectorWorkerMetadata):
+    """What one step's loads and saves came to, on one worker; summed over TP ranks by vLLM."""
+
+    # load_id -> index of the first chunk that failed, or -1 when every chunk loaded
+    loads: dict[int, int] = field(default_factory=dict)
+    # (req_id, chunk index) -> STORED | PRESENT | RETRY | ORPHAN | TAINTED
+    saves: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> MaruWorkerReport:
+        if not isinstance(other, MaruWorkerReport):
+            return self
+        loads = dict(self.loads)
+        for load_id, failed in other.loads.items():
+            mine = loads.get(load_id, -1)
+            # A load failed if any rank failed it, from the earliest chunk any rank failed.
+            loads[load_id] = max(mine, failed) if min(mine, failed) < 0 else min(mine, failed)
+        saves = dict(self.saves)
+        for chunk, outcome in other.saves.items():
+            mine = saves.get(chunk)
+            if mine is None or _SEVERITY[outcome] > _SEVERITY[mine]:
+                saves[chunk] = outcome
+        return MaruWorkerReport(loads=loads, saves=saves)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.saves
@@ -51,11 +122,12 @@ class MaruConnectorMetadata(KVConnectorMetadata):
 class MaruWorkerInfo(KVConnectorHandshakeMetadata):
     """Sent once by each worker after it registered its KV caches (vLLM's handshake path).
 
-    The scheduler half cannot see the attention backend, yet the KV layout is part of every key:
-    it waits for this before it looks anything up.
+    The scheduler half cannot see the attention backend or the cache tensors, yet both are part of
+    every key: it waits for this before it looks anything up.
     """
 
-    kv_layout: str
+    kv_format: str  # layout.PagedKV.format
     tp_rank: int
     block_bytes: int
     num_layers: int
+    kv_layers: str  # digest of the layer names and their page size

@@ -2,49 +2,175 @@
 
 Runs inside vLLM's scheduler (the engine core process). Every method here is on the scheduling
 critical path, so the only pool traffic is one ``lookup_prefix`` round trip per new request; the
-worker half does all copying.
+worker half does all copying and reports back what became of it (``metadata.MaruWorkerReport``).
+
+Each live request has a :class:`RequestState`, a small state machine over its prompt chunks::
+
+    MISSING --save_planned--> SAVING --save_done(stored|present)--> IN_POOL
+       ^                         |
+       +--save_done(retry: after a back-off of 1, 2, 4 .. steps; tainted: once recomputed)
+    MISSING <--load_failed-- IN_POOL <--looked_up--  (chunks the pool had, then failed to give)
+
+A chunk is planned for saving in the step whose forward computes its last token, or in any later
+step while it is MISSING and the request still holds its blocks: a save skipped because the pool
+was full or failing is retried until it sticks. vLLM 0.32 schedules asynchronously (step N+1 is
+planned before step N's output is known), so a load may fail after saves computed over its blocks
+were planned: every save names the loads its request's KV depends on that were not settled when it
+was planned (``SavePlan.depends_on``), the worker drops it when one of them failed, and the chunks
+go back to MISSING, to be saved once vLLM has recomputed them.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maru_connector import hits
-from maru_connector.config import MaruConnectorConfig
-from maru_connector.keys import Namespace, block_hash_sharing_problem, chunk_keys, interleave_ranks
+from maru_connector.config import ConfigError, MaruConnectorConfig
+from maru_connector.keys import Namespace, PromptKeys, block_hash_sharing_problem
 from maru_connector.vllm import common
-from maru_connector.vllm.metadata import ChunkLoad, ChunkSave, MaruConnectorMetadata, MaruWorkerInfo
+from maru_connector.vllm.metadata import (
+    ORPHAN,
+    PRESENT,
+    RETRY,
+    STORED,
+    TAINTED,
+    ChunkLoad,
+    ChunkSave,
+    LoadPlan,
+    MaruConnectorMetadata,
+    MaruWorkerInfo,
+    MaruWorkerReport,
+    SavePlan,
+)
+from maru_connector.vllm.namespace import engine_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # hits.capped_hit_tokens, or (in one test) the uncapped rule it replaces; keyword arguments only.
 HitRule = Callable[..., int]
 
+# A skipped save waits 1, 2, 4 ... steps before the next try, at most this many.
+MAX_RETRY_BACKOFF_STEPS = 64
+# Work the workers never reported on (a lost report) is given up after this many steps.
+UNREPORTED_AFTER_STEPS = 256
+
+
+class Chunk(enum.Enum):
+    MISSING = "missing"  # not known to be in the pool: saved once computed
+    SAVING = "saving"  # handed to the workers, outcome not reported yet
+    IN_POOL = "in_pool"  # found by the lookup, stored, or stored by another engine
+
 
 @dataclass
-class _Tracked:
-    """What the scheduler half remembers about one live request."""
+class RequestState:
+    """What the scheduler half knows about one live request, and its named transitions."""
 
     request: Request
-    # Per prompt chunk, one key per TP rank; computed once, on first use.
-    keys: list[tuple[bytes, ...]] | None = None
-    # Chunks [0, handled) are in the pool already or were handed to the worker to store.
-    handled: int = 0
-    # From the last lookup: local tokens the engine held then, and pool chunks hit.
+    keys: PromptKeys
+    chunks: list[Chunk] = field(default_factory=list)  # per full prompt chunk
+    saving_since: dict[int, int] = field(default_factory=dict)  # chunk -> step it was handed over
+    retry_at: dict[int, int] = field(default_factory=dict)  # chunk -> first step it may be tried again
+    skips_in_a_row: int = 0  # reports in a row with a skipped save: the back-off doubles with each
+    # From the last lookup: tokens the engine held locally then, and leading chunks the pool had.
     local_tokens: int = 0
     chunks_hit: int = 0
+    load: LoadPlan | None = None  # planned at allocation, handed to the workers by the next build
+
+    def follow_prompt(self) -> None:
+        """Keep keys and chunk states in step with the prompt, which streaming input can grow."""
+        changed = self.keys.update(self.request.block_hashes, self.request.num_prompt_tokens)
+        del self.chunks[changed:]
+        for chunk in [c for c in self.saving_since if c >= changed]:
+            del self.saving_since[chunk]
+        self.chunks += [Chunk.MISSING] * (len(self.keys) - len(self.chunks))
+
+    def looked_up(self, local_tokens: int, chunks_hit: int) -> None:
+        self.local_tokens, self.chunks_hit = local_tokens, chunks_hit
+        for i in range(min(chunks_hit, len(self.chunks))):
+            if self.chunks[i] is Chunk.MISSING:
+                self.chunks[i] = Chunk.IN_POOL
+
+    def load_failed(self, first_chunk: int) -> None:
+        """The pool could not give chunks from ``first_chunk`` on: vLLM recomputes them, we re-save."""
+        for i in range(first_chunk, len(self.chunks)):
+            if self.chunks[i] is Chunk.IN_POOL:
+                self.chunks[i] = Chunk.MISSING
+
+    def saves_due(self, computed_tokens: int, step: int, chunk_tokens: int) -> list[int]:
+        """Chunks fully computed by the end of this step that should go to the pool now.
+
+        In prompt order, and only while the chunk before is stored, being stored, or due too: the
+        pool refuses a chunk whose parent it does not hold, so offering it earlier would be wasted.
+        """
+        full = hits.full_chunks(min(computed_tokens, self.request.num_prompt_tokens), chunk_tokens)
+        due: list[int] = []
+        for i in range(min(full, len(self.chunks))):
+            parent_ok = i == 0 or self.chunks[i - 1] is not Chunk.MISSING or (due and due[-1] == i - 1)
+            if self.chunks[i] is Chunk.MISSING and parent_ok and self.retry_at.get(i, 0) <= step:
+                due.append(i)
+        return due
+
+    def save_planned(self, chunks: list[int], step: int) -> None:
+        for i in chunks:
+            self.chunks[i] = Chunk.SAVING
+            self.saving_since[i] = step
+
+    def saves_reported(self, outcomes: dict[int, str], step: int) -> None:
+        """The workers' report on chunks handed over for saving: chunk -> outcome."""
+        if any(outcome == RETRY for outcome in outcomes.values()):
+            self.skips_in_a_row += 1  # one more step whose saves were skipped: the back-off doubles
+        elif any(outcome in (STORED, PRESENT) for outcome in outcomes.values()):
+            self.skips_in_a_row = 0
+        for chunk, outcome in sorted(outcomes.items()):
+            if chunk >= len(self.chunks) or self.saving_since.pop(chunk, None) is None:
+                continue  # the prompt changed under it, or the report came twice
+            self._save_done(chunk, outcome, step)
+
+    def _save_done(self, chunk: int, outcome: str, step: int) -> None:
+        if outcome in (STORED, PRESENT):
+            self.chunks[chunk] = Chunk.IN_POOL
+            self.retry_at.pop(chunk, None)
+            return
+        self.chunks[chunk] = Chunk.MISSING
+        if outcome == TAINTED:
+            self.retry_at.pop(chunk, None)  # due again once recomputed: "computed" decides, not time
+        elif outcome == ORPHAN:
+            # Its parent is not in the pool (evicted since the lookup, or its own save failed): the
+            # chunk is due again as soon as the parent is stored; store the parent again if needed.
+            self.retry_at.pop(chunk, None)
+            if chunk and self.chunks[chunk - 1] is Chunk.IN_POOL:
+                self.chunks[chunk - 1] = Chunk.MISSING
+        else:
+            doublings = min(max(self.skips_in_a_row - 1, 0), MAX_RETRY_BACKOFF_STEPS.bit_length())
+            self.retry_at[chunk] = step + min(MAX_RETRY_BACKOFF_STEPS, 1 << doublings)
+
+    def forget_unreported(self, step: int) -> None:
+        for chunk, since in list(self.saving_since.items()):
+            if step - since > UNREPORTED_AFTER_STEPS:
+                del self.saving_since[chunk]
+                self.chunks[chunk] = Chunk.MISSING
+
+
+@dataclass(frozen=True)
+class _PendingLoad:
+    req_id: str
+    block_ids: frozenset[int]
+    first_chunk: int  # prompt index of the plan's first chunk
+    step: int
 
 
 class MaruScheduler:
-    """The scheduler-side state machine; the facade forwards vLLM's scheduler calls here."""
+    """The scheduler-side state; the facade forwards vLLM's scheduler calls here."""
 
     def __init__(
         self,
@@ -56,6 +182,7 @@ class MaruScheduler:
         saves: bool,
         hit_rule: HitRule = hits.capped_hit_tokens,
     ) -> None:
+        refuse_unsupported_parallelism(vllm_config)
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
@@ -67,21 +194,20 @@ class MaruScheduler:
         self.chunk_tokens = cfg.chunk_tokens
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._fingerprints: list[bytes] | None = None
-        self._tracked: dict[str, _Tracked] = {}  # req_id -> state, from first sight to finish
-        self._loads: dict[str, list[ChunkLoad]] = {}  # req_id -> load plan for the next step
+        self.fingerprints: list[bytes] | None = None
+        self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
+        self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
+        self._abandoned: dict[str, tuple[int, ...]] = {}  # req_id -> blocks to report failed next step
+        self._next_load_id = 1
+        self._step = 0
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, "scheduler", self.stats)
 
-        model = vllm_config.model_config
         hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self._ns_base = dict(
-            model=str(model.model),
-            revision=str(model.revision or ""),
-            dtype=f"{model.dtype}/{vllm_config.cache_config.cache_dtype}",
+            engine_identity(vllm_config),
             block_size=self.block_size,
             chunk_tokens=self.chunk_tokens,
-            num_layers=model.get_num_layers(vllm_config.parallel_config),
             tp_size=self.tp_size,
             salt=cfg.cache_namespace,
             hash_algo=hash_algo,
@@ -96,36 +222,46 @@ class MaruScheduler:
     # ------------------------------------------------------------------ readiness
 
     def set_worker_info(self, infos: dict[int, MaruWorkerInfo]) -> None:
-        """Receive every worker's handshake (KV layout per TP rank) once, before any request."""
-        layouts = {info.kv_layout for info in infos.values() if isinstance(info, MaruWorkerInfo)}
+        """Receive every worker's handshake (its KV cache's format) once, before any request."""
+        seen = {
+            (info.kv_format, info.block_bytes, info.num_layers, info.kv_layers)
+            for info in infos.values()
+            if isinstance(info, MaruWorkerInfo)
+        }
         ranks = sorted(infos)
-        if len(layouts) != 1 or ranks != list(range(self.tp_size)):
+        if len(seen) != 1 or ranks != list(range(self.tp_size)):
             common.log.error(
-                "maru connector disabled: workers reported layouts %s for TP ranks %s (want one layout, ranks 0..%d)",
-                sorted(layouts),
+                "maru connector disabled: workers reported KV caches %s for TP ranks %s "
+                "(want one format on ranks 0..%d)",
+                sorted(seen),
                 ranks,
                 self.tp_size - 1,
             )
-            self._fingerprints = None
+            self.fingerprints = None
             return
-        layout = layouts.pop()
-        self._fingerprints = [
-            Namespace(**self._ns_base, kv_layout=layout, tp_rank=r).fingerprint() for r in range(self.tp_size)
-        ]
+        kv_format, block_bytes, num_layers, kv_layers = seen.pop()
+        self.namespace = Namespace(
+            **self._ns_base, kv_format=kv_format, kv_layers=kv_layers, num_layers=num_layers, tp_rank=0
+        )
+        self.fingerprints = [self.namespace.for_rank(r).fingerprint() for r in range(self.tp_size)]
         common.log.info(
-            "maru connector ready: pool %s, chunk %d tokens (%d blocks), layout %s, TP %d, loads %s, saves %s",
+            "maru connector ready: pool %s, chunk %d tokens (%d blocks, %d bytes per rank), KV %s, "
+            "%d layers, TP %d, weights %s, loads %s, saves %s",
             self.cfg.pool_url,
             self.chunk_tokens,
             self.blocks_per_chunk,
-            layout,
+            block_bytes * num_layers * self.blocks_per_chunk,
+            kv_format,
+            num_layers,
             self.tp_size,
+            self.namespace.weights,
             self.loads_enabled,
             self.saves_enabled,
         )
 
     @property
     def active(self) -> bool:
-        return self._fingerprints is not None and not self.disabled_reason
+        return self.fingerprints is not None and not self.disabled_reason
 
     # ------------------------------------------------------------------ vLLM scheduler hooks
 
@@ -135,13 +271,12 @@ class MaruScheduler:
         Called by the scheduler when it considers a waiting request, possibly several times if the
         request does not fit yet. One pool round trip; a pool failure is a miss. Never async.
         """
-        tracked = self._track(request)
         if not (self.loads_enabled and self.active):
             return 0, False
+        state = self._state(request)
         prompt_len = request.num_prompt_tokens
-        keys = self._keys(tracked)
         best = self._hit_rule(
-            chunks_hit=len(keys),
+            chunks_hit=len(state.keys),
             chunk_tokens=self.chunk_tokens,
             prompt_len=prompt_len,
             block_size=self.block_size,
@@ -150,21 +285,20 @@ class MaruScheduler:
         if best <= 0:
             return 0, False  # the engine already holds all the pool could give
         self.stats.count(common.LOOKUPS)
-        ok, n = self.guard.call(
-            "lookup", lambda c, ks: c.lookup_prefix(ks), interleave_ranks(list(zip(*keys, strict=True)))
-        )
+        ok, n = self.guard.call("lookup", lambda c, ks: c.lookup_prefix(ks), state.keys.lookup_order())
         chunks_hit = (n or 0) // self.tp_size if ok else 0
-        tracked.local_tokens = num_computed_tokens
-        tracked.chunks_hit = chunks_hit
-        ext = self._hit_rule(
-            chunks_hit=chunks_hit,
-            chunk_tokens=self.chunk_tokens,
-            prompt_len=prompt_len,
-            block_size=self.block_size,
-            num_computed_tokens=num_computed_tokens,
-        )
+        state.looked_up(num_computed_tokens, chunks_hit)
         self.stats.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
-        return ext, False
+        return (
+            self._hit_rule(
+                chunks_hit=chunks_hit,
+                chunk_tokens=self.chunk_tokens,
+                prompt_len=prompt_len,
+                block_size=self.block_size,
+                num_computed_tokens=num_computed_tokens,
+            ),
+            False,
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` into the blocks just allocated.
@@ -172,101 +306,193 @@ class MaruScheduler:
         Called once per scheduled request right after allocation (the request will run this
         step). Decides on ``num_external_tokens`` only, as the base class asks.
         """
-        tracked = self._track(request)
         if not self.active:
             return
-        # Chunks the pool already holds need no store, whether or not they are loaded.
-        tracked.handled = max(tracked.handled, tracked.chunks_hit)
+        state = self._state(request)
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
-        start, end = tracked.local_tokens, tracked.local_tokens + num_external_tokens
+        start, end = state.local_tokens, state.local_tokens + num_external_tokens
         first_block, end_block = start // self.block_size, end // self.block_size
-        keys = self._keys(tracked)
+        first_chunk = first_block // self.blocks_per_chunk
         plan: list[ChunkLoad] = []
-        for chunk in range(first_block // self.blocks_per_chunk, -(-end_block // self.blocks_per_chunk)):
+        for chunk in range(first_chunk, -(-end_block // self.blocks_per_chunk)):
             base = chunk * self.blocks_per_chunk
             slots = tuple(
                 (j, block_ids[base + j]) for j in range(self.blocks_per_chunk) if first_block <= base + j < end_block
             )
-            plan.append(ChunkLoad(keys=keys[chunk], slots=slots))
-        self._loads[request.request_id] = plan
+            plan.append(ChunkLoad(keys=state.keys[chunk], slots=slots))
+        state.load = LoadPlan(load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk)
         self.stats.count(common.HIT_TOKENS, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
-        """The step's loads (planned at allocation) and saves (chunks this step completes).
+    def abandon_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """``update_state_after_alloc`` failed after vLLM was promised ``num_external_tokens``.
 
-        Called once per step after scheduling. A chunk is saved in the step whose forward computes
-        its last token, whatever the chunked-prefill budget did to earlier steps, so saved bytes
-        always match their key. Does not modify ``scheduler_output``.
+        Have the workers report those blocks as failed next step, so vLLM recomputes them instead of
+        reading whatever they hold. Kept free of the request state, which may be what is broken.
         """
-        meta = MaruConnectorMetadata(loads=self._loads)
-        self._loads = {}
-        if not (self.saves_enabled and self.active):
-            return meta
-        block_state = scheduler_output.kv_connector_block_state
-        progress: list[tuple[str, int]] = [
-            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
-        ]
-        cached = scheduler_output.scheduled_cached_reqs
-        progress += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id, computed_before in progress:
-            tracked = self._tracked.get(req_id)
-            if tracked is None or block_state is None:
-                continue
-            done = computed_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            full = hits.full_chunks(min(done, tracked.request.num_prompt_tokens), self.chunk_tokens)
-            if full <= tracked.handled:
-                continue
-            block_ids = (block_state.get_block_ids(req_id) or ([],))[0]
-            keys = self._keys(tracked)
-            saves = []
-            for chunk in range(tracked.handled, full):
-                ids = block_ids[chunk * self.blocks_per_chunk : (chunk + 1) * self.blocks_per_chunk]
-                if len(ids) < self.blocks_per_chunk:
-                    break  # no block table for it (never expected): try again next step
-                saves.append(ChunkSave(keys=keys[chunk], block_ids=tuple(ids)))
-            tracked.handled += len(saves)
-            if saves:
-                meta.saves[req_id] = saves
+        state = self._states.get(request.request_id)
+        local = state.local_tokens if state is not None else 0
+        end_block = -(-(local + num_external_tokens) // self.block_size)
+        self._abandoned[request.request_id] = tuple(blocks.get_block_ids()[0][local // self.block_size : end_block])
+        if state is not None:
+            state.load = None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MaruConnectorMetadata:
+        """The step's loads (planned at allocation) and saves (chunks computed and not yet stored).
+
+        Called once per step after scheduling. A chunk is saved once its last token is computed,
+        whatever the chunked-prefill budget did to earlier steps, so saved bytes always match their
+        key. Does not modify ``scheduler_output``.
+        """
+        self._step += 1
+        meta = MaruConnectorMetadata()
+        for req_id, fail_blocks in self._abandoned.items():
+            meta.loads[req_id] = LoadPlan(load_id=self._new_load_id(), chunks=(), fail_blocks=fail_blocks)
+        self._abandoned = {}
+        for req_id, state in self._states.items():
+            if state.load is not None:
+                meta.loads[req_id] = state.load
+                state.load = None
+        for req_id, plan in meta.loads.items():
+            blocks = {d for chunk in plan.chunks for _, d in chunk.slots} | set(plan.fail_blocks)
+            self._pending_loads[plan.load_id] = _PendingLoad(req_id, frozenset(blocks), plan.first_chunk, self._step)
+        if self.saves_enabled and self.active:
+            self._plan_saves(scheduler_output, meta)
+        meta.settled_below = min(self._pending_loads, default=self._next_load_id)
+        self._forget_unreported()
         return meta
+
+    def fallback_meta(self) -> MaruConnectorMetadata:
+        """``build_connector_meta`` failed: fail every load vLLM was promised this step, save nothing.
+
+        Kept free of the request states, which may be what is broken.
+        """
+        meta = MaruConnectorMetadata()
+        promised = dict(self._abandoned)
+        for req_id, state in self._states.items():
+            if state.load is not None:
+                promised[req_id] = tuple(d for chunk in state.load.chunks for _, d in chunk.slots)
+                state.load = None
+        self._abandoned = {}
+        for req_id, fail_blocks in promised.items():
+            load_id = self._new_load_id()
+            meta.loads[req_id] = LoadPlan(load_id=load_id, chunks=(), fail_blocks=fail_blocks)
+            self._pending_loads[load_id] = _PendingLoad(req_id, frozenset(fail_blocks), 0, self._step)
+        meta.settled_below = min(self._pending_loads, default=self._next_load_id)
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Take the workers' report on a step: settle its loads, and its saves' outcomes."""
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(report, MaruWorkerReport):
+            return
+        for load_id, failed in report.loads.items():
+            pending = self._pending_loads.pop(load_id, None)
+            state = self._states.get(pending.req_id) if pending is not None else None
+            if state is not None and failed >= 0:
+                state.load_failed(pending.first_chunk + failed)
+        by_request: dict[str, dict[int, str]] = {}
+        for (req_id, chunk), outcome in report.saves.items():
+            by_request.setdefault(req_id, {})[chunk] = outcome
+        for req_id, outcomes in by_request.items():
+            state = self._states.get(req_id)
+            if state is not None:
+                state.saves_reported(outcomes, self._step)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request. Returns ``(False, None)``: its blocks may be freed now.
 
         Every chunk was saved synchronously inside the step that computed it (the worker commits
         before the step's output reaches the scheduler), so by the time vLLM reports the request
-        finished its KV is already committed and nothing still reads its blocks.
+        finished its KV is already committed and nothing still reads its blocks. Saves that were
+        skipped and not yet retried are given up with the blocks.
         """
-        self._tracked.pop(request.request_id, None)
-        self._loads.pop(request.request_id, None)
+        self.forget(request.request_id)
         return False, None
+
+    def forget(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+        self._abandoned.pop(req_id, None)
 
     def shutdown(self) -> None:
         self.guard.close()
 
     # ------------------------------------------------------------------ internals
 
-    def _track(self, request: Request) -> _Tracked:
-        tracked = self._tracked.get(request.request_id)
-        if tracked is None or tracked.request is not request:
-            tracked = _Tracked(request)
-            self._tracked[request.request_id] = tracked
-        return tracked
-
-    def _keys(self, tracked: _Tracked) -> list[tuple[bytes, ...]]:
-        if tracked.keys is None:
-            assert self._fingerprints is not None
-            hashes = tracked.request.block_hashes
-            per_rank = [
-                chunk_keys(
-                    hashes,
-                    hash_block_size=self.hash_block_size,
-                    chunk_tokens=self.chunk_tokens,
-                    fingerprint=fp,
-                    max_tokens=tracked.request.num_prompt_tokens,
+    def _plan_saves(self, scheduler_output: SchedulerOutput, meta: MaruConnectorMetadata) -> None:
+        block_state = scheduler_output.kv_connector_block_state
+        if block_state is None:
+            return
+        progress: list[tuple[str, int]] = [
+            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed_before in progress:
+            state = self._states.get(req_id)
+            if state is None:
+                continue
+            state.follow_prompt()
+            computed = computed_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            due = state.saves_due(computed, self._step, self.chunk_tokens)
+            if not due:
+                continue
+            block_ids = (block_state.get_block_ids(req_id) or ([],))[0]
+            chunks = []
+            for i in due:
+                ids = block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
+                if len(ids) < self.blocks_per_chunk:
+                    break  # no block table for it (never expected): try again next step
+                chunks.append(
+                    ChunkSave(index=i, keys=state.keys[i], parents=state.keys.parents(i), block_ids=tuple(ids))
                 )
-                for fp in self._fingerprints
-            ]
-            tracked.keys = list(zip(*per_rank, strict=True))
-        return tracked.keys
+            if not chunks:
+                continue
+            self.stats.count(common.SAVE_RETRIES, sum(1 for c in chunks if c.index in state.retry_at))
+            state.save_planned([c.index for c in chunks], self._step)
+            used = set(block_ids[: (chunks[-1].index + 1) * self.blocks_per_chunk])
+            depends_on = tuple(lid for lid, load in self._pending_loads.items() if load.block_ids & used)
+            meta.saves[req_id] = SavePlan(chunks=tuple(chunks), depends_on=depends_on)
+
+    def track(self, request: Request) -> None:
+        """Start following a request (vLLM's ``on_new_request``; any later hook would do too)."""
+        if self.active:
+            self._state(request)
+
+    def _state(self, request: Request) -> RequestState:
+        state = self._states.get(request.request_id)
+        if state is None or state.request is not request:
+            assert self.fingerprints is not None
+            keys = PromptKeys(self.fingerprints, hash_block_size=self.hash_block_size, chunk_tokens=self.chunk_tokens)
+            state = RequestState(request, keys)
+            self._states[request.request_id] = state
+        state.follow_prompt()
+        return state
+
+    def _new_load_id(self) -> int:
+        load_id = self._next_load_id
+        self._next_load_id += 1
+        return load_id
+
+    def _forget_unreported(self) -> None:
+        for load_id, load in list(self._pending_loads.items()):
+            if self._step - load.step > UNREPORTED_AFTER_STEPS:
+                del self._pending_loads[load_id]
+        for state in self._states.values():
+            state.forget_unreported(self._step)
+
+
+def refuse_unsupported_parallelism(vllm_config: VllmConfig) -> None:
+    """Context parallelism shards a block's tokens across ranks: keys and block tables would not match."""
+    parallel = vllm_config.parallel_config
+    for flag, attr in (
+        ("--decode-context-parallel-size", "decode_context_parallel_size"),
+        ("--prefill-context-parallel-size", "prefill_context_parallel_size"),
+    ):
+        size = getattr(parallel, attr, 1) or 1
+        if size > 1:
+            raise ConfigError(
+                f"maru connector: {flag} {size} is not supported (context parallelism shards each KV block "
+                f"across ranks); run without it, or without the Maru connector"
+            )

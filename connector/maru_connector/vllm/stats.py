@@ -30,6 +30,9 @@ _HELP = {
     common.SAVED_CHUNKS: "Chunks stored and committed to the pool.",
     common.SAVE_NOT_LEASED: "Chunks the pool gave no lease for: already stored, being stored elsewhere, or no room.",
     common.SAVE_SKIPPED_CHUNKS: "Chunks not stored because the pool failed, was full or refused the commit.",
+    common.SAVE_RETRIES: "Stores tried again after being skipped, while the request still held its blocks.",
+    common.SAVE_TAINTED_CHUNKS: "Chunks not stored because they were computed over a load that failed.",
+    common.HOOK_ERRORS: "Connector hooks that raised; the engine went on without the pool for that work.",
     common.POOL_ERRORS: "Pool calls that failed (down, slow, full, protocol error).",
     common.POOL_SKIPPED_CALLS: "Pool calls not attempted during the back-off after a failure.",
 }

