@@ -223,7 +223,7 @@ def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
 
 def test_full_pool_skips_the_store_without_backing_off() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="maru-full-", dir="/tmp"))
-    small = PoolDaemon(workdir, size="1MiB")
+    small = PoolDaemon(workdir, size="1Mi")
     try:
         common.reset_counters()
         worker, caches = make(small.url)

@@ -6,7 +6,6 @@ import json
 import re
 import urllib.error
 import urllib.request
-from typing import Any
 
 TIMEOUT_S = 180.0
 OUTPUT_TOKENS = 8

@@ -32,7 +32,7 @@ def env() -> dict[str, str]:
 class PoolDaemon:
     """``maru-pool serve`` on a shm file in ``workdir``; can be killed and started again."""
 
-    def __init__(self, workdir: Path, size: str = "1GiB") -> None:
+    def __init__(self, workdir: Path, size: str = "1Gi") -> None:
         self.workdir = workdir
         self.size = size
         self.url = f"unix://{workdir}/pool.sock"

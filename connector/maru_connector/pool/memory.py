@@ -29,11 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from maru_connector.poolsize import HEADER_SIZE
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"MARUPOOL"
 VERSION = 1
-HEADER_SIZE = 4096
 # magic, version, header_size, epoch, capacity
 _HEADER = struct.Struct("<8sIIQQ")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from maru_connector.poolsize import format_size, parse_size, pool_memory_bytes
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
     Object,
@@ -29,6 +30,9 @@ SOCKET_FILE = "pool.sock"
 SHM_FILE = "/dev/shm/maru-pool"
 # Unprivileged UID of the metadata server, which needs no host access at all.
 NONROOT_UID = 65532
+# A daemon's own memory besides the pool: interpreter and index (an idle `maru-pool serve` holds
+# ~15 MiB), with room for a large index.
+DAEMON_MEMORY = 64 << 20
 
 
 def agent_name(pool: str) -> str:
@@ -64,8 +68,41 @@ def _pool_owner_labels(owner: Owner, component: str) -> dict[str, str]:
     return labels(owner, app=APP, component=component)
 
 
-def _resources(spec: MaruPoolSpec) -> dict[str, Any]:
-    return {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
+def shm_volume_bytes(spec: MaruPoolSpec) -> int:
+    """Size of the shm agent's memory-backed /dev/shm: the pool file, header included, in whole pages.
+
+    A kubelet mounts a ``medium: Memory`` emptyDir as a tmpfs of exactly ``sizeLimit``; sized to the
+    pool alone, the daemon's reservation of header + pool fails with ENOSPC and the agent crash-loops.
+    """
+    assert spec.size, "the CRD requires size for shm"
+    return pool_memory_bytes(parse_size(spec.size))
+
+
+def daemon_memory(spec: MaruPoolSpec, *, agent: bool) -> int:
+    """Memory a pool daemon needs: its own, plus the pool file for an shm agent (tmpfs pages are
+    charged to the pod that writes them)."""
+    return DAEMON_MEMORY + (shm_volume_bytes(spec) if agent and spec.backend == "shm" else 0)
+
+
+def _resources(spec: MaruPoolSpec, memory: int) -> dict[str, Any]:
+    """The user's resources, with the memory the daemon needs as request (and limit, when limits are set).
+
+    Without a memory request the pod is BestEffort: the first evicted under memory pressure, taking
+    the node's cache with it. With limits, requests equal limits, so cpu + memory limits give a
+    Guaranteed pod. ``check_pool`` refuses values below what is needed.
+    """
+    requests = dict(spec.daemon.resources.requests)
+    limits = dict(spec.daemon.resources.limits)
+    requests.setdefault("memory", format_size(memory))
+    if limits:
+        limits.setdefault("memory", format_size(memory))
+        requests.update({k: limits[k] for k in ("cpu", "memory") if k in limits})
+    return {"requests": requests, **({"limits": limits} if limits else {})}
+
+
+def _priority(spec: MaruPoolSpec) -> dict[str, Any]:
+    name = spec.daemon.priority_class_name
+    return {"priorityClassName": name} if name else {}
 
 
 def _tolerations(spec: MaruPoolSpec) -> list[dict[str, Any]]:
@@ -115,6 +152,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    **_priority(spec),
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": NONROOT_UID,
@@ -130,7 +168,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                             "command": ["maru-pool"],
                             "args": args,
                             "ports": _ports(spec, rpc=True),
-                            "resources": _resources(spec),
+                            "resources": _resources(spec, daemon_memory(spec, agent=False)),
                             "readinessProbe": _status_probe(spec),
                             "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
                             "securityContext": restricted_container_security(),
@@ -220,10 +258,11 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
             volumes.append({"name": f"dax-{index}", "hostPath": {"path": device, "type": "CharDevice"}})
             mounts.append({"name": f"dax-{index}", "mountPath": device})
     else:
-        # The pool file lives in the pod's own memory-backed /dev/shm, sized to the pool: the
-        # container runtime's default /dev/shm is 64Mi. Clients get the file over the socket (fd
-        # passing), so they never need this path.
-        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.size}})
+        # The pool file lives in the pod's own memory-backed /dev/shm (the container runtime's default
+        # is 64Mi), which holds exactly the file: header and pool. Clients get the file over the socket
+        # (fd passing), so they never need this path.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
+                                                    "sizeLimit": format_size(shm_volume_bytes(spec))}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     pod_labels = _pool_owner_labels(owner, COMPONENT_AGENT)
     pod_security, container_security = _agent_security(spec)
@@ -235,7 +274,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
         "args": _agent_args(spec, pool, namespace),
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
         "ports": _ports(spec, rpc=False),
-        "resources": _resources(spec),
+        "resources": _resources(spec, daemon_memory(spec, agent=True)),
         "volumeMounts": mounts,
         "readinessProbe": _status_probe(spec),
         "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
@@ -244,6 +283,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        **_priority(spec),
         "securityContext": pod_security,
         "tolerations": _tolerations(spec),
         "containers": [container],
