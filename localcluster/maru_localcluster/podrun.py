@@ -206,7 +206,8 @@ def _make_reachable(root: str, paths: list[str]) -> None:
                 mode = os.stat(directory).st_mode
             except FileNotFoundError:
                 break
-            wanted = 0o005 if depth == len(parts) else 0o001
+            # Group too: a process in the owner's group (gid 0 under a root-owned dir) is judged by it.
+            wanted = 0o055 if depth == len(parts) else 0o011
             if (mode & wanted) != wanted:
                 os.chmod(directory, (mode & 0o7777) | wanted)
 
