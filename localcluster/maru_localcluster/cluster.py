@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import aiohttp.web
 
@@ -116,6 +117,7 @@ class LocalCluster:
         self.kube.start()
         self._started = True
         self.kube.call(admission.install, self.kube.emulator)
+        self.kube.call(_printer_columns, self.kube.emulator)
         self._start_tls_front()
         self._register_kubernetes_service()
         self.controllers = ControllerManager(self.kube, ca_pem=self.pki.ca_pem)
@@ -393,3 +395,32 @@ def processes_in(namespaces: set[str]) -> list[int]:
         except OSError:
             continue
     return found
+
+
+# What `kubectl get` shows for the workloads (kube-apiserver prints them from Go code; JSONPath here).
+_COLUMNS: dict[tuple[str, str], list[JsonObj]] = {
+    ("", "pods"): [
+        {"name": "Status", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Restarts", "type": "integer", "jsonPath": ".status.containerStatuses[*].restartCount"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "IP", "type": "string", "jsonPath": ".status.podIP", "priority": 1},
+        {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName", "priority": 1},
+    ],
+    ("apps", "deployments"): [
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Up-to-date", "type": "integer", "jsonPath": ".status.updatedReplicas"},
+        {"name": "Available", "type": "integer", "jsonPath": ".status.availableReplicas"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ],
+    ("", "services"): [
+        {"name": "Type", "type": "string", "jsonPath": ".spec.type"},
+        {"name": "Cluster-IP", "type": "string", "jsonPath": ".spec.clusterIP"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ],
+}
+
+
+def _printer_columns(emulator: Any) -> None:
+    for (group, plural), columns in _COLUMNS.items():
+        rt = emulator.resource_type(group, plural)
+        rt.columns = {version: list(columns) for version in rt.versions}
