@@ -42,8 +42,9 @@ _HINTS: list[tuple[re.Pattern[str], str]] = [
 
 def parse_size(text: str) -> int:
     """Bytes of a pool size; ValueError naming the rule (and the likely fix) otherwise."""
-    value = text.strip() if isinstance(text, str) else text
-    if not isinstance(value, str) or not _SIZE.match(value):
+    value = text
+    # fullmatch: "$" alone would also accept a trailing newline, which the API server's regexp refuses.
+    if not isinstance(value, str) or not _SIZE.fullmatch(value):
         hint = next((h for pattern, h in _HINTS if isinstance(value, str) and pattern.match(value)),
                     "use a whole number of bytes with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei (or k, M, G, T, P, "
                     "E), e.g. 64Gi")

@@ -7,6 +7,7 @@ Before, the CRD took any Kubernetes quantity while the daemon had its own gramma
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,10 @@ def test_every_size_the_crd_accepts_parses_to_its_kubernetes_value(size: str) ->
     assert parse_size(size) == int(parse_quantity(size))
 
 
-@given(st.from_regex(QUANTITY_PATTERN, fullmatch=True) | st.text(max_size=12))
+@given(st.from_regex(QUANTITY_PATTERN, fullmatch=True) | st.text(max_size=12)
+       | st.sampled_from(["1\n", " 1", "1 ", "64Gi\n"]))
 def test_crd_and_daemon_agree_on_every_quantity(text: str) -> None:
-    import re
-
-    assert bool(re.match(SIZE_PATTERN, text)) == daemon_parses(text), text
+    assert bool(re.fullmatch(SIZE_PATTERN, text)) == daemon_parses(text), repr(text)
 
 
 @pytest.mark.parametrize(("size", "accepted"), [
