@@ -190,6 +190,7 @@ BUILTIN_RESOURCES: list[ResourceType] = [
     _builtin('networking.k8s.io', 'v1', 'networkpolicies', 'NetworkPolicy', short=['netpol']),
     _builtin('discovery.k8s.io', 'v1', 'endpointslices', 'EndpointSlice'),
     _builtin('scheduling.k8s.io', 'v1', 'priorityclasses', 'PriorityClass', False, short=['pc']),
+    _builtin('storage.k8s.io', 'v1', 'csidrivers', 'CSIDriver', False),
 ]
 
 # Strategic-merge-patch keys of lists merged element-wise (the rest are replaced, as in k8s).

@@ -19,6 +19,7 @@ from maru_operator.builders.common import (
     labels,
     metadata,
     restricted_container_security,
+    restricted_pod_security,
     selector,
 )
 from maru_operator.names import MAX_NAME, child_name
@@ -28,8 +29,6 @@ COMPONENT_AGENT = "agent"
 COMPONENT_METADATA = "metadata"
 SOCKET_FILE = "pool.sock"
 SHM_FILE = "/dev/shm/maru-pool"
-# Unprivileged UID of the metadata server, which needs no host access at all.
-NONROOT_UID = 65532
 # A daemon's own memory besides the pool: interpreter and index (an idle `maru-pool serve` holds
 # ~15 MiB), with room for a large index.
 DAEMON_MEMORY = 64 << 20
@@ -153,12 +152,8 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     **_priority(spec),
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": NONROOT_UID,
-                        "runAsGroup": NONROOT_UID,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    # The metadata server needs no host access at all.
+                    "securityContext": restricted_pod_security(),
                     "tolerations": _tolerations(spec),
                     "containers": [
                         {
