@@ -228,9 +228,13 @@ def start_operator(d: Demo, stack: ExitStack) -> str:
 
 
 def apply_crds(d: Demo) -> str:
+    from maru_localcluster.product import install_csi_driver
+
     d.kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
     d.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    return "marupools.maru.io, inferencegroups.maru.io"
+    # The chart's CSIDriver: vLLM pods get the pool's socket through csi.maru.io volumes.
+    install_csi_driver(d.cluster)
+    return "marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io"
 
 
 def apply_examples(d: Demo) -> str:
@@ -621,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             s["detail"] = start_cluster(d, stack)
         with step("operator") as s:
             s["detail"] = start_operator(d, stack)
-        with step("kubectl apply -f crds/") as s:
+        with step("kubectl apply -f crds/ (and the chart's CSIDriver)") as s:
             s["detail"] = apply_crds(d)
         with step("kubectl apply -f examples/local/") as s:
             s["detail"] = apply_examples(d)

@@ -254,7 +254,7 @@ class LocalCluster:
             pod_cidr=str(self.block.pod_network(index)), ca_file=str(self.pki.ca_file), labels=dict(labels or {}),
             taints=list(taints or []), standin_devices=sorted(devices or {}), image_files=self.images.to_json(),
             kubernetes_service=(self.block.kubernetes_service, 443), fast_probes=self.fast_probes,
-            crashloop_base_s=self.crashloop_base_s, python=sys.executable,
+            crashloop_base_s=self.crashloop_base_s, python=sys.executable, csi_plugins=_csi_plugins(state, name),
         )
         config_file = state / "kubelet.json"
         config_file.write_text(json.dumps(config.__dict__, indent=1))
@@ -368,6 +368,8 @@ class LocalCluster:
         dest.mkdir(parents=True, exist_ok=True)
         for path in self.workdir.glob("*.log"):
             shutil.copy2(path, dest / path.name)
+        for path in self.workdir.glob("nodes/*/*.log"):  # the nodes' CSI plugins
+            shutil.copy2(path, dest / f"{path.parent.name}-{path.name}")
         for node_logs in (self.workdir / "nodes").glob("*/logs"):
             for pod_dir in node_logs.iterdir():
                 for log in pod_dir.glob("*/*.log"):
@@ -424,3 +426,23 @@ def _printer_columns(emulator: Any) -> None:
     for (group, plural), columns in _COLUMNS.items():
         rt = emulator.resource_type(group, plural)
         rt.columns = {version: list(columns) for version in rt.versions}
+
+
+def _csi_plugins(state: Path, node: str) -> list[JsonObj]:
+    """The product's CSI node plugin (csi.maru.io), when its gRPC dependencies are installed."""
+    try:
+        import grpc  # noqa: F401
+
+        from maru_connector.csi.contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
+    except ImportError:
+        return []
+    socket_root = state / "root" / DEFAULT_SOCKET_ROOT.lstrip("/")
+    socket_root.mkdir(parents=True, exist_ok=True)
+    endpoint = f"unix://{state / 'plugins' / DRIVER_NAME / 'csi.sock'}"
+    return [{
+        "driver": DRIVER_NAME, "endpoint": endpoint,
+        "argv": [sys.executable, "-m", "maru_connector.csi", "--endpoint", endpoint, "--node-id", node,
+                 "--socket-root", str(socket_root)],
+        # The pool's socketDir names a directory of the node: under the node's root folder here.
+        "node_path_attributes": ["socketDir"],
+    }]

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -47,7 +48,7 @@ from maru_localcluster.containers import ContainerConfigError, Sandbox, containe
 from maru_localcluster.images import ImageNotFound, ImageTable
 from maru_localcluster.podrun import CLONE_NEWNS, MS_NODEV, MS_NOSUID, MS_PRIVATE, MS_REC, mount, unshare
 from maru_localcluster.probes import exec_prefix, run_probe, setting
-from maru_localcluster.volumes import MountError, PodContext, handler_for
+from maru_localcluster.volumes import CsiPlugin, MountError, PodContext, handler_for
 
 log = logging.getLogger("kubelet")
 
@@ -71,6 +72,8 @@ class KubeletConfig:
     taints: list[JsonObj] = dataclasses.field(default_factory=list)
     standin_devices: list[str] = dataclasses.field(default_factory=list)
     image_files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    # CSI node plugins this node runs: {driver, endpoint (unix://), argv, node_path_attributes}.
+    csi_plugins: list[JsonObj] = dataclasses.field(default_factory=list)
     kubernetes_service: tuple[str, int] | None = None
     fast_probes: bool = True
     crashloop_base_s: float = 10.0
@@ -544,7 +547,7 @@ class PodWorker:
         kubelet = self.kubelet
         return PodContext(pod=self.pod, pod_dir=self.pod_dir, node_root=kubelet.node_root, api=kubelet.api,
                           ca_pem=kubelet.ca_pem, standin_devices=frozenset(kubelet.config.standin_devices),
-                          memory_bytes=kubelet.memory)
+                          memory_bytes=kubelet.memory, csi_plugins=kubelet.csi_plugins)
 
     async def _setup_volumes(self) -> None:
         ctx = self.context()
@@ -720,6 +723,10 @@ class Kubelet:
         self.ca_pem = Path(config.ca_file).read_text()
         self.memory = _machine_memory()
         self.addresses = PodAddresses(ipaddress.IPv4Network(config.pod_cidr))
+        self.csi_plugins = {
+            p["driver"]: CsiPlugin(p["driver"], p["endpoint"], tuple(p.get("node_path_attributes", ())))
+            for p in config.csi_plugins
+        }
         self.workers: dict[str, PodWorker] = {}
         self.shutting_down = False
         self._wake = asyncio.Event()
@@ -887,6 +894,31 @@ def _private_mounts() -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
 
 
+def start_csi_plugins(config: KubeletConfig) -> list[subprocess.Popen[bytes]]:
+    """The node's CSI plugins, in the kubelet's mount namespace, so their mounts are the pods' to see.
+
+    In a cluster they are DaemonSet pods with Bidirectional mount propagation, registered with the
+    kubelet by node-driver-registrar; here the kubelet starts them and knows their sockets.
+    """
+    def die_with_kubelet() -> None:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+    procs = []
+    for plugin in config.csi_plugins:
+        socket_path = plugin["endpoint"].removeprefix("unix://")
+        Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(Path(config.state_dir) / f"csi-{plugin['driver']}.log", "ab") as log:
+            proc = subprocess.Popen(plugin["argv"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=die_with_kubelet)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(socket_path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"CSI plugin {plugin['driver']} did not start; see csi-{plugin['driver']}.log")
+            time.sleep(0.05)
+        procs.append(proc)
+    return procs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -899,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
     _private_mounts()
     Path(config.state_dir, "root").mkdir(parents=True, exist_ok=True)
+    plugins = start_csi_plugins(config)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -907,7 +940,15 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await Kubelet(config).run(stop)
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        for proc in plugins:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return 0
 
 

@@ -222,6 +222,9 @@ def _drop_capabilities(keep: set[str]) -> None:
 def _become_container(spec: dict[str, Any], root: str) -> None:
     """In the forked PID 1: finish the namespaces, change root, drop privileges. Never returns on success."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # A mount namespace of its own: pivot_root moves the root of every process in the namespace, and
+    # the shim must keep the machine's root (it writes the pid file there, racing this very call).
+    unshare(CLONE_NEWNS)
     mount("proc", _target(root, "/proc"), "proc", MS_NOSUID | MS_NODEV)
     hostname = spec.get("hostname") or "localhost"
     _check(_libc.sethostname(hostname.encode(), len(hostname.encode())), "sethostname")

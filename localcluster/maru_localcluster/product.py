@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from maru_localcluster import tools
 from maru_localcluster.cluster import LocalCluster
 from maru_localcluster.images import package_roots
 from maru_localcluster.tools import REPO_ROOT
@@ -32,6 +33,15 @@ def apply_crds(cluster: LocalCluster) -> None:
     """``kubectl apply -f crds/`` and wait until they are established (kubectl maps them after that)."""
     cluster.kubectl("apply", "--validate=false", "-f", str(CRDS))
     cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+
+
+def install_csi_driver(cluster: LocalCluster) -> None:
+    """The chart's CSIDriver object for csi.maru.io, which vLLM pods' socket volumes need (the node
+    plugin itself runs with each kubelet)."""
+    rendered = subprocess.run(
+        [str(tools.helm_path()), "template", "maru-operator", str(REPO_ROOT / "charts" / "maru-operator"),
+         "--show-only", "templates/csi-driver.yaml"], capture_output=True, text=True, check=True, timeout=60)
+    cluster.kubectl("apply", "--validate=false", "-f", "-", input=rendered.stdout)
 
 
 def create_namespace(cluster: LocalCluster, name: str) -> None:

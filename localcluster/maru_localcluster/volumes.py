@@ -13,6 +13,11 @@ more entry, registered with :func:`register`.
   mounts it since SizeMemoryBackedVolumes.
 * ``configMap``, ``secret``, ``downwardAPI``, ``projected`` (service account token, its CA and
   namespace): files written once when the pod starts (no live updates).
+* ``csi`` (inline ephemeral volumes): NodePublishVolume / NodeUnpublishVolume over the gRPC socket of
+  the driver's node plugin, which the kubelet runs on its node (see ``kubelet.py``), if the driver's
+  CSIDriver object allows ``Ephemeral``; with ``podInfoOnMount`` the pod's name, namespace, uid and
+  service account go into the volume context, as the kubelet sends them. The node's filesystem is a
+  folder here, so attributes a plugin declares as node paths are given inside that folder.
 """
 
 from __future__ import annotations
@@ -40,6 +45,16 @@ class MountError(Exception):
     """A volume cannot be set up (FailedMount); the kubelet retries until the pod goes away."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CsiPlugin:
+    """A CSI node plugin registered with the kubelet: what node-driver-registrar tells a real one."""
+
+    driver: str
+    endpoint: str  # unix:///path/csi.sock
+    # volumeAttributes holding a node path (a path on the node's filesystem, here under its root folder).
+    node_path_attributes: tuple[str, ...] = ()
+
+
 @dataclasses.dataclass
 class PodContext:
     """What a handler may use: the pod, its folder, the node's root, the API, the cluster's CA."""
@@ -51,6 +66,7 @@ class PodContext:
     ca_pem: str
     standin_devices: frozenset[str] = frozenset()
     memory_bytes: int = 0  # the machine's memory: the size of a memory emptyDir with no limit
+    csi_plugins: dict[str, CsiPlugin] = dataclasses.field(default_factory=dict)  # driver -> its node plugin
 
     @property
     def namespace(self) -> str:
@@ -320,11 +336,85 @@ class Projected:
         shutil.rmtree(path, ignore_errors=True)
 
 
+class Csi:
+    """Inline ephemeral CSI volumes, published by the driver's node plugin."""
+
+    @staticmethod
+    def _ids(ctx: PodContext, volume: JsonObj) -> tuple[str, Path]:
+        uid = ctx.pod["metadata"]["uid"]
+        volume_id = "csi-" + hashlib.sha256(f"{uid}/{volume['name']}".encode()).hexdigest()
+        return volume_id, ctx.volume_dir("csi", volume["name"]) / "mount"
+
+    @staticmethod
+    async def _call(plugin: CsiPlugin, method: str, request: Any, volume: str) -> None:
+        import grpc
+
+        from maru_connector.csi import csi_pb2_grpc
+
+        async with grpc.aio.insecure_channel(plugin.endpoint) as channel:
+            try:
+                await getattr(csi_pb2_grpc.NodeStub(channel), method)(request, timeout=30)
+            except grpc.aio.AioRpcError as err:
+                raise MountError(f"kubernetes.io/csi: {method} failed for volume {volume!r}: rpc error: "
+                                 f"code = {err.code().name} desc = {err.details()}") from None
+
+    async def setup(self, ctx: PodContext, volume: JsonObj) -> str:
+        from maru_connector.csi import csi_pb2
+
+        spec = volume["csi"]
+        driver = spec.get("driver", "")
+        plugin = ctx.csi_plugins.get(driver)
+        if plugin is None:
+            raise MountError(f"kubernetes.io/csi: driver name {driver} not found in the list of registered CSI "
+                             f"drivers (registered: {', '.join(sorted(ctx.csi_plugins)) or 'none'})")
+        csidriver = await ctx.api.get(f"/apis/storage.k8s.io/v1/csidrivers/{driver}")
+        modes = ((csidriver or {}).get("spec") or {}).get("volumeLifecycleModes") or ["Persistent"]
+        if "Ephemeral" not in modes:
+            raise MountError(f'volume mode "Ephemeral" not supported by driver {driver} '
+                             f'({"no CSIDriver object" if csidriver is None else "CSIDriver " + str(modes)})')
+        context = dict(spec.get("volumeAttributes") or {})
+        for key in plugin.node_path_attributes:
+            if key in context:
+                context[key] = str(ctx.node_root / context[key].lstrip("/"))
+        context["csi.storage.k8s.io/ephemeral"] = "true"
+        if (csidriver.get("spec") or {}).get("podInfoOnMount"):
+            meta = ctx.pod["metadata"]
+            context.update({
+                "csi.storage.k8s.io/pod.name": meta["name"], "csi.storage.k8s.io/pod.namespace": meta["namespace"],
+                "csi.storage.k8s.io/pod.uid": meta["uid"],
+                "csi.storage.k8s.io/serviceAccount.name": ctx.pod["spec"].get("serviceAccountName") or "default",
+            })
+        volume_id, target = self._ids(ctx, volume)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        request = csi_pb2.NodePublishVolumeRequest(
+            volume_id=volume_id, target_path=str(target), readonly=bool(spec.get("readOnly")),
+            volume_capability=csi_pb2.VolumeCapability(
+                mount=csi_pb2.VolumeCapability.MountVolume(fs_type=spec.get("fsType", "")),
+                access_mode=csi_pb2.VolumeCapability.AccessMode(
+                    mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)),
+            volume_context=context)
+        await self._call(plugin, "NodePublishVolume", request, volume["name"])
+        return str(target)
+
+    async def teardown(self, ctx: PodContext, volume: JsonObj, path: str) -> None:
+        from maru_connector.csi import csi_pb2
+
+        plugin = ctx.csi_plugins.get(volume["csi"].get("driver", ""))
+        if plugin is None:
+            return
+        volume_id, target = self._ids(ctx, volume)
+        await self._call(plugin, "NodeUnpublishVolume",
+                         csi_pb2.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target)),
+                         volume["name"])
+
+
 register("hostPath", HostPath())
+register("csi", Csi())
 register("emptyDir", EmptyDir())
 register("configMap", ObjectVolume("configMap"))
 register("secret", ObjectVolume("secret"))
 register("downwardAPI", DownwardApi())
 register("projected", Projected())
 
-__all__ = ["HANDLERS", "MountError", "PodContext", "VolumeHandler", "field_value", "handler_for", "register"]
+__all__ = ["HANDLERS", "CsiPlugin", "MountError", "PodContext", "VolumeHandler", "field_value", "handler_for",
+           "register"]

@@ -24,6 +24,7 @@ from maru_localcluster.product import (
     OperatorProcess,
     apply_crds,
     create_namespace,
+    install_csi_driver,
     why_not_ready,
 )
 
@@ -119,6 +120,7 @@ def deployed(tiny_model: Path, workdir: Path, nodes: list[tuple[str, dict[str, s
         for name, labels, devices in nodes:
             cluster.add_node(name, labels, devices=devices)
         apply_crds(cluster)
+        install_csi_driver(cluster)
         for ns in (POOL_NAMESPACE, GROUP_NS):
             create_namespace(cluster, ns)
         with OperatorProcess(cluster, logs / "operator.log") as operator:

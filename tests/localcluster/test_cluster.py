@@ -245,6 +245,20 @@ def test_restricted_container_as_rendered(cluster: LocalCluster) -> None:
     cluster.kubectl("delete", "pod", "rootful")
 
 
+def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None:
+    # pivot_root moves every process of a mount namespace: the shim shared the container's, so it lost
+    # the machine's root whenever the container pivoted first, and its pid file write failed (EROFS
+    # under readOnlyRootFilesystem) - a restarted pool agent crash-looped once, at random.
+    apply(cluster, pod("pivot", "sleep 600", terminationGracePeriodSeconds=1,
+                       container={"securityContext": {"readOnlyRootFilesystem": True}}))
+    pid = wait(lambda: cluster.container_pid("default", "pivot", "main"), "the container's pid")
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    shim = int(stat[stat.rfind(")") + 2:].split()[1])
+    assert Path(f"/proc/{pid}/root/etc/hostname").read_text().strip() == "pivot"
+    assert Path(f"/proc/{shim}/root/etc/hostname").read_text() == Path("/etc/hostname").read_text()
+    cluster.kubectl("delete", "pod", "pivot")
+
+
 def test_hostpath_types_are_checked(cluster: LocalCluster) -> None:
     spec = {"volumes": [{"name": "sock", "hostPath": {"path": "/run/maru/test", "type": "Directory"}}],
             "container": {"volumeMounts": [{"name": "sock", "mountPath": "/run/maru/test"}]}}
