@@ -649,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.show_uncapped:
             with step("the same exact-multiple prompt, decode engine WITHOUT the cap") as s:
                 s["detail"] = show_uncapped(d)
-        # The operator writes pool usage at a bounded rate: give it one resync to show the traffic.
-        deadline = time.monotonic() + 15
+        # The operator writes pool usage at a bounded rate (a resync every 30 s): wait for it once.
+        deadline = time.monotonic() + 35
         while time.monotonic() < deadline and not ((d.cluster.kube.get("marupools.maru.io", POOL) or {}).get(
                 "status") or {}).get("usedBytes"):
             time.sleep(0.5)
