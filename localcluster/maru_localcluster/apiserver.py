@@ -16,8 +16,8 @@ Not emulated: admission webhooks, RBAC and authentication (everything is allowed
 and server-side-apply field ownership (applied configs are merged; fields dropped from a manifest
 stay), pagination (lists are never chunked), foreground deletion (treated as background), watch
 bookmarks, CRD version conversion (all versions share one storage), protobuf bodies of kinds other
-than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions, pods and every controller (see
-``controllers.py`` for Deployment/DaemonSet status).
+than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions, and every controller and kubelet (they
+live in ``controllers.py``, ``scheduler.py`` and ``kubelet.py``; ``simcontrollers.py`` only fakes status).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import aiohttp.web
@@ -48,6 +48,11 @@ from typing_extensions import override
 from maru_localcluster import defaults, protobuf
 
 JsonObj = dict[str, Any]
+# A mutating admission step (the local cluster's ServiceAccount and Priority plugins are such steps):
+# (resource type, new object, old object or None on create) -> the object to store; raise ApiError to refuse.
+Admission = Callable[['ResourceType', JsonObj, 'JsonObj | None'], JsonObj]
+# Serves GET pods/<name>/log: (pod, query) -> the log text, or None when there is none.
+PodLogReader = Callable[[JsonObj, dict[str, str]], 'str | None']
 
 # The fieldValidation of the request being served (Strict, Warn or Ignore; only Strict acts).
 _FIELD_VALIDATION: contextvars.ContextVar[str] = contextvars.ContextVar('field_validation', default='Ignore')
@@ -183,6 +188,8 @@ BUILTIN_RESOURCES: list[ResourceType] = [
              short=['crd', 'crds'], cats=['api-extensions'], status=True),
     _builtin('policy', 'v1', 'poddisruptionbudgets', 'PodDisruptionBudget', short=['pdb'], status=True),
     _builtin('networking.k8s.io', 'v1', 'networkpolicies', 'NetworkPolicy', short=['netpol']),
+    _builtin('discovery.k8s.io', 'v1', 'endpointslices', 'EndpointSlice'),
+    _builtin('scheduling.k8s.io', 'v1', 'priorityclasses', 'PriorityClass', False, short=['pc']),
     _builtin('storage.k8s.io', 'v1', 'csidrivers', 'CSIDriver', False),
 ]
 
@@ -568,6 +575,13 @@ class Emulator(kmock.KubernetesEmulator):
 
     validate_schemas: bool = True  # validate & prune custom resources against their CRD's schema
     event_log_size: int = 10000  # watch resumption older than this many changes gets 410 Gone
+    # Pods bound to a node are deleted in two steps, as kube-apiserver does: DELETE sets
+    # deletionTimestamp and the node's kubelet removes the object (grace 0) once its containers
+    # stopped. Only for a cluster that runs kubelets: without one, such pods would never go.
+    graceful_pod_deletion: bool = False
+    admission: list[Admission] = attrs.field(factory=list)  # run on every write, after defaulting
+    service_ip_allocator: Callable[[], str] | None = None  # clusterIPs from here instead of 10.96.0.0/12
+    pod_log_reader: PodLogReader | None = None  # serves pods/<name>/log (kubectl logs)
 
     _types: dict[tuple[str, str], ResourceType] = attrs.field(factory=dict, init=False)
     _store: dict[tuple[str, str, str | None, str], JsonObj] = attrs.field(factory=dict, init=False)
@@ -760,7 +774,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     def delete_object(self, group: str, plural: str, namespace: str | None, name: str, *,
                       propagation: str | None = None, preconditions: JsonObj | None = None,
-                      dry_run: bool = False) -> JsonObj:
+                      dry_run: bool = False, grace_period: int | None = None) -> JsonObj:
         rt = self.resource_type(group, plural)
         key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
         old = self._store.get(key)
@@ -774,7 +788,7 @@ class Emulator(kmock.KubernetesEmulator):
             return copy.deepcopy(old)
         if propagation == 'Orphan':
             self._orphan_dependents(old['metadata']['uid'])
-        return self._delete(rt, key)
+        return self._delete(rt, key, grace_period)
 
     def next_change(self) -> asyncio.Future[None]:
         """A future resolved at the next change of any object (or :meth:`poke`)."""
@@ -826,7 +840,11 @@ class Emulator(kmock.KubernetesEmulator):
                             'causes': [{'reason': 'FieldValueInvalid', 'field': 'metadata.labels', 'message': e}
                                        for e in errors]})
         if not rt.custom:
+            if rt.key == ('', 'services') and self.service_ip_allocator is not None:
+                _allocate_cluster_ip(obj, old, self.service_ip_allocator)
             defaults.apply(rt.group, rt.plural, obj, old)
+        for step in self.admission:
+            obj = step(rt, obj, old)
         if rt.custom and self.validate_schemas:
             version = _version_of(obj, rt)
             schema = rt.schemas.get(version)
@@ -902,7 +920,7 @@ class Emulator(kmock.KubernetesEmulator):
         if new == old:
             return copy.deepcopy(old)  # a no-op write changes nothing and notifies nobody
         meta = new['metadata']
-        if meta.get('deletionTimestamp') and not meta.get('finalizers'):
+        if meta.get('deletionTimestamp') and not meta.get('finalizers') and not self._kubelet_pending(rt, new):
             self._store[key] = new
             return self._remove(rt, key)
         self._rv += 1
@@ -913,8 +931,49 @@ class Emulator(kmock.KubernetesEmulator):
             self._register_crd(new)
         return copy.deepcopy(new)
 
-    def _delete(self, rt: ResourceType, key: tuple[str, str, str | None, str]) -> JsonObj:
+    def _kubelet_pending(self, rt: ResourceType, obj: JsonObj) -> bool:
+        """A terminating pod whose kubelet has not yet confirmed that its containers stopped."""
+        return (self.graceful_pod_deletion and rt.key == ('', 'pods')
+                and bool(obj['metadata'].get('deletionGracePeriodSeconds')))
+
+    def _terminate_pod(self, key: tuple[str, str, str | None, str], obj: JsonObj,
+                       grace_period: int | None) -> JsonObj | None:
+        """The first step of a graceful pod deletion; None when the pod can go right away."""
+        meta = obj['metadata']
+        if not (obj.get('spec') or {}).get('nodeName') or (obj.get('status') or {}).get('phase') in (
+                'Succeeded', 'Failed'):
+            return None
+        grace = grace_period
+        if grace is None:
+            grace = meta.get('deletionGracePeriodSeconds') or (obj.get('spec') or {}).get(
+                'terminationGracePeriodSeconds', 30)
+        grace = max(0, int(grace))
+        if grace == 0:
+            if meta.get('finalizers') and meta.get('deletionGracePeriodSeconds'):
+                # Removed as soon as the last finalizer goes, no longer waiting for the kubelet.
+                self._commit_internal(self._types[key[:2]], key, {
+                    **obj, 'metadata': {**meta, 'deletionGracePeriodSeconds': 0}})
+            return None
+        if meta.get('deletionTimestamp') and meta.get('deletionGracePeriodSeconds', grace + 1) <= grace:
+            return copy.deepcopy(obj)  # already terminating with a grace period at least as short
+        new = copy.deepcopy(obj)
+        when = datetime.datetime.now(tz=datetime.UTC) + datetime.timedelta(seconds=grace)
+        new['metadata']['deletionTimestamp'] = when.strftime('%Y-%m-%dT%H:%M:%SZ')
+        new['metadata']['deletionGracePeriodSeconds'] = grace
+        self._rv += 1
+        new['metadata']['resourceVersion'] = str(self._rv)
+        self._store[key] = new
+        self._emit('MODIFIED', self._types[key[:2]], new, obj)
+        return copy.deepcopy(new)
+
+    def _delete(self, rt: ResourceType, key: tuple[str, str, str | None, str],
+                grace_period: int | None = None) -> JsonObj:
         obj = self._store[key]
+        if self.graceful_pod_deletion and rt.key == ('', 'pods'):
+            terminating = self._terminate_pod(key, obj, grace_period)
+            if terminating is not None:
+                return terminating
+            obj = self._store[key]
         if rt.key == ('', 'namespaces'):
             self._terminate_namespace(key[3])
             if key not in self._store:  # removed when its last object went away
@@ -1122,6 +1181,11 @@ class Emulator(kmock.KubernetesEmulator):
                                    'metadata': {'resourceVersion': str(self._rv)}, 'items': items})
         if method == 'GET':
             obj = self.get_object(rt.group, rt.plural, namespace, name) if name else None
+            if obj is not None and subresource == 'log' and rt.key == ('', 'pods') and self.pod_log_reader:
+                text = self.pod_log_reader(obj, query)
+                if text is None:
+                    raise ApiError(400, 'BadRequest', f'container of pod "{name}" has no log (yet)')
+                return aiohttp.web.Response(text=text, content_type='text/plain')
             if obj is None or subresource not in (None, 'status'):
                 raise _not_found(rt, name or '')
             if _wants_table(raw, rt, version):
@@ -1146,9 +1210,11 @@ class Emulator(kmock.KubernetesEmulator):
             return _json_response(_at_version(obj, rt, version))
         if method == 'DELETE' and name is not None:
             opts = body if isinstance(body, dict) else {}
+            grace = opts.get('gracePeriodSeconds', query.get('gracePeriodSeconds'))
             obj = self.delete_object(rt.group, rt.plural, namespace, name,
                                      propagation=opts.get('propagationPolicy') or query.get('propagationPolicy'),
-                                     preconditions=opts.get('preconditions'), dry_run=dry_run)
+                                     preconditions=opts.get('preconditions'), dry_run=dry_run,
+                                     grace_period=None if grace is None else int(grace))
             return _json_response(_at_version(obj, rt, version))
         if method == 'DELETE':
             labels = parse_label_selector(query.get('labelSelector'))
@@ -1371,6 +1437,14 @@ class Emulator(kmock.KubernetesEmulator):
 
 def _json_response(body: Any, status: int = 200) -> aiohttp.web.Response:
     return aiohttp.web.Response(body=json.dumps(body).encode(), status=status, content_type='application/json')
+
+
+def _allocate_cluster_ip(service: JsonObj, old: JsonObj | None, allocate: Callable[[], str]) -> None:
+    spec = service.get('spec')
+    if not isinstance(spec, dict) or spec.get('type') == 'ExternalName' or spec.get('clusterIP') is not None:
+        return
+    kept = ((old or {}).get('spec') or {}).get('clusterIP')
+    spec['clusterIP'] = kept or allocate()
 
 
 def _version_of(obj: JsonObj, rt: ResourceType) -> str:

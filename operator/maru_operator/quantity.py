@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
@@ -18,13 +18,21 @@ def parse_quantity(value: int | float | str) -> Decimal:
         return Decimal(str(value))
     text = value.strip()
     try:
-        if text[-2:] in _BINARY:
-            return Decimal(text[:-2]) * _BINARY[text[-2:]]
-        if text[-1:] in _DECIMAL and not text[-1:].isdigit() and text[-1:] not in "eE":
-            return Decimal(text[:-1]) * _DECIMAL[text[-1:]]
-        return Decimal(text)
+        with localcontext() as context:
+            # Exact for every quantity Kubernetes accepts (the default 28 digits round 10000000000001Pi).
+            context.prec = 80
+            return _parse(text)
     except (InvalidOperation, IndexError):
         raise ValueError(f"not a quantity: {value!r}") from None
+
+
+def _parse(text: str) -> Decimal:
+    if text[-2:] in _BINARY:
+        return Decimal(text[:-2]) * _BINARY[text[-2:]]
+    # "E" alone is exa; "1E3" (an exponent) ends in a digit and never reaches this.
+    if text[-1:] in _DECIMAL and not text[-1:].isdigit():
+        return Decimal(text[:-1]) * _DECIMAL[text[-1:]]
+    return Decimal(text)
 
 
 def format_bytes(count: int) -> str:

@@ -10,8 +10,8 @@ from maru_operator.api.common import FieldError
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.group import HASH_SEED, HASH_SEED_ENV
-from maru_operator.builders.pool import pool_endpoint
-from maru_operator.quantity import parse_quantity
+from maru_operator.builders.pool import daemon_memory, pool_endpoint
+from maru_operator.quantity import format_bytes, parse_quantity
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -100,4 +100,20 @@ def check_pool(spec: MaruPoolSpec, name: str) -> list[FieldError]:
             f"the socket path {socket} is {len(socket.encode())} bytes, over the {MAX_SOCKET_PATH} a Unix socket "
             "path may have; choose a shorter socketDir",
         ))
+    need = daemon_memory(spec, agent=True)
+    what = "size + 4Ki header + 64Mi for the daemon" if spec.backend == "shm" else "64Mi for the daemon"
+    for kind in ("requests", "limits"):
+        value = getattr(spec.daemon.resources, kind).get("memory")
+        if value is None:
+            continue
+        try:
+            given = int(parse_quantity(value))
+        except ValueError:
+            continue  # the schema's pattern reports it
+        if given < need:
+            errors.append(FieldError(
+                f"spec.daemon.resources.{kind}.memory",
+                f"{value} is less than the pool daemon needs ({format_bytes(need)}: {what}); the pool file "
+                f"lives in the agent's memory and would not fit; raise it or leave it unset to derive it",
+            ))
     return errors

@@ -92,7 +92,7 @@ def test_omitted_sections_get_their_defaults() -> None:
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     obj = {"spec": {"model": {"name": "m"}, "poolRef": {"name": "p"}}}
     filled = apply_defaults(schema, obj)
-    assert filled["spec"]["connector"] == {"chunkTokens": 256, "blockSize": 16}
+    assert filled["spec"]["connector"] == {"chunkTokens": 256, "blockSize": 16, "rpcTimeoutMs": 500}
     assert filled["spec"]["prefill"]["replicas"] == 1
     assert filled["spec"]["router"]["enabled"] is True
     assert Validator.from_models().validate({"apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup",

@@ -12,7 +12,7 @@ from maru_operator.api import InferenceGroup, MaruPool
 from maru_operator.crdvalidate import Validator
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+EXAMPLES = sorted((REPO / "examples").glob("**/*.yaml"))
 MODELS = {"MaruPool": MaruPool, "InferenceGroup": InferenceGroup}
 
 
@@ -43,5 +43,6 @@ def test_inferencegroup_example_is_the_advertised_shape() -> None:
     (group,) = _docs(REPO / "examples" / "inferencegroup.yaml")
     spec = InferenceGroup.model_validate({"spec": group["spec"]}).spec
     assert (spec.prefill.replicas, spec.decode.replicas) == (1, 2)
-    pools = {d["metadata"]["name"] for p in EXAMPLES for d in _docs(p) if d["kind"] == "MaruPool"}
+    pools = {d["metadata"]["name"] for p in EXAMPLES for d in _docs(p) if d["kind"] == "MaruPool"
+             and p.parent.name == "examples"}
     assert spec.pool_ref.name in pools

@@ -16,7 +16,7 @@ from tests.vllm.harness import PoolDaemon
 def pool() -> Iterator[PoolDaemon]:
     # Unix socket paths are limited to ~107 bytes; pytest's tmp paths can exceed that.
     workdir = Path(tempfile.mkdtemp(prefix="maru-conn-", dir="/tmp"))
-    daemon = PoolDaemon(workdir, size="64MiB")
+    daemon = PoolDaemon(workdir, size="64Mi")
     yield daemon
     daemon.kill()
     shutil.rmtree(workdir, ignore_errors=True)

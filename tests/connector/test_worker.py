@@ -111,7 +111,7 @@ def wait_stopped(pid: int) -> None:
 def short_leases() -> Iterator[PoolDaemon]:
     """A pool whose leases and pins last one second."""
     workdir = Path(tempfile.mkdtemp(prefix="maru-lease-", dir="/tmp"))
-    daemon = PoolDaemon(workdir, size="64MiB", lease_seconds=1)
+    daemon = PoolDaemon(workdir, size="64Mi", lease_seconds=1)
     yield daemon
     daemon.kill()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -289,7 +289,7 @@ def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
 
 def test_full_pool_skips_the_store_without_backing_off() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="maru-full-", dir="/tmp"))
-    small = PoolDaemon(workdir, size="1MiB")
+    small = PoolDaemon(workdir, size="1Mi")
     try:
         common.reset_counters()
         worker, caches = make(small.url)

@@ -257,7 +257,7 @@ def _client(url: str, step: str) -> None:
 
 
 def _serve(pool_dir: Path) -> Daemon:
-    return Daemon(["serve", "--listen", f"unix://{pool_dir}/{SOCKET_FILE}", "--size", "4MiB",
+    return Daemon(["serve", "--listen", f"unix://{pool_dir}/{SOCKET_FILE}", "--size", "4Mi",
                    "--shm-path", f"/dev/shm/mcsi-{os.getpid()}-{pool_dir.name}", "--metrics-addr", "127.0.0.1:0"])
 
 

@@ -28,10 +28,3 @@ def load(name: str) -> ModuleType:
 @pytest.fixture(scope="session")
 def demo_run_module() -> ModuleType:
     return load("run")
-
-
-@pytest.fixture(scope="session")
-def demo_procs() -> ModuleType:
-    # The same module object run.py imports, so its exception classes are the ones it raises.
-    load("run")
-    return importlib.import_module("demo_procs")

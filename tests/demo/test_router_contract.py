@@ -1,7 +1,8 @@
-"""What the demo relies on from vllm-router in P/D mode, checked against two fake vLLM servers.
+"""What the product relies on from vllm-router in P/D mode, checked against two fake vLLM servers.
 
-No vLLM here: two small HTTP servers record what the router sends them. With the demo's own flags,
-the router must send the prefill request first with ``max_tokens: 1`` and ``do_remote_decode``,
+No vLLM here: two small HTTP servers record what the router sends them (given as static workers: the
+local cluster's end-to-end tests cover its Kubernetes discovery). The router must send the prefill
+request first with ``max_tokens: 1`` and ``do_remote_decode``,
 then the original request to decode with the prefill's ``kv_transfer_params`` passed through
 unchanged, and keep token-id prompts and ``return_token_ids`` intact (the demo's exact lengths and
 output comparisons depend on both).
@@ -10,7 +11,14 @@ output comparisons depend on both).
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -65,31 +73,61 @@ class FakeEngine:
         self.server.server_close()
 
 
+def is_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture
-def routed(tmp_path: Path, demo_run_module: ModuleType, demo_procs: ModuleType) -> Iterator[tuple[Any, ...]]:
-    if demo_run_module.router_binary() is None:
+def routed(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
+    beside = Path(sys.executable).parent / "vllm-router"
+    binary = str(beside) if beside.is_file() else shutil.which("vllm-router")
+    if binary is None:
         pytest.fail("vllm-router is not installed (it is a dev dependency: pip install -e '.[dev]')")
     prefill, decode = FakeEngine("prefill"), FakeEngine("decode")
-    sup = demo_procs.Supervisor(tmp_path, "t-router")
-    d = demo_run_module.Demo(args=None, workdir=tmp_path, run_id="t-router", sup=sup,
-                             progress=demo_run_module.Progress(1))
-    d.prefill_url, d.decode_url = prefill.url, decode.url
+    port = _free_port()
+    argv = [binary, "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(_free_port()), "--policy", "round_robin",
+            "--worker-startup-check-interval", "1"]
+    with open(tmp_path / "router.log", "wb") as log:
+        router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        demo_run_module.start_router(d)
-        yield d, prefill, decode
+        deadline = time.monotonic() + 90
+        while not is_up(url + "/health"):
+            assert router.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.monotonic() < deadline, "the router did not come up"
+            time.sleep(0.2)
+        yield url, router, prefill, decode
     finally:
-        sup.stop_all()
+        if router.poll() is None:
+            router.send_signal(signal.SIGTERM)
+            try:
+                router.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
         prefill.close()
         decode.close()
 
 
 def test_router_sends_prefill_then_decode_with_the_prefill_params(routed: tuple[Any, ...],
                                                                   demo_run_module: ModuleType) -> None:
-    d, prefill, decode = routed
+    url, _, prefill, decode = routed
     prompt = demo_run_module.prompt_ids(300, seed=5)
     body = demo_run_module.request_body(prompt)
 
-    answer = demo_run_module.stream_completion(d.router_url, body, timeout_s=60)
+    answer = demo_run_module.stream_completion(url, body, timeout_s=60)
 
     assert answer.text == " t9" and answer.token_ids == [9]
     (p,) = prefill.requests
@@ -105,8 +143,8 @@ def test_router_sends_prefill_then_decode_with_the_prefill_params(routed: tuple[
     assert dreq["kv_transfer_params"] == PREFILL_PARAMS
 
 
-def test_router_flags_leave_no_process(routed: tuple[Any, ...], demo_procs: ModuleType) -> None:
-    d, _, _ = routed
-    assert d.router is not None and d.router.alive()
-    d.sup.stop_all()
-    assert demo_procs.pids_with_run_id("t-router") == []
+def test_router_stops_on_sigterm(routed: tuple[Any, ...]) -> None:
+    # It is PID 1 of its container in a cluster: it must act on SIGTERM, not wait for SIGKILL.
+    _, router, _, _ = routed
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=15) is not None

@@ -77,6 +77,12 @@ class TestRoleDeployment:
         extra = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["kv_connector_extra_config"]
         assert extra["maru_cache_namespace"] == "tenant-a"
 
+    def test_pool_rpc_timeout_reaches_both_roles(self) -> None:
+        spec = group_spec(connector={"rpcTimeoutMs": 5000})
+        for role in ("prefill", "decode"):
+            extra = kv_config(build_role_deployment(spec, role, GROUP_OWNER, pool_view()))["kv_connector_extra_config"]
+            assert extra["maru_rpc_timeout_ms"] == 5000
+
     def test_cache_namespace_of_a_long_name_fits(self) -> None:
         from maru_operator.builders.common import Owner
 

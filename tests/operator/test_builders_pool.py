@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from maru_connector.poolsize import HEADER_SIZE, parse_size
+from maru_localcluster.admission import qos_class
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
 from maru_operator.builders.pool import (
     build_agent_daemonset,
     build_metadata_deployment,
     build_metadata_service,
     build_pool_children,
+    daemon_memory,
     pool_endpoint,
+    shm_volume_bytes,
 )
+from maru_operator.builders.resources import POOL_DAEMON
+from maru_operator.quantity import parse_quantity
 from tests.operator.helpers import POOL_OWNER, assert_valid, container, dax_spec, flag, pool_spec
 
 NS = "maru-system"
@@ -111,8 +117,52 @@ class TestAgentDaemonSet:
         assert flag(args, "--eviction") == "none"
         assert flag(args, "--lease-seconds") == "5"
         assert flag(args, "--metrics-addr") == "0.0.0.0:9400"
-        shm = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}["shm"]
-        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+
+    def test_shm_volume_holds_the_whole_pool_file(self) -> None:
+        # A kubelet mounts this emptyDir as a tmpfs of exactly sizeLimit; the daemon reserves header + size
+        # in it. Sized to the pool alone (what this test asserted before), every shm agent crash-looped.
+        for size in ("2Gi", "256Mi", "1000000", "3G"):
+            ds = build_agent_daemonset(pool_spec(size=size), POOL_OWNER, NS)
+            shm = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}["shm"]["emptyDir"]
+            assert shm["medium"] == "Memory"
+            limit = int(parse_quantity(shm["sizeLimit"]))
+            assert limit >= HEADER_SIZE + parse_size(size), size
+            assert limit % 4096 == 0 and limit - (HEADER_SIZE + parse_size(size)) < 4096, size
+        assert shm_volume_bytes(pool_spec(size="2Gi")) == 2 * 2**30 + 4096
+
+    def test_agent_requests_the_memory_it_holds(self) -> None:
+        # Without a request the agent is BestEffort: evicted first under memory pressure, cache and all.
+        resources = container(build_agent_daemonset(pool_spec(size="2Gi"), POOL_OWNER, NS))["resources"]
+        pool_file = 2 * 2**30 + 4096
+        assert parse_quantity(resources["requests"]["memory"]) == pool_file + POOL_DAEMON.request
+        assert parse_quantity(resources["limits"]["memory"]) == pool_file + POOL_DAEMON.limit
+        assert parse_quantity(resources["requests"]["memory"]) >= daemon_memory(pool_spec(size="2Gi"), agent=True)
+        dax = container(build_agent_daemonset(dax_spec(size="64Gi"), POOL_OWNER, NS))["resources"]
+        assert parse_quantity(dax["requests"]["memory"]) == POOL_DAEMON.request  # device memory is not the pod's
+
+    def test_limits_make_the_agent_guaranteed(self) -> None:
+        spec = pool_spec(size="1Gi", daemon={"resources": {"limits": {"cpu": "1"}}})
+        ds = build_agent_daemonset(spec, POOL_OWNER, NS)
+        assert_valid(ds)
+        resources = container(ds)["resources"]
+        assert resources["requests"] == resources["limits"]
+        assert parse_quantity(resources["limits"]["memory"]) == 2**30 + 4096 + POOL_DAEMON.limit
+        assert qos_class(ds["spec"]["template"]["spec"]) == "Guaranteed"
+        user = pool_spec(size="1Gi", daemon={"resources": {"requests": {"cpu": "250m", "memory": "4Gi"}}})
+        assert container(build_agent_daemonset(user, POOL_OWNER, NS))["resources"] == {
+            "requests": {"cpu": "250m", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+        assert qos_class(build_agent_daemonset(pool_spec(), POOL_OWNER, NS)["spec"]["template"]["spec"]) == \
+            "Burstable"
+
+    def test_priority_class(self) -> None:
+        for ds in (build_agent_daemonset(pool_spec(), POOL_OWNER, NS),
+                   build_metadata_deployment(dax_spec(), POOL_OWNER, NS)):
+            assert ds is not None
+            assert ds["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
+        custom = build_agent_daemonset(pool_spec(daemon={"priorityClassName": "maru-pool"}), POOL_OWNER, NS)
+        assert custom["spec"]["template"]["spec"]["priorityClassName"] == "maru-pool"
+        none = build_agent_daemonset(pool_spec(daemon={"priorityClassName": ""}), POOL_OWNER, NS)
+        assert "priorityClassName" not in none["spec"]["template"]["spec"]
 
     def test_runs_on_selected_nodes_with_tolerations(self) -> None:
         spec = pool_spec(tolerations=[{"key": "cxl", "operator": "Exists", "effect": "NoSchedule"}])

@@ -57,5 +57,7 @@ def test_the_metadata_index_grows_with_the_pool() -> None:
 
 def test_user_resources_of_the_pool_daemons_win() -> None:
     spec = pool_spec(daemon={"resources": {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}})
+    # With limits set, the memory request is the limit (what Kubernetes defaults it to anyway): Guaranteed
+    # as soon as a CPU limit is added.
     assert container(build_agent_daemonset(spec, POOL_OWNER, "maru-system"))["resources"] == {
-        "limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}
+        "limits": {"memory": "20Gi"}, "requests": {"cpu": "1", "memory": "20Gi"}}

@@ -54,3 +54,12 @@ def test_socket_path_too_long() -> None:
     errors = check_pool(pool_spec(daemon={"socketDir": "/" + "d" * 100}), "pool")
     assert [e.field for e in errors] == ["spec.daemon.socketDir"]
     assert check_pool(pool_spec(), "p" * 253) == []
+
+
+def test_pool_daemon_memory_below_what_the_pool_needs() -> None:
+    # The shm pool file (size + header) is charged to the agent: a smaller limit is an OOM kill.
+    (error,) = check_pool(pool_spec(size="4Gi", daemon={"resources": {"limits": {"memory": "4Gi"}}}), "pool")
+    assert error.field == "spec.daemon.resources.limits.memory"
+    assert "4Gi is less than the pool daemon needs" in error.message
+    assert check_pool(pool_spec(size="4Gi", daemon={"resources": {"requests": {"memory": "5Gi"}}}), "pool") == []
+    assert check_pool(pool_spec(size="4Gi"), "pool") == []

@@ -66,7 +66,7 @@ class Daemon:
             return self.proc.wait()
 
 
-def start_serve(daemons: list[Daemon], sock_dir: Path, *extra: str, size: str = "8MiB") -> Daemon:
+def start_serve(daemons: list[Daemon], sock_dir: Path, *extra: str, size: str = "8Mi") -> Daemon:
     d = Daemon(
         [
             "serve",

@@ -59,7 +59,7 @@ WORKER = textwrap.dedent(
 
 def test_concurrent_clients_never_see_wrong_bytes(daemons: list[Daemon], sock_dir: Path) -> None:
     # 2 MiB holds ~20 of the ~100 KiB payloads: constant eviction under three writers and readers.
-    d = start_serve(daemons, sock_dir, size="2MiB")
+    d = start_serve(daemons, sock_dir, size="2Mi")
     url = d.ready["listen"]
     procs = [
         subprocess.Popen(

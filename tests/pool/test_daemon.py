@@ -67,19 +67,19 @@ def metric(text: str, name: str) -> float:
     ("args", "flag"),
     [
         (["serve", "--listen", "unix:///tmp/x.sock", "--size", "2XB"], "--size"),
-        (["serve", "--listen", "unix:///no/such/dir/pool.sock", "--size", "1MiB"], "--listen"),
-        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1MiB", "--device", "/no/dax9.9"], "--device"),
+        (["serve", "--listen", "unix:///no/such/dir/pool.sock", "--size", "1Mi"], "--listen"),
+        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1Mi", "--device", "/no/dax9.9"], "--device"),
         (["serve", "--listen", "unix:///tmp/x.sock"], "--size"),
-        (["serve", "--listen", "http://x", "--size", "1MiB"], "--listen"),
-        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1MiB", "--shm-path", "/no/dir/f"], "--shm-path"),
-        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1MiB", "--lease-seconds", "0"], "--lease-seconds"),
+        (["serve", "--listen", "http://x", "--size", "1Mi"], "--listen"),
+        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1Mi", "--shm-path", "/no/dir/f"], "--shm-path"),
+        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1Mi", "--lease-seconds", "0"], "--lease-seconds"),
         (["agent", "--listen", "unix:///tmp/x.sock", "--metadata", "tcp://h:1", "--device", "/no/dax0.0"], "--device"),
         (
             ["agent", "--listen", "unix:///tmp/x.sock", "--metadata", "unix:///m.sock", "--device", "/dev/null"],
             "--metadata",
         ),
         (["metadata", "--listen", "tcp://127.0.0.1:0", "--size", "0"], "--size"),
-        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1MiB", "--eviction", "fifo"], "--eviction"),
+        (["serve", "--listen", "unix:///tmp/x.sock", "--size", "1Mi", "--eviction", "fifo"], "--eviction"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_one_line_naming_the_flag(args: list[str], flag: str) -> None:
@@ -94,7 +94,7 @@ def test_bad_arguments_exit_nonzero_with_one_line_naming_the_flag(args: list[str
 def test_metrics_port_in_use_is_reported(daemons: list[Daemon], sock_dir: Path) -> None:
     first = start_serve(daemons, sock_dir)
     result = run_cli(
-        "serve", "--listen", f"unix://{sock_dir}/other.sock", "--size", "1MiB",
+        "serve", "--listen", f"unix://{sock_dir}/other.sock", "--size", "1Mi",
         "--shm-path", str(sock_dir / "other.shm"), "--metrics-addr", first.ready["metrics"],
     )  # fmt: skip
     assert result.returncode == 2 and "--metrics-addr" in result.stderr
@@ -107,7 +107,7 @@ def test_second_daemon_on_a_live_socket_is_refused_and_changes_nothing(serve: Da
     shm = sock_dir / "pool.shm"
     size_before = shm.stat().st_size
     result = run_cli(
-        "serve", "--listen", serve.ready["listen"], "--size", "1MiB",
+        "serve", "--listen", serve.ready["listen"], "--size", "1Mi",
         "--shm-path", str(shm), "--metrics-addr", "127.0.0.1:0",
     )  # fmt: skip
     assert result.returncode == 2 and "another pool daemon" in result.stderr
@@ -123,7 +123,7 @@ def test_second_daemon_on_live_memory_is_refused_and_changes_nothing(serve: Daem
     shm = sock_dir / "pool.shm"
     header = shm.read_bytes()[:64]
     result = run_cli(
-        "serve", "--listen", f"unix://{sock_dir}/other.sock", "--size", "1MiB",
+        "serve", "--listen", f"unix://{sock_dir}/other.sock", "--size", "1Mi",
         "--shm-path", str(shm), "--metrics-addr", "127.0.0.1:0",
     )  # fmt: skip
     assert result.returncode == 2
@@ -165,7 +165,7 @@ def test_stale_socket_of_a_killed_daemon_is_replaced(daemons: list[Daemon], sock
 
 def test_tcp_listener_serves_local_clients_by_path(daemons: list[Daemon], sock_dir: Path) -> None:
     d = Daemon(
-        ["serve", "--listen", "tcp://127.0.0.1:0", "--size", "4MiB",
+        ["serve", "--listen", "tcp://127.0.0.1:0", "--size", "4Mi",
          "--shm-path", str(sock_dir / "tcp.shm"), "--metrics-addr", "127.0.0.1:0"]
     )  # fmt: skip
     daemons.append(d)
@@ -211,7 +211,7 @@ WRITER = textwrap.dedent(
 
 
 def test_client_killed_mid_write_leaks_nothing(daemons: list[Daemon], sock_dir: Path) -> None:
-    d = start_serve(daemons, sock_dir, "--lease-seconds", "600", size="2MiB")
+    d = start_serve(daemons, sock_dir, "--lease-seconds", "600", size="2Mi")
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, d.ready["listen"], str(2 * MiB)],
         stdout=subprocess.PIPE, text=True, env=pool_env(),

@@ -36,7 +36,7 @@ def status(d: Daemon) -> dict:
         return json.loads(resp.read())
 
 
-def start_metadata(daemons: list[Daemon], port: int, size: str | None = "4MiB") -> Daemon:
+def start_metadata(daemons: list[Daemon], port: int, size: str | None = "4Mi") -> Daemon:
     d = Daemon(
         ["metadata", "--listen", f"tcp://127.0.0.1:{port}", *(["--size", size] if size else []),
          "--metrics-addr", "127.0.0.1:0", "--lease-seconds", "30"]

@@ -9,22 +9,40 @@ from maru_connector.pool.units import Endpoint, parse_endpoint, parse_size
     ("text", "expected"),
     [
         ("1073741824", 1 << 30),
-        ("2GiB", 2 << 30),
         ("64Gi", 64 << 30),
         ("512Mi", 512 << 20),
         ("512M", 512_000_000),
-        ("1.5G", 1_500_000_000),
-        ("4kib", 4096),
+        ("4Ki", 4096),
+        ("2k", 2000),
         ("1Ti", 1 << 40),
+        ("64Pi", 64 << 50),
+        ("3Ei", 3 << 60),
     ],
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "2XB", "-1G", "0", "1.5", "G", "12 parsecs"])
-def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        ("", "whole number"),
+        ("0", "whole number"),
+        ("-1G", "whole number"),
+        ("G", "whole number"),
+        ("12 parsecs", "whole number"),
+        ("1e10", "exponents"),
+        ("1E3", "exponents"),
+        ("512m", "milli"),
+        ("1.5G", "fractions"),
+        ("1.5", "fractions"),
+        ("2GiB", "without B"),
+        ("4kib", "whole number"),
+        ("4K", "lower-case k"),
+    ],
+)
+def test_parse_size_rejects_with_a_hint(text: str, hint: str) -> None:
+    with pytest.raises(ValueError, match=hint):
         parse_size(text)
 
 

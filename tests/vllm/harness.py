@@ -32,7 +32,7 @@ def env() -> dict[str, str]:
 class PoolDaemon:
     """``maru-pool serve`` on a shm file in ``workdir``; can be killed and started again."""
 
-    def __init__(self, workdir: Path, size: str = "1GiB", *, lease_seconds: float | None = None) -> None:
+    def __init__(self, workdir: Path, size: str = "1Gi", *, lease_seconds: float | None = None) -> None:
         self.workdir = workdir
         self.size = size
         self.lease_seconds = lease_seconds

@@ -99,7 +99,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
     if args.device:
         _must_exist("--device", args.device)
     elif args.size is None:
-        raise UsageError("--size: required for the shm backend (e.g. --size 2GiB), or give --device")
+        raise UsageError("--size: required for the shm backend (e.g. --size 2Gi), or give --device")
     else:
         path = args.shm_path or _default_shm_path(endpoint)
         if not os.path.isdir(os.path.dirname(path) or "."):

@@ -34,11 +34,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from maru_connector.poolsize import HEADER_SIZE
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"MARUPOOL"
 VERSION = 2
-HEADER_SIZE = 4096
 # magic, version, header_size, epoch, capacity, uuid (16 bytes; all zero: not part of a pool yet)
 _HEADER = struct.Struct("<8sIIQQ16s")
 

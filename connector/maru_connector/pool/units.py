@@ -5,30 +5,14 @@ Kept apart from the CLI so the client and the daemon agree on what a URL means.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)([bB]?)\s*$")
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+from maru_connector import poolsize
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``1073741824``, ``2GiB``, ``64Gi``, ``512M`` or ``1.5G``.
-
-    Binary (``Gi``, ``GiB``) and decimal (``G``, ``GB``) suffixes both follow Kubernetes quantity
-    conventions, so a size copied from a MaruPool spec means the same thing here.
-    """
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise ValueError(f"cannot parse size {text!r} (use e.g. 2GiB, 512Mi, 64G or a byte count)")
-    number, prefix, binary, _ = match.groups()
-    base = 1024 if binary else 1000
-    value = float(number) * base ** _POWERS[prefix.lower()]
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return int(value)
+    """Bytes from a pool size: the grammar MaruPool.spec.size accepts (see :mod:`maru_connector.poolsize`)."""
+    return poolsize.parse_size(text)
 
 
 @dataclass(frozen=True)

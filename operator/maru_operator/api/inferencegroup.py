@@ -137,6 +137,13 @@ class ConnectorSpec(KubeModel):
         description="Salt mixed into every chunk key; groups with different salts never share KV. "
         "Default: the group's namespace/name.",
     )
+    rpc_timeout_ms: int = Field(
+        500,
+        ge=1,
+        le=60000,
+        description="Per-call timeout of the connector towards the pool; a slower answer counts as a miss "
+        "(serving goes on). Raise it where the pool's node is CPU-starved.",
+    )
 
     @model_validator(mode="after")
     def _chunk_holds_whole_blocks(self) -> ConnectorSpec:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
+from maru_connector.poolsize import SIZE_PATTERN
 from maru_operator.api.common import (
     DNS1123_LABEL_PATTERN,
+    DNS1123_SUBDOMAIN_PATTERN,
     CustomResource,
     KubeModel,
-    Quantity,
     ResourceRequirements,
     Toleration,
 )
@@ -22,9 +23,17 @@ from maru_operator.api.common import Condition as Condition
 
 DevicePath = Annotated[str, Field(pattern=r"^/dev/[A-Za-z0-9._/-]+$", max_length=255)]
 NamespaceName = Annotated[str, Field(pattern=DNS1123_LABEL_PATTERN, max_length=63)]
+# The one size grammar of the pool: the daemon's --size parses exactly what this pattern accepts.
+PoolSize = Annotated[
+    str,
+    Field(pattern=SIZE_PATTERN),
+    WithJsonSchema({"type": "string", "pattern": SIZE_PATTERN}),
+]
+PriorityClassName = Annotated[str, Field(pattern=f"^$|{DNS1123_SUBDOMAIN_PATTERN}", max_length=253)]
 
 DEFAULT_POOL_IMAGE = "ghcr.io/maru-pd/maru-pool:0.1.0"
 DEFAULT_SOCKET_DIR = "/run/maru"
+DEFAULT_PRIORITY_CLASS = "system-node-critical"
 
 
 class EvictionSpec(KubeModel):
@@ -56,7 +65,21 @@ class PoolDaemonSpec(KubeModel):
         "IfNotPresent", description="Pull policy of the pool daemon image."
     )
     resources: ResourceRequirements = Field(
-        default_factory=ResourceRequirements, description="Resources of each pool daemon container."
+        default_factory=ResourceRequirements,
+        description=(
+            "Resources of each pool daemon container. The shm agent's memory request is derived from size "
+            "(the pool file lives in its memory-backed /dev/shm, which is charged to the pod) unless set "
+            "here, and may not be set lower. With any limit set, memory and cpu requests equal the limits "
+            "(memory limit derived the same way when absent): set limits.cpu for Guaranteed QoS."
+        ),
+    )
+    priority_class_name: PriorityClassName = Field(
+        DEFAULT_PRIORITY_CLASS,
+        description=(
+            "PriorityClass of the pool daemons: an evicted agent takes its node's cache with it. "
+            "system-node-critical by default; clusters that keep the system classes to kube-system "
+            "(a ResourceQuota, as on GKE) need a class of their own here. Empty: no class."
+        ),
     )
     socket_dir: str = Field(
         DEFAULT_SOCKET_DIR,
@@ -99,11 +122,12 @@ class MaruPoolSpec(KubeModel):
             "and trials."
         )
     )
-    size: Quantity | None = Field(
+    size: PoolSize | None = Field(
         None,
         description=(
             "Pool memory per node, e.g. 64Gi. Required for shm; for dax an optional cap on how much of "
-            "each device the pool uses."
+            "each device the pool uses. A whole number of bytes with an optional suffix Ki, Mi, Gi, Ti, Pi, "
+            "Ei or k, M, G, T, P, E (no fractions, exponents or m); the pool daemon parses exactly this."
         ),
     )
     devices: list[DevicePath] = Field(

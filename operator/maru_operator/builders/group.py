@@ -94,6 +94,7 @@ def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
         pool_url=pool.endpoint,
         chunk_tokens=spec.connector.chunk_tokens,
         cache_namespace=cache_namespace(spec, owner),
+        rpc_timeout_ms=spec.connector.rpc_timeout_ms,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from maru_connector.poolsize import format_size, parse_size, pool_memory_bytes
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
     Object,
@@ -23,7 +24,9 @@ from maru_operator.builders.common import (
     selector,
 )
 from maru_operator.builders.resources import (
+    CPU,
     INDEX_BYTES_PER_POOL_BYTE,
+    MEMORY,
     METADATA_UNSIZED_LIMIT,
     POOL_DAEMON,
     ResourceDefault,
@@ -31,13 +34,15 @@ from maru_operator.builders.resources import (
     with_defaults,
 )
 from maru_operator.names import MAX_NAME, child_name
-from maru_operator.quantity import parse_quantity
 
 APP = "maru-pool"
 COMPONENT_AGENT = "agent"
 COMPONENT_METADATA = "metadata"
 SOCKET_FILE = "pool.sock"
 SHM_FILE = "/dev/shm/maru-pool"
+# A daemon's own memory besides the pool: interpreter and index (an idle `maru-pool serve` holds
+# ~15 MiB), with room for a large index.
+DAEMON_MEMORY = 64 << 20
 
 
 def agent_name(pool: str) -> str:
@@ -73,23 +78,54 @@ def _pool_owner_labels(owner: Owner, component: str) -> dict[str, str]:
     return labels(owner, app=APP, component=component)
 
 
+def shm_volume_bytes(spec: MaruPoolSpec) -> int:
+    """Size of the shm agent's memory-backed /dev/shm: the pool file, header included, in whole pages.
+
+    A kubelet mounts a ``medium: Memory`` emptyDir as a tmpfs of exactly ``sizeLimit``; sized to the
+    pool alone, the daemon's reservation of header + pool fails with ENOSPC and the agent crash-loops.
+    """
+    assert spec.size, "the CRD requires size for shm"
+    return pool_memory_bytes(parse_size(spec.size))
+
+
+def daemon_memory(spec: MaruPoolSpec, *, agent: bool) -> int:
+    """The least memory a pool daemon can run in: its own, plus the pool file for an shm agent (tmpfs
+    pages are charged to the pod that writes them). ``check_pool`` refuses resources below it."""
+    return DAEMON_MEMORY + (shm_volume_bytes(spec) if agent and spec.backend == "shm" else 0)
+
+
 def memory_default(spec: MaruPoolSpec, component: str) -> ResourceDefault:
     """A pool daemon's memory when ``spec.daemon.resources`` names none.
 
     The shm agent holds the pool itself: its memory-backed /dev/shm is charged to the container, so
-    request and limit include the pool's size. The metadata server's index grows with the pool.
+    request and limit include the whole pool file. Without that request the pod would be the first
+    evicted under memory pressure, taking the node's cache with it. The metadata server's index grows
+    with the pool.
     """
-    size = int(parse_quantity(spec.size)) if spec.size else 0
     if component == COMPONENT_AGENT:
-        return plus(POOL_DAEMON, size) if spec.backend == "shm" else POOL_DAEMON
-    if not size:
+        return plus(POOL_DAEMON, shm_volume_bytes(spec)) if spec.backend == "shm" else POOL_DAEMON
+    if not spec.size:
         return replace(POOL_DAEMON, limit=METADATA_UNSIZED_LIMIT)
+    size = parse_size(spec.size)
     return replace(POOL_DAEMON, limit=POOL_DAEMON.limit + int(size * INDEX_BYTES_PER_POOL_BYTE))
 
 
 def _resources(spec: MaruPoolSpec, component: str) -> dict[str, Any]:
+    """The user's resources with the defaults filled in; with limits set, requests equal limits.
+
+    Requests equal to limits (cpu and memory) make the pod Guaranteed: the last one the kubelet evicts.
+    """
     given = {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
-    return with_defaults(given, memory_default(spec, component))
+    result = with_defaults(given, memory_default(spec, component))
+    if spec.daemon.resources.limits:
+        limits = result.get("limits", {})
+        result["requests"] = {**result.get("requests", {}), **{k: limits[k] for k in (CPU, MEMORY) if k in limits}}
+    return result
+
+
+def _priority(spec: MaruPoolSpec) -> dict[str, Any]:
+    name = spec.daemon.priority_class_name
+    return {"priorityClassName": name} if name else {}
 
 
 def _tolerations(spec: MaruPoolSpec) -> list[dict[str, Any]]:
@@ -139,6 +175,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    **_priority(spec),
                     # The metadata server needs no host access at all.
                     "securityContext": restricted_pod_security(),
                     "tolerations": _tolerations(spec),
@@ -240,10 +277,11 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
             volumes.append({"name": f"dax-{index}", "hostPath": {"path": device, "type": "CharDevice"}})
             mounts.append({"name": f"dax-{index}", "mountPath": device})
     else:
-        # The pool file lives in the pod's own memory-backed /dev/shm, sized to the pool: the
-        # container runtime's default /dev/shm is 64Mi. Clients get the file over the socket (fd
-        # passing), so they never need this path.
-        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.size}})
+        # The pool file lives in the pod's own memory-backed /dev/shm (the container runtime's default
+        # is 64Mi), which holds exactly the file: header and pool. Clients get the file over the socket
+        # (fd passing), so they never need this path.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
+                                                    "sizeLimit": format_size(shm_volume_bytes(spec))}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     pod_labels = _pool_owner_labels(owner, COMPONENT_AGENT)
     pod_security, container_security = _agent_security(spec)
@@ -264,6 +302,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        **_priority(spec),
         "securityContext": pod_security,
         "tolerations": _tolerations(spec),
         "containers": [container],

@@ -1,0 +1,69 @@
+"""The CXL pool example (``examples/pool-cxl.yaml``) on two emulated CXL nodes, as the operator renders it.
+
+The "device" ``/dev/dax0.0`` is one file linked into both nodes' roots, so the two nodes share its
+memory as CXL hosts do. The pool runs as rendered for CXL nodes: a metadata server Deployment behind
+its Service, which the agents reach by its cluster DNS name, and a privileged agent per node mapping
+the device. Prefill and decode land on different nodes, so KV crosses nodes through the shared memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from maru_localcluster.product import POOL_NAMESPACE, wait_ready
+
+from .conftest import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
+from .traffic import complete, from_pool, prompt
+
+skip_unless_local_cluster_runs()
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+DEVICE_BYTES = (128 << 20) + 4096  # header + 128 MiB, as a devdax region would be
+
+
+@pytest.fixture(scope="module")
+def dax(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    workdir = tmp_path_factory.mktemp("e2e-dax")
+    device = workdir / "cxl-memory"
+    with open(device, "wb") as fh:
+        fh.truncate(DEVICE_BYTES)
+    pool = example("examples/pool-cxl.yaml")
+    pool["spec"]["size"] = "64Mi"  # the example's 256Gi cap, scaled to this machine
+    group = example("examples/local/inferencegroup-tiny.yaml")
+    group["spec"]["poolRef"]["name"] = pool["metadata"]["name"]
+    nodes = [(f"cxl-node-{i}", {"maru.io/cxl": "true"}, {"/dev/dax0.0": device}) for i in (1, 2)]
+    with deployed(tiny_model, workdir, nodes, [pool, group]) as d:
+        wait_ready(d.cluster, "marupools.maru.io", "cxl-pool", timeout=120)
+        wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, timeout=420)
+        yield d
+
+
+def test_metadata_server_and_an_agent_per_node(dax: Deployment) -> None:
+    status = dax.get("marupools.maru.io", "cxl-pool")["status"]
+    assert status["nodeSummary"] == "2/2"
+    agents = dax.cluster.kube.list("pods", POOL_NAMESPACE, labels="app.kubernetes.io/component=agent")
+    assert sorted(p["spec"]["nodeName"] for p in agents) == ["cxl-node-1", "cxl-node-2"]
+    (metadata,) = dax.cluster.kube.list("pods", POOL_NAMESPACE, labels="app.kubernetes.io/component=metadata")
+    assert metadata["spec"]["securityContext"]["runAsUser"] == 65532
+    # Each agent reached the metadata server through its Service name (possibly after it came up)
+    # and adopted the pool's epoch.
+    for agent in agents:
+        log = dax.cluster.pod_log(POOL_NAMESPACE, agent["metadata"]["name"], "agent")
+        assert "metadata=tcp://cxl-pool-metadata.maru-system.svc:7400" in log and "pool epoch is now" in log, log
+
+
+def test_prefill_and_decode_share_kv_across_nodes(dax: Deployment) -> None:
+    (prefill_pod,), (decode_pod,) = dax.pods("prefill"), dax.pods("decode")
+    assert prefill_pod["spec"]["nodeName"] != decode_pod["spec"]["nodeName"]
+    prefill, decode = dax.engine_url("prefill"), dax.engine_url("decode")
+    long_prompt = prompt(2 * CHUNK + 40, seed=41)
+    recomputed = complete(prefill, long_prompt)
+    loaded = from_pool(decode)
+    assert complete(dax.router_url, long_prompt) == recomputed
+    moved = wait("decode to load from the pool", lambda: from_pool(decode) - loaded, dax, timeout=30)
+    assert moved == 2 * CHUNK

@@ -1,0 +1,156 @@
+"""An shm pool and an InferenceGroup, applied as a user would, running as the operator renders them.
+
+The local cluster runs every pod the operator writes: the pool agent with its memory-backed
+``/dev/shm`` of exactly ``sizeLimit``, both vLLM roles with their kv-transfer-config, vllm-router
+finding them through the API. The tests then change, break and remove what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from maru_localcluster.cluster import processes_in
+from maru_localcluster.product import POOL_NAMESPACE, wait_ready
+
+from .conftest import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
+from .traffic import complete, from_pool, health, prompt
+
+skip_unless_local_cluster_runs()
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def shm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    pool, group = example("examples/local/pool-shm.yaml"), example("examples/local/inferencegroup-tiny.yaml")
+    with deployed(tiny_model, tmp_path_factory.mktemp("e2e-shm"), [("node-1", {}, {})], [pool, group]) as d:
+        wait_ready(d.cluster, "marupools.maru.io", "local-shm", timeout=120)
+        wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, timeout=420)
+        yield d
+
+
+def agent_pod(d: Deployment) -> dict[str, Any]:
+    (pod,) = [p for p in d.cluster.kube.list("pods", POOL_NAMESPACE, labels="app.kubernetes.io/component=agent")
+              if not p["metadata"].get("deletionTimestamp")]
+    return pod
+
+
+def wait_for_more(d: Deployment, read: Any, before: float, what: str) -> float:
+    """vLLM counts a request's prompt sources a scheduler step after answering: wait for the count."""
+    return float(wait(what, lambda: read() > before and read(), d, timeout=30))
+
+
+def test_kubectl_shows_pool_and_group_ready(shm: Deployment) -> None:
+    out = shm.cluster.kubectl("get", "mpool,ig", "-A").stdout
+    pool_row = next(line for line in out.splitlines() if "local-shm" in line and "marupool" in line)
+    assert pool_row.split()[1:4] == ["shm", "1/1", "256Mi"], out
+    group_row = next(line for line in out.splitlines() if "inferencegroup" in line)
+    assert group_row.split()[3:6] == ["1/1", "1/1", "True"], out
+
+
+def test_pool_agent_is_not_the_first_pod_evicted(shm: Deployment) -> None:
+    pod = agent_pod(shm)
+    assert pod["status"]["qosClass"] != "BestEffort", pod["status"]
+    assert pod["spec"]["priorityClassName"] == "system-node-critical"
+    assert pod["spec"]["priority"] == 2000001000
+
+
+def test_answers_equal_a_recompute_engine(shm: Deployment) -> None:
+    prefill, decode = shm.engine_url("prefill"), shm.engine_url("decode")
+    long_prompt = prompt(2 * CHUNK + 40, seed=11)
+    before = from_pool(prefill)
+    recomputed = complete(prefill, long_prompt)  # a prompt nobody stored yet: prefill computes all of it
+    assert from_pool(prefill) == before
+    loaded = from_pool(decode)
+    assert complete(shm.router_url, long_prompt) == recomputed
+    # Decode took the prompt's two whole chunks from the pool instead of computing them.
+    assert wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load from the pool") - loaded == 2 * CHUNK
+
+
+def test_exact_multiple_prompt_leaves_decode_alive(shm: Deployment) -> None:
+    decode = shm.engine_url("decode")
+    exact = prompt(2 * CHUNK, seed=12)
+    first = complete(shm.router_url, exact)
+    # Every chunk is in the pool now: decode reports a capped hit and computes the last block itself.
+    assert complete(shm.router_url, exact) == first
+    assert health(decode) == 200
+    assert complete(shm.router_url, prompt(100, seed=13))
+
+
+def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) -> None:
+    pod = agent_pod(shm)
+    name = pod["metadata"]["name"]
+    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+    pid = shm.cluster.container_pid(POOL_NAMESPACE, name, "agent")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    # The pool is gone for now: the connector turns that into misses, and serving goes on.
+    assert complete(shm.router_url, prompt(300, seed=21))
+
+    def restarted() -> bool:
+        status = shm.get("pods", name, POOL_NAMESPACE)["status"]["containerStatuses"][0]
+        return status["restartCount"] > restarts and status["ready"]
+
+    wait("the kubelet to restart the agent", restarted, shm, timeout=90)
+    last = shm.get("pods", name, POOL_NAMESPACE)["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert last["exitCode"] == 128 + signal.SIGKILL, last
+    wait_ready(shm.cluster, "marupools.maru.io", "local-shm", timeout=60)
+    # And the pool carries KV again.
+    decode = shm.engine_url("decode")
+    again = prompt(2 * CHUNK + 7, seed=22)
+    loaded = from_pool(decode)
+    complete(shm.router_url, again)
+    wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load from the restarted pool")
+
+
+def test_chunk_tokens_change_rolls_both_roles(shm: Deployment) -> None:
+    old = {role: {p["metadata"]["name"] for p in shm.pods(role)} for role in ("prefill", "decode")}
+    generation = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)["metadata"]["generation"]
+    shm.cluster.kubectl("-n", GROUP_NS, "patch", "ig", "tiny", "--type", "merge",
+                        "-p", json.dumps({"spec": {"connector": {"chunkTokens": 128}}}))
+
+    def rolled() -> bool:
+        for role in ("prefill", "decode"):
+            every = {p["metadata"]["name"] for p in shm.cluster.kube.list(
+                "pods", GROUP_NS, labels=f"app.kubernetes.io/instance=tiny,maru.io/role={role}")}
+            ready = shm.pods(role, ready_only=True)
+            if every & old[role] or len(ready) != 1:
+                return False
+        return True
+
+    wait("both roles to roll to the new chunk size", rolled, shm, timeout=420)
+    wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, generation=generation + 1, timeout=60)
+    for role in ("prefill", "decode"):
+        (pod,) = shm.pods(role)
+        args = pod["spec"]["containers"][0]["args"]
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == 128
+    prefill, decode = shm.engine_url("prefill"), shm.engine_url("decode")
+    long_prompt = prompt(3 * 128 + 50, seed=31)
+    recomputed = complete(prefill, long_prompt)
+    loaded = from_pool(decode)
+    assert complete(shm.router_url, long_prompt) == recomputed
+    assert wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load 128-token chunks") - loaded == 3 * 128
+
+
+def test_deleting_the_group_stops_its_processes(shm: Deployment) -> None:
+    pods = shm.cluster.kube.list("pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny")
+    spaces = set().union(*(shm.cluster.pid_namespaces(p) for p in pods))
+    assert processes_in(spaces), "the group's containers should be running before the deletion"
+    shm.cluster.kubectl("-n", GROUP_NS, "delete", "ig", "tiny", "--timeout=120s")
+    wait("the group's pods to go", lambda: not shm.cluster.kube.list(
+        "pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny"), shm, timeout=120)
+    assert processes_in(spaces) == []
+    assert not shm.cluster.kube.list("deployments.apps", GROUP_NS)
+    # The pool is still there, and no longer held by the group.
+    wait("the pool to be released", lambda: shm.get("marupools.maru.io", "local-shm")["status"]["boundGroups"] == 0,
+         shm, timeout=60)

@@ -1,0 +1,345 @@
+"""The local cluster behaves as a kubelet, kube-controller-manager, kube-scheduler and kube-proxy would.
+
+One cluster (two nodes, the second tainted) serves every test; the pods run this machine's shell and
+Python (image ``localcluster.test/shell``). CrashLoopBackOff starts at 1 s here instead of 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from maru_localcluster.cluster import LocalCluster, processes_in, unavailable_reason
+
+REASON = unavailable_reason()
+if REASON:
+    pytest.skip(f"local cluster tests skipped: {REASON}", allow_module_level=True)
+
+IMAGE = "localcluster.test/shell"
+TAINT = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(crashloop_base_s=1.0) as c:
+        c.add_node("node-1", {"zone": "a"})
+        c.add_node("node-2", {"zone": "b"}, taints=[TAINT])
+        yield c
+
+
+def wait(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        if result := check():
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def apply(cluster: LocalCluster, *docs: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
+    container = {"name": "main", "image": IMAGE, "command": ["/bin/sh", "-c", textwrap.dedent(script)]}
+    container.update(spec.pop("container", {}))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}
+
+
+def finished(cluster: LocalCluster, name: str, timeout: float = 60) -> tuple[str, str]:
+    """Wait for a one-shot pod to end; its phase and log."""
+    done = wait(lambda: (p := cluster.kube.get("pods", name, "default")) and p.get("status", {}).get("phase") in (
+        "Succeeded", "Failed") and p, f"pod {name} to finish", timeout)
+    return done["status"]["phase"], cluster.pod_log("default", name)
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in obj.get("status", {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def web(replicas: int = 2, version: str = "1", strategy: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": "default"},
+        "spec": {
+            "replicas": replicas, "selector": {"matchLabels": {"app": "web"}},
+            **({"strategy": strategy} if strategy else {}),
+            "template": {"metadata": {"labels": {"app": "web"}}, "spec": {"terminationGracePeriodSeconds": 2,
+                                                                          "containers": [{
+                "name": "web", "image": IMAGE, "env": [{"name": "VERSION", "value": version}],
+                # No address given: the server binds every interface, as it would in a pod of its own;
+                # the image table tells python's http.server nothing, so it gets the pod's address
+                # through the downward API instead.
+                "command": ["python", "-m", "http.server", "8080", "--bind", "$(POD_IP)"],
+                "ports": [{"name": "http", "containerPort": 8080}],
+                "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+            }]}},
+        },
+    }
+
+
+def web_env(version: str) -> dict[str, Any]:
+    body = web(version=version)
+    body["spec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return body
+
+
+# ---------------------------------------------------------------------------------------- workloads
+
+
+def test_deployment_rolls_to_a_new_replicaset_keeping_availability(cluster: LocalCluster) -> None:
+    apply(cluster, web_env("1"), {"apiVersion": "v1", "kind": "Service",
+                                  "metadata": {"name": "web", "namespace": "default"},
+                                  "spec": {"selector": {"app": "web"},
+                                           "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    cluster.kubectl("rollout", "status", "deployment/web", "--timeout=60s")
+    first = {p["metadata"]["name"] for p in cluster.kube.list("pods", "default", labels="app=web")}
+    assert len(first) == 2 and all(cluster.kube.get("pods", n, "default")["spec"]["nodeName"] == "node-1"
+                                   for n in first)  # node-2's taint is not tolerated
+    apply(cluster, web_env("2"))
+    lowest = 2
+
+    def rolled() -> bool:
+        nonlocal lowest
+        pods = cluster.kube.list("pods", "default", labels="app=web")
+        ready = [p for p in pods if condition(p, "Ready").get("status") == "True"
+                 and not p["metadata"].get("deletionTimestamp")]
+        lowest = min(lowest, len(ready))
+        names = {p["metadata"]["name"] for p in pods}
+        return len(ready) == 2 and not names & first
+
+    wait(rolled, "the rollout")
+    assert lowest >= 2 - 0  # maxUnavailable 25% of 2 rounds down to 0: never fewer than 2 ready
+    sets = cluster.kube.list("replicasets.apps", "default")
+    assert sorted(rs["spec"]["replicas"] for rs in sets) == [0, 2]
+    deploy = cluster.kube.get("deployments.apps", "web", "default")
+    assert deploy["metadata"]["annotations"]["deployment.kubernetes.io/revision"] == "2"
+    assert condition(deploy, "Progressing")["reason"] == "NewReplicaSetAvailable"
+
+
+def test_service_clusterip_and_dns_reach_ready_endpoints(cluster: LocalCluster) -> None:
+    slices = wait(lambda: [s for s in cluster.kube.list("endpointslices.discovery.k8s.io", "default")
+                           if s["metadata"]["labels"].get("kubernetes.io/service-name") == "web"
+                           and len(s["endpoints"]) == 2], "two endpoints")
+    assert slices[0]["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    apply(cluster, pod("client", """
+        set -e
+        python -c "import urllib.request as u; print(u.urlopen('http://web.default.svc.cluster.local/').status)"
+        python -c "import urllib.request as u; print(u.urlopen('http://web/').status)"
+        echo "host=$(hostname) env=$HOSTNAME api=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"
+        grep -c web.default.svc /etc/hosts
+    """, automountServiceAccountToken=False))
+    phase, log = finished(cluster, "client")
+    assert phase == "Succeeded", log
+    block = cluster.block
+    assert block is not None
+    assert log.split()[:2] == ["200", "200"]
+    assert f"host=client env=client api={block.kubernetes_service}:443" in log
+
+
+def test_in_cluster_api_access_with_the_service_account_token(cluster: LocalCluster) -> None:
+    apply(cluster, pod("incluster", """
+        python - <<'EOF'
+        import os, ssl, urllib.request
+        d = "/var/run/secrets/kubernetes.io/serviceaccount"
+        token, ns = open(d + "/token").read(), open(d + "/namespace").read()
+        url = f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}"
+        req = urllib.request.Request(f"{url}/api/v1/namespaces/{ns}/pods/incluster",
+                                     headers={"Authorization": "Bearer " + token})
+        ctx = ssl.create_default_context(cafile=d + "/ca.crt")
+        print(urllib.request.urlopen(req, context=ctx).status, ns)
+        EOF
+    """))
+    phase, log = finished(cluster, "incluster")
+    assert (phase, log.split()) == ("Succeeded", ["200", "default"]), log
+
+
+def test_daemonset_places_one_pod_per_fitting_node(cluster: LocalCluster) -> None:
+    def daemonset(name: str, tolerate: bool) -> dict[str, Any]:
+        spec: dict[str, Any] = {"containers": [{"name": "d", "image": IMAGE, "command": ["sleep", "600"]}],
+                                "terminationGracePeriodSeconds": 1}
+        if tolerate:
+            spec["tolerations"] = [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+        return {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": "default"},
+                "spec": {"selector": {"matchLabels": {"ds": name}},
+                         "template": {"metadata": {"labels": {"ds": name}}, "spec": spec}}}
+
+    apply(cluster, daemonset("plain", False), daemonset("tolerant", True))
+    for name, nodes in (("plain", ["node-1"]), ("tolerant", ["node-1", "node-2"])):
+        ds = wait(lambda name=name, nodes=nodes: (d := cluster.kube.get("daemonsets.apps", name, "default"))
+                  and d.get("status", {}).get("numberReady") == len(nodes) and d, f"DaemonSet {name} ready")
+        assert ds["status"]["desiredNumberScheduled"] == len(nodes)
+        placed = sorted(p["spec"]["nodeName"] for p in cluster.kube.list("pods", "default", labels=f"ds={name}"))
+        assert placed == nodes
+    cluster.kubectl("delete", "daemonset", "plain", "tolerant")
+
+
+def test_unschedulable_pod_says_why(cluster: LocalCluster) -> None:
+    apply(cluster, pod("gpu", "true", container={"resources": {"limits": {"nvidia.com/gpu": "1"}}}))
+    cond = wait(lambda: condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled").get(
+        "reason") == "Unschedulable" and condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled"),
+        "FailedScheduling")
+    assert "Insufficient nvidia.com/gpu" in cond["message"]
+    cluster.kubectl("delete", "pod", "gpu")
+
+
+def test_missing_priority_class_is_refused_at_admission(cluster: LocalCluster) -> None:
+    body = web(replicas=1)
+    body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = "prio"
+    body["spec"]["selector"]["matchLabels"]["app"] = "prio"
+    body["spec"]["template"]["spec"]["priorityClassName"] = "no-such-class"
+    apply(cluster, body)
+    events = wait(lambda: [e for e in cluster.kube.list("events", "default") if e["reason"] == "FailedCreate"
+                           and "no PriorityClass with name no-such-class" in e["message"]], "FailedCreate")
+    assert events
+    apply(cluster, pod("critical", "true", priorityClassName="system-node-critical"))
+    assert cluster.kube.get("pods", "critical", "default")["spec"]["priority"] == 2000001000
+    cluster.kubectl("delete", "deployment", "prio")
+
+
+# ---------------------------------------------------------------------------------------- kubelet
+
+
+def test_memory_emptydir_is_a_tmpfs_of_exactly_its_size_limit(cluster: LocalCluster) -> None:
+    apply(cluster, pod("shm", """
+        python -c "import os; s = os.statvfs('/dev/shm'); print('total', s.f_blocks * s.f_frsize)"
+        python -c "import os; fd = os.open('/dev/shm/f', os.O_CREAT | os.O_RDWR); os.posix_fallocate(fd, 0, 2 << 20)" \
+            || echo "no room for 2Mi"
+    """, volumes=[{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
+        container={"volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}))
+    phase, log = finished(cluster, "shm")
+    assert phase == "Succeeded", log
+    assert "total 1048576" in log and "no room for 2Mi" in log, log
+
+
+def test_restricted_container_as_rendered(cluster: LocalCluster) -> None:
+    security = {"runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    apply(cluster, pod("restricted", """
+        id -u; grep CapBnd /proc/self/status; grep NoNewPrivs /proc/self/status
+        touch /x 2>/dev/null || echo "read-only root"
+        touch /scratch/x && echo "volume writable"
+        python -c "import os; print('parent', os.getppid())"
+    """, volumes=[{"name": "scratch", "emptyDir": {}}],
+        container={"securityContext": security, "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}))
+    phase, log = finished(cluster, "restricted")
+    assert phase == "Succeeded", log
+    lines = log.split("\n")
+    assert lines[0] == "65532" and "0000000000000000" in lines[1] and lines[2].endswith("1"), log
+    assert "read-only root" in log and "volume writable" in log and "parent 1" in log  # sh is PID 1 of its namespace
+    # runAsNonRoot with a root user is refused before anything runs, as the kubelet refuses it.
+    apply(cluster, pod("rootful", "true", container={"securityContext": {"runAsNonRoot": True}}))
+    waiting = wait(lambda: ((cluster.kube.get("pods", "rootful", "default").get("status") or {}).get(
+        "containerStatuses") or [{}])[0].get("state", {}).get("waiting", {}).get("reason") ==
+        "CreateContainerConfigError", "CreateContainerConfigError")
+    assert waiting
+    cluster.kubectl("delete", "pod", "rootful")
+
+
+def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None:
+    # pivot_root moves every process of a mount namespace: the shim shared the container's, so it lost
+    # the machine's root whenever the container pivoted first, and its pid file write failed (EROFS
+    # under readOnlyRootFilesystem) - a restarted pool agent crash-looped once, at random.
+    apply(cluster, pod("pivot", "sleep 600", terminationGracePeriodSeconds=1,
+                       container={"securityContext": {"readOnlyRootFilesystem": True}}))
+    pid = wait(lambda: cluster.container_pid("default", "pivot", "main"), "the container's pid")
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    shim = int(stat[stat.rfind(")") + 2:].split()[1])
+    assert Path(f"/proc/{pid}/root/etc/hostname").read_text().strip() == "pivot"
+    assert Path(f"/proc/{shim}/root/etc/hostname").read_text() == Path("/etc/hostname").read_text()
+    cluster.kubectl("delete", "pod", "pivot")
+
+
+def test_hostpath_types_are_checked(cluster: LocalCluster) -> None:
+    spec = {"volumes": [{"name": "sock", "hostPath": {"path": "/run/maru/test", "type": "Directory"}}],
+            "container": {"volumeMounts": [{"name": "sock", "mountPath": "/run/maru/test"}]}}
+    apply(cluster, pod("needs-dir", "ls /run/maru/test", nodeSelector={"zone": "a"}, **spec))
+    wait(lambda: any(e["reason"] == "FailedMount" and e["involvedObject"]["name"] == "needs-dir"
+                     for e in cluster.kube.list("events", "default")), "FailedMount")
+    (cluster.node_root("node-1") / "run" / "maru" / "test" / "made-by-node").parent.mkdir(parents=True)
+    (cluster.node_root("node-1") / "run" / "maru" / "test" / "made-by-node").write_text("")
+    phase, log = finished(cluster, "needs-dir")
+    assert (phase, log.strip()) == ("Succeeded", "made-by-node")
+
+
+def test_crash_loop_back_off_and_kubectl_logs_previous(cluster: LocalCluster) -> None:
+    apply(cluster, pod("crasher", 'echo "run $(date +%s%N)"; exit 3', restartPolicy="Always"))
+
+    def looping() -> dict[str, Any] | None:
+        status = (cluster.kube.get("pods", "crasher", "default").get("status") or {}).get("containerStatuses")
+        return status[0] if status and status[0]["restartCount"] >= 2 and "waiting" in status[0]["state"] else None
+
+    status = wait(looping, "two restarts")
+    assert status["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    now, previous = (cluster.kubectl("logs", "crasher", *flag).stdout for flag in ((), ("--previous",)))
+    assert now.startswith("run ") and previous.startswith("run ") and now != previous
+    cluster.kubectl("delete", "pod", "crasher", "--grace-period=1")
+
+
+def test_liveness_failure_restarts_the_container(cluster: LocalCluster) -> None:
+    apply(cluster, pod("unwell", "touch /tmp/alive; sleep 2; rm /tmp/alive; sleep 600", restartPolicy="Always",
+                       terminationGracePeriodSeconds=1,
+                       container={"livenessProbe": {"exec": {"command": ["test", "-f", "/tmp/alive"]},
+                                                    "periodSeconds": 1, "failureThreshold": 2}}))
+    wait(lambda: ((cluster.kube.get("pods", "unwell", "default").get("status") or {}).get("containerStatuses")
+                  or [{}])[0].get("restartCount", 0) >= 1, "a liveness restart", timeout=60)
+    killing = [e for e in cluster.kube.list("events", "default")
+               if e["involvedObject"]["name"] == "unwell" and e["reason"] == "Killing"]
+    assert any("failed liveness probe" in e["message"] for e in killing)
+    cluster.kubectl("delete", "pod", "unwell")
+
+
+def test_graceful_deletion_sigterm_then_sigkill(cluster: LocalCluster) -> None:
+    marker = cluster.node_root("node-1") / "tmp" / "graceful"
+    apply(cluster, pod("polite", """
+        trap 'echo got-sigterm > /host/graceful; exit 0' TERM
+        while true; do sleep 0.1; done
+    """, nodeSelector={"zone": "a"}, restartPolicy="Always",
+        volumes=[{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
+        container={"volumeMounts": [{"name": "host", "mountPath": "/host"}]}),
+        pod("stubborn", "trap '' TERM; while true; do sleep 0.1; done", terminationGracePeriodSeconds=2))
+    for name in ("polite", "stubborn"):
+        wait(lambda name=name: "running" in ((cluster.kube.get("pods", name, "default").get("status") or {}).get(
+            "containerStatuses") or [{}])[0].get("state", {}), f"{name} running")
+    spaces = cluster.pid_namespaces(cluster.kube.get("pods", "stubborn", "default"))
+    started = time.monotonic()
+    cluster.kubectl("delete", "pod", "polite", "stubborn", "--wait=true", "--timeout=60s")
+    assert marker.read_text().strip() == "got-sigterm"
+    assert time.monotonic() - started >= 2  # stubborn ignored SIGTERM: it went at the end of its grace
+    assert processes_in(spaces) == []
+
+
+def test_pods_of_a_deleted_owner_are_collected(cluster: LocalCluster) -> None:
+    pods = cluster.kube.list("pods", "default", labels="app=web")
+    spaces = set().union(*(cluster.pid_namespaces(p) for p in pods))
+    assert processes_in(spaces)
+    cluster.kubectl("delete", "deployment", "web")
+    wait(lambda: not cluster.kube.list("pods", "default", labels="app=web"), "the web pods to go")
+    assert processes_in(spaces) == []
+    assert not cluster.kube.list("replicasets.apps", "default")
+
+
+def test_stopping_the_cluster_leaves_nothing_behind(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path / "c", crashloop_base_s=1.0)
+    with cluster:
+        cluster.add_node("solo")
+        apply(cluster, pod("sleeper", "sleep 600", volumes=[
+            {"name": "m", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
+            container={"volumeMounts": [{"name": "m", "mountPath": "/m"}]}))
+        wait(lambda: "running" in ((cluster.kube.get("pods", "sleeper", "default").get("status") or {}).get(
+            "containerStatuses") or [{}])[0].get("state", {}), "sleeper running")
+        spaces = cluster.pid_namespaces(cluster.kube.get("pods", "sleeper", "default"))
+        assert processes_in(spaces)
+    assert processes_in(spaces) == []
+    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
+    assert json.dumps(sorted(p.name for p in (tmp_path / "c").glob("*.log")))
