@@ -45,12 +45,16 @@ import kmock
 import yaml
 from typing_extensions import override
 
-from maru_localcluster import defaults, protobuf
+from maru_localcluster import defaults, fieldmanager, protobuf
 
 JsonObj = dict[str, Any]
 
 # The fieldValidation of the request being served (Strict, Warn or Ignore; only Strict acts).
 _FIELD_VALIDATION: contextvars.ContextVar[str] = contextvars.ContextVar('field_validation', default='Ignore')
+# Who writes (managedFields): the request's fieldManager, else its User-Agent up to the first '/'.
+DIRECT_MANAGER = 'localcluster'
+_FIELD_MANAGER: contextvars.ContextVar[str] = contextvars.ContextVar('field_manager', default=DIRECT_MANAGER)
+_FIELD_MANAGER_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar('field_manager_given', default=True)
 _NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
 _DNS1123_LABEL_RE = re.compile(r'^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')
 _DNS1035_RE = re.compile(r'^[a-z]([-a-z0-9]*[a-z0-9])?$')
@@ -623,7 +627,9 @@ class Emulator(kmock.KubernetesEmulator):
         return [copy.deepcopy(o) for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)]
 
     def create_object(self, group: str, plural: str, namespace: str | None, body: JsonObj,
-                      *, dry_run: bool = False) -> JsonObj:
+                      *, dry_run: bool = False, manager: str | None = None,
+                      managed: list[fieldmanager.Entry] | None = None) -> JsonObj:
+        """Create ``body``; ``managed``: the field owners when the create is an apply (else an Update)."""
         rt = self.resource_type(group, plural)
         obj = copy.deepcopy(body)
         meta = obj.setdefault('metadata', {})
@@ -678,8 +684,12 @@ class Emulator(kmock.KubernetesEmulator):
             if not ref.get('uid'):
                 raise _invalid(rt, name, 'metadata.ownerReferences.uid', 'Invalid value: "": uid must not be '
                                                                          'empty')
+        if managed is None:
+            managed = fieldmanager.track_update(None, obj, self._shape(rt, obj), manager or _FIELD_MANAGER.get(),
+                                                obj['apiVersion'])
         obj = self._admit(rt, obj, None, name)
         meta = obj['metadata']
+        self._set_managed(meta, managed, [])
         meta['uid'] = str(uuid.uuid4())
         meta['creationTimestamp'] = _now()
         meta['generation'] = 1
@@ -696,7 +706,8 @@ class Emulator(kmock.KubernetesEmulator):
         return copy.deepcopy(obj)
 
     def replace_object(self, group: str, plural: str, namespace: str | None, name: str, body: JsonObj,
-                       *, subresource: str | None = None, dry_run: bool = False) -> JsonObj:
+                       *, subresource: str | None = None, dry_run: bool = False,
+                       manager: str | None = None) -> JsonObj:
         rt = self.resource_type(group, plural)
         key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
         old = self._store.get(key)
@@ -713,18 +724,20 @@ class Emulator(kmock.KubernetesEmulator):
                                             f'"{name}": the object has been modified; please apply your '
                                             f'changes to the latest version and try again',
                            {'name': name, 'group': rt.group, 'kind': rt.plural})
-        return self._commit(rt, key, old, body, subresource, dry_run)
+        return self._commit(rt, key, old, body, subresource, dry_run, manager)
 
     def patch_object(self, group: str, plural: str, namespace: str | None, name: str, patch: Any,
                      content_type: str = 'application/merge-patch+json', *,
-                     subresource: str | None = None, dry_run: bool = False) -> JsonObj:
+                     subresource: str | None = None, dry_run: bool = False, manager: str | None = None,
+                     force: bool = False) -> JsonObj:
         rt = self.resource_type(group, plural)
         key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
         old = self._store.get(key)
         ctype = content_type.split(';')[0].strip()
+        manager = manager or _FIELD_MANAGER.get()
+        if ctype == 'application/apply-patch+yaml' and subresource is None:
+            return self._apply(rt, key, old, patch, manager, force=force, dry_run=dry_run)
         if old is None:
-            if ctype == 'application/apply-patch+yaml' and subresource is None:
-                return self.create_object(group, plural, namespace, patch, dry_run=dry_run)
             raise _not_found(rt, name)
         if ctype == 'application/merge-patch+json':
             new = merge_patch(old, patch)
@@ -744,8 +757,7 @@ class Emulator(kmock.KubernetesEmulator):
                 raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our '
                                                f'request: {e}') from None
         elif ctype == 'application/apply-patch+yaml':
-            # Server-side apply without field ownership: the applied config is merged in, lists replaced.
-            new = merge_patch(old, patch)
+            new = merge_patch(old, patch)  # an apply to the status subresource: no field ownership kept
         else:
             raise ApiError(415, 'UnsupportedMediaType', f'unsupported patch type: {ctype}')
         if not isinstance(new, dict):
@@ -755,7 +767,46 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
                                             f'"{name}": the object has been modified; please apply your '
                                             f'changes to the latest version and try again')
-        return self._commit(rt, key, old, new, subresource, dry_run)
+        return self._commit(rt, key, old, new, subresource, dry_run, manager)
+
+    def _apply(self, rt: ResourceType, key: tuple[str, str, str | None, str], old: JsonObj | None, config: Any,
+               manager: str, *, force: bool, dry_run: bool) -> JsonObj:
+        """Server-side apply: merge the partial ``config``, drop what this manager no longer sets."""
+        name = key[3]
+        if not isinstance(config, dict):
+            raise ApiError(400, 'BadRequest', 'the applied configuration must be an object')
+        if not _FIELD_MANAGER_GIVEN.get():
+            raise ApiError(400, 'BadRequest', 'PATCH with apply needs a fieldManager: use ?fieldManager=NAME')
+        meta = config.get('metadata') or {}
+        if meta.get('name') not in (None, name):
+            raise ApiError(400, 'BadRequest', 'the name of the applied object does not match the URL')
+        if old is not None and meta.get('resourceVersion') not in (None, old['metadata']['resourceVersion']):
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
+                                            f'"{name}": the object has been modified; please apply your '
+                                            f'changes to the latest version and try again')
+        api_version = rt.api_version(_version_of(config, rt))
+        try:
+            merged, entries = fieldmanager.apply(old, config, self._shape(rt, config), manager, api_version,
+                                                 force=force)
+        except fieldmanager.ConflictError as e:
+            causes = [{'reason': 'FieldManagerConflict', 'message': f'conflict with "{m}"',
+                       'field': fieldmanager.dotted(p)} for m, p in e.conflicts]
+            raise ApiError(409, 'Conflict', e.message, {'name': name, 'group': rt.group, 'kind': rt.kind,
+                                                        'causes': causes}) from None
+        if old is None:
+            return self.create_object(rt.group, rt.plural, key[2], merged, dry_run=dry_run, managed=entries)
+        return self._commit(rt, key, old, merged, None, dry_run, manager, entries)
+
+    def _shape(self, rt: ResourceType, obj: JsonObj) -> fieldmanager.Shape:
+        return fieldmanager.root_shape(rt.schemas.get(_version_of(obj, rt)) if rt.custom else None)
+
+    @staticmethod
+    def _set_managed(meta: JsonObj, entries: list[fieldmanager.Entry], before: list[fieldmanager.Entry]) -> None:
+        rendered = fieldmanager.render_entries(entries, before, _now())
+        if rendered:
+            meta['managedFields'] = rendered
+        else:
+            meta.pop('managedFields', None)
 
     def delete_object(self, group: str, plural: str, namespace: str | None, name: str, *,
                       propagation: str | None = None, preconditions: JsonObj | None = None,
@@ -857,7 +908,9 @@ class Emulator(kmock.KubernetesEmulator):
         return obj
 
     def _commit(self, rt: ResourceType, key: tuple[str, str, str | None, str], old: JsonObj, body: JsonObj,
-                subresource: str | None, dry_run: bool) -> JsonObj:
+                subresource: str | None, dry_run: bool, manager: str | None = None,
+                managed: list[fieldmanager.Entry] | None = None) -> JsonObj:
+        """Store ``body`` as the new state of ``old``; ``managed``: field owners after an apply."""
         name = key[3]
         if subresource == 'status':
             if not rt.status:
@@ -888,7 +941,17 @@ class Emulator(kmock.KubernetesEmulator):
                 meta.pop(fld, None)
         new['apiVersion'] = rt.api_version(_version_of(new, rt) if 'apiVersion' in new else None)
         new['kind'] = rt.kind
+        given = meta.get('managedFields')
+        if given == [{}]:
+            managed = []  # the documented reset: a list holding one empty entry clears all ownership
+        elif managed is None and given is not None and given != old_meta.get('managedFields'):
+            # A client that changes managedFields sets them (as kubectl's client-side-apply upgrade does).
+            managed = [fieldmanager.Entry.parse(e) for e in given if isinstance(e, dict)]
+        elif managed is None:
+            managed = fieldmanager.track_update(old, new, self._shape(rt, new), manager or _FIELD_MANAGER.get(),
+                                                new['apiVersion'], subresource or '')
         new = self._admit(rt, new, old, name)
+        self._set_managed(new['metadata'], managed, fieldmanager.entries_of(old))
         if dry_run:
             return new
         return self._commit_internal(rt, key, new)
@@ -1096,6 +1159,9 @@ class Emulator(kmock.KubernetesEmulator):
                     raise ApiError(400, 'BadRequest', f'unable to decode the body: {e}') from None
         # Each request is served in its own task, so the context variable is per request.
         _FIELD_VALIDATION.set(query.get('fieldValidation', 'Ignore'))
+        agent = raw.headers.get('User-Agent', '').split('/', 1)[0].strip()
+        _FIELD_MANAGER.set(query.get('fieldManager') or agent or 'unknown')
+        _FIELD_MANAGER_GIVEN.set(bool(query.get('fieldManager')))
         return await self._serve_resource(raw, method, path, query, ctype, body, rt, version, namespace,
                                           name, subresource)
 
@@ -1141,7 +1207,7 @@ class Emulator(kmock.KubernetesEmulator):
             return _json_response(_at_version(obj, rt, version))
         if method == 'PATCH' and name is not None:
             obj = self.patch_object(rt.group, rt.plural, namespace, name, body, ctype,
-                                    subresource=subresource, dry_run=dry_run)
+                                    subresource=subresource, dry_run=dry_run, force=query.get('force') == 'true')
             return _json_response(_at_version(obj, rt, version))
         if method == 'DELETE' and name is not None:
             opts = body if isinstance(body, dict) else {}

@@ -171,30 +171,42 @@ class KubeEmulator:
         group, plural = parse_resource(resource)
         return self.call(self.emulator.list_objects, group, plural, namespace, labels, fields)
 
-    def create(self, body: JsonObj, namespace: str | None = None) -> JsonObj:
+    def create(self, body: JsonObj, namespace: str | None = None, *, field_manager: str | None = None) -> JsonObj:
         def run(emulator: Emulator) -> JsonObj:
             rt = emulator.find_type(body['apiVersion'], body['kind'])
             ns = namespace or body.get('metadata', {}).get('namespace') or ('default' if rt.namespaced else None)
-            return emulator.create_object(rt.group, rt.plural, ns, body)
+            return emulator.create_object(rt.group, rt.plural, ns, body, manager=field_manager)
         return self.call(run, self.emulator)
 
     def create_yaml(self, text: str, namespace: str | None = None) -> list[JsonObj]:
         return [self.create(doc, namespace) for doc in yaml.safe_load_all(text) if doc]
 
     def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None, *,
-              subresource: str | None = None, content_type: str = 'application/merge-patch+json') -> JsonObj:
+              subresource: str | None = None, content_type: str = 'application/merge-patch+json',
+              field_manager: str | None = None) -> JsonObj:
+        """A patch as ``field_manager`` (default ``localcluster``); see :meth:`apply` for server-side apply."""
         group, plural = parse_resource(resource)
         return self.call(self.emulator.patch_object, group, plural, namespace, name, patch, content_type,
-                         subresource=subresource)
+                         subresource=subresource, manager=field_manager)
+
+    def apply(self, body: JsonObj, field_manager: str, *, force: bool = False) -> JsonObj:
+        """Server-side apply of ``body`` (a partial object naming apiVersion, kind, name) as ``field_manager``."""
+        def run(emulator: Emulator) -> JsonObj:
+            rt = emulator.find_type(body['apiVersion'], body['kind'])
+            meta = body.get('metadata') or {}
+            ns = (meta.get('namespace') or 'default') if rt.namespaced else None
+            return emulator.patch_object(rt.group, rt.plural, ns, meta['name'], body, 'application/apply-patch+yaml',
+                                         manager=field_manager, force=force)
+        return self.call(run, self.emulator)
 
     def patch_status(self, resource: str, name: str, status: JsonObj, namespace: str | None = None) -> JsonObj:
         return self.patch(resource, name, {'status': status}, namespace, subresource='status')
 
     def replace(self, resource: str, name: str, body: JsonObj, namespace: str | None = None, *,
-                subresource: str | None = None) -> JsonObj:
+                subresource: str | None = None, field_manager: str | None = None) -> JsonObj:
         group, plural = parse_resource(resource)
         return self.call(self.emulator.replace_object, group, plural, namespace, name, body,
-                         subresource=subresource)
+                         subresource=subresource, manager=field_manager)
 
     def delete(self, resource: str, name: str, namespace: str | None = None, *,
                propagation: str | None = None, missing_ok: bool = False) -> JsonObj | None:

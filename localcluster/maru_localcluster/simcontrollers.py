@@ -25,6 +25,9 @@ from maru_localcluster.apiserver import Emulator, JsonObj
 if TYPE_CHECKING:
     from maru_localcluster.server import KubeEmulator
 
+# The field manager the real controllers write status as.
+MANAGER = 'kube-controller-manager'
+
 # Given a Deployment or DaemonSet, how many of its replicas (or nodes) are ready:
 # True = all of them, False = none, an int = that many (clamped to the desired count).
 Readiness = Callable[[JsonObj], bool | int]
@@ -209,7 +212,7 @@ class KubeControllers:
                                  'ownerReferences': [{'apiVersion': owner['apiVersion'], 'kind': owner['kind'],
                                                       'name': meta['name'], 'uid': meta['uid'],
                                                       'controller': True, 'blockOwnerDeletion': True}]},
-                    'spec': spec})
+                    'spec': spec}, manager=MANAGER)
             pod = emulator.get_object('', 'pods', namespace, name)
             assert pod is not None
             scheduled = node is not None or not have_nodes
@@ -228,14 +231,14 @@ class KubeControllers:
             }
             if pod.get('status') != status:
                 emulator.replace_object('', 'pods', namespace, name, {**pod, 'status': status},
-                                        subresource='status')
+                                        subresource='status', manager='kubelet')
 
     def _write(self, emulator: Emulator, plural: str, obj: JsonObj, status: JsonObj) -> None:
         if obj.get('status') != status and not obj['metadata'].get('deletionTimestamp'):
             # A replace, not a merge patch: counts that dropped to zero must disappear.
             meta = obj['metadata']
             emulator.replace_object('apps', plural, meta.get('namespace'), meta['name'],
-                                    {**obj, 'status': status}, subresource='status')
+                                    {**obj, 'status': status}, subresource='status', manager=MANAGER)
 
     def _deployment_status(self, deploy: JsonObj, schedulable: int | None = None) -> JsonObj:
         spec = deploy.get('spec') or {}
