@@ -78,6 +78,11 @@ def group_degraded(problems: list[str], gen: int | None) -> Condition:
     return condition(DEGRADED, False, "AllReplicasAvailable", "", gen)
 
 
+def child_conflict(messages: list[str], gen: int | None) -> Condition:
+    """A child's name is taken by an object this owner does not control: it is left alone, and said so."""
+    return condition(READY, False, "ChildConflict", "; ".join(messages), gen)
+
+
 def invalid_spec(errors: Iterable[str], gen: int | None) -> Condition:
     return condition(READY, False, "InvalidSpec", "; ".join(errors), gen)
 

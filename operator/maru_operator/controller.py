@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -28,9 +30,17 @@ from maru_operator.builders.pool import (
     build_pool_children,
     metadata_name,
 )
-from maru_operator.cache import Key, Store, key_of
-from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
-from maru_operator.reconcile import is_subset, patch_for, plan
+from maru_operator.cache import Key, Store
+from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status
+from maru_operator.reconcile import (
+    adopted_ownership,
+    controlled_by,
+    describe_controller,
+    key_of,
+    legacy_owner,
+    out_of_sync,
+    plan,
+)
 from maru_operator.status import (
     PoolObservation,
     bind,
@@ -58,6 +68,18 @@ def utcnow() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _digest(obj: Object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Applied:
+    """The children after an apply pass, and the names this owner could not take (key -> why)."""
+
+    children: dict[Key, Object]
+    conflicts: dict[Key, str] = field(default_factory=dict)
+
+
 @dataclass
 class Controller:
     kube: Kube
@@ -65,6 +87,9 @@ class Controller:
     pool_namespace: str
     fetch_status: StatusFetcher = fetch_daemon_status
     clock: Callable[[], str] = utcnow
+    # child -> (digest of what was applied, resourceVersion the server answered): an apply the server
+    # took as is is not repeated while neither changes.
+    _applied: dict[Key, tuple[str, Any]] = field(default_factory=dict)
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -76,58 +101,73 @@ class Controller:
 
     # --- shared ---------------------------------------------------------------------------------
 
-    async def apply(self, owner: Key, desired: list[Object], keep: Collection[Key] = ()) -> dict[Key, Object]:
-        """Create, patch and delete children so they match ``desired``; return what is there now."""
-        actual = self.store.children(owner)
-        creates, updates, deletes = plan(desired, actual)
-        now: dict[Key, Object] = dict(actual)
+    async def apply(self, owner: Owner, desired: list[Object], keep: Collection[Key] = ()) -> Applied:
+        """Create, apply and delete children so they match ``desired``; return what is there now.
+
+        Only objects controlled by this very owner (its uid in their controller reference) are ever
+        written or deleted; a namesake it does not control is reported as a conflict and left as is.
+        """
+        owner_key: Key = (owner.kind, owner.namespace or "", owner.name)
+        ours = {k: o for k, o in self.store.children(owner_key).items() if controlled_by(o, owner.uid)}
+        creates, updates, deletes = plan(desired, ours)
+        result = Applied(children=dict(ours))
         for obj in creates:
-            now[key_of(obj)] = await self._create(obj)
-        for obj, patch in updates:
-            differs = is_subset(obj, actual[key_of(obj)])
-            now[key_of(obj)] = await self._patch(obj, patch, differs or "?")
+            have = await self._claim(obj, owner, result)
+            if have is not None and out_of_sync(obj, have) is None:
+                result.children[key_of(obj)] = have
+            elif key_of(obj) not in result.conflicts:
+                result.children[key_of(obj)] = await self._write(obj, have)
+        for obj, why in updates:
+            key = key_of(obj)
+            if self._applied.get(key) == (_digest(obj), ours[key]["metadata"].get("resourceVersion")):
+                continue  # applied as is already: what differs is someone else's (e.g. their list items)
+            result.children[key] = await self._write(obj, ours[key], why)
         for obj in deletes:
             key = key_of(obj)
             if key in keep:
                 continue
             kind, ns, name = key
-            log.info("deleting %s %s/%s: no longer wanted by %s %s", kind, ns, name, owner[0], owner[2])
-            await self.kube.delete(kind, ns, name)
+            log.info("deleting %s %s/%s: no longer wanted by %s %s", kind, ns, name, owner.kind, owner.name)
+            await self.kube.delete(kind, ns or None, name, uid=obj["metadata"].get("uid"))
             metrics.WRITES.labels(kind, "delete").inc()
             self.store.remove(key)
-            now.pop(key, None)
-        return now
+            result.children.pop(key, None)
+        return result
 
-    async def _create(self, obj: Object) -> Object:
+    async def _claim(self, obj: Object, owner: Owner, result: Applied) -> Object | None:
+        """Look before creating: None when the name is free, the object when it is ours; else a conflict."""
         kind, ns, name = key_of(obj)
-        try:
-            created = await self.kube.create(obj)
+        have = await self.kube.get(kind, ns or None, name)
+        if have is None or controlled_by(have, owner.uid):
+            if have is not None:
+                self.store.put(have)  # ours; the watch has not delivered it yet
+            return have
+        where = f"{ns}/{name}" if ns else name
+        result.conflicts[key_of(obj)] = (
+            f"{kind} {where} exists and is not controlled by this {owner.kind} (its controller: "
+            f"{describe_controller(have)}); the operator never changes objects it does not control: delete or "
+            "rename it"
+        )
+        log.warning("%s %s: %s", owner.kind, owner.name, result.conflicts[key_of(obj)])
+        return None
+
+    async def _write(self, obj: Object, have: Object | None, why: str = "") -> Object:
+        kind, ns, name = key_of(obj)
+        if have is not None and legacy_owner(have):
+            # Written by a version of the operator before server-side apply: its fields become applied
+            # ones, so this apply removes those the spec no longer has.
+            await self.kube.patch(kind, ns or None, name, {"metadata": {
+                "managedFields": adopted_ownership(have), "resourceVersion": have["metadata"].get("resourceVersion")}})
+        applied = await self.kube.apply(obj)
+        if have is None:
             metrics.WRITES.labels(kind, "create").inc()
             log.info("created %s %s/%s", kind, ns, name)
-        except ApiError as err:
-            if err.status != 409:
-                raise
-            # Created meanwhile (by an earlier pass whose watch event has not arrived yet): converge on it.
-            have = await self.kube.get(kind, ns, name)
-            if have is None:
-                raise
-            patch = patch_for(obj, have)
-            created = await self.kube.patch(kind, ns, name, patch) if patch else have
-        self.store.put(created)
-        return created
-
-    async def _patch(self, obj: Object, patch: Object, differs: str) -> Object:
-        kind, ns, name = key_of(obj)
-        try:
-            patched = await self.kube.patch(kind, ns, name, patch)
-        except ApiError as err:
-            if err.status != 404:
-                raise
-            return await self._create(obj)
-        metrics.WRITES.labels(kind, "patch").inc()
-        log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, differs)
-        self.store.put(patched)
-        return patched
+        else:
+            metrics.WRITES.labels(kind, "apply").inc()
+            log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, why)
+        self._applied[key_of(obj)] = (_digest(obj), applied.get("metadata", {}).get("resourceVersion"))
+        self.store.put(applied)
+        return applied
 
     async def write_status(self, body: Object, old: Any, new: Any) -> None:
         if not changed(old, new):
@@ -209,7 +249,8 @@ class Controller:
             body, meta = updated, updated.get("metadata", {})
 
         ns = self.pool_namespace
-        children = await self.apply(key, build_pool_children(spec, owner, ns))
+        applied = await self.apply(owner, build_pool_children(spec, owner, ns))
+        children = applied.children
         pods = await self.kube.list("Pod", ns, {
             LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: owner.instance, LABEL_COMPONENT: COMPONENT_AGENT,
         })
@@ -218,6 +259,7 @@ class Controller:
             metadata_deployment=children.get(("Deployment", ns, metadata_name(name))),
             agent_pods=pods,
             bound_groups=bound,
+            conflicts=list(applied.conflicts.values()),
         )
         seen.stats = await self._pool_stats(spec, name, pods)
         new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
@@ -283,14 +325,16 @@ class Controller:
                     scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {"spec": {"replicas": 0}})
                     self.store.put(scaled)
                     metrics.WRITES.labels("Deployment", "patch").inc()
-        children = await self.apply(key, desired, keep)
+        applied = await self.apply(owner, desired, keep)
+        children = applied.children
         observed = {
             "prefill": children.get(("Deployment", namespace, role_name(name, "prefill"))),
             "decode": children.get(("Deployment", namespace, role_name(name, "decode"))),
             "router": children.get(("Deployment", namespace, router_name(name))),
         }
         new = group_status(spec, generation, binding, observed, old,
-                           endpoint=router_endpoint(spec, owner), now=self.clock())
+                           endpoint=router_endpoint(spec, owner), now=self.clock(),
+                           conflicts=list(applied.conflicts.values()))
         await self.write_status(body, old, new)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
@@ -298,7 +342,7 @@ class Controller:
 
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
-               "NoNodesSelected"}
+               "NoNodesSelected", "ChildConflict"}
 _WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable",
                "PoolDegraded"}
 

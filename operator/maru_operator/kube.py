@@ -25,12 +25,16 @@ import aiohttp
 import kopf
 
 from maru_operator import metrics
+from maru_operator.reconcile import FIELD_MANAGER
 
 log = logging.getLogger("maru_operator.kube")
 
 Object = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+# Every write of the operator is recorded under one name in managedFields.
+WRITE_PARAMS = {"fieldManager": FIELD_MANAGER}
 
 
 @dataclass(frozen=True)
@@ -226,28 +230,44 @@ class Kube:
     async def create(self, obj: Object) -> Object:
         meta = obj["metadata"]
         return await self.request(
-            "POST", path(obj["kind"], meta.get("namespace")), body=obj,
+            "POST", path(obj["kind"], meta.get("namespace")), body=obj, params=WRITE_PARAMS,
             what=f"create {obj['kind']} {meta.get('namespace', '')}/{meta.get('name', meta.get('generateName'))}",
+        )
+
+    async def apply(self, obj: Object) -> Object:
+        """Server-side apply of the whole desired ``obj`` (created when absent).
+
+        The API server removes the fields this manager applied before and ``obj`` no longer sets, and
+        leaves fields others set. Forced: a controller's desired state wins over hand edits of the
+        fields it owns (drift correction); objects it does not control are never applied to.
+        """
+        meta = obj["metadata"]
+        return await self.request(
+            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]), body=obj, content_type=APPLY_PATCH,
+            params={**WRITE_PARAMS, "force": "true"},
+            what=f"apply {obj['kind']} {meta.get('namespace', '')}/{meta['name']}",
         )
 
     async def patch(self, kind: str, namespace: str | None, name: str, patch: Object) -> Object:
         return await self.request(
-            "PATCH", path(kind, namespace, name), body=patch, content_type=MERGE_PATCH,
+            "PATCH", path(kind, namespace, name), body=patch, content_type=MERGE_PATCH, params=WRITE_PARAMS,
             what=f"patch {kind} {namespace}/{name}",
         )
 
     async def patch_status(self, kind: str, namespace: str | None, name: str, status: Object) -> Object:
         return await self.request(
             "PATCH", path(kind, namespace, name, "status"), body={"status": status}, content_type=MERGE_PATCH,
-            what=f"patch {kind} {namespace}/{name} status",
+            params=WRITE_PARAMS, what=f"patch {kind} {namespace}/{name} status",
         )
 
-    async def delete(self, kind: str, namespace: str | None, name: str) -> None:
+    async def delete(self, kind: str, namespace: str | None, name: str, *, uid: str | None = None) -> None:
+        """Delete (in the background); with ``uid``, only that very object, never a namesake created since."""
+        body: Object = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            await self.request(
-                "DELETE", path(kind, namespace, name), body={"propagationPolicy": "Background"},
-                what=f"delete {kind} {namespace}/{name}",
-            )
+            await self.request("DELETE", path(kind, namespace, name), body=body,
+                               what=f"delete {kind} {namespace}/{name}")
         except ApiError as err:
             if err.status != 404:
                 raise

@@ -32,6 +32,8 @@ class PoolObservation:
     stats: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     bound_groups: list[str] = field(default_factory=list)
     deleting: bool = False
+    # Children the pool could not take because a namesake it does not control is in the way.
+    conflicts: list[str] = field(default_factory=list)
 
 
 def _pod_ready(pod: Object) -> bool:
@@ -88,7 +90,8 @@ def pool_status(
 
     gen = generation
     new_conditions = [
-        cond.pool_ready(ready, desired, metadata_ready, gen),
+        cond.child_conflict(seen.conflicts, gen) if seen.conflicts else cond.pool_ready(ready, desired,
+                                                                                         metadata_ready, gen),
         cond.pool_degraded(ready, desired, metadata_ready, gen),
         cond.pool_in_use(seen.bound_groups, seen.deleting, gen),
     ]
@@ -190,6 +193,7 @@ def group_status(
     *,
     endpoint: str,
     now: str,
+    conflicts: list[str] | None = None,
 ) -> InferenceGroupStatus:
     """``children`` maps prefill, decode, router to their observed Deployment (None when absent)."""
     roles = {r: _role_status(children.get(r)) for r in ("prefill", "decode", "router")}
@@ -217,7 +221,7 @@ def group_status(
         cond.group_progressing(rolling, gen),
         cond.group_degraded(problems, gen),
     ]
-    ready = cond.derived_ready(base, waiting, gen)
+    ready = cond.child_conflict(conflicts, gen) if conflicts else cond.derived_ready(base, waiting, gen)
     return InferenceGroupStatus(
         observed_generation=generation,
         conditions=cond.merge(old.conditions, [base[0], ready, *base[1:]], now),

@@ -201,7 +201,7 @@ def test_install_then_run_the_operator_within_its_rbac(
 
     account = pod["serviceAccountName"]
     asked = {a for r in requests if (a := access_of(r.method, r.path, r.query))}
-    assert any(a.verb == "create" and a.resource == "daemonsets" for a in asked)
+    assert any(a.verb == "patch" and a.resource == "daemonsets" for a in asked)  # applied: created
     assert any(a.resource == "marupools/status" for a in asked)
     denied = sorted(str(a) for a in asked if not authorized(cluster, a, account))
     assert not denied, "the operator needs rights the chart does not grant:\n" + "\n".join(denied)

@@ -1,0 +1,119 @@
+"""How the operator writes its children: what it removes, what it leaves, what it never touches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from maru_localcluster.server import KubeEmulator
+from tests.operator.conftest import (
+    GROUP_NS,
+    RunningOperator,
+    StubStats,
+    condition_of,
+    group,
+    has_condition,
+    pool,
+    settle,
+)
+
+pytestmark = pytest.mark.emulator
+
+IG = "inferencegroups.maru.io"
+MP = "marupools.maru.io"
+DEPLOY = "deployments.apps"
+
+
+def pod_spec(kube: KubeEmulator, name: str) -> dict[str, Any]:
+    dep = kube.get(DEPLOY, name, GROUP_NS)
+    assert dep is not None, name
+    return dep["spec"]["template"]["spec"]
+
+
+@pytest.fixture
+def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
+    cluster.create(pool())
+    return cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+
+
+def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, operator: RunningOperator,
+                                                         ready_pool: dict[str, Any]) -> None:
+    cluster.create(group(prefill={
+        "replicas": 1,
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "resources": {"limits": {"cpu": 2, "memory": "8Gi"}},
+    }))
+    cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    # Someone else's field on the same child: never the operator's to remove.
+    cluster.patch(DEPLOY, "qwen-prefill", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS,
+                  field_manager="kubectl-annotate")
+    settle(operator)
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": {"gpu": None, "zone": "b"}, "tolerations": None,
+                                                    "resources": {"limits": {"memory": None}}}}}, GROUP_NS)
+    settle(operator)
+    spec = pod_spec(cluster, "qwen-prefill")
+    assert spec.get("nodeSelector") == {"zone": "b"}  # replaced, not {gpu: a100, zone: b}
+    assert "tolerations" not in spec
+    assert spec["containers"][0]["resources"].get("limits") == {"cpu": 2}
+
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": None}}}, GROUP_NS)
+    settle(operator)
+    assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None and dep["metadata"]["annotations"] == {"team": "search"}
+
+
+def test_children_written_before_server_side_apply_lose_removed_fields(
+        cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]) -> None:
+    """After an upgrade from a version that wrote children with plain creates and merge patches."""
+    cluster.create(group(prefill={"replicas": 1, "nodeSelector": {"gpu": "a100"}}))
+    cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    settle(operator)
+    operator.stop()
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None
+    # What the earlier version left: its fields owned by plain updates under its User-Agent's name.
+    legacy = [{**e, "operation": "Update"} if e["manager"] == "maru-operator" else e
+              for e in dep["metadata"]["managedFields"]]
+    cluster.patch(DEPLOY, "qwen-prefill", {"metadata": {"managedFields": legacy}}, GROUP_NS)
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": None}}}, GROUP_NS)
+    upgraded = RunningOperator(cluster, stats, resync_seconds=3600, workers=2).start()
+    try:
+        settle(upgraded)
+        assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
+        managers = {(e["manager"], e["operation"]) for e in
+                    cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)["metadata"]["managedFields"]}  # type: ignore[index]
+        assert ("maru-operator", "Apply") in managers and ("maru-operator", "Update") not in managers
+    finally:
+        upgraded.stop()
+
+
+def test_an_object_it_does_not_control_is_never_taken_over(cluster: KubeEmulator, operator: RunningOperator,
+                                                            ready_pool: dict[str, Any]) -> None:
+    mine = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "qwen", "namespace": GROUP_NS,
+                                                              "labels": {"owner": "me"}},
+            "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]}}
+    cluster.create(mine, field_manager="kubectl-create")
+    before = cluster.get("services", "qwen", GROUP_NS)
+    cluster.create(group())
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "ChildConflict"))
+    message = condition_of(ig, "Ready")["message"]
+    assert "Service llm/qwen" in message and "not controlled by" in message
+    settle(operator)
+    assert cluster.get("services", "qwen", GROUP_NS) == before  # not one field written
+    warning = [e for e in cluster.list("events", GROUP_NS) if e.get("reason") == "ChildConflict"]
+    assert warning and warning[0]["type"] == "Warning" and "Service llm/qwen" in warning[0]["message"]
+    assert cluster.get(DEPLOY, "qwen-decode", GROUP_NS) is not None  # the rest of the group is there
+
+    # Deleting the group never takes the user's Service with it.
+    cluster.delete(IG, "qwen", GROUP_NS)
+    cluster.wait_gone(DEPLOY, "qwen-decode", GROUP_NS)
+    assert cluster.get("services", "qwen", GROUP_NS) == before
+
+    # Once the name is free, a new group gets its own Service.
+    cluster.delete("services", "qwen", GROUP_NS)
+    cluster.create(group())
+    svc = cluster.wait_for("services", "qwen", GROUP_NS)
+    assert svc["metadata"]["ownerReferences"][0]["kind"] == "InferenceGroup"
