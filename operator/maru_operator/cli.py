@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 to disable")
     run.add_argument("--workers", type=int, default=8, help="objects reconciled at once")
     run.add_argument("--resync-seconds", type=float, default=60.0, help="look at every object this often")
+    run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
+                     help="write a pool's memory use (which changes with traffic) to its status at most this "
+                          "often; condition changes are written at once")
     run.add_argument("--standalone", action="store_true", default=True,
                      help="no peering: run exactly one replica (the default and only supported mode)")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -173,6 +176,7 @@ def _run(args: argparse.Namespace) -> int:
         namespaces.append(pool_namespace)
     handlers.configure(handlers.Config(
         pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
+        usage_interval=args.pool_usage_interval,
         connection=connection, namespaces=namespaces,
     ))
     log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,

@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ from maru_operator.status import (
     invalid_pool_status,
     pool_status,
     status_body,
+    usage_only_change,
 )
 from maru_operator.validation import check_group, check_pool
 
@@ -58,8 +60,9 @@ log = logging.getLogger("maru_operator.controller")
 Object = dict[str, Any]
 
 POOL_FINALIZER = "maru.io/in-use-protection"
-# How often a pool is looked at even without events: its daemons' memory use changes silently.
-POOL_RESYNC_SECONDS = 30.0
+# The most often a pool's use (which changes with traffic) is written to its status, and how often a
+# pool is looked at without events: its daemons' memory use changes silently.
+DEFAULT_USAGE_INTERVAL = 30.0
 UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
 
@@ -87,6 +90,10 @@ class Controller:
     pool_namespace: str
     fetch_status: StatusFetcher = fetch_daemon_status
     clock: Callable[[], str] = utcnow
+    usage_interval: float = DEFAULT_USAGE_INTERVAL
+    monotonic: Callable[[], float] = time.monotonic
+    # pool -> when its status was last written (monotonic seconds)
+    _pool_written: dict[str, float] = field(default_factory=dict)
     # child -> (digest of what was applied, resourceVersion the server answered): an apply the server
     # took as is is not repeated while neither changes.
     _applied: dict[Key, tuple[str, Any]] = field(default_factory=dict)
@@ -263,8 +270,21 @@ class Controller:
         )
         seen.stats = await self._pool_stats(spec, name, pods)
         new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
-        await self.write_status(body, old, new)
-        return POOL_RESYNC_SECONDS
+        return await self._write_pool_status(body, old, new)
+
+    async def _write_pool_status(self, body: Object, old: MaruPoolStatus, new: MaruPoolStatus) -> float:
+        """Write now, or hold a change of use alone until ``usage_interval`` has passed since the last write.
+
+        Returns when to look at the pool again: when held usage is due, else after ``usage_interval``.
+        """
+        name = body["metadata"]["name"]
+        since = self.monotonic() - self._pool_written.get(name, float("-inf"))
+        if usage_only_change(old, new) and since < self.usage_interval:
+            return self.usage_interval - since
+        if changed(old, new):
+            await self.write_status(body, old, new)
+            self._pool_written[name] = self.monotonic()
+        return self.usage_interval
 
     async def _pool_stats(self, spec: MaruPoolSpec, name: str, pods: list[Object]) -> dict[str, Any]:
         """Best effort: a daemon that does not answer leaves ``used`` unknown, never fails the reconcile."""

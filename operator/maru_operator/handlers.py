@@ -20,7 +20,7 @@ import kopf
 from maru_operator.api.common import GROUP, VERSION
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
 from maru_operator.cache import Key, Store, key_of, owner_key
-from maru_operator.controller import Controller
+from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 
 log = logging.getLogger("maru_operator.handlers")
@@ -46,6 +46,7 @@ class Config:
     pool_namespace: str = field(default_factory=default_pool_namespace)
     workers: int = 8
     resync_seconds: float = 60.0
+    usage_interval: float = DEFAULT_USAGE_INTERVAL
     fetch_status: StatusFetcher = fetch_daemon_status
     connection: kopf.ConnectionInfo | None = None
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
@@ -60,6 +61,8 @@ class Runtime:
     queue: Any = None
     resync_task: asyncio.Task[None] | None = None
     pool_fingerprints: dict[str, Any] = field(default_factory=dict)
+    # owner -> its last watch event without status (see _desired_part)
+    seen: dict[Key, Any] = field(default_factory=dict)
 
 
 STATE = Runtime(config=Config(), store=Store())
@@ -100,7 +103,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     STATE.kube = Kube(STATE.config.connection)
     STATE.controller = Controller(
         kube=STATE.kube, store=STATE.store, pool_namespace=STATE.config.pool_namespace,
-        fetch_status=STATE.config.fetch_status,
+        fetch_status=STATE.config.fetch_status, usage_interval=STATE.config.usage_interval,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=STATE.config.workers)
     await _prime(STATE.kube, STATE.config.namespaces)
@@ -160,6 +163,26 @@ async def _resync(every: float) -> None:
             _enqueue(key)
 
 
+def _desired_part(body: dict[str, Any]) -> Any:
+    """The object without what status writes change (status, resourceVersion, managedFields)."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("resourceVersion", "managedFields")}
+    return {**{k: v for k, v in body.items() if k != "status"}, "metadata": meta}
+
+
+def _changed_beyond_status(key: Key, body: dict[str, Any]) -> bool:
+    """False for an event that changes only status since the last event of this owner.
+
+    Such an event is a status write (the operator's own, usually): reconciling on it would make
+    every status write trigger the next. Compared with the previous *event*, not the cache, which
+    the operator's own reads and writes also fill.
+    """
+    part = _desired_part(body)
+    if STATE.seen.get(key) == part:
+        return False
+    STATE.seen[key] = part
+    return True
+
+
 def _pool_fingerprint(body: dict[str, Any]) -> Any:
     """What groups depend on: the pool's spec, whether it is going away, whether it is ready or degraded."""
     health = [(c.get("type"), c.get("status"), c.get("message")) for c in (body.get("status") or {}).get(
@@ -174,9 +197,11 @@ async def pool_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     if type == "DELETED":
         STATE.store.remove(obj)
         STATE.pool_fingerprints.pop(name, None)
+        STATE.seen.pop(key_of(obj), None)
     else:
         STATE.store.put(obj)
-        _enqueue(key_of(obj))
+        if _changed_beyond_status(key_of(obj), obj):
+            _enqueue(key_of(obj))
     fingerprint = _pool_fingerprint(obj) if type != "DELETED" else None
     if STATE.pool_fingerprints.get(name) != fingerprint:
         if fingerprint is not None:
@@ -194,10 +219,12 @@ async def group_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     new_pool = (obj.get("spec") or {}).get("poolRef", {}).get("name")
     if type == "DELETED":
         STATE.store.remove(key)
+        STATE.seen.pop(key, None)
         new_pool = None
     else:
         STATE.store.put(obj)
-        _enqueue(key)
+        if _changed_beyond_status(key, obj):
+            _enqueue(key)
     # A pool counts its groups and waits for them before it may be deleted.
     if before is None or type == "DELETED" or old_pool != new_pool:
         for pool in {old_pool, new_pool} - {None}:

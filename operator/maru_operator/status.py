@@ -257,5 +257,19 @@ def changed(old: Any, new: Any) -> bool:
     return old.model_dump(by_alias=True, exclude_none=True) != new.model_dump(by_alias=True, exclude_none=True)
 
 
+_USAGE_FIELDS = {"used", "used_bytes"}
+
+
+def usage_only_change(old: MaruPoolStatus, new: MaruPoolStatus) -> bool:
+    """True when the pool's use moved from one known value to another and nothing else changed.
+
+    That is traffic (in-flight leases come and go), written at a bounded rate; use turning known or
+    unknown (a daemon that stops answering) and every condition change are written at once.
+    """
+    if not old.used or not new.used or old.used_bytes == new.used_bytes:
+        return False
+    return old.model_dump(exclude=_USAGE_FIELDS) == new.model_dump(exclude=_USAGE_FIELDS)
+
+
 def status_body(status: Any) -> dict[str, Any]:
     return status.model_dump(by_alias=True, exclude_none=True)
