@@ -326,14 +326,20 @@ def apply(live: JsonObj | None, config: JsonObj, shape: Shape, manager: str, api
 
     merged = _merge(live, config, shape, '', root=True)
     still_owned = set().union(*(e.paths for e in others)) | set(applied)
-    # Deepest first, so an item's own fields go before the item.
-    for path in sorted(own_before - set(applied), key=len, reverse=True):
-        if not _covers(still_owned, path):
+    # Whole items first (their key fields find them), then single fields.
+    for path in sorted(own_before - set(applied), key=lambda p: (p[-1] != ITEM, len(p), p)):
+        if not _covers(still_owned, path) and not _is_key_field(path):
             _remove(merged, path)
 
     entries = [e for e in entries if not (e.manager == manager and e.operation == 'Apply' and not e.subresource)]
     entries.append(Entry(manager, 'Apply', api_version, '', set(applied)))
     return merged, entries
+
+
+def _is_key_field(path: Path) -> bool:
+    """A key field of a list item (``k:{"name":..}/f:name``): it goes with its item, never alone."""
+    return len(path) >= 2 and path[-2].startswith('k:') and path[-1].startswith('f:') and \
+        path[-1][2:] in json.loads(path[-2][2:])
 
 
 def _merge(live: Any, config: Any, shape: Shape, name: str, *, root: bool = False) -> Any:

@@ -240,6 +240,10 @@ class KubeEmulator:
     def open_watches(self) -> list[str]:
         return self.call(self.emulator.open_watches)
 
+    def compact(self) -> int:
+        """Forget the change history: watches resumed from before now get 410 Gone (see Emulator.compact)."""
+        return self.call(self.emulator.compact)
+
     @property
     def requests(self) -> list[RecordedRequest]:
         return self.call(lambda: list(self.emulator.request_log))

@@ -45,6 +45,14 @@ def _newer_or_equal(new: Object, old: Object) -> bool:
         return True
 
 
+def not_newer(obj: Object, version: str | None) -> bool:
+    """Whether ``obj`` is no newer than a list taken at ``version`` (unknown versions count as older)."""
+    try:
+        return int(obj.get("metadata", {}).get("resourceVersion")) <= int(version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+
+
 class Store:
     def __init__(self) -> None:
         self.objects: dict[Key, Object] = {}
@@ -82,6 +90,10 @@ class Store:
 
     def owners(self, kind: str) -> list[Key]:
         return [k for k in self.objects if k[0] == kind]
+
+    def keys(self, kind: str, namespace: str | None = None) -> list[Key]:
+        """Cached objects of one kind (in one namespace, or all)."""
+        return [k for k in self.objects if k[0] == kind and (namespace is None or k[1] == namespace)]
 
     def groups_of_pool(self, pool: str) -> list[Key]:
         return sorted(

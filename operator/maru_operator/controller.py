@@ -32,7 +32,7 @@ from maru_operator.builders.pool import (
     metadata_name,
 )
 from maru_operator.cache import Key, Store
-from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status
+from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
 from maru_operator.reconcile import (
     adopted_ownership,
     controlled_by,
@@ -45,6 +45,7 @@ from maru_operator.reconcile import (
 from maru_operator.status import (
     PoolObservation,
     bind,
+    blocked_pool_status,
     changed,
     group_status,
     invalid_group_status,
@@ -69,6 +70,11 @@ DELETION_RETRY_SECONDS = 15.0
 
 def utcnow() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def model_errors(err: ValidationError) -> list[str]:
+    """The model's refusals as ``spec.<field>: <rule>`` lines."""
+    return [".".join(["spec", *(str(p) for p in e["loc"])]) + f": {e['msg']}" for e in err.errors()]
 
 
 def _digest(obj: Object) -> str:
@@ -180,7 +186,15 @@ class Controller:
         if not changed(old, new):
             return
         kind, ns, name = key_of(body)
-        updated = await self.kube.patch_status(kind, ns or None, name, status_body(new))
+        try:
+            updated = await self.kube.patch_status(kind, ns or None, name, status_body(new))
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            # Deleted since it was cached (its DELETED event, or the next relist, tells the rest).
+            log.info("%s %s is gone; not writing its status", kind, f"{ns}/{name}" if ns else name)
+            self.store.remove(key_of(body))
+            return
         metrics.STATUS_WRITES.labels(kind).inc()
         if isinstance(updated, dict) and updated.get("metadata"):
             self.store.put(updated)
@@ -211,41 +225,22 @@ class Controller:
         if body is None:
             return None
         meta = body.get("metadata", {})
+        old = MaruPoolStatus.model_validate(body.get("status") or {})
+        if meta.get("deletionTimestamp"):
+            # Before anything reads the spec: a pool whose spec is invalid must still be deletable.
+            return await self._release_pool(body, old)
         try:
             spec = MaruPoolSpec.model_validate(body.get("spec") or {})
+            errors = [str(e) for e in check_pool(spec, name)]
         except ValidationError as err:
-            raise kopf.PermanentError(f"invalid spec: {err.errors()[0]['msg']}") from None
-        old = MaruPoolStatus.model_validate(body.get("status") or {})
-        errors = [str(e) for e in check_pool(spec, name)]
-        if errors and not meta.get("deletionTimestamp"):
+            errors = model_errors(err)
+        if errors:
             new_status = invalid_pool_status(errors, meta.get("generation"), old, self.clock())
             await self.write_status(body, old, new_status)
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         owner = Owner.from_body(body)
-        deleting = bool(meta.get("deletionTimestamp"))
-        allowed = spec.allowed_namespaces
-        # Groups refused by allowedNamespaces never got pods using this pool: they do not hold it.
-        bound = [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(name) if allowed is None or ns in allowed]
+        bound = self._bound_groups(body)
         finalizers = list(meta.get("finalizers") or [])
-
-        if deleting:
-            if POOL_FINALIZER not in finalizers:
-                return None
-            if bound:
-                seen = PoolObservation(bound_groups=bound, deleting=True,
-                                       daemonset=self.store.get(("DaemonSet", self.pool_namespace, agent_name(name))))
-                new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
-                await self.write_status(body, old, new)
-                raise kopf.TemporaryError(
-                    f"deletion waits for {len(bound)} bound InferenceGroup(s): {', '.join(bound[:5])}",
-                    delay=DELETION_RETRY_SECONDS,
-                )
-            remaining = [f for f in finalizers if f != POOL_FINALIZER]
-            await self.kube.patch("MaruPool", None, name, {
-                "metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}
-            })
-            log.info("MaruPool %s: no group is bound any more; released for deletion", name)
-            return None
 
         if POOL_FINALIZER not in finalizers:
             # Nothing may delete the pool's memory from under the groups using it (see the deletion branch).
@@ -286,6 +281,36 @@ class Controller:
             self._pool_written[name] = self.monotonic()
         return self.usage_interval
 
+    def _bound_groups(self, body: Object) -> list[str]:
+        """``namespace/name`` of the groups holding the pool; read from the raw spec, valid or not.
+
+        Groups refused by allowedNamespaces never got pods using this pool: they do not hold it.
+        """
+        allowed = (body.get("spec") or {}).get("allowedNamespaces")
+        return [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(body["metadata"]["name"])
+                if allowed is None or ns in allowed]
+
+    async def _release_pool(self, body: Object, old: MaruPoolStatus) -> None:
+        """A deleted pool keeps its finalizer while groups are bound to it, then lets go."""
+        meta = body["metadata"]
+        name = meta["name"]
+        finalizers = list(meta.get("finalizers") or [])
+        if POOL_FINALIZER not in finalizers:
+            return None
+        bound = self._bound_groups(body)
+        if bound:
+            await self.write_status(body, old, blocked_pool_status(bound, meta.get("generation"), old, self.clock()))
+            raise kopf.TemporaryError(
+                f"deletion waits for {len(bound)} bound InferenceGroup(s): {', '.join(bound[:5])}",
+                delay=DELETION_RETRY_SECONDS,
+            )
+        remaining = [f for f in finalizers if f != POOL_FINALIZER]
+        await self.kube.patch("MaruPool", None, name, {
+            "metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}
+        })
+        log.info("MaruPool %s: no group is bound any more; released for deletion", name)
+        return None
+
     async def _pool_stats(self, spec: MaruPoolSpec, name: str, pods: list[Object]) -> dict[str, Any]:
         """Best effort: a daemon that does not answer leaves ``used`` unknown, never fails the reconcile."""
         port = spec.daemon.metrics_port
@@ -314,7 +339,7 @@ class Controller:
             spec = InferenceGroupSpec.model_validate(body.get("spec") or {})
             errors = [str(e) for e in check_group(spec)]
         except ValidationError as err:
-            errors = [f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+            errors = model_errors(err)
         if errors:
             new = invalid_group_status(errors, generation, old, self.clock())
             await self.write_status(body, old, new)

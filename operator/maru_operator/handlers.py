@@ -19,7 +19,7 @@ import kopf
 
 from maru_operator.api.common import GROUP, VERSION
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
-from maru_operator.cache import Key, Store, key_of, owner_key
+from maru_operator.cache import Key, Store, key_of, not_newer, owner_key
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 
@@ -121,21 +121,40 @@ async def _prime(kube: Kube, namespaces: list[str]) -> None:
     """Observe everything once before the first reconcile (kopf's watches fill in the rest).
 
     Without it, a restarted operator would reconcile groups before its child watches have listed and
-    try to create children that exist (harmless 409s, but writes nonetheless).
+    try to create children that exist (writes nonetheless).
+    """
+    await relist(kube, namespaces)
+    for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
+        _enqueue(key)
+
+
+async def relist(kube: Kube, namespaces: list[str]) -> None:
+    """Make the cache what the API has: list every kind the operator watches, forget what is gone.
+
+    After a watch gap ending in 410 Gone, kopf lists again but sends no DELETED event for what
+    went away meanwhile; without this, a group deleted in the gap would hold its pool's finalizer
+    forever. An object is forgotten only when the list is newer than the cached copy.
     """
     for kind in PRIMED_KINDS:
         selector = None if kind in ("MaruPool", "InferenceGroup") else OURS
         scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
-        try:
-            for namespace in scopes:
-                for item in await kube.list(kind, namespace, selector):
-                    # List items come without kind and apiVersion; the cache keys on kind.
-                    item.setdefault("kind", kind)
-                    STATE.store.put(item)
-        except Exception as err:  # the watches catch up; priming only saves writes
-            log.warning("could not list %ss at start-up (%s); relying on the watch", kind, err)
-    for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
-        _enqueue(key)
+        for namespace in scopes:
+            try:
+                items, version = await kube.list_with_version(kind, namespace, selector)
+            except Exception as err:  # the watches and the next resync catch up
+                log.warning("could not list %ss (%s); relying on the watch until the next resync", kind, err)
+                continue
+            listed = set()
+            for item in items:
+                # List items come without kind and apiVersion; the cache keys on kind.
+                item.setdefault("kind", kind)
+                listed.add(key_of(item))
+                STATE.store.put(item)
+            for key in STATE.store.keys(kind, namespace):
+                cached = STATE.store.get(key)
+                if key not in listed and cached is not None and not_newer(cached, version):
+                    log.info("%s %s is gone (not in a fresh list); forgetting it", kind, "/".join(key[1:]))
+                    await _GONE[kind](type="DELETED", body=cached)
 
 
 @kopf.on.cleanup()
@@ -156,9 +175,11 @@ def queue_probe(**_: Any) -> dict[str, Any]:
 
 
 async def _resync(every: float) -> None:
-    """The timer: every owner is looked at regularly, events or not."""
+    """The timer: the cache is listed afresh and every owner is looked at regularly, events or not."""
     while True:
         await asyncio.sleep(every)
+        if STATE.kube is not None:
+            await relist(STATE.kube, STATE.config.namespaces)
         for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
             _enqueue(key)
 
@@ -244,3 +265,7 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
 
 for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(_child_event)
+
+# What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
+_GONE = {"MaruPool": pool_event, "InferenceGroup": group_event,
+         **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup")}}

@@ -223,9 +223,15 @@ class Kube:
     async def list(
         self, kind: str, namespace: str | None, label_selector: dict[str, str] | None = None
     ) -> list[Object]:
+        return (await self.list_with_version(kind, namespace, label_selector))[0]
+
+    async def list_with_version(
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | None = None
+    ) -> tuple[list[Object], str | None]:
+        """The items, and the resourceVersion the list was taken at."""
         params = {"labelSelector": ",".join(f"{k}={v}" for k, v in label_selector.items())} if label_selector else None
         result = await self.request("GET", path(kind, namespace), params=params, what=f"list {kind} in {namespace}")
-        return list((result or {}).get("items") or [])
+        return list((result or {}).get("items") or []), (result or {}).get("metadata", {}).get("resourceVersion")
 
     async def create(self, obj: Object) -> Object:
         meta = obj["metadata"]

@@ -252,6 +252,13 @@ def invalid_pool_status(errors: list[str], generation: int | None, old: MaruPool
     return old.model_copy(update={"observed_generation": generation, "conditions": merged})
 
 
+def blocked_pool_status(bound: list[str], generation: int | None, old: MaruPoolStatus, now: str) -> MaruPoolStatus:
+    """Status of a deleted pool that waits for its groups: InUse says who holds it, the rest as it was."""
+    keep = [c for c in old.conditions if c.type != cond.IN_USE]
+    merged = cond.merge(old.conditions, [*keep, cond.pool_in_use(bound, True, generation)], now)
+    return old.model_copy(update={"conditions": merged, "bound_groups": len(bound)})
+
+
 def changed(old: Any, new: Any) -> bool:
     """Whether writing ``new`` would change anything a reader can see."""
     return old.model_dump(by_alias=True, exclude_none=True) != new.model_dump(by_alias=True, exclude_none=True)

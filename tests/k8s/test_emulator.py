@@ -336,6 +336,18 @@ def test_schema_defaults_and_cel_rules(kube: KubeEmulator) -> None:
     assert kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 3}}, 'default')['spec']['size'] == 3
 
 
+def test_an_unchanged_invalid_spec_does_not_block_status_writes(kube: KubeEmulator) -> None:
+    """Validation ratcheting: a spec stored before a stricter schema (or without CEL) stays writable around."""
+    kube.create(widget('w', 2))
+    kube.call(setattr, kube.emulator, 'validate_schemas', False)
+    kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 0}}, 'default')
+    kube.call(setattr, kube.emulator, 'validate_schemas', True)
+    status = kube.patch_status('widgets.test.example.com', 'w', {'seen': True}, 'default')
+    assert status['status'] == {'seen': True}
+    with pytest.raises(ApiError):  # changing the spec validates it again
+        kube.patch('widgets.test.example.com', 'w', {'spec': {'color': 'red'}}, 'default')
+
+
 def test_schema_validation_can_be_switched_off(tmp_path: pathlib.Path) -> None:
     with running_emulator(tmp_path, validate_schemas=False) as kube:
         kube.create(CRD)
@@ -424,6 +436,23 @@ def test_watch_from_a_compacted_resource_version_gets_410(tmp_path: pathlib.Path
                                           timeout_seconds=30):
                 pass
         assert err.value.status == 410
+
+
+def test_compaction_makes_a_resumed_watch_relist_without_deleted_events(kube: KubeEmulator) -> None:
+    from kubernetes import client, watch
+
+    core = client.CoreV1Api(kube.api_client())
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'gone'}})
+    rv = core.list_namespaced_config_map('default').metadata.resource_version
+    kube.delete('configmaps', 'gone', 'default')
+    assert kube.compact() >= int(rv)
+    with pytest.raises(client.ApiException) as err:
+        for _ in watch.Watch().stream(core.list_namespaced_config_map, 'default', resource_version=rv,
+                                      timeout_seconds=30):
+            pass
+    assert err.value.status == 410
+    # What the client sees when it lists again: the object is just not there, no DELETED event.
+    assert core.list_namespaced_config_map('default').items == []
 
 
 def test_watch_with_label_selector_sees_objects_leave_and_enter(kube: KubeEmulator) -> None:

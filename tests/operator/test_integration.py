@@ -192,6 +192,44 @@ def test_pool_deletion_waits_for_bound_groups(cluster: KubeEmulator, operator: R
     cluster.wait_gone(DS, "local-shm-agent", POOL_NS)
 
 
+def test_group_deleted_during_a_watch_gap_releases_its_pool(cluster: KubeEmulator, stats: StubStats) -> None:
+    """kopf lists again after a 410 Gone, without DELETED events for what went away in the gap."""
+    op = RunningOperator(cluster, stats, resync_seconds=1, workers=2).start()
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        wait_group_ready(cluster)
+        cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {}).get("boundGroups") == 1)
+        cluster.delete(MP, "local-shm")
+        cluster.wait_for(MP, "local-shm", None, lambda p: has_condition(p, "InUse", "True", "DeletionBlocked"))
+
+        def watch_gap(emulator: Any) -> None:
+            # The group watch breaks, the group is deleted before kopf is back, and the API server's
+            # history is compacted: kopf's resumed watch gets 410 Gone and it lists again.
+            emulator.drop_watches(r"/inferencegroups")
+            emulator.delete_object("maru.io", "inferencegroups", GROUP_NS, "qwen")
+            emulator.compact()
+
+        cluster.call(watch_gap, cluster.emulator)
+        cluster.wait_gone(MP, "local-shm")
+    finally:
+        op.stop()
+
+
+def test_pool_with_a_spec_the_model_refuses_can_be_deleted(cluster: KubeEmulator, operator: RunningOperator,
+                                                           ready_pool: dict[str, Any]) -> None:
+    # Stored by an API server that did not run the CRD's CEL rules (or before a CRD upgrade).
+    cluster.call(setattr, cluster.emulator, "validate_schemas", False)
+    try:
+        cluster.patch(MP, "local-shm", {"spec": {"size": None}})  # shm needs a size
+    finally:
+        cluster.call(setattr, cluster.emulator, "validate_schemas", True)
+    p = cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
+    assert "size" in condition_of(p, "Ready")["message"]
+    cluster.delete(MP, "local-shm")
+    cluster.wait_gone(MP, "local-shm")
+
+
 def test_long_names(cluster: KubeEmulator, operator: RunningOperator) -> None:
     pool_name = "p." + "x" * 240
     group_name = "g" * 250
