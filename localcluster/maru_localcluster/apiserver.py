@@ -45,7 +45,7 @@ import kmock
 import yaml
 from typing_extensions import override
 
-from maru_localcluster import defaults, fieldmanager, protobuf
+from maru_localcluster import authz, defaults, fieldmanager, protobuf
 
 JsonObj = dict[str, Any]
 
@@ -55,6 +55,8 @@ _FIELD_VALIDATION: contextvars.ContextVar[str] = contextvars.ContextVar('field_v
 DIRECT_MANAGER = 'localcluster'
 _FIELD_MANAGER: contextvars.ContextVar[str] = contextvars.ContextVar('field_manager', default=DIRECT_MANAGER)
 _FIELD_MANAGER_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar('field_manager_given', default=True)
+# Who sent the request being served (by bearer token); None: no token, a cluster admin (see authz.py).
+_USER: contextvars.ContextVar[authz.User | None] = contextvars.ContextVar('user', default=None)
 _NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
 _DNS1123_LABEL_RE = re.compile(r'^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')
 _DNS1035_RE = re.compile(r'^[a-z]([-a-z0-9]*[a-z0-9])?$')
@@ -519,6 +521,7 @@ class RecordedRequest:
     content_type: str
     timestamp: float  # time.monotonic()
     status: int | None = None
+    user: str | None = None  # who sent it (by bearer token); None: no token
 
     @property
     def is_write(self) -> bool:
@@ -583,6 +586,8 @@ class Emulator(kmock.KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list, init=False)
     request_log: list[RecordedRequest] = attrs.field(factory=list, init=False)
     _stopping: bool = attrs.field(default=False, init=False)
+    tokens: dict[str, authz.User] = attrs.field(factory=dict, init=False)  # bearer token -> user
+    authorizer: authz.Authorizer = attrs.field(init=False)
     _change_waiters: list[asyncio.Future[None]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -591,6 +596,11 @@ class Emulator(kmock.KubernetesEmulator):
             self._types[rt.key] = copy.deepcopy(rt)
         for ns in ('default', 'kube-system', 'kube-public', 'kube-node-lease'):
             self.create_object('', 'namespaces', None, {'metadata': {'name': ns}})
+        self.authorizer = authz.Authorizer(self.list_objects, self.get_object)
+
+    def add_token(self, token: str, user: authz.User) -> None:
+        """Requests carrying ``Authorization: Bearer <token>`` are ``user``'s, held to RBAC."""
+        self.tokens[token] = user
 
     # ---------------------------------------------------------------------------------------------
     # Public, synchronous API (call it on the emulator's loop; the fixture marshals calls there).
@@ -688,6 +698,7 @@ class Emulator(kmock.KubernetesEmulator):
         if managed is None:
             managed = fieldmanager.track_update(None, obj, self._shape(rt, obj), manager or _FIELD_MANAGER.get(),
                                                 obj['apiVersion'])
+        self._admit_requester(rt, obj, None)
         obj = self._admit(rt, obj, None, name)
         meta = obj['metadata']
         self._set_managed(meta, managed, [])
@@ -795,8 +806,64 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(409, 'Conflict', e.message, {'name': name, 'group': rt.group, 'kind': rt.kind,
                                                         'causes': causes}) from None
         if old is None:
+            # An apply that creates is authorized as a create too, as kube-apiserver does.
+            self._authorize(authz.Attributes('create', rt.group, rt.plural, '', key[2], name), rt)
             return self.create_object(rt.group, rt.plural, key[2], merged, dry_run=dry_run, managed=entries)
         return self._commit(rt, key, old, merged, None, dry_run, manager, entries)
+
+    def _authorize(self, attrs: authz.Attributes, rt: ResourceType) -> None:
+        user = _USER.get()
+        if user is not None and not self.authorizer.allowed(user, attrs):
+            what = f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+            named = f' "{attrs.name}"' if attrs.name else ''
+            raise ApiError(403, 'Forbidden', f'{what}{named} is forbidden: {attrs.denial(user)}',
+                           {'name': attrs.name or '', 'group': rt.group, 'kind': rt.plural})
+
+    def _admit_requester(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None) -> None:
+        """The admission checks that depend on who writes (see authz.py); a cluster admin passes."""
+        user = _USER.get()
+        if user is None:
+            return
+        meta = obj.get('metadata') or {}
+        namespace = meta.get('namespace') if rt.namespaced else None
+        what = f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+        old_refs = ((old or {}).get('metadata') or {}).get('ownerReferences') or []
+        refs = meta.get('ownerReferences') or []
+        if old is not None and refs != old_refs:
+            # OwnerReferencesPermissionEnforcement: who may change ownership may delete the object.
+            self._authorize(authz.Attributes('delete', rt.group, rt.plural, '', namespace, meta.get('name')), rt)
+        for ref in refs:
+            if not ref.get('blockOwnerDeletion') or any(
+                    r.get('uid') == ref.get('uid') and r.get('blockOwnerDeletion') for r in old_refs):
+                continue
+            try:
+                owner = self.find_type(ref.get('apiVersion', ''), ref.get('kind', ''))
+            except ApiError:
+                continue
+            attrs = authz.Attributes('update', owner.group, owner.plural, 'finalizers',
+                                     namespace if owner.namespaced else None, ref.get('name'))
+            if not self.authorizer.allowed(user, attrs):
+                raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '
+                                                 f'cannot set blockOwnerDeletion if an ownerReference refers to a '
+                                                 f'resource you can\'t set finalizers on: {attrs.denial(user)}')
+        if rt.group == authz.RBAC and rt.plural in ('roles', 'clusterroles'):
+            escalate = authz.Attributes('escalate', rt.group, rt.plural, '', namespace, meta.get('name'))
+            missing = [] if self.authorizer.allowed(user, escalate) else self.authorizer.holds_all(
+                user, obj.get('rules') or [], namespace)
+            if missing:
+                raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '
+                                                 f'user "{user.name}" is attempting to grant RBAC permissions not '
+                                                 f'currently held: ' + '; '.join(missing))
+        elif rt.group == authz.RBAC and rt.plural in ('rolebindings', 'clusterrolebindings'):
+            ref = obj.get('roleRef') or {}
+            role_plural = 'clusterroles' if ref.get('kind') == 'ClusterRole' else 'roles'
+            bind = authz.Attributes('bind', rt.group, role_plural, '', None if role_plural == 'clusterroles'
+                                    else namespace, ref.get('name'))
+            rules = list(self.authorizer.rules_of(ref, namespace))
+            if not self.authorizer.allowed(user, bind) and self.authorizer.holds_all(user, rules, namespace):
+                raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '
+                                                 f'user "{user.name}" may not bind {ref.get("kind")} '
+                                                 f'"{ref.get("name")}": it holds rights the user does not')
 
     def _shape(self, rt: ResourceType, obj: JsonObj) -> fieldmanager.Shape:
         return fieldmanager.root_shape(rt.schemas.get(_version_of(obj, rt)) if rt.custom else None)
@@ -957,6 +1024,8 @@ class Emulator(kmock.KubernetesEmulator):
         elif managed is None:
             managed = fieldmanager.track_update(old, new, self._shape(rt, new), manager or _FIELD_MANAGER.get(),
                                                 new['apiVersion'], subresource or '')
+        if subresource is None:
+            self._admit_requester(rt, new, old)
         new = self._admit(rt, new, old, name)
         self._set_managed(new['metadata'], managed, fieldmanager.entries_of(old))
         if dry_run:
@@ -1123,7 +1192,9 @@ class Emulator(kmock.KubernetesEmulator):
         except Exception as e:  # a bug in the emulator: make it visible to the client
             err = ApiError(500, 'InternalError', f'{e!r}', {'traceback': traceback.format_exc()})
             response = _json_response(err.status(), 500)
-        self.request_log[index] = dataclasses.replace(self.request_log[index], status=response.status)
+        user = _USER.get()
+        self.request_log[index] = dataclasses.replace(self.request_log[index], status=response.status,
+                                                      user=user.name if user else None)
         return response
 
     def _take_fault(self, method: str, path: str) -> Fault | None:
@@ -1141,6 +1212,12 @@ class Emulator(kmock.KubernetesEmulator):
                       503: 'ServiceUnavailable', 504: 'Timeout'}.get(fault.status, 'Unknown')
             details = {'retryAfterSeconds': 1} if fault.status in (429, 503) else {}
             return _json_response(ApiError(fault.status, reason, fault.message, details).status(), fault.status)
+        auth = raw.headers.get('Authorization', '')
+        if auth:
+            user = self.tokens.get(auth.removeprefix('Bearer ').strip())
+            if user is None:
+                raise ApiError(401, 'Unauthorized', 'Unauthorized')
+            _USER.set(user)
         if method == 'GET' and (doc := self._serve_discovery(path, raw)):
             return doc
         segs = [s for s in path.split('/') if s]
@@ -1148,6 +1225,11 @@ class Emulator(kmock.KubernetesEmulator):
         if parsed is None:
             raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({path})')
         rt, version, namespace, name, subresource = parsed
+        verb = {'POST': 'create', 'PUT': 'update', 'PATCH': 'patch'}.get(method) or (
+            ('delete' if name else 'deletecollection') if method == 'DELETE' else
+            'get' if name else 'watch' if query.get('watch') in ('true', '1') else 'list')
+        self._authorize(authz.Attributes(verb, rt.group, rt.plural, subresource or '',
+                                         namespace if rt.namespaced else None, name), rt)
         body: Any = None
         if method in ('POST', 'PUT', 'PATCH', 'DELETE') and 'protobuf' in ctype:
             try:

@@ -20,6 +20,7 @@ import pathlib
 import re
 import subprocess
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ import yaml
 
 from maru_localcluster import tools
 from maru_localcluster.apiserver import ApiError, Emulator, Fault, JsonObj, RecordedRequest
+from maru_localcluster.authz import Attributes, User
 
 T = TypeVar('T')
 
@@ -288,11 +290,33 @@ class KubeEmulator:
         config.host = self.url
         return kubernetes.client.ApiClient(config)
 
-    def kopf_connection(self) -> Any:
-        """A ``kopf.ConnectionInfo`` to return from an ``@kopf.on.login()`` handler."""
+    def kopf_connection(self, token: str | None = None) -> Any:
+        """A ``kopf.ConnectionInfo`` to return from an ``@kopf.on.login()`` handler (``token``: whose)."""
         import kopf
 
-        return kopf.ConnectionInfo(server=self.url, default_namespace='default')
+        return kopf.ConnectionInfo(server=self.url, default_namespace='default', token=token,
+                                   scheme='Bearer' if token else None)
+
+    # ---------------------------------------------------------------------------------------------
+    # Identities (RBAC applies to requests that carry a token; see authz.py).
+
+    def service_account_token(self, namespace: str, name: str) -> str:
+        """A bearer token for ServiceAccount ``namespace/name``: its requests are held to RBAC."""
+        token = f'sa-{namespace}-{name}-{uuid.uuid4().hex[:12]}'
+        self.call(self.emulator.add_token, token, User.service_account(namespace, name))
+        return token
+
+    def kubeconfig_for(self, token: str, path: pathlib.Path) -> pathlib.Path:
+        """A kubeconfig that sends ``token`` (for a subprocess that should run as that identity)."""
+        return tools.write_kubeconfig(self.url, path, token=token)
+
+    def allowed(self, token: str, verb: str, resource: str, namespace: str | None = None,
+                subresource: str = '', name: str | None = None) -> bool:
+        """Whether the token's user may ``verb`` ``resource`` ("plural[.group]"), as RBAC decides now."""
+        group, plural = parse_resource(resource)
+        user = self.call(lambda: self.emulator.tokens[token])
+        attrs = Attributes(verb, group, plural, subresource, namespace, name)
+        return self.call(self.emulator.authorizer.allowed, user, attrs)
 
 
 @contextlib.contextmanager

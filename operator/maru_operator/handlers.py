@@ -2,26 +2,37 @@
 
 Level-based, as kopf's own reconciliation guide recommends: no create/update handlers and no diffs.
 An event of an owner, of any child it owns (by ownerReference), or of the pool a group is bound to
-only enqueues the owner's key; a periodic resync enqueues every owner (the timer), so state that
-changes without an event (a pool's used memory) and lost events are covered too. No kopf finalizer or
-annotation is put on user objects; the only finalizer is the pool's in-use protection.
+only enqueues the owner's key; a periodic resync lists everything afresh and enqueues every owner (the
+timer), so state that changes without an event (a pool's used memory) and lost events are covered too.
+No kopf finalizer or annotation is put on user objects; the only finalizer is the pool's in-use protection.
+
+Scope: the API server selects what is watched. Children by ``app.kubernetes.io/managed-by``; owners and
+children by the operator instance (``maru.io/operator-instance``): an operator started with
+``--instance NAME`` serves only objects labelled with NAME, the default instance only unlabelled ones,
+so two installations never reconcile the same objects. Within one instance, replicas elect a leader
+with a Lease (:mod:`maru_operator.leader`); only the leader's work queue runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
+from maru_operator import metrics
 from maru_operator.api.common import GROUP, VERSION
-from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, instance_selector
 from maru_operator.cache import Key, Store, key_of, not_newer, owner_key
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
+from maru_operator.leader import LeaderElector, LeaseSettings
 
 log = logging.getLogger("maru_operator.handlers")
 
@@ -37,6 +48,20 @@ CHILD_RESOURCES = (
 OURS = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
+def owner_selector(instance: str) -> str:
+    """The MaruPools and InferenceGroups an operator instance serves."""
+    return instance_selector(instance)
+
+
+def child_selector(instance: str) -> str:
+    """The children an operator instance watches: made by the operator, for this instance's owners."""
+    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{instance_selector(instance)}"
+
+
+def lease_name(instance: str) -> str:
+    return f"maru-operator-{instance}" if instance else "maru-operator"
+
+
 def default_pool_namespace() -> str:
     return os.environ.get("POD_NAMESPACE") or DEFAULT_POOL_NAMESPACE
 
@@ -50,6 +75,13 @@ class Config:
     fetch_status: StatusFetcher = fetch_daemon_status
     connection: kopf.ConnectionInfo | None = None
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    instance: str = ""  # which objects this operator serves (see the module docstring)
+    leader_election: bool = True
+    lease_seconds: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+    # This replica's name in the Lease: the pod name (the hostname) and a random suffix.
+    identity: str = field(default_factory=lambda: f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}")
 
 
 @dataclass
@@ -60,6 +92,7 @@ class Runtime:
     controller: Controller | None = None
     queue: Any = None
     resync_task: asyncio.Task[None] | None = None
+    elector_task: asyncio.Task[None] | None = None
     pool_fingerprints: dict[str, Any] = field(default_factory=dict)
     # owner -> its last watch event without status (see _desired_part)
     seen: dict[Key, Any] = field(default_factory=dict)
@@ -98,19 +131,52 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.watching.client_timeout = 330
     settings.watching.reconnect_backoff = 1.0
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
-    if STATE.config.connection is None:
-        STATE.config.connection = login(settings=settings)
-    STATE.kube = Kube(STATE.config.connection)
+    # The API server selects what is streamed: never every Deployment or Service in the cluster, and
+    # only the owners (and their children) of this operator instance.
+    config = STATE.config
+    for plural in ("marupools", "inferencegroups"):
+        settings.watching.label_selectors[GROUP, VERSION, plural] = owner_selector(config.instance)
+    for group, version, plural in CHILD_RESOURCES:
+        settings.watching.label_selectors[group, version, plural] = child_selector(config.instance)
+    if config.connection is None:
+        config.connection = login(settings=settings)
+    STATE.kube = Kube(config.connection)
     STATE.controller = Controller(
-        kube=STATE.kube, store=STATE.store, pool_namespace=STATE.config.pool_namespace,
-        fetch_status=STATE.config.fetch_status, usage_interval=STATE.config.usage_interval,
+        kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
+        fetch_status=config.fetch_status, usage_interval=config.usage_interval,
     )
-    STATE.queue = WorkQueue(STATE.controller.reconcile, workers=STATE.config.workers)
+    STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
+    log.info("operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
+             config.instance or "(default)", config.pool_namespace, config.workers, config.resync_seconds)
+    if not config.leader_election:
+        await _lead()
+        return
+    lease = LeaseSettings(namespace=config.pool_namespace, name=lease_name(config.instance),
+                          identity=config.identity, lease_seconds=config.lease_seconds,
+                          renew_deadline=config.renew_deadline, retry_period=config.retry_period)
+    log.info("waiting to lead: Lease %s/%s, identity %s", lease.namespace, lease.name, lease.identity)
+    elector = LeaderElector(STATE.kube, lease, on_lead=_lead, on_lose=_follow)
+    STATE.elector_task = asyncio.create_task(elector.run(), name="maru-leader-election")
+
+
+async def _lead() -> None:
+    """This replica reconciles: list everything afresh, start the workers and the resync timer."""
+    assert STATE.kube is not None and STATE.queue is not None
+    metrics.LEADER.set(1)
     await _prime(STATE.kube, STATE.config.namespaces)
     STATE.queue.start()
     STATE.resync_task = asyncio.create_task(_resync(STATE.config.resync_seconds), name="maru-resync")
-    log.info("operator started: pools' daemons go to namespace %s, %d workers, resync every %.0fs",
-             STATE.config.pool_namespace, STATE.config.workers, STATE.config.resync_seconds)
+
+
+async def _follow() -> None:
+    """This replica stops reconciling at once (another may take over); its watches keep the cache warm."""
+    metrics.LEADER.set(0)
+    if STATE.resync_task is not None:
+        STATE.resync_task.cancel()
+        await asyncio.gather(STATE.resync_task, return_exceptions=True)
+        STATE.resync_task = None
+    if STATE.queue is not None:
+        await STATE.queue.stop()
 
 
 PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
@@ -135,8 +201,9 @@ async def relist(kube: Kube, namespaces: list[str]) -> None:
     went away meanwhile; without this, a group deleted in the gap would hold its pool's finalizer
     forever. An object is forgotten only when the list is newer than the cached copy.
     """
+    instance = STATE.config.instance
     for kind in PRIMED_KINDS:
-        selector = None if kind in ("MaruPool", "InferenceGroup") else OURS
+        selector = owner_selector(instance) if kind in ("MaruPool", "InferenceGroup") else child_selector(instance)
         scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
         for namespace in scopes:
             try:
@@ -159,11 +226,12 @@ async def relist(kube: Kube, namespaces: list[str]) -> None:
 
 @kopf.on.cleanup()
 async def on_cleanup(**_: Any) -> None:
-    if STATE.resync_task is not None:
-        STATE.resync_task.cancel()
-        await asyncio.gather(STATE.resync_task, return_exceptions=True)
-    if STATE.queue is not None:
-        await STATE.queue.stop()
+    if STATE.elector_task is not None:
+        # Stops reconciling and gives the Lease up, so another replica takes over at once.
+        STATE.elector_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await STATE.elector_task
+    await _follow()
     if STATE.kube is not None:
         await STATE.kube.close()
 

@@ -53,6 +53,7 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("api/v1", "events"),
     "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "Lease": Kind("apis/coordination.k8s.io/v1", "leases"),
     "MaruPool": Kind("apis/maru.io/v1alpha1", "marupools", namespaced=False),
     "InferenceGroup": Kind("apis/maru.io/v1alpha1", "inferencegroups"),
 }
@@ -221,15 +222,17 @@ class Kube:
             raise
 
     async def list(
-        self, kind: str, namespace: str | None, label_selector: dict[str, str] | None = None
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None
     ) -> list[Object]:
         return (await self.list_with_version(kind, namespace, label_selector))[0]
 
     async def list_with_version(
-        self, kind: str, namespace: str | None, label_selector: dict[str, str] | None = None
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None
     ) -> tuple[list[Object], str | None]:
-        """The items, and the resourceVersion the list was taken at."""
-        params = {"labelSelector": ",".join(f"{k}={v}" for k, v in label_selector.items())} if label_selector else None
+        """The items, and the resourceVersion the list was taken at; the selector as a map or as text."""
+        if isinstance(label_selector, dict):
+            label_selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
+        params = {"labelSelector": label_selector} if label_selector else None
         result = await self.request("GET", path(kind, namespace), params=params, what=f"list {kind} in {namespace}")
         return list((result or {}).get("items") or []), (result or {}).get("metadata", {}).get("resourceVersion")
 

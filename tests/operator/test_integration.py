@@ -17,6 +17,7 @@ from tests.operator.conftest import (
     fake_agent_pod,
     group,
     has_condition,
+    object_writes,
     pool,
     settle,
 )
@@ -230,6 +231,20 @@ def test_pool_with_a_spec_the_model_refuses_can_be_deleted(cluster: KubeEmulator
     cluster.wait_gone(MP, "local-shm")
 
 
+def test_child_watches_select_on_the_server(cluster: KubeEmulator, operator: RunningOperator,
+                                            ready_pool: dict[str, Any]) -> None:
+    """The operator never streams every Deployment, Service and Role in the cluster."""
+    cluster.create(group())
+    wait_group_ready(cluster)
+    settle(operator)
+    children = ("/deployments", "/daemonsets", "/services", "/serviceaccounts", "/roles", "/rolebindings")
+    reads = [r for r in cluster.requests if r.method == "GET" and r.path.endswith(children)]
+    assert any(r.is_watch for r in reads)
+    unselected = sorted({f"{r.path}?{r.query}" for r in reads
+                         if "app.kubernetes.io/managed-by=maru-operator" not in r.query.get("labelSelector", "")})
+    assert not unselected, unselected
+
+
 def test_long_names(cluster: KubeEmulator, operator: RunningOperator) -> None:
     pool_name = "p." + "x" * 240
     group_name = "g" * 250
@@ -254,7 +269,7 @@ def test_idempotent_after_convergence(cluster: KubeEmulator, operator: RunningOp
     mark = cluster.mark()
     for _ in range(3):
         settle(operator)
-    writes = cluster.writes_since(mark)
+    writes = object_writes(cluster, mark)
     assert writes == [], [f"{r.method} {r.path}" for r in writes]
     reads = cluster.requests_since(mark)
     assert any(r.method == "GET" for r in reads)  # the resync did run (pool pods are listed)
@@ -356,7 +371,7 @@ def test_restart_writes_nothing(cluster: KubeEmulator, operator: RunningOperator
     try:
         settle(restarted)
         settle(restarted)
-        writes = cluster.writes_since(mark)
+        writes = object_writes(cluster, mark)
         assert writes == [], [f"{r.method} {r.path}" for r in writes]
         # ... and it is alive: a change made now is acted on.
         cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 1}}}, GROUP_NS)
