@@ -57,10 +57,14 @@ EXPOSE 8080 9090
 ENTRYPOINT ["python", "-m", "maru_operator"]
 CMD ["run", "--all-namespaces"]
 
-# ---- pool: the pool daemon (`maru-pool serve | metadata | agent`) -------------------------------------
+# ---- pool: the pool daemon (`maru-pool serve | metadata | agent`) and the CSI node plugin (`maru-csi`) ---
 FROM project AS pool
 LABEL org.opencontainers.image.title="maru-pool" \
-      org.opencontainers.image.description="Shared KV memory pool daemon (CXL devdax or shm)"
+      org.opencontainers.image.description="Shared KV memory pool daemon (CXL devdax or shm) and the CSI node plugin"
+# The chart's CSI node plugin (`maru-csi`, csi.maru.io) runs from this image too: add the gRPC runtime
+# of the project's `csi` extra (a test checks these pins satisfy it). The operator image stays without.
+RUN pip install grpcio==1.85.3 protobuf==7.36.2 \
+    && python -c "import maru_connector.csi.server"
 USER 65532:65532
 # 7400: metadata server, 9400: /metrics, /healthz and /status.
 EXPOSE 7400 9400

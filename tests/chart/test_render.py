@@ -112,14 +112,17 @@ def test_crds_render_with_include_crds(render) -> None:
 def test_default_objects(default_objects: list[dict[str, Any]]) -> None:
     kinds = sorted(o["kind"] for o in default_objects)
     assert kinds == [
+        "CSIDriver",
         "ClusterRole",
         "ClusterRole",
         "ClusterRoleBinding",
         "ClusterRoleBinding",
+        "DaemonSet",
         "Deployment",
         "Role",
         "RoleBinding",
         "Service",
+        "ServiceAccount",
         "ServiceAccount",
     ]
     for obj in default_objects:
@@ -296,14 +299,15 @@ def test_operator_pod_is_locked_down(request: pytest.FixtureRequest, which: str)
 
 
 def test_service_account_used_by_the_pod(default_objects: list[dict[str, Any]]) -> None:
-    account = one(default_objects, "ServiceAccount")
+    account = one(default_objects, "ServiceAccount", RELEASE)
     pod = one(default_objects, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == account["metadata"]["name"] == RELEASE
 
 
 def test_existing_service_account(render, run_helm, template_args) -> None:
     objects = render("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=platform-operator")
-    assert not find(objects, "ServiceAccount")
+    # Only the CSI node plugin's own account (which holds no rights) is left.
+    assert [a["metadata"]["name"] for a in find(objects, "ServiceAccount")] == [f"{RELEASE}-csi-node"]
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "platform-operator"
     for binding in find(objects, "ClusterRoleBinding"):
@@ -317,7 +321,9 @@ def test_existing_service_account(render, run_helm, template_args) -> None:
 def test_standard_labels_everywhere(request: pytest.FixtureRequest, which: str) -> None:
     for obj in request.getfixturevalue(f"{which}_objects"):
         labels = obj["metadata"]["labels"]
-        assert labels["app.kubernetes.io/name"] == "maru-operator"
+        # The CSI driver's objects carry their own name, so the operator's selectors never match its pods.
+        csi = labels.get("app.kubernetes.io/component") == "csi-node"
+        assert labels["app.kubernetes.io/name"] == ("maru-operator-csi-node" if csi else "maru-operator")
         assert labels["app.kubernetes.io/instance"] == RELEASE
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
         assert labels["app.kubernetes.io/part-of"] == "maru"

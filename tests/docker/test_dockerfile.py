@@ -191,6 +191,27 @@ def test_pool_target(parsed: dict[str, dict]) -> None:
     assert "vllm" not in runs(parsed, "pool").lower()
 
 
+def stage_pins(parsed: dict[str, dict], stage: str) -> dict[str, str]:
+    """name -> version of the distributions a target's own stages install by name."""
+    return {m[0].lower(): m[1] for m in re.findall(r"\s([A-Za-z0-9_.-]+)==([\w.]+)", runs(parsed, stage))}
+
+
+def test_pool_target_carries_the_csi_plugin(parsed: dict[str, dict]) -> None:
+    """The chart runs `maru-csi` from the pool image: it installs the `csi` extra's runtime, at pins the
+    extra accepts (the generated gRPC code refuses an older runtime), and imports the plugin."""
+    from packaging.requirements import Requirement
+
+    assert PYPROJECT["project"]["scripts"]["maru-csi"] == "maru_connector.csi.server:main"
+    pins = stage_pins(parsed, "pool")
+    for text in PYPROJECT["project"]["optional-dependencies"]["csi"]:
+        requirement = Requirement(text)
+        assert requirement.name in pins, f"the pool image does not install {requirement.name}"
+        assert requirement.specifier.contains(pins[requirement.name]), f"{requirement.name}=={pins[requirement.name]}"
+    assert "import maru_connector.csi.server" in runs(parsed, "pool")
+    # Only the pool image: the operator's stays without gRPC.
+    assert "grpc" not in runs(parsed, "operator").lower()
+
+
 def test_vllm_target(text: str, parsed: dict[str, dict]) -> None:
     stage = parsed["vllm"]
     base = global_args(text)[stage["from"].strip("${}")]
@@ -416,9 +437,10 @@ def test_connector_imports_with_only_what_the_vllm_image_has(parsed: dict[str, d
         "sys.meta_path.insert(0, Block())\n"
         "import pkgutil, maru_connector\n"
         "assert hasattr(importlib.import_module('maru_connector.vllm'), 'MaruConnector')\n"
-        "# Every module of the connector, the lazily imported ones too (the pool client).\n"
+        "# Every module of the connector, the lazily imported ones too (the pool client); not the CSI\n"
+        "# node plugin, which runs from the pool image (test_pool_target_carries_the_csi_plugin).\n"
         "for info in pkgutil.walk_packages(maru_connector.__path__, 'maru_connector.'):\n"
-        "    if not info.name.endswith('.__main__'):\n"
+        "    if not info.name.endswith('.__main__') and not info.name.startswith('maru_connector.csi.'):\n"
         "        importlib.import_module(info.name)\n"
         "print('ok')\n"
     )

@@ -128,15 +128,20 @@ class TestRoleDeployment:
         dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
         pod = dep["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["maru-socket"]["hostPath"] == {"path": "/run/maru/pool", "type": "Directory"}
+        # The pool's socket directory comes from the chart's CSI driver, read-only: no hostPath.
+        assert volumes["maru-socket"] == {"name": "maru-socket", "csi": {
+            "driver": "csi.maru.io", "readOnly": True, "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru"}}}
         assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
         mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
         assert mounts == {"maru-socket": "/run/maru/pool", "dshm": "/dev/shm"}
+        assert next(m for m in container(dep)["volumeMounts"] if m["name"] == "maru-socket")["readOnly"] is True
 
     def test_security_and_probes(self) -> None:
         dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
         pod = dep["spec"]["template"]["spec"]
-        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        # runAsUser too: runAsNonRoot alone refuses images whose user is root.
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                          "seccompProfile": {"type": "RuntimeDefault"}}
         assert pod["automountServiceAccountToken"] is False
         c = container(dep)
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}

@@ -87,12 +87,22 @@ def kube_list(name: str) -> dict[str, Any]:
 
 
 CORE = "io.k8s.api.core.v1."
+# An absolute host path other than "/" (a trailing "/" is allowed).
+ABSOLUTE_PATH = r"^/.*[^/]/?$"
+IMAGE_TAG = r"^$|^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
+PULL_POLICY = ("Always", "IfNotPresent", "Never")
 INT_OR_PERCENT = {
     "oneOf": [
         {"type": "integer", "minimum": 0},
         {"type": "string", "pattern": r"^[0-9]+%$"},
     ]
 }
+
+# A sidecar's or plugin's image: repository, tag, pull policy.
+IMAGE = obj(
+    {"repository": string(minLength=1), "tag": string(pattern=IMAGE_TAG), "pullPolicy": enum(*PULL_POLICY)},
+    required=["repository", "pullPolicy"],
+)
 
 # The chart's values. Keys marked "commented out" in values.yaml are optional and have no default.
 VALUES: dict[str, Any] = obj(
@@ -102,9 +112,9 @@ VALUES: dict[str, Any] = obj(
         "image": obj(
             {
                 "repository": string(minLength=1),
-                "tag": string(pattern=r"^$|^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"),
+                "tag": string(pattern=IMAGE_TAG),
                 "digest": string(pattern=r"^sha256:[a-f0-9]{64}$"),
-                "pullPolicy": enum("Always", "IfNotPresent", "Never"),
+                "pullPolicy": enum(*PULL_POLICY),
             },
             required=["repository", "pullPolicy"],
         ),
@@ -169,6 +179,22 @@ VALUES: dict[str, Any] = obj(
         "commonLabels": string_map(),
         "podSecurityContext": kube(CORE + "PodSecurityContext"),
         "securityContext": kube(CORE + "SecurityContext"),
+        "csiDriver": obj(
+            {
+                "enabled": boolean(),
+                "socketRoot": string(pattern=ABSOLUTE_PATH),
+                "kubeletDir": string(pattern=ABSOLUTE_PATH),
+                "image": IMAGE,
+                "registrar": obj(
+                    {"image": IMAGE, "resources": kube(CORE + "ResourceRequirements")}, required=["image"]
+                ),
+                "resources": kube(CORE + "ResourceRequirements"),
+                "nodeSelector": string_map(),
+                "tolerations": kube_list(CORE + "Toleration"),
+                "priorityClassName": string(maxLength=253),
+            },
+            required=["enabled", "socketRoot", "kubeletDir", "image", "registrar"],
+        ),
     },
     required=["image", "instance", "logLevel", "workers", "resyncSeconds", "poolUsageIntervalSeconds", "replicas",
               "livenessProbe", "metrics", "serviceAccount", "rbac"],

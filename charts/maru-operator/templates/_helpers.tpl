@@ -99,3 +99,35 @@ cluster at install time (it is empty under `helm template`, and without rbac.cre
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+The CSI driver's name. Fixed, not a value: the operator writes it into every vLLM pod's socket volume
+(maru_connector.csi.contract.DRIVER_NAME), and a test checks the two agree.
+*/}}
+{{- define "maru-operator.csiDriverName" -}}
+csi.maru.io
+{{- end }}
+
+{{/* The CSI node plugin's DaemonSet and ServiceAccount: "<fullname>-csi-node", within 63 characters. */}}
+{{- define "maru-operator.csiNodeName" -}}
+{{- printf "%s-csi-node" (include "maru-operator.fullname" . | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Labels that select the CSI node plugin's pods; never change them in an upgrade. */}}
+{{- define "maru-operator.csiNodeSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "maru-operator.name" . }}-csi-node
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of the CSI driver's objects: the chart's, with their own name and component. */}}
+{{- define "maru-operator.csiNodeLabels" -}}
+helm.sh/chart: {{ include "maru-operator.chart" . }}
+{{ include "maru-operator.csiNodeSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/component: csi-node
+app.kubernetes.io/part-of: maru
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

@@ -103,6 +103,24 @@ def metadata(owner: Owner, *, name: str, namespace: str | None, labels: dict[str
     return meta
 
 
+# The user and group of the product's images (the Dockerfile's USER 65532:65532).
+NONROOT_UID = 65532
+
+
+def restricted_pod_security(uid: int = NONROOT_UID) -> dict[str, Any]:
+    """Pod Security Standards "restricted" for a pod, with the user named.
+
+    runAsNonRoot alone makes the kubelet refuse an image whose user is root (or a name rather than a
+    number); with runAsUser the pod starts whatever the image says, as that non-root user.
+    """
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def restricted_container_security(*, read_only_root: bool = True) -> dict[str, Any]:
     """Pod Security Standards "restricted" for a container: no privilege, no capabilities."""
     return {

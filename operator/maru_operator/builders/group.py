@@ -22,9 +22,11 @@ from maru_operator.builders.common import (
     labels,
     metadata,
     restricted_container_security,
+    restricted_pod_security,
     selector,
 )
-from maru_operator.builders.pool import pool_endpoint, socket_host_dir
+from maru_operator.builders.pool import pool_endpoint
+from maru_operator.builders.poolsocket import pool_socket_mount, pool_socket_volume
 from maru_operator.names import child_name, label_value, short_hash
 
 Role = Literal["prefill", "decode"]
@@ -57,10 +59,6 @@ class PoolView:
     @property
     def endpoint(self) -> str:
         return pool_endpoint(self.spec, self.name)
-
-    @property
-    def socket_dir(self) -> str:
-        return socket_host_dir(self.spec, self.name)
 
 
 def role_name(group: str, role: str) -> str:
@@ -163,8 +161,7 @@ def build_role_deployment(
         "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
         "resources": _resources(role_spec),
         "volumeMounts": [
-            # Same path inside as on the host, so the pool URL in the connector config is valid in both.
-            {"name": "maru-socket", "mountPath": pool.socket_dir},
+            pool_socket_mount(pool.spec, pool.name),
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
         # Loading weights can take many minutes; liveness only starts once the server answered once.
@@ -177,10 +174,10 @@ def build_role_deployment(
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": restricted_pod_security(),
         "containers": [container],
         "volumes": [
-            {"name": "maru-socket", "hostPath": {"path": pool.socket_dir, "type": "Directory"}},
+            pool_socket_volume(pool.spec, pool.name),
             # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
@@ -314,7 +311,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
                 "spec": {
                     "serviceAccountName": router_name(owner.name),
                     "enableServiceLinks": False,
-                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": restricted_pod_security(),
                     "containers": [container],
                 },
             },

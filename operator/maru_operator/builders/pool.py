@@ -18,6 +18,7 @@ from maru_operator.builders.common import (
     labels,
     metadata,
     restricted_container_security,
+    restricted_pod_security,
     selector,
 )
 from maru_operator.names import MAX_NAME, child_name
@@ -27,8 +28,6 @@ COMPONENT_AGENT = "agent"
 COMPONENT_METADATA = "metadata"
 SOCKET_FILE = "pool.sock"
 SHM_FILE = "/dev/shm/maru-pool"
-# Unprivileged UID of the metadata server, which needs no host access at all.
-NONROOT_UID = 65532
 
 
 def agent_name(pool: str) -> str:
@@ -115,12 +114,8 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": NONROOT_UID,
-                        "runAsGroup": NONROOT_UID,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    # The metadata server needs no host access at all.
+                    "securityContext": restricted_pod_security(),
                     "tolerations": _tolerations(spec),
                     "containers": [
                         {

@@ -1,0 +1,107 @@
+"""The CSI node plugin as a real subprocess, and requests shaped as the kubelet sends them."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from maru_connector.csi import csi_pb2
+from maru_connector.csi.contract import ATTR_POOL, ATTR_SOCKET_DIR, EPHEMERAL, POD_NAME, POD_NAMESPACE
+
+REPO = Path(__file__).resolve().parents[2]
+# Generous bound on start-up on a loaded machine; never asserted on.
+START_TIMEOUT_S = 30.0
+Mode = csi_pb2.VolumeCapability.AccessMode.Mode
+
+
+def plugin_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO / "connector"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+class Plugin:
+    """A running ``python -m maru_connector.csi`` and the fields of its ready line."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = list(args)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maru_connector.csi", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=plugin_env(),
+        )
+        self.ready = self._read_ready()
+
+    def _read_ready(self) -> dict[str, str]:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                line = self.proc.stdout.readline()
+                if line.startswith("maru-csi ready "):
+                    return dict(kv.split("=", 1) for kv in line.split()[2:])
+                if not line:
+                    break
+        self.stop(signal.SIGKILL)
+        raise AssertionError(f"maru-csi {self.args} did not become ready; stderr:\n{self.stderr()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        return code
+
+    def stderr(self) -> str:
+        assert self.proc.stderr is not None
+        if self.proc.poll() is None:
+            return ""
+        text = self.proc.stderr.read()
+        self.proc.stderr.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return text
+
+
+def publish_request(
+    target: str,
+    pool: str,
+    *,
+    socket_dir: str | None = None,
+    volume_id: str = "csi-0123456789abcdef",
+    readonly: bool = True,
+) -> csi_pb2.NodePublishVolumeRequest:
+    """What the kubelet sends for an inline ephemeral volume of a driver with podInfoOnMount."""
+    context = {
+        ATTR_POOL: pool,
+        POD_NAME: "qwen-7b-decode-5d8f7c9b4-x2k7q",
+        POD_NAMESPACE: "llm",
+        "csi.storage.k8s.io/pod.uid": "6f1c9a6e-0d5b-4a55-9b8e-3f0c2a1d4e5f",
+        "csi.storage.k8s.io/serviceAccount.name": "default",
+        EPHEMERAL: "true",
+    }
+    if socket_dir is not None:
+        context[ATTR_SOCKET_DIR] = socket_dir
+    return csi_pb2.NodePublishVolumeRequest(
+        volume_id=volume_id,
+        target_path=target,
+        volume_capability=csi_pb2.VolumeCapability(
+            mount=csi_pb2.VolumeCapability.MountVolume(),
+            access_mode=csi_pb2.VolumeCapability.AccessMode(mode=Mode.SINGLE_NODE_WRITER),
+        ),
+        readonly=readonly,
+        volume_context=context,
+    )

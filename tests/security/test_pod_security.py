@@ -1,0 +1,178 @@
+"""Serving pods run at Pod Security ``restricted``; only pool infrastructure needs more.
+
+Every example under ``examples/`` is rendered with the real ``maru-operator render`` command, with the
+example InferenceGroup bound to each example MaruPool in turn (dax and shm groups differ: affinity,
+socket directory), and the chart is rendered with the real helm binary. Every pod template is checked
+against the Pod Security Standards:
+
+* the serving pods (vLLM prefill and decode, the router) and the operator pass ``restricted``, so a
+  tenant namespace can be labelled ``pod-security.kubernetes.io/enforce: restricted``;
+* the pods that fail ``restricted`` are exactly the pool's node agents and the CSI node plugin, both in
+  the operator's release namespace, which is labelled ``privileged``. They are exempt by design: the
+  agent owns the socket directory on the node (hostPath) and, with ``dax``, opens ``/dev/daxX.Y``
+  (privileged); the CSI node plugin bind-mounts that directory into pods (privileged, for mount
+  propagation). The test fails if any other pod starts needing more, or if these stop needing it
+  (then the docs' exemption list is stale).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from maru_localcluster.podsecurity import check, pod_template
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+POOL_NAMESPACE = "maru-system"
+SERVING_APPS = {"vllm", "vllm-router"}
+ROLES = {"prefill", "decode", "router"}
+
+
+def _render(paths: list[Path]) -> list[dict[str, Any]]:
+    args = [sys.executable, "-m", "maru_operator", "render", "--pool-namespace", POOL_NAMESPACE]
+    for path in paths:
+        args += ["-f", str(path)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def _examples() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Pool name -> the children of every example, with the example groups bound to that pool."""
+    docs = _examples()
+    pools = [d["metadata"]["name"] for d in docs if d["kind"] == "MaruPool"]
+    groups = [d for d in docs if d["kind"] == "InferenceGroup"]
+    assert len(pools) >= 2 and groups, "the examples hold a dax pool, an shm pool and a group"
+    out: dict[str, list[dict[str, Any]]] = {}
+    for pool in pools:
+        folder = tmp_path_factory.mktemp(f"bound-to-{pool}")
+        bound = [
+            {**d, "spec": {**d["spec"], "poolRef": {"name": pool}}} if d["kind"] == "InferenceGroup" else d
+            for d in docs
+        ]
+        (folder / "all.yaml").write_text(yaml.safe_dump_all(bound))
+        out[pool] = _render([folder])
+    return out
+
+
+def _app(obj: dict[str, Any]) -> str:
+    meta, _ = pod_template(obj) or ({}, {})
+    return (meta.get("labels") or {}).get("app.kubernetes.io/name", "")
+
+
+def _pods(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if pod_template(o) is not None]
+
+
+def _describe(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']} {obj['metadata'].get('namespace', '')}/{obj['metadata']['name']}"
+
+
+def test_the_examples_render_through_the_real_command() -> None:
+    # The unmodified examples, exactly as `make render` shows them.
+    objects = _render([EXAMPLES])
+    assert {_app(o) for o in _pods(objects)} >= SERVING_APPS
+
+
+def test_every_serving_pod_passes_restricted(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    checked = []
+    for pool, objects in rendered.items():
+        serving = [o for o in _pods(objects) if _app(o) in SERVING_APPS]
+        roles = {pod_template(o)[0]["labels"]["maru.io/role"] for o in serving}  # type: ignore[index]
+        assert roles == ROLES, f"bound to {pool}: roles {roles}"
+        for obj in serving:
+            violations = check(obj, "restricted")
+            assert not violations, f"{_describe(obj)} (pool {pool}) fails restricted:\n" + "\n".join(
+                map(str, violations)
+            )
+            checked.append(obj)
+    # Prefill, decode and router for the group bound to each pool: nothing was skipped by accident.
+    assert len(checked) == len(ROLES) * len(rendered)
+
+
+def test_the_socket_reaches_serving_pods_through_a_csi_volume(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for objects in rendered.values():
+        for obj in _pods(objects):
+            if _app(obj) != "vllm":
+                continue
+            _, spec = pod_template(obj)  # type: ignore[misc]
+            csi = [v for v in spec["volumes"] if "csi" in v]
+            assert len(csi) == 1 and csi[0]["csi"]["readOnly"] is True, spec["volumes"]
+
+
+def test_only_pool_infrastructure_needs_more_than_restricted(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    exempt: dict[str, set[str]] = {}
+    for objects in rendered.values():
+        for obj in _pods(objects):
+            violations = check(obj, "restricted")
+            if not violations:
+                continue
+            meta, _ = pod_template(obj)  # type: ignore[misc]
+            labels = meta.get("labels") or {}
+            assert (labels.get("app.kubernetes.io/name"), labels.get("app.kubernetes.io/component")) == (
+                "maru-pool",
+                "agent",
+            ), f"{_describe(obj)} needs more than restricted:\n" + "\n".join(map(str, violations))
+            assert obj["metadata"]["namespace"] == POOL_NAMESPACE
+            exempt[obj["metadata"]["name"]] = {v.control for v in violations}
+    # Both example pools' agents are exempt, for the documented reasons (and only those).
+    assert set(exempt) == {"cxl-pool-agent", "local-shm-agent"}
+    # shm: the socket directory (hostPath) and root, to create the socket in it; no capability, no escalation.
+    assert exempt["local-shm-agent"] == {"HostPath Volumes", "Volume Types", "Running as Non-root",
+                                         "Running as Non-root user"}
+    assert "Privileged Containers" in exempt["cxl-pool-agent"]
+
+
+@pytest.mark.tools
+def test_chart_pods(render) -> None:
+    """The operator passes restricted; the CSI node plugin is the chart's only pod that needs more."""
+    objects = render()
+    pods = _pods(objects)
+    assert pods
+    for obj in pods:
+        violations = check(obj, "restricted")
+        meta, _ = pod_template(obj)  # type: ignore[misc]
+        component = (meta.get("labels") or {}).get("app.kubernetes.io/component")
+        if component == "csi-node":
+            assert {"Privileged Containers", "HostPath Volumes"} <= {v.control for v in violations}
+        else:
+            assert not violations, f"{_describe(obj)} fails restricted:\n" + "\n".join(map(str, violations))
+    assert any((pod_template(o)[0].get("labels") or {}).get("app.kubernetes.io/component") == "csi-node"
+               for o in pods), "the chart ships the CSI node plugin"
+
+
+def _dockerfile_user(target: str) -> int:
+    from tests.docker.test_dockerfile import DOCKERFILE, last, stages
+
+    user = last(stages(DOCKERFILE.read_text()), target, "USER")
+    assert user, f"the {target} image names no user"
+    return int(user.split(":")[0])
+
+
+def test_serving_pods_name_a_non_root_user(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """runAsNonRoot alone makes the kubelet refuse an image whose user is root (or a name, not a number):
+    the pod must say which user it runs as. The UID is the one our images use, so their files fit."""
+    images = {"vllm": _dockerfile_user("vllm"), "vllm-router": _dockerfile_user("router")}
+    for objects in rendered.values():
+        for obj in _pods(objects):
+            if _app(obj) not in SERVING_APPS:
+                continue
+            _, spec = pod_template(obj)  # type: ignore[misc]
+            context = spec["securityContext"]
+            assert context.get("runAsNonRoot") is True
+            assert context.get("runAsUser") == images[_app(obj)], f"{_describe(obj)}: {context}"
+            assert context.get("runAsGroup") == images[_app(obj)], f"{_describe(obj)}: {context}"
