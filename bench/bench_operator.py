@@ -55,6 +55,7 @@ class FastControllers(KubeControllers):
         super().__init__(*args, **kwargs)
         self._seen: dict[tuple[str, str, str], str] = {}
         self._nodes_seen: tuple[str, ...] = ()
+        self._deployments: list[dict[str, Any]] = []  # this pass's, read in place
 
     def reconcile(self, emulator: Any) -> None:
         nodes = [n for n in emulator._iter(emulator.resource_type("", "nodes"), None)
@@ -63,6 +64,7 @@ class FastControllers(KubeControllers):
         if node_versions != self._nodes_seen:
             self._seen.clear()
             self._nodes_seen = node_versions
+        changed: list[dict[str, Any]] = []
         for plural in ("deployments", "daemonsets"):
             for obj in list(emulator._iter(emulator.resource_type("apps", plural), None)):
                 meta = obj["metadata"]
@@ -73,6 +75,31 @@ class FastControllers(KubeControllers):
                     obj, nodes)
                 self._write(emulator, plural, obj, status)
                 self._seen[key] = meta["resourceVersion"] if obj.get("status") == status else ""
+                if plural == "deployments":
+                    changed.append(obj)
+        # EndpointSlices of the Services that select a changed Deployment, or that changed themselves.
+        self._deployments = list(emulator._iter(emulator.resource_type("apps", "deployments"), None))
+        for svc in list(emulator._iter(emulator.resource_type("", "services"), None)):
+            meta = svc["metadata"]
+            key = ("services", meta["namespace"], meta["name"])
+            selector = (svc.get("spec") or {}).get("selector") or {}
+            touched = self._seen.get(key) != meta["resourceVersion"] or any(
+                d["metadata"]["namespace"] == meta["namespace"] and selector.items()
+                <= (d["spec"]["template"]["metadata"].get("labels") or {}).items() for d in changed)
+            if touched:
+                self.sync_endpoint_slice(emulator, svc)
+                self._seen[key] = meta["resourceVersion"]
+
+    def _members(self, emulator: Any, svc: dict[str, Any]) -> list[bool]:
+        selector = ((svc.get("spec") or {}).get("selector") or {}).items()
+        members: list[bool] = []
+        for deploy in self._deployments:
+            if deploy["metadata"]["namespace"] == svc["metadata"]["namespace"] and \
+                    selector <= (deploy["spec"]["template"]["metadata"].get("labels") or {}).items():
+                status = deploy.get("status") or {}
+                ready = int(status.get("readyReplicas") or 0)
+                members += [i < ready for i in range(int(status.get("replicas") or 0))]
+        return members
 
 
 def rss_kb(pid: int, field: str) -> int:
@@ -167,11 +194,12 @@ def run(groups: int, workers: int) -> dict[str, Any]:
             elapsed = time.monotonic() - started
             operator_cpu = cpu_seconds(proc.pid) - cpu_before
             requests = kube.requests_since(mark)
-            # Converged: let it run through a resync-free quiet spell; nothing may be written.
+            # Converged: let it run through a resync-free quiet spell; nothing may be written (but the
+            # leader Lease's renewals).
             time.sleep(3.0)
             idle_mark = kube.mark()
             time.sleep(3.0)
-            idle_writes = len(kube.writes_since(idle_mark))
+            idle_writes = len([r for r in kube.writes_since(idle_mark) if "/leases" not in r.path])
             peak_hwm = rss_kb(proc.pid, "VmHWM")
         except BaseException:
             log.flush()

@@ -24,7 +24,13 @@ from maru_operator import metrics
 from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
 from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
-from maru_operator.builders.group import build_group_children, role_name, router_endpoint, router_name
+from maru_operator.builders.group import (
+    build_group_children,
+    role_name,
+    router_endpoint,
+    router_name,
+    service_name,
+)
 from maru_operator.builders.pool import (
     COMPONENT_AGENT,
     agent_name,
@@ -44,6 +50,7 @@ from maru_operator.reconcile import (
 )
 from maru_operator.status import (
     PoolObservation,
+    Router,
     bind,
     blocked_pool_status,
     changed,
@@ -51,6 +58,7 @@ from maru_operator.status import (
     invalid_group_status,
     invalid_pool_status,
     pool_status,
+    ready_endpoints,
     status_body,
     usage_only_change,
 )
@@ -377,8 +385,12 @@ class Controller:
             "decode": children.get(("Deployment", namespace, role_name(name, "decode"))),
             "router": children.get(("Deployment", namespace, router_name(name))),
         }
+        router = None
+        if spec.router.enabled:
+            svc = service_name(name)
+            router = Router(f"{namespace}/{svc}", ready_endpoints(self.store.endpoint_slices(namespace, svc)))
         new = group_status(spec, generation, binding, observed, old,
-                           endpoint=router_endpoint(spec, owner), now=self.clock(),
+                           endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
                            conflicts=list(applied.conflicts.values()))
         await self.write_status(body, old, new)
         if not binding.ok:
@@ -387,7 +399,7 @@ class Controller:
 
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
-               "NoNodesSelected", "ChildConflict"}
+               "NoNodesSelected", "ChildConflict", "NoReadyEndpoints"}
 _WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable",
-               "PoolDegraded"}
+               "PoolDegraded", "PoolUnavailable"}
 

@@ -29,7 +29,7 @@ import kopf
 from maru_operator import metrics
 from maru_operator.api.common import GROUP, VERSION
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, instance_selector
-from maru_operator.cache import Key, Store, key_of, not_newer, owner_key
+from maru_operator.cache import SERVICE_NAME_LABEL, Key, Store, key_of, not_newer, owner_key
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
@@ -45,6 +45,9 @@ CHILD_RESOURCES = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 )
+# The router Services' EndpointSlices: the EndpointSlice controller copies a Service's labels onto them,
+# so the same server-side selector finds exactly the slices of the operator's Services.
+ENDPOINT_SLICES = ("discovery.k8s.io", "v1", "endpointslices")
 OURS = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
@@ -136,7 +139,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     config = STATE.config
     for plural in ("marupools", "inferencegroups"):
         settings.watching.label_selectors[GROUP, VERSION, plural] = owner_selector(config.instance)
-    for group, version, plural in CHILD_RESOURCES:
+    for group, version, plural in (*CHILD_RESOURCES, ENDPOINT_SLICES):
         settings.watching.label_selectors[group, version, plural] = child_selector(config.instance)
     if config.connection is None:
         config.connection = login(settings=settings)
@@ -180,7 +183,7 @@ async def _follow() -> None:
 
 
 PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
-                "RoleBinding")
+                "RoleBinding", "EndpointSlice")
 
 
 async def _prime(kube: Kube, namespaces: list[str]) -> None:
@@ -334,6 +337,22 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
 for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(_child_event)
 
+
+@kopf.on.event(*ENDPOINT_SLICES, labels=OURS)
+async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    """A router Service's endpoints changed: its group's Ready depends on them."""
+    obj = dict(body)
+    obj.setdefault("kind", "EndpointSlice")
+    if type == "DELETED":
+        STATE.store.remove(obj)
+    else:
+        STATE.store.put(obj)
+    meta = obj.get("metadata", {})
+    service = STATE.store.get(("Service", meta.get("namespace") or "",
+                               (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, "")))
+    if service is not None:
+        _enqueue(owner_key(service))
+
 # What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
-_GONE = {"MaruPool": pool_event, "InferenceGroup": group_event,
-         **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup")}}
+_GONE = {"MaruPool": pool_event, "InferenceGroup": group_event, "EndpointSlice": slice_event,
+         **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup", "EndpointSlice")}}

@@ -54,6 +54,7 @@ KINDS: dict[str, Kind] = {
     "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Lease": Kind("apis/coordination.k8s.io/v1", "leases"),
+    "EndpointSlice": Kind("apis/discovery.k8s.io/v1", "endpointslices"),
     "MaruPool": Kind("apis/maru.io/v1alpha1", "marupools", namespaced=False),
     "InferenceGroup": Kind("apis/maru.io/v1alpha1", "inferencegroups"),
 }

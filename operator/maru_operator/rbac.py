@@ -39,6 +39,8 @@ CLUSTER_RULES: list[Rule] = [
     ([""], ["pods"], READ,
      "list the pool agents' pods for per-node status; also required to grant the router read access to pods "
      "(RBAC refuses to create a Role with permissions its creator lacks)"),
+    (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"],
+     "Ready needs the router Service's ready endpoints (only slices labelled as the operator's Services are watched)"),
     ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),
     (["apiextensions.k8s.io"], ["customresourcedefinitions"], ["list", "watch"],
      "kopf notices when the CRDs it serves are installed or removed"),

@@ -43,6 +43,14 @@ def _pod_ready(pod: Object) -> bool:
     return False
 
 
+def _observed(workload: Object | None) -> bool:
+    """Whether a workload's controller has reported on its current generation."""
+    if workload is None:
+        return False
+    observed = int((workload.get("status") or {}).get("observedGeneration") or 0)
+    return observed >= int(workload.get("metadata", {}).get("generation") or 1)
+
+
 def _deployment_ready(dep: Object | None) -> bool | None:
     if dep is None:
         return None
@@ -89,9 +97,15 @@ def pool_status(
             capacity = size_bytes
 
     gen = generation
+    if seen.conflicts:
+        ready_condition = cond.child_conflict(seen.conflicts, gen)
+    elif not _observed(seen.daemonset):
+        # Before its controller has looked at the DaemonSet, "no node matches" would be a false alarm.
+        ready_condition = cond.agents_pending(gen)
+    else:
+        ready_condition = cond.pool_ready(ready, desired, metadata_ready, gen)
     new_conditions = [
-        cond.child_conflict(seen.conflicts, gen) if seen.conflicts else cond.pool_ready(ready, desired,
-                                                                                         metadata_ready, gen),
+        ready_condition,
         cond.pool_degraded(ready, desired, metadata_ready, gen),
         cond.pool_in_use(seen.bound_groups, seen.deleting, gen),
     ]
@@ -184,6 +198,20 @@ def _deployment_problem(dep: Object) -> str | None:
     return None
 
 
+def ready_endpoints(slices: list[Object]) -> int:
+    """Endpoints ready to receive traffic across a Service's EndpointSlices (an unset ready means ready)."""
+    return sum(1 for sl in slices for e in sl.get("endpoints") or []
+               if (e.get("conditions") or {}).get("ready", True) is not False)
+
+
+@dataclass(frozen=True)
+class Router:
+    """The router's front door as observed: its Service's name, and its ready endpoints."""
+
+    service: str  # namespace/name
+    ready_endpoints: int
+
+
 def group_status(
     spec: InferenceGroupSpec,
     generation: int | None,
@@ -193,38 +221,59 @@ def group_status(
     *,
     endpoint: str,
     now: str,
+    router: Router | None = None,
     conflicts: list[str] | None = None,
 ) -> InferenceGroupStatus:
-    """``children`` maps prefill, decode, router to their observed Deployment (None when absent)."""
+    """``children`` maps prefill, decode, router to their observed Deployment (None when absent).
+
+    Ready means serving: each of prefill and decode has a ready pod and (with a router) the router
+    Service has a ready endpoint. Fewer ready replicas than desired, and a pool outage while vLLM
+    serves (it recomputes, without pool hits), are Degraded.
+    """
     roles = {r: _role_status(children.get(r)) for r in ("prefill", "decode", "router")}
-    rolling, problems, waiting = [], [], []
+    rolling: list[str] = []
+    short: list[str] = []  # replicas missing, or a Deployment's own trouble
+    not_serving: list[str] = []
     wanted = [("prefill", True), ("decode", True), ("router", spec.router.enabled)]
     for role, needed in wanted:
         dep = children.get(role)
         if not needed:
             continue
         if dep is None:
-            waiting.append(f"{role} Deployment")
+            not_serving.append(f"{role} Deployment not created yet")
             continue
         if not rollout_done(dep):
             rolling.append(role)
         problem = _deployment_problem(dep)
         if problem:
-            problems.append(problem)
-        if roles[role].ready < roles[role].desired or (roles[role].desired == 0 and role != "router"):
-            waiting.append(f"{role} {roles[role].summary} ready")
+            short.append(problem)
+        st = roles[role]
+        if st.ready == 0 and role != "router":
+            not_serving.append(f"{role} has no ready pod ({st.summary})")
+        elif st.ready < st.desired:
+            short.append(f"{role} {st.summary} ready")
+    serving = not not_serving
+    # Revoked access stops the group on purpose (its vLLM pods are scaled to zero): Ready=False says why.
+    degraded = [] if binding.revoke else [("ReplicasUnavailable", p) for p in short]
+    if not binding.ok and not binding.revoke and serving:
+        degraded.append(("PoolUnavailable", f"{binding.message}; vLLM serves without pool hits meanwhile"))
     if binding.pool_problem:
-        problems.append(binding.pool_problem)
+        degraded.append(("PoolDegraded", binding.pool_problem))
     gen = generation
-    base = [
+    summary = f"prefill {roles['prefill'].summary}, decode {roles['decode'].summary} ready"
+    ready = cond.group_ready(
+        conflicts=conflicts or [], not_serving=not_serving, binding=(binding.ok, binding.reason, binding.message),
+        router=(router.service, router.ready_endpoints) if router else None, summary=summary, gen=gen,
+    )
+    conditions = [
         cond.pool_bound(binding.ok, binding.reason, binding.message, gen),
+        ready,
         cond.group_progressing(rolling, gen),
-        cond.group_degraded(problems, gen),
+        cond.group_degraded(degraded, gen),
     ]
-    ready = cond.child_conflict(conflicts, gen) if conflicts else cond.derived_ready(base, waiting, gen)
     return InferenceGroupStatus(
         observed_generation=generation,
-        conditions=cond.merge(old.conditions, [base[0], ready, *base[1:]], now),
+        conditions=cond.merge(old.conditions, conditions, now),
         prefill=roles["prefill"],
         decode=roles["decode"],
         router=roles["router"] if spec.router.enabled else RoleStatus(summary="disabled"),

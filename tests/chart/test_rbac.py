@@ -38,6 +38,7 @@ NAMESPACED_RULES = {
     ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},
+    ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
 }
 # A Role in the release namespace, where the pool daemons run.
 POOL_NAMESPACE_RULES = {

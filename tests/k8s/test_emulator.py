@@ -728,6 +728,44 @@ def test_controllers_report_deployment_readiness(kube: KubeEmulator, kube_contro
     assert partial['status']['readyReplicas'] == 1 and partial['status']['replicas'] == 2
 
 
+def test_controllers_keep_endpoint_slices_of_services(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
+    kube_controllers.set_readiness(lambda obj: 1)
+    kube.create(_deployment('d', 2))
+    svc = kube.create({'apiVersion': 'v1', 'kind': 'Service',
+                       'metadata': {'name': 'web', 'namespace': 'default', 'labels': {'team': 'a'}},
+                       'spec': {'selector': {'app': 'd'}, 'ports': [{'port': 80}]}})
+
+    def ready_endpoints(obj: dict[str, Any]) -> list[bool]:
+        return [e['conditions']['ready'] for e in obj.get('endpoints') or []]
+
+    def the_slice() -> dict[str, Any]:
+        return kube.wait_until(lambda e: next(iter(e.list_objects('discovery.k8s.io', 'endpointslices', 'default',
+                                                                   'kubernetes.io/service-name=web')), None))
+
+    kube.wait_until(lambda e: [ready_endpoints(s) for s in e.list_objects('discovery.k8s.io', 'endpointslices')]
+                    == [[True, False]])
+    slice_ = the_slice()
+    assert slice_['metadata']['labels']['team'] == 'a'  # the Service's labels are copied
+    assert slice_['metadata']['ownerReferences'][0]['uid'] == svc['metadata']['uid']
+    kube_controllers.hold_endpoints()
+    kube.wait_until(lambda e: [ready_endpoints(s) for s in e.list_objects('discovery.k8s.io', 'endpointslices')]
+                    == [[False, False]])
+    kube_controllers.release_endpoints()
+    kube.delete('services', 'web', 'default')
+    kube.wait_until(lambda e: not e.list_objects('discovery.k8s.io', 'endpointslices', 'default'))
+
+
+def test_paused_controllers_write_nothing(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
+    kube_controllers.pause()
+    kube.create(_deployment('d', 1))
+    passes = kube_controllers.passes
+    kube.create(_deployment('e', 1))
+    assert 'status' not in (kube.get('deployments.apps', 'd', 'default') or {})
+    assert kube_controllers.passes == passes
+    kube_controllers.resume()
+    kube.wait_for('deployments.apps', 'd', 'default', lambda o: o.get('status', {}).get('observedGeneration') == 1)
+
+
 def test_controllers_count_daemonset_nodes(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
     kube_controllers.add_node('n1', {'cxl': 'true'})
     kube_controllers.add_node('n2', {'cxl': 'true'})
