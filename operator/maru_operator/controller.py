@@ -62,7 +62,7 @@ from maru_operator.status import (
     status_body,
     usage_only_change,
 )
-from maru_operator.validation import check_group, check_pool
+from maru_operator.validation import check_group, check_group_on_pool, check_pool
 
 log = logging.getLogger("maru_operator.controller")
 
@@ -362,6 +362,9 @@ class Controller:
             if pool_body is not None:
                 self.store.put(pool_body)
         binding = bind(namespace, spec, pool_body)
+        if binding.pool is not None and (errors := [str(e) for e in check_group_on_pool(spec, binding.pool)]):
+            await self.write_status(body, old, invalid_group_status(errors, generation, old, self.clock()))
+            raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         desired = build_group_children(spec, owner, binding.pool)
         keep: set[Key] = set()
         if not binding.ok:

@@ -117,3 +117,47 @@ def test_an_object_it_does_not_control_is_never_taken_over(cluster: KubeEmulator
     cluster.create(group())
     svc = cluster.wait_for("services", "qwen", GROUP_NS)
     assert svc["metadata"]["ownerReferences"][0]["kind"] == "InferenceGroup"
+
+
+def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulator, operator: RunningOperator,
+                                                             ready_pool: dict[str, Any]) -> None:
+    options = {
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
+                    {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "big-shm", "mountPath": "/dev/shm"}],
+        "imagePullSecrets": [{"name": "registry"}],
+        "priorityClassName": "inference",
+        "serviceAccountName": "model-reader",
+        "podLabels": {"team": "search"},
+        "strategy": {"type": "Recreate"},
+    }
+    cluster.create(group(prefill={"replicas": 1, **options}))
+    dep = cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} \
+        in pod["containers"][0]["env"]
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "models", "big-shm"}
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("model-reader", "inference")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    # Taken out of the spec, they leave the Deployment (and the operator's /dev/shm comes back).
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {k: None for k in options}}}, GROUP_NS)
+    settle(operator)
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None
+    pod = dep["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "dshm"}
+    assert "serviceAccountName" not in pod and "priorityClassName" not in pod and "imagePullSecrets" not in pod
+    assert "team" not in dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert [e["name"] for e in pod["containers"][0]["env"]] == ["PYTHONHASHSEED"]
+
+
+def test_a_volume_over_the_pool_socket_touches_nothing(cluster: KubeEmulator, operator: RunningOperator,
+                                                       ready_pool: dict[str, Any]) -> None:
+    cluster.create(group(decode={"volumes": [{"name": "v", "emptyDir": {}}],
+                                 "volumeMounts": [{"name": "v", "mountPath": "/run/maru"}]}))
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
+    assert "spec.decode.volumeMounts" in condition_of(ig, "Ready")["message"]
+    settle(operator)
+    assert cluster.list(DEPLOY, GROUP_NS) == []

@@ -66,7 +66,8 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     assert (st["nodeSummary"], st["capacity"], st["endpoint"]) == ("1/1", "1Gi", "unix:///run/maru/local-shm/pool.sock")
 
     cluster.create(group())
-    ig = wait_group_ready(cluster)
+    # Ready as soon as the router Service has a ready endpoint; the replica counts may follow a moment later.
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: ready(o) and o["status"]["router"]["summary"] == "1/1")
     uid = ig["metadata"]["uid"]
     for resource, name in [(DEPLOY, "qwen-prefill"), (DEPLOY, "qwen-decode"), (DEPLOY, "qwen-router"),
                            ("services", "qwen"), ("serviceaccounts", "qwen-router"),

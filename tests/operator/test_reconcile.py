@@ -27,8 +27,10 @@ def server_version(obj: dict) -> dict:
     actual["metadata"].update(uid="x", resourceVersion="7", generation=1, creationTimestamp="2026-01-01T00:00:00Z",
                               annotations={"deployment.kubernetes.io/revision": "1"})
     spec = actual["spec"]
-    spec.update(revisionHistoryLimit=10, progressDeadlineSeconds=600)
-    spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
+    spec.setdefault("revisionHistoryLimit", 10)
+    spec.setdefault("progressDeadlineSeconds", 600)
+    spec.setdefault("strategy", {"type": "RollingUpdate",
+                                 "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}})
     pod = spec["template"]["spec"]
     pod.update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="default-scheduler")
     for c in pod["containers"]:
