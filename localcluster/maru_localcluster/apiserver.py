@@ -8,16 +8,20 @@ label/field selectors, watches resumable from a resourceVersion without gaps (41
 CRD registration with discovery (short names, categories, printer columns as server-side Tables),
 ownerReference garbage collection, namespace termination, the server-side defaults of the
 built-in workload kinds (``defaults.py``), CRD schema pruning, defaulting, validation and CEL rules
-(switchable), strict field validation when asked (kubectl's default), merge/strategic-merge/JSON
-patches, a simple server-side apply, dry runs, and the protobuf bodies kubectl's ``create``
-generators and helm send.
+(switchable; an update may keep an unchanged top-level field that no longer validates, as
+validation ratcheting allows), strict field validation when asked (kubectl's default),
+merge/strategic-merge/JSON patches, server-side apply with field ownership in managedFields
+(``fieldmanager.py``: removal of fields a manager stops applying, conflicts and force), dry runs,
+history compaction on demand (watches resumed from before it get 410 Gone), bearer-token
+authentication with RBAC from the stored roles and bindings, escalation prevention and
+OwnerReferencesPermissionEnforcement (``authz.py``; requests without a token act as an admin), and the
+protobuf bodies kubectl's ``create`` generators and helm send.
 
-Not emulated: admission webhooks, RBAC and authentication (everything is allowed), managedFields
-and server-side-apply field ownership (applied configs are merged; fields dropped from a manifest
-stay), pagination (lists are never chunked), foreground deletion (treated as background), watch
-bookmarks, CRD version conversion (all versions share one storage), protobuf bodies of kinds other
-than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions, pods and every controller (see
-``controllers.py`` for Deployment/DaemonSet status).
+Not emulated: admission webhooks, impersonation, pagination (lists are never chunked), foreground
+deletion (treated as background), watch bookmarks, CRD version conversion (all versions share one
+storage), protobuf bodies of kinds other than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions,
+pods and every controller (see ``simcontrollers.py`` for Deployment/DaemonSet status and
+EndpointSlices).
 """
 
 from __future__ import annotations
