@@ -1,12 +1,17 @@
-"""Operator at scale: 200 InferenceGroups and one pool against the Kubernetes API emulator.
+"""Operator at scale, and under steady traffic, against the Kubernetes API emulator.
 
 The operator runs as a real subprocess (``python -m maru_operator run``) against the emulator over
-HTTP on loopback, with the simulated Deployment/DaemonSet controllers writing status. Measures the
-time from the first create until every group has all its children and a Ready status, the operator's
-peak RSS (VmHWM of the process), the API requests it made, and the writes it makes once converged
-(must be zero). Prints a table and merges the figures into ``bench/results.json`` under "operator".
+HTTP on loopback, with the simulated Deployment/DaemonSet controllers writing status.
 
-Targets on a 2-core machine: converge in <= 60 s, peak RSS <= 150 MB.
+* Scale: 200 InferenceGroups and one pool. Measures the time from the first create until every group
+  has all its children and a Ready status, the operator's peak RSS (VmHWM of the process), the API
+  requests it made, and the writes it makes once converged (must be zero). Targets on a 2-core
+  machine: converge in <= 60 s, peak RSS <= 150 MB. Saved under "operator".
+* Steady traffic: one pool whose daemon reports a different memory use on every look (in-flight
+  leases under traffic), against the same pool with constant use (the baseline, same process).
+  Measures pool status writes, pod lists and daemon polls per second. Target: status writes at most
+  one per ``--pool-usage-interval`` (default 30 s), plus the first use seen. Saved under
+  "operator_steady_traffic".
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class FastControllers(KubeControllers):
         super().__init__(*args, **kwargs)
         self._seen: dict[tuple[str, str, str], str] = {}
         self._nodes_seen: tuple[str, ...] = ()
+        self._deployments: list[dict[str, Any]] = []  # this pass's, read in place
 
     def reconcile(self, emulator: Any) -> None:
         nodes = [n for n in emulator._iter(emulator.resource_type("", "nodes"), None)
@@ -58,6 +64,7 @@ class FastControllers(KubeControllers):
         if node_versions != self._nodes_seen:
             self._seen.clear()
             self._nodes_seen = node_versions
+        changed: list[dict[str, Any]] = []
         for plural in ("deployments", "daemonsets"):
             for obj in list(emulator._iter(emulator.resource_type("apps", plural), None)):
                 meta = obj["metadata"]
@@ -68,6 +75,31 @@ class FastControllers(KubeControllers):
                     obj, nodes)
                 self._write(emulator, plural, obj, status)
                 self._seen[key] = meta["resourceVersion"] if obj.get("status") == status else ""
+                if plural == "deployments":
+                    changed.append(obj)
+        # EndpointSlices of the Services that select a changed Deployment, or that changed themselves.
+        self._deployments = list(emulator._iter(emulator.resource_type("apps", "deployments"), None))
+        for svc in list(emulator._iter(emulator.resource_type("", "services"), None)):
+            meta = svc["metadata"]
+            key = ("services", meta["namespace"], meta["name"])
+            selector = (svc.get("spec") or {}).get("selector") or {}
+            touched = self._seen.get(key) != meta["resourceVersion"] or any(
+                d["metadata"]["namespace"] == meta["namespace"] and selector.items()
+                <= (d["spec"]["template"]["metadata"].get("labels") or {}).items() for d in changed)
+            if touched:
+                self.sync_endpoint_slice(emulator, svc)
+                self._seen[key] = meta["resourceVersion"]
+
+    def _members(self, emulator: Any, svc: dict[str, Any]) -> list[bool]:
+        selector = ((svc.get("spec") or {}).get("selector") or {}).items()
+        members: list[bool] = []
+        for deploy in self._deployments:
+            if deploy["metadata"]["namespace"] == svc["metadata"]["namespace"] and \
+                    selector <= (deploy["spec"]["template"]["metadata"].get("labels") or {}).items():
+                status = deploy.get("status") or {}
+                ready = int(status.get("readyReplicas") or 0)
+                members += [i < ready for i in range(int(status.get("replicas") or 0))]
+        return members
 
 
 def rss_kb(pid: int, field: str) -> int:
@@ -162,11 +194,12 @@ def run(groups: int, workers: int) -> dict[str, Any]:
             elapsed = time.monotonic() - started
             operator_cpu = cpu_seconds(proc.pid) - cpu_before
             requests = kube.requests_since(mark)
-            # Converged: let it run through a resync-free quiet spell; nothing may be written.
+            # Converged: let it run through a resync-free quiet spell; nothing may be written (but the
+            # leader Lease's renewals).
             time.sleep(3.0)
             idle_mark = kube.mark()
             time.sleep(3.0)
-            idle_writes = len(kube.writes_since(idle_mark))
+            idle_writes = len([r for r in kube.writes_since(idle_mark) if "/leases" not in r.path])
             peak_hwm = rss_kb(proc.pid, "VmHWM")
         except BaseException:
             log.flush()
@@ -199,12 +232,125 @@ def run(groups: int, workers: int) -> dict[str, Any]:
     }
 
 
+class DaemonStub:
+    """A pool daemon's /status on loopback: constant use, or different use on every request (traffic)."""
+
+    def __init__(self, changing: bool) -> None:
+        import http.server
+
+        stub = self
+        self.polls = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stub.polls += 1
+                used = 4096 * stub.polls if changing else 1 << 20
+                body = json.dumps({"capacity_bytes": 8 << 30, "used_bytes": used}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def traffic_run(changing: bool, seconds: float, interval: float) -> dict[str, Any]:
+    """One pool, its daemon answering on loopback; status writes, pod lists and daemon polls per second."""
+    daemon = DaemonStub(changing)
+    with tempfile.TemporaryDirectory() as tmp, running_emulator(pathlib.Path(tmp)) as kube, \
+            FastControllers(kube) as controllers:
+        setup(kube, controllers)
+        log_path = pathlib.Path(tmp) / "operator.log"
+        log = open(log_path, "w")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", POOL_NS, "--liveness", "",
+             "--metrics-port", "0", "--pool-usage-interval", str(interval)],
+            env=kube.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        try:
+            kube.create({"apiVersion": "maru.io/v1alpha1", "kind": "MaruPool", "metadata": {"name": "bench-pool"},
+                         "spec": {"backend": "shm", "size": "8Gi", "nodeSelector": {"maru.io/pool": "yes"},
+                                  "daemon": {"metricsPort": daemon.port}}})
+            ds = kube.wait_for("daemonsets.apps", "bench-pool-agent", POOL_NS, timeout=60)
+            # The agent pod as the DaemonSet controller and kubelet leave it, reachable on loopback.
+            labels = ds["spec"]["template"]["metadata"]["labels"]
+            kube.create({"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": "bench-pool-agent-0", "namespace": POOL_NS, "labels": labels},
+                         "spec": {"nodeName": "node-0", "containers": [{"name": "agent", "image": "x"}]}})
+            kube.patch_status("pods", "bench-pool-agent-0", {
+                "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}, POOL_NS)
+            # The first use reaches status when the pool is next looked at (at the latest after one interval).
+            kube.wait_for("marupools.maru.io", "bench-pool", None,
+                          lambda o: is_ready(o) and o.get("status", {}).get("used"), timeout=interval + 30)
+            mark, polls = kube.mark(), daemon.polls
+            time.sleep(seconds)
+            requests = kube.requests_since(mark)
+            polls = daemon.polls - polls
+        except BaseException:
+            log.flush()
+            print(log_path.read_text()[-5000:], file=sys.stderr)
+            raise
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+            daemon.close()
+    writes = sum(1 for r in requests if r.method == "PATCH" and r.path.endswith("/marupools/bench-pool/status"))
+    lists = sum(1 for r in requests if r.method == "GET" and r.path.endswith("/pods") and not r.is_watch)
+    return {
+        "seconds": seconds,
+        "status_writes": writes,
+        "status_writes_per_second": round(writes / seconds, 3),
+        "pod_lists_per_second": round(lists / seconds, 3),
+        "daemon_polls_per_second": round(polls / seconds, 3),
+    }
+
+
+def steady_traffic(seconds: float, interval: float) -> dict[str, Any]:
+    traffic = traffic_run(True, seconds, interval)
+    baseline = traffic_run(False, seconds, interval)
+    allowed = int(seconds // interval) + 1
+    return {
+        "pool_usage_interval_seconds": interval,
+        "changing_usage": traffic,
+        "constant_usage_baseline": baseline,
+        "bound_status_writes": allowed,
+        "meets_targets": traffic["status_writes"] <= allowed,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=200)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--traffic-seconds", type=float, default=40.0, help="length of the steady-traffic window")
+    parser.add_argument("--pool-usage-interval", type=float, default=30.0)
     parser.add_argument("--no-save", action="store_true", help="print only, do not touch bench/results.json")
     args = parser.parse_args()
+    traffic = steady_traffic(args.traffic_seconds, args.pool_usage_interval)
+    changing, constant = traffic["changing_usage"], traffic["constant_usage_baseline"]
+    print(f"steady traffic, {args.traffic_seconds:.0f} s, --pool-usage-interval {args.pool_usage_interval:.0f}:")
+    print(f"{'':<26}{'changing use':>14}{'constant use':>14}")
+    for label, field in (("pool status writes/s", "status_writes_per_second"),
+                         ("pod lists/s", "pod_lists_per_second"), ("daemon polls/s", "daemon_polls_per_second")):
+        print(f"{label:<26}{changing[field]:>14}{constant[field]:>14}")
+    print(f"status writes {changing['status_writes']} (bound {traffic['bound_status_writes']}); "
+          f"meets target: {traffic['meets_targets']}\n")
+    if not args.no_save:
+        merge_results("operator_steady_traffic", traffic)
     result = run(args.groups, args.workers)
     rows = [
         ("InferenceGroups", f"{result['groups']}", ""),
@@ -222,7 +368,7 @@ def main() -> int:
     print("meets targets:", result["meets_targets"])
     if not args.no_save:
         merge_results("operator", result)
-    return 0 if result["meets_targets"] else 1
+    return 0 if result["meets_targets"] and traffic["meets_targets"] else 1
 
 
 if __name__ == "__main__":

@@ -8,16 +8,21 @@ label/field selectors, watches resumable from a resourceVersion without gaps (41
 CRD registration with discovery (short names, categories, printer columns as server-side Tables),
 ownerReference garbage collection, namespace termination, the server-side defaults of the
 built-in workload kinds (``defaults.py``), CRD schema pruning, defaulting, validation and CEL rules
-(switchable), strict field validation when asked (kubectl's default), merge/strategic-merge/JSON
-patches, a simple server-side apply, dry runs, and the protobuf bodies kubectl's ``create``
-generators and helm send.
+(switchable; an update may keep an unchanged top-level field that no longer validates, as
+validation ratcheting allows), strict field validation when asked (kubectl's default),
+merge/strategic-merge/JSON patches, server-side apply with field ownership in managedFields
+(``fieldmanager.py``: removal of fields a manager stops applying, conflicts and force), dry runs,
+history compaction on demand (watches resumed from before it get 410 Gone), bearer-token
+authentication (registered tokens, and service account tokens from the TokenRequest API) with RBAC
+from the stored roles and bindings, escalation prevention and
+OwnerReferencesPermissionEnforcement (``authz.py``; requests without a token act as an admin), and the
+protobuf bodies kubectl's ``create`` generators and helm send.
 
-Not emulated: admission webhooks, RBAC and authentication (everything is allowed), managedFields
-and server-side-apply field ownership (applied configs are merged; fields dropped from a manifest
-stay), pagination (lists are never chunked), foreground deletion (treated as background), watch
-bookmarks, CRD version conversion (all versions share one storage), protobuf bodies of kinds other
-than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions, and every controller and kubelet (they
-live in ``controllers.py``, ``scheduler.py`` and ``kubelet.py``; ``simcontrollers.py`` only fakes status).
+Not emulated: admission webhooks, impersonation, pagination (lists are never chunked), foreground
+deletion (treated as background), watch bookmarks, CRD version conversion (all versions share one
+storage), protobuf bodies of kinds other than Namespace/ConfigMap/Secret/ServiceAccount/DeleteOptions,
+and every controller and kubelet (they live in ``controllers.py``, ``scheduler.py`` and ``kubelet.py``;
+``simcontrollers.py`` only fakes status and EndpointSlices for tests that run no pods).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import kmock
 import yaml
 from typing_extensions import override
 
-from maru_localcluster import defaults, protobuf
+from maru_localcluster import authz, defaults, fieldmanager, protobuf
 
 JsonObj = dict[str, Any]
 # A mutating admission step (the local cluster's ServiceAccount and Priority plugins are such steps):
@@ -56,6 +61,12 @@ PodLogReader = Callable[[JsonObj, dict[str, str]], 'str | None']
 
 # The fieldValidation of the request being served (Strict, Warn or Ignore; only Strict acts).
 _FIELD_VALIDATION: contextvars.ContextVar[str] = contextvars.ContextVar('field_validation', default='Ignore')
+# Who writes (managedFields): the request's fieldManager, else its User-Agent up to the first '/'.
+DIRECT_MANAGER = 'localcluster'
+_FIELD_MANAGER: contextvars.ContextVar[str] = contextvars.ContextVar('field_manager', default=DIRECT_MANAGER)
+_FIELD_MANAGER_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar('field_manager_given', default=True)
+# Who sent the request being served (by bearer token); None: no token, a cluster admin (see authz.py).
+_USER: contextvars.ContextVar[authz.User | None] = contextvars.ContextVar('user', default=None)
 _NAME_RE = re.compile(r'^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')
 _DNS1123_LABEL_RE = re.compile(r'^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')
 _DNS1035_RE = re.compile(r'^[a-z]([-a-z0-9]*[a-z0-9])?$')
@@ -76,6 +87,7 @@ def label_errors(labels: Any) -> list[str]:
                           f"or consist of at most 63 alphanumeric characters, '-', '_' or '.', and must "
                           f'start and end with an alphanumeric character')
     return errors
+_ABSENT = object()
 _ALL_VERBS = ['create', 'delete', 'deletecollection', 'get', 'list', 'patch', 'update', 'watch']
 
 
@@ -522,6 +534,7 @@ class RecordedRequest:
     content_type: str
     timestamp: float  # time.monotonic()
     status: int | None = None
+    user: str | None = None  # who sent it (by bearer token); None: no token
 
     @property
     def is_write(self) -> bool:
@@ -593,6 +606,9 @@ class Emulator(kmock.KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list, init=False)
     request_log: list[RecordedRequest] = attrs.field(factory=list, init=False)
     _stopping: bool = attrs.field(default=False, init=False)
+    tokens: dict[str, authz.User] = attrs.field(factory=dict, init=False)  # bearer token -> user
+    token_issuer: authz.TokenIssuer = attrs.field(factory=authz.TokenIssuer, init=False)
+    authorizer: authz.Authorizer = attrs.field(init=False)
     _change_waiters: list[asyncio.Future[None]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -601,6 +617,55 @@ class Emulator(kmock.KubernetesEmulator):
             self._types[rt.key] = copy.deepcopy(rt)
         for ns in ('default', 'kube-system', 'kube-public', 'kube-node-lease'):
             self.create_object('', 'namespaces', None, {'metadata': {'name': ns}})
+        self.authorizer = authz.Authorizer(self.list_objects, self.get_object)
+
+    def add_token(self, token: str, user: authz.User) -> None:
+        """Requests carrying ``Authorization: Bearer <token>`` are ``user``'s, held to RBAC."""
+        self.tokens[token] = user
+
+    def authenticate(self, token: str) -> authz.User | None:
+        """The user of a bearer token: a registered one, or a service account token this server issued
+        whose ServiceAccount (and bound pod) still exist as they were; None otherwise."""
+        if token in self.tokens:
+            return self.tokens[token]
+        claims = self.token_issuer.claims(token)
+        if claims is None:
+            return None
+        private = claims.get('kubernetes.io') or {}
+        namespace, account = private.get('namespace'), private.get('serviceaccount') or {}
+        sa = self.get_object('', 'serviceaccounts', namespace, account.get('name', ''))
+        if sa is None or sa['metadata'].get('uid') != account.get('uid'):
+            return None
+        if bound := private.get('pod'):
+            pod = self.get_object('', 'pods', namespace, bound.get('name', ''))
+            if pod is None or pod['metadata'].get('uid') != bound.get('uid'):
+                return None
+        return authz.User.service_account(namespace, account['name'])
+
+    def request_token(self, namespace: str, account: str, request: JsonObj) -> JsonObj:
+        """The TokenRequest API (``POST serviceaccounts/<name>/token``): a token for the ServiceAccount."""
+        sa = self.get_object('', 'serviceaccounts', namespace, account)
+        if sa is None:
+            raise _not_found(self.resource_type('', 'serviceaccounts'), account)
+        spec = dict(request.get('spec') or {})
+        expiration = int(spec.get('expirationSeconds') or 3600)
+        if expiration < 600:
+            raise ApiError(422, 'Invalid', 'TokenRequest.authentication.k8s.io is invalid: spec.expirationSeconds: '
+                                           'Invalid value: may not specify a duration less than 10 minutes')
+        pod = None
+        if ref := spec.get('boundObjectRef'):
+            if ref.get('kind') != 'Pod':
+                raise ApiError(422, 'Invalid', f'cannot bind a token to a {ref.get("kind")}: only Pods are supported')
+            pod = self.get_object('', 'pods', namespace, ref.get('name', ''))
+            if pod is None or (ref.get('uid') and pod['metadata'].get('uid') != ref['uid']):
+                raise ApiError(404, 'NotFound', f'pods "{ref.get("name")}" not found (or its uid differs)')
+        audiences = list(spec.get('audiences') or [])
+        token, expiry = self.token_issuer.issue(sa, audiences, expiration, pod)
+        stamp = datetime.datetime.fromtimestamp(expiry, tz=datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
+        return {'apiVersion': 'authentication.k8s.io/v1', 'kind': 'TokenRequest',
+                'metadata': {'name': account, 'namespace': namespace, 'creationTimestamp': _now()},
+                'spec': {**spec, 'audiences': audiences or [authz.API_AUDIENCE], 'expirationSeconds': expiration},
+                'status': {'token': token, 'expirationTimestamp': stamp}}
 
     # ---------------------------------------------------------------------------------------------
     # Public, synchronous API (call it on the emulator's loop; the fixture marshals calls there).
@@ -638,7 +703,9 @@ class Emulator(kmock.KubernetesEmulator):
         return [copy.deepcopy(o) for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)]
 
     def create_object(self, group: str, plural: str, namespace: str | None, body: JsonObj,
-                      *, dry_run: bool = False) -> JsonObj:
+                      *, dry_run: bool = False, manager: str | None = None,
+                      managed: list[fieldmanager.Entry] | None = None) -> JsonObj:
+        """Create ``body``; ``managed``: the field owners when the create is an apply (else an Update)."""
         rt = self.resource_type(group, plural)
         obj = copy.deepcopy(body)
         meta = obj.setdefault('metadata', {})
@@ -693,8 +760,13 @@ class Emulator(kmock.KubernetesEmulator):
             if not ref.get('uid'):
                 raise _invalid(rt, name, 'metadata.ownerReferences.uid', 'Invalid value: "": uid must not be '
                                                                          'empty')
+        if managed is None:
+            managed = fieldmanager.track_update(None, obj, self._shape(rt, obj), manager or _FIELD_MANAGER.get(),
+                                                obj['apiVersion'])
+        self._admit_requester(rt, obj, None)
         obj = self._admit(rt, obj, None, name)
         meta = obj['metadata']
+        self._set_managed(meta, managed, [])
         meta['uid'] = str(uuid.uuid4())
         meta['creationTimestamp'] = _now()
         meta['generation'] = 1
@@ -711,7 +783,8 @@ class Emulator(kmock.KubernetesEmulator):
         return copy.deepcopy(obj)
 
     def replace_object(self, group: str, plural: str, namespace: str | None, name: str, body: JsonObj,
-                       *, subresource: str | None = None, dry_run: bool = False) -> JsonObj:
+                       *, subresource: str | None = None, dry_run: bool = False,
+                       manager: str | None = None) -> JsonObj:
         rt = self.resource_type(group, plural)
         key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
         old = self._store.get(key)
@@ -728,18 +801,20 @@ class Emulator(kmock.KubernetesEmulator):
                                             f'"{name}": the object has been modified; please apply your '
                                             f'changes to the latest version and try again',
                            {'name': name, 'group': rt.group, 'kind': rt.plural})
-        return self._commit(rt, key, old, body, subresource, dry_run)
+        return self._commit(rt, key, old, body, subresource, dry_run, manager)
 
     def patch_object(self, group: str, plural: str, namespace: str | None, name: str, patch: Any,
                      content_type: str = 'application/merge-patch+json', *,
-                     subresource: str | None = None, dry_run: bool = False) -> JsonObj:
+                     subresource: str | None = None, dry_run: bool = False, manager: str | None = None,
+                     force: bool = False) -> JsonObj:
         rt = self.resource_type(group, plural)
         key = (rt.group, rt.plural, namespace if rt.namespaced else None, name)
         old = self._store.get(key)
         ctype = content_type.split(';')[0].strip()
+        manager = manager or _FIELD_MANAGER.get()
+        if ctype == 'application/apply-patch+yaml' and subresource is None:
+            return self._apply(rt, key, old, patch, manager, force=force, dry_run=dry_run)
         if old is None:
-            if ctype == 'application/apply-patch+yaml' and subresource is None:
-                return self.create_object(group, plural, namespace, patch, dry_run=dry_run)
             raise _not_found(rt, name)
         if ctype == 'application/merge-patch+json':
             new = merge_patch(old, patch)
@@ -759,8 +834,7 @@ class Emulator(kmock.KubernetesEmulator):
                 raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our '
                                                f'request: {e}') from None
         elif ctype == 'application/apply-patch+yaml':
-            # Server-side apply without field ownership: the applied config is merged in, lists replaced.
-            new = merge_patch(old, patch)
+            new = merge_patch(old, patch)  # an apply to the status subresource: no field ownership kept
         else:
             raise ApiError(415, 'UnsupportedMediaType', f'unsupported patch type: {ctype}')
         if not isinstance(new, dict):
@@ -770,7 +844,106 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
                                             f'"{name}": the object has been modified; please apply your '
                                             f'changes to the latest version and try again')
-        return self._commit(rt, key, old, new, subresource, dry_run)
+        return self._commit(rt, key, old, new, subresource, dry_run, manager)
+
+    def _apply(self, rt: ResourceType, key: tuple[str, str, str | None, str], old: JsonObj | None, config: Any,
+               manager: str, *, force: bool, dry_run: bool) -> JsonObj:
+        """Server-side apply: merge the partial ``config``, drop what this manager no longer sets."""
+        name = key[3]
+        if not isinstance(config, dict):
+            raise ApiError(400, 'BadRequest', 'the applied configuration must be an object')
+        if not _FIELD_MANAGER_GIVEN.get():
+            raise ApiError(400, 'BadRequest', 'PATCH with apply needs a fieldManager: use ?fieldManager=NAME')
+        meta = config.get('metadata') or {}
+        if meta.get('name') not in (None, name):
+            raise ApiError(400, 'BadRequest', 'the name of the applied object does not match the URL')
+        if old is not None and meta.get('resourceVersion') not in (None, old['metadata']['resourceVersion']):
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
+                                            f'"{name}": the object has been modified; please apply your '
+                                            f'changes to the latest version and try again')
+        api_version = rt.api_version(_version_of(config, rt))
+        try:
+            merged, entries = fieldmanager.apply(old, config, self._shape(rt, config), manager, api_version,
+                                                 force=force)
+        except fieldmanager.TypedPatchError as e:
+            # kube-apiserver answers 500 here (the config cannot be turned into a typed object).
+            raise ApiError(500, 'InternalError', f'failed to create typed patch object ({key[2] or ""}/{name}; '
+                                                 f'{api_version}, Kind={rt.kind}): {e}') from None
+        except fieldmanager.ConflictError as e:
+            causes = [{'reason': 'FieldManagerConflict', 'message': f'conflict with "{m}"',
+                       'field': fieldmanager.dotted(p)} for m, p in e.conflicts]
+            raise ApiError(409, 'Conflict', e.message, {'name': name, 'group': rt.group, 'kind': rt.kind,
+                                                        'causes': causes}) from None
+        if old is None:
+            # An apply that creates is authorized as a create too, as kube-apiserver does.
+            self._authorize(authz.Attributes('create', rt.group, rt.plural, '', key[2], name), rt)
+            return self.create_object(rt.group, rt.plural, key[2], merged, dry_run=dry_run, managed=entries)
+        return self._commit(rt, key, old, merged, None, dry_run, manager, entries)
+
+    def _authorize(self, attrs: authz.Attributes, rt: ResourceType) -> None:
+        user = _USER.get()
+        if user is not None and not self.authorizer.allowed(user, attrs):
+            what = f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+            named = f' "{attrs.name}"' if attrs.name else ''
+            raise ApiError(403, 'Forbidden', f'{what}{named} is forbidden: {attrs.denial(user)}',
+                           {'name': attrs.name or '', 'group': rt.group, 'kind': rt.plural})
+
+    def _admit_requester(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None) -> None:
+        """The admission checks that depend on who writes (see authz.py); a cluster admin passes."""
+        user = _USER.get()
+        if user is None:
+            return
+        meta = obj.get('metadata') or {}
+        namespace = meta.get('namespace') if rt.namespaced else None
+        what = f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+        old_refs = ((old or {}).get('metadata') or {}).get('ownerReferences') or []
+        refs = meta.get('ownerReferences') or []
+        if old is not None and refs != old_refs:
+            # OwnerReferencesPermissionEnforcement: who may change ownership may delete the object.
+            self._authorize(authz.Attributes('delete', rt.group, rt.plural, '', namespace, meta.get('name')), rt)
+        for ref in refs:
+            if not ref.get('blockOwnerDeletion') or any(
+                    r.get('uid') == ref.get('uid') and r.get('blockOwnerDeletion') for r in old_refs):
+                continue
+            try:
+                owner = self.find_type(ref.get('apiVersion', ''), ref.get('kind', ''))
+            except ApiError:
+                continue
+            attrs = authz.Attributes('update', owner.group, owner.plural, 'finalizers',
+                                     namespace if owner.namespaced else None, ref.get('name'))
+            if not self.authorizer.allowed(user, attrs):
+                raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '
+                                                 f'cannot set blockOwnerDeletion if an ownerReference refers to a '
+                                                 f'resource you can\'t set finalizers on: {attrs.denial(user)}')
+        if rt.group == authz.RBAC and rt.plural in ('roles', 'clusterroles'):
+            escalate = authz.Attributes('escalate', rt.group, rt.plural, '', namespace, meta.get('name'))
+            missing = [] if self.authorizer.allowed(user, escalate) else self.authorizer.holds_all(
+                user, obj.get('rules') or [], namespace)
+            if missing:
+                raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '
+                                                 f'user "{user.name}" is attempting to grant RBAC permissions not '
+                                                 f'currently held: ' + '; '.join(missing))
+        elif rt.group == authz.RBAC and rt.plural in ('rolebindings', 'clusterrolebindings'):
+            ref = obj.get('roleRef') or {}
+            role_plural = 'clusterroles' if ref.get('kind') == 'ClusterRole' else 'roles'
+            bind = authz.Attributes('bind', rt.group, role_plural, '', None if role_plural == 'clusterroles'
+                                    else namespace, ref.get('name'))
+            rules = list(self.authorizer.rules_of(ref, namespace))
+            if not self.authorizer.allowed(user, bind) and self.authorizer.holds_all(user, rules, namespace):
+                raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '
+                                                 f'user "{user.name}" may not bind {ref.get("kind")} '
+                                                 f'"{ref.get("name")}": it holds rights the user does not')
+
+    def _shape(self, rt: ResourceType, obj: JsonObj) -> fieldmanager.Shape:
+        return fieldmanager.root_shape(rt.schemas.get(_version_of(obj, rt)) if rt.custom else None)
+
+    @staticmethod
+    def _set_managed(meta: JsonObj, entries: list[fieldmanager.Entry], before: list[fieldmanager.Entry]) -> None:
+        rendered = fieldmanager.render_entries(entries, before, _now())
+        if rendered:
+            meta['managedFields'] = rendered
+        else:
+            meta.pop('managedFields', None)
 
     def delete_object(self, group: str, plural: str, namespace: str | None, name: str, *,
                       propagation: str | None = None, preconditions: JsonObj | None = None,
@@ -869,6 +1042,12 @@ class Emulator(kmock.KubernetesEmulator):
                           for e in sorted(validator.iter_errors(checked), key=lambda e: list(e.absolute_path))]
                 old_body = None if old is None else {k: v for k, v in old.items() if k != 'metadata'}
                 causes += check_cel_rules(checked, body_schema, old_body)
+                if old_body is not None:
+                    # Validation ratcheting (GA in 1.33), coarsely: an update may keep a top-level field
+                    # (spec, status) that no longer validates as long as it does not change it, so a
+                    # status write never fails on a spec stored before a stricter schema.
+                    causes = [c for c in causes if checked.get(top := re.split(r'[.\[]', c['field'])[0], _ABSENT)
+                              != old_body.get(top, _ABSENT)]
                 if causes:
                     msg = '; '.join(f'{c["field"]}: {c["message"]}' for c in causes)
                     raise ApiError(422, 'Invalid', f'{rt.kind}.{rt.group} "{name}" is invalid: {msg}',
@@ -876,7 +1055,9 @@ class Emulator(kmock.KubernetesEmulator):
         return obj
 
     def _commit(self, rt: ResourceType, key: tuple[str, str, str | None, str], old: JsonObj, body: JsonObj,
-                subresource: str | None, dry_run: bool) -> JsonObj:
+                subresource: str | None, dry_run: bool, manager: str | None = None,
+                managed: list[fieldmanager.Entry] | None = None) -> JsonObj:
+        """Store ``body`` as the new state of ``old``; ``managed``: field owners after an apply."""
         name = key[3]
         if subresource == 'status':
             if not rt.status:
@@ -907,7 +1088,19 @@ class Emulator(kmock.KubernetesEmulator):
                 meta.pop(fld, None)
         new['apiVersion'] = rt.api_version(_version_of(new, rt) if 'apiVersion' in new else None)
         new['kind'] = rt.kind
+        given = meta.get('managedFields')
+        if given == [{}]:
+            managed = []  # the documented reset: a list holding one empty entry clears all ownership
+        elif managed is None and given is not None and given != old_meta.get('managedFields'):
+            # A client that changes managedFields sets them (as kubectl's client-side-apply upgrade does).
+            managed = [fieldmanager.Entry.parse(e) for e in given if isinstance(e, dict)]
+        elif managed is None:
+            managed = fieldmanager.track_update(old, new, self._shape(rt, new), manager or _FIELD_MANAGER.get(),
+                                                new['apiVersion'], subresource or '')
+        if subresource is None:
+            self._admit_requester(rt, new, old)
         new = self._admit(rt, new, old, name)
+        self._set_managed(new['metadata'], managed, fieldmanager.entries_of(old))
         if dry_run:
             return new
         return self._commit_internal(rt, key, new)
@@ -1113,7 +1306,9 @@ class Emulator(kmock.KubernetesEmulator):
         except Exception as e:  # a bug in the emulator: make it visible to the client
             err = ApiError(500, 'InternalError', f'{e!r}', {'traceback': traceback.format_exc()})
             response = _json_response(err.status(), 500)
-        self.request_log[index] = dataclasses.replace(self.request_log[index], status=response.status)
+        user = _USER.get()
+        self.request_log[index] = dataclasses.replace(self.request_log[index], status=response.status,
+                                                      user=user.name if user else None)
         return response
 
     def _take_fault(self, method: str, path: str) -> Fault | None:
@@ -1131,6 +1326,12 @@ class Emulator(kmock.KubernetesEmulator):
                       503: 'ServiceUnavailable', 504: 'Timeout'}.get(fault.status, 'Unknown')
             details = {'retryAfterSeconds': 1} if fault.status in (429, 503) else {}
             return _json_response(ApiError(fault.status, reason, fault.message, details).status(), fault.status)
+        auth = raw.headers.get('Authorization', '')
+        if auth:
+            user = self.authenticate(auth.removeprefix('Bearer ').strip())
+            if user is None:
+                raise ApiError(401, 'Unauthorized', 'Unauthorized')
+            _USER.set(user)
         if method == 'GET' and (doc := self._serve_discovery(path, raw)):
             return doc
         segs = [s for s in path.split('/') if s]
@@ -1138,6 +1339,11 @@ class Emulator(kmock.KubernetesEmulator):
         if parsed is None:
             raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({path})')
         rt, version, namespace, name, subresource = parsed
+        verb = {'POST': 'create', 'PUT': 'update', 'PATCH': 'patch'}.get(method) or (
+            ('delete' if name else 'deletecollection') if method == 'DELETE' else
+            'get' if name else 'watch' if query.get('watch') in ('true', '1') else 'list')
+        self._authorize(authz.Attributes(verb, rt.group, rt.plural, subresource or '',
+                                         namespace if rt.namespaced else None, name), rt)
         body: Any = None
         if method in ('POST', 'PUT', 'PATCH', 'DELETE') and 'protobuf' in ctype:
             try:
@@ -1151,11 +1357,14 @@ class Emulator(kmock.KubernetesEmulator):
             text = await raw.text()
             if text.strip():
                 try:
-                    body = (yaml.safe_load(text) if 'yaml' in ctype else json.loads(text))
+                    body = _load_yaml(text) if 'yaml' in ctype else json.loads(text)
                 except (ValueError, yaml.YAMLError) as e:
                     raise ApiError(400, 'BadRequest', f'unable to decode the body: {e}') from None
         # Each request is served in its own task, so the context variable is per request.
         _FIELD_VALIDATION.set(query.get('fieldValidation', 'Ignore'))
+        agent = raw.headers.get('User-Agent', '').split('/', 1)[0].strip()
+        _FIELD_MANAGER.set(query.get('fieldManager') or agent or 'unknown')
+        _FIELD_MANAGER_GIVEN.set(bool(query.get('fieldManager')))
         return await self._serve_resource(raw, method, path, query, ctype, body, rt, version, namespace,
                                           name, subresource)
 
@@ -1191,6 +1400,9 @@ class Emulator(kmock.KubernetesEmulator):
             if _wants_table(raw, rt, version):
                 return _json_response(_table(rt, version, [obj], query, obj['metadata']['resourceVersion']))
             return _json_response(_at_version(obj, rt, version))
+        if method == 'POST' and subresource == 'token' and rt.key == ('', 'serviceaccounts') and name:
+            return _json_response(self.request_token(namespace or 'default', name,
+                                                     body if isinstance(body, dict) else {}), 201)
         if method == 'POST' and name is None:
             if not isinstance(body, dict):
                 raise ApiError(400, 'BadRequest', 'the request body must be an object')
@@ -1206,7 +1418,7 @@ class Emulator(kmock.KubernetesEmulator):
             return _json_response(_at_version(obj, rt, version))
         if method == 'PATCH' and name is not None:
             obj = self.patch_object(rt.group, rt.plural, namespace, name, body, ctype,
-                                    subresource=subresource, dry_run=dry_run)
+                                    subresource=subresource, dry_run=dry_run, force=query.get('force') == 'true')
             return _json_response(_at_version(obj, rt, version))
         if method == 'DELETE' and name is not None:
             opts = body if isinstance(body, dict) else {}
@@ -1362,6 +1574,14 @@ class Emulator(kmock.KubernetesEmulator):
     def open_watches(self) -> list[str]:
         return [w.path for w in self._watchers]
 
+    def compact(self) -> int:
+        """Forget the change history now, as etcd compaction does: a watch resumed from any earlier
+        resourceVersion gets 410 Gone, and the client must list again (seeing no DELETED events for
+        what went away meanwhile). Returns the resourceVersion compacted to."""
+        self._log.clear()
+        self._log_floor = self._rv
+        return self._rv
+
     def stop_watches(self) -> None:
         self._stopping = True
         self.drop_watches()
@@ -1433,6 +1653,16 @@ class Emulator(kmock.KubernetesEmulator):
 
 # -------------------------------------------------------------------------------------------------
 # Helpers.
+
+
+def _load_yaml(text: str) -> Any:
+    """A YAML body; most clients (apply patches included) send JSON, which is YAML and parses far faster."""
+    if text.lstrip()[:1] in ('{', '['):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return yaml.load(text, Loader=getattr(yaml, 'CSafeLoader', yaml.SafeLoader))
 
 
 def _json_response(body: Any, status: int = 200) -> aiohttp.web.Response:

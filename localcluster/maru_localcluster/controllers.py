@@ -14,7 +14,8 @@ level-triggered, as the real controllers do from their informers:
   against the tolerations plus the DaemonSet ones); ``RollingUpdate`` replaces at most
   ``maxUnavailable`` pods at a time; pods are bound to their node directly.
 * **scheduler** (``scheduler.py``) binds pending pods; **EndpointSlice** per Service with a
-  selector (ready, serving and terminating endpoints, named target ports resolved per pod);
+  selector (ready, serving and terminating endpoints, named target ports resolved per pod; the
+  Service's labels copied onto its slices and kept in step, beside ``kubernetes.io/service-name``);
   **ServiceAccount** ``default`` and ConfigMap ``kube-root-ca.crt`` in every namespace; **pod GC**
   removes the pods of nodes that are gone (owner-reference GC is the API server's, ``apiserver.py``).
 
@@ -615,14 +616,16 @@ class ControllerManager:
                 ports = _slice_ports(spec.get("ports") or [], pod)
                 key = short_hash(ports, 5)
                 groups.setdefault(key, (ports, []))[1].append(_endpoint(pod))
+            # As kube-controller-manager does: the Service's own labels, then the two that tie the slice to it.
+            slice_labels = {**(meta.get("labels") or {}), "kubernetes.io/service-name": meta["name"],
+                            "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER}
             wanted = {}
             for key, (ports, endpoints) in groups.items():
                 name = f"{meta['name']}-{key}"
                 wanted[name] = {
                     "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                     "metadata": {"name": name, "namespace": ns, "ownerReferences": [owner_ref(svc)],
-                                 "labels": {"kubernetes.io/service-name": meta["name"],
-                                            "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER}},
+                                 "labels": slice_labels},
                     "addressType": "IPv4", "ports": ports,
                     "endpoints": sorted(endpoints, key=lambda e: e["addresses"][0]),
                 }
@@ -631,8 +634,7 @@ class ControllerManager:
                 wanted[name] = {
                     "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                     "metadata": {"name": name, "namespace": ns, "ownerReferences": [owner_ref(svc)],
-                                 "labels": {"kubernetes.io/service-name": meta["name"],
-                                            "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER}},
+                                 "labels": slice_labels},
                     "addressType": "IPv4", "ports": [], "endpoints": [],
                 }
             existing = {s["metadata"]["name"]: s for s in slices if s["metadata"]["namespace"] == ns
@@ -644,9 +646,11 @@ class ControllerManager:
                 with contextlib.suppress(ApiError):
                     if have is None:
                         emulator.create_object("discovery.k8s.io", "endpointslices", ns, body)
-                    elif (have.get("endpoints"), have.get("ports")) != (body["endpoints"], body["ports"]):
-                        emulator.replace_object("discovery.k8s.io", "endpointslices", ns, name,
-                                                {**have, "endpoints": body["endpoints"], "ports": body["ports"]})
+                    elif (have.get("endpoints"), have.get("ports"), have["metadata"].get("labels")) != (
+                            body["endpoints"], body["ports"], slice_labels):
+                        emulator.replace_object("discovery.k8s.io", "endpointslices", ns, name, {
+                            **have, "metadata": {**have["metadata"], "labels": slice_labels},
+                            "endpoints": body["endpoints"], "ports": body["ports"]})
             for name in existing.keys() - wanted.keys():
                 with contextlib.suppress(ApiError):
                     emulator.delete_object("discovery.k8s.io", "endpointslices", ns, name)

@@ -20,6 +20,7 @@ import pathlib
 import re
 import subprocess
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ import yaml
 
 from maru_localcluster import tools
 from maru_localcluster.apiserver import ApiError, Emulator, Fault, JsonObj, RecordedRequest
+from maru_localcluster.authz import Attributes, User
 
 T = TypeVar('T')
 
@@ -171,30 +173,42 @@ class KubeEmulator:
         group, plural = parse_resource(resource)
         return self.call(self.emulator.list_objects, group, plural, namespace, labels, fields)
 
-    def create(self, body: JsonObj, namespace: str | None = None) -> JsonObj:
+    def create(self, body: JsonObj, namespace: str | None = None, *, field_manager: str | None = None) -> JsonObj:
         def run(emulator: Emulator) -> JsonObj:
             rt = emulator.find_type(body['apiVersion'], body['kind'])
             ns = namespace or body.get('metadata', {}).get('namespace') or ('default' if rt.namespaced else None)
-            return emulator.create_object(rt.group, rt.plural, ns, body)
+            return emulator.create_object(rt.group, rt.plural, ns, body, manager=field_manager)
         return self.call(run, self.emulator)
 
     def create_yaml(self, text: str, namespace: str | None = None) -> list[JsonObj]:
         return [self.create(doc, namespace) for doc in yaml.safe_load_all(text) if doc]
 
     def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None, *,
-              subresource: str | None = None, content_type: str = 'application/merge-patch+json') -> JsonObj:
+              subresource: str | None = None, content_type: str = 'application/merge-patch+json',
+              field_manager: str | None = None) -> JsonObj:
+        """A patch as ``field_manager`` (default ``localcluster``); see :meth:`apply` for server-side apply."""
         group, plural = parse_resource(resource)
         return self.call(self.emulator.patch_object, group, plural, namespace, name, patch, content_type,
-                         subresource=subresource)
+                         subresource=subresource, manager=field_manager)
+
+    def apply(self, body: JsonObj, field_manager: str, *, force: bool = False) -> JsonObj:
+        """Server-side apply of ``body`` (a partial object naming apiVersion, kind, name) as ``field_manager``."""
+        def run(emulator: Emulator) -> JsonObj:
+            rt = emulator.find_type(body['apiVersion'], body['kind'])
+            meta = body.get('metadata') or {}
+            ns = (meta.get('namespace') or 'default') if rt.namespaced else None
+            return emulator.patch_object(rt.group, rt.plural, ns, meta['name'], body, 'application/apply-patch+yaml',
+                                         manager=field_manager, force=force)
+        return self.call(run, self.emulator)
 
     def patch_status(self, resource: str, name: str, status: JsonObj, namespace: str | None = None) -> JsonObj:
         return self.patch(resource, name, {'status': status}, namespace, subresource='status')
 
     def replace(self, resource: str, name: str, body: JsonObj, namespace: str | None = None, *,
-                subresource: str | None = None) -> JsonObj:
+                subresource: str | None = None, field_manager: str | None = None) -> JsonObj:
         group, plural = parse_resource(resource)
         return self.call(self.emulator.replace_object, group, plural, namespace, name, body,
-                         subresource=subresource)
+                         subresource=subresource, manager=field_manager)
 
     def delete(self, resource: str, name: str, namespace: str | None = None, *,
                propagation: str | None = None, missing_ok: bool = False) -> JsonObj | None:
@@ -227,6 +241,10 @@ class KubeEmulator:
 
     def open_watches(self) -> list[str]:
         return self.call(self.emulator.open_watches)
+
+    def compact(self) -> int:
+        """Forget the change history: watches resumed from before now get 410 Gone (see Emulator.compact)."""
+        return self.call(self.emulator.compact)
 
     @property
     def requests(self) -> list[RecordedRequest]:
@@ -272,11 +290,33 @@ class KubeEmulator:
         config.host = self.url
         return kubernetes.client.ApiClient(config)
 
-    def kopf_connection(self) -> Any:
-        """A ``kopf.ConnectionInfo`` to return from an ``@kopf.on.login()`` handler."""
+    def kopf_connection(self, token: str | None = None) -> Any:
+        """A ``kopf.ConnectionInfo`` to return from an ``@kopf.on.login()`` handler (``token``: whose)."""
         import kopf
 
-        return kopf.ConnectionInfo(server=self.url, default_namespace='default')
+        return kopf.ConnectionInfo(server=self.url, default_namespace='default', token=token,
+                                   scheme='Bearer' if token else None)
+
+    # ---------------------------------------------------------------------------------------------
+    # Identities (RBAC applies to requests that carry a token; see authz.py).
+
+    def service_account_token(self, namespace: str, name: str) -> str:
+        """A bearer token for ServiceAccount ``namespace/name``: its requests are held to RBAC."""
+        token = f'sa-{namespace}-{name}-{uuid.uuid4().hex[:12]}'
+        self.call(self.emulator.add_token, token, User.service_account(namespace, name))
+        return token
+
+    def kubeconfig_for(self, token: str, path: pathlib.Path) -> pathlib.Path:
+        """A kubeconfig that sends ``token`` (for a subprocess that should run as that identity)."""
+        return tools.write_kubeconfig(self.url, path, token=token)
+
+    def allowed(self, token: str, verb: str, resource: str, namespace: str | None = None,
+                subresource: str = '', name: str | None = None) -> bool:
+        """Whether the token's user may ``verb`` ``resource`` ("plural[.group]"), as RBAC decides now."""
+        group, plural = parse_resource(resource)
+        user = self.call(lambda: self.emulator.tokens[token])
+        attrs = Attributes(verb, group, plural, subresource, namespace, name)
+        return self.call(self.emulator.authorizer.allowed, user, attrs)
 
 
 @contextlib.contextmanager

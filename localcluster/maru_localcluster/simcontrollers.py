@@ -2,8 +2,11 @@
 
 The emulator runs no controllers, so Deployments and DaemonSets never report ready replicas on
 their own. This writes their ``status`` (through the status subresource, as the real controllers
-do) whenever anything changes. No pods are created: readiness is decided by a test-controlled
-function, so a test can hold a workload "not ready" and release it later.
+do) whenever anything changes, and an EndpointSlice per Service with a selector, as the
+EndpointSlice controller does: one endpoint per replica of the Deployments (or per pod, with
+``pods=True``) the selector matches, ready as many as are ready, the Service's labels copied onto
+the slice. No pods are created unless asked: readiness is decided by a test-controlled function, so a
+test can hold a workload "not ready" and release it later.
 
 Zero counts are omitted from the status, as the real API does (``omitempty``), so code reading
 ``status.readyReplicas`` must cope with its absence.
@@ -24,6 +27,15 @@ from maru_localcluster.apiserver import Emulator, JsonObj
 
 if TYPE_CHECKING:
     from maru_localcluster.server import KubeEmulator
+
+# The field manager the real controllers write status as.
+MANAGER = 'kube-controller-manager'
+SLICE_MANAGER = 'endpointslice-controller.k8s.io'
+
+
+def _is_ready(pod: JsonObj) -> bool:
+    return any(c.get('type') == 'Ready' and c.get('status') == 'True'
+               for c in (pod.get('status') or {}).get('conditions') or [])
 
 # Given a Deployment or DaemonSet, how many of its replicas (or nodes) are ready:
 # True = all of them, False = none, an int = that many (clamped to the desired count).
@@ -93,6 +105,8 @@ class KubeControllers:
         self._pod_ips = itertools.count(2)
         self._readiness: Readiness = lambda obj: True
         self._held = False
+        self._paused = False
+        self._endpoints_held = False
         self._task: asyncio.Task[None] | None = None
         self.passes = 0
 
@@ -111,6 +125,24 @@ class KubeControllers:
 
     def release(self) -> None:
         self._held = False
+        self.kube.call(self.kube.emulator.poke)
+
+    def pause(self) -> None:
+        """Write nothing at all until :meth:`resume`, as a kube-controller-manager that is down or behind:
+        new workloads keep a status their controller has not observed yet."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self.kube.call(self.kube.emulator.poke)
+
+    def hold_endpoints(self) -> None:
+        """Services show no ready endpoint, whatever their pods do, until :meth:`release_endpoints`."""
+        self._endpoints_held = True
+        self.kube.call(self.kube.emulator.poke)
+
+    def release_endpoints(self) -> None:
+        self._endpoints_held = False
         self.kube.call(self.kube.emulator.poke)
 
     def add_node(self, name: str, labels: dict[str, str] | None = None, ready: bool = True) -> JsonObj:
@@ -141,8 +173,9 @@ class KubeControllers:
             changed = emulator.next_change()
             if self.delay:
                 await asyncio.sleep(self.delay)
-            self.reconcile(emulator)
-            self.passes += 1
+            if not self._paused:
+                self.reconcile(emulator)
+                self.passes += 1
             await changed
 
     # ---------------------------------------------------------------------------------------------
@@ -181,6 +214,61 @@ class KubeControllers:
                 pod_spec = ds['spec']['template'].get('spec') or {}
                 placements = [n['metadata']['name'] for n in nodes if node_matches(n, pod_spec)]
                 self._sync_pods(emulator, ds, list(placements), status['numberReady'], True)
+        for svc in emulator.list_objects('', 'services'):
+            self.sync_endpoint_slice(emulator, svc)
+
+    # --- EndpointSlices
+
+    def _members(self, emulator: Emulator, svc: JsonObj) -> list[bool]:
+        """Readiness of each endpoint the Service selects: its pods, or its Deployments' replicas."""
+        selector = (svc.get('spec') or {}).get('selector') or {}
+        ns = svc['metadata']['namespace']
+
+        def selected(labels: dict[str, str]) -> bool:
+            return all(labels.get(k) == v for k, v in selector.items())
+
+        if self.pods:
+            return [_is_ready(p) for p in emulator.list_objects('', 'pods', ns)
+                    if (p.get('status') or {}).get('podIP') and selected(p['metadata'].get('labels') or {})]
+        members: list[bool] = []
+        for deploy in emulator.list_objects('apps', 'deployments', ns):
+            if selected(((deploy['spec'].get('template') or {}).get('metadata') or {}).get('labels') or {}):
+                status = deploy.get('status') or {}
+                ready = int(status.get('readyReplicas') or 0)
+                members += [i < ready for i in range(int(status.get('replicas') or 0))]
+        return members
+
+    def sync_endpoint_slice(self, emulator: Emulator, svc: JsonObj) -> None:
+        meta = svc['metadata']
+        if not (svc.get('spec') or {}).get('selector') or meta.get('deletionTimestamp'):
+            return
+        ns, name = meta['namespace'], meta['name']
+        members = self._members(emulator, svc)
+        endpoints = [{'addresses': [f'10.245.{i // 250}.{i % 250 + 2}'],
+                      'conditions': {'ready': ready and not self._endpoints_held,
+                                     'serving': ready and not self._endpoints_held, 'terminating': False}}
+                     for i, ready in enumerate(members)]
+        ports = [{'name': p.get('name', ''), 'port': p['targetPort'] if isinstance(p.get('targetPort'), int)
+                  else p.get('port'), 'protocol': p.get('protocol', 'TCP')} for p in svc['spec'].get('ports') or []]
+        slice_name = f'{name}-{hashlib.sha256(name.encode()).hexdigest()[:5]}'
+        body = {
+            'apiVersion': 'discovery.k8s.io/v1', 'kind': 'EndpointSlice', 'addressType': 'IPv4',
+            # The Service's own labels are copied, as the EndpointSlice controller does.
+            'metadata': {'name': slice_name, 'namespace': ns,
+                         'labels': {**(meta.get('labels') or {}), 'kubernetes.io/service-name': name,
+                                    'endpointslice.kubernetes.io/managed-by': SLICE_MANAGER},
+                         'ownerReferences': [{'apiVersion': 'v1', 'kind': 'Service', 'name': name,
+                                              'uid': meta['uid'], 'controller': True, 'blockOwnerDeletion': True}]},
+            'endpoints': endpoints, 'ports': ports,
+        }
+        have = emulator.get_object('discovery.k8s.io', 'endpointslices', ns, slice_name)
+        if have is None:
+            emulator.create_object('discovery.k8s.io', 'endpointslices', ns, body, manager=SLICE_MANAGER)
+        elif any(have.get(k) != body[k] for k in ('endpoints', 'ports')) or \
+                have['metadata'].get('labels') != body['metadata']['labels']:
+            emulator.replace_object('discovery.k8s.io', 'endpointslices', ns, slice_name,
+                                    {**body, 'metadata': {**have['metadata'], 'labels': body['metadata']['labels']}},
+                                    manager=SLICE_MANAGER)
 
     def _sync_pods(self, emulator: Emulator, owner: JsonObj, placements: list[str | None], ready: int,
                    have_nodes: bool) -> None:
@@ -209,7 +297,7 @@ class KubeControllers:
                                  'ownerReferences': [{'apiVersion': owner['apiVersion'], 'kind': owner['kind'],
                                                       'name': meta['name'], 'uid': meta['uid'],
                                                       'controller': True, 'blockOwnerDeletion': True}]},
-                    'spec': spec})
+                    'spec': spec}, manager=MANAGER)
             pod = emulator.get_object('', 'pods', namespace, name)
             assert pod is not None
             scheduled = node is not None or not have_nodes
@@ -228,14 +316,14 @@ class KubeControllers:
             }
             if pod.get('status') != status:
                 emulator.replace_object('', 'pods', namespace, name, {**pod, 'status': status},
-                                        subresource='status')
+                                        subresource='status', manager='kubelet')
 
     def _write(self, emulator: Emulator, plural: str, obj: JsonObj, status: JsonObj) -> None:
         if obj.get('status') != status and not obj['metadata'].get('deletionTimestamp'):
             # A replace, not a merge patch: counts that dropped to zero must disappear.
             meta = obj['metadata']
             emulator.replace_object('apps', plural, meta.get('namespace'), meta['name'],
-                                    {**obj, 'status': status}, subresource='status')
+                                    {**obj, 'status': status}, subresource='status', manager=MANAGER)
 
     def _deployment_status(self, deploy: JsonObj, schedulable: int | None = None) -> JsonObj:
         spec = deploy.get('spec') or {}

@@ -81,13 +81,13 @@ def helm_path() -> pathlib.Path:
 
 
 def write_kubeconfig(server_url: str, path: str | os.PathLike[str], *, namespace: str = 'default',
-                     context: str = 'emulator') -> pathlib.Path:
-    """A kubeconfig pointing at a plain-HTTP API server with no credentials."""
+                     context: str = 'emulator', token: str | None = None) -> pathlib.Path:
+    """A kubeconfig pointing at a plain-HTTP API server, with no credentials or a bearer token."""
     config = {
         'apiVersion': 'v1',
         'kind': 'Config',
         'clusters': [{'name': context, 'cluster': {'server': server_url.rstrip('/')}}],
-        'users': [{'name': context, 'user': {}}],
+        'users': [{'name': context, 'user': {'token': token} if token else {}}],
         'contexts': [{'name': context, 'context': {'cluster': context, 'user': context,
                                                    'namespace': namespace}}],
         'current-context': context,

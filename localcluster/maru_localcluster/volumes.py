@@ -11,8 +11,10 @@ more entry, registered with :func:`register`.
 * ``emptyDir``: a directory in the pod's folder; ``medium: Memory`` is a tmpfs of exactly
   ``sizeLimit`` (without one: the pod's memory limit, else the machine's memory), as the kubelet
   mounts it since SizeMemoryBackedVolumes.
-* ``configMap``, ``secret``, ``downwardAPI``, ``projected`` (service account token, its CA and
-  namespace): files written once when the pod starts (no live updates).
+* ``configMap``, ``secret``, ``downwardAPI``, ``projected`` (a service account token from the
+  TokenRequest API, bound to the pod; its CA and namespace): files written once when the pod starts
+  (no live updates, no token refresh: the API server extends the default 3607 s tokens, as
+  kube-apiserver does).
 * ``csi`` (inline ephemeral volumes): NodePublishVolume / NodeUnpublishVolume over the gRPC socket of
   the driver's node plugin, which the kubelet runs on its node (see ``kubelet.py``), if the driver's
   CSIDriver object allows ``Ephemeral``; with ``podInfoOnMount`` the pod's name, namespace, uid and
@@ -25,16 +27,14 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import stat
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from maru_localcluster.apiclient import ApiClient
+from maru_localcluster.apiclient import ApiClient, ApiError
 from maru_localcluster.podrun import MS_NODEV, MS_NOSUID, SetupError, mount, umount
 from maru_operator.quantity import parse_quantity
 
@@ -245,25 +245,20 @@ def field_value(pod: JsonObj, field_path: str) -> str:
     return str(simple[field_path] or "")
 
 
-def service_account_token(pod: JsonObj, audience: str = "https://kubernetes.default.svc.cluster.local",
-                          expiration: int = 3607) -> str:
-    """A token shaped like the kubelet's projected ones. The local API server does not check tokens."""
-    meta = pod["metadata"]
-    now = int(time.time())
-    claims = {
-        "aud": [audience], "iss": "https://kubernetes.default.svc.cluster.local", "iat": now, "nbf": now,
-        "exp": now + expiration, "sub": f"system:serviceaccount:{meta['namespace']}:"
-                                         f"{pod['spec'].get('serviceAccountName') or 'default'}",
-        "kubernetes.io": {"namespace": meta["namespace"], "pod": {"name": meta["name"], "uid": meta.get("uid")},
-                          "serviceaccount": {"name": pod["spec"].get("serviceAccountName") or "default"}},
-    }
-
-    def b64(data: bytes) -> str:
-        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-    header = b64(json.dumps({"alg": "RS256", "kid": "local"}).encode())
-    body = b64(json.dumps(claims).encode())
-    return f"{header}.{body}.{b64(hashlib.sha256(f'{header}.{body}'.encode()).digest())}"
+async def service_account_token(ctx: PodContext, source: JsonObj) -> str:
+    """A token from the TokenRequest API, bound to the pod, as the kubelet gets one for a projected volume."""
+    meta, spec = ctx.pod["metadata"], ctx.pod.get("spec") or {}
+    account = spec.get("serviceAccountName") or "default"
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
+        "audiences": [source["audience"]] if source.get("audience") else [],
+        "expirationSeconds": int(source.get("expirationSeconds", 3600)),
+        "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta.get("uid")},
+    }}
+    try:
+        answer = await ctx.api.create(f"/api/v1/namespaces/{ctx.namespace}/serviceaccounts/{account}/token", request)
+    except ApiError as err:
+        raise MountError(f'cannot get a token for service account "{account}": {err}') from None
+    return str(answer["status"]["token"])
 
 
 class ObjectVolume:
@@ -315,9 +310,7 @@ class Projected:
         for source in spec.get("sources") or []:
             if "serviceAccountToken" in source:
                 token = source["serviceAccountToken"]
-                files[token["path"]] = (service_account_token(ctx.pod, token.get("audience") or
-                                                              "https://kubernetes.default.svc.cluster.local",
-                                                              token.get("expirationSeconds", 3607)).encode(), mode)
+                files[token["path"]] = ((await service_account_token(ctx, token)).encode(), mode)
             elif "configMap" in source or "secret" in source:
                 kind = "configMap" if "configMap" in source else "secret"
                 ref = source[kind]

@@ -15,6 +15,7 @@ Object = dict[str, Any]
 Key = tuple[str, str, str]  # (kind, namespace or "", name)
 
 OWNER_KINDS = ("MaruPool", "InferenceGroup")
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 def key_of(obj: Object) -> Key:
@@ -41,6 +42,14 @@ def _newer_or_equal(new: Object, old: Object) -> bool:
     b = old.get("metadata", {}).get("resourceVersion")
     try:
         return int(a) >= int(b)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+
+
+def not_newer(obj: Object, version: str | None) -> bool:
+    """Whether ``obj`` is no newer than a list taken at ``version`` (unknown versions count as older)."""
+    try:
+        return int(obj.get("metadata", {}).get("resourceVersion")) <= int(version)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return True
 
@@ -82,6 +91,15 @@ class Store:
 
     def owners(self, kind: str) -> list[Key]:
         return [k for k in self.objects if k[0] == kind]
+
+    def keys(self, kind: str, namespace: str | None = None) -> list[Key]:
+        """Cached objects of one kind (in one namespace, or all)."""
+        return [k for k in self.objects if k[0] == kind and (namespace is None or k[1] == namespace)]
+
+    def endpoint_slices(self, namespace: str, service: str) -> list[Object]:
+        """The EndpointSlices of one Service (the EndpointSlice controller labels them with its name)."""
+        return [o for k, o in self.objects.items() if k[0] == "EndpointSlice" and k[1] == namespace
+                and (o.get("metadata", {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == service]
 
     def groups_of_pool(self, pool: str) -> list[Key]:
         return sorted(

@@ -65,8 +65,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 to disable")
     run.add_argument("--workers", type=int, default=8, help="objects reconciled at once")
     run.add_argument("--resync-seconds", type=float, default=60.0, help="look at every object this often")
+    run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
+                     help="write a pool's memory use (which changes with traffic) to its status at most this "
+                          "often; condition changes are written at once")
     run.add_argument("--standalone", action="store_true", default=True,
-                     help="no peering: run exactly one replica (the default and only supported mode)")
+                     help="kopf without its peering (always; replicas elect a leader with a Lease instead)")
+    run.add_argument("--instance", default="", type=_instance_name,
+                     help="serve only MaruPools and InferenceGroups labelled maru.io/operator-instance=NAME "
+                          "(default: only those without the label); every installation needs its own")
+    run.add_argument("--no-leader-election", dest="leader_election", action="store_false",
+                     help="reconcile without holding the leader Lease (only ever with exactly one replica)")
+    run.add_argument("--lease-seconds", type=float, default=15.0,
+                     help="a leader not heard from for this long is replaced")
+    run.add_argument("--renew-deadline", type=float, default=10.0,
+                     help="a leader that cannot renew its Lease for this long stops reconciling")
+    run.add_argument("--retry-period", type=float, default=2.0, help="how often the Lease is renewed or tried")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     run.add_argument("--log-format", choices=["text", "json"], default="text",
                      help="json: one JSON object per line, for log collectors")
@@ -84,10 +97,24 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("-f", "--filename", action="append", required=True,
                           help="a YAML file or a directory of them (repeatable)")
 
-    rbac = sub.add_parser("rbac", help="print the ClusterRole the operator needs")
-    rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole")
+    rbac = sub.add_parser("rbac", help="print the ClusterRole and the pool namespace's Role the operator needs")
+    rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole and the Role")
     rbac.add_argument("--namespaced", action="store_true", help="the rules for a run with --namespace")
+    rbac.add_argument("--pool-namespace", default=None,
+                      help="where the Role goes: the pool daemons' namespace (default: $POD_NAMESPACE, else "
+                           "maru-system)")
+    rbac.add_argument("--service-account", default=None,
+                      help="also print the bindings to this ServiceAccount (in the pool namespace)")
     return parser
+
+
+def _instance_name(text: str) -> str:
+    import re
+
+    if text and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an instance name is a DNS label of at most 40 characters (it names the Lease too)")
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,15 +124,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "validate":
         return _validate(args)
     if args.command == "rbac":
-        import yaml
-
-        from maru_operator.rbac import cluster_role, rules
-
-        for groups, resources, verbs, why in rules(args.namespaced):
-            print(f"# {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
-        sys.stdout.write(yaml.safe_dump(cluster_role(args.name, args.namespaced), sort_keys=False))
-        return 0
+        return _rbac(args)
     return _run(args)
+
+
+def _rbac(args: argparse.Namespace) -> int:
+    import yaml
+
+    from maru_operator.handlers import default_pool_namespace
+    from maru_operator.rbac import POOL_NAMESPACE_RULES, bindings, cluster_role, pool_namespace_role, rules
+
+    namespace = args.pool_namespace or default_pool_namespace()
+    for title, scoped in (("ClusterRole", rules(args.namespaced)), (f"Role in {namespace}", POOL_NAMESPACE_RULES)):
+        print(f"# {title}:")
+        for groups, resources, verbs, why in scoped:
+            print(f"#   {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
+    objects = [cluster_role(args.name, args.namespaced), pool_namespace_role(namespace, args.name)]
+    if args.service_account:
+        objects += bindings(namespace, args.service_account, args.name)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+    return 0
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -200,9 +238,15 @@ def _run(args: argparse.Namespace) -> int:
         namespaces.append(pool_namespace)
     handlers.configure(handlers.Config(
         pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
+        usage_interval=args.pool_usage_interval, instance=args.instance,
+        leader_election=args.leader_election, lease_seconds=args.lease_seconds,
+        renew_deadline=args.renew_deadline, retry_period=args.retry_period,
         connection=connection, namespaces=namespaces,
         network=network_policy_config(args, handlers.operator_namespace()),
     ))
+    if args.renew_deadline >= args.lease_seconds or args.retry_period >= args.renew_deadline:
+        print("maru-operator: need --retry-period < --renew-deadline < --lease-seconds", file=sys.stderr)
+        return 2
     log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,
              "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces")
     asyncio.run(kopf.operator(

@@ -1,4 +1,4 @@
-"""Every condition the operator writes is built here; Ready is derived from the others, never set by hand.
+"""Every condition the operator writes is built here; Ready is derived from what was observed, never set by hand.
 
 Reasons are CamelCase and stable (alerts match on them); messages say what is wrong and what to do.
 """
@@ -47,6 +47,11 @@ def pool_ready(nodes_ready: int, nodes_desired: int, metadata_ready: bool | None
     return condition(READY, True, "PoolReady", f"{nodes_ready} of {nodes_desired} nodes serve the pool", gen)
 
 
+def agents_pending(gen: int | None) -> Condition:
+    return condition(READY, False, "AgentsPending",
+                     "waiting for the DaemonSet controller to schedule the pool's node agents", gen)
+
+
 def pool_in_use(groups: list[str], deleting: bool, gen: int | None) -> Condition:
     if not groups:
         return condition(IN_USE, False, "NoBoundGroups", "", gen)
@@ -70,27 +75,42 @@ def group_progressing(rolling: list[str], gen: int | None) -> Condition:
     return condition(PROGRESSING, False, "RolloutComplete", "", gen)
 
 
-def group_degraded(problems: list[str], gen: int | None) -> Condition:
+def group_degraded(problems: list[tuple[str, str]], gen: int | None) -> Condition:
+    """``problems``: (reason, message); the first names the reason (replicas, then the pool)."""
     if problems:
-        # The first problem names the reason: replicas first, then the pool.
-        reason = "PoolDegraded" if problems[0].startswith("MaruPool ") else "ReplicasUnavailable"
-        return condition(DEGRADED, True, reason, "; ".join(problems), gen)
+        return condition(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems), gen)
     return condition(DEGRADED, False, "AllReplicasAvailable", "", gen)
+
+
+def group_ready(*, conflicts: list[str], not_serving: list[str], binding: tuple[bool, str, str],
+                router: tuple[str, int] | None, summary: str, gen: int | None) -> Condition:
+    """Ready is serving: no child in conflict, a ready pod per role, the router Service with a ready endpoint.
+
+    ``binding``: (bound, reason, message) of PoolBound, which names why nothing serves when unbound;
+    ``router``: (its Service as namespace/name, ready endpoints), None without a router.
+    """
+    if conflicts:
+        return child_conflict(conflicts, gen)
+    if not_serving:
+        bound, reason, message = binding
+        if not bound:
+            return condition(READY, False, reason, message, gen)
+        return condition(READY, False, "ReplicasNotReady", "waiting: " + "; ".join(not_serving), gen)
+    if router is not None and router[1] == 0:
+        return condition(READY, False, "NoReadyEndpoints",
+                         f"Service {router[0]} has no ready endpoint: clients cannot reach the router; check the "
+                         "router pods' readiness and the Service's selector", gen)
+    front = f"; the router Service has {router[1]} ready endpoint(s)" if router else ""
+    return condition(READY, True, "Serving", summary + front, gen)
+
+
+def child_conflict(messages: list[str], gen: int | None) -> Condition:
+    """A child's name is taken by an object this owner does not control: it is left alone, and said so."""
+    return condition(READY, False, "ChildConflict", "; ".join(messages), gen)
 
 
 def invalid_spec(errors: Iterable[str], gen: int | None) -> Condition:
     return condition(READY, False, "InvalidSpec", "; ".join(errors), gen)
-
-
-def derived_ready(conditions: list[Condition], waiting: list[str], gen: int | None) -> Condition:
-    """Ready is True only when every prerequisite condition is good and nothing is still waited for."""
-    by_type = {c.type: c for c in conditions}
-    bound = by_type.get(POOL_BOUND)
-    if bound is not None and bound.status != "True":
-        return condition(READY, False, bound.reason, bound.message, gen)
-    if waiting:
-        return condition(READY, False, "ReplicasNotReady", "waiting for " + ", ".join(waiting), gen)
-    return condition(READY, True, "Serving", "all roles are ready", gen)
 
 
 # --- bookkeeping --------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
+import json
 import logging
+import time
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +24,13 @@ from maru_operator import metrics
 from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
 from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
-from maru_operator.builders.group import build_group_children, role_name, router_endpoint, router_name
+from maru_operator.builders.group import (
+    build_group_children,
+    role_name,
+    router_endpoint,
+    router_name,
+    service_name,
+)
 from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies, build_pool_policies
 from maru_operator.builders.pool import (
     COMPONENT_AGENT,
@@ -29,34 +38,64 @@ from maru_operator.builders.pool import (
     build_pool_children,
     metadata_name,
 )
-from maru_operator.cache import Key, Store, key_of
+from maru_operator.cache import Key, Store
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
-from maru_operator.reconcile import is_subset, patch_for, plan
+from maru_operator.reconcile import (
+    adopted_ownership,
+    controlled_by,
+    describe_controller,
+    key_of,
+    legacy_owner,
+    out_of_sync,
+    plan,
+)
 from maru_operator.status import (
     PoolObservation,
+    Router,
     bind,
+    blocked_pool_status,
     changed,
     group_status,
     invalid_group_status,
     invalid_pool_status,
     pool_status,
+    ready_endpoints,
     status_body,
+    usage_only_change,
 )
-from maru_operator.validation import check_group, check_pool
+from maru_operator.validation import check_group, check_group_on_pool, check_pool
 
 log = logging.getLogger("maru_operator.controller")
 
 Object = dict[str, Any]
 
 POOL_FINALIZER = "maru.io/in-use-protection"
-# How often a pool is looked at even without events: its daemons' memory use changes silently.
-POOL_RESYNC_SECONDS = 30.0
+# The most often a pool's use (which changes with traffic) is written to its status, and how often a
+# pool is looked at without events: its daemons' memory use changes silently.
+DEFAULT_USAGE_INTERVAL = 30.0
 UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
 
 
 def utcnow() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def model_errors(err: ValidationError) -> list[str]:
+    """The model's refusals as ``spec.<field>: <rule>`` lines."""
+    return [".".join(["spec", *(str(p) for p in e["loc"])]) + f": {e['msg']}" for e in err.errors()]
+
+
+def _digest(obj: Object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Applied:
+    """The children after an apply pass, and the names this owner could not take (key -> why)."""
+
+    children: dict[Key, Object]
+    conflicts: dict[Key, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +106,13 @@ class Controller:
     fetch_status: StatusFetcher = fetch_daemon_status
     clock: Callable[[], str] = utcnow
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
+    usage_interval: float = DEFAULT_USAGE_INTERVAL
+    monotonic: Callable[[], float] = time.monotonic
+    # pool -> when its status was last written (monotonic seconds)
+    _pool_written: dict[str, float] = field(default_factory=dict)
+    # child -> (digest of what was applied, resourceVersion the server answered): an apply the server
+    # took as is is not repeated while neither changes.
+    _applied: dict[Key, tuple[str, Any]] = field(default_factory=dict)
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -78,64 +124,87 @@ class Controller:
 
     # --- shared ---------------------------------------------------------------------------------
 
-    async def apply(self, owner: Key, desired: list[Object], keep: Collection[Key] = ()) -> dict[Key, Object]:
-        """Create, patch and delete children so they match ``desired``; return what is there now."""
-        actual = self.store.children(owner)
-        creates, updates, deletes = plan(desired, actual)
-        now: dict[Key, Object] = dict(actual)
+    async def apply(self, owner: Owner, desired: list[Object], keep: Collection[Key] = ()) -> Applied:
+        """Create, apply and delete children so they match ``desired``; return what is there now.
+
+        Only objects controlled by this very owner (its uid in their controller reference) are ever
+        written or deleted; a namesake it does not control is reported as a conflict and left as is.
+        """
+        owner_key: Key = (owner.kind, owner.namespace or "", owner.name)
+        ours = {k: o for k, o in self.store.children(owner_key).items() if controlled_by(o, owner.uid)}
+        creates, updates, deletes = plan(desired, ours)
+        result = Applied(children=dict(ours))
         for obj in creates:
-            now[key_of(obj)] = await self._create(obj)
-        for obj, patch in updates:
-            differs = is_subset(obj, actual[key_of(obj)])
-            now[key_of(obj)] = await self._patch(obj, patch, differs or "?")
+            have = await self._claim(obj, owner, result)
+            if have is not None and out_of_sync(obj, have) is None:
+                result.children[key_of(obj)] = have
+            elif key_of(obj) not in result.conflicts:
+                result.children[key_of(obj)] = await self._write(obj, have)
+        for obj, why in updates:
+            key = key_of(obj)
+            if self._applied.get(key) == (_digest(obj), ours[key]["metadata"].get("resourceVersion")):
+                continue  # applied as is already: what differs is someone else's (e.g. their list items)
+            result.children[key] = await self._write(obj, ours[key], why)
         for obj in deletes:
             key = key_of(obj)
             if key in keep:
                 continue
             kind, ns, name = key
-            log.info("deleting %s %s/%s: no longer wanted by %s %s", kind, ns, name, owner[0], owner[2])
-            await self.kube.delete(kind, ns, name)
+            log.info("deleting %s %s/%s: no longer wanted by %s %s", kind, ns, name, owner.kind, owner.name)
+            await self.kube.delete(kind, ns or None, name, uid=obj["metadata"].get("uid"))
             metrics.WRITES.labels(kind, "delete").inc()
             self.store.remove(key)
-            now.pop(key, None)
-        return now
+            result.children.pop(key, None)
+        return result
 
-    async def _create(self, obj: Object) -> Object:
+    async def _claim(self, obj: Object, owner: Owner, result: Applied) -> Object | None:
+        """Look before creating: None when the name is free, the object when it is ours; else a conflict."""
         kind, ns, name = key_of(obj)
-        try:
-            created = await self.kube.create(obj)
+        have = await self.kube.get(kind, ns or None, name)
+        if have is None or controlled_by(have, owner.uid):
+            if have is not None:
+                self.store.put(have)  # ours; the watch has not delivered it yet
+            return have
+        where = f"{ns}/{name}" if ns else name
+        result.conflicts[key_of(obj)] = (
+            f"{kind} {where} exists and is not controlled by this {owner.kind} (its controller: "
+            f"{describe_controller(have)}); the operator never changes objects it does not control: delete or "
+            "rename it"
+        )
+        log.warning("%s %s: %s", owner.kind, owner.name, result.conflicts[key_of(obj)])
+        return None
+
+    async def _write(self, obj: Object, have: Object | None, why: str = "") -> Object:
+        kind, ns, name = key_of(obj)
+        if have is not None and legacy_owner(have):
+            # Written by a version of the operator before server-side apply: its fields become applied
+            # ones, so this apply removes those the spec no longer has.
+            await self.kube.patch(kind, ns or None, name, {"metadata": {
+                "managedFields": adopted_ownership(have), "resourceVersion": have["metadata"].get("resourceVersion")}})
+        applied = await self.kube.apply(obj)
+        if have is None:
             metrics.WRITES.labels(kind, "create").inc()
             log.info("created %s %s/%s", kind, ns, name)
-        except ApiError as err:
-            if err.status != 409:
-                raise
-            # Created meanwhile (by an earlier pass whose watch event has not arrived yet): converge on it.
-            have = await self.kube.get(kind, ns, name)
-            if have is None:
-                raise
-            patch = patch_for(obj, have)
-            created = await self.kube.patch(kind, ns, name, patch) if patch else have
-        self.store.put(created)
-        return created
-
-    async def _patch(self, obj: Object, patch: Object, differs: str) -> Object:
-        kind, ns, name = key_of(obj)
-        try:
-            patched = await self.kube.patch(kind, ns, name, patch)
-        except ApiError as err:
-            if err.status != 404:
-                raise
-            return await self._create(obj)
-        metrics.WRITES.labels(kind, "patch").inc()
-        log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, differs)
-        self.store.put(patched)
-        return patched
+        else:
+            metrics.WRITES.labels(kind, "apply").inc()
+            log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, why)
+        self._applied[key_of(obj)] = (_digest(obj), applied.get("metadata", {}).get("resourceVersion"))
+        self.store.put(applied)
+        return applied
 
     async def write_status(self, body: Object, old: Any, new: Any) -> None:
         if not changed(old, new):
             return
         kind, ns, name = key_of(body)
-        updated = await self.kube.patch_status(kind, ns or None, name, status_body(new))
+        try:
+            updated = await self.kube.patch_status(kind, ns or None, name, status_body(new))
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            # Deleted since it was cached (its DELETED event, or the next relist, tells the rest).
+            log.info("%s %s is gone; not writing its status", kind, f"{ns}/{name}" if ns else name)
+            self.store.remove(key_of(body))
+            return
         metrics.STATUS_WRITES.labels(kind).inc()
         if isinstance(updated, dict) and updated.get("metadata"):
             self.store.put(updated)
@@ -166,41 +235,22 @@ class Controller:
         if body is None:
             return None
         meta = body.get("metadata", {})
+        old = MaruPoolStatus.model_validate(body.get("status") or {})
+        if meta.get("deletionTimestamp"):
+            # Before anything reads the spec: a pool whose spec is invalid must still be deletable.
+            return await self._release_pool(body, old)
         try:
             spec = MaruPoolSpec.model_validate(body.get("spec") or {})
+            errors = [str(e) for e in check_pool(spec, name)]
         except ValidationError as err:
-            raise kopf.PermanentError(f"invalid spec: {err.errors()[0]['msg']}") from None
-        old = MaruPoolStatus.model_validate(body.get("status") or {})
-        errors = [str(e) for e in check_pool(spec, name)]
-        if errors and not meta.get("deletionTimestamp"):
+            errors = model_errors(err)
+        if errors:
             new_status = invalid_pool_status(errors, meta.get("generation"), old, self.clock())
             await self.write_status(body, old, new_status)
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         owner = Owner.from_body(body)
-        deleting = bool(meta.get("deletionTimestamp"))
-        allowed = spec.allowed_namespaces
-        # Groups refused by allowedNamespaces never got pods using this pool: they do not hold it.
-        bound = [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(name) if allowed is None or ns in allowed]
+        bound = self._bound_groups(body)
         finalizers = list(meta.get("finalizers") or [])
-
-        if deleting:
-            if POOL_FINALIZER not in finalizers:
-                return None
-            if bound:
-                seen = PoolObservation(bound_groups=bound, deleting=True,
-                                       daemonset=self.store.get(("DaemonSet", self.pool_namespace, agent_name(name))))
-                new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
-                await self.write_status(body, old, new)
-                raise kopf.TemporaryError(
-                    f"deletion waits for {len(bound)} bound InferenceGroup(s): {', '.join(bound[:5])}",
-                    delay=DELETION_RETRY_SECONDS,
-                )
-            remaining = [f for f in finalizers if f != POOL_FINALIZER]
-            await self.kube.patch("MaruPool", None, name, {
-                "metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}
-            })
-            log.info("MaruPool %s: no group is bound any more; released for deletion", name)
-            return None
 
         if POOL_FINALIZER not in finalizers:
             # Nothing may delete the pool's memory from under the groups using it (see the deletion branch).
@@ -212,7 +262,8 @@ class Controller:
 
         ns = self.pool_namespace
         desired = build_pool_children(spec, owner, ns) + build_pool_policies(spec, owner, ns, self.network)
-        children = await self.apply(key, desired)
+        applied = await self.apply(owner, desired)
+        children = applied.children
         pods = await self.kube.list("Pod", ns, {
             LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: owner.instance, LABEL_COMPONENT: COMPONENT_AGENT,
         })
@@ -221,11 +272,55 @@ class Controller:
             metadata_deployment=children.get(("Deployment", ns, metadata_name(name))),
             agent_pods=pods,
             bound_groups=bound,
+            conflicts=list(applied.conflicts.values()),
         )
         seen.stats = await self._pool_stats(spec, name, pods)
         new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
-        await self.write_status(body, old, new)
-        return POOL_RESYNC_SECONDS
+        return await self._write_pool_status(body, old, new)
+
+    async def _write_pool_status(self, body: Object, old: MaruPoolStatus, new: MaruPoolStatus) -> float:
+        """Write now, or hold a change of use alone until ``usage_interval`` has passed since the last write.
+
+        Returns when to look at the pool again: when held usage is due, else after ``usage_interval``.
+        """
+        name = body["metadata"]["name"]
+        since = self.monotonic() - self._pool_written.get(name, float("-inf"))
+        if usage_only_change(old, new) and since < self.usage_interval:
+            return self.usage_interval - since
+        if changed(old, new):
+            await self.write_status(body, old, new)
+            self._pool_written[name] = self.monotonic()
+        return self.usage_interval
+
+    def _bound_groups(self, body: Object) -> list[str]:
+        """``namespace/name`` of the groups holding the pool; read from the raw spec, valid or not.
+
+        Groups refused by allowedNamespaces never got pods using this pool: they do not hold it.
+        """
+        allowed = (body.get("spec") or {}).get("allowedNamespaces")
+        return [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(body["metadata"]["name"])
+                if allowed is None or ns in allowed]
+
+    async def _release_pool(self, body: Object, old: MaruPoolStatus) -> None:
+        """A deleted pool keeps its finalizer while groups are bound to it, then lets go."""
+        meta = body["metadata"]
+        name = meta["name"]
+        finalizers = list(meta.get("finalizers") or [])
+        if POOL_FINALIZER not in finalizers:
+            return None
+        bound = self._bound_groups(body)
+        if bound:
+            await self.write_status(body, old, blocked_pool_status(bound, meta.get("generation"), old, self.clock()))
+            raise kopf.TemporaryError(
+                f"deletion waits for {len(bound)} bound InferenceGroup(s): {', '.join(bound[:5])}",
+                delay=DELETION_RETRY_SECONDS,
+            )
+        remaining = [f for f in finalizers if f != POOL_FINALIZER]
+        await self.kube.patch("MaruPool", None, name, {
+            "metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}
+        })
+        log.info("MaruPool %s: no group is bound any more; released for deletion", name)
+        return None
 
     async def _pool_stats(self, spec: MaruPoolSpec, name: str, pods: list[Object]) -> dict[str, Any]:
         """Best effort: a daemon that does not answer leaves ``used`` unknown, never fails the reconcile."""
@@ -255,7 +350,7 @@ class Controller:
             spec = InferenceGroupSpec.model_validate(body.get("spec") or {})
             errors = [str(e) for e in check_group(spec)]
         except ValidationError as err:
-            errors = [f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+            errors = model_errors(err)
         if errors:
             new = invalid_group_status(errors, generation, old, self.clock())
             await self.write_status(body, old, new)
@@ -270,6 +365,9 @@ class Controller:
             if pool_body is not None:
                 self.store.put(pool_body)
         binding = bind(namespace, spec, pool_body)
+        if binding.pool is not None and (errors := [str(e) for e in check_group_on_pool(spec, binding.pool)]):
+            await self.write_status(body, old, invalid_group_status(errors, generation, old, self.clock()))
+            raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         desired = build_group_children(spec, owner, binding.pool)
         desired += build_group_policies(spec, owner, binding.pool, self.pool_namespace, self.network)
         keep: set[Key] = set()
@@ -287,14 +385,20 @@ class Controller:
                     scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {"spec": {"replicas": 0}})
                     self.store.put(scaled)
                     metrics.WRITES.labels("Deployment", "patch").inc()
-        children = await self.apply(key, desired, keep)
+        applied = await self.apply(owner, desired, keep)
+        children = applied.children
         observed = {
             "prefill": children.get(("Deployment", namespace, role_name(name, "prefill"))),
             "decode": children.get(("Deployment", namespace, role_name(name, "decode"))),
             "router": children.get(("Deployment", namespace, router_name(name))),
         }
+        router = None
+        if spec.router.enabled:
+            svc = service_name(name)
+            router = Router(f"{namespace}/{svc}", ready_endpoints(self.store.endpoint_slices(namespace, svc)))
         new = group_status(spec, generation, binding, observed, old,
-                           endpoint=router_endpoint(spec, owner), now=self.clock())
+                           endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
+                           conflicts=list(applied.conflicts.values()))
         await self.write_status(body, old, new)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
@@ -302,7 +406,7 @@ class Controller:
 
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
-               "NoNodesSelected"}
+               "NoNodesSelected", "ChildConflict", "NoReadyEndpoints"}
 _WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable",
-               "PoolDegraded"}
+               "PoolDegraded", "PoolUnavailable"}
 

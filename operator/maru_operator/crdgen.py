@@ -29,6 +29,10 @@ HEADER = "# Generated from the pydantic models in operator/maru_operator/api by 
 _DROPPED_KEYS = {"title", "additionalProperties", "$defs"}
 
 
+# Marks, between _resolve and _normalise_defaults, a field whose default is None (absent unless set).
+_ABSENT_BY_DEFAULT = "x-maru-absent-by-default"
+
+
 def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     """Inline ``$ref``s, collapse ``anyOf [X, null]`` to X, and drop keys Kubernetes refuses."""
     if isinstance(node, list):
@@ -49,6 +53,7 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
             rest = {k: v for k, v in node.items() if k != "anyOf"}
             if rest.get("default", ...) is None:
                 rest.pop("default")
+                rest[_ABSENT_BY_DEFAULT] = True
             return _resolve({**branches[0], **rest}, defs)
     if node.get("x-kubernetes-int-or-string"):
         node.pop("anyOf", None)
@@ -65,11 +70,13 @@ def _normalise_defaults(schema: dict[str, Any]) -> None:
     """Optional sub-objects default to ``{}``, so the API server fills their fields' own defaults.
 
     Pydantic leaves ``default_factory`` fields without a default in the JSON schema; without this an
-    omitted ``spec.connector`` would reach the operator with no chunk size at all.
+    omitted ``spec.connector`` would reach the operator with no chunk size at all. Fields whose
+    default is None (``secretKeyRef``: absent unless given) get no default.
     """
     required = set(schema.get("required", []))
     for name, prop in schema.get("properties", {}).items():
-        if prop.get("type") == "object" and "properties" in prop and name not in required:
+        absent = prop.pop(_ABSENT_BY_DEFAULT, False)
+        if prop.get("type") == "object" and "properties" in prop and name not in required and not absent:
             prop["default"] = {}
         _normalise_defaults(prop)
     items = schema.get("items")

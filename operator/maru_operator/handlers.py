@@ -2,27 +2,38 @@
 
 Level-based, as kopf's own reconciliation guide recommends: no create/update handlers and no diffs.
 An event of an owner, of any child it owns (by ownerReference), or of the pool a group is bound to
-only enqueues the owner's key; a periodic resync enqueues every owner (the timer), so state that
-changes without an event (a pool's used memory) and lost events are covered too. No kopf finalizer or
-annotation is put on user objects; the only finalizer is the pool's in-use protection.
+only enqueues the owner's key; a periodic resync lists everything afresh and enqueues every owner (the
+timer), so state that changes without an event (a pool's used memory) and lost events are covered too.
+No kopf finalizer or annotation is put on user objects; the only finalizer is the pool's in-use protection.
+
+Scope: the API server selects what is watched. Children by ``app.kubernetes.io/managed-by``; owners and
+children by the operator instance (``maru.io/operator-instance``): an operator started with
+``--instance NAME`` serves only objects labelled with NAME, the default instance only unlabelled ones,
+so two installations never reconcile the same objects. Within one instance, replicas elect a leader
+with a Lease (:mod:`maru_operator.leader`); only the leader's work queue runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
+from maru_operator import metrics
 from maru_operator.api.common import GROUP, VERSION
-from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, instance_selector
 from maru_operator.builders.netpol import NetworkPolicyConfig
-from maru_operator.cache import Key, Store, key_of, owner_key
-from maru_operator.controller import Controller
+from maru_operator.cache import SERVICE_NAME_LABEL, Key, Store, key_of, not_newer, owner_key
+from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
+from maru_operator.leader import LeaderElector, LeaseSettings
 
 log = logging.getLogger("maru_operator.handlers")
 
@@ -36,7 +47,24 @@ CHILD_RESOURCES = (
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("networking.k8s.io", "v1", "networkpolicies"),
 )
+# The router Services' EndpointSlices: the EndpointSlice controller copies a Service's labels onto them,
+# so the same server-side selector finds exactly the slices of the operator's Services.
+ENDPOINT_SLICES = ("discovery.k8s.io", "v1", "endpointslices")
 OURS = {LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def owner_selector(instance: str) -> str:
+    """The MaruPools and InferenceGroups an operator instance serves."""
+    return instance_selector(instance)
+
+
+def child_selector(instance: str) -> str:
+    """The children an operator instance watches: made by the operator, for this instance's owners."""
+    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{instance_selector(instance)}"
+
+
+def lease_name(instance: str) -> str:
+    return f"maru-operator-{instance}" if instance else "maru-operator"
 
 
 def default_pool_namespace() -> str:
@@ -53,10 +81,18 @@ class Config:
     pool_namespace: str = field(default_factory=default_pool_namespace)
     workers: int = 8
     resync_seconds: float = 60.0
+    usage_interval: float = DEFAULT_USAGE_INTERVAL
     fetch_status: StatusFetcher = fetch_daemon_status
     connection: kopf.ConnectionInfo | None = None
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
+    instance: str = ""  # which objects this operator serves (see the module docstring)
+    leader_election: bool = True
+    lease_seconds: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+    # This replica's name in the Lease: the pod name (the hostname) and a random suffix.
+    identity: str = field(default_factory=lambda: f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}")
 
 
 @dataclass
@@ -67,7 +103,10 @@ class Runtime:
     controller: Controller | None = None
     queue: Any = None
     resync_task: asyncio.Task[None] | None = None
+    elector_task: asyncio.Task[None] | None = None
     pool_fingerprints: dict[str, Any] = field(default_factory=dict)
+    # owner -> its last watch event without status (see _desired_part)
+    seen: dict[Key, Any] = field(default_factory=dict)
 
 
 STATE = Runtime(config=Config(), store=Store())
@@ -103,53 +142,107 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.watching.client_timeout = 330
     settings.watching.reconnect_backoff = 1.0
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
-    if STATE.config.connection is None:
-        STATE.config.connection = login(settings=settings)
-    STATE.kube = Kube(STATE.config.connection)
+    # The API server selects what is streamed: never every Deployment or Service in the cluster, and
+    # only the owners (and their children) of this operator instance.
+    config = STATE.config
+    for plural in ("marupools", "inferencegroups"):
+        settings.watching.label_selectors[GROUP, VERSION, plural] = owner_selector(config.instance)
+    for group, version, plural in (*CHILD_RESOURCES, ENDPOINT_SLICES):
+        settings.watching.label_selectors[group, version, plural] = child_selector(config.instance)
+    if config.connection is None:
+        config.connection = login(settings=settings)
+    STATE.kube = Kube(config.connection)
     STATE.controller = Controller(
-        kube=STATE.kube, store=STATE.store, pool_namespace=STATE.config.pool_namespace,
-        fetch_status=STATE.config.fetch_status, network=STATE.config.network,
+        kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
+        fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
     )
-    STATE.queue = WorkQueue(STATE.controller.reconcile, workers=STATE.config.workers)
+    STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
+    log.info("operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
+             config.instance or "(default)", config.pool_namespace, config.workers, config.resync_seconds)
+    if not config.leader_election:
+        await _lead()
+        return
+    lease = LeaseSettings(namespace=config.pool_namespace, name=lease_name(config.instance),
+                          identity=config.identity, lease_seconds=config.lease_seconds,
+                          renew_deadline=config.renew_deadline, retry_period=config.retry_period)
+    log.info("waiting to lead: Lease %s/%s, identity %s", lease.namespace, lease.name, lease.identity)
+    elector = LeaderElector(STATE.kube, lease, on_lead=_lead, on_lose=_follow)
+    STATE.elector_task = asyncio.create_task(elector.run(), name="maru-leader-election")
+
+
+async def _lead() -> None:
+    """This replica reconciles: list everything afresh, start the workers and the resync timer."""
+    assert STATE.kube is not None and STATE.queue is not None
+    metrics.LEADER.set(1)
     await _prime(STATE.kube, STATE.config.namespaces)
     STATE.queue.start()
     STATE.resync_task = asyncio.create_task(_resync(STATE.config.resync_seconds), name="maru-resync")
-    log.info("operator started: pools' daemons go to namespace %s, %d workers, resync every %.0fs",
-             STATE.config.pool_namespace, STATE.config.workers, STATE.config.resync_seconds)
+
+
+async def _follow() -> None:
+    """This replica stops reconciling at once (another may take over); its watches keep the cache warm."""
+    metrics.LEADER.set(0)
+    if STATE.resync_task is not None:
+        STATE.resync_task.cancel()
+        await asyncio.gather(STATE.resync_task, return_exceptions=True)
+        STATE.resync_task = None
+    if STATE.queue is not None:
+        await STATE.queue.stop()
 
 
 PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
-                "RoleBinding", "NetworkPolicy")
+                "RoleBinding", "NetworkPolicy", "EndpointSlice")
 
 
 async def _prime(kube: Kube, namespaces: list[str]) -> None:
     """Observe everything once before the first reconcile (kopf's watches fill in the rest).
 
     Without it, a restarted operator would reconcile groups before its child watches have listed and
-    try to create children that exist (harmless 409s, but writes nonetheless).
+    try to create children that exist (writes nonetheless).
     """
-    for kind in PRIMED_KINDS:
-        selector = None if kind in ("MaruPool", "InferenceGroup") else OURS
-        scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
-        try:
-            for namespace in scopes:
-                for item in await kube.list(kind, namespace, selector):
-                    # List items come without kind and apiVersion; the cache keys on kind.
-                    item.setdefault("kind", kind)
-                    STATE.store.put(item)
-        except Exception as err:  # the watches catch up; priming only saves writes
-            log.warning("could not list %ss at start-up (%s); relying on the watch", kind, err)
+    await relist(kube, namespaces)
     for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
         _enqueue(key)
 
 
+async def relist(kube: Kube, namespaces: list[str]) -> None:
+    """Make the cache what the API has: list every kind the operator watches, forget what is gone.
+
+    After a watch gap ending in 410 Gone, kopf lists again but sends no DELETED event for what
+    went away meanwhile; without this, a group deleted in the gap would hold its pool's finalizer
+    forever. An object is forgotten only when the list is newer than the cached copy.
+    """
+    instance = STATE.config.instance
+    for kind in PRIMED_KINDS:
+        selector = owner_selector(instance) if kind in ("MaruPool", "InferenceGroup") else child_selector(instance)
+        scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
+        for namespace in scopes:
+            try:
+                items, version = await kube.list_with_version(kind, namespace, selector)
+            except Exception as err:  # the watches and the next resync catch up
+                log.warning("could not list %ss (%s); relying on the watch until the next resync", kind, err)
+                continue
+            listed = set()
+            for item in items:
+                # List items come without kind and apiVersion; the cache keys on kind.
+                item.setdefault("kind", kind)
+                listed.add(key_of(item))
+                STATE.store.put(item)
+            for key in STATE.store.keys(kind, namespace):
+                cached = STATE.store.get(key)
+                if key not in listed and cached is not None and not_newer(cached, version):
+                    log.info("%s %s is gone (not in a fresh list); forgetting it", kind, "/".join(key[1:]))
+                    await _GONE[kind](type="DELETED", body=cached)
+
+
 @kopf.on.cleanup()
 async def on_cleanup(**_: Any) -> None:
-    if STATE.resync_task is not None:
-        STATE.resync_task.cancel()
-        await asyncio.gather(STATE.resync_task, return_exceptions=True)
-    if STATE.queue is not None:
-        await STATE.queue.stop()
+    if STATE.elector_task is not None:
+        # Stops reconciling and gives the Lease up, so another replica takes over at once.
+        STATE.elector_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await STATE.elector_task
+    await _follow()
     if STATE.kube is not None:
         await STATE.kube.close()
 
@@ -161,11 +254,33 @@ def queue_probe(**_: Any) -> dict[str, Any]:
 
 
 async def _resync(every: float) -> None:
-    """The timer: every owner is looked at regularly, events or not."""
+    """The timer: the cache is listed afresh and every owner is looked at regularly, events or not."""
     while True:
         await asyncio.sleep(every)
+        if STATE.kube is not None:
+            await relist(STATE.kube, STATE.config.namespaces)
         for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
             _enqueue(key)
+
+
+def _desired_part(body: dict[str, Any]) -> Any:
+    """The object without what status writes change (status, resourceVersion, managedFields)."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("resourceVersion", "managedFields")}
+    return {**{k: v for k, v in body.items() if k != "status"}, "metadata": meta}
+
+
+def _changed_beyond_status(key: Key, body: dict[str, Any]) -> bool:
+    """False for an event that changes only status since the last event of this owner.
+
+    Such an event is a status write (the operator's own, usually): reconciling on it would make
+    every status write trigger the next. Compared with the previous *event*, not the cache, which
+    the operator's own reads and writes also fill.
+    """
+    part = _desired_part(body)
+    if STATE.seen.get(key) == part:
+        return False
+    STATE.seen[key] = part
+    return True
 
 
 def _pool_fingerprint(body: dict[str, Any]) -> Any:
@@ -182,9 +297,11 @@ async def pool_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     if type == "DELETED":
         STATE.store.remove(obj)
         STATE.pool_fingerprints.pop(name, None)
+        STATE.seen.pop(key_of(obj), None)
     else:
         STATE.store.put(obj)
-        _enqueue(key_of(obj))
+        if _changed_beyond_status(key_of(obj), obj):
+            _enqueue(key_of(obj))
     fingerprint = _pool_fingerprint(obj) if type != "DELETED" else None
     if STATE.pool_fingerprints.get(name) != fingerprint:
         if fingerprint is not None:
@@ -202,10 +319,12 @@ async def group_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     new_pool = (obj.get("spec") or {}).get("poolRef", {}).get("name")
     if type == "DELETED":
         STATE.store.remove(key)
+        STATE.seen.pop(key, None)
         new_pool = None
     else:
         STATE.store.put(obj)
-        _enqueue(key)
+        if _changed_beyond_status(key, obj):
+            _enqueue(key)
     # A pool counts its groups and waits for them before it may be deleted.
     if before is None or type == "DELETED" or old_pool != new_pool:
         for pool in {old_pool, new_pool} - {None}:
@@ -225,3 +344,23 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
 
 for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(_child_event)
+
+
+@kopf.on.event(*ENDPOINT_SLICES, labels=OURS)
+async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    """A router Service's endpoints changed: its group's Ready depends on them."""
+    obj = dict(body)
+    obj.setdefault("kind", "EndpointSlice")
+    if type == "DELETED":
+        STATE.store.remove(obj)
+    else:
+        STATE.store.put(obj)
+    meta = obj.get("metadata", {})
+    service = STATE.store.get(("Service", meta.get("namespace") or "",
+                               (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, "")))
+    if service is not None:
+        _enqueue(owner_key(service))
+
+# What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
+_GONE = {"MaruPool": pool_event, "InferenceGroup": group_event, "EndpointSlice": slice_event,
+         **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup", "EndpointSlice")}}

@@ -25,12 +25,16 @@ import aiohttp
 import kopf
 
 from maru_operator import metrics
+from maru_operator.reconcile import FIELD_MANAGER
 
 log = logging.getLogger("maru_operator.kube")
 
 Object = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+# Every write of the operator is recorded under one name in managedFields.
+WRITE_PARAMS = {"fieldManager": FIELD_MANAGER}
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ KINDS: dict[str, Kind] = {
     "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Kind("apis/networking.k8s.io/v1", "networkpolicies"),
+    "Lease": Kind("apis/coordination.k8s.io/v1", "leases"),
+    "EndpointSlice": Kind("apis/discovery.k8s.io/v1", "endpointslices"),
     "MaruPool": Kind("apis/maru.io/v1alpha1", "marupools", namespaced=False),
     "InferenceGroup": Kind("apis/maru.io/v1alpha1", "inferencegroups"),
 }
@@ -218,37 +224,61 @@ class Kube:
             raise
 
     async def list(
-        self, kind: str, namespace: str | None, label_selector: dict[str, str] | None = None
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None
     ) -> list[Object]:
-        params = {"labelSelector": ",".join(f"{k}={v}" for k, v in label_selector.items())} if label_selector else None
+        return (await self.list_with_version(kind, namespace, label_selector))[0]
+
+    async def list_with_version(
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None
+    ) -> tuple[list[Object], str | None]:
+        """The items, and the resourceVersion the list was taken at; the selector as a map or as text."""
+        if isinstance(label_selector, dict):
+            label_selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
+        params = {"labelSelector": label_selector} if label_selector else None
         result = await self.request("GET", path(kind, namespace), params=params, what=f"list {kind} in {namespace}")
-        return list((result or {}).get("items") or [])
+        return list((result or {}).get("items") or []), (result or {}).get("metadata", {}).get("resourceVersion")
 
     async def create(self, obj: Object) -> Object:
         meta = obj["metadata"]
         return await self.request(
-            "POST", path(obj["kind"], meta.get("namespace")), body=obj,
+            "POST", path(obj["kind"], meta.get("namespace")), body=obj, params=WRITE_PARAMS,
             what=f"create {obj['kind']} {meta.get('namespace', '')}/{meta.get('name', meta.get('generateName'))}",
+        )
+
+    async def apply(self, obj: Object) -> Object:
+        """Server-side apply of the whole desired ``obj`` (created when absent).
+
+        The API server removes the fields this manager applied before and ``obj`` no longer sets, and
+        leaves fields others set. Forced: a controller's desired state wins over hand edits of the
+        fields it owns (drift correction); objects it does not control are never applied to.
+        """
+        meta = obj["metadata"]
+        return await self.request(
+            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]), body=obj, content_type=APPLY_PATCH,
+            params={**WRITE_PARAMS, "force": "true"},
+            what=f"apply {obj['kind']} {meta.get('namespace', '')}/{meta['name']}",
         )
 
     async def patch(self, kind: str, namespace: str | None, name: str, patch: Object) -> Object:
         return await self.request(
-            "PATCH", path(kind, namespace, name), body=patch, content_type=MERGE_PATCH,
+            "PATCH", path(kind, namespace, name), body=patch, content_type=MERGE_PATCH, params=WRITE_PARAMS,
             what=f"patch {kind} {namespace}/{name}",
         )
 
     async def patch_status(self, kind: str, namespace: str | None, name: str, status: Object) -> Object:
         return await self.request(
             "PATCH", path(kind, namespace, name, "status"), body={"status": status}, content_type=MERGE_PATCH,
-            what=f"patch {kind} {namespace}/{name} status",
+            params=WRITE_PARAMS, what=f"patch {kind} {namespace}/{name} status",
         )
 
-    async def delete(self, kind: str, namespace: str | None, name: str) -> None:
+    async def delete(self, kind: str, namespace: str | None, name: str, *, uid: str | None = None) -> None:
+        """Delete (in the background); with ``uid``, only that very object, never a namesake created since."""
+        body: Object = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            await self.request(
-                "DELETE", path(kind, namespace, name), body={"propagationPolicy": "Background"},
-                what=f"delete {kind} {namespace}/{name}",
-            )
+            await self.request("DELETE", path(kind, namespace, name), body=body,
+                               what=f"delete {kind} {namespace}/{name}")
         except ApiError as err:
             if err.status != 404:
                 raise

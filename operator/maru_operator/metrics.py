@@ -16,3 +16,4 @@ API_REQUESTS = Counter("maru_operator_api_requests_total", "Kubernetes API reque
 API_LATENCY = Histogram("maru_operator_api_request_duration_seconds", "Kubernetes API latency, by method.",
                         ["method"])
 QUEUE_DEPTH = Gauge("maru_operator_workqueue_depth", "Objects waiting to be reconciled.")
+LEADER = Gauge("maru_operator_leader", "1 while this replica holds the leader Lease and reconciles, else 0.")

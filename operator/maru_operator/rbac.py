@@ -1,7 +1,16 @@
-"""The permissions the operator needs, as data: ``maru-operator rbac`` prints them as a ClusterRole.
+"""The permissions the operator needs, as data: ``maru-operator rbac`` prints them as a ClusterRole and a Role.
 
-Kept next to the code that uses them and checked by a test that replays every request the operator
-makes in the integration scenarios against these rules, so the chart's RBAC cannot drift from it.
+Kept next to the code that uses them and checked by tests that run the operator as a ServiceAccount
+holding exactly these rules, against an API server that enforces RBAC and OwnerReferencesPermissionEnforcement,
+so the chart's RBAC cannot drift from it.
+
+Three scopes:
+
+* cluster-wide (``CLUSTER_RULES``): MaruPools are cluster-scoped, and the operator serves groups in
+  every namespace unless told otherwise;
+* only with ``--namespace`` (``NAMESPACED_MODE_RULES``): kopf follows the namespaces it serves;
+* the pool namespace only (``POOL_NAMESPACE_RULES``, a Role there): the leader Lease, and writing
+  DaemonSets, which the operator creates only where pools run.
 """
 
 from __future__ import annotations
@@ -11,14 +20,19 @@ from typing import Any
 READ = ["get", "list", "watch"]
 MANAGE = ["get", "list", "watch", "create", "patch", "delete"]
 
-# (apiGroups, resources, verbs, why)
-RULES: list[tuple[list[str], list[str], list[str], str]] = [
+Rule = tuple[list[str], list[str], list[str], str]  # (apiGroups, resources, verbs, why)
+
+CLUSTER_RULES: list[Rule] = [
     (["maru.io"], ["marupools"], [*READ, "patch"],
      "watch the pools; patch adds and removes the pool's in-use finalizer"),
     (["maru.io"], ["inferencegroups"], READ, "watch the groups (the operator writes only their status)"),
     (["maru.io"], ["marupools/status", "inferencegroups/status"], ["patch"], "write status (only when it changed)"),
-    (["apps"], ["deployments", "daemonsets"], MANAGE,
-     "the vLLM, router and pool metadata Deployments, the pool agent DaemonSet; delete prunes unwanted ones"),
+    (["maru.io"], ["marupools/finalizers", "inferencegroups/finalizers"], ["update"],
+     "never called: children carry blockOwnerDeletion, which clusters with OwnerReferencesPermissionEnforcement "
+     "(OpenShift and others) allow only to who may update the owner's finalizers"),
+    (["apps"], ["deployments"], MANAGE,
+     "the vLLM, router and pool metadata Deployments; delete prunes unwanted ones"),
+    (["apps"], ["daemonsets"], READ, "watch the pool agent DaemonSets (written in the pool namespace only)"),
     ([""], ["services", "serviceaccounts"], MANAGE, "the router Service and ServiceAccount, the pool metadata Service"),
     (["rbac.authorization.k8s.io"], ["roles", "rolebindings"], MANAGE,
      "the router's Role (read pods in its namespace) and RoleBinding"),
@@ -27,20 +41,34 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
     ([""], ["pods"], READ,
      "list the pool agents' pods for per-node status; also required to grant the router read access to pods "
      "(RBAC refuses to create a Role with permissions its creator lacks)"),
+    (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"],
+     "Ready needs the router Service's ready endpoints (only slices labelled as the operator's Services are watched)"),
     ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),
     (["apiextensions.k8s.io"], ["customresourcedefinitions"], ["list", "watch"],
      "kopf notices when the CRDs it serves are installed or removed"),
 ]
 
-
 # Only with --namespace: kopf lists and watches namespaces to follow the ones it serves.
-NAMESPACED_RULES: list[tuple[list[str], list[str], list[str], str]] = [
+NAMESPACED_MODE_RULES: list[Rule] = [
     ([""], ["namespaces"], ["list", "watch"], "kopf follows the namespaces it serves (only with --namespace)"),
 ]
 
+POOL_NAMESPACE_RULES: list[Rule] = [
+    (["apps"], ["daemonsets"], ["create", "patch", "delete"],
+     "the pool agent DaemonSets, which run in the pool namespace only"),
+    (["coordination.k8s.io"], ["leases"], ["get", "create", "patch"],
+     "leader election among the operator's replicas (one Lease per operator instance)"),
+]
 
-def rules(namespaced: bool = False) -> list[tuple[list[str], list[str], list[str], str]]:
-    return RULES + (NAMESPACED_RULES if namespaced else [])
+
+def rules(namespaced: bool = False) -> list[Rule]:
+    """The rules granted across the cluster (or, with --namespace, in each served namespace)."""
+    return CLUSTER_RULES + (NAMESPACED_MODE_RULES if namespaced else [])
+
+
+def _rules(rules_: list[Rule]) -> list[dict[str, Any]]:
+    return [{"apiGroups": list(groups), "resources": list(resources), "verbs": list(verbs)}
+            for groups, resources, verbs, _ in rules_]
 
 
 def cluster_role(name: str = "maru-operator", namespaced: bool = False) -> dict[str, Any]:
@@ -48,11 +76,35 @@ def cluster_role(name: str = "maru-operator", namespaced: bool = False) -> dict[
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "maru-operator"}},
-        "rules": [{"apiGroups": list(groups), "resources": list(resources), "verbs": list(verbs)}
-                  for groups, resources, verbs, _ in rules(namespaced)],
+        "rules": _rules(rules(namespaced)),
     }
 
 
-def allows(verb: str, group: str, resource: str, namespaced: bool = False) -> bool:
-    return any(group in groups and resource in resources and verb in verbs
-               for groups, resources, verbs, _ in rules(namespaced))
+def pool_namespace_role(namespace: str, name: str = "maru-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/name": "maru-operator"}},
+        "rules": _rules(POOL_NAMESPACE_RULES),
+    }
+
+
+def bindings(namespace: str, service_account: str, name: str = "maru-operator") -> list[dict[str, Any]]:
+    """A ClusterRoleBinding of :func:`cluster_role` and a RoleBinding of :func:`pool_namespace_role`."""
+    subjects = [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}]
+    ref = {"apiGroup": "rbac.authorization.k8s.io", "name": name}
+    labels = {"app.kubernetes.io/name": "maru-operator"}
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": name, "labels": labels}, "roleRef": {**ref, "kind": "ClusterRole"},
+         "subjects": subjects},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": name, "namespace": namespace, "labels": labels}, "roleRef": {**ref, "kind": "Role"},
+         "subjects": subjects},
+    ]
+
+
+def allows(verb: str, group: str, resource: str, namespaced: bool = False, *, in_pool_namespace: bool = False) -> bool:
+    """Whether the documented rules grant ``verb`` on ``group``/``resource`` (in the pool namespace or not)."""
+    scope = rules(namespaced) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
+    return any(group in groups and resource in resources and verb in verbs for groups, resources, verbs, _ in scope)

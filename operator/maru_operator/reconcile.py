@@ -1,21 +1,36 @@
-"""Desired versus actual: what, if anything, must be written to make a child match its builder.
+"""Desired versus actual: whether a child must be applied, and what ownership says about it.
 
-An object is up to date when the desired object is a *subset* of the actual one, field by field:
-the API server adds defaults (``terminationMessagePath``, ``clusterIP``, ``revisionHistoryLimit``...)
-and other controllers add annotations, and neither must cause a write. Reconciling an unchanged
-object therefore sends nothing. When something differs, the whole desired object is sent as a JSON
-merge patch: maps merge (others' keys survive), lists are replaced by ours (our containers, our args).
+Children are written with server-side apply under one field manager: the API server merges the
+desired object in, and removes the fields this manager applied before and no longer sets, while
+fields a user or another controller set stay theirs. This module decides, without I/O, when an
+apply is needed, so a converged object is never written:
+
+* the desired object is not a *subset* of the actual one (the server adds defaults such as
+  ``terminationMessagePath`` and others add annotations: neither is a difference), or
+* the manager still owns a field (``metadata.managedFields``) that the desired object no longer sets:
+  the apply that removes it is due, or
+* the manager owns a list or map *whole* (an atomic one: a NetworkPolicy's rules, a nodeSelector) and
+  it holds more than the desired value: an atomic value is replaced as a whole, so a rule that lost a
+  part is a change, where for other lists the subset test is right.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from maru_operator.quantity import same_quantity
 
+FIELD_MANAGER = "maru-operator"
+
+Object = dict[str, Any]
+Key = tuple[str, str, str]
+
 # Keys the operator never compares: the API server owns them.
 _IGNORED_TOP = {"status"}
 _IGNORED_META = {"resourceVersion", "uid", "generation", "creationTimestamp", "managedFields", "selfLink"}
+# List-map keys the API server defaults when an item leaves them out (ports' protocol).
+_KEY_DEFAULTS = {"protocol": "TCP"}
 
 
 def _empty(value: Any) -> bool:
@@ -59,30 +74,165 @@ def is_subset(desired: Any, actual: Any, path: str = "") -> str | None:
     return path
 
 
-def patch_for(desired: dict[str, Any], actual: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The merge patch that makes ``actual`` match ``desired``; None when nothing needs writing."""
-    if actual is None:
-        raise ValueError("patch_for needs an actual object; create missing ones")
-    if is_subset(desired, actual) is None:
-        return None
-    patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")}
-    meta = dict(patch.get("metadata", {}))
-    meta.pop("name", None)
-    meta.pop("namespace", None)
-    patch["metadata"] = meta
-    return patch
+# --- managedFields ------------------------------------------------------------------------------------
+
+def owned_fields(actual: Object, manager: str = FIELD_MANAGER) -> list[tuple[str, ...]] | None:
+    """The field paths ``manager`` applied to ``actual`` (FieldsV1 spelling); None when it never applied."""
+    for entry in actual.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
+            paths: list[tuple[str, ...]] = []
+            _leaves(entry.get("fieldsV1") or {}, (), paths)
+            return paths
+    return None
 
 
-def key_of(obj: dict[str, Any]) -> tuple[str, str, str]:
+def _leaves(node: dict[str, Any], prefix: tuple[str, ...], out: list[tuple[str, ...]]) -> None:
+    for part, sub in node.items():
+        if sub:
+            _leaves(sub, (*prefix, part), out)
+        else:
+            out.append((*prefix, part))
+
+
+def sets_field(desired: Any, path: tuple[str, ...]) -> bool:
+    """Whether ``desired`` sets the field a FieldsV1 path names (``f:``, ``k:``, ``v:`` and ``.`` steps)."""
+    node = desired
+    for part in path:
+        if part == ".":
+            return True
+        kind, _, rest = part.partition(":")
+        if kind == "f":
+            if not isinstance(node, dict) or rest not in node:
+                return False
+            node = node[rest]
+        elif kind == "k":
+            wanted = json.loads(rest)
+            if not isinstance(node, list):
+                return False
+            node = next((item for item in node if isinstance(item, dict) and all(
+                item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted.items())), None)
+            if node is None:
+                return False
+        elif kind == "v":
+            return isinstance(node, list) and json.loads(rest) in node
+        else:
+            return False  # a positional path: never ours (we apply no positional lists)
+    return True
+
+
+def stale_field(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
+    """The first field ``manager`` owns on ``actual`` that ``desired`` no longer sets, dotted; None if none."""
+    for path in owned_fields(actual, manager) or []:
+        if not sets_field(desired, path):
+            return "." + ".".join(p[2:] if p.startswith("f:") else p for p in path)
+    return None
+
+
+_ABSENT = object()
+
+
+def _value_at(obj: Any, path: tuple[str, ...]) -> Any:
+    """The value a FieldsV1 path names in ``obj`` (``f:`` and ``k:`` steps), or ``_ABSENT``."""
+    node = obj
+    for part in path:
+        kind, _, rest = part.partition(":")
+        if kind == "f" and isinstance(node, dict) and rest in node:
+            node = node[rest]
+        elif kind == "k" and isinstance(node, list):
+            wanted = json.loads(rest)
+            node = next((item for item in node if isinstance(item, dict) and all(
+                item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted.items())), _ABSENT)
+            if node is _ABSENT:
+                return _ABSENT
+        else:
+            return _ABSENT
+    return node
+
+
+def changed_atomic(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
+    """The first list or map ``manager`` owns whole whose actual value holds more than the desired one."""
+    for path in owned_fields(actual, manager) or []:
+        want, have = _value_at(desired, path), _value_at(actual, path)
+        if want is _ABSENT or have is _ABSENT or _empty(want) or not isinstance(have, (list, dict)):
+            continue  # an empty value is owned whole for being empty, not for being atomic
+        dotted = "." + ".".join(p[2:] if p.startswith("f:") else p for p in path)
+        if is_subset(have, want, dotted) is not None:
+            return dotted
+    return None
+
+
+def _mine(actual: Object, manager: str) -> list[dict[str, Any]]:
+    return [e for e in actual.get("metadata", {}).get("managedFields") or []
+            if e.get("manager") == manager and not e.get("subresource")]
+
+
+def legacy_owner(actual: Object, manager: str = FIELD_MANAGER) -> bool:
+    """True when ``manager`` wrote ``actual`` only with plain updates (an operator version before apply).
+
+    Fields owned that way are never removed by an apply: :func:`adopted_ownership` turns them into
+    applied ones first.
+    """
+    mine = _mine(actual, manager)
+    return bool(mine) and all(e.get("operation") != "Apply" for e in mine)
+
+
+def _merge_trees(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, sub in b.items():
+        out[key] = _merge_trees(out.get(key) or {}, sub) if sub or key not in out else out[key]
+    return out
+
+
+def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER) -> list[dict[str, Any]]:
+    """``actual``'s managedFields with ``manager``'s update entries made one apply entry.
+
+    The same upgrade kubectl does from client-side to server-side apply: the next apply then removes
+    every field the manager set before and no longer wants, whichever way it was written.
+    """
+    entries = actual.get("metadata", {}).get("managedFields") or []
+    mine = [e for e in _mine(actual, manager) if e.get("operation") != "Apply"]
+    tree: dict[str, Any] = {}
+    for entry in mine:
+        tree = _merge_trees(tree, entry.get("fieldsV1") or {})
+    adopted = {**(mine[0] if mine else {}), "manager": manager, "operation": "Apply", "fieldsV1": tree}
+    return [e for e in entries if e not in mine] + [adopted]
+
+
+def out_of_sync(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
+    """Why ``desired`` must be applied to ``actual`` (a field path, for the log); None when it is in sync."""
+    return (is_subset(desired, actual) or stale_field(desired, actual, manager)
+            or changed_atomic(desired, actual, manager)
+            or ("metadata.managedFields" if legacy_owner(actual, manager) else None))
+
+
+# --- ownership ----------------------------------------------------------------------------------------
+
+def controller_of(obj: Object) -> dict[str, Any] | None:
+    """The ownerReference with ``controller: true``, if any."""
+    return next((r for r in obj.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def controlled_by(obj: Object, owner_uid: str | None) -> bool:
+    ref = controller_of(obj)
+    return ref is not None and owner_uid is not None and ref.get("uid") == owner_uid
+
+
+def describe_controller(obj: Object) -> str:
+    ref = controller_of(obj)
+    if ref is None:
+        return "no controller"
+    return f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})"
+
+
+def key_of(obj: dict[str, Any]) -> Key:
     """(kind, namespace, name): how children are matched between desired and actual."""
     meta = obj.get("metadata", {})
     return obj.get("kind", ""), meta.get("namespace") or "", meta.get("name", "")
 
 
-def plan(desired: list[dict[str, Any]], actual: dict[tuple[str, str, str], dict[str, Any]]) -> tuple[
-    list[dict[str, Any]], list[tuple[dict[str, Any], dict[str, Any]]], list[dict[str, Any]]
-]:
-    """(to create, (desired, merge patch) to update, actual objects to delete)."""
+def plan(desired: list[Object], actual: dict[Key, Object]) -> tuple[list[Object], list[tuple[Object, str]],
+                                                                     list[Object]]:
+    """(absent: create, (desired, why) to apply, actual objects no longer wanted: delete)."""
     creates, updates = [], []
     wanted = set()
     for obj in desired:
@@ -92,8 +242,8 @@ def plan(desired: list[dict[str, Any]], actual: dict[tuple[str, str, str], dict[
         if have is None:
             creates.append(obj)
             continue
-        patch = patch_for(obj, have)
-        if patch is not None:
-            updates.append((obj, patch))
+        why = out_of_sync(obj, have)
+        if why is not None:
+            updates.append((obj, why))
     deletes = [obj for key, obj in actual.items() if key not in wanted]
     return creates, updates, deletes

@@ -32,6 +32,8 @@ class PoolObservation:
     stats: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     bound_groups: list[str] = field(default_factory=list)
     deleting: bool = False
+    # Children the pool could not take because a namesake it does not control is in the way.
+    conflicts: list[str] = field(default_factory=list)
 
 
 def _pod_ready(pod: Object) -> bool:
@@ -39,6 +41,14 @@ def _pod_ready(pod: Object) -> bool:
         if c.get("type") == "Ready":
             return c.get("status") == "True"
     return False
+
+
+def _observed(workload: Object | None) -> bool:
+    """Whether a workload's controller has reported on its current generation."""
+    if workload is None:
+        return False
+    observed = int((workload.get("status") or {}).get("observedGeneration") or 0)
+    return observed >= int(workload.get("metadata", {}).get("generation") or 1)
 
 
 def _deployment_ready(dep: Object | None) -> bool | None:
@@ -87,8 +97,15 @@ def pool_status(
             capacity = size_bytes
 
     gen = generation
+    if seen.conflicts:
+        ready_condition = cond.child_conflict(seen.conflicts, gen)
+    elif not _observed(seen.daemonset):
+        # Before its controller has looked at the DaemonSet, "no node matches" would be a false alarm.
+        ready_condition = cond.agents_pending(gen)
+    else:
+        ready_condition = cond.pool_ready(ready, desired, metadata_ready, gen)
     new_conditions = [
-        cond.pool_ready(ready, desired, metadata_ready, gen),
+        ready_condition,
         cond.pool_degraded(ready, desired, metadata_ready, gen),
         cond.pool_in_use(seen.bound_groups, seen.deleting, gen),
     ]
@@ -181,6 +198,20 @@ def _deployment_problem(dep: Object) -> str | None:
     return None
 
 
+def ready_endpoints(slices: list[Object]) -> int:
+    """Endpoints ready to receive traffic across a Service's EndpointSlices (an unset ready means ready)."""
+    return sum(1 for sl in slices for e in sl.get("endpoints") or []
+               if (e.get("conditions") or {}).get("ready", True) is not False)
+
+
+@dataclass(frozen=True)
+class Router:
+    """The router's front door as observed: its Service's name, and its ready endpoints."""
+
+    service: str  # namespace/name
+    ready_endpoints: int
+
+
 def group_status(
     spec: InferenceGroupSpec,
     generation: int | None,
@@ -190,37 +221,59 @@ def group_status(
     *,
     endpoint: str,
     now: str,
+    router: Router | None = None,
+    conflicts: list[str] | None = None,
 ) -> InferenceGroupStatus:
-    """``children`` maps prefill, decode, router to their observed Deployment (None when absent)."""
+    """``children`` maps prefill, decode, router to their observed Deployment (None when absent).
+
+    Ready means serving: each of prefill and decode has a ready pod and (with a router) the router
+    Service has a ready endpoint. Fewer ready replicas than desired, and a pool outage while vLLM
+    serves (it recomputes, without pool hits), are Degraded.
+    """
     roles = {r: _role_status(children.get(r)) for r in ("prefill", "decode", "router")}
-    rolling, problems, waiting = [], [], []
+    rolling: list[str] = []
+    short: list[str] = []  # replicas missing, or a Deployment's own trouble
+    not_serving: list[str] = []
     wanted = [("prefill", True), ("decode", True), ("router", spec.router.enabled)]
     for role, needed in wanted:
         dep = children.get(role)
         if not needed:
             continue
         if dep is None:
-            waiting.append(f"{role} Deployment")
+            not_serving.append(f"{role} Deployment not created yet")
             continue
         if not rollout_done(dep):
             rolling.append(role)
         problem = _deployment_problem(dep)
         if problem:
-            problems.append(problem)
-        if roles[role].ready < roles[role].desired or (roles[role].desired == 0 and role != "router"):
-            waiting.append(f"{role} {roles[role].summary} ready")
+            short.append(problem)
+        st = roles[role]
+        if st.ready == 0 and role != "router":
+            not_serving.append(f"{role} has no ready pod ({st.summary})")
+        elif st.ready < st.desired:
+            short.append(f"{role} {st.summary} ready")
+    serving = not not_serving
+    # Revoked access stops the group on purpose (its vLLM pods are scaled to zero): Ready=False says why.
+    degraded = [] if binding.revoke else [("ReplicasUnavailable", p) for p in short]
+    if not binding.ok and not binding.revoke and serving:
+        degraded.append(("PoolUnavailable", f"{binding.message}; vLLM serves without pool hits meanwhile"))
     if binding.pool_problem:
-        problems.append(binding.pool_problem)
+        degraded.append(("PoolDegraded", binding.pool_problem))
     gen = generation
-    base = [
+    summary = f"prefill {roles['prefill'].summary}, decode {roles['decode'].summary} ready"
+    ready = cond.group_ready(
+        conflicts=conflicts or [], not_serving=not_serving, binding=(binding.ok, binding.reason, binding.message),
+        router=(router.service, router.ready_endpoints) if router else None, summary=summary, gen=gen,
+    )
+    conditions = [
         cond.pool_bound(binding.ok, binding.reason, binding.message, gen),
+        ready,
         cond.group_progressing(rolling, gen),
-        cond.group_degraded(problems, gen),
+        cond.group_degraded(degraded, gen),
     ]
-    ready = cond.derived_ready(base, waiting, gen)
     return InferenceGroupStatus(
         observed_generation=generation,
-        conditions=cond.merge(old.conditions, [base[0], ready, *base[1:]], now),
+        conditions=cond.merge(old.conditions, conditions, now),
         prefill=roles["prefill"],
         decode=roles["decode"],
         router=roles["router"] if spec.router.enabled else RoleStatus(summary="disabled"),
@@ -248,9 +301,30 @@ def invalid_pool_status(errors: list[str], generation: int | None, old: MaruPool
     return old.model_copy(update={"observed_generation": generation, "conditions": merged})
 
 
+def blocked_pool_status(bound: list[str], generation: int | None, old: MaruPoolStatus, now: str) -> MaruPoolStatus:
+    """Status of a deleted pool that waits for its groups: InUse says who holds it, the rest as it was."""
+    keep = [c for c in old.conditions if c.type != cond.IN_USE]
+    merged = cond.merge(old.conditions, [*keep, cond.pool_in_use(bound, True, generation)], now)
+    return old.model_copy(update={"conditions": merged, "bound_groups": len(bound)})
+
+
 def changed(old: Any, new: Any) -> bool:
     """Whether writing ``new`` would change anything a reader can see."""
     return old.model_dump(by_alias=True, exclude_none=True) != new.model_dump(by_alias=True, exclude_none=True)
+
+
+_USAGE_FIELDS = {"used", "used_bytes"}
+
+
+def usage_only_change(old: MaruPoolStatus, new: MaruPoolStatus) -> bool:
+    """True when the pool's use moved from one known value to another and nothing else changed.
+
+    That is traffic (in-flight leases come and go), written at a bounded rate; use turning known or
+    unknown (a daemon that stops answering) and every condition change are written at once.
+    """
+    if not old.used or not new.used or old.used_bytes == new.used_bytes:
+        return False
+    return old.model_dump(exclude=_USAGE_FIELDS) == new.model_dump(exclude=_USAGE_FIELDS)
 
 
 def status_body(status: Any) -> dict[str, Any]:

@@ -6,30 +6,22 @@ children is touched, so a typo never rolls healthy pods.
 
 from __future__ import annotations
 
+import re
+
 from maru_operator.api.common import FieldError
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
-from maru_operator.builders.group import HASH_SEED, HASH_SEED_ENV
-from maru_operator.builders.pool import daemon_memory, pool_endpoint
+from maru_operator.api.pod import LABEL_KEY_PATTERN, PodOptions
+from maru_operator.builders.group import HASH_SEED, HASH_SEED_ENV, PoolView
+from maru_operator.builders.pool import daemon_memory, pool_endpoint, socket_host_dir
 from maru_operator.quantity import format_bytes, parse_quantity
+from maru_operator.vllmflags import values_of
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # vLLM flags that change the KV cache's bytes or layout: chunk keys include them, so a value set on
 # one role and not the other means decode never finds (or worse, misreads) what prefill stored.
 KV_LAYOUT_FLAGS = ("--kv-cache-dtype", "--quantization")
-
-
-def _flag_values(args: list[str], flag: str) -> list[str]:
-    """Every value given to ``flag`` in ``args`` (``--f v`` or ``--f=v``; a bare switch counts as "")."""
-    values = []
-    for i, arg in enumerate(args):
-        if arg == flag:
-            nxt = args[i + 1] if i + 1 < len(args) else ""
-            values.append("" if nxt.startswith("--") else nxt)
-        elif arg.startswith(flag + "="):
-            values.append(arg.split("=", 1)[1])
-    return values
 
 
 def _gpu_limit(role: RoleSpec) -> int | None:
@@ -53,14 +45,15 @@ def check_group(spec: InferenceGroupSpec) -> list[FieldError]:
                 f"{role.tensor_parallel_size} exceeds the {GPU_RESOURCE} limit of {gpus}: vLLM needs one GPU per "
                 f"tensor-parallel rank; raise resources.limits[{GPU_RESOURCE}] or lower tensorParallelSize",
             ))
-        seeds = {e.value for e in role.env if e.name == HASH_SEED_ENV}
-        if seeds and seeds != {HASH_SEED}:
+        if any(e.value_from is not None or e.value != HASH_SEED for e in role.env if e.name == HASH_SEED_ENV):
             errors.append(FieldError(
                 f"spec.{role_name}.env",
                 f"{HASH_SEED_ENV} must stay {HASH_SEED}: vLLM seeds its block hashes from it and the pool's chunk "
                 "keys come from those hashes, so a different seed means prefill and decode never share KV; "
                 f"remove {HASH_SEED_ENV} from env",
             ))
+        errors += _pod_checks(role, f"spec.{role_name}")
+    errors += _pod_labels_check(spec.router, "spec.router")
     if spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size:
         errors.append(FieldError(
             "spec.decode.tensorParallelSize",
@@ -69,8 +62,8 @@ def check_group(spec: InferenceGroupSpec) -> list[FieldError]:
             "use the same tensorParallelSize for both roles",
         ))
     for flag in KV_LAYOUT_FLAGS:
-        prefill = _flag_values(spec.prefill.extra_args, flag)
-        decode = _flag_values(spec.decode.extra_args, flag)
+        prefill = values_of(spec.prefill.extra_args, flag)
+        decode = values_of(spec.decode.extra_args, flag)
         if prefill != decode:
             errors.append(FieldError(
                 "spec.decode.extraArgs",
@@ -84,6 +77,45 @@ def check_group(spec: InferenceGroupSpec) -> list[FieldError]:
             f"{spec.connector.chunk_tokens} is not a multiple of blockSize {spec.connector.block_size}: "
             "a chunk must hold whole KV blocks",
         ))
+    return errors
+
+
+def _pod_labels_check(options: PodOptions, where: str) -> list[FieldError]:
+    bad = [k for k in options.pod_labels if not re.fullmatch(LABEL_KEY_PATTERN, k)]
+    return [FieldError(f"{where}.podLabels", f"{k!r} is not a label key: [prefix/]name, name at most 63 "
+                                               "characters of alphanumerics, '-', '_', '.'") for k in bad]
+
+
+def _pod_checks(role: RoleSpec, where: str) -> list[FieldError]:
+    """Volumes, mounts, labels and rollout pace that Kubernetes would refuse only when the pods are made."""
+    errors = _pod_labels_check(role, where)
+    names = [v.name for v in role.volumes]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        errors.append(FieldError(f"{where}.volumes", f"{name!r} is used by more than one volume; names are unique"))
+    paths = [m.mount_path.rstrip("/") for m in role.volume_mounts]
+    for path in sorted({p for p in paths if paths.count(p) > 1}):
+        errors.append(FieldError(f"{where}.volumeMounts", f"{path} is mounted twice; give each mount its own path"))
+    pace = role.strategy.rolling_update
+    if role.strategy.type == "RollingUpdate" and str(pace.max_surge) in ("0", "0%") and \
+            str(pace.max_unavailable) in ("0", "0%"):
+        errors.append(FieldError(f"{where}.strategy.rollingUpdate",
+                                 "maxSurge and maxUnavailable cannot both be 0: the update could never proceed; "
+                                 "keep maxUnavailable 1 (no spare GPU needed) or allow a surge"))
+    return errors
+
+
+def check_group_on_pool(spec: InferenceGroupSpec, pool: PoolView) -> list[FieldError]:
+    """What depends on the bound pool: a user volume may not cover the pool's socket directory."""
+    socket_dir = socket_host_dir(pool.spec, pool.name).rstrip("/")
+    errors = []
+    for role_name in ("prefill", "decode"):
+        for mount in getattr(spec, role_name).volume_mounts:
+            path = mount.mount_path.rstrip("/")
+            if path == socket_dir or socket_dir.startswith(path + "/") or path.startswith(socket_dir + "/"):
+                errors.append(FieldError(
+                    f"spec.{role_name}.volumeMounts",
+                    f"{mount.mount_path} overlaps {socket_dir}, where the pool {pool.name}'s socket is mounted; "
+                    "mount the volume elsewhere"))
     return errors
 
 

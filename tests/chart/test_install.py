@@ -1,11 +1,12 @@
 """`helm install` into the Kubernetes API emulator, then the operator run exactly as the installed Deployment
-says, with every API request it makes checked against the RBAC the chart installed.
+says, as the installed ServiceAccount, against an API server that enforces the RBAC the chart installed.
 
-The emulator runs no kubelet and enforces no RBAC, so the operator runs here as a local process with the
-installed container's arguments and environment, and the authorisation is evaluated by a small RBAC
-evaluator over the emulator's request log. What this proves: the CRDs install from the chart, the
-operator accepts the chart's command line, serves its health and metrics ports, creates the pool's and
-the group's children in the right namespaces, and asks for nothing the chart does not grant.
+The emulator runs no kubelet, so the operator runs here as a local process with the installed container's
+arguments and environment and a kubeconfig carrying its ServiceAccount's token. The emulator authorizes
+every request with the installed Roles and bindings, refuses Roles that grant more than their writer holds,
+and enforces OwnerReferencesPermissionEnforcement (as OpenShift does). What this proves: the CRDs install
+from the chart, the operator accepts the chart's command line, serves its health and metrics ports, creates
+the pool's and the group's children in the right namespaces, and is never refused a request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,75 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class Access:
-    verb: str
-    group: str
-    resource: str  # with "/subresource"
-    namespace: str | None
-
-
-def access_of(method: str, path: str, query: dict[str, str]) -> Access | None:
-    """The RBAC question a request asks; None for discovery and other non-resource URLs."""
-    parts = [p for p in path.split("?")[0].split("/") if p]
-    if parts[:1] == ["api"] and len(parts) >= 3:
-        group, rest = "", parts[2:]
-    elif parts[:1] == ["apis"] and len(parts) >= 4:
-        group, rest = parts[1], parts[3:]
-    else:
-        return None
-    namespace = None
-    if rest[0] == "namespaces" and len(rest) >= 3:
-        namespace, rest = rest[1], rest[2:]
-    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
-    named = len(rest) > 1
-    verb = {
-        "GET": "get" if named else ("watch" if query.get("watch") in ("true", "1") else "list"),
-        "POST": "create",
-        "PATCH": "patch",
-        "PUT": "update",
-        "DELETE": "delete",
-    }[method]
-    return Access(verb, group, resource, namespace)
-
-
-def allows(rules: list[dict[str, Any]], access: Access) -> bool:
-    return any(
-        access.group in rule.get("apiGroups", [])
-        and access.resource in rule.get("resources", [])
-        and access.verb in rule.get("verbs", [])
-        for rule in rules
-    )
-
-
-def authorized(cluster: KubeEmulator, access: Access, account: str) -> bool:
-    """Kubernetes' RBAC for one ServiceAccount, from the installed (Cluster)Roles and bindings."""
-
-    def subject_matches(binding: dict[str, Any]) -> bool:
-        return {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} in binding.get("subjects", [])
-
-    def rules_of(ref: dict[str, Any], namespace: str | None) -> list[dict[str, Any]]:
-        if ref["kind"] == "ClusterRole":
-            role = cluster.get("clusterroles.rbac.authorization.k8s.io", ref["name"])
-        else:
-            role = cluster.get("roles.rbac.authorization.k8s.io", ref["name"], namespace)
-        return (role or {}).get("rules", [])
-
-    for binding in cluster.list("clusterrolebindings.rbac.authorization.k8s.io"):
-        if subject_matches(binding) and allows(rules_of(binding["roleRef"], None), access):
-            return True
-    if access.namespace is not None:
-        for binding in cluster.list("rolebindings.rbac.authorization.k8s.io", access.namespace):
-            if subject_matches(binding) and allows(rules_of(binding["roleRef"], access.namespace), access):
-                return True
-    return False
-
-
-def helm(cluster: KubeEmulator, *args: str) -> subprocess.CompletedProcess[str]:
+def helm(cluster: KubeEmulator, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [str(helm_path()), *args], capture_output=True, text=True, timeout=120, env=cluster.env(), check=False
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
@@ -160,6 +97,9 @@ def test_install_then_run_the_operator_within_its_rbac(
             # What the downward API would give this pod.
             field = var["valueFrom"]["fieldRef"]["fieldPath"]
             env[var["name"]] = {"metadata.namespace": NAMESPACE, "metadata.name": f"{RELEASE}-0"}[field]
+    account = pod["serviceAccountName"]
+    token = cluster.service_account_token(NAMESPACE, account)
+    env["KUBECONFIG"] = str(cluster.kubeconfig_for(token, tmp_path / "operator-kubeconfig"))
     mark = cluster.mark()
     log = (tmp_path / "operator.log").open("w")
     process = subprocess.Popen(
@@ -199,17 +139,18 @@ def test_install_then_run_the_operator_within_its_rbac(
         process.wait(timeout=30)
         log.close()
 
-    account = pod["serviceAccountName"]
-    asked = {a for r in requests if (a := access_of(r.method, r.path, r.query))}
-    assert any(a.verb == "create" and a.resource == "daemonsets" for a in asked)
-    assert any(a.resource == "marupools/status" for a in asked)
-    denied = sorted(str(a) for a in asked if not authorized(cluster, a, account))
+    assert any(r.method == "PATCH" and "/daemonsets/cxl-pool-agent" in r.path for r in requests)
+    assert any(r.path.endswith("/marupools/cxl-pool/status") for r in requests)
+    denied = sorted({f"{r.method} {r.path}" for r in requests if r.status in (401, 403)})
     assert not denied, "the operator needs rights the chart does not grant:\n" + "\n".join(denied)
-    # And the evaluator is not vacuous: it refuses what the chart does not grant.
-    assert not authorized(cluster, Access("get", "", "secrets", NAMESPACE), account)
-    assert not authorized(cluster, Access("update", "apps", "deployments", GROUP_NAMESPACE), account)
+    # And the enforcement is not vacuous: it refuses what the chart does not grant.
+    assert not cluster.allowed(token, "get", "secrets", NAMESPACE)
+    assert not cluster.allowed(token, "update", "deployments.apps", GROUP_NAMESPACE)
+    assert not cluster.allowed(token, "create", "daemonsets.apps", GROUP_NAMESPACE)  # only where pools run
+    assert cluster.allowed(token, "create", "daemonsets.apps", NAMESPACE)
+    assert cluster.allowed(token, "update", "inferencegroups.maru.io", GROUP_NAMESPACE, subresource="finalizers")
     if watch_namespaces:
-        assert not authorized(cluster, Access("create", "apps", "deployments", "default"), account)
+        assert not cluster.allowed(token, "create", "deployments.apps", "default")
 
     # Uninstall removes the operator but, by design, neither the CRDs nor the users' resources.
     helm(cluster, "uninstall", RELEASE, "--namespace", NAMESPACE)
@@ -217,3 +158,23 @@ def test_install_then_run_the_operator_within_its_rbac(
     assert cluster.get("customresourcedefinitions.apiextensions.k8s.io", "marupools.maru.io") is not None
     assert cluster.get("marupools.maru.io", "cxl-pool") is not None
     assert os.path.exists(tmp_path / "operator.log")
+
+
+def test_a_second_release_serving_the_same_instance_is_refused(k8s_emulator: KubeEmulator) -> None:  # noqa: F811
+    """Two releases in different namespaces must not reconcile the same objects."""
+    cluster = k8s_emulator
+    helm(cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace")
+    # The CSI driver is cluster-scoped: one release installs it, the others use it.
+    second = helm(cluster, "install", "maru-b", str(CHART), "--namespace", "team-b", "--create-namespace",
+                  "--set", "csiDriver.enabled=false", check=False)
+    assert second.returncode != 0
+    assert f"release {RELEASE} in namespace {NAMESPACE} already runs a maru-operator serving instance" \
+        in second.stderr
+    assert cluster.get("deployments.apps", "maru-b-maru-operator", "team-b") is None
+    helm(cluster, "install", "maru-b", str(CHART), "--namespace", "team-b", "--create-namespace",
+         "--set", "instance=team-b", "--set", "csiDriver.enabled=false")
+    args = cluster.get("deployments.apps", "maru-b-maru-operator", "team-b")["spec"]["template"]["spec"][
+        "containers"][0]["args"]  # type: ignore[index]
+    assert "--instance=team-b" in args
+    # An upgrade of a release is not a second release.
+    helm(cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE)

@@ -19,6 +19,7 @@ CHILD_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 CLUSTER_RULES = {
     ("maru.io", "marupools"): {"get", "list", "watch", "patch"},
     ("maru.io", "marupools/status"): {"patch"},
+    ("maru.io", "marupools/finalizers"): {"update"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -29,15 +30,24 @@ WATCH_NAMESPACES_ONLY_RULES = {
 NAMESPACED_RULES = {
     ("maru.io", "inferencegroups"): {"get", "list", "watch"},
     ("maru.io", "inferencegroups/status"): {"patch"},
+    ("maru.io", "inferencegroups/finalizers"): {"update"},
     ("apps", "deployments"): CHILD_VERBS,
-    ("apps", "daemonsets"): CHILD_VERBS,
+    ("apps", "daemonsets"): {"get", "list", "watch"},
     ("", "services"): CHILD_VERBS,
     ("", "serviceaccounts"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
     ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},
+    ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
 }
+# A Role in the release namespace, where the pool daemons run.
+POOL_NAMESPACE_RULES = {
+    ("apps", "daemonsets"): {"create", "patch", "delete"},
+    ("coordination.k8s.io", "leases"): {"get", "create", "patch"},
+}
+# Never called: required by OwnerReferencesPermissionEnforcement to set blockOwnerDeletion on children.
+FINALIZER_UPDATES = {("maru.io", "marupools/finalizers"), ("maru.io", "inferencegroups/finalizers")}
 
 
 def grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
@@ -86,8 +96,20 @@ def test_default_grants_exactly_what_the_operator_needs_cluster_wide(default_obj
     assert set(bindings) == {RELEASE, f"{RELEASE}-namespaced"}
     for binding in bindings.values():
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
-    assert not find(default_objects, "RoleBinding")
-    assert not find(default_objects, "Role")
+    assert_pool_namespace_role(default_objects)
+    assert [b["roleRef"]["kind"] for b in find(default_objects, "RoleBinding")] == ["Role"]
+
+
+def assert_pool_namespace_role(objects: list[dict[str, Any]]) -> None:
+    """DaemonSet writes and the leader Lease: in the release namespace (where pools run) and nowhere else."""
+    role = one(objects, "Role", f"{RELEASE}-pool-namespace")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert grants(role) == POOL_NAMESPACE_RULES
+    binding = one(objects, "RoleBinding", f"{RELEASE}-pool-namespace")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": f"{RELEASE}-pool-namespace"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
 
 
 def test_watch_namespaces_binds_workload_rights_only_in_those_namespaces(
@@ -98,7 +120,8 @@ def test_watch_namespaces_binds_workload_rights_only_in_those_namespaces(
     assert grants(one(custom_objects, "ClusterRole", RELEASE)) == CLUSTER_RULES | WATCH_NAMESPACES_ONLY_RULES
     # Never bound cluster-wide: only the cluster-scoped role has a ClusterRoleBinding.
     assert [b["roleRef"]["name"] for b in find(custom_objects, "ClusterRoleBinding")] == [RELEASE]
-    role_bindings = find(custom_objects, "RoleBinding")
+    assert_pool_namespace_role(custom_objects)
+    role_bindings = [b for b in find(custom_objects, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
     # The watched namespaces, plus the release namespace where the pool daemons run.
     assert sorted(b["metadata"]["namespace"] for b in role_bindings) == ["llm-serving", "llm-staging", NAMESPACE]
     for binding in role_bindings:
@@ -112,13 +135,15 @@ def test_watch_namespaces_binds_workload_rights_only_in_those_namespaces(
 
 def test_release_namespace_in_watch_namespaces_gets_one_binding(render) -> None:
     objects = render("--set", f"watchNamespaces={{{NAMESPACE},llm-serving}}")
-    assert sorted(b["metadata"]["namespace"] for b in find(objects, "RoleBinding")) == ["llm-serving", NAMESPACE]
+    bound = [b for b in find(objects, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
+    assert sorted(b["metadata"]["namespace"] for b in bound) == ["llm-serving", NAMESPACE]
 
 
 def test_router_role_can_be_granted_where_routers_live(custom_objects: list[dict[str, Any]]) -> None:
     """Kubernetes refuses to let the operator create the routers' pod-read Role unless it holds
     pods get/list/watch itself in that namespace (privilege escalation prevention)."""
-    bound = {b["metadata"]["namespace"] for b in find(custom_objects, "RoleBinding")}
+    bound = {b["metadata"]["namespace"] for b in find(custom_objects, "RoleBinding")
+             if b["roleRef"]["kind"] == "ClusterRole"}
     namespaced = grants(one(custom_objects, "ClusterRole", f"{RELEASE}-namespaced"))
     assert {"llm-serving", "llm-staging"} <= bound
     assert {"get", "list", "watch"} <= namespaced[("", "pods")]
@@ -150,10 +175,11 @@ def readme_table() -> dict[str, dict[tuple[str, str], set[str]]]:
 
 def test_readme_lists_every_rule_and_verb(custom_objects: list[dict[str, Any]]) -> None:
     table = readme_table()
-    assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced"}
+    assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced", "release namespace"}
     assert table["cluster"] == CLUSTER_RULES
     assert table["cluster, only with `watchNamespaces`"] == WATCH_NAMESPACES_ONLY_RULES
     assert table["namespaced"] == NAMESPACED_RULES
+    assert table["release namespace"] == POOL_NAMESPACE_RULES
     assert (
         grants(one(custom_objects, "ClusterRole", RELEASE))
         == table["cluster"] | table["cluster, only with `watchNamespaces`"]
@@ -186,9 +212,13 @@ def test_operator_client_methods_are_covered() -> None:
     methods = set(re.findall(r"self\.request\(\s*\"([A-Z]+)\"", source))
     assert {"GET", "POST", "PATCH", "DELETE"} <= methods
     used = set().union(*(VERB_OF_METHOD.get(m, set()) for m in methods))
-    granted = set().union(*NAMESPACED_RULES.values(), *CLUSTER_RULES.values())
+    rules = {**NAMESPACED_RULES, **CLUSTER_RULES}
+    granted = set().union(*(v for k, v in rules.items() if k not in FINALIZER_UPDATES), *POOL_NAMESPACE_RULES.values())
     write_verbs = {"create", "patch", "delete", "update"}
     assert granted & write_verbs == used & write_verbs
+    # The only update granted is the one the API server checks, never sent.
+    assert {k for k, v in rules.items() if "update" in v} == FINALIZER_UPDATES
+    assert all(rules[k] == {"update"} for k in FINALIZER_UPDATES)
 
 
 def test_every_kind_the_operator_creates_is_granted() -> None:
@@ -196,7 +226,8 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
     created = {_plural(obj) for obj in children}
     assert {("apps", "deployments"), ("apps", "daemonsets"), ("", "services")} <= created
     for key in created:
-        assert NAMESPACED_RULES.get(key, set()) >= CHILD_VERBS, f"the operator creates {key} without the rights"
+        granted = NAMESPACED_RULES.get(key, set()) | POOL_NAMESPACE_RULES.get(key, set())
+        assert granted >= CHILD_VERBS, f"the operator creates {key} without the rights"
 
 
 def test_every_resource_the_operator_watches_is_granted() -> None:

@@ -121,6 +121,8 @@ def test_default_objects(default_objects: list[dict[str, Any]]) -> None:
         "Deployment",
         "NetworkPolicy",
         "NetworkPolicy",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
         "ServiceAccount",
@@ -160,10 +162,12 @@ def test_service_monitor_needs_the_metrics_service(run_helm, template_args) -> N
     assert "metrics.service.enabled" in result.stderr
 
 
-def test_single_replica_recreate(default_objects: list[dict[str, Any]]) -> None:
+def test_replicas_roll_with_a_standby(default_objects: list[dict[str, Any]], render) -> None:
     spec = one(default_objects, "Deployment")["spec"]
     assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Leader election hands over: the new pod starts before the old one stops (and gives the Lease up).
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert one(render("--set", "replicas=2"), "Deployment")["spec"]["replicas"] == 2
     # The selector is a subset of the pod labels, and stays fixed across versions (it is immutable).
     labels = spec["template"]["metadata"]["labels"]
     assert spec["selector"]["matchLabels"] == {
@@ -179,13 +183,13 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
     assert c["imagePullPolicy"] == "IfNotPresent"
     assert c["args"] == [
         "run",
-        "--standalone",
         "--all-namespaces",
         f"--pool-namespace={NAMESPACE}",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--metrics-port=9090",
         "--workers=8",
         "--resync-seconds=60",
+        "--pool-usage-interval=30",
         "--api-server-cidr=0.0.0.0/0",
         "--api-server-cidr=::/0",
         "--api-server-port=443",
@@ -210,6 +214,8 @@ def test_operator_command_custom(custom_objects: list[dict[str, Any]]) -> None:
     assert c["imagePullPolicy"] == "Always"
     args = c["args"]
     assert "--all-namespaces" not in args
+    assert "--instance=team-a" in args
+    assert "--pool-usage-interval=60" in args
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=llm-serving", "--namespace=llm-staging"]
     assert f"--pool-namespace={NAMESPACE}" in args
     assert "--liveness=http://0.0.0.0:8081/healthz" in args
@@ -239,8 +245,9 @@ def test_operator_accepts_the_rendered_arguments(request: pytest.FixtureRequest,
     objects = request.getfixturevalue(f"{which}_objects")
     args = _parser().parse_args(container(objects)["args"])
     assert args.command == "run"
-    assert args.standalone is True
+    assert args.leader_election is True
     assert args.pool_namespace == NAMESPACE
+    assert (args.instance, args.pool_usage_interval) == (("", 30.0) if which == "default" else ("team-a", 60.0))
     if which == "default":
         assert args.all_namespaces and args.namespace == []
         assert (args.liveness, args.metrics_port, args.workers, args.resync_seconds, args.verbose) == (
@@ -345,7 +352,8 @@ def test_long_release_names_are_truncated_to_63(render) -> None:
     objects = render(release=release)
     for obj in objects:
         name = obj["metadata"]["name"]
-        limit = 253 if obj["kind"].startswith("Cluster") or obj["kind"].endswith("Binding") else 63
+        # RBAC objects' names are path segments (253); the rest are DNS labels or end up in labels.
+        limit = 253 if obj["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding") else 63
         assert len(name) <= limit, name
         assert name[-1].isalnum(), name
         for value in obj["metadata"]["labels"].values():

@@ -57,6 +57,19 @@ def test_kubectl_shows_pool_and_group_ready(shm: Deployment) -> None:
     assert group_row.split()[3:6] == ["1/1", "1/1", "True"], out
 
 
+def test_the_router_discovers_its_pods_within_its_role(shm: Deployment) -> None:
+    # vllm-router lists and watches pods with its ServiceAccount's token: the API server authenticates
+    # it and holds it to the Role the operator wrote (pods: get, list, watch in the group's namespace).
+    # (A watch is logged with its user when it ends; the list before it is enough to tell who asks.)
+    router = f"system:serviceaccount:{GROUP_NS}:tiny-router"
+    requests = shm.cluster.kube.requests
+    assert any(r.user == router and r.status == 200 and r.path == f"/api/v1/namespaces/{GROUP_NS}/pods"
+               for r in requests), [r for r in requests if r.user]
+    # Pods are the only clients with tokens: no request of theirs was refused.
+    refused = sorted({f"{r.method} {r.path} -> {r.status} ({r.user})" for r in requests if r.status in (401, 403)})
+    assert not refused, refused
+
+
 def test_pool_agent_is_not_the_first_pod_evicted(shm: Deployment) -> None:
     pod = agent_pod(shm)
     assert pod["status"]["qosClass"] != "BestEffort", pod["status"]

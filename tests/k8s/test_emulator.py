@@ -336,6 +336,18 @@ def test_schema_defaults_and_cel_rules(kube: KubeEmulator) -> None:
     assert kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 3}}, 'default')['spec']['size'] == 3
 
 
+def test_an_unchanged_invalid_spec_does_not_block_status_writes(kube: KubeEmulator) -> None:
+    """Validation ratcheting: a spec stored before a stricter schema (or without CEL) stays writable around."""
+    kube.create(widget('w', 2))
+    kube.call(setattr, kube.emulator, 'validate_schemas', False)
+    kube.patch('widgets.test.example.com', 'w', {'spec': {'size': 0}}, 'default')
+    kube.call(setattr, kube.emulator, 'validate_schemas', True)
+    status = kube.patch_status('widgets.test.example.com', 'w', {'seen': True}, 'default')
+    assert status['status'] == {'seen': True}
+    with pytest.raises(ApiError):  # changing the spec validates it again
+        kube.patch('widgets.test.example.com', 'w', {'spec': {'color': 'red'}}, 'default')
+
+
 def test_schema_validation_can_be_switched_off(tmp_path: pathlib.Path) -> None:
     with running_emulator(tmp_path, validate_schemas=False) as kube:
         kube.create(CRD)
@@ -424,6 +436,23 @@ def test_watch_from_a_compacted_resource_version_gets_410(tmp_path: pathlib.Path
                                           timeout_seconds=30):
                 pass
         assert err.value.status == 410
+
+
+def test_compaction_makes_a_resumed_watch_relist_without_deleted_events(kube: KubeEmulator) -> None:
+    from kubernetes import client, watch
+
+    core = client.CoreV1Api(kube.api_client())
+    kube.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'gone'}})
+    rv = core.list_namespaced_config_map('default').metadata.resource_version
+    kube.delete('configmaps', 'gone', 'default')
+    assert kube.compact() >= int(rv)
+    with pytest.raises(client.ApiException) as err:
+        for _ in watch.Watch().stream(core.list_namespaced_config_map, 'default', resource_version=rv,
+                                      timeout_seconds=30):
+            pass
+    assert err.value.status == 410
+    # What the client sees when it lists again: the object is just not there, no DELETED event.
+    assert core.list_namespaced_config_map('default').items == []
 
 
 def test_watch_with_label_selector_sees_objects_leave_and_enter(kube: KubeEmulator) -> None:
@@ -697,6 +726,44 @@ def test_controllers_report_deployment_readiness(kube: KubeEmulator, kube_contro
     partial = kube.wait_for('deployments.apps', 'd', 'default',
                             lambda o: o['status'].get('observedGeneration') == 2)
     assert partial['status']['readyReplicas'] == 1 and partial['status']['replicas'] == 2
+
+
+def test_controllers_keep_endpoint_slices_of_services(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
+    kube_controllers.set_readiness(lambda obj: 1)
+    kube.create(_deployment('d', 2))
+    svc = kube.create({'apiVersion': 'v1', 'kind': 'Service',
+                       'metadata': {'name': 'web', 'namespace': 'default', 'labels': {'team': 'a'}},
+                       'spec': {'selector': {'app': 'd'}, 'ports': [{'port': 80}]}})
+
+    def ready_endpoints(obj: dict[str, Any]) -> list[bool]:
+        return [e['conditions']['ready'] for e in obj.get('endpoints') or []]
+
+    def the_slice() -> dict[str, Any]:
+        return kube.wait_until(lambda e: next(iter(e.list_objects('discovery.k8s.io', 'endpointslices', 'default',
+                                                                   'kubernetes.io/service-name=web')), None))
+
+    kube.wait_until(lambda e: [ready_endpoints(s) for s in e.list_objects('discovery.k8s.io', 'endpointslices')]
+                    == [[True, False]])
+    slice_ = the_slice()
+    assert slice_['metadata']['labels']['team'] == 'a'  # the Service's labels are copied
+    assert slice_['metadata']['ownerReferences'][0]['uid'] == svc['metadata']['uid']
+    kube_controllers.hold_endpoints()
+    kube.wait_until(lambda e: [ready_endpoints(s) for s in e.list_objects('discovery.k8s.io', 'endpointslices')]
+                    == [[False, False]])
+    kube_controllers.release_endpoints()
+    kube.delete('services', 'web', 'default')
+    kube.wait_until(lambda e: not e.list_objects('discovery.k8s.io', 'endpointslices', 'default'))
+
+
+def test_paused_controllers_write_nothing(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
+    kube_controllers.pause()
+    kube.create(_deployment('d', 1))
+    passes = kube_controllers.passes
+    kube.create(_deployment('e', 1))
+    assert 'status' not in (kube.get('deployments.apps', 'd', 'default') or {})
+    assert kube_controllers.passes == passes
+    kube_controllers.resume()
+    kube.wait_for('deployments.apps', 'd', 'default', lambda o: o.get('status', {}).get('observedGeneration') == 1)
 
 
 def test_controllers_count_daemonset_nodes(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:

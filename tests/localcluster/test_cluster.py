@@ -146,21 +146,63 @@ def test_service_clusterip_and_dns_reach_ready_endpoints(cluster: LocalCluster) 
     assert f"host=client env=client api={block.kubernetes_service}:443" in log
 
 
+def test_endpoint_slices_carry_the_service_labels(cluster: LocalCluster) -> None:
+    # The EndpointSlice controller copies a Service's labels onto its slices and keeps them in step, so a
+    # label selector finds the slices of a set of Services (the operator watches its routers' that way).
+    def slices(selector: str) -> list[dict[str, Any]]:
+        return cluster.kube.list("endpointslices.discovery.k8s.io", "default", labels=selector)
+
+    cluster.kubectl("label", "service/web", "tier=front", "app.kubernetes.io/managed-by=test")
+    found = wait(lambda: slices("tier=front,app.kubernetes.io/managed-by=test"), "slices with the Service's labels")
+    for s in found:
+        assert s["metadata"]["labels"]["kubernetes.io/service-name"] == "web"
+        assert s["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] == "endpointslice-controller.k8s.io"
+    assert sum(len(s["endpoints"]) for s in found) == 2
+    cluster.kubectl("label", "service/web", "tier-")
+    wait(lambda: not slices("tier") and slices("app.kubernetes.io/managed-by=test"), "the removed label to go")
+
+
 def test_in_cluster_api_access_with_the_service_account_token(cluster: LocalCluster) -> None:
+    # The token is the TokenRequest API's, bound to the pod; the API server authenticates it and holds the
+    # pod's ServiceAccount to RBAC: its Role allows reading pods, nothing else; a forged token is refused.
+    rbac = "rbac.authorization.k8s.io/v1"
+    apply(cluster,
+          {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader", "namespace": "default"}},
+          {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "reader", "namespace": "default"},
+           "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+          {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "reader", "namespace": "default"},
+           "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
+           "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": "default"}]})
     apply(cluster, pod("incluster", """
         python - <<'EOF'
-        import os, ssl, urllib.request
+        import os, ssl, urllib.error, urllib.request
         d = "/var/run/secrets/kubernetes.io/serviceaccount"
         token, ns = open(d + "/token").read(), open(d + "/namespace").read()
         url = f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}"
-        req = urllib.request.Request(f"{url}/api/v1/namespaces/{ns}/pods/incluster",
-                                     headers={"Authorization": "Bearer " + token})
         ctx = ssl.create_default_context(cafile=d + "/ca.crt")
-        print(urllib.request.urlopen(req, context=ctx).status, ns)
+        def status(path, bearer):
+            req = urllib.request.Request(url + path, headers={"Authorization": "Bearer " + bearer})
+            try:
+                return urllib.request.urlopen(req, context=ctx).status
+            except urllib.error.HTTPError as e:
+                return e.code
+        print(ns, status(f"/api/v1/namespaces/{ns}/pods/incluster", token),
+              status(f"/api/v1/namespaces/{ns}/secrets", token),
+              status(f"/api/v1/namespaces/{ns}/pods/incluster", token[:-4] + "AAAA"))
         EOF
-    """))
+    """, serviceAccountName="reader"))
     phase, log = finished(cluster, "incluster")
-    assert (phase, log.split()) == ("Succeeded", ["200", "default"]), log
+    assert (phase, log.split()) == ("Succeeded", ["default", "200", "403", "401"]), log
+
+
+def test_components_list_again_after_compaction(cluster: LocalCluster) -> None:
+    # The API server forgets its history (etcd compaction) while every watch is cut: the kubelets and
+    # kube-proxy resume from a resourceVersion that is gone, get 410 Gone and list again.
+    cluster.kube.compact()
+    assert cluster.kube.drop_watches() >= 1
+    apply(cluster, pod("after-compaction", "echo listed again"))
+    phase, log = finished(cluster, "after-compaction")
+    assert (phase, log.strip()) == ("Succeeded", "listed again")
 
 
 def test_daemonset_places_one_pod_per_fitting_node(cluster: LocalCluster) -> None:
@@ -251,10 +293,14 @@ def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None
     # under readOnlyRootFilesystem) - a restarted pool agent crash-looped once, at random.
     apply(cluster, pod("pivot", "sleep 600", terminationGracePeriodSeconds=1,
                        container={"securityContext": {"readOnlyRootFilesystem": True}}))
-    pid = wait(lambda: cluster.container_pid("default", "pivot", "main"), "the container's pid")
+    def pivoted() -> int | None:
+        # The pid is known as soon as the container process forks, before it pivots into its root.
+        pid = cluster.container_pid("default", "pivot", "main")
+        return pid if pid and Path(f"/proc/{pid}/root/etc/hostname").read_text().strip() == "pivot" else None
+
+    pid = wait(pivoted, "the container in its own root")
     stat = Path(f"/proc/{pid}/stat").read_text()
     shim = int(stat[stat.rfind(")") + 2:].split()[1])
-    assert Path(f"/proc/{pid}/root/etc/hostname").read_text().strip() == "pivot"
     assert Path(f"/proc/{shim}/root/etc/hostname").read_text() == Path("/etc/hostname").read_text()
     cluster.kubectl("delete", "pod", "pivot")
 

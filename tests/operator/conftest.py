@@ -105,13 +105,15 @@ class StubStats:
 
 
 class RunningOperator:
-    def __init__(self, kube: KubeEmulator, stats: StubStats, **config: Any) -> None:
+    """The operator in a thread, as ``maru-operator run`` runs it; ``token``: a ServiceAccount's, held to RBAC."""
+
+    def __init__(self, kube: KubeEmulator, stats: StubStats, token: str | None = None, **config: Any) -> None:
         from maru_operator import handlers
 
         self.kube = kube
         self.stats = stats
         self.runtime = handlers.configure(handlers.Config(
-            pool_namespace=POOL_NS, connection=kube.kopf_connection(), fetch_status=stats, **config,
+            pool_namespace=POOL_NS, connection=kube.kopf_connection(token), fetch_status=stats, **config,
         ))
         self._stop: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
@@ -190,6 +192,11 @@ def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) ->
             return
         time.sleep(0.02)
     raise AssertionError("the operator never went idle")
+
+
+def object_writes(kube: KubeEmulator, mark: int) -> list[Any]:
+    """Writes since ``mark``, but the leader Lease's renewals (a leader renews every few seconds)."""
+    return [r for r in kube.writes_since(mark) if "/leases/" not in r.path and not r.path.endswith("/leases")]
 
 
 def has_condition(obj: dict[str, Any], type_: str, status: str, reason: str | None = None) -> bool:

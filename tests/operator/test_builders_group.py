@@ -324,3 +324,145 @@ class TestRouterResources:
         assert dep is not None
         assert container(dep)["resources"] == {"limits": {"memory": "2Gi"},
                                                "requests": {"cpu": "100m", "memory": "2Gi"}}
+
+
+class TestRollout:
+    """GPU roles roll without a spare GPU, and slow model loads are not reported as stuck."""
+
+    def test_default_needs_no_spare_gpu(self) -> None:
+        spec = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view())["spec"]
+        # A surge pod would need a free GPU on a pool node: replace one pod at a time instead.
+        assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+    def test_progress_deadline_covers_the_startup_budget(self) -> None:
+        for spec, budget in ((group_spec(), 1800), (group_spec(prefill={"startupTimeoutSeconds": 3600}), 3600)):
+            dep = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
+            probe = container(dep)["startupProbe"]
+            assert probe["periodSeconds"] * probe["failureThreshold"] == budget
+            # The default 600 s would call a model that is still loading stuck.
+            assert dep["spec"]["progressDeadlineSeconds"] > budget
+
+    def test_strategy_per_role(self) -> None:
+        spec = group_spec(prefill={"strategy": {"type": "Recreate"}},
+                          decode={"strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}})
+        prefill = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
+        decode = build_role_deployment(spec, "decode", GROUP_OWNER, pool_view())
+        assert prefill["spec"]["strategy"] == {"type": "Recreate"}
+        assert decode["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}
+        assert_valid(prefill)
+        assert_valid(decode)
+
+
+class TestPodOptions:
+    """What real users put in their pods: secrets in env, caches on volumes, placement and identity."""
+
+    def test_env_from_secrets_config_maps_and_fields(self) -> None:
+        env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+               {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode", "optional": True}}},
+               {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+               {"name": "PLAIN", "value": "1"}]
+        dep = build_role_deployment(group_spec(prefill={"env": env}), "prefill", GROUP_OWNER, pool_view())
+        # The hash seed first, the user's next, then the cache locations of the read-only root.
+        assert container(dep)["env"][1:1 + len(env)] == env
+        assert_valid(dep)
+
+    def test_user_options_compose_with_the_hardened_pod(self) -> None:
+        """The user's env, volumes and mounts beside the operator's read-only root, CSI socket and defaults."""
+        spec = group_spec(prefill={
+            "env": [{"name": "HOME", "value": "/data/home"},
+                    {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
+                        {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                        {"name": "big-tmp", "emptyDir": {"sizeLimit": "50Gi"}}],
+            "volumeMounts": [{"name": "models", "mountPath": "/home/maru/.cache/huggingface"},
+                             {"name": "big-shm", "mountPath": "/dev/shm"},
+                             {"name": "big-tmp", "mountPath": "/tmp/"}],
+            "priorityClassName": "inference-high",
+            "strategy": {"type": "Recreate"},
+        })
+        dep = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
+        c, pod = container(dep), dep["spec"]["template"]["spec"]
+        names = [e["name"] for e in c["env"]]
+        # Server-side apply keys env by name: each once, the user's HOME instead of the operator's.
+        assert len(names) == len(set(names))
+        assert {"name": "HOME", "value": "/data/home"} in c["env"] and "TMPDIR" in names and "HF_HOME" in names
+        mounts = {m["mountPath"].rstrip("/"): m["name"] for m in c["volumeMounts"]}
+        assert len(mounts) == len(c["volumeMounts"])
+        # The user's /tmp and /dev/shm replace the operator's; $HOME stays on its emptyDir with the cache under it.
+        assert mounts == {"/run/maru/pool": "maru-socket", "/home/maru": "home", "/dev/shm": "big-shm",
+                          "/tmp": "big-tmp", "/home/maru/.cache/huggingface": "models"}
+        volumes = [v["name"] for v in pod["volumes"]]
+        assert sorted(volumes) == ["big-shm", "big-tmp", "home", "maru-socket", "models"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["resources"]["limits"]["memory"] == "32Gi"
+        assert pod["priorityClassName"] == "inference-high" and dep["spec"]["strategy"] == {"type": "Recreate"}
+        assert_valid(dep)
+
+    def test_the_operators_volume_names_are_reserved(self) -> None:
+        from maru_operator.api.inferencegroup import RESERVED_VOLUMES
+
+        dep = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view())
+        assert {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]} <= set(RESERVED_VOLUMES)
+
+    def test_volumes_and_mounts(self) -> None:
+        spec = group_spec(decode={
+            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
+                        {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
+            "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                             {"name": "big-shm", "mountPath": "/dev/shm"}],
+        })
+        dep = build_role_deployment(spec, "decode", GROUP_OWNER, pool_view())
+        pod = dep["spec"]["template"]["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in container(dep)["volumeMounts"]}
+        # The user's /dev/shm replaces the built-in one; the pool socket stays.
+        assert mounts["/dev/shm"] == "big-shm" and mounts["/models"] == "models"
+        names = [v["name"] for v in pod["volumes"]]
+        assert "dshm" not in names and {"models", "big-shm", "maru-socket"} <= set(names)
+        assert_valid(dep)
+
+    def test_pod_placement_identity_and_metadata(self) -> None:
+        spec = group_spec(prefill={
+            "imagePullSecrets": [{"name": "registry"}],
+            "priorityClassName": "inference-high",
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                           "whenUnsatisfiable": "ScheduleAnyway"}],
+            "podLabels": {"team": "search"},
+            "podAnnotations": {"prometheus.io/scrape": "true"},
+            "serviceAccountName": "model-reader",
+        })
+        dep = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
+        template = dep["spec"]["template"]
+        pod = template["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "registry"}]
+        assert pod["priorityClassName"] == "inference-high"
+        assert pod["serviceAccountName"] == "model-reader"
+        (spread,) = pod["topologySpreadConstraints"]
+        # Without a labelSelector a constraint counts no pods: it defaults to this role's pods.
+        assert spread["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        assert template["metadata"]["labels"]["team"] == "search"
+        assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+        assert dep["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        assert_valid(dep)
+
+    def test_router_options(self) -> None:
+        spec = group_spec(router={
+            "env": [{"name": "RUST_LOG", "value": "info"}],
+            "imagePullSecrets": [{"name": "registry"}],
+            "priorityClassName": "inference-high",
+            "podLabels": {"team": "search"},
+            "podAnnotations": {"a": "b"},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                           "whenUnsatisfiable": "DoNotSchedule"}],
+        })
+        dep = build_router_deployment(spec, GROUP_OWNER)
+        assert dep is not None
+        pod = dep["spec"]["template"]["spec"]
+        assert container(dep)["env"] == [{"name": "RUST_LOG", "value": "info"}]
+        assert pod["imagePullSecrets"] == [{"name": "registry"}] and pod["priorityClassName"] == "inference-high"
+        assert dep["spec"]["template"]["metadata"]["labels"]["team"] == "search"
+        assert dep["spec"]["template"]["metadata"]["annotations"] == {"a": "b"}
+        assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] \
+            == "router"
+        assert pod["serviceAccountName"] == "llama-router"  # the router's own, for pod discovery
+        assert_valid(dep)

@@ -180,14 +180,21 @@ def test_render_reports_an_invalid_group(tmp_path: pathlib.Path) -> None:
     assert "spec.decode.tensorParallelSize" in result.stderr
 
 
-def test_rbac_prints_a_cluster_role() -> None:
-    result = run_cli("rbac")
+def test_rbac_prints_a_cluster_role_and_the_pool_namespace_role() -> None:
+    result = run_cli("rbac", "--pool-namespace", "ops", "--service-account", "op")
     assert result.returncode == 0, result.stderr
-    role = yaml.safe_load(result.stdout)
-    assert role["kind"] == "ClusterRole"
-    kubernetes_validate.validate(role, "1.33", strict=True)
-    assert "# pods (core): get, list, watch" in result.stdout
-    assert "# inferencegroups (maru.io): get, list, watch:" in result.stdout
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [(d["kind"], d["metadata"].get("namespace")) for d in docs] == [
+        ("ClusterRole", None), ("Role", "ops"), ("ClusterRoleBinding", None), ("RoleBinding", "ops")]
+    role = docs[1]
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]} \
+        in role["rules"]
+    assert "# Role in ops:" in result.stdout
+    assert "#   pods (core): get, list, watch:" in result.stdout
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    for binding in docs[2:]:
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]
 
 
 def test_namespaced_preflight_stays_in_its_namespace(k8s_emulator: KubeEmulator) -> None:

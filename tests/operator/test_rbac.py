@@ -9,10 +9,12 @@ import pytest
 import yaml
 
 from maru_localcluster.server import KubeEmulator
-from maru_operator.rbac import allows, cluster_role
+from maru_operator.rbac import allows, bindings, cluster_role, pool_namespace_role
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
 DISCOVERY = {"/api", "/apis", "/version"}
+NETPOL_GROUP = "networking.k8s.io"
+NETPOL = f"networkpolicies.{NETPOL_GROUP}"
 
 
 def permission(method: str, path: str, watch: bool) -> tuple[str, str, str] | None:
@@ -49,10 +51,45 @@ def check_requests(kube: KubeEmulator, namespaced: bool) -> set[Any]:
         if perm is None:
             continue
         used.add(perm)
-        if not allows(*perm, namespaced=namespaced):
+        if not allows(*perm, namespaced=namespaced, in_pool_namespace=f"/namespaces/{POOL_NS}/" in r.path):
             denied.add((perm, r.path))
     assert not denied, sorted(denied)
     return used
+
+
+def bind_documented_rbac(kube: KubeEmulator, namespaced: bool = False, account: str = "maru-operator") -> str:
+    """Grant the operator's ServiceAccount exactly what ``maru-operator rbac`` prints; its token."""
+    if kube.get("clusterroles.rbac.authorization.k8s.io", "maru-operator") is None:
+        kube.create(cluster_role(namespaced=namespaced))
+        kube.create(pool_namespace_role(POOL_NS))
+    for binding in bindings(POOL_NS, account, "maru-operator"):
+        binding["metadata"]["name"] = account
+        kube.create(binding)
+    return kube.service_account_token(POOL_NS, account)
+
+
+@pytest.mark.emulator
+def test_the_operator_works_within_its_rbac_on_a_hardened_cluster(cluster: KubeEmulator, stats: StubStats) -> None:
+    """RBAC enforced by the API server, with OwnerReferencesPermissionEnforcement (as OpenShift has it):
+    children carry blockOwnerDeletion, which needs update on the owners' finalizers subresource."""
+    token = bind_documented_rbac(cluster)
+    op = RunningOperator(cluster, stats, token=token, resync_seconds=3600, workers=2).start()
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+        cluster.wait_for("marupools.maru.io", "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+        # The NetworkPolicies too, with blockOwnerDeletion, under RBAC and OwnerReferencesPermissionEnforcement.
+        assert {p["metadata"]["name"] for p in cluster.list(NETPOL, GROUP_NS)} == {"qwen-vllm", "qwen-router"}
+        assert {p["metadata"]["name"] for p in cluster.list(NETPOL, POOL_NS)} == {"local-shm-agent"}
+        cluster.delete("marupools.maru.io", "local-shm")
+        cluster.delete("inferencegroups.maru.io", "qwen", GROUP_NS)
+        cluster.wait_gone("marupools.maru.io", "local-shm")
+        settle(op, resync=False)
+    finally:
+        op.stop()
+    denied = sorted({f"{r.method} {r.path}" for r in cluster.requests if r.status == 403})
+    assert not denied, denied
 
 
 @pytest.mark.emulator
@@ -72,6 +109,8 @@ def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperat
     assert ("patch", "maru.io", "marupools") in used  # the finalizer
     assert ("delete", "apps", "deployments") in used  # pruning
     assert ("list", "", "pods") in used
+    assert {("watch", NETPOL_GROUP, "networkpolicies"), ("patch", NETPOL_GROUP, "networkpolicies"),
+            ("delete", NETPOL_GROUP, "networkpolicies")} <= used  # the router's policy goes with the router
 
 
 @pytest.mark.emulator
@@ -86,9 +125,11 @@ def test_every_request_is_allowed_in_namespaced_mode(cluster: KubeEmulator, stat
         op.stop()
     used = check_requests(cluster, namespaced=True)
     assert ("watch", "", "namespaces") in used
+    assert {("watch", NETPOL_GROUP, "networkpolicies"), ("patch", NETPOL_GROUP, "networkpolicies")} <= used
     # With --namespace the chart grants workload rights only inside those namespaces (RoleBindings):
     # nothing may be listed or watched cluster-wide except what the cluster-wide role covers.
     cluster_wide_ok = {"marupools", "customresourcedefinitions", "namespaces", "events"}
+    assert ("patch", "coordination.k8s.io", "leases") in used or ("create", "coordination.k8s.io", "leases") in used
     for r in cluster.requests:
         perm = permission(r.method, r.path, r.is_watch)
         if perm is None or perm[2].split("/")[0] in cluster_wide_ok:

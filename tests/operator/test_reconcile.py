@@ -1,4 +1,5 @@
-"""Desired ⊆ actual: server defaults and others' additions never cause a write; real drift does."""
+"""Desired ⊆ actual and field ownership: server defaults and others' additions never cause a write; real
+drift and fields the operator owns but no longer wants do."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import copy
 import pytest
 
 from maru_operator.builders.group import build_role_deployment
-from maru_operator.reconcile import is_subset, patch_for, plan
+from maru_operator.reconcile import (
+    adopted_ownership,
+    controlled_by,
+    is_subset,
+    legacy_owner,
+    out_of_sync,
+    plan,
+    sets_field,
+    stale_field,
+)
 from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
 
 
@@ -17,8 +27,10 @@ def server_version(obj: dict) -> dict:
     actual["metadata"].update(uid="x", resourceVersion="7", generation=1, creationTimestamp="2026-01-01T00:00:00Z",
                               annotations={"deployment.kubernetes.io/revision": "1"})
     spec = actual["spec"]
-    spec.update(revisionHistoryLimit=10, progressDeadlineSeconds=600)
-    spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
+    spec.setdefault("revisionHistoryLimit", 10)
+    spec.setdefault("progressDeadlineSeconds", 600)
+    spec.setdefault("strategy", {"type": "RollingUpdate",
+                                 "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}})
     pod = spec["template"]["spec"]
     pod.update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="default-scheduler")
     for c in pod["containers"]:
@@ -37,7 +49,7 @@ def desired() -> dict:
 
 def test_server_defaults_are_not_drift(desired: dict) -> None:
     assert is_subset(desired, server_version(desired)) is None
-    assert patch_for(desired, server_version(desired)) is None
+    assert out_of_sync(desired, server_version(desired)) is None
 
 
 def test_normalised_quantities_are_not_drift(desired: dict) -> None:
@@ -50,11 +62,7 @@ def test_changed_arg_is_drift(desired: dict) -> None:
     actual = server_version(desired)
     actual["spec"]["template"]["spec"]["containers"][0]["args"][0] = "other/model"
     assert is_subset(desired, actual) == ".spec.template.spec.containers[0].args[0]"
-    patch = patch_for(desired, actual)
-    assert patch is not None
-    assert patch["spec"]["template"]["spec"]["containers"][0]["args"][0] == desired["spec"]["template"]["spec"][
-        "containers"][0]["args"][0]
-    assert "name" not in patch["metadata"] and "status" not in patch
+    assert out_of_sync(desired, actual) == ".spec.template.spec.containers[0].args[0]"
 
 
 def test_extra_list_item_is_drift(desired: dict) -> None:
@@ -89,8 +97,90 @@ def test_plan_creates_updates_deletes(desired: dict) -> None:
     stale_key = ("Deployment", "llm", "stale")
     creates, updates, deletes = plan([desired], {key: changed, stale_key: other})
     assert creates == []
-    assert [u[0]["metadata"]["name"] for u in updates] == ["llama-prefill"]
+    assert [(u[0]["metadata"]["name"], u[1]) for u in updates] == [("llama-prefill", ".spec.replicas")]
     assert [d["metadata"]["name"] for d in deletes] == ["stale"]
     creates, updates, deletes = plan([desired], {})
     assert creates == [desired] and updates == [] and deletes == []
     assert plan([desired], {key: server_version(desired)}) == ([], [], [])
+
+
+def applied(actual: dict, *paths: tuple[str, ...], manager: str = "maru-operator", operation: str = "Apply") -> dict:
+    """``actual`` with a managedFields entry of ``manager`` owning ``paths``."""
+    tree: dict = {}
+    for path in paths:
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+    actual["metadata"].setdefault("managedFields", []).append(
+        {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": tree})
+    return actual
+
+
+POD = ("f:spec", "f:template", "f:spec")
+VLLM = (*POD, "f:containers", 'k:{"name":"vllm"}')
+
+
+def test_a_field_the_operator_owns_but_no_longer_wants_is_stale(desired: dict) -> None:
+    actual = applied(server_version(desired), (*POD, "f:nodeSelector"), (*VLLM, "f:args"), (*VLLM, "."))
+    actual["spec"]["template"]["spec"]["nodeSelector"] = {"gpu": "a100"}
+    assert is_subset(desired, actual) is None  # the subset test alone cannot see a removal
+    assert stale_field(desired, actual) == ".spec.template.spec.nodeSelector"
+    assert out_of_sync(desired, actual) == ".spec.template.spec.nodeSelector"
+    # The same field owned by someone else is theirs to keep.
+    other = applied(server_version(desired), (*POD, "f:nodeSelector"), manager="kubectl-edit", operation="Update")
+    assert out_of_sync(desired, other) is None
+
+
+def test_field_paths_name_list_items_by_key(desired: dict) -> None:
+    assert sets_field(desired, (*VLLM, "f:image"))
+    assert not sets_field(desired, (*POD, "f:containers", 'k:{"name":"sidecar"}', "."))
+    assert sets_field(desired, (*VLLM, "f:ports", 'k:{"containerPort":8000,"protocol":"TCP"}', "f:name"))
+    assert sets_field(desired, ("f:metadata", "f:labels", "f:maru.io/role"))
+    assert not sets_field(desired, ("f:metadata", "f:annotations", "f:x"))
+    assert sets_field({"finalizers": ["a"]}, ("f:finalizers", 'v:"a"'))
+    assert not sets_field({"finalizers": ["a"]}, ("f:finalizers", 'v:"b"'))
+    port = {"ports": [{"containerPort": 80}]}  # the server defaults protocol to TCP in the key
+    assert sets_field(port, ("f:ports", 'k:{"containerPort":80,"protocol":"TCP"}', "."))
+
+
+def test_an_atomic_list_owned_whole_must_equal_the_desired_one() -> None:
+    """NetworkPolicy rules are atomic lists: a rule that lost a part is a change, not a subset."""
+    from maru_operator.builders.netpol import DEFAULT_NETWORK, build_group_policies
+
+    with_router = build_group_policies(group_spec(), GROUP_OWNER, pool_view(), "maru-system", DEFAULT_NETWORK)[0]
+    without = build_group_policies(group_spec(router={"enabled": False}), GROUP_OWNER, pool_view(), "maru-system",
+                                   DEFAULT_NETWORK)[0]
+    stored = copy.deepcopy(with_router)
+    stored["metadata"].update(uid="x", resourceVersion="7", generation=1)
+    actual = applied(copy.deepcopy(stored), ("f:spec", "f:ingress"), ("f:spec", "f:egress"),
+                     ("f:spec", "f:podSelector", "f:matchLabels", "f:app.kubernetes.io/name"))
+    assert out_of_sync(with_router, actual) is None
+    # Each rule of the wanted ingress is part of a rule present: the subset test alone sees no change.
+    assert is_subset(without["spec"]["ingress"], actual["spec"]["ingress"]) is None
+    assert out_of_sync(without, actual) == ".spec.ingress"
+    # A list someone else owns is theirs: only subset semantics apply.
+    theirs = applied(copy.deepcopy(stored), ("f:spec", "f:ingress"), manager="kubectl-edit", operation="Update")
+    assert out_of_sync(without, theirs) is None
+
+
+def test_objects_written_before_server_side_apply_are_taken_over(desired: dict) -> None:
+    legacy = applied(server_version(desired), (*POD, "f:nodeSelector"), operation="Update")
+    assert legacy_owner(legacy)
+    assert out_of_sync(desired, legacy) == "metadata.managedFields"
+    applied(legacy, ("f:metadata", "f:labels", "f:x"), operation="Update")  # a second update entry of ours
+    applied(legacy, ("f:metadata", "f:annotations", "f:y"), manager="kubectl-annotate", operation="Update")
+    adopted = adopted_ownership(legacy)
+    assert [(e["manager"], e["operation"]) for e in adopted] == [("kubectl-annotate", "Update"),
+                                                                 ("maru-operator", "Apply")]
+    assert adopted[1]["fieldsV1"] == {"f:spec": {"f:template": {"f:spec": {"f:nodeSelector": {}}}},
+                                      "f:metadata": {"f:labels": {"f:x": {}}}}
+    assert not legacy_owner({"metadata": {"managedFields": adopted}})  # adopted: an apply removes them now
+
+
+def test_controlled_by_needs_the_owners_uid() -> None:
+    ref = {"kind": "InferenceGroup", "name": "a", "uid": "u1", "controller": True}
+    child = {"metadata": {"ownerReferences": [ref]}}
+    assert controlled_by(child, "u1")
+    assert not controlled_by(child, "u2")  # a namesake of an earlier owner, or another owner's
+    assert not controlled_by({"metadata": {}}, "u1")
+    assert not controlled_by({"metadata": {"ownerReferences": [{"uid": "u1"}]}}, "u1")  # owned, not controlled

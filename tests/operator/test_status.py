@@ -10,11 +10,13 @@ from maru_operator.api.inferencegroup import InferenceGroupStatus
 from maru_operator.api.marupool import MaruPoolStatus
 from maru_operator.status import (
     PoolObservation,
+    Router,
     bind,
     changed,
     group_status,
     invalid_group_status,
     pool_status,
+    ready_endpoints,
 )
 from tests.operator.helpers import dax_spec, group_spec, pool_spec
 
@@ -22,8 +24,10 @@ NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T01:00:00Z"
 
 
-def ds(desired: int, ready: int) -> dict[str, Any]:
-    return {"status": {"desiredNumberScheduled": desired, "numberReady": ready}}
+def ds(desired: int, ready: int, observed: int = 1) -> dict[str, Any]:
+    """A DaemonSet as its controller reports it (``observed``: the generation it looked at; the object is at 1)."""
+    return {"metadata": {"generation": 1},
+            "status": {"desiredNumberScheduled": desired, "numberReady": ready, "observedGeneration": observed}}
 
 
 def pod(node: str, ready: bool = True, ip: str = "10.0.0.1") -> dict[str, Any]:
@@ -79,6 +83,11 @@ class TestPoolStatus:
         st = pool_status("pool", pool_spec(), 1, PoolObservation(daemonset=ds(0, 0)), MaruPoolStatus(), NOW)
         assert types(st.conditions)["Ready"] == ("False", "NoNodesSelected")
         assert "nodeSelector" in cond.get(st.conditions, "Ready").message  # type: ignore[union-attr]
+
+    def test_no_verdict_before_the_daemonset_controller_looked(self) -> None:
+        for daemonset in (None, ds(0, 0, observed=0), {"metadata": {"generation": 2}, "status": {}}):
+            st = pool_status("pool", pool_spec(), 1, PoolObservation(daemonset=daemonset), MaruPoolStatus(), NOW)
+            assert types(st.conditions)["Ready"] == ("False", "AgentsPending")
 
     def test_dax_waits_for_metadata_server(self) -> None:
         seen = PoolObservation(daemonset=ds(2, 2), metadata_deployment=deployment(1, 0))
@@ -156,7 +165,7 @@ class TestGroupStatus:
         st = group_status(group_spec(), 1, b, children, InferenceGroupStatus(), endpoint="", now=NOW)
         ready = cond.get(st.conditions, "Ready")
         assert ready is not None and ready.status == "False" and ready.reason == "ReplicasNotReady"
-        assert "decode 0/2" in ready.message
+        assert "decode has no ready pod (0/2)" in ready.message
         assert types(st.conditions)["Progressing"] == ("True", "RollingOut")
 
     def test_rollout_of_new_generation_is_progressing(self) -> None:
@@ -180,6 +189,30 @@ class TestGroupStatus:
         st = group_status(spec, 1, b, children, InferenceGroupStatus(), endpoint="", now=NOW)
         assert types(st.conditions)["Ready"] == ("True", "Serving")
         assert st.router.summary == "disabled"
+
+    def test_fewer_ready_than_desired_is_degraded_not_unready(self) -> None:
+        b = bind("llm", group_spec(), pool_body())
+        children = self.children()
+        children["decode"]["status"]["readyReplicas"] = 1
+        st = group_status(group_spec(), 1, b, children, InferenceGroupStatus(), endpoint="", now=NOW)
+        assert types(st.conditions)["Ready"] == ("True", "Serving")
+        degraded = cond.get(st.conditions, "Degraded")
+        assert degraded is not None and (degraded.status, degraded.reason) == ("True", "ReplicasUnavailable")
+        assert "decode 1/2 ready" in degraded.message
+
+    def test_router_without_ready_endpoints_is_not_ready(self) -> None:
+        b = bind("llm", group_spec(), pool_body())
+        st = group_status(group_spec(), 1, b, self.children(), InferenceGroupStatus(), endpoint="", now=NOW,
+                          router=Router("llm/g", ready_endpoints([{"endpoints": [{"conditions": {"ready": False}}]}])))
+        assert types(st.conditions)["Ready"] == ("False", "NoReadyEndpoints")
+        assert ready_endpoints([{"endpoints": [{"conditions": {}}, {"conditions": {"ready": True}}]}]) == 2
+
+    def test_a_pool_outage_degrades_a_serving_group(self) -> None:
+        b = bind("llm", group_spec(), pool_body(ready=False))
+        st = group_status(group_spec(), 1, b, self.children(), InferenceGroupStatus(), endpoint="", now=NOW)
+        assert types(st.conditions)["Ready"] == ("True", "Serving")
+        assert types(st.conditions)["PoolBound"] == ("False", "PoolNotReady")
+        assert types(st.conditions)["Degraded"] == ("True", "PoolUnavailable")
 
     def test_failed_replicas_degrade(self) -> None:
         b = bind("llm", group_spec(), pool_body())
@@ -207,11 +240,20 @@ class TestConditions:
         flipped = cond.merge(old, [cond.condition("Ready", False, "C", "", 2)], LATER)
         assert flipped[0].last_transition_time == LATER
 
-    def test_ready_derived_from_pool_bound(self) -> None:
-        bound = cond.pool_bound(False, "PoolNotReady", "waiting", 1)
-        ready = cond.derived_ready([bound], [], 1)
-        assert (ready.status, ready.reason, ready.message) == ("False", "PoolNotReady", "waiting")
-        assert cond.derived_ready([cond.pool_bound(True, "Bound", "", 1)], [], 1).status == "True"
+    def test_ready_is_serving(self) -> None:
+        def ready(**kw: Any) -> tuple[str, str]:
+            args = {"conflicts": [], "not_serving": [], "binding": (True, "Bound", ""), "router": ("llm/g", 1),
+                    "summary": "s", "gen": 1, **kw}
+            c = cond.group_ready(**args)
+            return c.status, c.reason
+
+        assert ready() == ("True", "Serving")
+        assert ready(binding=(False, "PoolNotReady", "waiting")) == ("True", "Serving")  # serves without the pool
+        assert ready(not_serving=["decode"], binding=(False, "PoolNotReady", "w")) == ("False", "PoolNotReady")
+        assert ready(not_serving=["decode"]) == ("False", "ReplicasNotReady")
+        assert ready(router=("llm/g", 0)) == ("False", "NoReadyEndpoints")
+        assert ready(router=None) == ("True", "Serving")
+        assert ready(conflicts=["Service llm/g is someone else's"]) == ("False", "ChildConflict")
 
     def test_unknown(self) -> None:
         assert cond.condition("X", None, "R", "", None).status == "Unknown"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from maru_operator.validation import check_group, check_pool
 from tests.operator.helpers import group_spec, pool_spec
 
@@ -63,3 +66,69 @@ def test_pool_daemon_memory_below_what_the_pool_needs() -> None:
     assert "4Gi is less than the pool daemon needs" in error.message
     assert check_pool(pool_spec(size="4Gi", daemon={"resources": {"requests": {"memory": "5Gi"}}}), "pool") == []
     assert check_pool(pool_spec(size="4Gi"), "pool") == []
+
+
+# --- flags as vLLM's own parser reads them -------------------------------------------------------------
+
+OWNED_SPELLINGS = [
+    ["-tp", "2"], ["-tp=2"], ["-t", "2"], ["--tensor_parallel_size", "2"], ["--tensor-parallel=2"],
+    ["--kv_transfer_config={}"], ["--kv-transfer-config.kv_role=kv_both"], ["--kv-transfer-config.kv_role", "kv_both"],
+    ["--kv-transfer={}"], ["--served_model_name", "x"], ["--block_size=32"], ["--port", "9000"],
+]
+
+
+@pytest.mark.parametrize("args", OWNED_SPELLINGS, ids=[" ".join(a) for a in OWNED_SPELLINGS])
+def test_operator_owned_flags_in_any_spelling(args: list[str]) -> None:
+    with pytest.raises(ValidationError) as caught:
+        group_spec(decode={"extraArgs": args})
+    assert "extraArgs" in str(caught.value) and args[0] in str(caught.value)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [
+    (["-q", "fp8"], []),
+    (["-qfp8"], ["--quantization=awq"]),
+    (["--kv_cache_dtype=fp8"], []),
+])
+def test_kv_layout_flags_in_any_spelling_must_agree(prefill: list[str], decode: list[str]) -> None:
+    spec = group_spec(prefill={"extraArgs": prefill}, decode={"extraArgs": decode})
+    assert fields(spec) == ["spec.decode.extraArgs"]
+
+
+def test_the_same_setting_spelled_differently_agrees() -> None:
+    spec = group_spec(prefill={"extraArgs": ["-q", "fp8", "--kv-cache-dtype", "fp8"]},
+                      decode={"extraArgs": ["--quantization=fp8", "--kv_cache_dtype=fp8"]})
+    assert check_group(spec) == []
+    # Flags that merely share a prefix are other flags.
+    assert check_group(group_spec(prefill={"extraArgs": ["--kv-cache-dtype-skip-layers", "0"]})) == []
+    group_spec(decode={"extraArgs": ["--model-impl", "vllm", "--max-num-seqs=8", "-O3"]})  # accepted
+
+
+# --- what users put in their pods ---------------------------------------------------------------------
+
+def test_hash_seed_from_a_secret_is_refused() -> None:
+    env = [{"name": "PYTHONHASHSEED", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+    assert fields(group_spec(prefill={"env": env})) == ["spec.prefill.env"]
+
+
+def test_pod_fields_kubernetes_would_refuse_later() -> None:
+    spec = group_spec(decode={
+        "volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}],
+        "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+        "podLabels": {"bad key!": "v"},
+        "strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}},
+    })
+    assert sorted(fields(spec)) == ["spec.decode.podLabels", "spec.decode.strategy.rollingUpdate",
+                                    "spec.decode.volumeMounts", "spec.decode.volumes"]
+
+
+def test_a_volume_over_the_pool_socket_is_refused() -> None:
+    from maru_operator.validation import check_group_on_pool
+    from tests.operator.helpers import pool_view
+
+    for path in ("/run/maru/pool", "/run/maru", "/run/maru/pool/sub"):
+        spec = group_spec(prefill={"volumes": [{"name": "v", "emptyDir": {}}],
+                                   "volumeMounts": [{"name": "v", "mountPath": path}]})
+        assert [e.field for e in check_group_on_pool(spec, pool_view())] == ["spec.prefill.volumeMounts"], path
+    ok = group_spec(prefill={"volumes": [{"name": "v", "emptyDir": {}}],
+                             "volumeMounts": [{"name": "v", "mountPath": "/run/maru-cache"}]})
+    assert check_group_on_pool(ok, pool_view()) == []

@@ -126,9 +126,11 @@ VALUES: dict[str, Any] = obj(
             "uniqueItems": True,
             "items": string(pattern=DNS1123_LABEL, maxLength=63),
         },
+        "instance": string(pattern=r"^$|^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"),
         "logLevel": enum("info", "debug"),
         "workers": integer(1, 256),
         "resyncSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
+        "poolUsageIntervalSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
         "extraArgs": {"type": "array", "items": string(minLength=1)},
         "extraEnv": kube_list(CORE + "EnvVar"),
         "livenessProbe": obj(
@@ -187,6 +189,7 @@ VALUES: dict[str, Any] = obj(
             },
             required=["enabled"],
         ),
+        "replicas": integer(1, 5),
         "podDisruptionBudget": obj(
             {"enabled": boolean(), "maxUnavailable": INT_OR_PERCENT, "minAvailable": INT_OR_PERCENT},
             required=["enabled"],
@@ -223,8 +226,8 @@ VALUES: dict[str, Any] = obj(
             required=["enabled", "socketRoot", "kubeletDir", "image", "registrar"],
         ),
     },
-    required=["image", "logLevel", "workers", "resyncSeconds", "livenessProbe", "readinessProbe", "metrics",
-              "networkPolicy", "serviceAccount", "rbac"],
+    required=["image", "instance", "logLevel", "workers", "resyncSeconds", "poolUsageIntervalSeconds", "replicas",
+              "livenessProbe", "readinessProbe", "metrics", "networkPolicy", "serviceAccount", "rbac"],
 )
 
 

@@ -84,6 +84,23 @@ their children) plus the release namespace (the pool daemons run there), without
 {{- end }}
 
 {{/*
+Refuse a second release serving the same operator instance: both would reconcile the same MaruPools
+and InferenceGroups. Every release annotates its ClusterRole with its instance; `lookup` reads the
+cluster at install time (it is empty under `helm template`, and without rbac.create).
+*/}}
+{{- define "maru-operator.checkInstance" -}}
+{{- $fullname := include "maru-operator.fullname" . }}
+{{- range (lookup "rbac.authorization.k8s.io/v1" "ClusterRole" "" "").items }}
+{{- $annotations := .metadata.annotations | default dict }}
+{{- if and (hasKey $annotations "maru.io/operator-instance") (ne .metadata.name $fullname) }}
+{{- if eq (get $annotations "maru.io/operator-instance") $.Values.instance }}
+{{- fail (printf "release %s in namespace %s already runs a maru-operator serving instance %q (ClusterRole %s): give this release another `instance` (and label its MaruPools and InferenceGroups maru.io/operator-instance=<instance>)" (get $annotations "meta.helm.sh/release-name" | default "?") (get $annotations "meta.helm.sh/release-namespace" | default "?") $.Values.instance .metadata.name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 The CSI driver's name. Fixed, not a value: the operator writes it into every vLLM pod's socket volume
 (maru_connector.csi.contract.DRIVER_NAME), and a test checks the two agree.
 */}}

@@ -80,13 +80,6 @@ class ResourceRequirements(KubeModel):
     )
 
 
-class EnvVar(KubeModel):
-    """An environment variable with a literal value."""
-
-    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name.")
-    value: str = Field("", description="Literal value. Secrets belong in a Secret, not here.")
-
-
 class Condition(KubeModel):
     """A status condition in the standard Kubernetes shape (metav1.Condition)."""
 

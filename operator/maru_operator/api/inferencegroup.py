@@ -11,11 +11,12 @@ from maru_operator.api.common import (
     DNS1123_SUBDOMAIN_PATTERN,
     Condition,
     CustomResource,
-    EnvVar,
     KubeModel,
     ResourceRequirements,
     Toleration,
 )
+from maru_operator.api.pod import EnvList, PodOptions, RolloutStrategy, Volume, VolumeMount
+from maru_operator.vllmflags import cel_owned_flags_rule, settings
 
 DEFAULT_VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru:0.1.0"
 DEFAULT_ROUTER_IMAGE = "ghcr.io/maru-pd/vllm-router:0.1.17"
@@ -33,10 +34,10 @@ OPERATOR_OWNED_FLAGS = (
     "--dtype",
 )
 
-# An absent list is not defaulted, and CEL errors on a missing field: guard with has().
-_EXTRA_ARGS_RULE = "!has(self.extraArgs) || !self.extraArgs.exists(a, {})".format(
-    " || ".join(f"a == '{flag}' || a.startsWith('{flag}=')" for flag in OPERATOR_OWNED_FLAGS)
-)
+# A best-effort first line at admission (CEL cannot know argparse's abbreviations); the model's
+# validator below reads the arguments as vLLM does and is authoritative. An absent list is not
+# defaulted, and CEL errors on a missing field: the rule guards with has().
+_EXTRA_ARGS_RULE = cel_owned_flags_rule(OPERATOR_OWNED_FLAGS)
 
 
 class ModelSpec(KubeModel):
@@ -67,7 +68,13 @@ class PoolRef(KubeModel):
     )
 
 
-class RoleSpec(KubeModel):
+# Volumes the operator adds to every vLLM pod (the pool socket, /dev/shm, the scratch directories of a
+# read-only root); a user's volume may not take their names.
+RESERVED_VOLUMES = ("maru-socket", "dshm", "home", "tmp")
+DEFAULT_STARTUP_SECONDS = 1800
+
+
+class RoleSpec(PodOptions):
     """One role's vLLM pods (prefill or decode)."""
 
     model_config = ConfigDict(
@@ -79,7 +86,21 @@ class RoleSpec(KubeModel):
                     + ", ".join(OPERATOR_OWNED_FLAGS),
                     "fieldPath": ".extraArgs",
                     "reason": "FieldValueForbidden",
-                }
+                },
+                {
+                    "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+                            "self.volumes.exists(v, v.name == m.name))",
+                    "message": "every volumeMounts[].name must name one of volumes",
+                    "fieldPath": ".volumeMounts",
+                    "reason": "FieldValueNotFound",
+                },
+                {
+                    "rule": "!has(self.volumes) || self.volumes.all(v, "
+                            + " && ".join(f"v.name != '{n}'" for n in RESERVED_VOLUMES) + ")",
+                    "message": "volume names " + ", ".join(RESERVED_VOLUMES) + " are the operator's",
+                    "fieldPath": ".volumes",
+                    "reason": "FieldValueForbidden",
+                },
             ]
         }
     )
@@ -95,17 +116,58 @@ class RoleSpec(KubeModel):
     extra_args: list[str] = Field(
         default_factory=list, max_length=128, description="Extra vLLM command-line arguments, e.g. --max-num-seqs=64."
     )
-    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
+    env: EnvList = Field(
+        default_factory=list, max_length=128,
+        description="Extra environment variables, literal or from a Secret, ConfigMap or the pod "
+                    "(e.g. HF_TOKEN from a Secret for a gated model).",
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list, max_length=32,
+        description="Extra volumes of the pods: a model-cache PVC, a larger /dev/shm (emptyDir, medium Memory), "
+                    "ConfigMaps, Secrets, CSI inline volumes.",
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=32,
+        description="Where the vLLM container mounts volumes. A mount at /dev/shm, /tmp or /home/maru replaces "
+                    "the operator's emptyDir there.",
+    )
+    service_account_name: str | None = Field(
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        description="ServiceAccount of the vLLM pods (e.g. for workload identity to a model store). Its token "
+                    "is not mounted unless a projected volume asks for it.",
+    )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Extra node labels for this role, on top of the pool's nodes."
     )
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of this role's pods.")
+    strategy: RolloutStrategy = Field(
+        default_factory=RolloutStrategy,
+        description="How pods are replaced on a change. Default: RollingUpdate with maxSurge 0, maxUnavailable 1, "
+                    "which needs no spare GPU (one pod of the role is down at a time during an update).",
+    )
+    startup_timeout_seconds: int = Field(
+        DEFAULT_STARTUP_SECONDS, ge=60, le=86400,
+        description="How long a vLLM pod may take to download and load the model before it is restarted; the "
+                    "Deployment's progress deadline is derived from it, so a slow load is not reported as stuck.",
+    )
 
     @model_validator(mode="after")
     def _no_operator_owned_flags(self) -> RoleSpec:
-        for arg in self.extra_args:
-            if arg.split("=", 1)[0] in OPERATOR_OWNED_FLAGS:
-                raise ValueError(f"extraArgs: {arg!r} sets a flag the operator derives from the spec")
+        for setting in settings(self.extra_args):
+            if setting.flag in OPERATOR_OWNED_FLAGS:
+                raise ValueError(f"extraArgs: {setting.spelling!r} sets {setting.flag}, which the operator derives "
+                                 "from the spec (vLLM reads underscores, aliases, dotted keys and abbreviations "
+                                 "as that flag)")
+        return self
+
+    @model_validator(mode="after")
+    def _volumes_add_up(self) -> RoleSpec:
+        names = {v.name for v in self.volumes}
+        for mount in self.volume_mounts:
+            if mount.name not in names:
+                raise ValueError(f"volumeMounts: {mount.name!r} names none of volumes")
+        for name in names & set(RESERVED_VOLUMES):
+            raise ValueError(f"volumes: {name!r} is the name of a volume the operator adds")
         return self
 
 
@@ -152,7 +214,7 @@ class ConnectorSpec(KubeModel):
         return self
 
 
-class RouterSpec(KubeModel):
+class RouterSpec(PodOptions):
     """The router in front of the group (vllm-router in prefill/decode mode)."""
 
     enabled: bool = Field(True, description="Run a router Deployment and Service for this group.")
@@ -168,6 +230,7 @@ class RouterSpec(KubeModel):
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each router container."
     )
+    env: EnvList = Field(default_factory=list, max_length=64, description="Environment variables of the router.")
 
 
 class InferenceGroupSpec(KubeModel):

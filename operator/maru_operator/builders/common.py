@@ -19,6 +19,14 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_ROLE = "maru.io/role"
 # Set on a group's children so `kubectl get all -l maru.io/pool=<pool>` finds who uses a pool.
 LABEL_POOL = "maru.io/pool"
+# Which operator installation serves an object: set by users on MaruPools and InferenceGroups (none:
+# the default instance), copied by the operator onto their children.
+LABEL_OPERATOR_INSTANCE = "maru.io/operator-instance"
+
+
+def instance_selector(instance: str) -> str:
+    """The label selector of what an operator instance serves ("" is the default instance)."""
+    return f"{LABEL_OPERATOR_INSTANCE}={instance}" if instance else f"!{LABEL_OPERATOR_INSTANCE}"
 
 Object = dict[str, Any]
 
@@ -32,6 +40,7 @@ class Owner:
     namespace: str | None = None
     uid: str | None = None
     generation: int | None = None
+    operator_instance: str = ""  # the owner's maru.io/operator-instance label, copied to its children
 
     @classmethod
     def from_body(cls, body: Any) -> Owner:
@@ -42,6 +51,7 @@ class Owner:
             namespace=meta.get("namespace") or None,
             uid=meta.get("uid") or None,
             generation=meta.get("generation"),
+            operator_instance=(meta.get("labels") or {}).get(LABEL_OPERATOR_INSTANCE, ""),
         )
 
     @property
@@ -83,6 +93,9 @@ def owner_reference(owner: Owner) -> dict[str, Any]:
 def metadata(owner: Owner, *, name: str, namespace: str | None, labels: dict[str, str]) -> dict[str, Any]:
     """Child metadata with the owner reference (omitted when rendering: no uid to point at)."""
     meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
+    if owner.operator_instance:
+        # On the child object only (never on pods): it selects what the serving operator watches.
+        meta["labels"][LABEL_OPERATOR_INSTANCE] = owner.operator_instance
     if namespace:
         meta["namespace"] = namespace
     if owner.uid:

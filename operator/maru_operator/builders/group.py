@@ -12,6 +12,7 @@ from typing import Any, Literal
 from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.api.pod import PodOptions
 from maru_operator.builders.common import (
     LABEL_INSTANCE,
     LABEL_NAME,
@@ -26,7 +27,7 @@ from maru_operator.builders.common import (
     selector,
 )
 from maru_operator.builders.pool import pool_endpoint
-from maru_operator.builders.poolsocket import pool_socket_mount, pool_socket_volume
+from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
 from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_defaults
 from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
 from maru_operator.names import child_name, label_value, short_hash
@@ -134,8 +135,67 @@ def _resources(role_spec: RoleSpec) -> dict[str, Any]:
     return with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size))
 
 
+PROBE_PERIOD_SECONDS = 10
+# Beyond the startup budget, for scheduling, image pull and the gap between a pod's start and its probe.
+PROGRESS_MARGIN_SECONDS = 600
+
+
 def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": 10, "timeoutSeconds": 5, **extra}
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
+            **extra}
+
+
+def role_env(role_spec: RoleSpec) -> list[dict[str, Any]]:
+    """The vLLM container's env: the hash seed every engine must share, the user's, then the cache locations
+    the user did not set. Each name appears once (server-side apply keys env by name)."""
+    env = [{"name": HASH_SEED_ENV, "value": HASH_SEED}]
+    env += [e.to_k8s() for e in role_spec.env if e.name != HASH_SEED_ENV]
+    return env + scratch_env({e["name"] for e in env})
+
+
+def role_volumes(role_spec: RoleSpec, pool: PoolView) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, vLLM container mounts): the operator's, then the user's.
+
+    A user mount at /dev/shm replaces the operator's (a larger tmpfs for NCCL, say), and one at a scratch
+    directory (``$HOME``, ``/tmp``) replaces that emptyDir; the pool socket cannot be replaced (the
+    semantic checks refuse a mount there).
+    """
+    taken = {m.mount_path.rstrip("/") for m in role_spec.volume_mounts}
+    # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
+    operator = [(pool_socket_volume(pool.spec, pool.name), pool_socket_mount(pool.spec, pool.name)),
+                ({"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/dev/shm"}),
+                *zip(scratch_volumes(), scratch_mounts(), strict=True)]
+    kept = [(v, m) for v, m in operator if v["name"] == SOCKET_VOLUME or m["mountPath"] not in taken]
+    volumes = [v for v, _ in kept] + [v.to_k8s() for v in role_spec.volumes]
+    mounts = [m for _, m in kept] + [m.to_k8s() for m in role_spec.volume_mounts]
+    return volumes, mounts
+
+
+def apply_pod_options(template: dict[str, Any], options: PodOptions, own_pods: dict[str, str]) -> None:
+    """Add the user's pod options to a pod template; ``own_pods``: labels selecting these pods.
+
+    The operator's labels win over the user's (selectors and pod discovery depend on them).
+    """
+    meta, pod = template["metadata"], template["spec"]
+    meta["labels"] = {**options.pod_labels, **meta["labels"]}
+    if options.pod_annotations:
+        meta["annotations"] = dict(options.pod_annotations)
+    if options.image_pull_secrets:
+        pod["imagePullSecrets"] = [s.model_dump() for s in options.image_pull_secrets]
+    if options.priority_class_name:
+        pod["priorityClassName"] = options.priority_class_name
+    if options.topology_spread_constraints:
+        pod["topologySpreadConstraints"] = [c.to_k8s(own_pods) for c in options.topology_spread_constraints]
+
+
+def rollout(role_spec: RoleSpec) -> dict[str, Any]:
+    """The Deployment's strategy and progress deadline: a slow model load must not count as stuck."""
+    strategy = role_spec.strategy
+    out: dict[str, Any] = {"type": strategy.type}
+    if strategy.type == "RollingUpdate":
+        out["rollingUpdate"] = {"maxSurge": strategy.rolling_update.max_surge,
+                                "maxUnavailable": strategy.rolling_update.max_unavailable}
+    return {"strategy": out, "progressDeadlineSeconds": role_spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS}
 
 
 def role_labels(owner: Owner, role: str, pool: str) -> dict[str, str]:
@@ -153,25 +213,20 @@ def build_role_deployment(
     """The vLLM Deployment of one role; ``replicas`` overrides the spec (0 when access is revoked)."""
     role_spec: RoleSpec = getattr(spec, role)
     pod_labels = role_labels(owner, role, pool.name)
-    env = [{"name": HASH_SEED_ENV, "value": HASH_SEED}]
-    env += [{"name": e.name, "value": e.value} for e in role_spec.env if e.name != HASH_SEED_ENV]
-    env += scratch_env({e["name"] for e in env})
+    volumes, mounts = role_volumes(role_spec, pool)
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["vllm", "serve"],
         "args": vllm_args(spec, role, owner, pool),
-        "env": env,
+        "env": role_env(role_spec),
         "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
         "resources": _resources(role_spec),
-        "volumeMounts": [
-            pool_socket_mount(pool.spec, pool.name),
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            *scratch_mounts(),
-        ],
+        "volumeMounts": mounts,
         # Loading weights can take many minutes; liveness only starts once the server answered once.
-        "startupProbe": _probe("/health", "http", failureThreshold=180),
+        "startupProbe": _probe("/health", "http",
+                               failureThreshold=-(-role_spec.startup_timeout_seconds // PROBE_PERIOD_SECONDS)),
         "readinessProbe": _probe("/health", "http", failureThreshold=3),
         "livenessProbe": _probe("/health", "http", failureThreshold=6),
         # vLLM's caches and temporary files go to emptyDirs (scratch_env points them there).
@@ -182,14 +237,11 @@ def build_role_deployment(
         "enableServiceLinks": False,
         "securityContext": restricted_pod_security(),
         "containers": [container],
-        "volumes": [
-            pool_socket_volume(pool.spec, pool.name),
-            # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-            *scratch_volumes(),
-        ],
+        "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
+    if role_spec.service_account_name:
+        pod_spec["serviceAccountName"] = role_spec.service_account_name
     affinity = pool_node_affinity(pool.spec) or {}
     if pool.spec.backend == "shm" and role == "decode":
         # An shm pool is one independent pool per node: decode finds prefill's KV only on prefill's node.
@@ -212,6 +264,8 @@ def build_role_deployment(
             tolerations.append(dumped)
     if tolerations:
         pod_spec["tolerations"] = tolerations
+    template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
+    apply_pod_options(template, role_spec, discovery_selector(owner, role))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -219,7 +273,8 @@ def build_role_deployment(
         "spec": {
             "replicas": role_spec.replicas if replicas is None else replicas,
             "selector": {"matchLabels": selector(owner, app=VLLM_APP, component=role)},
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            **rollout(role_spec),
+            "template": template,
         },
     }
 
@@ -292,7 +347,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
     pod_labels = _router_labels(owner)
     given = {k: v for k, v in spec.router.resources.model_dump(by_alias=True).items() if v}
     resources = with_defaults(given, ROUTER)
-    container = {
+    container: dict[str, Any] = {
         "name": "router",
         "image": spec.router.image,
         "imagePullPolicy": spec.image_pull_policy,
@@ -307,6 +362,18 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
         "livenessProbe": _probe("/liveness", "http", failureThreshold=6),
         "securityContext": restricted_container_security(),
     }
+    if spec.router.env:
+        container["env"] = [e.to_k8s() for e in spec.router.env]
+    template = {
+        "metadata": {"labels": pod_labels},
+        "spec": {
+            "serviceAccountName": router_name(owner.name),
+            "enableServiceLinks": False,
+            "securityContext": restricted_pod_security(),
+            "containers": [container],
+        },
+    }
+    apply_pod_options(template, spec.router, selector(owner, app=ROUTER_APP, component="router"))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -314,15 +381,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector(owner, app=ROUTER_APP, component="router")},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "serviceAccountName": router_name(owner.name),
-                    "enableServiceLinks": False,
-                    "securityContext": restricted_pod_security(),
-                    "containers": [container],
-                },
-            },
+            "template": template,
         },
     }
 

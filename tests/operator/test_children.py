@@ -1,0 +1,200 @@
+"""How the operator writes its children: what it removes, what it leaves, what it never touches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from maru_localcluster.server import KubeEmulator
+from maru_operator.builders.scratch import CACHE_ENV
+from tests.operator.conftest import (
+    GROUP_NS,
+    RunningOperator,
+    StubStats,
+    condition_of,
+    group,
+    has_condition,
+    pool,
+    settle,
+)
+
+pytestmark = pytest.mark.emulator
+
+IG = "inferencegroups.maru.io"
+MP = "marupools.maru.io"
+DEPLOY = "deployments.apps"
+NETPOL = "networkpolicies.networking.k8s.io"
+
+
+def pod_spec(kube: KubeEmulator, name: str) -> dict[str, Any]:
+    dep = kube.get(DEPLOY, name, GROUP_NS)
+    assert dep is not None, name
+    return dep["spec"]["template"]["spec"]
+
+
+@pytest.fixture
+def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
+    cluster.create(pool())
+    return cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+
+
+def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, operator: RunningOperator,
+                                                         ready_pool: dict[str, Any]) -> None:
+    cluster.create(group(prefill={
+        "replicas": 1,
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "resources": {"limits": {"cpu": 2, "memory": "8Gi"}},
+    }))
+    cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    # Someone else's field on the same child: never the operator's to remove.
+    cluster.patch(DEPLOY, "qwen-prefill", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS,
+                  field_manager="kubectl-annotate")
+    settle(operator)
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": {"gpu": None, "zone": "b"}, "tolerations": None,
+                                                    "resources": {"limits": {"memory": None}}}}}, GROUP_NS)
+    settle(operator)
+    spec = pod_spec(cluster, "qwen-prefill")
+    assert spec.get("nodeSelector") == {"zone": "b"}  # replaced, not {gpu: a100, zone: b}
+    assert "tolerations" not in spec
+    # The removed 8Gi limit leaves; the operator's default memory limit takes its place.
+    assert spec["containers"][0]["resources"].get("limits") == {"cpu": 2, "memory": "32Gi"}
+
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": None}}}, GROUP_NS)
+    settle(operator)
+    assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None and dep["metadata"]["annotations"] == {"team": "search"}
+
+
+def test_children_written_before_server_side_apply_lose_removed_fields(
+        cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]) -> None:
+    """After an upgrade from a version that wrote children with plain creates and merge patches."""
+    cluster.create(group(prefill={"replicas": 1, "nodeSelector": {"gpu": "a100"}}))
+    cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    settle(operator)
+    operator.stop()
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None
+    # What the earlier version left: its fields owned by plain updates under its User-Agent's name.
+    legacy = [{**e, "operation": "Update"} if e["manager"] == "maru-operator" else e
+              for e in dep["metadata"]["managedFields"]]
+    cluster.patch(DEPLOY, "qwen-prefill", {"metadata": {"managedFields": legacy}}, GROUP_NS)
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": None}}}, GROUP_NS)
+    upgraded = RunningOperator(cluster, stats, resync_seconds=3600, workers=2).start()
+    try:
+        settle(upgraded)
+        assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
+        managers = {(e["manager"], e["operation"]) for e in
+                    cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)["metadata"]["managedFields"]}  # type: ignore[index]
+        assert ("maru-operator", "Apply") in managers and ("maru-operator", "Update") not in managers
+    finally:
+        upgraded.stop()
+
+
+def test_an_object_it_does_not_control_is_never_taken_over(cluster: KubeEmulator, operator: RunningOperator,
+                                                            ready_pool: dict[str, Any]) -> None:
+    mine = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "qwen", "namespace": GROUP_NS,
+                                                              "labels": {"owner": "me"}},
+            "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]}}
+    cluster.create(mine, field_manager="kubectl-create")
+    before = cluster.get("services", "qwen", GROUP_NS)
+    cluster.create(group())
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "ChildConflict"))
+    message = condition_of(ig, "Ready")["message"]
+    assert "Service llm/qwen" in message and "not controlled by" in message
+    settle(operator)
+    assert cluster.get("services", "qwen", GROUP_NS) == before  # not one field written
+    warning = [e for e in cluster.list("events", GROUP_NS) if e.get("reason") == "ChildConflict"]
+    assert warning and warning[0]["type"] == "Warning" and "Service llm/qwen" in warning[0]["message"]
+    assert cluster.get(DEPLOY, "qwen-decode", GROUP_NS) is not None  # the rest of the group is there
+
+    # Deleting the group never takes the user's Service with it.
+    cluster.delete(IG, "qwen", GROUP_NS)
+    cluster.wait_gone(DEPLOY, "qwen-decode", GROUP_NS)
+    assert cluster.get("services", "qwen", GROUP_NS) == before
+
+    # Once the name is free, a new group gets its own Service.
+    cluster.delete("services", "qwen", GROUP_NS)
+    cluster.create(group())
+    svc = cluster.wait_for("services", "qwen", GROUP_NS)
+    assert svc["metadata"]["ownerReferences"][0]["kind"] == "InferenceGroup"
+
+
+def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulator, operator: RunningOperator,
+                                                             ready_pool: dict[str, Any]) -> None:
+    options = {
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                {"name": "HOME", "value": "/models/home"}],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
+                    {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                    {"name": "big-tmp", "emptyDir": {"sizeLimit": "64Gi"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "big-shm", "mountPath": "/dev/shm"},
+                         {"name": "big-tmp", "mountPath": "/tmp"}],
+        "imagePullSecrets": [{"name": "registry"}],
+        "priorityClassName": "inference",
+        "serviceAccountName": "model-reader",
+        "podLabels": {"team": "search"},
+        "strategy": {"type": "Recreate"},
+    }
+    cluster.create(group(prefill={"replicas": 1, **options}))
+    dep = cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
+    pod = dep["spec"]["template"]["spec"]
+    env = pod["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+    # The user's HOME instead of the read-only root's (env is keyed by name: one HOME).
+    assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/models/home"}]
+    # The user's /dev/shm and /tmp replace the operator's; the socket and $HOME emptyDir stay.
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "home", "models", "big-shm", "big-tmp"}
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("model-reader", "inference")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    # Taken out of the spec, they leave the Deployment (and the operator's volumes and env come back).
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {k: None for k in options}}}, GROUP_NS)
+    settle(operator)
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None
+    pod = dep["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "dshm", "home", "tmp"}
+    assert "serviceAccountName" not in pod and "priorityClassName" not in pod and "imagePullSecrets" not in pod
+    assert "team" not in dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    env = pod["containers"][0]["env"]
+    assert [e["name"] for e in env] == ["PYTHONHASHSEED", *CACHE_ENV]
+    assert {"name": "HOME", "value": CACHE_ENV["HOME"]} in env
+
+
+def test_a_volume_over_the_pool_socket_touches_nothing(cluster: KubeEmulator, operator: RunningOperator,
+                                                       ready_pool: dict[str, Any]) -> None:
+    cluster.create(group(decode={"volumes": [{"name": "v", "emptyDir": {}}],
+                                 "volumeMounts": [{"name": "v", "mountPath": "/run/maru"}]}))
+    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
+    assert "spec.decode.volumeMounts" in condition_of(ig, "Ready")["message"]
+    settle(operator)
+    assert cluster.list(DEPLOY, GROUP_NS) == []
+
+
+def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, operator: RunningOperator,
+                                                       ready_pool: dict[str, Any]) -> None:
+    cluster.create(group())
+    cluster.wait_for(NETPOL, "qwen-router", GROUP_NS)
+    settle(operator)
+    writes = [r for r in cluster.requests if "/networkpolicies" in r.path and r.is_write]
+    assert writes and all(r.method == "PATCH" and r.content_type.startswith("application/apply-patch")
+                          for r in writes), [(r.method, r.path, r.content_type) for r in writes]
+    policy = cluster.get(NETPOL, "qwen-vllm", GROUP_NS)
+    assert policy is not None
+    assert {(e["manager"], e["operation"]) for e in policy["metadata"]["managedFields"]} == {("maru-operator", "Apply")}
+    rules = policy["spec"]["ingress"]
+
+    # A hand edit of the rules is put back; someone else's label stays.
+    cluster.patch(NETPOL, "qwen-vllm", {"metadata": {"labels": {"team": "search"}}, "spec": {"ingress": []}},
+                  GROUP_NS, field_manager="kubectl-edit")
+    restored = cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS, lambda o: o["spec"].get("ingress") == rules)
+    assert restored["metadata"]["labels"]["team"] == "search"
+
+    # Without the router its policy goes, and the vLLM pods' ingress opens to whatever routes to them.
+    cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
+    cluster.wait_gone(NETPOL, "qwen-router", GROUP_NS)
+    cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS,
+                     lambda o: o["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}])

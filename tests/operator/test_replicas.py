@@ -1,0 +1,154 @@
+"""Several operators at once, as real processes: replicas elect one leader; installations never share objects."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from maru_localcluster.server import KubeEmulator
+from tests.operator.conftest import (
+    GROUP_NS,
+    POOL_NS,
+    ROOT,
+    create_namespace,
+    group,
+    has_condition,
+    object_writes,
+    pool,
+)
+from tests.operator.test_rbac import bind_documented_rbac
+
+pytestmark = pytest.mark.emulator
+
+IG = "inferencegroups.maru.io"
+DS = "daemonsets.apps"
+DEPLOY = "deployments.apps"
+# Short, so a test sees expiry and takeover in seconds (the defaults are 15/10/2).
+FAST_LEASE = ("--lease-seconds", "3", "--renew-deadline", "2", "--retry-period", "0.3")
+
+
+class Processes:
+    def __init__(self, kube: KubeEmulator, tmp: pathlib.Path) -> None:
+        self.kube, self.tmp = kube, tmp
+        self.running: dict[str, tuple[subprocess.Popen[bytes], pathlib.Path]] = {}
+
+    def start(self, name: str, *args: str, token: str | None = None) -> None:
+        env = self.kube.env()
+        if token:
+            env["KUBECONFIG"] = str(self.kube.kubeconfig_for(token, self.tmp / f"{name}.kubeconfig"))
+        log = self.tmp / f"{name}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "maru_operator", "run", "--liveness", "",
+                                     "--metrics-port", "0", *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=ROOT)
+        self.running[name] = (proc, log)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc, _ = self.running[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(30)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{log.read_text()[-3000:]}" for n, (_, log) in self.running.items())
+
+
+@pytest.fixture
+def processes(cluster: KubeEmulator, tmp_path: pathlib.Path) -> Iterator[Processes]:
+    procs = Processes(cluster, tmp_path)
+    try:
+        yield procs
+    finally:
+        for name in list(procs.running):
+            procs.stop(name)
+
+
+def writers(kube: KubeEmulator, mark: int) -> set[str | None]:
+    return {r.user for r in object_writes(kube, mark)}
+
+
+def test_replicas_elect_one_leader_and_hand_over(cluster: KubeEmulator, processes: Processes) -> None:
+    accounts = {r: f"system:serviceaccount:{POOL_NS}:operator-{r}" for r in "ab"}
+    for replica in accounts:
+        token = bind_documented_rbac(cluster, account=f"operator-{replica}")
+        processes.start(replica, "--pool-namespace", POOL_NS, *FAST_LEASE, token=token)
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
+        lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS)
+        time.sleep(1.0)  # the last status writes land
+        active = writers(cluster, 0) - {None}
+        assert len(active) == 1, f"both replicas reconciled: {active}"
+        (leader,) = [r for r, user in accounts.items() if user in active]
+        standby = "b" if leader == "a" else "a"
+
+        # The leader stops (a rolling update, a drain): it gives the Lease up, the standby takes over.
+        processes.stop(leader)
+        cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+                         lambda o: o["spec"].get("holderIdentity") not in (None, lease["spec"]["holderIdentity"]),
+                         timeout=10)
+        mark = cluster.mark()
+        cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 1}}}, GROUP_NS)
+        cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 1, timeout=30)
+        assert writers(cluster, mark) - {None} == {accounts[standby]}
+        handed = cluster.get("leases.coordination.k8s.io", "maru-operator", POOL_NS)
+        assert handed is not None and handed["spec"]["leaseTransitions"] >= 1
+    except AssertionError:
+        raise AssertionError(processes.logs()) from None
+
+
+def test_a_leader_that_dies_is_replaced_after_its_lease_expires(cluster: KubeEmulator,
+                                                               processes: Processes) -> None:
+    processes.start("a", "--pool-namespace", POOL_NS, *FAST_LEASE)
+    cluster.create(pool())
+    lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+                             lambda o: o["spec"].get("holderIdentity"), timeout=30)
+    processes.start("b", "--pool-namespace", POOL_NS, *FAST_LEASE)
+    processes.stop("a", signal.SIGKILL)  # no chance to give the Lease up
+    taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+                             lambda o: o["spec"].get("holderIdentity") != lease["spec"]["holderIdentity"], timeout=30)
+    assert taken["spec"]["leaseTransitions"] == 1
+    cluster.create(group())
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=30)
+
+
+def test_two_installations_never_reconcile_the_same_objects(cluster: KubeEmulator, processes: Processes) -> None:
+    """A default release and one with --instance team-b, each with its own namespace for pool daemons."""
+    create_namespace(cluster, "team-b-system")
+    create_namespace(cluster, "team-b")
+    processes.start("default", "--pool-namespace", POOL_NS, *FAST_LEASE)
+    processes.start("team-b", "--pool-namespace", "team-b-system", "--instance", "team-b", *FAST_LEASE)
+    labelled = {"maru.io/operator-instance": "team-b"}
+    pool_b = pool("pool-b")
+    pool_b["metadata"]["labels"] = labelled
+    group_b = group("qwen-b", namespace="team-b", pool_name="pool-b")
+    group_b["metadata"]["labels"] = labelled
+    for obj in (pool(), group(), pool_b, group_b):
+        cluster.create(obj)
+    try:
+        cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
+        cluster.wait_for(IG, "qwen-b", "team-b", lambda o: has_condition(o, "Ready", "True"), timeout=60)
+        # Each pool's daemons run in its own installation's namespace, and only there.
+        assert cluster.get(DS, "local-shm-agent", POOL_NS) is not None
+        assert cluster.get(DS, "local-shm-agent", "team-b-system") is None
+        assert cluster.get(DS, "pool-b-agent", "team-b-system") is not None
+        assert cluster.get(DS, "pool-b-agent", POOL_NS) is None
+        # Children carry their owner's instance: the installation that serves them watches them.
+        decode = cluster.get(DEPLOY, "qwen-b-decode", "team-b")
+        assert decode is not None and decode["metadata"]["labels"]["maru.io/operator-instance"] == "team-b"
+        assert "maru.io/operator-instance" not in decode["spec"]["template"]["metadata"]["labels"]
+        assert cluster.get("leases.coordination.k8s.io", "maru-operator-team-b", "team-b-system") is not None
+        # No fight: once converged, nothing is written back and forth.
+        time.sleep(1.5)
+        mark = cluster.mark()
+        time.sleep(2.0)
+        assert object_writes(cluster, mark) == []
+    except AssertionError:
+        raise AssertionError(processes.logs()) from None
