@@ -547,15 +547,26 @@ class RecordedRequest:
 
 @dataclasses.dataclass
 class Fault:
-    method: str | None  # None: any method
+    """What happens to the next ``times`` requests matching (method, path, user).
+
+    In order: wait ``delay`` seconds (a slow server), run ``action`` (a write landing between a
+    client's read and its write), then answer ``status`` as a Status body, or, with ``status`` None,
+    serve the request as usual.
+    """
+
+    methods: frozenset[str] | None  # None: any method
     path: re.Pattern[str]
-    status: int
+    status: int | None
     times: int  # how many more requests it applies to
     message: str = 'injected fault'
     hits: int = 0
+    delay: float = 0.0
+    action: Callable[[], None] | None = None
+    user: str | None = None  # only this user's requests (by bearer token); None: anyone's
 
-    def matches(self, method: str, path: str) -> bool:
-        return (self.method is None or self.method == method) and bool(self.path.search(path))
+    def matches(self, method: str, path: str, user: str | None = None) -> bool:
+        return ((self.methods is None or method in self.methods) and bool(self.path.search(path))
+                and (self.user is None or self.user == user))
 
 
 @dataclasses.dataclass(eq=False)
@@ -796,6 +807,13 @@ class Emulator(kmock.KubernetesEmulator):
             # As kube-apiserver: custom resources have no unconditional updates.
             raise _invalid(rt, name, 'metadata.resourceVersion', 'Invalid value: 0x0: must be specified for an '
                                                                  'update')
+        want_uid = (body.get('metadata') or {}).get('uid')
+        if want_uid and want_uid != old['metadata']['uid']:
+            # As kube-apiserver: an update's uid is a storage precondition.
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {_qualified(rt)} "{name}": '
+                                            f'Precondition failed: UID in precondition: {want_uid}, UID in object '
+                                            f'meta: {old["metadata"]["uid"]}',
+                           {'name': name, 'group': rt.group, 'kind': rt.plural})
         if want_rv and want_rv != old['metadata']['resourceVersion']:
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
                                             f'"{name}": the object has been modified; please apply your '
@@ -840,6 +858,7 @@ class Emulator(kmock.KubernetesEmulator):
         if not isinstance(new, dict):
             raise ApiError(400, 'BadRequest', 'the patch did not produce an object')
         new.setdefault('metadata', {})
+        _check_uid(rt, name, new['metadata'], old)
         if new['metadata'].get('resourceVersion') not in (None, old['metadata']['resourceVersion']):
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
                                             f'"{name}": the object has been modified; please apply your '
@@ -861,6 +880,14 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {rt.plural}.{rt.group} '
                                             f'"{name}": the object has been modified; please apply your '
                                             f'changes to the latest version and try again')
+        if meta.get('uid') and old is None:
+            # As kube-apiserver's patcher: an apply naming a uid never creates (that object is gone).
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {_qualified(rt)} "{name}": uid '
+                                            f'mismatch: the provided object specified uid {meta["uid"]}, and no '
+                                            f'existing object was found',
+                           {'name': name, 'group': rt.group, 'kind': rt.plural})
+        if old is not None:
+            _check_uid(rt, name, meta, old)
         api_version = rt.api_version(_version_of(config, rt))
         try:
             merged, entries = fieldmanager.apply(old, config, self._shape(rt, config), manager, api_version,
@@ -1311,9 +1338,9 @@ class Emulator(kmock.KubernetesEmulator):
                                                       user=user.name if user else None)
         return response
 
-    def _take_fault(self, method: str, path: str) -> Fault | None:
+    def _take_fault(self, method: str, path: str, user: str | None = None) -> Fault | None:
         for fault in self.faults:
-            if fault.times > 0 and fault.matches(method, path):
+            if fault.times > 0 and fault.matches(method, path, user):
                 fault.times -= 1
                 fault.hits += 1
                 return fault
@@ -1321,14 +1348,20 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _dispatch(self, raw: aiohttp.web.BaseRequest, method: str, path: str, query: dict[str, str],
                         ctype: str) -> aiohttp.web.StreamResponse:
-        if fault := self._take_fault(method, path):
-            reason = {409: 'Conflict', 429: 'TooManyRequests', 500: 'InternalError',
-                      503: 'ServiceUnavailable', 504: 'Timeout'}.get(fault.status, 'Unknown')
-            details = {'retryAfterSeconds': 1} if fault.status in (429, 503) else {}
-            return _json_response(ApiError(fault.status, reason, fault.message, details).status(), fault.status)
         auth = raw.headers.get('Authorization', '')
+        user = self.authenticate(auth.removeprefix('Bearer ').strip()) if auth else None
+        if fault := self._take_fault(method, path, user.name if user else None):
+            if fault.delay:
+                await asyncio.sleep(fault.delay)
+            if fault.action is not None:
+                fault.action()
+            if fault.status is not None:
+                reason = {409: 'Conflict', 429: 'TooManyRequests', 500: 'InternalError',
+                          503: 'ServiceUnavailable', 504: 'Timeout'}.get(fault.status, 'Unknown')
+                details = {'retryAfterSeconds': 1} if fault.status in (429, 503) else {}
+                return _json_response(ApiError(fault.status, reason, fault.message, details).status(),
+                                      fault.status)
         if auth:
-            user = self.authenticate(auth.removeprefix('Bearer ').strip())
             if user is None:
                 raise ApiError(401, 'Unauthorized', 'Unauthorized')
             _USER.set(user)
@@ -1793,6 +1826,18 @@ def _table(rt: ResourceType, version: str, objs: list[JsonObj], query: dict[str,
         rows.append(row)
     return {'kind': 'Table', 'apiVersion': 'meta.k8s.io/v1', 'metadata': {'resourceVersion': rv},
             'columnDefinitions': defs, 'rows': rows}
+
+
+def _qualified(rt: ResourceType) -> str:
+    """``deployments.apps``, ``services``: how kube-apiserver names a resource in its messages."""
+    return f'{rt.plural}.{rt.group}' if rt.group else rt.plural
+
+
+def _check_uid(rt: ResourceType, name: str, meta: JsonObj, old: JsonObj) -> None:
+    """A patch (apply or not) that names another uid than the object's: 422, as ValidateObjectMetaUpdate."""
+    uid = meta.get('uid')
+    if uid and uid != old['metadata']['uid']:
+        raise _invalid(rt, name, 'metadata.uid', f'Invalid value: "{uid}": field is immutable')
 
 
 def _invalid(rt: ResourceType, name: str, field: str, message: str) -> ApiError:

@@ -21,7 +21,7 @@ import re
 import subprocess
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeVar
 
 import aiohttp.test_utils
@@ -224,11 +224,27 @@ class KubeEmulator:
     # ---------------------------------------------------------------------------------------------
     # Faults and the request log.
 
-    def inject_fault(self, path_regex: str, status: int = 500, *, method: str | None = None,
-                     times: int = 1, message: str = 'injected fault') -> Fault:
-        """Make the next ``times`` requests matching (method, path) fail with ``status``."""
-        fault = Fault(method=method.upper() if method else None, path=re.compile(path_regex), status=status,
-                      times=times, message=message)
+    def inject_fault(self, path_regex: str, status: int | None = 500, *, method: str | Collection[str] | None = None,
+                     times: int = 1, message: str = 'injected fault', delay: float = 0.0,
+                     user: str | None = None) -> Fault:
+        """Make the next ``times`` requests matching (method, path, user) fail with ``status``.
+
+        ``delay``: answer only after that many seconds (a slow server); with ``status=None`` the request
+        is then served as usual. ``user``: only requests with that user's token (``system:serviceaccount:
+        NS:NAME``). ``method``: one or several.
+        """
+        fault = Fault(methods=_methods(method), path=re.compile(path_regex), status=status, times=times,
+                      message=message, delay=delay, user=user)
+        self.call(self.emulator.faults.append, fault)
+        return fault
+
+    def on_request(self, path_regex: str, action: Callable[[Emulator], Any], *,
+                   method: str | Collection[str] | None = None, times: int = 1, user: str | None = None) -> Fault:
+        """Run ``action(emulator)`` on the emulator's loop just before the next ``times`` matching requests are
+        served (then they are served as usual): a write that lands between a client's read and its write."""
+        emulator = self.emulator
+        fault = Fault(methods=_methods(method), path=re.compile(path_regex), status=None, times=times,
+                      action=lambda: action(emulator), user=user)
         self.call(self.emulator.faults.append, fault)
         return fault
 
@@ -317,6 +333,12 @@ class KubeEmulator:
         user = self.call(lambda: self.emulator.tokens[token])
         attrs = Attributes(verb, group, plural, subresource, namespace, name)
         return self.call(self.emulator.authorizer.allowed, user, attrs)
+
+
+def _methods(method: str | Collection[str] | None) -> frozenset[str] | None:
+    if method is None:
+        return None
+    return frozenset([method.upper()] if isinstance(method, str) else (m.upper() for m in method))
 
 
 @contextlib.contextmanager

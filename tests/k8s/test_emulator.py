@@ -667,6 +667,57 @@ def test_fault_injection_returns_the_injected_status(kube: KubeEmulator) -> None
     assert err.value.status == 409
 
 
+def test_an_action_runs_between_a_clients_read_and_its_write(kube: KubeEmulator) -> None:
+    """``on_request``: someone else's write lands just before the matching request is served."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube.api_client())
+
+    def someone_creates(emulator: Any) -> None:
+        emulator.create_object('', 'configmaps', 'default', {'metadata': {'name': 'c', 'labels': {'by': 'them'}}})
+
+    hook = kube.on_request(r'/namespaces/default/configmaps(/c)?$', someone_creates, method=('POST', 'PATCH'))
+    with pytest.raises(client.ApiException) as err:
+        core.read_namespaced_config_map('c', 'default')  # a GET: not matched
+    assert err.value.status == 404 and hook.hits == 0
+    with pytest.raises(client.ApiException) as err:
+        core.create_namespaced_config_map('default', {'metadata': {'name': 'c'}})
+    assert err.value.status == 409 and hook.hits == 1
+    assert kube.get('configmaps', 'c', 'default')['metadata']['labels'] == {'by': 'them'}  # type: ignore[index]
+
+
+def test_a_slow_request_is_answered_after_others_and_only_a_users_requests_match(kube: KubeEmulator) -> None:
+    import urllib.request
+
+    token = kube.service_account_token('default', 'slow')
+    kube.create({'apiVersion': 'rbac.authorization.k8s.io/v1', 'kind': 'ClusterRoleBinding',
+                 'metadata': {'name': 'slow-admin'},
+                 'roleRef': {'apiGroup': 'rbac.authorization.k8s.io', 'kind': 'ClusterRole', 'name': 'cluster-admin'},
+                 'subjects': [{'kind': 'ServiceAccount', 'name': 'slow', 'namespace': 'default'}]})
+    kube.create({'apiVersion': 'rbac.authorization.k8s.io/v1', 'kind': 'ClusterRole',
+                 'metadata': {'name': 'cluster-admin'},
+                 'rules': [{'apiGroups': ['*'], 'resources': ['*'], 'verbs': ['*']}]})
+    slow = kube.inject_fault(r'/configmaps$', None, method='GET', delay=0.5,
+                             user='system:serviceaccount:default:slow')
+    answered: list[str] = []
+
+    def get(who: str, headers: dict[str, str]) -> None:
+        request = urllib.request.Request(f'{kube.url}/api/v1/namespaces/default/configmaps', headers=headers)
+        with urllib.request.urlopen(request) as response:
+            assert response.status == 200  # served as usual once the delay is over
+        answered.append(who)
+
+    slow_one = threading.Thread(target=get, args=('slow', {'Authorization': f'Bearer {token}'}))
+    slow_one.start()
+    for _ in range(500):  # the slow request arrived (hits are no object change: poll)
+        if kube.call(lambda: slow.hits):
+            break
+        threading.Event().wait(0.01)
+    get('admin', {})  # another user's request: not delayed
+    slow_one.join(10)
+    assert answered == ['admin', 'slow'] and slow.hits == 1
+
+
 def test_dropping_watches_ends_the_stream(kube: KubeEmulator) -> None:
     import urllib.request
 

@@ -217,3 +217,47 @@ def test_an_apply_with_a_repeated_list_key_is_refused(kube: KubeEmulator) -> Non
     # Other writes keep the duplicates they are given, as the real API server does.
     created = kube.create(twice)
     assert [e["name"] for e in pod_spec(created)["containers"][0]["env"]] == ["A", "A"]
+
+
+def test_a_uid_in_the_body_is_a_precondition(kube: KubeEmulator) -> None:
+    """What a controller relies on to write only the very object it observed, never a namesake."""
+    created = kube.apply(deployment(), OPERATOR)
+    uid = created["metadata"]["uid"]
+    same = deployment()
+    same["metadata"]["uid"] = uid
+    code, answer = http_apply(kube, same, f"fieldManager={OPERATOR}&force=true")
+    assert code == 200, answer
+
+    # Another object of that name (deleted and created again): the apply is refused, as kube-apiserver's
+    # ValidateObjectMetaUpdate does (the uid is immutable), and changes nothing.
+    other = copy.deepcopy(same)
+    other["metadata"]["uid"] = "0b7c9c2e-0000-4000-8000-000000000000"
+    before = kube.get("deployments.apps", "app", "default")
+    code, answer = http_apply(kube, other, f"fieldManager={OPERATOR}&force=true")
+    assert code == 422 and answer["reason"] == "Invalid", answer
+    assert 'metadata.uid: Invalid value: "0b7c9c2e-0000-4000-8000-000000000000": field is immutable' in (
+        answer["message"])
+    assert kube.get("deployments.apps", "app", "default") == before
+    # A merge patch naming another uid: the same.
+    with pytest.raises(ApiError) as caught:
+        kube.patch("deployments.apps", "app", {"metadata": {"uid": "other", "labels": {"b": "1"}}}, "default")
+    assert caught.value.code == 422
+
+    # Gone: an apply naming a uid never creates (kube-apiserver's patcher answers 409).
+    kube.delete("deployments.apps", "app", "default")
+    code, answer = http_apply(kube, same, f"fieldManager={OPERATOR}&force=true")
+    assert code == 409 and answer["reason"] == "Conflict", answer
+    assert answer["message"] == (f'Operation cannot be fulfilled on deployments.apps "app": uid mismatch: the '
+                                 f'provided object specified uid {uid}, and no existing object was found')
+    assert kube.get("deployments.apps", "app", "default") is None
+
+
+def test_an_update_with_another_uid_fails_its_precondition(kube: KubeEmulator) -> None:
+    created = kube.apply(deployment(), OPERATOR)
+    body = copy.deepcopy(created)
+    body["metadata"]["uid"] = "another"
+    with pytest.raises(ApiError) as caught:
+        kube.replace("deployments.apps", "app", body, "default")
+    assert caught.value.code == 409
+    assert f"Precondition failed: UID in precondition: another, UID in object meta: {created['metadata']['uid']}" in (
+        str(caught.value.message))
