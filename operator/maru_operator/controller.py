@@ -90,6 +90,10 @@ def _digest(obj: Object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+class Replaced(Exception):
+    """The child an update was meant for is gone, or another object has its name now."""
+
+
 @dataclass
 class Applied:
     """The children after an apply pass, and the names this owner could not take (key -> why)."""
@@ -128,23 +132,30 @@ class Controller:
         """Create, apply and delete children so they match ``desired``; return what is there now.
 
         Only objects controlled by this very owner (its uid in their controller reference) are ever
-        written or deleted; a namesake it does not control is reported as a conflict and left as is.
+        written or deleted; a namesake it does not control is reported as a conflict and left as is,
+        even one created between the operator's look and its write: a name is taken with a create,
+        which fails on any object of that name, and a child is updated with an apply naming its uid,
+        which fails on any other object of that name.
         """
         owner_key: Key = (owner.kind, owner.namespace or "", owner.name)
         ours = {k: o for k, o in self.store.children(owner_key).items() if controlled_by(o, owner.uid)}
         creates, updates, deletes = plan(desired, ours)
         result = Applied(children=dict(ours))
         for obj in creates:
-            have = await self._claim(obj, owner, result)
-            if have is not None and out_of_sync(obj, have) is None:
-                result.children[key_of(obj)] = have
-            elif key_of(obj) not in result.conflicts:
-                result.children[key_of(obj)] = await self._write(obj, have)
+            await self._take(obj, owner, result)
         for obj, why in updates:
             key = key_of(obj)
             if self._applied.get(key) == (_digest(obj), ours[key]["metadata"].get("resourceVersion")):
                 continue  # applied as is already: what differs is someone else's (e.g. their list items)
-            result.children[key] = await self._write(obj, ours[key], why)
+            try:
+                result.children[key] = await self._update(obj, ours[key], why)
+            except Replaced as err:
+                # The child it saw is gone, or another object has its name: the name is to be taken again.
+                log.info("%s %s: %s; looking at the name afresh", owner.kind, owner.name, err)
+                self.store.remove(key)
+                self._applied.pop(key, None)
+                result.children.pop(key, None)
+                await self._take(obj, owner, result)
         for obj in deletes:
             key = key_of(obj)
             if key in keep:
@@ -156,6 +167,29 @@ class Controller:
             self.store.remove(key)
             result.children.pop(key, None)
         return result
+
+    async def _take(self, obj: Object, owner: Owner, result: Applied) -> None:
+        """A child this owner is not known to have: create it, use it if it is ours, else report a conflict."""
+        key = key_of(obj)
+        have = await self._claim(obj, owner, result)
+        if have is None and key not in result.conflicts:
+            try:
+                created = await self.kube.create(obj)
+            except ApiError as err:
+                if err.status != 409:
+                    raise
+                # Someone created the name between the look and the create (or an earlier create of ours
+                # landed although its answer was lost): look again, and never write into another's object.
+                have = await self._claim(obj, owner, result)
+                if have is None and key not in result.conflicts:
+                    raise  # gone again already: the retry looks afresh
+            else:
+                result.children[key] = await self._created(obj, created)
+                return
+        if have is None:
+            return  # a conflict, reported by _claim
+        why = out_of_sync(obj, have)
+        result.children[key] = have if why is None else await self._update(obj, have, why)
 
     async def _claim(self, obj: Object, owner: Owner, result: Applied) -> Object | None:
         """Look before creating: None when the name is free, the object when it is ours; else a conflict."""
@@ -174,20 +208,56 @@ class Controller:
         log.warning("%s %s: %s", owner.kind, owner.name, result.conflicts[key_of(obj)])
         return None
 
-    async def _write(self, obj: Object, have: Object | None, why: str = "") -> Object:
+    async def _created(self, obj: Object, created: Object) -> Object:
+        """After a create: the operator's fields, recorded as an update's, become applied ones.
+
+        An apply removes only the fields its manager applied: without this, a field the spec drops later
+        would stay on the child.
+        """
         kind, ns, name = key_of(obj)
-        if have is not None and legacy_owner(have):
-            # Written by a version of the operator before server-side apply: its fields become applied
-            # ones, so this apply removes those the spec no longer has.
-            await self.kube.patch(kind, ns or None, name, {"metadata": {
-                "managedFields": adopted_ownership(have), "resourceVersion": have["metadata"].get("resourceVersion")}})
-        applied = await self.kube.apply(obj)
-        if have is None:
-            metrics.WRITES.labels(kind, "create").inc()
-            log.info("created %s %s/%s", kind, ns, name)
-        else:
-            metrics.WRITES.labels(kind, "apply").inc()
-            log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, why)
+        metrics.WRITES.labels(kind, "create").inc()
+        log.info("created %s %s/%s", kind, ns, name)
+        meta = created.get("metadata", {})
+        try:
+            # The resourceVersion makes it touch only the object just created, as it was created.
+            adopted = await self.kube.patch(kind, ns or None, name, {"metadata": {
+                "managedFields": adopted_ownership(created, desired=obj),
+                "resourceVersion": meta.get("resourceVersion")}})
+        except ApiError as err:
+            if err.status not in (404, 409):
+                raise
+            # Changed or gone since: the next pass sees it and adopts its fields then.
+            log.info("%s %s/%s changed right after its create; its fields are adopted on the next pass",
+                     kind, ns, name)
+            adopted = created
+        self._applied[key_of(obj)] = (_digest(obj), adopted.get("metadata", {}).get("resourceVersion"))
+        self.store.put(adopted)
+        return adopted
+
+    async def _update(self, obj: Object, have: Object, why: str) -> Object:
+        """Apply ``obj`` to the child ``have``, and to no other object that may have its name by now."""
+        kind, ns, name = key_of(obj)
+        uid = have["metadata"].get("uid")
+        try:
+            if legacy_owner(have):
+                # Written by a version of the operator before server-side apply (or just created): its
+                # fields become applied ones, so this apply removes those the spec no longer has.
+                await self.kube.patch(kind, ns or None, name, {"metadata": {
+                    "managedFields": adopted_ownership(have),
+                    "resourceVersion": have["metadata"].get("resourceVersion")}})
+            applied = await self.kube.apply(obj, uid=uid)
+        except ApiError as err:
+            # 404/409: gone or changed; 422: another object has the name. Which one, a fresh look tells.
+            if err.status not in (404, 409, 422):
+                raise
+            now = await self.kube.get(kind, ns or None, name)
+            if now is not None and now["metadata"].get("uid") == uid:
+                raise
+            raise Replaced(f"{kind} {ns}/{name} (uid {uid}) is gone" if now is None else
+                           f"{kind} {ns}/{name} is another object now (uid {now['metadata'].get('uid')}, "
+                           f"not {uid})") from err
+        metrics.WRITES.labels(kind, "apply").inc()
+        log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, why)
         self._applied[key_of(obj)] = (_digest(obj), applied.get("metadata", {}).get("resourceVersion"))
         self.store.put(applied)
         return applied
@@ -377,12 +447,14 @@ class Controller:
             for role in ("prefill", "decode"):
                 dep_key: Key = ("Deployment", namespace, role_name(name, role))
                 have = self.store.get(dep_key)
-                if have is None:
+                if have is None or not controlled_by(have, owner.uid):
                     continue
                 keep.add(dep_key)
                 if binding.revoke and have.get("spec", {}).get("replicas"):
                     log.warning("InferenceGroup %s/%s: %s; scaling %s to 0", namespace, name, binding.message, role)
-                    scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {"spec": {"replicas": 0}})
+                    # The uid: this very Deployment, never a namesake that replaced it since it was seen.
+                    scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {
+                        "metadata": {"uid": have["metadata"].get("uid")}, "spec": {"replicas": 0}})
                     self.store.put(scaled)
                     metrics.WRITES.labels("Deployment", "patch").inc()
         applied = await self.apply(owner, desired, keep)

@@ -245,16 +245,21 @@ class Kube:
             what=f"create {obj['kind']} {meta.get('namespace', '')}/{meta.get('name', meta.get('generateName'))}",
         )
 
-    async def apply(self, obj: Object) -> Object:
-        """Server-side apply of the whole desired ``obj`` (created when absent).
+    async def apply(self, obj: Object, *, uid: str | None = None) -> Object:
+        """Server-side apply of the whole desired ``obj``.
 
         The API server removes the fields this manager applied before and ``obj`` no longer sets, and
         leaves fields others set. Forced: a controller's desired state wins over hand edits of the
         fields it owns (drift correction); objects it does not control are never applied to.
+
+        ``uid``: apply only to that very object. Without it an apply creates a missing object or merges into
+        whatever holds the name; with it kube-apiserver answers 409 when the object is gone (an apply naming a
+        uid never creates) and 422 when another object has the name (the uid is immutable).
         """
         meta = obj["metadata"]
+        body = {**obj, "metadata": {**meta, "uid": uid}} if uid else obj
         return await self.request(
-            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]), body=obj, content_type=APPLY_PATCH,
+            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]), body=body, content_type=APPLY_PATCH,
             params={**WRITE_PARAMS, "force": "true"},
             what=f"apply {obj['kind']} {meta.get('namespace', '')}/{meta['name']}",
         )

@@ -183,17 +183,38 @@ def _merge_trees(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER) -> list[dict[str, Any]]:
+def _only_set(tree: dict[str, Any], desired: Any, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The FieldsV1 ``tree`` without the leaves ``desired`` does not set."""
+    out: dict[str, Any] = {}
+    for part, sub in tree.items():
+        path = (*prefix, part)
+        if sub:
+            kept = _only_set(sub, desired, path)
+            if kept:
+                out[part] = kept
+        elif sets_field(desired, path):
+            out[part] = sub
+    return out
+
+
+def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None
+                      ) -> list[dict[str, Any]]:
     """``actual``'s managedFields with ``manager``'s update entries made one apply entry.
 
     The same upgrade kubectl does from client-side to server-side apply: the next apply then removes
     every field the manager set before and no longer wants, whichever way it was written.
+
+    ``desired``: keep only the fields it sets. Right after a create, kube-apiserver records the server's
+    defaults (a Deployment's strategy, a container's terminationMessagePath) as the creator's fields: owned
+    by an apply they would look stale and cost one more write.
     """
     entries = actual.get("metadata", {}).get("managedFields") or []
     mine = [e for e in _mine(actual, manager) if e.get("operation") != "Apply"]
     tree: dict[str, Any] = {}
     for entry in mine:
         tree = _merge_trees(tree, entry.get("fieldsV1") or {})
+    if desired is not None:
+        tree = _only_set(tree, desired)
     adopted = {**(mine[0] if mine else {}), "manager": manager, "operation": "Apply", "fieldsV1": tree}
     return [e for e in entries if e not in mine] + [adopted]
 

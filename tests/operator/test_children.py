@@ -10,6 +10,7 @@ from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.scratch import CACHE_ENV
 from tests.operator.conftest import (
     GROUP_NS,
+    POOL_NS,
     RunningOperator,
     StubStats,
     condition_of,
@@ -25,6 +26,7 @@ IG = "inferencegroups.maru.io"
 MP = "marupools.maru.io"
 DEPLOY = "deployments.apps"
 NETPOL = "networkpolicies.networking.k8s.io"
+DS = "daemonsets.apps"
 
 
 def pod_spec(kube: KubeEmulator, name: str) -> dict[str, Any]:
@@ -122,6 +124,105 @@ def test_an_object_it_does_not_control_is_never_taken_over(cluster: KubeEmulator
     assert svc["metadata"]["ownerReferences"][0]["kind"] == "InferenceGroup"
 
 
+def user_daemonset(name: str) -> dict[str, Any]:
+    labels = {"app": "mine"}
+    return {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": POOL_NS},
+            "spec": {"selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels}, "spec": {
+                "containers": [{"name": "c", "image": "mine:1"}]}}}}
+
+
+def user_service(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": GROUP_NS,
+                                                              "labels": {"owner": "me"}},
+            "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]}}
+
+
+def assert_conflict_reported(cluster: KubeEmulator, resource: str, namespace: str | None, name: str,
+                             what: str) -> None:
+    """Ready=False ChildConflict naming the object, and a Warning Event saying the same."""
+    owner = cluster.wait_for(resource, name, namespace, lambda o: has_condition(o, "Ready", "False", "ChildConflict"))
+    message = condition_of(owner, "Ready")["message"]
+    assert what in message and "not controlled by" in message, message
+    # Posted right after the status write; a cluster-scoped pool's go to "default".
+    event = cluster.wait_until(lambda e: next((ev for ev in e.list_objects("", "events", namespace or "default")
+                                               if ev.get("reason") == "ChildConflict"
+                                               and ev["involvedObject"]["name"] == name), None),
+                               message=f"a ChildConflict Event on {name}")
+    assert event["type"] == "Warning" and what in event["message"]
+
+
+def test_a_pool_child_it_does_not_control_is_never_taken_over(cluster: KubeEmulator,
+                                                              operator: RunningOperator) -> None:
+    cluster.create(user_daemonset("local-shm-agent"), field_manager="kubectl-create")
+    before = cluster.get(DS, "local-shm-agent", POOL_NS)
+    cluster.create(pool())
+    assert_conflict_reported(cluster, MP, None, "local-shm", f"DaemonSet {POOL_NS}/local-shm-agent")
+    settle(operator)
+    assert cluster.get(DS, "local-shm-agent", POOL_NS) == before  # not one field written
+    assert cluster.get(NETPOL, "local-shm-agent", POOL_NS) is not None  # the rest of the pool is there
+
+    # Deleting the pool never takes the user's DaemonSet with it.
+    cluster.delete(MP, "local-shm")
+    cluster.wait_gone(MP, "local-shm")
+    cluster.wait_gone(NETPOL, "local-shm-agent", POOL_NS)
+    assert cluster.get(DS, "local-shm-agent", POOL_NS) == before
+
+
+@pytest.mark.parametrize("child", ["group Service", "pool DaemonSet"])
+def test_a_namesake_created_between_look_and_create_is_never_taken_over(
+        cluster: KubeEmulator, operator: RunningOperator, child: str) -> None:
+    """The race: the name is free when the operator looks, and someone creates it before its write lands."""
+    if child == "group Service":
+        cluster.create(pool())
+        cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+        resource, namespace, name, body = "services", GROUP_NS, "qwen", user_service("qwen")
+        owner = (IG, GROUP_NS, "qwen", f"Service {GROUP_NS}/qwen")
+    else:
+        resource, namespace, name, body = DS, POOL_NS, "local-shm-agent", user_daemonset("local-shm-agent")
+        owner = (MP, None, "local-shm", f"DaemonSet {POOL_NS}/local-shm-agent")
+    plural = resource.split(".")[0]
+    taken: dict[str, Any] = {}
+
+    def someone_creates(emulator: Any) -> None:
+        group = resource.partition(".")[2]
+        taken["obj"] = emulator.create_object(group, plural, namespace, body, manager="kubectl-create")
+
+    # Whatever the operator sends to write that name (a create, or an apply that would create it).
+    hook = cluster.on_request(rf"/namespaces/{namespace}/{plural}(/{name})?$", someone_creates,
+                              method=("POST", "PATCH"))
+    cluster.create(group() if child == "group Service" else pool())
+    assert_conflict_reported(cluster, owner[0], owner[1], owner[2], owner[3])
+    settle(operator)
+    assert hook.hits == 1
+    mine = cluster.get(resource, name, namespace)
+    assert mine is not None and "ownerReferences" not in mine["metadata"], mine["metadata"]
+    # Not one field written (the DaemonSet controller may have written its status since).
+    assert mine["spec"] == taken["obj"]["spec"] and mine["metadata"].get("labels") == body["metadata"].get("labels")
+    assert {e["manager"] for e in mine["metadata"]["managedFields"] if not e.get("subresource")} == {"kubectl-create"}
+
+
+def test_a_child_replaced_before_its_update_is_never_taken_over(cluster: KubeEmulator, operator: RunningOperator,
+                                                                ready_pool: dict[str, Any]) -> None:
+    """The operator applies an update to the child it observed: a namesake that replaced it is not that one."""
+    cluster.create(group())
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+    settle(operator)
+    replacement: dict[str, Any] = {}
+
+    def someone_replaces(emulator: Any) -> None:
+        emulator.delete_object("", "services", GROUP_NS, "qwen")
+        replacement["obj"] = emulator.create_object("", "services", GROUP_NS, user_service("qwen"),
+                                                    manager="kubectl-create")
+
+    hook = cluster.on_request(rf"/namespaces/{GROUP_NS}/services/qwen$", someone_replaces, method="PATCH")
+    # A change of the router's port: the operator updates its Service.
+    cluster.patch(IG, "qwen", {"spec": {"router": {"port": 8080}}}, GROUP_NS)
+    assert_conflict_reported(cluster, IG, GROUP_NS, "qwen", f"Service {GROUP_NS}/qwen")
+    settle(operator)
+    assert hook.hits == 1
+    assert cluster.get("services", "qwen", GROUP_NS) == replacement["obj"]
+
+
 def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulator, operator: RunningOperator,
                                                              ready_pool: dict[str, Any]) -> None:
     options = {
@@ -180,8 +281,11 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
     cluster.wait_for(NETPOL, "qwen-router", GROUP_NS)
     settle(operator)
     writes = [r for r in cluster.requests if "/networkpolicies" in r.path and r.is_write]
-    assert writes and all(r.method == "PATCH" and r.content_type.startswith("application/apply-patch")
-                          for r in writes), [(r.method, r.path, r.content_type) for r in writes]
+    # Created (a create fails on a namesake), its fields then made applied ones; updated by apply.
+    kinds = {(r.method, r.content_type.split(";")[0]) for r in writes}
+    assert ("POST", "application/json") in kinds and kinds <= {
+        ("POST", "application/json"), ("PATCH", "application/merge-patch+json"),
+        ("PATCH", "application/apply-patch+yaml")}, [(r.method, r.path, r.content_type) for r in writes]
     policy = cluster.get(NETPOL, "qwen-vllm", GROUP_NS)
     assert policy is not None
     assert {(e["manager"], e["operation"]) for e in policy["metadata"]["managedFields"]} == {("maru-operator", "Apply")}

@@ -184,3 +184,12 @@ def test_controlled_by_needs_the_owners_uid() -> None:
     assert not controlled_by(child, "u2")  # a namesake of an earlier owner, or another owner's
     assert not controlled_by({"metadata": {}}, "u1")
     assert not controlled_by({"metadata": {"ownerReferences": [{"uid": "u1"}]}}, "u1")  # owned, not controlled
+
+
+def test_a_created_childs_fields_are_adopted_without_the_servers_defaults(desired: dict) -> None:
+    """kube-apiserver records a create's defaults as the creator's: adopted, they would look stale."""
+    created = applied(server_version(desired), (*POD, "f:restartPolicy"), ("f:spec", "f:revisionHistoryLimit"),
+                      ("f:metadata", "f:labels", "f:app.kubernetes.io/name"), operation="Update")
+    adopted = adopted_ownership(created, desired=desired)
+    assert adopted[-1]["fieldsV1"] == {"f:metadata": {"f:labels": {"f:app.kubernetes.io/name": {}}}}
+    assert stale_field(desired, {"metadata": {"managedFields": adopted}}) is None
