@@ -75,6 +75,8 @@ POOL_FINALIZER = "maru.io/in-use-protection"
 DEFAULT_USAGE_INTERVAL = 30.0
 UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
+# A just created child's fields are made applied ones with a compare-and-swap: tries before the next pass.
+_ADOPT_TRIES = 3
 
 
 def utcnow() -> str:
@@ -217,22 +219,34 @@ class Controller:
         kind, ns, name = key_of(obj)
         metrics.WRITES.labels(kind, "create").inc()
         log.info("created %s %s/%s", kind, ns, name)
-        meta = created.get("metadata", {})
-        try:
-            # The resourceVersion makes it touch only the object just created, as it was created.
-            adopted = await self.kube.patch(kind, ns or None, name, {"metadata": {
-                "managedFields": adopted_ownership(created, desired=obj),
-                "resourceVersion": meta.get("resourceVersion")}})
-        except ApiError as err:
-            if err.status not in (404, 409):
-                raise
-            # Changed or gone since: the next pass sees it and adopts its fields then.
+        adopted = await self._adopt(obj, created)
+        if adopted is None:
             log.info("%s %s/%s changed right after its create; its fields are adopted on the next pass",
                      kind, ns, name)
             adopted = created
         self._applied[key_of(obj)] = (_digest(obj), adopted.get("metadata", {}).get("resourceVersion"))
         self.store.put(adopted)
         return adopted
+
+    async def _adopt(self, obj: Object, created: Object) -> Object | None:
+        """Make the fields of the just created ``obj`` applied ones; None when it keeps changing or went."""
+        kind, ns, name = key_of(obj)
+        uid = created.get("metadata", {}).get("uid")
+        current: Object | None = created
+        for _ in range(_ADOPT_TRIES):
+            if current is None or current["metadata"].get("uid") != uid:
+                return None  # gone or replaced already: the next pass looks at the name afresh
+            try:
+                # With the resourceVersion: the whole list is replaced, so it must be the one just read (a
+                # controller writing status right after the create adds an entry of its own).
+                return await self.kube.patch(kind, ns or None, name, {"metadata": {
+                    "managedFields": adopted_ownership(current, desired=obj),
+                    "resourceVersion": current["metadata"].get("resourceVersion")}})
+            except ApiError as err:
+                if err.status not in (404, 409):
+                    raise
+            current = await self.kube.get(kind, ns or None, name)
+        return None
 
     async def _update(self, obj: Object, have: Object, why: str) -> Object:
         """Apply ``obj`` to the child ``have``, and to no other object that may have its name by now."""
