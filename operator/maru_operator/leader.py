@@ -3,8 +3,12 @@
 Several replicas of the operator may run; only the holder of the Lease reconciles. The others watch
 (their caches stay warm) and try to take the Lease over every ``retry_period``; one that is not
 renewed for ``lease_seconds`` is taken over. A leader that cannot renew within ``renew_deadline``
-(shorter than ``lease_seconds``) stops reconciling before anyone else may start. A leader that shuts
-down gives the Lease up at once, so a rolling update hands over without waiting for it to expire.
+(shorter than ``lease_seconds``) stops reconciling before anyone else may start: each attempt is
+bounded by what is left of that deadline (client-go's ``context.WithTimeout(renewDeadline)``), so a
+renewal the API server never answers cannot keep it leading past the point where a standby may take
+over. A leader that shuts down gives the Lease up at once, so a rolling update hands over without
+waiting for it to expire. Becoming and ceasing to be the leader are Events on the Lease (reason
+``LeaderElection``), as client-go posts them.
 
 Why a Lease and not kopf's peering: peering needs kopf's own CRDs in the cluster, and replicas of
 the same priority both keep running (kopf only warns), which is the fight this prevents. A Lease is
@@ -47,6 +51,10 @@ def micro_time(now: datetime.datetime | None = None) -> str:
     return (now or datetime.datetime.now(datetime.UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _event_time() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 class LeaderElector:
     """Runs ``on_lead`` when this process holds the Lease and ``on_lose`` when it stops holding it."""
 
@@ -59,6 +67,7 @@ class LeaderElector:
         self._monotonic = monotonic
         self._seen: tuple[Any, Any] | None = None  # (holder, renewTime) last observed
         self._seen_at = 0.0
+        self._lease_seen: Object | None = None  # the Lease as this process last wrote it (Events name it)
         self.leading = False
 
     async def run(self) -> None:
@@ -66,25 +75,72 @@ class LeaderElector:
         s = self.settings
         try:
             while True:
-                while not await self._try_acquire_or_renew():
+                deadline = await self._attempt()
+                while deadline is None:
                     await asyncio.sleep(s.retry_period)
+                    deadline = await self._attempt()
                 self.leading = True
                 log.info("became the leader (Lease %s/%s, identity %s)", s.namespace, s.name, s.identity)
-                await self._on_lead()
-                last_renewal = self._monotonic()
-                while self._monotonic() - last_renewal < s.renew_deadline:
-                    await asyncio.sleep(s.retry_period)
-                    if await self._try_acquire_or_renew():
-                        last_renewal = self._monotonic()
+                await self._announce(f"{s.identity} became leader")
+                try:
+                    # Starting to lead (a fresh list of everything) renews nothing: it ends by the deadline too.
+                    await asyncio.wait_for(self._on_lead(), max(0.0, deadline - self._monotonic()))
+                except TimeoutError:
+                    log.warning("starting to lead took past the renew deadline")
+                while (renewed := await self._renew_before(deadline)) is not None:
+                    deadline = renewed
                 self.leading = False
-                log.warning("lost the Lease %s/%s (not renewed for %.0f s): stopped reconciling",
+                log.warning("could not renew the Lease %s/%s within %.1f s: stopped reconciling",
                             s.namespace, s.name, s.renew_deadline)
                 await self._on_lose()
+                await self._announce(f"{s.identity} stopped leading")
         finally:
             if self.leading:
                 self.leading = False
                 await self._on_lose()
                 await self._release()
+
+    async def _renew_before(self, deadline: float) -> float | None:
+        """Renew every ``retry_period`` until one renewal succeeds before ``deadline``: the next deadline.
+
+        None once the deadline has passed: the caller stops leading at once.
+        """
+        s = self.settings
+        while (left := deadline - self._monotonic()) > 0:
+            await asyncio.sleep(min(s.retry_period, left))
+            renewed = await self._attempt(deadline)
+            if renewed is not None:
+                return renewed
+        return None
+
+    async def _attempt(self, deadline: float | None = None) -> float | None:
+        """One try to take or renew the Lease, abandoned at ``deadline`` (else after ``renew_deadline``).
+
+        Returns the deadline of the next renewal when this process holds the Lease now, counted from the
+        *start* of the try: the write may have landed at once, and a standby counts its ``lease_seconds``
+        from when it saw it, never earlier.
+        """
+        s = self.settings
+        started = self._monotonic()
+        budget = (deadline if deadline is not None else started + s.renew_deadline) - started
+        if budget <= 0:
+            return None
+        try:
+            held = await asyncio.wait_for(self._try_acquire_or_renew(), budget)
+        except TimeoutError:
+            log.warning("Lease %s/%s: no answer from the API server within %.1f s; gave up the attempt",
+                        s.namespace, s.name, budget)
+            return None
+        return started + s.renew_deadline if held else None
+
+    async def _announce(self, message: str) -> None:
+        """An Event on the Lease, as client-go's leader election records (best effort, bounded)."""
+        if self._lease_seen is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.kube.event(self._lease_seen, type_="Normal", reason="LeaderElection",
+                                                   message=message, now=_event_time()),
+                                   self.settings.renew_deadline)
 
     async def _try_acquire_or_renew(self) -> bool:
         s = self.settings
@@ -92,7 +148,7 @@ class LeaderElector:
         try:
             lease = await self.kube.get("Lease", s.namespace, s.name)
             if lease is None:
-                await self.kube.create(self._lease(now, transitions=0, acquired=now))
+                self._lease_seen = await self.kube.create(self._lease(now, transitions=0, acquired=now))
                 return True
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity") or ""
@@ -107,7 +163,8 @@ class LeaderElector:
             body = self._lease(now, transitions=transitions, acquired=spec.get("acquireTime") if mine else now)
             # The resourceVersion makes this a compare-and-swap: of two replicas taking over, one wins.
             body["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
-            await self.kube.patch("Lease", s.namespace, s.name, {"metadata": body["metadata"], "spec": body["spec"]})
+            self._lease_seen = await self.kube.patch("Lease", s.namespace, s.name,
+                                                     {"metadata": body["metadata"], "spec": body["spec"]})
             if not mine:
                 log.info("took the Lease %s/%s over from %s", s.namespace, s.name, holder or "nobody")
             return True
@@ -136,7 +193,15 @@ class LeaderElector:
         }
 
     async def _release(self) -> None:
-        """Give the Lease up on shutdown: another replica takes over at once instead of after expiry."""
+        """Give the Lease up on shutdown: another replica takes over at once instead of after expiry.
+
+        Bounded like a renewal: a shutdown never hangs on an API server that does not answer (the Lease
+        then expires instead).
+        """
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._give_up(), self.settings.renew_deadline)
+
+    async def _give_up(self) -> None:
         s = self.settings
         with contextlib.suppress(ApiError, Unreachable):
             lease = await self.kube.get("Lease", s.namespace, s.name)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,53 @@ def test_replicas_elect_one_leader_and_hand_over(cluster: KubeEmulator, processe
         assert writers(cluster, mark) - {None} == {accounts[standby]}
         handed = cluster.get("leases.coordination.k8s.io", "maru-operator", POOL_NS)
         assert handed is not None and handed["spec"]["leaseTransitions"] >= 1
+    except AssertionError:
+        raise AssertionError(processes.logs()) from None
+
+
+def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(cluster: KubeEmulator,
+                                                                          processes: Processes) -> None:
+    """Each renewal is bounded by the renew deadline: a leader whose renewal hangs stops reconciling in time."""
+    accounts = {r: f"system:serviceaccount:{POOL_NS}:operator-{r}" for r in "ab"}
+    for replica in accounts:
+        token = bind_documented_rbac(cluster, account=f"operator-{replica}")
+        processes.start(replica, "--pool-namespace", POOL_NS, *FAST_LEASE, token=token)
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
+        time.sleep(1.0)  # the last status writes land
+        (leader,) = [r for r, user in accounts.items() if user in writers(cluster, 0)]
+        standby = "b" if leader == "a" else "a"
+        first = cluster.get("leases.coordination.k8s.io", "maru-operator", POOL_NS)
+        assert first is not None
+
+        def stepped_down(emulator: Any) -> list[dict[str, Any]]:
+            return [e for e in emulator.list_objects("", "events", POOL_NS) if e.get("reason") == "LeaderElection"
+                    and e["involvedObject"]["name"] == "maru-operator" and "stopped leading" in e["message"]]
+
+        # What the API server holds when the standby first writes the Lease (to take it over).
+        at_takeover: list[bool] = []
+        cluster.on_request(r"/leases/maru-operator$", lambda e: at_takeover.append(bool(stepped_down(e))),
+                           method="PATCH", user=accounts[standby])
+        # The leader's renewals hang: the server takes them and never answers.
+        hung = cluster.inject_fault(r"/leases/maru-operator$", None, method="PATCH", times=10_000, delay=3600,
+                                    user=accounts[leader])
+        taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+                                 lambda o: o["spec"].get("holderIdentity") not in (None,
+                                                                                   first["spec"]["holderIdentity"]),
+                                 timeout=60)
+        assert cluster.call(lambda: hung.hits) >= 1
+        assert at_takeover and at_takeover[0], "the standby took the Lease over while the leader still led"
+        (event,) = cluster.call(stepped_down, cluster.emulator)
+        assert event["type"] == "Normal" and first["spec"]["holderIdentity"] in event["message"]
+
+        # Only the new leader acts on a change now.
+        mark = cluster.mark()
+        cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 1}}}, GROUP_NS)
+        cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 1, timeout=30)
+        assert writers(cluster, mark) - {None} == {accounts[standby]}
+        assert taken["spec"]["leaseTransitions"] >= 1
     except AssertionError:
         raise AssertionError(processes.logs()) from None
 
