@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: only those without the label); every installation needs its own")
     run.add_argument("--no-leader-election", dest="leader_election", action="store_false",
                      help="reconcile without holding the leader Lease (only ever with exactly one replica)")
+    run.add_argument("--lease-namespace", default=None,
+                     help="namespace of the leader Lease (default: default); the same for every installation in "
+                          "the cluster, so two that serve the same instance by mistake never both reconcile")
     run.add_argument("--lease-seconds", type=float, default=15.0,
                      help="a leader not heard from for this long is replaced")
     run.add_argument("--renew-deadline", type=float, default=10.0,
@@ -103,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     rbac.add_argument("--pool-namespace", default=None,
                       help="where the Role goes: the pool daemons' namespace (default: $POD_NAMESPACE, else "
                            "maru-system)")
+    rbac.add_argument("--lease-namespace", default=None,
+                      help="where the leader Lease's Role goes (default: default)")
     rbac.add_argument("--service-account", default=None,
                       help="also print the bindings to this ServiceAccount (in the pool namespace)")
     return parser
@@ -132,16 +137,28 @@ def _rbac(args: argparse.Namespace) -> int:
     import yaml
 
     from maru_operator.handlers import default_pool_namespace
-    from maru_operator.rbac import POOL_NAMESPACE_RULES, bindings, cluster_role, pool_namespace_role, rules
+    from maru_operator.rbac import (
+        DEFAULT_LEASE_NAMESPACE,
+        LEASE_NAMESPACE_RULES,
+        POOL_NAMESPACE_RULES,
+        bindings,
+        cluster_role,
+        lease_namespace_role,
+        pool_namespace_role,
+        rules,
+    )
 
     namespace = args.pool_namespace or default_pool_namespace()
-    for title, scoped in (("ClusterRole", rules(args.namespaced)), (f"Role in {namespace}", POOL_NAMESPACE_RULES)):
+    lease_namespace = args.lease_namespace or DEFAULT_LEASE_NAMESPACE
+    for title, scoped in (("ClusterRole", rules(args.namespaced)), (f"Role in {namespace}", POOL_NAMESPACE_RULES),
+                          (f"Role in {lease_namespace}", LEASE_NAMESPACE_RULES)):
         print(f"# {title}:")
         for groups, resources, verbs, why in scoped:
             print(f"#   {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
-    objects = [cluster_role(args.name, args.namespaced), pool_namespace_role(namespace, args.name)]
+    objects = [cluster_role(args.name, args.namespaced), pool_namespace_role(namespace, args.name),
+               lease_namespace_role(lease_namespace, args.name)]
     if args.service_account:
-        objects += bindings(namespace, args.service_account, args.name)
+        objects += bindings(namespace, args.service_account, args.name, lease_namespace)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     return 0
 
@@ -204,6 +221,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from maru_operator import handlers
     from maru_operator.kube import Kube, login
+    from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE
 
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if args.log_format == "json" else logging.Formatter(
@@ -239,7 +257,8 @@ def _run(args: argparse.Namespace) -> int:
     handlers.configure(handlers.Config(
         pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
         usage_interval=args.pool_usage_interval, instance=args.instance,
-        leader_election=args.leader_election, lease_seconds=args.lease_seconds,
+        leader_election=args.leader_election, lease_namespace=args.lease_namespace or DEFAULT_LEASE_NAMESPACE,
+        lease_seconds=args.lease_seconds,
         renew_deadline=args.renew_deadline, retry_period=args.retry_period,
         connection=connection, namespaces=namespaces,
         network=network_policy_config(args, handlers.operator_namespace()),

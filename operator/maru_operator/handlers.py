@@ -10,7 +10,9 @@ Scope: the API server selects what is watched. Children by ``app.kubernetes.io/m
 children by the operator instance (``maru.io/operator-instance``): an operator started with
 ``--instance NAME`` serves only objects labelled with NAME, the default instance only unlabelled ones,
 so two installations never reconcile the same objects. Within one instance, replicas elect a leader
-with a Lease (:mod:`maru_operator.leader`); only the leader's work queue runs.
+with a Lease (:mod:`maru_operator.leader`); only the leader's work queue runs. The Lease of an instance
+is in one namespace for the whole cluster (``--lease-namespace``, ``default``), not in the release's:
+two releases given the same instance by mistake contend for the same Lease, so they never both lead.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from maru_operator.cache import SERVICE_NAME_LABEL, Key, Store, key_of, not_newe
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
+from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE
 
 log = logging.getLogger("maru_operator.handlers")
 
@@ -88,6 +91,7 @@ class Config:
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
     instance: str = ""  # which objects this operator serves (see the module docstring)
     leader_election: bool = True
+    lease_namespace: str = DEFAULT_LEASE_NAMESPACE
     lease_seconds: float = 15.0
     renew_deadline: float = 10.0
     retry_period: float = 2.0
@@ -162,9 +166,10 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     if not config.leader_election:
         await _lead()
         return
-    lease = LeaseSettings(namespace=config.pool_namespace, name=lease_name(config.instance),
+    lease = LeaseSettings(namespace=config.lease_namespace, name=lease_name(config.instance),
                           identity=config.identity, lease_seconds=config.lease_seconds,
-                          renew_deadline=config.renew_deadline, retry_period=config.retry_period)
+                          renew_deadline=config.renew_deadline, retry_period=config.retry_period,
+                          release_namespace=config.pool_namespace)
     log.info("waiting to lead: Lease %s/%s, identity %s", lease.namespace, lease.name, lease.identity)
     elector = LeaderElector(STATE.kube, lease, on_lead=_lead, on_lose=_follow)
     STATE.elector_task = asyncio.create_task(elector.run(), name="maru-leader-election")

@@ -36,6 +36,10 @@ log = logging.getLogger("maru_operator.leader")
 Object = dict[str, Any]
 
 
+# On the Lease: the namespace of the release whose replica holds it (several releases may contend for one).
+RELEASE_NAMESPACE_ANNOTATION = "maru.io/release-namespace"
+
+
 @dataclass(frozen=True)
 class LeaseSettings:
     namespace: str
@@ -44,6 +48,7 @@ class LeaseSettings:
     lease_seconds: float = 15.0
     renew_deadline: float = 10.0
     retry_period: float = 2.0
+    release_namespace: str = ""  # where this replica's release runs (its pool daemons' namespace)
 
 
 def micro_time(now: datetime.datetime | None = None) -> str:
@@ -68,6 +73,7 @@ class LeaderElector:
         self._seen: tuple[Any, Any] | None = None  # (holder, renewTime) last observed
         self._seen_at = 0.0
         self._lease_seen: Object | None = None  # the Lease as this process last wrote it (Events name it)
+        self._warned_holder: str | None = None
         self.leading = False
 
     async def run(self) -> None:
@@ -157,6 +163,7 @@ class LeaderElector:
                 self._seen, self._seen_at = record, self._monotonic()
             duration = float(spec.get("leaseDurationSeconds") or s.lease_seconds)
             if holder and holder != s.identity and self._monotonic() - self._seen_at < duration:
+                self._note_other_release(lease, holder)
                 return False  # held by another, and renewed recently as far as this process can tell
             mine = holder == s.identity
             transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)
@@ -176,13 +183,25 @@ class LeaderElector:
             log.warning("Lease %s/%s: %s", s.namespace, s.name, err)
             return False
 
+    def _note_other_release(self, lease: Object, holder: str) -> None:
+        """Say once per holder when the leader belongs to another release: this one then never leads."""
+        theirs = ((lease.get("metadata") or {}).get("annotations") or {}).get(RELEASE_NAMESPACE_ANNOTATION)
+        if not theirs or theirs == self.settings.release_namespace or holder == self._warned_holder:
+            return
+        self._warned_holder = holder
+        s = self.settings
+        log.warning("the Lease %s/%s is held by a replica of the release in namespace %s (%s), which serves the "
+                    "same operator instance: this release (namespace %s) stays on standby while it leads; give "
+                    "each release its own instance", s.namespace, s.name, theirs, holder, s.release_namespace)
+
     def _lease(self, now: str, *, transitions: int, acquired: str | None) -> Object:
         s = self.settings
         return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {"name": s.name, "namespace": s.namespace,
-                         "labels": {"app.kubernetes.io/name": "maru-operator"}},
+                         "labels": {"app.kubernetes.io/name": "maru-operator"},
+                         "annotations": {RELEASE_NAMESPACE_ANNOTATION: s.release_namespace}},
             "spec": {
                 "holderIdentity": s.identity,
                 "leaseDurationSeconds": max(1, round(s.lease_seconds)),

@@ -4,13 +4,15 @@ Kept next to the code that uses them and checked by tests that run the operator 
 holding exactly these rules, against an API server that enforces RBAC and OwnerReferencesPermissionEnforcement,
 so the chart's RBAC cannot drift from it.
 
-Three scopes:
+Four scopes:
 
 * cluster-wide (``CLUSTER_RULES``): MaruPools are cluster-scoped, and the operator serves groups in
   every namespace unless told otherwise;
 * only with ``--namespace`` (``NAMESPACED_MODE_RULES``): kopf follows the namespaces it serves;
-* the pool namespace only (``POOL_NAMESPACE_RULES``, a Role there): the leader Lease, and writing
-  DaemonSets, which the operator creates only where pools run.
+* the pool namespace only (``POOL_NAMESPACE_RULES``, a Role there): writing DaemonSets, which the
+  operator creates only where pools run;
+* the lease namespace only (``LEASE_NAMESPACE_RULES``, a Role there; ``default`` unless
+  ``--lease-namespace``): the leader Lease, kept where every release of the cluster looks for it.
 """
 
 from __future__ import annotations
@@ -56,9 +58,16 @@ NAMESPACED_MODE_RULES: list[Rule] = [
 POOL_NAMESPACE_RULES: list[Rule] = [
     (["apps"], ["daemonsets"], ["create", "patch", "delete"],
      "the pool agent DaemonSets, which run in the pool namespace only"),
-    (["coordination.k8s.io"], ["leases"], ["get", "create", "patch"],
-     "leader election among the operator's replicas (one Lease per operator instance)"),
 ]
+
+LEASE_NAMESPACE_RULES: list[Rule] = [
+    (["coordination.k8s.io"], ["leases"], ["get", "create", "patch"],
+     "leader election: one Lease per operator instance, in one namespace for every release, so two releases "
+     "of the same instance never both lead"),
+]
+# Where every release keeps the Lease of its instance: a namespace every cluster has, the same for all
+# releases, and not kube-system (whose Leases elect the control plane's own leaders).
+DEFAULT_LEASE_NAMESPACE = "default"
 
 
 def rules(namespaced: bool = False) -> list[Rule]:
@@ -89,8 +98,20 @@ def pool_namespace_role(namespace: str, name: str = "maru-operator") -> dict[str
     }
 
 
-def bindings(namespace: str, service_account: str, name: str = "maru-operator") -> list[dict[str, Any]]:
-    """A ClusterRoleBinding of :func:`cluster_role` and a RoleBinding of :func:`pool_namespace_role`."""
+def lease_namespace_role(namespace: str = DEFAULT_LEASE_NAMESPACE, name: str = "maru-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": f"{name}-leader-election", "namespace": namespace,
+                     "labels": {"app.kubernetes.io/name": "maru-operator"}},
+        "rules": _rules(LEASE_NAMESPACE_RULES),
+    }
+
+
+def bindings(namespace: str, service_account: str, name: str = "maru-operator",
+             lease_namespace: str = DEFAULT_LEASE_NAMESPACE) -> list[dict[str, Any]]:
+    """A ClusterRoleBinding of :func:`cluster_role`, RoleBindings of :func:`pool_namespace_role` and of
+    :func:`lease_namespace_role`; ``namespace``: the pool namespace, where the ServiceAccount is."""
     subjects = [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}]
     ref = {"apiGroup": "rbac.authorization.k8s.io", "name": name}
     labels = {"app.kubernetes.io/name": "maru-operator"}
@@ -101,10 +122,16 @@ def bindings(namespace: str, service_account: str, name: str = "maru-operator") 
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": {"name": name, "namespace": namespace, "labels": labels}, "roleRef": {**ref, "kind": "Role"},
          "subjects": subjects},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": f"{name}-leader-election", "namespace": lease_namespace, "labels": labels},
+         "roleRef": {**ref, "kind": "Role", "name": f"{name}-leader-election"}, "subjects": subjects},
     ]
 
 
-def allows(verb: str, group: str, resource: str, namespaced: bool = False, *, in_pool_namespace: bool = False) -> bool:
-    """Whether the documented rules grant ``verb`` on ``group``/``resource`` (in the pool namespace or not)."""
-    scope = rules(namespaced) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
+def allows(verb: str, group: str, resource: str, namespaced: bool = False, *, in_pool_namespace: bool = False,
+           in_lease_namespace: bool = False) -> bool:
+    """Whether the documented rules grant ``verb`` on ``group``/``resource`` (in the pool or lease namespace or
+    not)."""
+    scope = (rules(namespaced) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
+             + (LEASE_NAMESPACE_RULES if in_lease_namespace else []))
     return any(group in groups and resource in resources and verb in verbs for groups, resources, verbs, _ in scope)

@@ -44,6 +44,9 @@ NAMESPACED_RULES = {
 # A Role in the release namespace, where the pool daemons run.
 POOL_NAMESPACE_RULES = {
     ("apps", "daemonsets"): {"create", "patch", "delete"},
+}
+# A Role in leaseNamespace: the leader Lease, where every release of the cluster looks for it.
+LEASE_NAMESPACE_RULES = {
     ("coordination.k8s.io", "leases"): {"get", "create", "patch"},
 }
 # Never called: required by OwnerReferencesPermissionEnforcement to set blockOwnerDeletion on children.
@@ -97,19 +100,33 @@ def test_default_grants_exactly_what_the_operator_needs_cluster_wide(default_obj
     for binding in bindings.values():
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
     assert_pool_namespace_role(default_objects)
-    assert [b["roleRef"]["kind"] for b in find(default_objects, "RoleBinding")] == ["Role"]
+    assert [b["roleRef"]["kind"] for b in find(default_objects, "RoleBinding")] == ["Role", "Role"]
 
 
-def assert_pool_namespace_role(objects: list[dict[str, Any]]) -> None:
-    """DaemonSet writes and the leader Lease: in the release namespace (where pools run) and nowhere else."""
-    role = one(objects, "Role", f"{RELEASE}-pool-namespace")
-    assert role["metadata"]["namespace"] == NAMESPACE
-    assert grants(role) == POOL_NAMESPACE_RULES
-    binding = one(objects, "RoleBinding", f"{RELEASE}-pool-namespace")
-    assert binding["metadata"]["namespace"] == NAMESPACE
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": f"{RELEASE}-pool-namespace"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+def assert_pool_namespace_role(objects: list[dict[str, Any]], lease_namespace: str = "default") -> None:
+    """DaemonSet writes in the release namespace (where pools run) and nowhere else; the leader Lease in
+    leaseNamespace and nowhere else."""
+    for role_name, namespace, rules in ((f"{RELEASE}-pool-namespace", NAMESPACE, POOL_NAMESPACE_RULES),
+                                        (f"{RELEASE}-leader-election", lease_namespace, LEASE_NAMESPACE_RULES)):
+        role = one(objects, "Role", role_name)
+        assert role["metadata"]["namespace"] == namespace
+        assert grants(role) == rules
+        binding = one(objects, "RoleBinding", role_name)
+        assert binding["metadata"]["namespace"] == namespace
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role_name}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+
+
+def test_the_lease_namespace_is_one_for_every_release(render) -> None:
+    """Whatever the release namespace: two releases of one instance must find the same Lease."""
+    for namespace in (NAMESPACE, "team-b"):
+        objects = render(namespace=namespace)
+        role = one(objects, "Role", f"{RELEASE}-leader-election")
+        assert role["metadata"]["namespace"] == "default"
+        (deployment,) = find(objects, "Deployment")
+        assert "--lease-namespace=default" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    moved = render("--set", "leaseNamespace=maru-leases")
+    assert_pool_namespace_role(moved, lease_namespace="maru-leases")
 
 
 def test_watch_namespaces_binds_workload_rights_only_in_those_namespaces(
@@ -175,11 +192,13 @@ def readme_table() -> dict[str, dict[tuple[str, str], set[str]]]:
 
 def test_readme_lists_every_rule_and_verb(custom_objects: list[dict[str, Any]]) -> None:
     table = readme_table()
-    assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced", "release namespace"}
+    assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced", "release namespace",
+                          "lease namespace"}
     assert table["cluster"] == CLUSTER_RULES
     assert table["cluster, only with `watchNamespaces`"] == WATCH_NAMESPACES_ONLY_RULES
     assert table["namespaced"] == NAMESPACED_RULES
     assert table["release namespace"] == POOL_NAMESPACE_RULES
+    assert table["lease namespace"] == LEASE_NAMESPACE_RULES
     assert (
         grants(one(custom_objects, "ClusterRole", RELEASE))
         == table["cluster"] | table["cluster, only with `watchNamespaces`"]
@@ -213,7 +232,8 @@ def test_operator_client_methods_are_covered() -> None:
     assert {"GET", "POST", "PATCH", "DELETE"} <= methods
     used = set().union(*(VERB_OF_METHOD.get(m, set()) for m in methods))
     rules = {**NAMESPACED_RULES, **CLUSTER_RULES}
-    granted = set().union(*(v for k, v in rules.items() if k not in FINALIZER_UPDATES), *POOL_NAMESPACE_RULES.values())
+    granted = set().union(*(v for k, v in rules.items() if k not in FINALIZER_UPDATES), *POOL_NAMESPACE_RULES.values(),
+                          *LEASE_NAMESPACE_RULES.values())
     write_verbs = {"create", "patch", "delete", "update"}
     assert granted & write_verbs == used & write_verbs
     # The only update granted is the one the API server checks, never sent.

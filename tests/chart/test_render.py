@@ -122,6 +122,8 @@ def test_default_objects(default_objects: list[dict[str, Any]]) -> None:
         "NetworkPolicy",
         "NetworkPolicy",
         "Role",
+        "Role",
+        "RoleBinding",
         "RoleBinding",
         "Service",
         "ServiceAccount",
@@ -129,7 +131,9 @@ def test_default_objects(default_objects: list[dict[str, Any]]) -> None:
     ]
     for obj in default_objects:
         if "namespace" in obj["metadata"]:
-            assert obj["metadata"]["namespace"] == NAMESPACE
+            # All in the release namespace, but the leader Lease's Role: where every release looks for it.
+            lease = obj["metadata"]["name"].endswith("-leader-election")
+            assert obj["metadata"]["namespace"] == ("default" if lease else NAMESPACE)
 
 
 def test_optional_objects(custom_objects: list[dict[str, Any]]) -> None:
@@ -185,6 +189,7 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
         "run",
         "--all-namespaces",
         f"--pool-namespace={NAMESPACE}",
+        "--lease-namespace=default",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--metrics-port=9090",
         "--workers=8",

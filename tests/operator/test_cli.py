@@ -180,21 +180,28 @@ def test_render_reports_an_invalid_group(tmp_path: pathlib.Path) -> None:
     assert "spec.decode.tensorParallelSize" in result.stderr
 
 
-def test_rbac_prints_a_cluster_role_and_the_pool_namespace_role() -> None:
+def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role() -> None:
     result = run_cli("rbac", "--pool-namespace", "ops", "--service-account", "op")
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all(result.stdout))
     assert [(d["kind"], d["metadata"].get("namespace")) for d in docs] == [
-        ("ClusterRole", None), ("Role", "ops"), ("ClusterRoleBinding", None), ("RoleBinding", "ops")]
-    role = docs[1]
-    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]} \
-        in role["rules"]
-    assert "# Role in ops:" in result.stdout
+        ("ClusterRole", None), ("Role", "ops"), ("Role", "default"), ("ClusterRoleBinding", None),
+        ("RoleBinding", "ops"), ("RoleBinding", "default")]
+    assert docs[1]["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
+                                 "verbs": ["create", "patch", "delete"]}]
+    # The leader Lease is where every release of the cluster looks for it, not in the release namespace.
+    assert docs[2]["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                 "verbs": ["get", "create", "patch"]}]
+    assert docs[5]["roleRef"]["name"] == docs[2]["metadata"]["name"]
+    assert "# Role in ops:" in result.stdout and "# Role in default:" in result.stdout
     assert "#   pods (core): get, list, watch:" in result.stdout
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33", strict=True)
-    for binding in docs[2:]:
+    for binding in docs[3:]:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]
+    moved = list(yaml.safe_load_all(run_cli("rbac", "--lease-namespace", "leases", "--service-account", "op").stdout))
+    assert [d["metadata"].get("namespace") for d in moved if d["kind"] in ("Role", "RoleBinding")] == [
+        "maru-system", "leases", "maru-system", "leases"]
 
 
 def test_namespaced_preflight_stays_in_its_namespace(k8s_emulator: KubeEmulator) -> None:

@@ -9,7 +9,14 @@ import pytest
 import yaml
 
 from maru_localcluster.server import KubeEmulator
-from maru_operator.rbac import allows, bindings, cluster_role, pool_namespace_role
+from maru_operator.rbac import (
+    DEFAULT_LEASE_NAMESPACE,
+    allows,
+    bindings,
+    cluster_role,
+    lease_namespace_role,
+    pool_namespace_role,
+)
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
 DISCOVERY = {"/api", "/apis", "/version"}
@@ -51,21 +58,25 @@ def check_requests(kube: KubeEmulator, namespaced: bool) -> set[Any]:
         if perm is None:
             continue
         used.add(perm)
-        if not allows(*perm, namespaced=namespaced, in_pool_namespace=f"/namespaces/{POOL_NS}/" in r.path):
+        if not allows(*perm, namespaced=namespaced, in_pool_namespace=f"/namespaces/{POOL_NS}/" in r.path,
+                      in_lease_namespace=f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases" in r.path):
             denied.add((perm, r.path))
     assert not denied, sorted(denied)
     return used
 
 
-def bind_documented_rbac(kube: KubeEmulator, namespaced: bool = False, account: str = "maru-operator") -> str:
+def bind_documented_rbac(kube: KubeEmulator, namespaced: bool = False, account: str = "maru-operator",
+                         pool_namespace: str = POOL_NS) -> str:
     """Grant the operator's ServiceAccount exactly what ``maru-operator rbac`` prints; its token."""
     if kube.get("clusterroles.rbac.authorization.k8s.io", "maru-operator") is None:
         kube.create(cluster_role(namespaced=namespaced))
-        kube.create(pool_namespace_role(POOL_NS))
-    for binding in bindings(POOL_NS, account, "maru-operator"):
-        binding["metadata"]["name"] = account
+        kube.create(lease_namespace_role())
+    if kube.get("roles.rbac.authorization.k8s.io", "maru-operator", pool_namespace) is None:
+        kube.create(pool_namespace_role(pool_namespace))
+    for binding in bindings(pool_namespace, account, "maru-operator"):
+        binding["metadata"]["name"] = f"{account}-{binding['roleRef']['name']}"
         kube.create(binding)
-    return kube.service_account_token(POOL_NS, account)
+    return kube.service_account_token(pool_namespace, account)
 
 
 @pytest.mark.emulator
@@ -134,4 +145,5 @@ def test_every_request_is_allowed_in_namespaced_mode(cluster: KubeEmulator, stat
         perm = permission(r.method, r.path, r.is_watch)
         if perm is None or perm[2].split("/")[0] in cluster_wide_ok:
             continue
-        assert any(f"/namespaces/{ns}/" in r.path for ns in (GROUP_NS, POOL_NS)), f"{r.method} {r.path}"
+        assert any(f"/namespaces/{ns}/" in r.path for ns in (GROUP_NS, POOL_NS)) or (
+            f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases" in r.path), f"{r.method} {r.path}"

@@ -31,6 +31,7 @@ IG = "inferencegroups.maru.io"
 DS = "daemonsets.apps"
 DEPLOY = "deployments.apps"
 # Short, so a test sees expiry and takeover in seconds (the defaults are 15/10/2).
+LEASE_NS = "default"  # the Lease of an instance, for every release
 FAST_LEASE = ("--lease-seconds", "3", "--renew-deadline", "2", "--retry-period", "0.3")
 
 
@@ -55,6 +56,9 @@ class Processes:
         if proc.poll() is None:
             proc.send_signal(sig)
             proc.wait(30)
+
+    def log(self, name: str) -> str:
+        return self.running[name][1].read_text()
 
     def logs(self) -> str:
         return "\n".join(f"--- {n}\n{log.read_text()[-3000:]}" for n, (_, log) in self.running.items())
@@ -83,7 +87,7 @@ def test_replicas_elect_one_leader_and_hand_over(cluster: KubeEmulator, processe
         cluster.create(pool())
         cluster.create(group())
         cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
-        lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS)
+        lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS)
         time.sleep(1.0)  # the last status writes land
         active = writers(cluster, 0) - {None}
         assert len(active) == 1, f"both replicas reconciled: {active}"
@@ -92,14 +96,14 @@ def test_replicas_elect_one_leader_and_hand_over(cluster: KubeEmulator, processe
 
         # The leader stops (a rolling update, a drain): it gives the Lease up, the standby takes over.
         processes.stop(leader)
-        cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+        cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
                          lambda o: o["spec"].get("holderIdentity") not in (None, lease["spec"]["holderIdentity"]),
                          timeout=10)
         mark = cluster.mark()
         cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 1}}}, GROUP_NS)
         cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 1, timeout=30)
         assert writers(cluster, mark) - {None} == {accounts[standby]}
-        handed = cluster.get("leases.coordination.k8s.io", "maru-operator", POOL_NS)
+        handed = cluster.get("leases.coordination.k8s.io", "maru-operator", LEASE_NS)
         assert handed is not None and handed["spec"]["leaseTransitions"] >= 1
     except AssertionError:
         raise AssertionError(processes.logs()) from None
@@ -119,11 +123,11 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
         time.sleep(1.0)  # the last status writes land
         (leader,) = [r for r, user in accounts.items() if user in writers(cluster, 0)]
         standby = "b" if leader == "a" else "a"
-        first = cluster.get("leases.coordination.k8s.io", "maru-operator", POOL_NS)
+        first = cluster.get("leases.coordination.k8s.io", "maru-operator", LEASE_NS)
         assert first is not None
 
         def stepped_down(emulator: Any) -> list[dict[str, Any]]:
-            return [e for e in emulator.list_objects("", "events", POOL_NS) if e.get("reason") == "LeaderElection"
+            return [e for e in emulator.list_objects("", "events", LEASE_NS) if e.get("reason") == "LeaderElection"
                     and e["involvedObject"]["name"] == "maru-operator" and "stopped leading" in e["message"]]
 
         # What the API server holds when the standby first writes the Lease (to take it over).
@@ -133,7 +137,7 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
         # The leader's renewals hang: the server takes them and never answers.
         hung = cluster.inject_fault(r"/leases/maru-operator$", None, method="PATCH", times=10_000, delay=3600,
                                     user=accounts[leader])
-        taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+        taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
                                  lambda o: o["spec"].get("holderIdentity") not in (None,
                                                                                    first["spec"]["holderIdentity"]),
                                  timeout=60)
@@ -156,11 +160,11 @@ def test_a_leader_that_dies_is_replaced_after_its_lease_expires(cluster: KubeEmu
                                                                processes: Processes) -> None:
     processes.start("a", "--pool-namespace", POOL_NS, *FAST_LEASE)
     cluster.create(pool())
-    lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+    lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
                              lambda o: o["spec"].get("holderIdentity"), timeout=30)
     processes.start("b", "--pool-namespace", POOL_NS, *FAST_LEASE)
     processes.stop("a", signal.SIGKILL)  # no chance to give the Lease up
-    taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", POOL_NS,
+    taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
                              lambda o: o["spec"].get("holderIdentity") != lease["spec"]["holderIdentity"], timeout=30)
     assert taken["spec"]["leaseTransitions"] == 1
     cluster.create(group())
@@ -192,11 +196,48 @@ def test_two_installations_never_reconcile_the_same_objects(cluster: KubeEmulato
         decode = cluster.get(DEPLOY, "qwen-b-decode", "team-b")
         assert decode is not None and decode["metadata"]["labels"]["maru.io/operator-instance"] == "team-b"
         assert "maru.io/operator-instance" not in decode["spec"]["template"]["metadata"]["labels"]
-        assert cluster.get("leases.coordination.k8s.io", "maru-operator-team-b", "team-b-system") is not None
+        # Each instance has its own Lease, where every release looks for it.
+        assert cluster.get("leases.coordination.k8s.io", "maru-operator-team-b", LEASE_NS) is not None
+        assert {lease["metadata"]["name"] for lease in cluster.list("leases.coordination.k8s.io", LEASE_NS)} == {
+            "maru-operator", "maru-operator-team-b"}
         # No fight: once converged, nothing is written back and forth.
         time.sleep(1.5)
         mark = cluster.mark()
         time.sleep(2.0)
         assert object_writes(cluster, mark) == []
+    except AssertionError:
+        raise AssertionError(processes.logs()) from None
+
+
+def test_two_releases_of_one_instance_in_two_namespaces_never_both_lead(cluster: KubeEmulator,
+                                                                       processes: Processes) -> None:
+    """The chart refuses a second release of an instance at install time only (and not under ``helm template``):
+    at run time, both releases contend for the one Lease of the instance, wherever they run."""
+    create_namespace(cluster, "other-system")
+    users = {}
+    for name, namespace in (("a", POOL_NS), ("b", "other-system")):
+        token = bind_documented_rbac(cluster, account=f"operator-{name}", pool_namespace=namespace)
+        users[name] = f"system:serviceaccount:{namespace}:operator-{name}"
+        processes.start(name, "--pool-namespace", namespace, *FAST_LEASE, token=token)
+    try:
+        cluster.create(pool())
+        cluster.create(group())
+        cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
+        time.sleep(1.5)  # the last status writes land
+        active = writers(cluster, 0) - {None}
+        assert len(active) == 1, f"both releases reconciled: {active}"
+        (leader,) = [n for n, user in users.items() if user in active]
+        namespace, other = (POOL_NS, "other-system") if leader == "a" else ("other-system", POOL_NS)
+        assert cluster.get(DS, "local-shm-agent", namespace) is not None
+        assert cluster.get(DS, "local-shm-agent", other) is None
+        lease = cluster.get("leases.coordination.k8s.io", "maru-operator", LEASE_NS)
+        assert lease is not None and lease["metadata"]["annotations"]["maru.io/release-namespace"] == namespace
+        # No fight: once converged, nothing is written back and forth.
+        mark = cluster.mark()
+        time.sleep(2.0)
+        assert object_writes(cluster, mark) == []
+        # The standby says why it waits: another release serves its instance.
+        standby = "b" if leader == "a" else "a"
+        assert f"held by a replica of the release in namespace {namespace}" in processes.log(standby)
     except AssertionError:
         raise AssertionError(processes.logs()) from None

@@ -127,6 +127,7 @@ VALUES: dict[str, Any] = obj(
             "items": string(pattern=DNS1123_LABEL, maxLength=63),
         },
         "instance": string(pattern=r"^$|^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"),
+        "leaseNamespace": string(pattern=DNS1123_LABEL, maxLength=63),
         "logLevel": enum("info", "debug"),
         "workers": integer(1, 256),
         "resyncSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
