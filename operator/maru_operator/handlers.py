@@ -147,7 +147,8 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.watching.reconnect_backoff = 1.0
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
     # The API server selects what is streamed: never every Deployment or Service in the cluster, and
-    # only the owners (and their children) of this operator instance.
+    # only the owners (and their children) of this operator instance. Server-side watch selectors are
+    # kopf >= 1.45 (hence the pin kopf>=1.45,<2).
     config = STATE.config
     for plural in ("marupools", "inferencegroups"):
         settings.watching.label_selectors[GROUP, VERSION, plural] = owner_selector(config.instance)
