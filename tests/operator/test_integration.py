@@ -331,22 +331,30 @@ def test_semantic_error(cluster: KubeEmulator, operator: RunningOperator, ready_
 
 def test_api_errors_and_dropped_watches(cluster: KubeEmulator, operator: RunningOperator,
                                         ready_pool: dict[str, Any]) -> None:
-    cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1,
-                         message="already exists")
-    cluster.inject_fault(r"/namespaces/llm/deployments$", 500, method="POST", times=2)
-    cluster.inject_fault(r"/inferencegroups/qwen/status$", 500, method="PATCH", times=2)
-    cluster.inject_fault(r"/namespaces/llm/services$", 503, method="POST", times=1)
+    """Each fault is aimed at a request the operator sends, and each must have fired (else it covers nothing)."""
+    faults = [
+        # Creates are POSTs: an AlreadyExists makes the operator look at the name again, then retry.
+        cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1, message="already exists"),
+        cluster.inject_fault(r"/namespaces/llm/deployments$", 500, method="POST", times=2),
+        cluster.inject_fault(r"/namespaces/llm/services$", 503, method="POST", times=1),
+        cluster.inject_fault(r"/inferencegroups/qwen/status$", 500, method="PATCH", times=2),
+    ]
     cluster.create(group())
     wait_group_ready(cluster)
     assert cluster.drop_watches(r"/inferencegroups") >= 1
     assert cluster.drop_watches(r"/deployments") >= 1
+    # Updates are applies (PATCH) of the one Deployment whose spec changed.
+    faults.append(cluster.inject_fault(r"/deployments/qwen-decode$", 500, method="PATCH", times=2))
     cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 4}}}, GROUP_NS)
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 4)
-    cluster.inject_fault(r"/deployments/qwen-decode$", 500, method="PATCH", times=2)
+    # A Deployment deleted by hand is created again, through a failing server.
+    faults.append(cluster.inject_fault(r"/namespaces/llm/deployments$", 503, method="POST", times=1))
     cluster.delete(DEPLOY, "qwen-prefill", GROUP_NS)
     cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o.get("status", {})["decode"]["summary"] == "4/4" and ready(o))
     assert operator.error is None
+    fired = cluster.call(lambda: [(f.path.pattern, f.status, f.hits, f.times) for f in faults])
+    assert all(hits > 0 and left == 0 for _, _, hits, left in fired), fired
 
 
 def test_pool_usage_from_the_daemons(cluster: KubeEmulator, operator: RunningOperator, stats: StubStats,

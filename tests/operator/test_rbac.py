@@ -105,12 +105,19 @@ def test_the_operator_works_within_its_rbac_on_a_hardened_cluster(cluster: KubeE
 
 @pytest.mark.emulator
 def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperator) -> None:
-    cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1)
+    # The requests the operator sends after a failed create (a look at the name) and a failed apply (a look at
+    # the object it meant): both faults must fire, or they cover nothing.
+    create_conflict = cluster.inject_fault(r"/namespaces/llm/deployments$", 409, method="POST", times=1)
     cluster.create(pool())
     cluster.create(group())
     cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+    settle(operator)
+    apply_conflict = cluster.inject_fault(r"/networkpolicies/qwen-vllm$", 409, method="PATCH", times=1)
     cluster.patch("inferencegroups.maru.io", "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
     cluster.wait_gone("deployments.apps", "qwen-router", GROUP_NS)
+    cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS,
+                     lambda p: p["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}])
+    assert cluster.call(lambda: (create_conflict.hits, apply_conflict.hits)) == (1, 1)
     cluster.delete("marupools.maru.io", "local-shm")
     cluster.wait_for("marupools.maru.io", "local-shm", None, lambda p: has_condition(p, "InUse", "True"))
     cluster.delete("inferencegroups.maru.io", "qwen", GROUP_NS)
