@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -535,6 +536,7 @@ class RecordedRequest:
     timestamp: float  # time.monotonic()
     status: int | None = None
     user: str | None = None  # who sent it (by bearer token); None: no token
+    created: str | None = None  # the name of the object a create made (with generateName, the server's pick)
 
     @property
     def is_write(self) -> bool:
@@ -1334,8 +1336,12 @@ class Emulator(kmock.KubernetesEmulator):
             err = ApiError(500, 'InternalError', f'{e!r}', {'traceback': traceback.format_exc()})
             response = _json_response(err.status(), 500)
         user = _USER.get()
+        created = None
+        if method == 'POST' and response.status == 201 and isinstance(response, aiohttp.web.Response):
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                created = json.loads(response.body)['metadata']['name']  # type: ignore[arg-type]
         self.request_log[index] = dataclasses.replace(self.request_log[index], status=response.status,
-                                                      user=user.name if user else None)
+                                                      user=user.name if user else None, created=created)
         return response
 
     def _take_fault(self, method: str, path: str, user: str | None = None) -> Fault | None:

@@ -195,8 +195,10 @@ def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) ->
 
 
 def object_writes(kube: KubeEmulator, mark: int) -> list[Any]:
-    """Writes since ``mark``, but the leader Lease's renewals (a leader renews every few seconds)."""
-    return [r for r in kube.writes_since(mark) if "/leases/" not in r.path and not r.path.endswith("/leases")]
+    """Writes since ``mark``, but leader election's: the Lease's renewals (a leader renews every few seconds)
+    and the Events on the Lease (``maru-operator[-instance].<suffix>``: who became or stopped being leader)."""
+    return [r for r in kube.writes_since(mark) if "/leases/" not in r.path and not r.path.endswith("/leases")
+            and not (r.path.endswith("/events") and (r.created or "").startswith("maru-operator"))]
 
 
 def has_condition(obj: dict[str, Any], type_: str, status: str, reason: str | None = None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from maru_localcluster.apiserver import Fault
 from maru_localcluster.server import KubeEmulator
 from tests.operator.conftest import (
     GROUP_NS,
@@ -120,31 +122,40 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
         cluster.create(pool())
         cluster.create(group())
         cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
-        time.sleep(1.0)  # the last status writes land
-        (leader,) = [r for r, user in accounts.items() if user in writers(cluster, 0)]
-        standby = "b" if leader == "a" else "a"
-        first = cluster.get("leases.coordination.k8s.io", "maru-operator", LEASE_NS)
-        assert first is not None
+        replica_of = {re.search(r"identity (\S+)", processes.log(r)).group(1): r for r in accounts}  # type: ignore[union-attr]
 
         def stepped_down(emulator: Any) -> list[dict[str, Any]]:
             return [e for e in emulator.list_objects("", "events", LEASE_NS) if e.get("reason") == "LeaderElection"
                     and e["involvedObject"]["name"] == "maru-operator" and "stopped leading" in e["message"]]
 
-        # What the API server holds when the standby first writes the Lease (to take it over).
         at_takeover: list[bool] = []
-        cluster.on_request(r"/leases/maru-operator$", lambda e: at_takeover.append(bool(stepped_down(e))),
-                           method="PATCH", user=accounts[standby])
-        # The leader's renewals hang: the server takes them and never answers.
-        hung = cluster.inject_fault(r"/leases/maru-operator$", None, method="PATCH", times=10_000, delay=3600,
-                                    user=accounts[leader])
+
+        def hang_the_leader(emulator: Any) -> tuple[dict[str, Any], str, Fault]:
+            """On the API server's loop, so the leader cannot change between the look and the faults."""
+            lease = emulator.get_object("coordination.k8s.io", "leases", LEASE_NS, "maru-operator")
+            leader = replica_of[lease["spec"]["holderIdentity"]]
+            standby = "b" if leader == "a" else "a"
+            path = re.compile(r"/leases/maru-operator$")
+            before = len(stepped_down(emulator))  # under load, leadership may have moved during start-up
+            # What the API server holds when the standby first writes the Lease (to take it over)...
+            emulator.faults.append(Fault(methods=frozenset({"PATCH"}), path=path, status=None, times=10_000,
+                                         user=accounts[standby],
+                                         action=lambda: at_takeover.append(len(stepped_down(emulator)) > before)))
+            # ... once the leader's renewals hang: the server takes them and never answers.
+            hung = Fault(methods=frozenset({"PATCH"}), path=path, status=None, times=10_000, delay=3600,
+                         user=accounts[leader])
+            emulator.faults.append(hung)
+            return lease, standby, hung
+
+        first, standby, hung = cluster.call(hang_the_leader, cluster.emulator)
         taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
                                  lambda o: o["spec"].get("holderIdentity") not in (None,
                                                                                    first["spec"]["holderIdentity"]),
                                  timeout=60)
         assert cluster.call(lambda: hung.hits) >= 1
         assert at_takeover and at_takeover[0], "the standby took the Lease over while the leader still led"
-        (event,) = cluster.call(stepped_down, cluster.emulator)
-        assert event["type"] == "Normal" and first["spec"]["holderIdentity"] in event["message"]
+        assert any(e["type"] == "Normal" and e["message"] == f"{first['spec']['holderIdentity']} stopped leading"
+                   for e in cluster.call(stepped_down, cluster.emulator))
 
         # Only the new leader acts on a change now.
         mark = cluster.mark()
