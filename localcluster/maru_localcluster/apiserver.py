@@ -11,7 +11,8 @@ built-in workload kinds (``defaults.py``), CRD schema pruning, defaulting, valid
 (switchable; an update may keep an unchanged top-level field that no longer validates, as
 validation ratcheting allows), strict field validation when asked (kubectl's default),
 merge/strategic-merge/JSON patches, server-side apply with field ownership in managedFields
-(``fieldmanager.py``: removal of fields a manager stops applying, conflicts and force), dry runs,
+(``fieldmanager.py``: removal of fields a manager stops applying, conflicts and force), ``metadata.uid``
+in a write as a precondition (with kube-apiserver's 409 and 422 answers), dry runs,
 history compaction on demand (watches resumed from before it get 410 Gone), bearer-token
 authentication (registered tokens, and service account tokens from the TokenRequest API) with RBAC
 from the stored roles and bindings, escalation prevention and

@@ -684,6 +684,10 @@ def test_an_action_runs_between_a_clients_read_and_its_write(kube: KubeEmulator)
         core.create_namespaced_config_map('default', {'metadata': {'name': 'c'}})
     assert err.value.status == 409 and hook.hits == 1
     assert kube.get('configmaps', 'c', 'default')['metadata']['labels'] == {'by': 'them'}  # type: ignore[index]
+    mark = kube.mark()
+    core.create_namespaced_config_map('default', {'metadata': {'generateName': 'd-'}})
+    (create,) = kube.requests_since(mark)
+    assert create.created is not None and create.created.startswith('d-')  # the name the server picked
 
 
 def test_a_slow_request_is_answered_after_others_and_only_a_users_requests_match(kube: KubeEmulator) -> None:
