@@ -248,12 +248,21 @@ def wait_ready(d: Demo) -> str:
 
     started = time.monotonic()
     for target, ns in ((f"mpool/{POOL}", None), (f"ig/{GROUP}", GROUP_NS)):
-        left = max(10, READY_TIMEOUT_S - (time.monotonic() - started))
-        out = d.cluster.kubectl("wait", "--for=condition=Ready", target, f"--timeout={left:.0f}s",
-                                *(["-n", ns] if ns else []), check=False, timeout=left + 30)
-        if out.returncode != 0:
+        until = max(time.monotonic() + 10, started + READY_TIMEOUT_S)
+        # In slices, with the operator checked between them: an operator that exited makes nothing Ready,
+        # and the run says so at once instead of after the whole timeout.
+        while True:
             d.operator_alive()
-            raise StepFailed(f"{target} not Ready: {out.stderr.strip()}\n{why_not_ready(d.cluster)}")
+            left = until - time.monotonic()
+            asked = time.monotonic()
+            out = d.cluster.kubectl("wait", "--for=condition=Ready", target, f"--timeout={max(1, min(10, left)):.0f}s",
+                                    *(["-n", ns] if ns else []), check=False, timeout=40)
+            if out.returncode == 0:
+                break
+            if left <= 10:
+                d.operator_alive()
+                raise StepFailed(f"{target} not Ready: {out.stderr.strip()}\n{why_not_ready(d.cluster)}")
+            time.sleep(max(0.0, 1 - (time.monotonic() - asked)))  # kubectl gave up at once (not found yet)
     d.prefill_url = f"http://{d.role_pod('prefill')['status']['podIP']}:8000"
     d.decode_url = f"http://{d.role_pod('decode')['status']['podIP']}:8000"
     d.router_url = d.cluster.service_url(GROUP_NS, GROUP)
@@ -424,12 +433,17 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
     restarts = d.restarts("decode")
     d.summary["decode_restarts"] = restarts
     alive = restarts == 0 and health == 200 and follow.error is None and bool(follow.text)
+    # Prefill computed and stored every prompt, the exact multiple included: it must be up too, or the
+    # router's next request has no first stage.
+    prefill_health, _ = get(d.prefill_url + "/health")
+    d.summary.update(prefill_health_after_exact=prefill_health, prefill_restarts=d.restarts("prefill"))
     checks = {
         "pool_hit_on_repeated_prompt": all(r.decode.get("from_pool", 0) > 0 for r in repeats),
         "same_output_cold_vs_cached": all(same_output(c, r) for c, r in zip(colds, repeats, strict=True)),
         "matches_prefill_only_reference": same_output(colds[0], ref),
         "exact_multiple_served": all(r.error is None for r in exacts),
         "decode_alive_after_exact_multiple": alive,
+        "prefill_alive_after_exact_multiple": prefill_health == 200 and d.summary["prefill_restarts"] == 0,
     }
     d.summary["decode_health_after_exact"] = health
     d.summary["ttft_ms_median"] = {"cold": _median([r.ttft_ms for r in colds]),
@@ -486,6 +500,8 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
         f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block)")
     say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered, "
         f"pod restarts {d.summary['decode_restarts']}): {yes[checks['decode_alive_after_exact_multiple']]}")
+    say(f"prefill engine alive after it (/health {d.summary['prefill_health_after_exact']}, pod restarts "
+        f"{d.summary['prefill_restarts']}): {yes[checks['prefill_alive_after_exact_multiple']]}")
     say(f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
         f"same as the prefill engine alone: {yes[checks['matches_prefill_only_reference']]}")
     conn = d.summary.get("connector", {})
@@ -623,10 +639,12 @@ def main(argv: list[str] | None = None) -> int:
             s["detail"] = make_model(d)
         with step("local cluster") as s:
             s["detail"] = start_cluster(d, stack)
-        with step("operator") as s:
-            s["detail"] = start_operator(d, stack)
+        # The CRDs first, as the chart installs them: the operator's start-up check exits when they are
+        # missing, and started first it lost the race to kubectl on a busy machine.
         with step("kubectl apply -f crds/ (and the chart's CSIDriver)") as s:
             s["detail"] = apply_crds(d)
+        with step("operator") as s:
+            s["detail"] = start_operator(d, stack)
         with step("kubectl apply -f examples/local/") as s:
             s["detail"] = apply_examples(d)
         with step("kubectl wait --for=condition=Ready mpool/local-shm ig/tiny") as s:

@@ -3,11 +3,13 @@
 An operator that compares its desired children with what it reads back sees these server-added
 fields as differences; an emulator without them would hide the endless-update bug that causes.
 Covered: Deployments, DaemonSets, StatefulSets, Pods' templates (containers, probes, volumes),
-Services (including a clusterIP), Namespaces. Values are those of Kubernetes 1.35.
+Services (including a clusterIP), Namespaces, Secrets (``stringData`` folded into ``data``). Values
+are those of Kubernetes 1.35.
 """
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import itertools
 from collections.abc import Iterator
@@ -79,6 +81,15 @@ def _template(spec: JsonObj) -> None:
 def apply(group: str, plural: str, obj: JsonObj, old: JsonObj | None = None) -> None:
     """Fill in the server-side defaults of a built-in object, in place (``old``: on updates)."""
     spec = obj.get('spec')
+    if (group, plural) == ('', 'secrets'):
+        # stringData is write-only: kube-apiserver folds it into data (its keys win) and never stores
+        # it. Kept as sent, a kubelet reading data saw none of those keys.
+        string_data = obj.pop('stringData', None)
+        if isinstance(string_data, dict) and string_data:
+            obj['data'] = {**(obj.get('data') or {}),
+                           **{k: base64.b64encode(str(v).encode()).decode() for k, v in string_data.items()}}
+        _set(obj, 'type', 'Opaque')
+        return
     if (group, plural) == ('', 'namespaces'):
         obj['spec'] = {'finalizers': ['kubernetes'], **(spec or {})}
         obj['status'] = {'phase': 'Terminating' if obj.get('metadata', {}).get('deletionTimestamp')

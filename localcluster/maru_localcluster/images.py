@@ -10,7 +10,8 @@ Arguments, environment and mounts run exactly as the pod spec says, with two exc
 * **the pod's address**: a real pod has its own network namespace and binds ``0.0.0.0`` (which is
   right in a cluster: ``kubectl port-forward`` dials localhost inside the pod). Here every pod shares
   the machine's loopback, so a server told to bind every interface is told the pod's own address
-  instead (``--host`` of vLLM and vllm-router, the pool's ``--listen tcp://`` and ``--metrics-addr``).
+  instead (``--host`` of vLLM and vllm-router, the router's ``--prometheus-host``, the pool's
+  ``--listen tcp://`` and ``--metrics-addr``, the operator's ``--liveness``).
   The operator never renders these addresses; this table adds them.
 * **``vllm serve M ...``** becomes ``python -m vllm.entrypoints.openai.api_server --model M ...``:
   the ``vllm`` console script of the CPU wheel fails before parsing its arguments (it looks up the
@@ -110,7 +111,10 @@ def pool_rewrite(argv: list[str], ip: str) -> list[str]:
 
 
 def operator_rewrite(argv: list[str], ip: str) -> list[str]:
-    return _set_host_of(argv, "--liveness", ip, prefix="http://", default_port=8080)
+    if _flag_value(argv, "--liveness") is None:
+        # The operator's own default (http://0.0.0.0:8080/healthz), path included: a probe asks for /healthz.
+        return [*argv, "--liveness", f"http://{ip}:8080/healthz"]
+    return _set_host_of(argv, "--liveness", ip, prefix="http://")
 
 
 def package_roots() -> list[str]:

@@ -410,6 +410,7 @@ class PodWorker:
         self.gone = False  # the pod object disappeared (force deletion): stop at once
         self.started_at = ""
         self.sandbox_ready = False
+        self.sandbox_removed = False  # the pod's folder is gone; the worker lives on until its final delete
         self.initialized = not self.init_runners
         self._wake = asyncio.Event()
         self._dirty = asyncio.Event()
@@ -520,7 +521,9 @@ class PodWorker:
 
     def write_hosts(self) -> None:
         """The pod's /etc/hosts: localhost, the pod itself, every Service (rewritten in place when they change)."""
-        if not self.ip:
+        if not self.ip or self.sandbox_removed:
+            # A Service changing while a deleted pod waited for its final delete rewrote the hosts file
+            # of a removed folder: FileNotFoundError ended the kubelet, and every pod of its node.
             return
         lines = ["# Kubernetes-managed hosts file (local cluster): this pod and the cluster's Services.",
                  "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{self.ip}\t{self.hostname}"]
@@ -596,6 +599,7 @@ class PodWorker:
         shm = self.pod_dir / "shm"
         if os.path.ismount(shm):
             _umount(str(shm))
+        self.sandbox_removed = True
         shutil.rmtree(self.pod_dir, ignore_errors=True)
         if self.ip:
             self.kubelet.addresses.give_back(self.ip)

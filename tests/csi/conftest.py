@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import tempfile
@@ -13,12 +12,18 @@ import grpc
 import pytest
 
 from maru_connector.csi import csi_pb2_grpc, mounts
+from tests.required import require_root
 
 from .harness import Plugin
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="bind mounts need root; CI runs as root, so this runs there"
-)
+
+@pytest.fixture(scope="session")
+def as_root() -> None:
+    """Session-scoped, so it is set up before the plugin: without root nothing of the test starts."""
+    require_root("the CSI plugin's bind mounts")
+
+
+needs_root = pytest.mark.usefixtures("as_root")
 
 
 class Layout:

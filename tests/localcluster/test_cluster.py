@@ -6,9 +6,12 @@ Python (image ``localcluster.test/shell``). CrashLoopBackOff starts at 1 s here 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import textwrap
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
-from maru_localcluster.cluster import LocalCluster, processes_in, unavailable_reason
+from maru_localcluster.cluster import LocalCluster, processes_in
+from tests.required import require_local_cluster
 
-REASON = unavailable_reason()
-if REASON:
-    pytest.skip(f"local cluster tests skipped: {REASON}", allow_module_level=True)
+require_local_cluster("the local cluster tests")
 
 IMAGE = "localcluster.test/shell"
 TAINT = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
@@ -32,6 +34,9 @@ def cluster() -> Iterator[LocalCluster]:
         c.add_node("node-1", {"zone": "a"})
         c.add_node("node-2", {"zone": "b"}, taints=[TAINT])
         yield c
+        # A kubelet that died mid-module shows up in later tests only as timeouts: say so here.
+        dead = {name: proc.returncode for name, proc in c.nodes.items() if proc.poll() is not None}
+        assert not dead, (dead, [c.component_log(f"kubelet-{name}")[-3000:] for name in dead])
 
 
 def wait(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:
@@ -162,6 +167,103 @@ def test_endpoint_slices_carry_the_service_labels(cluster: LocalCluster) -> None
     wait(lambda: not slices("tier") and slices("app.kubernetes.io/managed-by=test"), "the removed label to go")
 
 
+def test_recreate_never_runs_old_and_new_pods_together(cluster: LocalCluster) -> None:
+    # Each container appends to a node file as it starts and as it handles SIGTERM: the file orders
+    # what actually ran, which polling the API could miss between two reads.
+    log = cluster.node_root("node-1") / "tmp" / "recreate.log"
+    script = """
+        trap 'echo "down $VERSION $HOSTNAME" >> /host/recreate.log; exit 0' TERM
+        echo "up $VERSION $HOSTNAME" >> /host/recreate.log
+        while true; do sleep 0.1; done
+    """
+
+    def deployment(version: str) -> dict[str, Any]:
+        container = {"name": "main", "image": IMAGE, "env": [{"name": "VERSION", "value": version}],
+                     "command": ["/bin/sh", "-c", textwrap.dedent(script)],
+                     "volumeMounts": [{"name": "host", "mountPath": "/host"}]}
+        spec = {"nodeSelector": {"zone": "a"}, "terminationGracePeriodSeconds": 5, "containers": [container],
+                "volumes": [{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}]}
+        return {"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "recreate", "namespace": "default"},
+                "spec": {"replicas": 2, "strategy": {"type": "Recreate"},
+                         "selector": {"matchLabels": {"app": "recreate"}},
+                         "template": {"metadata": {"labels": {"app": "recreate"}}, "spec": spec}}}
+
+    def lines() -> list[list[str]]:
+        return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+    apply(cluster, deployment("1"))
+    cluster.kubectl("rollout", "status", "deployment/recreate", "--timeout=60s")
+    wait(lambda: len(lines()) == 2, "both v1 containers to start")
+    apply(cluster, deployment("2"))
+    cluster.kubectl("rollout", "status", "deployment/recreate", "--timeout=90s")
+    wait(lambda: sum(1 for event, version, _ in lines() if (event, version) == ("up", "2")) == 2,
+         "both v2 containers to start")
+    running: dict[str, set[str]] = {"1": set(), "2": set()}
+    for event, version, pod_name in lines():
+        if event == "up":
+            assert not running["1" if version == "2" else "2"], (pod_name, log.read_text())
+            running[version].add(pod_name)
+        else:
+            running[version].discard(pod_name)
+    assert [e for e, v, _ in lines()] == ["up", "up", "down", "down", "up", "up"], log.read_text()
+    cluster.kubectl("delete", "deployment", "recreate")
+
+
+def test_a_pod_failing_readiness_gets_no_traffic(cluster: LocalCluster) -> None:
+    # Two pods behind one Service, each serving its name from a node folder; readiness asks for /ready,
+    # which only "gate-a" has. As the EndpointSlice controller does, "gate-b" is listed not ready, and
+    # kube-proxy never sends it a connection, until it has /ready too.
+    site = cluster.node_root("node-1") / "gate"
+
+    def gate(name: str) -> dict[str, Any]:
+        (site / name).mkdir(parents=True, exist_ok=True)
+        (site / name / "index.html").write_text(name)
+        body = pod(name, 'exec python -m http.server 8080 --bind "$POD_IP" --directory /www',
+                   restartPolicy="Always", nodeSelector={"zone": "a"}, terminationGracePeriodSeconds=1,
+                   volumes=[{"name": "www", "hostPath": {"path": f"/gate/{name}", "type": "Directory"}}],
+                   container={"env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                              "ports": [{"name": "http", "containerPort": 8080}],
+                              "volumeMounts": [{"name": "www", "mountPath": "/www"}],
+                              "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1}})
+        body["metadata"]["labels"] = {"app": "gate"}
+        return body
+
+    (site / "gate-a").mkdir(parents=True)
+    (site / "gate-a" / "ready").write_text("")
+    apply(cluster, gate("gate-a"), gate("gate-b"),
+          {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "gate", "namespace": "default"},
+           "spec": {"selector": {"app": "gate"}, "ports": [{"port": 80, "targetPort": "http"}]}})
+    ip = {n: wait(lambda n=n: (cluster.kube.get("pods", n, "default").get("status") or {}).get("podIP"), f"{n} IP")
+          for n in ("gate-a", "gate-b")}
+
+    def endpoints() -> dict[str, bool]:
+        return {e["addresses"][0]: e["conditions"]["ready"] for s in cluster.kube.list(
+            "endpointslices.discovery.k8s.io", "default", labels="kubernetes.io/service-name=gate")
+            for e in s["endpoints"]}
+
+    def serves(name: str) -> bool:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://{ip[name]}:8080/", timeout=10) as resp:
+            return bool(resp.read() == name.encode())
+        return False
+
+    # gate-b answers on its port (it serves; only its readiness fails), but is listed not ready.
+    wait(lambda: serves("gate-b"), "gate-b to serve")
+    wait(lambda: endpoints() == {ip["gate-a"]: True, ip["gate-b"]: False}, "gate-a ready, gate-b listed unready")
+    assert condition(cluster.kube.get("pods", "gate-b", "default"), "Ready")["status"] == "False"
+    url = cluster.service_url("default", "gate")
+
+    def answers(n: int) -> list[str]:
+        return [urllib.request.urlopen(url, timeout=10).read().decode() for _ in range(n)]
+
+    assert answers(8) == ["gate-a"] * 8  # kube-proxy goes round robin over ready endpoints: never gate-b
+    (site / "gate-b" / "ready").write_text("")
+    wait(lambda: endpoints() == {ip["gate-a"]: True, ip["gate-b"]: True}, "gate-b ready")
+    assert set(answers(8)) == {"gate-a", "gate-b"}  # and once it is ready, it gets its turn
+    cluster.kubectl("delete", "pod", "gate-a", "gate-b")
+    cluster.kubectl("delete", "service", "gate")
+
+
 def test_in_cluster_api_access_with_the_service_account_token(cluster: LocalCluster) -> None:
     # The token is the TokenRequest API's, bound to the pod; the API server authenticates it and holds the
     # pod's ServiceAccount to RBAC: its Role allows reading pods, nothing else; a forged token is refused.
@@ -225,6 +327,37 @@ def test_daemonset_places_one_pod_per_fitting_node(cluster: LocalCluster) -> Non
     cluster.kubectl("delete", "daemonset", "plain", "tolerant")
 
 
+def test_daemonset_node_selector_leaves_other_nodes_out(cluster: LocalCluster) -> None:
+    # Tolerating node-2's taint, so only the nodeSelector decides: no pod where it does not match, one
+    # as soon as a node's labels match, and none again once they stop matching.
+    apply(cluster, {"apiVersion": "apps/v1", "kind": "DaemonSet",
+                    "metadata": {"name": "picked", "namespace": "default"},
+                    "spec": {"selector": {"matchLabels": {"ds": "picked"}}, "template": {
+                        "metadata": {"labels": {"ds": "picked"}},
+                        "spec": {"nodeSelector": {"zone": "b"}, "terminationGracePeriodSeconds": 1,
+                                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                                 "containers": [{"name": "d", "image": IMAGE, "command": ["sleep", "600"]}]}}}})
+
+    def placed() -> list[str]:
+        return sorted(p["spec"].get("nodeName") or "" for p in cluster.kube.list("pods", "default", labels="ds=picked")
+                      if not p["metadata"].get("deletionTimestamp"))
+
+    def ready(n: int) -> bool:
+        ds = cluster.kube.get("daemonsets.apps", "picked", "default")
+        return bool(ds) and (ds.get("status") or {}).get("numberReady") == n
+
+    wait(lambda: ready(1), "the DaemonSet's pod on node-2")
+    assert placed() == ["node-2"]
+    assert cluster.kube.get("daemonsets.apps", "picked", "default")["status"]["desiredNumberScheduled"] == 1
+    cluster.kubectl("label", "node", "node-1", "zone=b", "--overwrite")
+    try:
+        wait(lambda: ready(2) and placed() == ["node-1", "node-2"], "a pod on node-1 once it matches")
+    finally:
+        cluster.kubectl("label", "node", "node-1", "zone=a", "--overwrite")
+    wait(lambda: placed() == ["node-2"], "node-1's pod to go once it no longer matches")
+    cluster.kubectl("delete", "daemonset", "picked")
+
+
 def test_unschedulable_pod_says_why(cluster: LocalCluster) -> None:
     apply(cluster, pod("gpu", "true", container={"resources": {"limits": {"nvidia.com/gpu": "1"}}}))
     cond = wait(lambda: condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled").get(
@@ -285,6 +418,41 @@ def test_restricted_container_as_rendered(cluster: LocalCluster) -> None:
         "CreateContainerConfigError", "CreateContainerConfigError")
     assert waiting
     cluster.kubectl("delete", "pod", "rootful")
+
+
+def test_env_from_secrets_and_config_maps(cluster: LocalCluster) -> None:
+    apply(cluster,
+          {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds", "namespace": "default"},
+           "data": {"token": base64.b64encode(b"s3cret").decode()}, "stringData": {"user": "maru"}},
+          {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings", "namespace": "default"},
+           "data": {"mode": "fast", "level": "3"}})
+    env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+           {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}},
+           {"name": "GREETING", "value": "$(MODE)-mode"},  # expands what came before it
+           {"name": "ABSENT", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "nope", "optional": True}}}]
+    env_from = [{"configMapRef": {"name": "settings"}, "prefix": "CFG_"}, {"secretRef": {"name": "creds"}}]
+    apply(cluster, pod("envs", 'echo "$TOKEN $MODE $GREETING $CFG_mode $CFG_level $token $user ${ABSENT-unset}"',
+                       container={"env": env, "envFrom": env_from}))
+    phase, log = finished(cluster, "envs")
+    assert (phase, log.split()) == ("Succeeded", ["s3cret", "fast", "fast-mode", "fast", "3", "s3cret", "maru",
+                                                  "unset"]), log
+
+    # A key that is not there: the container is not created, and the kubelet retries until it is there.
+    apply(cluster, pod("needs-key", 'echo "$LATER"', container={
+        "env": [{"name": "LATER", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "later"}}}]}))
+
+    def waiting() -> dict[str, Any]:
+        statuses = (cluster.kube.get("pods", "needs-key", "default").get("status") or {}).get("containerStatuses")
+        return (statuses or [{}])[0].get("state", {}).get("waiting") or {}
+
+    state = wait(lambda: waiting().get("reason") == "CreateContainerConfigError" and waiting(),
+                 "CreateContainerConfigError")
+    assert 'couldn\'t find key "later" in secret "creds"' in state["message"], state
+    assert (cluster.kube.get("pods", "needs-key", "default")["status"]["phase"]) == "Pending"
+    cluster.kubectl("patch", "secret", "creds", "-p", json.dumps({"stringData": {"later": "now"}}))
+    phase, log = finished(cluster, "needs-key")
+    assert (phase, log.strip()) == ("Succeeded", "now")
+    cluster.kubectl("delete", "pod", "envs", "needs-key")
 
 
 def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None:

@@ -7,6 +7,7 @@ import pytest
 from maru_localcluster.images import ImageNotFound, ImageTable, container_argv, expand
 from maru_operator.builders.group import build_role_deployment, build_router_deployment
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment
+from maru_operator.cli import _parser
 from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, dax_spec, group_spec, pool_view
 
 IP = "127.40.1.7"
@@ -49,6 +50,20 @@ def test_pool_listens_on_the_pod_address(build) -> None:  # type: ignore[no-unty
     assert len(argv) == len(c["args"]) + 1
     assert all(a.replace(IP, "0.0.0.0") == b for a, b in zip(argv[1:], c["args"], strict=True))
     assert f"{IP}:9400" in argv
+
+
+def test_operator_liveness_endpoint_binds_the_pod_address() -> None:
+    # The chart's flag (`--liveness=http://0.0.0.0:<port>/healthz`): only the host changes.
+    chart = {"args": ["run", "--all-namespaces", "--liveness=http://0.0.0.0:8081/healthz"]}
+    argv = run({"image": "ghcr.io/maru-pd/maru-operator:1.0.0", **chart})
+    assert argv == ["python", "-m", "maru_operator", *chart["args"][:2], f"--liveness=http://{IP}:8081/healthz"]
+    # Without the flag the operator serves its own default on every interface: the same endpoint, at the
+    # pod's address (a liveness probe of /healthz must find it).
+    default = _parser().parse_args(["run"]).liveness
+    assert default.startswith("http://0.0.0.0:")
+    argv = run({"image": "ghcr.io/maru-pd/maru-operator:1.0.0"})
+    assert argv == ["python", "-m", "maru_operator", "run", "--all-namespaces", "--liveness",
+                    default.replace("0.0.0.0", IP)]
 
 
 def test_command_and_args_follow_kubernetes_rules() -> None:

@@ -154,6 +154,31 @@ class TestAgentDaemonSet:
         assert qos_class(build_agent_daemonset(pool_spec(), POOL_OWNER, NS)["spec"]["template"]["spec"]) == \
             "Burstable"
 
+    def test_any_limit_makes_the_daemons_guaranteed(self) -> None:
+        # A memory limit alone left the default CPU request without a CPU limit: Burstable, evicted
+        # before Guaranteed pods under memory pressure, with the node's cache. Each missing limit now
+        # takes its request, so any limit the user sets is a Guaranteed agent and metadata server.
+        for resources in ({"limits": {"memory": "2Gi"}}, {"limits": {"cpu": "1"}},
+                          {"requests": {"cpu": "300m"}, "limits": {"memory": "2Gi"}},
+                          {"requests": {"memory": "2Gi"}, "limits": {"cpu": "500m"}}):
+            for spec in (pool_spec(size="1Gi", daemon={"resources": resources}),
+                         dax_spec(size="1Gi", daemon={"resources": resources})):
+                agent = build_agent_daemonset(spec, POOL_OWNER, NS)
+                metadata = build_metadata_deployment(spec, POOL_OWNER, NS)
+                for workload in (agent, *([metadata] if metadata else [])):
+                    assert_valid(workload)
+                    got = container(workload)["resources"]
+                    assert got["requests"] == got["limits"], (resources, got)
+                    assert qos_class(workload["spec"]["template"]["spec"]) == "Guaranteed", (resources, got)
+        # What the user set is kept: their limits, and a CPU request where they gave no CPU limit.
+        got = container(build_agent_daemonset(pool_spec(size="1Gi", daemon={"resources": {
+            "requests": {"cpu": "300m"}, "limits": {"memory": "2Gi"}}}), POOL_OWNER, NS))["resources"]
+        assert got["limits"] == {"cpu": "300m", "memory": "2Gi"}
+        # The shm agent's memory limit is never below what it holds, even when only a CPU limit is set.
+        got = container(build_agent_daemonset(pool_spec(size="1Gi", daemon={"resources": {
+            "limits": {"cpu": "500m"}}}), POOL_OWNER, NS))["resources"]
+        assert parse_quantity(got["limits"]["memory"]) >= daemon_memory(pool_spec(size="1Gi"), agent=True)
+
     def test_priority_class(self) -> None:
         for ds in (build_agent_daemonset(pool_spec(), POOL_OWNER, NS),
                    build_metadata_deployment(dax_spec(), POOL_OWNER, NS)):

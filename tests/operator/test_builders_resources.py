@@ -57,7 +57,7 @@ def test_the_metadata_index_grows_with_the_pool() -> None:
 
 def test_user_resources_of_the_pool_daemons_win() -> None:
     spec = pool_spec(daemon={"resources": {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}})
-    # With limits set, the memory request is the limit (what Kubernetes defaults it to anyway): Guaranteed
-    # as soon as a CPU limit is added.
+    # With limits set, the memory request is the limit (what Kubernetes defaults it to anyway), and the
+    # CPU limit the user left out is their CPU request: Guaranteed.
     assert container(build_agent_daemonset(spec, POOL_OWNER, "maru-system"))["resources"] == {
-        "limits": {"memory": "20Gi"}, "requests": {"cpu": "1", "memory": "20Gi"}}
+        "limits": {"cpu": "1", "memory": "20Gi"}, "requests": {"cpu": "1", "memory": "20Gi"}}

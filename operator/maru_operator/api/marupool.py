@@ -69,8 +69,9 @@ class PoolDaemonSpec(KubeModel):
         description=(
             "Resources of each pool daemon container. The shm agent's memory request is derived from size "
             "(the pool file lives in its memory-backed /dev/shm, which is charged to the pod) unless set "
-            "here, and may not be set lower. With any limit set, memory and cpu requests equal the limits "
-            "(memory limit derived the same way when absent): set limits.cpu for Guaranteed QoS."
+            "here, and may not be set lower. Any limit set makes the daemons Guaranteed QoS (the last pods "
+            "evicted): each request equals its limit, and a limit not set equals its request (the cpu "
+            "request's default, 100m, when neither is set; memory as derived above)."
         ),
     )
     priority_class_name: PriorityClassName = Field(

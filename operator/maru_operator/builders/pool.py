@@ -111,15 +111,22 @@ def memory_default(spec: MaruPoolSpec, component: str) -> ResourceDefault:
 
 
 def _resources(spec: MaruPoolSpec, component: str) -> dict[str, Any]:
-    """The user's resources with the defaults filled in; with limits set, requests equal limits.
+    """The user's resources with the defaults filled in; with any limit set, the pod is Guaranteed.
 
-    Requests equal to limits (cpu and memory) make the pod Guaranteed: the last one the kubelet evicts.
+    Guaranteed (the last class the kubelet evicts) needs a limit equal to the request for both cpu
+    and memory. A limit the user set becomes the request; a missing one takes the request (the user's
+    or the default): with only a memory limit, the default cpu request alone made the pod Burstable.
     """
     given = {k: v for k, v in spec.daemon.resources.model_dump(by_alias=True).items() if v}
     result = with_defaults(given, memory_default(spec, component))
     if spec.daemon.resources.limits:
-        limits = result.get("limits", {})
-        result["requests"] = {**result.get("requests", {}), **{k: limits[k] for k in (CPU, MEMORY) if k in limits}}
+        requests, limits = result.get("requests", {}), result.get("limits", {})
+        for kind in (CPU, MEMORY):
+            if kind in limits:
+                requests[kind] = limits[kind]
+            elif kind in requests:
+                limits[kind] = requests[kind]
+        result["requests"], result["limits"] = requests, limits
     return result
 
 
