@@ -181,9 +181,9 @@ class AuthGate:
         return reply
 
     def _refuse(self, code: str, message: str) -> Reply:
-        self.refusals += 1
         now = time.monotonic()
         with self._lock:
+            self.refusals += 1
             due = now - self._last_logged.get(code, float("-inf")) >= REFUSAL_LOG_INTERVAL_S
             if due:
                 self._last_logged[code] = now
