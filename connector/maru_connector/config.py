@@ -46,6 +46,13 @@ class MaruConnectorConfig(BaseModel):
         max_length=253,
         description="Salt mixed into every chunk key, so tenants sharing a pool never share KV.",
     )
+    pool_token_file: str = Field(
+        "",
+        alias="maru_pool_token_file",
+        max_length=4096,
+        description="File holding this engine's pool credential, sent in every hello (the operator mounts the "
+        "group's credential Secret there); empty: send none, for a pool that does not authenticate.",
+    )
     rpc_timeout_ms: int = Field(
         500,
         alias="maru_rpc_timeout_ms",
@@ -67,6 +74,13 @@ class MaruConnectorConfig(BaseModel):
                 raise ValueError("tcp:// URLs need host:port with a port in 1..65535")
             return value
         raise ValueError("must start with unix:// or tcp://")
+
+    @field_validator("pool_token_file")
+    @classmethod
+    def _token_file_absolute(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError("must be an absolute path (or empty: no credential)")
+        return value
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> MaruConnectorConfig:

@@ -11,19 +11,22 @@ import datetime
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
+from maru_connector.tenancy import KEY_BYTES
 from maru_operator import conditions as cond
 from maru_operator import metrics
 from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
 from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
+from maru_operator.builders.credentials import pool_key, pool_key_name
 from maru_operator.builders.group import (
     build_group_children,
     role_name,
@@ -77,6 +80,11 @@ UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
 # A just created child's fields are made applied ones with a compare-and-swap: tries before the next pass.
 _ADOPT_TRIES = 3
+# A bound group whose pool's key Secret is not there yet (it is the pool's first child) looks again soon.
+KEY_RETRY_SECONDS = 5.0
+# Kinds the operator never deletes: their owner's deletion does (ownerReferences), and the operator holds
+# no delete right on Secrets. A group's credential outlives an outage of its pool, as its pods do.
+NEVER_PRUNED = frozenset({"Secret"})
 
 
 def utcnow() -> str:
@@ -160,7 +168,7 @@ class Controller:
                 await self._take(obj, owner, result)
         for obj in deletes:
             key = key_of(obj)
-            if key in keep:
+            if key in keep or key[0] in NEVER_PRUNED:
                 continue
             kind, ns, name = key
             log.info("deleting %s %s/%s: no longer wanted by %s %s", kind, ns, name, owner.kind, owner.name)
@@ -345,7 +353,8 @@ class Controller:
             body, meta = updated, updated.get("metadata", {})
 
         ns = self.pool_namespace
-        desired = build_pool_children(spec, owner, ns) + build_pool_policies(spec, owner, ns, self.network)
+        key = await self._pool_key(owner)
+        desired = build_pool_children(spec, owner, ns, key) + build_pool_policies(spec, owner, ns, self.network)
         applied = await self.apply(owner, desired)
         children = applied.children
         pods = await self.kube.list("Pod", ns, {
@@ -406,6 +415,31 @@ class Controller:
         log.info("MaruPool %s: no group is bound any more; released for deletion", name)
         return None
 
+    async def _current_key(self, pool: str, pool_uid: str | None) -> bytes | None:
+        """The key in the pool's key Secret (from the cache, else the API, which may not have listed yet);
+        None when there is none, or the Secret of that name is not the pool's."""
+        key: Key = ("Secret", self.pool_namespace, pool_key_name(pool))
+        secret = self.store.get(key)
+        if secret is None:
+            secret = await self.kube.get("Secret", self.pool_namespace, key[2])
+            if secret is not None:
+                secret.setdefault("kind", "Secret")
+                self.store.put(secret)
+        return pool_key(secret) if secret is not None and controlled_by(secret, pool_uid) else None
+
+    async def _pool_key(self, owner: Owner) -> bytes:
+        """The pool's key: the one its Secret holds, or a new random one when there is none yet.
+
+        A key is generated once and kept: a new one refuses every token issued under the old one until the
+        groups' credentials and the daemons' key files catch up (a rotation, which deleting the Secret does).
+        """
+        existing = await self._current_key(owner.name, owner.uid)
+        if existing is not None:
+            return existing
+        log.info("MaruPool %s: generating its key (Secret %s/%s)", owner.name, self.pool_namespace,
+                 pool_key_name(owner.name))
+        return secrets.token_bytes(KEY_BYTES)
+
     async def _pool_stats(self, spec: MaruPoolSpec, name: str, pods: list[Object]) -> dict[str, Any]:
         """Best effort: a daemon that does not answer leaves ``used`` unknown, never fails the reconcile."""
         port = spec.daemon.metrics_port
@@ -452,8 +486,18 @@ class Controller:
         if binding.pool is not None and (errors := [str(e) for e in check_group_on_pool(spec, binding.pool)]):
             await self.write_status(body, old, invalid_group_status(errors, generation, old, self.clock()))
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
-        desired = build_group_children(spec, owner, binding.pool)
-        desired += build_group_policies(spec, owner, binding.pool, self.pool_namespace, self.network)
+        pool = binding.pool
+        key_missing = False
+        if pool is not None and pool_body is not None:
+            key = await self._current_key(pool.name, pool_body.get("metadata", {}).get("uid"))
+            pool, key_missing = replace(pool, key=key), key is None
+        desired = build_group_children(spec, owner, pool)
+        if key_missing:
+            # Never apply a credential without its token: that would take the token from running pods.
+            log.warning("InferenceGroup %s/%s: MaruPool %s has no key yet; its credential waits for it",
+                        namespace, name, spec.pool_ref.name)
+            desired = [d for d in desired if not (d["kind"] == "Secret" and "data" not in d)]
+        desired += build_group_policies(spec, owner, pool, self.pool_namespace, self.network)
         keep: set[Key] = set()
         if not binding.ok:
             # Running vLLM pods keep serving through a pool outage (the connector degrades to "no hit");
@@ -488,7 +532,7 @@ class Controller:
         await self.write_status(body, old, new)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
-        return None
+        return KEY_RETRY_SECONDS if key_missing else None
 
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",

@@ -49,6 +49,9 @@ CHILD_RESOURCES = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    # The pools' keys and the groups' credentials; only the operator's (the label selector below), never a
+    # user's Secret.
+    ("", "v1", "secrets"),
 )
 # The router Services' EndpointSlices: the EndpointSlice controller copies a Service's labels onto them,
 # so the same server-side selector finds exactly the slices of the operator's Services.
@@ -197,7 +200,7 @@ async def _follow() -> None:
 
 
 PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
-                "RoleBinding", "NetworkPolicy", "EndpointSlice")
+                "RoleBinding", "NetworkPolicy", "Secret", "EndpointSlice")
 
 
 async def _prime(kube: Kube, namespaces: list[str]) -> None:
@@ -345,7 +348,12 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         STATE.store.remove(obj)
     else:
         STATE.store.put(obj)
-    _enqueue(owner_key(obj))
+    owner = owner_key(obj)
+    _enqueue(owner)
+    if obj["kind"] == "Secret" and owner is not None and owner[0] == "MaruPool":
+        # A pool's key signs its groups' credentials: a new key means new credentials.
+        for group in STATE.store.groups_of_pool(owner[2]):
+            _enqueue(group)
 
 
 for _group, _version, _plural in CHILD_RESOURCES:

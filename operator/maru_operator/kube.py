@@ -49,6 +49,7 @@ KINDS: dict[str, Kind] = {
     "DaemonSet": Kind("apis/apps/v1", "daemonsets"),
     "Service": Kind("api/v1", "services"),
     "ServiceAccount": Kind("api/v1", "serviceaccounts"),
+    "Secret": Kind("api/v1", "secrets"),
     "Pod": Kind("api/v1", "pods"),
     "Event": Kind("api/v1", "events"),
     "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),

@@ -40,6 +40,9 @@ CLUSTER_RULES: list[Rule] = [
      "the router's Role (read pods in its namespace) and RoleBinding"),
     (["networking.k8s.io"], ["networkpolicies"], MANAGE,
      "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)"),
+    ([""], ["secrets"], ["get", "list", "watch", "create", "patch"],
+     "each pool's key (release namespace) and each group's pool credential, the token its vLLM pods mount; only "
+     "the operator's Secrets are watched (label selector); never deleted (ownerReferences do), never updated"),
     ([""], ["pods"], READ,
      "list the pool agents' pods for per-node status; also required to grant the router read access to pods "
      "(RBAC refuses to create a Role with permissions its creator lacks)"),

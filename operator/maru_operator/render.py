@@ -3,6 +3,8 @@
 The same builders as the running operator, so what a reviewer (or a GitOps diff) sees is what the
 cluster gets. Without a cluster there are no UIDs, so the ownerReferences are left out; a group is
 rendered against the pool of the same name in the input (or as if its pool had the default settings).
+The pools' key Secrets and the groups' credential Secrets are rendered without data: a pool's key is made
+in the cluster, and the groups' tokens derive from it.
 """
 
 from __future__ import annotations

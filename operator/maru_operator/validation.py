@@ -12,6 +12,7 @@ from maru_operator.api.common import FieldError
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.api.pod import LABEL_KEY_PATTERN, PodOptions
+from maru_operator.builders.credentials import CREDENTIAL_DIR
 from maru_operator.builders.group import HASH_SEED, HASH_SEED_ENV, PoolView
 from maru_operator.builders.pool import daemon_memory, pool_endpoint, socket_host_dir
 from maru_operator.quantity import format_bytes, parse_quantity
@@ -95,6 +96,9 @@ def _pod_checks(role: RoleSpec, where: str) -> list[FieldError]:
     paths = [m.mount_path.rstrip("/") for m in role.volume_mounts]
     for path in sorted({p for p in paths if paths.count(p) > 1}):
         errors.append(FieldError(f"{where}.volumeMounts", f"{path} is mounted twice; give each mount its own path"))
+    for path in sorted({p for p in paths if _overlaps(p, CREDENTIAL_DIR)}):
+        errors.append(FieldError(f"{where}.volumeMounts", f"{path} overlaps {CREDENTIAL_DIR}, where the group's pool "
+                                                          "credential is mounted; mount the volume elsewhere"))
     pace = role.strategy.rolling_update
     if role.strategy.type == "RollingUpdate" and str(pace.max_surge) in ("0", "0%") and \
             str(pace.max_unavailable) in ("0", "0%"):
@@ -110,13 +114,17 @@ def check_group_on_pool(spec: InferenceGroupSpec, pool: PoolView) -> list[FieldE
     errors = []
     for role_name in ("prefill", "decode"):
         for mount in getattr(spec, role_name).volume_mounts:
-            path = mount.mount_path.rstrip("/")
-            if path == socket_dir or socket_dir.startswith(path + "/") or path.startswith(socket_dir + "/"):
+            if _overlaps(mount.mount_path.rstrip("/"), socket_dir):
                 errors.append(FieldError(
                     f"spec.{role_name}.volumeMounts",
                     f"{mount.mount_path} overlaps {socket_dir}, where the pool {pool.name}'s socket is mounted; "
                     "mount the volume elsewhere"))
     return errors
+
+
+def _overlaps(path: str, directory: str) -> bool:
+    """Whether a mount at ``path`` would hide ``directory`` or sit inside it."""
+    return path == directory or directory.startswith(path + "/") or path.startswith(directory + "/")
 
 
 # sun_path holds 108 bytes including the terminating NUL.

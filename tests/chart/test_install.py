@@ -144,7 +144,7 @@ def test_install_then_run_the_operator_within_its_rbac(
     denied = sorted({f"{r.method} {r.path}" for r in requests if r.status in (401, 403)})
     assert not denied, "the operator needs rights the chart does not grant:\n" + "\n".join(denied)
     # And the enforcement is not vacuous: it refuses what the chart does not grant.
-    assert not cluster.allowed(token, "get", "secrets", NAMESPACE)
+    assert not cluster.allowed(token, "delete", "secrets", NAMESPACE)  # pool keys go with their pool, by GC
     assert not cluster.allowed(token, "update", "deployments.apps", GROUP_NAMESPACE)
     assert not cluster.allowed(token, "create", "daemonsets.apps", GROUP_NAMESPACE)  # only where pools run
     assert cluster.allowed(token, "create", "daemonsets.apps", NAMESPACE)

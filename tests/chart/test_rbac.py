@@ -1,4 +1,4 @@
-"""The operator's RBAC: least privilege, no wildcards, no secrets, scoped by watchNamespaces, documented."""
+"""The operator's RBAC: least privilege, no wildcards, scoped by watchNamespaces, documented."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ NAMESPACED_RULES = {
     ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
     ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
+    # Pool keys and group credentials: never deleted (ownerReferences), never updated.
+    ("", "secrets"): CHILD_VERBS - {"delete"},
     ("", "pods"): {"get", "list", "watch"},
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
 }
@@ -83,10 +85,11 @@ def test_no_wildcard_anywhere(objects: list[dict[str, Any]]) -> None:
             assert "resourceNames" not in rule
 
 
-def test_nothing_on_secrets_and_no_escalation_verbs(objects: list[dict[str, Any]]) -> None:
+def test_no_secret_deletes_and_no_escalation_verbs(objects: list[dict[str, Any]]) -> None:
     for role in all_roles(objects):
         for (group, resource), verbs in grants(role).items():
-            assert resource.split("/")[0] != "secrets", f"{role['metadata']['name']} grants {verbs} on secrets"
+            if resource.split("/")[0] == "secrets":
+                assert not verbs & {"delete", "update"}, f"{role['metadata']['name']} grants {verbs} on secrets"
             assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}, (group, resource, verbs)
 
 
@@ -245,9 +248,15 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
     children = _operator_children()
     created = {_plural(obj) for obj in children}
     assert {("apps", "deployments"), ("apps", "daemonsets"), ("", "services")} <= created
+    from maru_operator.controller import NEVER_PRUNED
+    from maru_operator.kube import KINDS
+
+    never_deleted = {("", KINDS[kind].plural) for kind in NEVER_PRUNED}
+    assert ("", "secrets") in created & never_deleted
     for key in created:
         granted = NAMESPACED_RULES.get(key, set()) | POOL_NAMESPACE_RULES.get(key, set())
-        assert granted >= CHILD_VERBS, f"the operator creates {key} without the rights"
+        needed = CHILD_VERBS - {"delete"} if key in never_deleted else CHILD_VERBS
+        assert granted >= needed, f"the operator creates {key} without the rights"
 
 
 def test_every_resource_the_operator_watches_is_granted() -> None:

@@ -59,11 +59,14 @@ def test_metadata_server_and_an_agent_per_node(dax: Deployment) -> None:
     assert sorted(p["spec"]["nodeName"] for p in agents) == ["cxl-node-1", "cxl-node-2"]
     (metadata,) = dax.cluster.kube.list("pods", POOL_NAMESPACE, labels="app.kubernetes.io/component=metadata")
     assert metadata["spec"]["securityContext"]["runAsUser"] == 65532
+    # The metadata server (as UID 65532) and the agents read the pool key: every link is authenticated.
+    assert "auth=on" in dax.cluster.pod_log(POOL_NAMESPACE, metadata["metadata"]["name"], "metadata")
     # Each agent reached the metadata server through its Service name (possibly after it came up)
     # and adopted the pool's epoch.
     for agent in agents:
         log = dax.cluster.pod_log(POOL_NAMESPACE, agent["metadata"]["name"], "agent")
         assert "metadata=tcp://cxl-pool-metadata.maru-system.svc:7400" in log and "pool epoch is now" in log, log
+        assert "auth=on" in log and "refused this agent" not in log, log
 
 
 def test_prefill_and_decode_share_kv_across_nodes(dax: Deployment) -> None:

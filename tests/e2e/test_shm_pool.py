@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from maru_connector import tenancy
+from maru_connector.pool import PoolAuthError, PoolClient
 from maru_localcluster.cluster import processes_in
 from maru_localcluster.product import POOL_NAMESPACE, wait_ready
 
@@ -55,6 +58,34 @@ def test_kubectl_shows_pool_and_group_ready(shm: Deployment) -> None:
     assert pool_row.split()[1:4] == ["shm", "1/1", "256Mi"], out
     group_row = next(line for line in out.splitlines() if "inferencegroup" in line)
     assert group_row.split()[3:6] == ["1/1", "1/1", "True"], out
+
+
+def test_the_pool_serves_only_holders_of_the_group_credential(shm: Deployment, tmp_path: Path) -> None:
+    """The agent runs with the pool key the operator made; the group's pods carry its credential; a client on
+    the node without one gets nothing (prefill and decode sharing KV, below, shows the credential works)."""
+    group = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)
+    secret = shm.get("secrets", "tiny-pool-credential", GROUP_NS)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == group["metadata"]["uid"]
+    for role in ("prefill", "decode"):
+        (pod,) = shm.pods(role)
+        assert {"name": "maru-credential", "secret": {"secretName": "tiny-pool-credential", "defaultMode": 0o444,
+                "items": [{"key": "token", "path": "token"}]}} in pod["spec"]["volumes"]
+    agent = agent_pod(shm)
+    assert "auth=on" in shm.cluster.pod_log(POOL_NAMESPACE, agent["metadata"]["name"], "agent")
+    # The socket's host path can exceed a Unix socket path's 107 bytes: reach it through a short link.
+    link = Path(tempfile.mkdtemp(prefix="e2e-", dir="/tmp")) / "pool"
+    link.symlink_to(shm.cluster.node_root(agent["spec"]["nodeName"]) / "run" / "maru" / "local-shm")
+    try:
+        stranger_key = tmp_path / "other.key"
+        stranger_key.write_bytes(os.urandom(32))
+        forged = tmp_path / "forged.token"
+        forged.write_text(tenancy.issue(stranger_key.read_bytes(), tenancy.tenant(f"{GROUP_NS}/tiny")))
+        for token, code in ((None, "unauthenticated"), (str(forged), "bad_token")):
+            with pytest.raises(PoolAuthError, match=code):
+                PoolClient(f"unix://{link}/pool.sock", timeout_s=10, token_file=token).lookup_prefix([b"k" * 32])
+    finally:
+        link.unlink()
+        link.parent.rmdir()
 
 
 def test_the_router_discovers_its_pods_within_its_role(shm: Deployment) -> None:

@@ -72,10 +72,10 @@ class TestRoleDeployment:
         assert parsed.chunk_tokens == 512
         assert parsed.cache_namespace == "llm/llama"
 
-    def test_cache_namespace_override(self) -> None:
+    def test_cache_namespace_override_stays_in_the_group_namespace(self) -> None:
         spec = group_spec(connector={"cacheNamespace": "tenant-a"})
         extra = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["kv_connector_extra_config"]
-        assert extra["maru_cache_namespace"] == "tenant-a"
+        assert extra["maru_cache_namespace"] == "llm/tenant-a"
 
     def test_pool_rpc_timeout_reaches_both_roles(self) -> None:
         spec = group_spec(connector={"rpcTimeoutMs": 5000})
@@ -157,7 +157,8 @@ class TestRoleDeployment:
             "driver": "csi.maru.io", "readOnly": True, "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru"}}}
         assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
         mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
-        assert mounts == {"maru-socket": "/run/maru/pool", "dshm": "/dev/shm", "home": "/home/maru", "tmp": "/tmp"}
+        assert mounts == {"maru-socket": "/run/maru/pool", "maru-credential": "/var/run/secrets/maru.io/pool",
+                          "dshm": "/dev/shm", "home": "/home/maru", "tmp": "/tmp"}
         assert next(m for m in container(dep)["volumeMounts"] if m["name"] == "maru-socket")["readOnly"] is True
 
     def test_security_and_probes(self) -> None:
@@ -308,8 +309,8 @@ class TestGroupChildren:
 
     def test_bound_group(self) -> None:
         names = [c["metadata"]["name"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
-        assert names == ["llama-prefill", "llama-decode", "llama-router", "llama-router", "llama-router", "llama",
-                         "llama-router"]
+        assert names == ["llama-pool-credential", "llama-prefill", "llama-decode", "llama-router", "llama-router",
+                         "llama-router", "llama", "llama-router"]
 
 
 class TestRouterResources:
@@ -390,10 +391,11 @@ class TestPodOptions:
         mounts = {m["mountPath"].rstrip("/"): m["name"] for m in c["volumeMounts"]}
         assert len(mounts) == len(c["volumeMounts"])
         # The user's /tmp and /dev/shm replace the operator's; $HOME stays on its emptyDir with the cache under it.
-        assert mounts == {"/run/maru/pool": "maru-socket", "/home/maru": "home", "/dev/shm": "big-shm",
-                          "/tmp": "big-tmp", "/home/maru/.cache/huggingface": "models"}
+        assert mounts == {"/run/maru/pool": "maru-socket", "/var/run/secrets/maru.io/pool": "maru-credential",
+                          "/home/maru": "home", "/dev/shm": "big-shm", "/tmp": "big-tmp",
+                          "/home/maru/.cache/huggingface": "models"}
         volumes = [v["name"] for v in pod["volumes"]]
-        assert sorted(volumes) == ["big-shm", "big-tmp", "home", "maru-socket", "models"]
+        assert sorted(volumes) == ["big-shm", "big-tmp", "home", "maru-credential", "maru-socket", "models"]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["resources"]["limits"]["memory"] == "32Gi"
         assert pod["priorityClassName"] == "inference-high" and dep["spec"]["strategy"] == {"type": "Recreate"}

@@ -38,6 +38,7 @@ class TestMetadataDeployment:
         assert flag(args, "--lease-seconds") == "30"
         assert flag(args, "--eviction") == "lru"
         assert flag(args, "--size") == "64Gi"
+        assert flag(args, "--auth-key-file") == "/etc/maru/pool-key/key"
 
     def test_never_two_at_once(self) -> None:
         dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
@@ -53,7 +54,11 @@ class TestMetadataDeployment:
         sc = container(dep)["securityContext"]
         assert sc["capabilities"] == {"drop": ["ALL"]}
         assert sc["allowPrivilegeEscalation"] is False
-        assert "volumes" not in pod
+        # Nothing from the host: only the pool key, readable by its non-root user (no fsGroup).
+        assert pod["volumes"] == [{"name": "pool-key", "secret": {
+            "secretName": "pool-key", "defaultMode": 0o444, "items": [{"key": "key", "path": "key"}]}}]
+        assert container(dep)["volumeMounts"] == [{"name": "pool-key", "mountPath": "/etc/maru/pool-key",
+                                                   "readOnly": True}]
 
     def test_owned_and_labelled(self) -> None:
         dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
@@ -90,6 +95,7 @@ class TestAgentDaemonSet:
         assert flag(args, "--listen") == "unix:///run/maru/pool/pool.sock"
         assert flag(args, "--metadata") == "tcp://pool-metadata.maru-system.svc:7400"
         assert [args[i + 1] for i, a in enumerate(args) if a == "--device"] == ["/dev/dax0.0", "/dev/dax1.0"]
+        assert flag(args, "--auth-key-file") == "/etc/maru/pool-key/key"
 
     def test_dax_devices_are_char_device_hostpaths(self) -> None:
         ds = build_agent_daemonset(dax_spec(), POOL_OWNER, NS)
@@ -117,6 +123,16 @@ class TestAgentDaemonSet:
         assert flag(args, "--eviction") == "none"
         assert flag(args, "--lease-seconds") == "5"
         assert flag(args, "--metrics-addr") == "0.0.0.0:9400"
+        assert flag(args, "--auth-key-file") == "/etc/maru/pool-key/key"
+
+    def test_the_agents_read_the_pool_key_as_root_only(self) -> None:
+        for spec in (pool_spec(), dax_spec()):
+            ds = build_agent_daemonset(spec, POOL_OWNER, NS)
+            volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+            assert volumes["pool-key"]["secret"]["secretName"] == "pool-key"
+            assert volumes["pool-key"]["secret"]["defaultMode"] == 0o400
+            assert {"name": "pool-key", "mountPath": "/etc/maru/pool-key", "readOnly": True} in container(ds)[
+                "volumeMounts"]
 
     def test_shm_volume_holds_the_whole_pool_file(self) -> None:
         # A kubelet mounts this emptyDir as a tmpfs of exactly sizeLimit; the daemon reserves header + size
@@ -205,10 +221,10 @@ class TestAgentDaemonSet:
 
 
 class TestPoolChildren:
-    def test_dax_has_three_shm_one(self) -> None:
+    def test_dax_has_four_shm_two(self) -> None:
         assert [c["kind"] for c in build_pool_children(dax_spec(), POOL_OWNER, NS)] == [
-            "Service", "Deployment", "DaemonSet"]
-        assert [c["kind"] for c in build_pool_children(pool_spec(), POOL_OWNER, NS)] == ["DaemonSet"]
+            "Secret", "Service", "Deployment", "DaemonSet"]
+        assert [c["kind"] for c in build_pool_children(pool_spec(), POOL_OWNER, NS)] == ["Secret", "DaemonSet"]
 
     def test_pure(self) -> None:
         assert build_pool_children(dax_spec(), POOL_OWNER, NS) == build_pool_children(dax_spec(), POOL_OWNER, NS)

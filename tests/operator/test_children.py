@@ -247,7 +247,8 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     # The user's HOME instead of the read-only root's (env is keyed by name: one HOME).
     assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/models/home"}]
     # The user's /dev/shm and /tmp replace the operator's; the socket and $HOME emptyDir stay.
-    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "home", "models", "big-shm", "big-tmp"}
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "home", "models",
+                                                  "big-shm", "big-tmp"}
     assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("model-reader", "inference")
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     # Taken out of the spec, they leave the Deployment (and the operator's volumes and env come back).
@@ -256,7 +257,7 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
     assert dep is not None
     pod = dep["spec"]["template"]["spec"]
-    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "dshm", "home", "tmp"}
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "dshm", "home", "tmp"}
     assert "serviceAccountName" not in pod and "priorityClassName" not in pod and "imagePullSecrets" not in pod
     assert "team" not in dep["spec"]["template"]["metadata"]["labels"]
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}

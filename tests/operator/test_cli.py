@@ -159,8 +159,12 @@ def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
     view = PoolView("local-shm", MaruPoolSpec.model_validate(pool_doc["spec"]))
     expected = build_group_children(spec, owner, view)
     expected += build_group_policies(spec, owner, view, "maru-system", NetworkPolicyConfig())
-    assert [o["kind"] for o in rendered[:2]] == ["DaemonSet", "NetworkPolicy"]
-    assert rendered[2:] == expected
+    assert [o["kind"] for o in rendered[:3]] == ["Secret", "DaemonSet", "NetworkPolicy"]
+    assert rendered[3:] == expected
+    # Offline there is no pool key: the key and the group's credential are rendered without data.
+    assert [o["metadata"]["name"] for o in rendered if o["kind"] == "Secret"] == ["local-shm-key",
+                                                                                  "qwen-pool-credential"]
+    assert all("data" not in o for o in rendered if o["kind"] == "Secret")
 
 
 def test_render_warns_about_a_missing_pool(tmp_path: pathlib.Path) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -36,20 +37,22 @@ def status(d: Daemon) -> dict:
         return json.loads(resp.read())
 
 
-def start_metadata(daemons: list[Daemon], port: int, size: str | None = "4Mi") -> Daemon:
+def start_metadata(daemons: list[Daemon], port: int, size: str | None = "4Mi", extra: Sequence[str] = ()) -> Daemon:
     d = Daemon(
         ["metadata", "--listen", f"tcp://127.0.0.1:{port}", *(["--size", size] if size else []),
-         "--metrics-addr", "127.0.0.1:0", "--lease-seconds", "30"]
+         "--metrics-addr", "127.0.0.1:0", "--lease-seconds", "30", *extra]
     )  # fmt: skip
     daemons.append(d)
     return d
 
 
-def start_agent(daemons: list[Daemon], sock_dir: Path, name: str, port: int, *devices: Path) -> Daemon:
+def start_agent(
+    daemons: list[Daemon], sock_dir: Path, name: str, port: int, *devices: Path, extra: Sequence[str] = ()
+) -> Daemon:
     flags = [x for d in devices for x in ("--device", str(d))]
     d = Daemon(
         ["agent", "--listen", f"unix://{sock_dir}/{name}.sock", "--metadata", f"tcp://127.0.0.1:{port}",
-         *flags, "--node-name", name, "--heartbeat-seconds", "0.1", "--metrics-addr", "127.0.0.1:0"]
+         *flags, "--node-name", name, "--heartbeat-seconds", "0.1", "--metrics-addr", "127.0.0.1:0", *extra]
     )  # fmt: skip
     daemons.append(d)
     return d

@@ -150,7 +150,7 @@ def scanned_objects(workdir: Path, helm: Path) -> dict[str, list[dict[str, Any]]
     """File name -> objects: the chart's defaults and the examples bound to each example pool."""
     files = {"chart-defaults.yaml": chart_render(helm)}
     for pool, objects in examples_bound_to_each_pool(workdir / "inputs").items():
-        files[f"examples-bound-to-{pool}.yaml"] = objects
+        files[f"examples-bound-to-{pool.replace('/', '-')}.yaml"] = objects
     return files
 
 

@@ -34,29 +34,38 @@ def operator_render(paths: Sequence[Path], *flags: str) -> list[Object]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def example_documents() -> list[Object]:
+# The examples for a cluster, and the local cluster's (``make demo`` runs those exactly as rendered). Each set
+# is rendered on its own: both hold a pool named local-shm.
+LOCAL = "local/"
+EXAMPLE_SETS = {"": EXAMPLES, LOCAL: EXAMPLES / "local"}
+
+
+def example_documents(folder: Path = EXAMPLES) -> list[Object]:
     docs = []
-    for path in sorted(EXAMPLES.glob("*.yaml")):
+    for path in sorted(folder.glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
 
 def examples_bound_to_each_pool(workdir: Path, *flags: str) -> dict[str, list[Object]]:
-    """Pool name -> the children of every example, with the example groups bound to that pool."""
-    docs = example_documents()
-    pools = [d["metadata"]["name"] for d in docs if d["kind"] == "MaruPool"]
-    groups = [d for d in docs if d["kind"] == "InferenceGroup"]
-    assert len(pools) >= 2 and groups, "the examples hold a dax pool, an shm pool and a group"
+    """Pool name -> the children of a set of examples, its groups bound to that pool; the local set's pools
+    are named ``local/<pool>``."""
     out: dict[str, list[Object]] = {}
-    for pool in pools:
-        folder = workdir / f"bound-to-{pool}"
-        folder.mkdir(parents=True, exist_ok=True)
-        bound = [
-            {**d, "spec": {**d["spec"], "poolRef": {"name": pool}}} if d["kind"] == "InferenceGroup" else d
-            for d in docs
-        ]
-        (folder / "all.yaml").write_text(yaml.safe_dump_all(bound))
-        out[pool] = operator_render([folder], *flags)
+    for prefix, folder in EXAMPLE_SETS.items():
+        docs = example_documents(folder)
+        pools = [d["metadata"]["name"] for d in docs if d["kind"] == "MaruPool"]
+        groups = [d for d in docs if d["kind"] == "InferenceGroup"]
+        assert pools and groups, f"{folder} holds a pool and a group"
+        for pool in pools:
+            target = workdir / f"bound-to-{prefix.strip('/')}-{pool}"
+            target.mkdir(parents=True, exist_ok=True)
+            bound = [
+                {**d, "spec": {**d["spec"], "poolRef": {"name": pool}}} if d["kind"] == "InferenceGroup" else d
+                for d in docs
+            ]
+            (target / "all.yaml").write_text(yaml.safe_dump_all(bound))
+            out[prefix + pool] = operator_render([target], *flags)
+    assert {"cxl-pool", "local-shm", LOCAL + "local-shm"} <= set(out), sorted(out)
     return out
 
 

@@ -10,6 +10,10 @@ A device whose uuid is not one of the pool's is refused.
 Index calls are not forwarded: the ``hello`` reply names the metadata server and the client talks to
 it directly. That keeps the scheduler's lookup one network round trip instead of two, and the agent
 off the hot path; the price is that client pods must reach the metadata Service.
+
+With a pool key, the agent hands the devices only to a client whose hello carries a valid token (the
+gate checks it before :meth:`NodeAgent.handle` sees the hello), and it authenticates its own heartbeat
+link to the metadata server with an ``agent:<node>`` token it signs with the same key.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import protocol
+from .gate import Session
 from .memory import HEADER_SIZE, PoolMemory
 from .rpc import Peer
 from .service import Reply, fail
@@ -30,8 +36,17 @@ log = logging.getLogger(__name__)
 
 
 class NodeAgent:
-    def __init__(self, memories: list[PoolMemory], metadata: Endpoint, node: str, *, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        memories: list[PoolMemory],
+        metadata: Endpoint,
+        node: str,
+        *,
+        timeout_s: float = 2.0,
+        credential: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.memories = memories
+        self._credential = credential  # this agent's token towards the metadata server, made afresh per link
         self.metadata = metadata
         self.node = node
         self.timeout_s = timeout_s
@@ -72,7 +87,7 @@ class NodeAgent:
             self.heartbeat_failures += 1
             return False
         if not reply.get("ok"):
-            self.problem = f"metadata server refused this agent: {reply.get('message')}"
+            self.problem = f"metadata server refused this agent: {reply.get('error')}: {reply.get('message')}"
             log.error("agent %s: %s", self.node, self.problem)
             self.connected = False
             return False
@@ -98,7 +113,7 @@ class NodeAgent:
             self.connected = True
         return True
 
-    def handle(self, msg: dict[str, Any], peer: Peer) -> Reply:
+    def handle(self, msg: dict[str, Any], peer: Peer, _session: Session) -> Reply:
         op = msg.get("op")
         if op == "hello":
             return self._hello(peer.is_unix)
@@ -164,9 +179,21 @@ class NodeAgent:
         if self._sock is None:
             sock = socket.create_connection((self.metadata.host, self.metadata.port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                hello = self._exchange(sock, {"op": "hello", "memory": False, "token": self._credential()})
+            except BaseException:
+                sock.close()
+                raise
+            if not hello.get("ok"):
+                sock.close()
+                return hello  # refused: the heartbeat reports why, e.g. an agent without the pool's key
             self._sock = sock
-        protocol.send_msg(self._sock, msg)
-        reply, _ = protocol.recv_msg(self._sock)
+        return self._exchange(self._sock, msg)
+
+    @staticmethod
+    def _exchange(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
+        protocol.send_msg(sock, msg)
+        reply, _ = protocol.recv_msg(sock)
         if reply is None:
             raise ConnectionError("metadata server closed the connection")
         return reply

@@ -3,6 +3,7 @@
 * ``serve``    single node: index and memory in one process (shm, or a device with ``--device``).
 * ``metadata`` multi-node: the pool-wide index, allocator, eviction and leases (offsets only, no bytes).
 * ``agent``    multi-node, one per node: maps the shared device and hands it to local clients.
+* ``token``    print a tenant's token for a pool key (for pools run without the operator).
 
 Each role prints one ``maru-pool ready ...`` line on stdout once it accepts connections, and exits 0
 on SIGTERM or SIGINT after removing its socket. Bad arguments exit 2 with one line naming the flag.
@@ -20,8 +21,13 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
+from maru_connector import tenancy
+
 from .daemon import Daemon, UsageError, build_agent, build_metadata, build_serve
+from .gate import KeyFile, KeyFileError
 from .units import parse_size
+
+KEY_FILE_ENV = "MARU_POOL_AUTH_KEY_FILE"
 
 log = logging.getLogger("maru_connector.pool")
 
@@ -61,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="host:port for /metrics, /healthz and /status; port 0 picks a free port (default %(default)s)",
         )
         p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        p.add_argument(
+            "--auth-key-file",
+            default=os.environ.get(KEY_FILE_ENV) or None,
+            help="the pool key (at least 32 bytes): every client must say hello with a token it signed, and "
+            f"each tenant gets its own key space (default: ${KEY_FILE_ENV}; none: no authentication)",
+        )
 
     def node_name(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -124,12 +136,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="how often to report to the metadata server and adopt its epoch (default %(default)s)",
     )
+
+    token = sub.add_parser("token", help="print the token of a tenant (a key scope) for a pool key")
+    token.add_argument("--key-file", required=True, help="the pool key the daemons were given (--auth-key-file)")
+    token.add_argument("--tenant", required=True, help="the tenant's key scope, e.g. NAMESPACE/MODEL")
     return parser
+
+
+def _print_token(args: argparse.Namespace) -> int:
+    try:
+        key = KeyFile(args.key_file).current()
+    except KeyFileError as err:
+        print(f"maru-pool token: error: --key-file {err}", file=sys.stderr)
+        return 2
+    if not args.tenant:
+        print("maru-pool token: error: --tenant: must not be empty", file=sys.stderr)
+        return 2
+    print(tenancy.issue(key, tenancy.tenant(args.tenant)))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.role == "token":
+        return _print_token(args)
     logging.basicConfig(
         stream=sys.stderr,
         level=getattr(logging, args.log_level),
@@ -155,7 +186,13 @@ def _run(daemon: Daemon) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         daemon.start()
-        print("maru-pool ready " + " ".join(f"{k}={v}" for k, v in daemon.ready_fields().items()), flush=True)
+        fields = daemon.ready_fields()
+        print("maru-pool ready " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+        if fields.get("auth") == "off":
+            log.warning(
+                "no --auth-key-file: clients are not authenticated and share one key space; fine for a pool "
+                "run by hand, never for one whose clients do not trust each other"
+            )
         while not stop.wait(daemon.tick_seconds):
             daemon.tick()
     finally:

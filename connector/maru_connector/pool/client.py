@@ -19,6 +19,10 @@ has handed to someone else, and :meth:`PoolClient.keep_alive` renews what is abo
 
 One client may be shared by threads (calls are serialised). A client inherited across ``fork`` never
 reuses the parent's socket: the child reconnects on its first call.
+
+With ``token_file``, every connection starts with a hello carrying the token read from that file (read
+afresh on each connection, so a rotated credential is picked up); the metadata connection of a
+multi-node pool is authenticated the same way. A pool that refuses it raises :class:`PoolAuthError`.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class PoolUnavailable(PoolError):
     """The daemon is down, its socket is missing, or it did not answer within the timeout."""
 
 
+class PoolAuthError(PoolUnavailable):
+    """The pool refused this client's credential (none, malformed, another pool's), or it cannot be read."""
+
+
 class PoolFull(PoolError):
     """No space, and nothing evictable (everything is pinned or being written)."""
 
@@ -90,6 +98,7 @@ _ERRORS: dict[str, type[PoolError]] = {
     protocol.E_UNAVAILABLE: PoolUnavailable,
     protocol.E_FULL: PoolFull,
     protocol.E_STALE_EPOCH: _StaleEpoch,
+    **{code: PoolAuthError for code in protocol.AUTH_ERRORS},
 }
 
 
@@ -273,13 +282,15 @@ class _Mapping:
 
 
 class PoolClient:
-    def __init__(self, url: str, *, timeout_s: float = 0.5) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 0.5, token_file: str | None = None) -> None:
         try:
             self._endpoint = parse_endpoint(url)
         except ValueError as err:
             raise PoolError(f"pool url: {err}") from None
         self.url = url
         self.timeout_s = timeout_s
+        self.token_file = token_file
+        self._warned_no_auth = False
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._map: _Mapping | None = None
@@ -578,10 +589,41 @@ class PoolClient:
                 return reply
         raise AssertionError("unreachable")
 
+    def _token(self) -> str | None:
+        if not self.token_file:
+            return None
+        try:
+            with open(self.token_file, encoding="utf-8") as fh:
+                return fh.read().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise PoolAuthError(
+                f"pool at {self.url}: cannot read the pool credential {self.token_file} "
+                f"({getattr(err, 'strerror', None) or err}); the operator mounts the group's credential Secret there"
+            ) from None
+
+    def _refused(self, reply: dict[str, Any]) -> PoolError:
+        code = str(reply.get("error"))
+        cls = PoolAuthError if code in protocol.AUTH_ERRORS else PoolUnavailable
+        where = ""
+        if cls is PoolAuthError and self.token_file:
+            where = (f" (credential {self.token_file}: the operator issues it for the pool of the group's "
+                     "spec.poolRef; for a pool run by hand, `maru-pool token` makes one)")
+        return cls(f"pool at {self.url}: {code}: {reply.get('message')}{where}")
+
+    def _authenticate(self, sock: socket.socket, token: str | None) -> None:
+        """Authenticate the metadata connection of a multi-node pool (a hello that asks for no memory)."""
+        protocol.send_msg(sock, {"op": "hello", "memory": False, "token": token})
+        reply, _ = protocol.recv_msg(sock)
+        if reply is None:
+            raise ConnectionError("metadata server closed the connection during hello")
+        if not reply.get("ok"):
+            raise self._refused(reply)
+
     def _connect(self) -> None:
+        token = self._token()
         hello_sock = _open_socket(self._endpoint, self.timeout_s)
         try:
-            protocol.send_msg(hello_sock, {"op": "hello"})
+            protocol.send_msg(hello_sock, {"op": "hello", "token": token})
             reply, fds = protocol.recv_msg(hello_sock, max_fds=MAX_REGIONS)
         except BaseException:
             hello_sock.close()
@@ -590,7 +632,7 @@ class PoolClient:
             if reply is None:
                 raise ConnectionError("pool daemon closed the connection during hello")
             if not reply.get("ok"):
-                raise PoolUnavailable(f"pool at {self.url}: {reply.get('error')}: {reply.get('message')}")
+                raise self._refused(reply)
             mapping = self._map_memory(reply, fds)
         except BaseException:
             hello_sock.close()
@@ -606,16 +648,30 @@ class PoolClient:
             except BaseException:
                 mapping.close()
                 raise
+            try:
+                self._authenticate(rpc_sock, token)
+            except BaseException:
+                rpc_sock.close()
+                mapping.close()
+                raise
         else:
             rpc_sock = hello_sock
         self._sock, self._map = rpc_sock, mapping
         self.epoch = int(reply["epoch"])
         self.backend = str(reply.get("backend", ""))
+        if token and reply.get("auth") is False and not self._warned_no_auth:
+            self._warned_no_auth = True
+            log.warning("pool at %s does not authenticate clients: its KV is shared by every client of it", self.url)
         log.debug("pool: connected to %s (backend %s, epoch %d)", self.url, self.backend, self.epoch)
 
     def _map_memory(self, reply: dict[str, Any], fds: list[int]) -> _Mapping:
         regions = reply["regions"]
         paths = reply.get("paths") or []
+        if not regions:
+            raise PoolUnavailable(
+                f"pool at {self.url}: this daemon holds no pool memory (a metadata server?); "
+                "point the client at the node agent's unix:// socket"
+            )
         if fds and len(fds) != len(regions):
             raise PoolUnavailable(f"pool at {self.url}: got {len(fds)} memory fds for {len(regions)} regions")
         if not fds and len(paths) != len(regions):

@@ -15,7 +15,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from maru_connector import tenancy
+
 from .agent import NodeAgent
+from .gate import AuthGate, KeyFile, KeyFileError
 from .httpd import HttpEndpoint
 from .index import PoolIndex
 from .memory import PoolMemory, PoolMemoryError, discover_devices, new_epoch_floor
@@ -71,6 +74,17 @@ class Daemon:
                 log.exception("shutdown step failed; continuing")
 
 
+def _key_file(args: argparse.Namespace) -> KeyFile | None:
+    """The pool key that authenticates clients, or None when the daemon runs without one."""
+    path = getattr(args, "auth_key_file", None)
+    if not path:
+        return None  # the ready line says auth=off, and the CLI warns
+    try:
+        return KeyFile(path)
+    except KeyFileError as err:
+        raise UsageError(f"--auth-key-file {err}") from None
+
+
 class _Late:
     """Callbacks wired after the sockets are bound: a daemon claims its socket and metrics port
     before it touches any memory, so a second daemon started by mistake changes nothing."""
@@ -96,6 +110,7 @@ class _Late:
 
 def build_serve(args: argparse.Namespace) -> Daemon:
     endpoint = _listen(args.listen)
+    keys = _key_file(args)
     if args.device:
         _must_exist("--device", args.device)
     elif args.size is None:
@@ -129,7 +144,10 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         }
 
     service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
-    late.handle, late.closed, late.stats, late.status = service.handle, service.closed, index.stats, status
+    gate = AuthGate(service.handle, keys, role="serve")
+    late.handle, late.status = gate.handle, status
+    late.closed = _both(gate.closed, service.closed)
+    late.stats = lambda: {**index.stats(), "auth_refusals": gate.refusals}
 
     def cleanup() -> None:
         memory.close()
@@ -147,6 +165,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             "backend": memory.backend,
             "capacity": index.capacity,
             "epoch": epoch,
+            "auth": _on_off(gate),
         },
         tick=index.expire,
         tick_seconds=_sweep_interval(args.lease_seconds),
@@ -199,6 +218,7 @@ def _lock_or_refuse(flag: str) -> Callable[[int, str], None]:
 
 def build_metadata(args: argparse.Namespace) -> Daemon:
     endpoint = _listen(args.listen)
+    keys = _key_file(args)
     # No memory to keep an epoch in: the clock makes each start's epoch larger than the last one's.
     epoch = new_epoch_floor()
     agents = AgentRegistry(stale_after_s=args.agent_stale_seconds)
@@ -209,13 +229,15 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
         return PoolIndex(capacities, epoch=epoch, lease_seconds=args.lease_seconds, evict=args.eviction == "lru")
 
     service: IndexService
+    gate: AuthGate
 
     def stats() -> dict[str, int]:
         ready = sum(a["ready"] for a in agents.snapshot())
         if service.index is None:
             return {"capacity_bytes": 0, "used_bytes": 0, "chunks": 0, "epoch": epoch,
-                    "errors": service.errors_before_index, "agents_ready": ready}  # fmt: skip
-        return {**service.index.stats(), "agents_ready": ready}
+                    "errors": service.errors_before_index, "agents_ready": ready,
+                    "auth_refusals": gate.refusals}  # fmt: skip
+        return {**service.index.stats(), "agents_ready": ready, "auth_refusals": gate.refusals}
 
     def status() -> dict[str, Any]:
         s = stats()
@@ -237,7 +259,8 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
         return fail("unavailable", "this is the metadata server; clients connect to their node agent's socket")
 
     service = IndexService(None, hello=hello, status=status, agents=agents, make_index=make_index)
-    rpc = _rpc(endpoint, service.handle, on_close=service.closed)
+    gate = AuthGate(service.handle, keys, role="metadata")
+    rpc = _rpc(endpoint, gate.handle, on_close=_both(gate.closed, service.closed))
     http = _http(args.metrics_addr, stats, status, on_fail=rpc.close)
 
     def expire() -> None:
@@ -252,6 +275,7 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
             "listen": rpc.endpoint.url,
             "size_cap": args.size or "none",
             "epoch": epoch,
+            "auth": _on_off(gate),
         },
         tick=expire,
         tick_seconds=_sweep_interval(args.lease_seconds),
@@ -275,6 +299,7 @@ def build_agent(args: argparse.Namespace) -> Daemon:
         raise UsageError(f"--device: listed twice: {sorted(d for d in devices if devices.count(d) > 1)[0]}")
     for device in devices:
         _must_exist("--device", device)
+    keys = _key_file(args)
     late = _Late()
     rpc, http = late.bind(endpoint, args.metrics_addr)
     memories: list[PoolMemory] = []
@@ -290,8 +315,12 @@ def build_agent(args: argparse.Namespace) -> Daemon:
         rpc.close()
         http.close()
         raise
-    agent = NodeAgent(memories, metadata, args.node_name)
-    late.handle, late.stats, late.status, late.healthy = agent.handle, agent.stats, agent.status, agent.healthy
+    credential = (lambda: tenancy.issue(keys.current(), tenancy.agent(args.node_name))) if keys else (lambda: None)
+    agent = NodeAgent(memories, metadata, args.node_name, credential=credential)
+    gate = AuthGate(agent.handle, keys, role="agent")
+    late.handle, late.status, late.healthy = gate.handle, agent.status, agent.healthy
+    late.closed = gate.closed
+    late.stats = lambda: {**agent.stats(), "auth_refusals": gate.refusals}
     # First contact before serving, so clients are not refused needlessly; a metadata server that
     # is not up yet is retried on every heartbeat.
     agent.heartbeat()
@@ -312,11 +341,24 @@ def build_agent(args: argparse.Namespace) -> Daemon:
             "devices": ",".join(m.path for m in memories),
             "node": args.node_name,
             "connected": str(agent.connected).lower(),
+            "auth": _on_off(gate),
         },
         tick=agent.heartbeat,
         tick_seconds=args.heartbeat_seconds,
         cleanup=cleanup,
     )
+
+
+def _both(*closers: Callable[[Peer], None]) -> Callable[[Peer], None]:
+    def closed(peer: Peer) -> None:
+        for close in closers:
+            close(peer)
+
+    return closed
+
+
+def _on_off(gate: AuthGate) -> str:
+    return "on" if gate.enabled else "off"
 
 
 def _listen(url: str) -> Endpoint:

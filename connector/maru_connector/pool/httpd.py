@@ -35,6 +35,7 @@ COUNTERS = {
     "errors": "Failed requests: malformed, stale epoch, lost commits, chunks that failed their checksum.",
     "commits": "Chunks committed.",
     "heartbeat_failures": "Agent heartbeats to the metadata server that failed.",
+    "auth_refusals": "Requests refused for want of a valid credential: no hello, a bad token, a forbidden op.",
 }
 GAUGES = {
     "capacity_bytes": "Bytes of pool memory for chunks.",

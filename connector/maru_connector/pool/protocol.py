@@ -8,8 +8,13 @@ a Unix socket, which carries the pool memory's file descriptor as SCM_RIGHTS anc
 
 Operations (request fields -> reply fields):
 
-* ``hello``                               -> epoch, header_size, regions [{map_size, capacity, uuid}],
-  ``metadata`` URL or null, one fd per region (Unix) or ``paths`` (TCP)
+* ``hello``   token?, memory?              -> epoch, header_size, regions [{map_size, capacity, uuid}],
+  ``metadata`` URL or null, one fd per region (Unix) or ``paths`` (TCP), auth (whether this daemon checks
+  tokens). ``token`` is the client's credential (:mod:`maru_connector.tenancy`); a daemon started with a
+  key refuses every other op on a connection until a hello with a valid token (``unauthenticated``,
+  ``bad_token``), and runs the connection's ops in its tenant's key space. With ``memory`` false the hello
+  only authenticates the connection (a client towards the metadata server, an agent's heartbeat link)
+  and is answered with ok, auth and principal
 * ``lookup``  keys                        -> n (leading committed keys)
 * ``write``   items [[key, nbytes, parent?]...] -> epoch, lease_ms, grants [[lease_id, offset] | null
   (present) | "full" | "orphan" (parent not stored)]
@@ -26,7 +31,8 @@ Operations (request fields -> reply fields):
   problem
 
 Lease and pin ids are bound to the connection that took them: ``commit``, ``abort``, ``release`` and
-``renew`` from another connection treat them as unknown.
+``renew`` from another connection treat them as unknown. Keys are bound to the connection's tenant: the
+daemon maps each key into the tenant's key space before it reaches the index (keys never travel back).
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ E_FULL = "pool_full"
 E_STALE_EPOCH = "stale_epoch"
 E_INTERNAL = "internal"
 E_UNAVAILABLE = "unavailable"
+# Authentication (a daemon started with a pool key): no verified hello on this connection yet; a token
+# that is malformed or signed by another key; an op this connection's principal may not call.
+E_UNAUTHENTICATED = "unauthenticated"
+E_BAD_TOKEN = "bad_token"
+E_FORBIDDEN = "forbidden"
+AUTH_ERRORS = (E_UNAUTHENTICATED, E_BAD_TOKEN, E_FORBIDDEN)
 
 
 class ProtocolError(Exception):

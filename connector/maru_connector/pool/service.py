@@ -3,6 +3,10 @@
 * :class:`IndexService` answers the index operations (``serve`` and ``metadata``).
 * ``serve`` adds ``hello`` with its own memory (:class:`LocalMemoryHello`).
 * The node agent (:mod:`.agent`) answers only ``hello`` and points clients at the metadata server.
+
+Every role sits behind :class:`~.gate.AuthGate`, which hands each request the connection's verified
+:class:`~.gate.Session`. Keys are mapped into the session's key space here, in one place, before any
+reaches the index: a tenant's keys and another tenant's never meet, whatever salt their clients use.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
+from .gate import Session
 from .index import FULL, ORPHAN, PoolIndex, StaleEpoch
 from .memory import HEADER_SIZE, PoolMemory, new_device_uuid
 from .rpc import Peer
@@ -66,6 +71,16 @@ class AgentRegistry:
             ]
 
 
+@dataclass(frozen=True)
+class _Caller:
+    owner: int  # the connection's id: leases and pins are bound to it
+    session: Session
+
+    def keys(self, values: Any) -> list[bytes]:
+        """The request's hex keys, in the caller's tenant key space."""
+        return self.session.scope.all(protocol.unhex_keys(values))
+
+
 class IndexService:
     """Index operations; ``hello`` and ``status`` come from the role that owns this service.
 
@@ -90,8 +105,8 @@ class IndexService:
         self._hello = hello
         self._status = status
         self._agents = agents
-        # op -> handler(request, owner): owner is the connection's id, which leases and pins are bound to
-        self._ops: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+        # op -> handler(request, caller): leases and pins are bound to the caller's connection, keys to its tenant
+        self._ops: dict[str, Callable[[dict[str, Any], _Caller], dict[str, Any]]] = {
             "lookup": self._lookup,
             "write": self._write,
             "commit": self._commit,
@@ -99,8 +114,8 @@ class IndexService:
             "read": self._read,
             "release": self._release,
             "renew": self._renew,
-            "stats": lambda _msg, _owner: {"stats": self._ix.stats()},
-            "status": lambda _msg, _owner: self._status(),
+            "stats": lambda _msg, _caller: {"stats": self._ix.stats()},
+            "status": lambda _msg, _caller: self._status(),
             "agent": self._agent,
         }
 
@@ -111,7 +126,7 @@ class IndexService:
             if n:
                 log.info("pool: a closed connection still held %d lease(s) or pin(s); freed them", n)
 
-    def handle(self, msg: dict[str, Any], peer: Peer) -> Reply:
+    def handle(self, msg: dict[str, Any], peer: Peer, session: Session) -> Reply:
         op = msg.get("op")
         if op == "hello":
             return self._hello(peer.is_unix)
@@ -125,7 +140,7 @@ class IndexService:
                 "no node agent has reported the pool's devices yet; check that the agents reach this server",
             )
         try:
-            reply = fn(msg, peer.id)
+            reply = fn(msg, _Caller(peer.id, session))
         except StaleEpoch as err:
             return fail(protocol.E_STALE_EPOCH, f"{err}; the pool daemon restarted, reconnect")
         except (KeyError, TypeError, ValueError) as err:
@@ -149,15 +164,16 @@ class IndexService:
         else:
             self.index.count_error()
 
-    def _lookup(self, msg: dict[str, Any], _owner: int) -> dict[str, Any]:
-        return {"n": self._ix.lookup_prefix(protocol.unhex_keys(msg["keys"]))}
+    def _lookup(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        return {"n": self._ix.lookup_prefix(caller.keys(msg["keys"]))}
 
-    def _write(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+    def _write(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        scoped = caller.session.scope
         items = [
-            (bytes.fromhex(k), int(n), bytes.fromhex(rest[0]) if rest and rest[0] is not None else None)
+            (scoped(bytes.fromhex(k)), int(n), scoped(bytes.fromhex(rest[0])) if rest and rest[0] is not None else None)
             for k, n, *rest in msg["items"]
         ]
-        grants = self._ix.begin_write(items, owner)
+        grants = self._ix.begin_write(items, caller.owner)
         out: list[Any] = []
         for g in grants:
             if g is None or g in (FULL, ORPHAN):
@@ -166,20 +182,20 @@ class IndexService:
                 out.append([g.lease_id, g.offset])  # type: ignore[union-attr]
         return {"epoch": self._ix.epoch, "lease_ms": self._lease_ms, "grants": out}
 
-    def _commit(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+    def _commit(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         items = [(int(lid), int(csum)) for lid, csum in msg["items"]]
-        return {"results": self._ix.commit(int(msg["epoch"]), items, owner)}
+        return {"results": self._ix.commit(int(msg["epoch"]), items, caller.owner)}
 
-    def _abort(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
-        self._ix.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]], owner)
+    def _abort(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        self._ix.abort(int(msg["epoch"]), [int(x) for x in msg["leases"]], caller.owner)
         return {}
 
-    def _read(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
-        grants = self._ix.open_read(protocol.unhex_keys(msg["keys"]), prefix=bool(msg.get("prefix")), owner=owner)
+    def _read(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        grants = self._ix.open_read(caller.keys(msg["keys"]), prefix=bool(msg.get("prefix")), owner=caller.owner)
         pins = [None if g is None else [g.pin_id, g.offset, g.nbytes, g.checksum] for g in grants]
         return {"epoch": self._ix.epoch, "lease_ms": self._lease_ms, "pins": pins}
 
-    def _release(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
+    def _release(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         corrupt = [int(x) for x in msg.get("corrupt", [])]
         if corrupt:
             log.warning(
@@ -187,17 +203,17 @@ class IndexService:
                 "check the pool memory for another writer",
                 len(corrupt),
             )
-        self._ix.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt, owner)
+        self._ix.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt, caller.owner)
         return {}
 
-    def _renew(self, msg: dict[str, Any], owner: int) -> dict[str, Any]:
-        return {"results": self._ix.renew(int(msg["epoch"]), [int(x) for x in msg["ids"]], owner)}
+    def _renew(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        return {"results": self._ix.renew(int(msg["epoch"]), [int(x) for x in msg["ids"]], caller.owner)}
 
     @property
     def _lease_ms(self) -> int:
         return int(self._ix.lease_seconds * 1000)
 
-    def _agent(self, msg: dict[str, Any], _owner: int) -> dict[str, Any]:
+    def _agent(self, msg: dict[str, Any], _caller: _Caller) -> dict[str, Any]:
         """Heartbeat of a node agent: the pool's layout is fixed by the first agent's devices.
 
         Devices are matched to the pool's regions by the uuid in their header, never by order or

@@ -160,7 +160,11 @@ class PoolGuard:
         if self._client is None:
             from maru_connector.pool import PoolClient
 
-            self._client = PoolClient(self._cfg.pool_url, timeout_s=self._cfg.rpc_timeout_ms / 1000)
+            self._client = PoolClient(
+                self._cfg.pool_url,
+                timeout_s=self._cfg.rpc_timeout_ms / 1000,
+                token_file=self._cfg.pool_token_file or None,
+            )
         return self._client
 
     def call(self, what: str, fn: Callable[..., T], *args: object) -> tuple[bool, T | None]:

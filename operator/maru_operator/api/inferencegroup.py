@@ -68,9 +68,9 @@ class PoolRef(KubeModel):
     )
 
 
-# Volumes the operator adds to every vLLM pod (the pool socket, /dev/shm, the scratch directories of a
-# read-only root); a user's volume may not take their names.
-RESERVED_VOLUMES = ("maru-socket", "dshm", "home", "tmp")
+# Volumes the operator adds to every vLLM pod (the pool socket, the pool credential, /dev/shm, the scratch
+# directories of a read-only root); a user's volume may not take their names.
+RESERVED_VOLUMES = ("maru-socket", "maru-credential", "dshm", "home", "tmp")
 DEFAULT_STARTUP_SECONDS = 1800
 
 
@@ -196,8 +196,10 @@ class ConnectorSpec(KubeModel):
     cache_namespace: str | None = Field(
         None,
         max_length=253,
-        description="Salt mixed into every chunk key; groups with different salts never share KV. "
-        "Default: the group's namespace/name.",
+        description="The group's cache within its namespace: groups of one namespace that set the same value share "
+        "KV. Always inside the group's own namespace: the pool keys every chunk by <namespace>/<cacheNamespace> "
+        "from the credential the operator issues, so 'B/x' in namespace A is A/B/x and groups of different "
+        "namespaces never share KV. Default: the group's name.",
     )
     rpc_timeout_ms: int = Field(
         500,

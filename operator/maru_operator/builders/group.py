@@ -2,11 +2,12 @@
 
 Both roles get their ``--kv-transfer-config`` from :func:`maru_connector.config.kv_transfer_config_json`,
 built from one spec, so prefill and decode can never disagree on chunk size, pool or key namespace.
+Both mount the group's pool credential (:mod:`.credentials`), the token of the group's cache scope.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
@@ -25,6 +26,13 @@ from maru_operator.builders.common import (
     restricted_container_security,
     restricted_pod_security,
     selector,
+)
+from maru_operator.builders.credentials import (
+    CREDENTIAL_VOLUME,
+    TOKEN_FILE,
+    build_group_credential,
+    credential_mount,
+    credential_volume,
 )
 from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
@@ -54,10 +62,11 @@ HASH_SEED = "0"
 
 @dataclass(frozen=True)
 class PoolView:
-    """What a group needs to know about its pool."""
+    """What a group needs to know about its pool; ``key`` signs the group's credential (None offline)."""
 
     name: str
     spec: MaruPoolSpec
+    key: bytes | None = field(default=None, repr=False)  # never in a log line
 
     @property
     def endpoint(self) -> str:
@@ -80,23 +89,33 @@ def service_name(group: str) -> str:
 MAX_CACHE_NAMESPACE = 253
 
 
-def cache_namespace(spec: InferenceGroupSpec, owner: Owner) -> str:
-    """The key salt: the user's, or ``<namespace>/<name>`` (hashed down to 253 characters when longer)."""
-    if spec.connector.cache_namespace:
-        return spec.connector.cache_namespace
-    salt = f"{owner.namespace}/{owner.name}"
-    if len(salt) <= MAX_CACHE_NAMESPACE:
-        return salt
-    return salt[: MAX_CACHE_NAMESPACE - 9] + "-" + short_hash(salt)
+def cache_scope(spec: InferenceGroupSpec, owner: Owner) -> str:
+    """The group's key scope in the pool: ``<namespace>/<cacheNamespace, or the group's name>``.
+
+    The namespace comes from the group's own metadata and always comes first, so ``cacheNamespace: B/x``
+    in namespace A is the scope ``A/B/x``, never B's: groups of one namespace share KV by naming the same
+    cacheNamespace, groups of two namespaces never do. The group's token names this scope and the pool
+    keys every chunk by it; the connector's salt is the same string. Hashed down to 253 characters.
+    """
+    scope = f"{owner.namespace}/{spec.connector.cache_namespace or owner.name}"
+    if len(scope) <= MAX_CACHE_NAMESPACE:
+        return scope
+    return scope[: MAX_CACHE_NAMESPACE - 9] + "-" + short_hash(scope)
 
 
 def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> MaruConnectorConfig:
     return MaruConnectorConfig(
         pool_url=pool.endpoint,
         chunk_tokens=spec.connector.chunk_tokens,
-        cache_namespace=cache_namespace(spec, owner),
+        cache_namespace=cache_scope(spec, owner),
+        pool_token_file=TOKEN_FILE,
         rpc_timeout_ms=spec.connector.rpc_timeout_ms,
     )
+
+
+def build_pool_credential(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> Object:
+    """The Secret holding the group's token for its pool (no data without the pool's key)."""
+    return build_group_credential(owner, pool.name, cache_scope(spec, owner), pool.key)
 
 
 def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView) -> list[str]:
@@ -153,19 +172,23 @@ def role_env(role_spec: RoleSpec) -> list[dict[str, Any]]:
     return env + scratch_env({e["name"] for e in env})
 
 
-def role_volumes(role_spec: RoleSpec, pool: PoolView) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def role_volumes(
+    role_spec: RoleSpec, pool: PoolView, group: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, vLLM container mounts): the operator's, then the user's.
 
     A user mount at /dev/shm replaces the operator's (a larger tmpfs for NCCL, say), and one at a scratch
-    directory (``$HOME``, ``/tmp``) replaces that emptyDir; the pool socket cannot be replaced (the
-    semantic checks refuse a mount there).
+    directory (``$HOME``, ``/tmp``) replaces that emptyDir; the pool socket and the pool credential cannot
+    be replaced (the semantic checks refuse a mount there).
     """
     taken = {m.mount_path.rstrip("/") for m in role_spec.volume_mounts}
     # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
     operator = [(pool_socket_volume(pool.spec, pool.name), pool_socket_mount(pool.spec, pool.name)),
+                (credential_volume(group), credential_mount()),
                 ({"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/dev/shm"}),
                 *zip(scratch_volumes(), scratch_mounts(), strict=True)]
-    kept = [(v, m) for v, m in operator if v["name"] == SOCKET_VOLUME or m["mountPath"] not in taken]
+    kept = [(v, m) for v, m in operator
+            if v["name"] in (SOCKET_VOLUME, CREDENTIAL_VOLUME) or m["mountPath"] not in taken]
     volumes = [v for v, _ in kept] + [v.to_k8s() for v in role_spec.volumes]
     mounts = [m for _, m in kept] + [m.to_k8s() for m in role_spec.volume_mounts]
     return volumes, mounts
@@ -213,7 +236,7 @@ def build_role_deployment(
     """The vLLM Deployment of one role; ``replicas`` overrides the spec (0 when access is revoked)."""
     role_spec: RoleSpec = getattr(spec, role)
     pod_labels = role_labels(owner, role, pool.name)
-    volumes, mounts = role_volumes(role_spec, pool)
+    volumes, mounts = role_volumes(role_spec, pool, owner.name)
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.image,
@@ -423,5 +446,6 @@ def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
     """Every child of a bound group (``pool`` given), or only the router when there is no pool."""
     children: list[Object] = []
     if pool is not None:
+        children.append(build_pool_credential(spec, owner, pool))
         children += [build_role_deployment(spec, role, owner, pool) for role in ("prefill", "decode")]
     return children + build_router_children(spec, owner)

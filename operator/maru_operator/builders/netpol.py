@@ -149,7 +149,14 @@ def _client_namespaces(spec: MaruPoolSpec) -> dict[str, Any]:
 
 
 def build_metadata_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, config: NetworkPolicyConfig) -> Object:
-    """The metadata server (dax): RPC from the pool's agents and clients, metrics from the operator."""
+    """The metadata server (dax): RPC from the pool's agents and clients, metrics from the operator.
+
+    Clients stay admitted: they send every lookup, write and read to the metadata server directly (one network
+    round trip, the agent off the hot path), so narrowing the port to agents would take the pool away from
+    them. The policy is a first fence, by namespace and pod labels, both of which a tenant chooses; the control
+    is the credential: every connection is refused until its hello carries a token of this pool's key, and a
+    tenant's ops reach only its own key scope.
+    """
     agents = _peer(_pool_selector(owner, COMPONENT_AGENT))
     clients = {"namespaceSelector": _client_namespaces(spec), "podSelector": {"matchLabels": pool_clients(owner.name)}}
     return _policy(

@@ -5,6 +5,8 @@ shared CXL memory, and an agent DaemonSet that maps the devices on each selected
 mapping to local vLLM pods over a Unix socket. backend ``shm``: every node's memory is separate, so
 each node runs a self-contained ``maru-pool serve``; a pool-wide metadata server would hand out
 offsets of memory it does not own.
+
+Every daemon gets the pool's key (:mod:`.credentials`) and authenticates each client's hello with it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from maru_operator.builders.common import (
     restricted_container_security,
     restricted_pod_security,
     selector,
+)
+from maru_operator.builders.credentials import (
+    KEY_FILE,
+    build_pool_key_secret,
+    pool_key_mount,
+    pool_key_volume,
 )
 from maru_operator.builders.resources import (
     CPU,
@@ -72,6 +80,10 @@ def metadata_url(spec: MaruPoolSpec, pool: str, namespace: str) -> str:
 
 def _eviction_args(spec: MaruPoolSpec) -> list[str]:
     return ["--lease-seconds", str(spec.eviction.lease_seconds), "--eviction", spec.eviction.policy.lower()]
+
+
+# Every daemon verifies hellos against the pool key: clients, agents' heartbeats, the metadata server's peers.
+AUTH_ARGS = ["--auth-key-file", KEY_FILE]
 
 
 def _pool_owner_labels(owner: Owner, component: str) -> dict[str, str]:
@@ -164,6 +176,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
         "--listen", f"tcp://0.0.0.0:{spec.daemon.metadata_port}",
         "--metrics-addr", f"0.0.0.0:{spec.daemon.metrics_port}",
         *_eviction_args(spec),
+        *AUTH_ARGS,
     ]
     if spec.size:
         args += ["--size", spec.size]
@@ -186,6 +199,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                     # The metadata server needs no host access at all.
                     "securityContext": restricted_pod_security(),
                     "tolerations": _tolerations(spec),
+                    "volumes": [pool_key_volume(owner.name, reader_is_root=False)],
                     "containers": [
                         {
                             "name": "metadata",
@@ -195,6 +209,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                             "args": args,
                             "ports": _ports(spec, rpc=True),
                             "resources": _resources(spec, COMPONENT_METADATA),
+                            "volumeMounts": [pool_key_mount()],
                             "readinessProbe": _status_probe(spec),
                             "livenessProbe": {**_status_probe(spec), "failureThreshold": 6},
                             "securityContext": restricted_container_security(),
@@ -242,8 +257,10 @@ def _agent_args(spec: MaruPoolSpec, pool: str, namespace: str) -> list[str]:
             "--shm-path", SHM_FILE,
             "--metrics-addr", metrics,
             *_eviction_args(spec),
+            *AUTH_ARGS,
         ]
-    args = ["agent", "--listen", listen, "--metadata", metadata_url(spec, pool, namespace), "--metrics-addr", metrics]
+    args = ["agent", "--listen", listen, "--metadata", metadata_url(spec, pool, namespace), "--metrics-addr", metrics,
+            *AUTH_ARGS]
     for device in spec.devices:
         args += ["--device", device]
     return args
@@ -277,8 +294,9 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
     host_dir = socket_host_dir(spec, pool)
     volumes: list[dict[str, Any]] = [
         {"name": "socket", "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}},
+        pool_key_volume(pool, reader_is_root=True),
     ]
-    mounts: list[dict[str, Any]] = [{"name": "socket", "mountPath": host_dir}]
+    mounts: list[dict[str, Any]] = [{"name": "socket", "mountPath": host_dir}, pool_key_mount()]
     if spec.backend == "dax":
         for index, device in enumerate(spec.devices):
             volumes.append({"name": f"dax-{index}", "hostPath": {"path": device, "type": "CharDevice"}})
@@ -330,9 +348,10 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
     }
 
 
-def build_pool_children(spec: MaruPoolSpec, owner: Owner, namespace: str) -> list[Object]:
-    """Every child the pool needs, in creation order."""
+def build_pool_children(spec: MaruPoolSpec, owner: Owner, namespace: str, key: bytes | None = None) -> list[Object]:
+    """Every child the pool needs, in creation order; ``key`` is the pool's (None: rendered without it)."""
     children = [
+        build_pool_key_secret(owner, namespace, key),
         build_metadata_service(spec, owner, namespace),
         build_metadata_deployment(spec, owner, namespace),
         build_agent_daemonset(spec, owner, namespace),
