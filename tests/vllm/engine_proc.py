@@ -63,6 +63,9 @@ def build(opts: dict[str, Any]):
         kwargs["disable_log_stats"] = False
     if opts.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
+    if opts.get("long_prefill_token_threshold"):
+        # Caps each prefill's share of a step, so several prefills run side by side.
+        kwargs["long_prefill_token_threshold"] = opts["long_prefill_token_threshold"]
     if opts.get("async_scheduling"):
         keep_async_scheduling()
         kwargs["async_scheduling"] = True
