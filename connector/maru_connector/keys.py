@@ -4,8 +4,9 @@ vLLM already hashes every full block of a request into ``request.block_hashes``:
 the hash of block *j* covers every token of blocks ``0..j`` (plus LoRA, multimodal inputs and the
 request's ``cache_salt``). The key of chunk *i* is therefore the block hash at the chunk's last
 block, keyed with a fingerprint of everything that changes the bytes of the KV (:class:`Namespace`):
-the weights themselves, quantization, config overrides, dtypes, the KV cache's byte format and
-layers, the vLLM version, block and chunk size, tensor-parallel rank and size, and the tenant salt.
+the weights themselves and how they are loaded, the modelling code, quantization, config overrides,
+dtypes, the KV cache's byte format and layers, the vLLM version, block and chunk size, tensor-parallel
+rank and size, and the tenant salt.
 Nothing re-reads token ids, so a 128k-token prompt costs one small hash per chunk.
 
 The chain only matches across engines when vLLM's root hash (``NONE_HASH``) is the same in every
@@ -23,7 +24,10 @@ from dataclasses import asdict, dataclass
 
 # Bumped whenever the packed chunk format or the key derivation changes, so old pool content
 # turns into misses instead of wrong KV. 2: pages copied in memory order of vLLM 0.32's layouts.
-FORMAT_VERSION = 2
+# 3: the load format, the loader's config, the modelling code (model_impl, custom *.py files) are
+# in the fingerprint; chunks of version 2 were keyed without them (an engine with dummy weights
+# stored under the real model's key), so none of them may ever be hit again.
+FORMAT_VERSION = 3
 
 KEY_BYTES = 16
 
@@ -42,7 +46,10 @@ class Namespace:
 
     model: str  # as configured: a repo id or a path (for people reading logs; the weights field decides)
     revision: str
-    weights: str  # weights.weights_identity: a commit, or the weight files' names, sizes and times
+    weights: str  # weights.weights_identity: a commit, or the weight and code files' names, sizes and times
+    load_format: str  # --load-format: `dummy` fills the same model with random numbers
+    loader_config: str  # canonical JSON of --model-loader-extra-config, less its speed-only keys
+    model_impl: str  # --model-impl: vLLM's modelling code or Transformers' (custom code)
     quantization: str
     hf_overrides: str  # canonical JSON of --hf-overrides (e.g. rope scaling)
     dtype: str  # the model's dtype

@@ -9,22 +9,26 @@ minute::
 For every ``KVCacheLayout`` of vLLM 0.32 it allocates a KV cache the way vLLM's
 ``allocate_kv_cache`` does (one byte buffer, one strided ``[blocks, heads, tokens, 2*head_size]``
 view per layer), writes K and V through the GPU backends' reading of that view
-(``kv.transpose(1, 2).split(head_size, -1)``), packs blocks into host memory with
+(``kv.transpose(1, 2).split(head_size, -1)``), packs blocks into pinned host memory with
 :class:`~maru_connector.layout.PagedKV` as the connector's saves do, unpacks them into other blocks
 of a second cache as its loads do, and compares what the backend reads there, value by value.
 
-Before one of the saves it queues a slow kernel that produces that block's KV: a save that does
-not wait for the kernels computing its KV (a copy on another stream, a non-blocking copy without a
-sync) packs stale bytes and fails the check. Exit status 0 when every case passes.
+One saved block holds a sentinel until a slow kernel, queued just before the save, has run; only
+then are its real values written. A save that does not wait for the kernels computing its KV (a
+copy on another stream, a non-blocking copy without a sync) packs the sentinel and fails. The
+check proves it can tell: it also runs broken save paths (mutants) that must fail, a copy taken
+before the kernel on every device and, on a GPU, a gather on a side stream that waits for nothing.
+It prints one table row per case; exit status 0 when every round trip is exact and every mutant
+is caught.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 import torch
 
@@ -43,8 +47,21 @@ LAYOUTS: dict[str, tuple[int, int, int, int, int]] = {
 BACKEND = "FLASH_ATTN"
 
 
+# What a block holds until the slow kernel has run: never an expected value (those are 0..254), and
+# exact in every dtype checked, so a save that copied too early is told apart from any other bug.
+SENTINEL = -7.0
+
+
 class CheckFailed(AssertionError):
-    """The bytes a backend would read after a save and a load differ from the ones saved."""
+    """The bytes a backend would read after a save and a load differ from the ones saved.
+
+    ``stale`` is True when they are the sentinel: the save copied a block before the kernel that
+    computes it had run.
+    """
+
+    def __init__(self, message: str, *, stale: bool = False) -> None:
+        super().__init__(message)
+        self.stale = stale
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,14 @@ def write_block(
         v[block * shape.ratio + kernel].copy_(want[1, tokens])
 
 
+def fill_block(view: torch.Tensor, block: int, shape: CacheShape, value: float) -> None:
+    """Set every K and V value of one block to ``value`` (in place, kernel block by kernel block)."""
+    k, v = view.transpose(1, 2).split(shape.head_size, dim=-1)
+    for kernel in range(shape.ratio):
+        k[block * shape.ratio + kernel].fill_(value)
+        v[block * shape.ratio + kernel].fill_(value)
+
+
 def slow_kernel(device: torch.device, size: int, rounds: int) -> torch.Tensor:
     """A 0-valued scalar that is only known once a long chain of kernels has run."""
     acc = torch.full((size, size), 1.0 / size, device=device)
@@ -153,6 +178,46 @@ class Saved:
     block_ids: list[int]
 
 
+# ---------------------------------------------------------------- broken save paths the check must catch
+
+# A mutant turns the source cache's PagedKV into a broken one; it is applied after the sentinel is
+# written and before the slow kernel is queued.
+Mutant = Callable[[PagedKV], PagedKV]
+
+
+class _UnorderedGather(PagedKV):
+    """Gathers on a fresh side stream that waits for nothing: the bug a GPU save path can have."""
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        side = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(side):
+            super().gather(block_ids, out)
+        # The host waits for its own copy, as a save would; the copy never waited for the kernels.
+        side.synchronize()
+
+
+def copy_before_kernel(paged: PagedKV) -> PagedKV:
+    """A save that copies the blocks as they were before the slow kernel was queued.
+
+    Stands in for a copy that runs out of order (on another stream, or asynchronously) on every
+    device, the CPU included, where no copy can overtake a kernel.
+    """
+    frozen = [view.clone() for view in paged._views]
+    return PagedKV(paged.format, paged.layer_names, frozen, paged.block_bytes, paged.num_blocks)
+
+
+def gather_on_side_stream(paged: PagedKV) -> PagedKV:
+    """A save whose gather runs on a side stream without waiting for the stream computing the KV."""
+    return _UnorderedGather(paged.format, paged.layer_names, paged._views, paged.block_bytes, paged.num_blocks)
+
+
+# Table column -> (mutant, the device types it can run on).
+MUTANTS: dict[str, tuple[Mutant, tuple[str, ...]]] = {
+    "copy before kernel": (copy_before_kernel, ("cpu", "cuda")),
+    "side-stream gather": (gather_on_side_stream, ("cuda",)),
+}
+
+
 def check_layout(
     layout: str,
     shape: CacheShape,
@@ -161,16 +226,25 @@ def check_layout(
     *,
     slow: tuple[int, int] = (64, 4),
     allocator: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = allocate,
+    mutant: Mutant | None = None,
 ) -> Saved:
     """Save blocks of one cache and load them into other blocks of another; raise :class:`CheckFailed`.
 
-    ``allocator(layout, shape, dtype, device)`` makes each cache (tests pass vLLM's own).
+    ``allocator(layout, shape, dtype, device)`` makes each cache (tests pass vLLM's own);
+    ``mutant`` breaks the save path on purpose (see :data:`MUTANTS`).
     """
     device = torch.device(device)
     _, src_views = allocator(layout, shape, dtype, device)
+    saved = [7, 3]  # not in memory order: a chunk follows the request's block table
+    # The last block's KV comes out of a slow kernel queued just before the save; until then the
+    # block holds the sentinel, so only a copy ordered after that kernel sees its real values.
+    late = saved[-1]
     for layer, view in enumerate(src_views.values()):
         for b in range(shape.num_blocks):
-            write_block(view, layer, b, shape)
+            if b == late:
+                fill_block(view, b, shape, SENTINEL)
+            else:
+                write_block(view, layer, b, shape)
     describe = dict(
         num_blocks=shape.num_blocks,
         block_size=shape.block_size,
@@ -179,22 +253,27 @@ def check_layout(
         backend=BACKEND,
     )
     src = describe_kv_caches(src_views, **describe)
-    per_chunk = 2
-    saved = [7, 3]  # not in memory order: a chunk follows the request's block table
-    # The last block's KV comes out of a slow kernel queued just before the save.
-    late = saved[-1]
+    if mutant is not None:
+        src = mutant(src)
+    if device.type == "cuda":
+        # The sentinel is in memory before the kernel is queued: an early copy reads exactly it.
+        torch.cuda.synchronize(device)
     zero = slow_kernel(device, *slow)
     for layer, view in enumerate(src_views.values()):
-        for t in block_kv(view, late, shape):
-            t.zero_()
         write_block(view, layer, late, shape, extra=zero)
-    pool_chunk = bytearray(src.geometry(per_chunk).chunk_bytes)  # stands in for the pool mapping
-    src.gather(saved, src.chunk_view(pool_chunk, per_chunk))
+    per_chunk = 2
+    # Pinned host memory on a GPU, as MaruWorker's staging buffer: the copy a save really makes.
+    chunk_bytes = src.geometry(per_chunk).chunk_bytes
+    staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    src.gather(saved, src.chunk_view(staging, per_chunk))
+    pool_chunk = bytearray(staging.numpy().tobytes())  # stands in for the pool mapping (lease.fill)
 
     _, dst_views = allocator(layout, shape, dtype, device)
     dst = describe_kv_caches(dst_views, **describe)
     landing = {0: 10, 1: 2}
-    dst.scatter(dst.chunk_view(memoryview(bytes(pool_chunk)), per_chunk), sorted(landing.items()))
+    # A load copies the pool's bytes into the staging buffer, then scatters from it (MaruWorker).
+    staging.copy_(torch.frombuffer(bytearray(pool_chunk), dtype=torch.uint8))
+    dst.scatter(dst.chunk_view(staging, per_chunk), sorted(landing.items()))
     for layer, view in enumerate(dst_views.values()):
         for slot, b in landing.items():
             want = expected_kv(layer, saved[slot], shape, dtype, device)
@@ -202,9 +281,17 @@ def check_layout(
             for name, got, exp in (("K", k, want[0]), ("V", v, want[1])):
                 if not torch.equal(got, exp):
                     bad = (got != exp).nonzero()[0].tolist()
+                    stale = bool((got == SENTINEL).any())
+                    why = (
+                        " (the sentinel: the save copied this block before the kernel computing it had run)"
+                        if stale
+                        else ""
+                    )
                     raise CheckFailed(
                         f"{layout} {dtype} on {device}: layer {layer} block {saved[slot]} -> {b}: {name} differs "
                         f"first at [token, head, dim] {bad}: {got[tuple(bad)].item()} != {exp[tuple(bad)].item()}"
+                        + why,
+                        stale=stale,
                     )
         untouched = [b for b in range(shape.num_blocks) if b not in landing.values()]
         if any(t.any() for b in untouched for t in block_kv(view, b, shape)):
@@ -222,23 +309,61 @@ def cases(device: torch.device) -> Iterator[tuple[str, CacheShape, torch.dtype]]
             yield layout, CacheShape(block_size=64, kernel_block_size=16), dtype
 
 
-def run(device: torch.device | str, *, slow: tuple[int, int] = (64, 4), out=sys.stdout) -> int:
-    """Every case on ``device``; returns the number of failures (each one printed)."""
+def run(
+    device: torch.device | str,
+    *,
+    slow: tuple[int, int] = (64, 4),
+    mutants: dict[str, tuple[Mutant, tuple[str, ...]]] | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Every case on ``device``, as a table; returns the number of failed cells (each one explained).
+
+    A round trip passes when every value arrives exact; a mutant's cell passes when the check
+    failed it for having copied the sentinel, and reads ``-`` where it cannot run on this device.
+    """
     device = torch.device(device)
-    failures = 0
+    mutants = MUTANTS if mutants is None else mutants
+    columns = ["layout", "dtype", "block", "format", "round trip", *mutants]
+    rows: list[list[str]] = []
+    details: list[str] = []
     for layout, shape, dtype in cases(device):
-        start = time.perf_counter()
+        name = str(dtype).removeprefix("torch.")
+        split = f" = {shape.ratio}x{shape.kernel_block_size}" if shape.kernel_block_size else ""
+        block = f"{shape.block_size}{split}"
         try:
-            paged = check_layout(layout, shape, dtype, device, slow=slow).paged
+            fmt = check_layout(layout, shape, dtype, device, slow=slow).paged.format
+            cells = [fmt, "PASS"]
         except CheckFailed as err:
-            failures += 1
-            print(f"FAIL {err}", file=out)
-            continue
-        split = f", kernel blocks of {shape.kernel_block_size}" if shape.kernel_block_size else ""
-        took = (time.perf_counter() - start) * 1000
-        print(
-            f"ok   {layout} {str(dtype).removeprefix('torch.')}{split}: format {paged.format} ({took:.0f} ms)", file=out
-        )
+            cells = ["?", "FAIL"]
+            details.append(f"FAIL round trip: {err}")
+        for column, (mutant, devices) in mutants.items():
+            if device.type not in devices:
+                cells.append("-")
+                continue
+            try:
+                check_layout(layout, shape, dtype, device, slow=slow, mutant=mutant)
+            except CheckFailed as err:
+                if err.stale:
+                    cells.append("PASS")
+                    continue
+                details.append(f"FAIL {column}: {layout} {name} failed, but not for copying early: {err}")
+            else:
+                details.append(
+                    f"FAIL {column}: {layout} {name}: the check passed a save that does not wait for the "
+                    "kernel computing its KV; it cannot vouch for the ordering on this machine"
+                )
+            cells.append("FAIL")
+        rows.append([layout, name, block, *cells])
+    widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
+    for row in [columns, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)
+    for line in details:
+        print(line, file=out)
+    failures = sum(row.count("FAIL") for row in rows)
+    if failures:
+        print(f"FAIL: {failures} check(s) failed on {device}", file=out)
+    else:
+        print(f"PASS: {len(rows)} cases on {device}, every round trip exact, every broken save caught", file=out)
     return failures
 
 
@@ -249,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     # On a GPU the slow kernel takes tens of milliseconds, far longer than a save's copy.
     slow = (4096, 40) if device.type == "cuda" else (64, 4)
-    failures = run(device, slow=slow)
-    print(f"{'FAILED' if failures else 'passed'}: {failures} failure(s) on {device}")
-    return 1 if failures else 0
+    return 1 if run(device, slow=slow) else 0
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ So the keys carry an identity of the weights themselves, derived without reading
 * a Hugging Face snapshot (``.../snapshots/<commit>/``, or a repo id whose revision the local
   cache resolves to a commit) is identified by that commit;
 * any other directory by its weight files' names, sizes and modification times, plus the
-  bytes of its small JSON files (config, checkpoint index, quantization config).
+  bytes of its small JSON files (config, checkpoint index, quantization config) and of its
+  modelling code (the ``*.py`` files ``trust_remote_code`` runs).
 
-Files are only listed and stat'ed, and small JSON files read: microseconds to milliseconds. Two copies
-of one model made separately on two nodes get different identities unless their modification times
-match (container images, ``cp -p`` and ``rsync -t`` keep them); that costs hits, never correctness.
+Files are only listed and stat'ed, and small JSON and code files read: microseconds to milliseconds.
+Two copies of one model made separately on two nodes get different identities unless their
+modification times match (container images, ``cp -p`` and ``rsync -t`` keep them); that costs hits,
+never correctness.
 Pure module: standard library only.
 """
 
@@ -24,9 +26,12 @@ import re
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+# Custom modelling code shipped with the weights (``modeling_*.py``, ``configuration_*.py``), which
+# ``trust_remote_code`` runs: a fix to its attention or rotary code changes the KV, not a weight file.
+CODE_SUFFIXES = (".py",)
 # Small files that change the numbers without changing a weight file: architecture (rope scaling,
-# head counts), the checkpoint index, quantization parameters.
-SMALL_JSON_MAX_BYTES = 4 << 20
+# head counts), the checkpoint index, quantization parameters, and the modelling code; read whole.
+SMALL_FILE_MAX_BYTES = 4 << 20
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -60,7 +65,7 @@ def _directory_identity(path: Path) -> str:
         except OSError:
             continue
         digest.update(f"{name}\0".encode())
-        if name.endswith(".json") and st.st_size <= SMALL_JSON_MAX_BYTES:
+        if name.endswith((".json", *CODE_SUFFIXES)) and st.st_size <= SMALL_FILE_MAX_BYTES:
             digest.update(_read(file))
             continue
         digest.update(f"{st.st_size}\0".encode())
@@ -76,7 +81,7 @@ def _model_files(root: Path) -> list[tuple[str, Path]]:
     for directory, subdirs, files in os.walk(root, followlinks=True):
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         for name in files:
-            if name.endswith(WEIGHT_SUFFIXES) or name.endswith(".json"):
+            if name.endswith((*WEIGHT_SUFFIXES, ".json", *CODE_SUFFIXES)):
                 file = Path(directory, name)
                 found.append((file.relative_to(root).as_posix(), file))
     return sorted(found)
@@ -87,6 +92,8 @@ def _read(file: Path) -> bytes:
         raw = file.read_bytes()
     except OSError:
         return b""
+    if not file.name.endswith(".json"):
+        return raw
     try:
         # Key order and whitespace are not the numbers.
         return json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()

@@ -27,9 +27,10 @@ def vllm_config(
             dtype="torch.float32",
             quantization=None,
             hf_overrides={},
+            model_impl="auto",
             get_num_layers=lambda _pc: 2,
         ),
-        load_config=SimpleNamespace(download_dir=None),
+        load_config=SimpleNamespace(download_dir=None, load_format="auto", model_loader_extra_config={}),
         compilation_config=SimpleNamespace(static_forward_context=layers),
     )
 

@@ -122,15 +122,61 @@ def test_the_torch_only_gpu_check_allocates_as_vllm_does(layout: str) -> None:
             assert a.data_ptr() - buf.data_ptr() == b.data_ptr() - base, name
 
 
+class Lines:
+    """Collects what ``layout_check.run`` prints."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    @property
+    def lines(self) -> list[str]:
+        return self.text.splitlines()
+
+
 def test_the_gpu_check_passes_on_this_cpu() -> None:
     """The same code a GPU node runs (``python -m maru_connector.layout_check --device cuda``)."""
-    lines: list[str] = []
+    out = Lines()
+    assert layout_check.run("cpu", out=out) == 0, out.text
+    header, *rows, verdict = out.lines
+    columns = ["layout", "dtype", "block", "format", "round trip", *layout_check.MUTANTS]
+    assert header.split() == " ".join(columns).split()
+    assert len(rows) == 16 and verdict.startswith("PASS: 16 cases on cpu")
+    # Round trip and the copy made before the kernel pass everywhere; no side stream on a CPU.
+    assert all(row.split()[-3:] == ["PASS", "PASS", "-"] for row in rows), out.text
 
-    class Out:
-        def write(self, text: str) -> None:
-            lines.append(text)
 
-    assert layout_check.run("cpu", out=Out()) == 0, "".join(lines)
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [(layout, SHAPE) for layout in ALL_LAYOUTS] + [("LBHNC", SPLIT), ("LBNHC", SPLIT)],
+    ids=lambda x: x if isinstance(x, str) else f"block{x.block_size}",
+)
+def test_a_save_that_copies_before_the_kernel_computing_its_kv_fails_the_check(layout: str, shape: CacheShape) -> None:
+    """The GPU check's ordering test can fail: a save that reads the blocks before the slow kernel has
+    run (what a copy on another stream does on a GPU) packs the sentinel, and is told apart from other bugs."""
+    with pytest.raises(layout_check.CheckFailed, match="sentinel") as failed:
+        layout_check.check_layout(
+            layout, shape, torch.float16, "cpu", allocator=vllm_allocate, mutant=layout_check.copy_before_kernel
+        )
+    assert failed.value.stale
+
+
+def test_the_table_fails_when_a_broken_save_path_is_not_caught() -> None:
+    """A mutant the check lets through, or fails for another reason, is a FAIL cell and a failed run."""
+    mutants = {
+        "harmless": (lambda paged: paged, ("cpu",)),
+        "reversed": (lambda paged: mutant(ReversedBlocks, paged), ("cpu",)),  # wrong, but not early
+        "gpu-only": (layout_check.gather_on_side_stream, ("cuda",)),
+    }
+    out = Lines()
+    assert layout_check.run("cpu", mutants=mutants, out=out) == 2 * 16
+    header, *rows = out.lines[:17]
+    assert header.split()[-3:] == ["harmless", "reversed", "gpu-only"]
+    assert all(row.split()[-4:] == ["PASS", "FAIL", "FAIL", "-"] for row in rows), out.text
+    assert "not for copying early" in out.text and "cannot vouch for the ordering" in out.text
+    assert out.lines[-1] == "FAIL: 32 check(s) failed on cpu"
 
 
 def test_layouts_with_the_same_page_order_share_chunks() -> None:

@@ -48,12 +48,32 @@ def fingerprint(model: Path | str, info: dict | None = None, **engine_args) -> b
         {"hf_overrides": {"rope_theta": 5000.0}},
         {"quantization": "fp8"},
         {"kv_cache_dtype": "fp8"},
+        {"kv_cache_dtype_skip_layers": ["0"]},
         {"dtype": "float32"},
+        {"load_format": "dummy"},  # random weights: must never share keys with the real ones
+        {"model_loader_extra_config": {"tensorizer_uri": "s3://bucket/other.tensors"}},
+        {"model_impl": "transformers"},
     ],
     ids=lambda c: next(iter(c)),
 )
 def test_each_engine_setting_that_changes_the_numbers_changes_the_key(model: Path, change: dict) -> None:
     assert fingerprint(model, **change) != fingerprint(model)
+
+
+def test_loader_settings_that_only_change_loading_speed_keep_the_key(model: Path) -> None:
+    fast = {"enable_multithread_load": True, "num_threads": 8}
+    assert fingerprint(model, model_loader_extra_config=fast) == fingerprint(model)
+
+
+def test_new_custom_modelling_code_at_the_same_path_changes_the_key(model: Path, tmp_path: Path) -> None:
+    """trust_remote_code runs the directory's own *.py; a changed file there changes the KV."""
+    path = tmp_path / "remote-code"
+    shutil.copytree(model, path)
+    code = path / "modeling_tiny.py"
+    code.write_text("SCALE = 1.0\n")
+    before = fingerprint(path)
+    code.write_text("SCALE = 2.0\n")
+    assert fingerprint(path) != before
 
 
 def test_the_same_configuration_gives_the_same_key(model: Path) -> None:

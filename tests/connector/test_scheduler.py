@@ -3,6 +3,7 @@ of a request's chunks (retried, orphaned, tainted, rolled back after a failed lo
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +51,9 @@ def expected_keys(req: fakes.Request) -> list[bytes]:
         model="tiny-llama",
         revision="",
         weights="unresolved:tiny-llama@default",
+        load_format="auto",
+        loader_config="{}",
+        model_impl="auto",
         quantization="",
         hf_overrides="{}",
         dtype="torch.float32",
@@ -286,6 +290,24 @@ def test_random_block_hash_seed_disables_the_connector(monkeypatch: pytest.Monke
     sched = make(NO_POOL, hash_algo="xxhash")
     assert not sched.active
     req = fakes.request("r", 4 * CHUNK)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = sched.build_connector_meta(fakes.step({"r": list(range(8))}, {"r": (0, 4 * CHUNK)}, {}))
+    assert meta.is_empty()
+    assert common.counters().get(common.LOOKUPS, 0) == 0
+
+
+def test_a_retired_scheduler_plans_nothing_and_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+    """After vLLM resets the connector's cache (sleep, weight update): no lookups, loads or saves."""
+    common.reset_counters()
+    sched = make(NO_POOL)
+    req = fakes.request("r", 4 * CHUNK)
+    sched.track(req)
+    with caplog.at_level(logging.WARNING, logger="vllm.maru_connector"):
+        sched.retire("the weights may have changed")
+        sched.retire("the weights may have changed")
+    said = [r.getMessage() for r in caplog.records if "disabled" in r.getMessage()]
+    assert said == ["maru connector disabled: the weights may have changed"]
+    assert not sched.active
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     meta = sched.build_connector_meta(fakes.step({"r": list(range(8))}, {"r": (0, 4 * CHUNK)}, {}))
     assert meta.is_empty()

@@ -74,3 +74,21 @@ def test_what_cannot_be_resolved_says_so(tmp_path: Path) -> None:
     identity = weights_identity("org/absent", "v1", cache_dir=str(tmp_path))
     assert identity == "unresolved:org/absent@v1" and not is_resolved(identity)
     assert is_resolved(weights_identity(str(model_dir(tmp_path))))
+
+
+def test_custom_modelling_code_is_part_of_the_identity(tmp_path: Path) -> None:
+    """trust_remote_code runs the model directory's own *.py: a fix to it changes the KV, not a weight file."""
+    path = model_dir(tmp_path)
+    code = path / "modeling_tiny.py"
+    code.write_text("def rotary(x):\n    return x * 1.0\n")
+    before = weights_identity(str(path))
+    stat = code.stat()
+    code.write_text("def rotary(x):\n    return x * 2.0\n")  # same size, same time: only the bytes say it
+    os.utime(code, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights_identity(str(path)) != before
+    # Equally in a hub snapshot, where the commit would name a changed file anyway.
+    snapshot = model_dir(tmp_path / "hub" / "snapshots", COMMIT_A)
+    (snapshot / "modeling_tiny.py").write_text("A = 1\n")
+    first = weights_identity(str(snapshot))
+    (snapshot / "modeling_tiny.py").write_text("A = 2\n")
+    assert weights_identity(str(snapshot)) != first

@@ -394,12 +394,21 @@ def test_a_long_save_renews_its_leases(short_leases: PoolDaemon) -> None:
     assert common.counters()[common.SAVED_CHUNKS] == 4
 
 
-def test_sleep_mode_lets_go_of_the_kv_cache_and_takes_it_back(pool) -> None:
+def test_after_a_sleep_the_worker_stays_off_the_pool(pool) -> None:
+    """Sleep is mostly used to reload weights, which the keys cannot see: once awake, nothing is stored
+    under the old keys and nothing loaded from them, whether vLLM restores or re-registers the cache."""
     producer, src = make(pool.url)
     fill(src, seed=15)
-    producer.unregister_kv_caches()
-    producer.save(save_meta({1: (0, 1)}))  # asleep: nothing touches the cache, the save is retried
-    assert producer.report().saves == {("r", 0): RETRY}
-    producer.restore_kv_caches()
     producer.save(save_meta({1: (0, 1)}))
     assert producer.report().saves == {("r", 0): STORED}
+    producer.unregister_kv_caches()
+    producer.save(save_meta({2: (2, 3)}))  # asleep: nothing touches the cache, the save is skipped
+    assert producer.report().saves == {("r", 0): RETRY}
+    producer.restore_kv_caches()
+    producer.register_kv_caches(src)
+    producer.save(save_meta({2: (2, 3)}))
+    assert producer.report().saves == {("r", 0): RETRY}
+    producer.load(load_meta({1: ((0, 5), (1, 6))}))  # chunk 1 is in the pool, but not for this engine now
+    assert producer.take_invalid_blocks() == {5, 6}
+    with PoolClient(pool.url, timeout_s=5) as client:
+        assert client.lookup_prefix([key(2)[0]]) == 0

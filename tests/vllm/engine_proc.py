@@ -7,7 +7,9 @@ Ops: ``generate`` (prompts as token ids, greedy), ``session`` (a streaming-input
 request whose prompt grows turn by turn), ``counters`` (connector counters of this process, both
 halves), ``metrics`` (the connector's Prometheus counters), ``keys`` (the pool keys of a prompt's
 chunks), ``corrupt`` (flip bytes of one stored chunk in the pool memory), ``inject`` / ``clear``
-(make a connector or pool-client method fail, to prove the engine survives it), ``exit``.
+(make a connector or pool-client method fail, to prove the engine survives it), ``handshake`` (vLLM's
+start-up connector handshake, again), ``reset_prefix_cache`` (vLLM's), ``unretire`` (undo the
+connector's "off until restart" after a reset, for the next test), ``exit``.
 
 Option ``async_scheduling``: vLLM's CPU platform turns asynchronous scheduling off (it gains nothing
 on a CPU), but it is the default on GPUs, where step N+1 is planned before step N's output is known;
@@ -61,6 +63,9 @@ def build(opts: dict[str, Any]):
         kwargs["disable_log_stats"] = False
     if opts.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
+    if opts.get("long_prefill_token_threshold"):
+        # Caps each prefill's share of a step, so several prefills run side by side.
+        kwargs["long_prefill_token_threshold"] = opts["long_prefill_token_threshold"]
     if opts.get("async_scheduling"):
         keep_async_scheduling()
         kwargs["async_scheduling"] = True
@@ -177,6 +182,28 @@ def clear() -> dict[str, Any]:
     return {"ok": True}
 
 
+def handshake(llm) -> dict[str, Any]:
+    """vLLM's connector handshake again, as ``EngineCore.__init__`` runs it once at start (0.32): every
+    worker's ``get_handshake_metadata``, merged, into the scheduler's ``set_xfer_handshake_metadata``."""
+    core = llm.llm_engine.engine_core.engine_core
+    connector = core.scheduler.get_kv_connector()
+    per_worker = core.model_executor.get_kv_connector_handshake_metadata()
+    content: dict = {}
+    if per_worker:
+        for worker_dict in per_worker:
+            if worker_dict is not None:
+                content.update(worker_dict)
+        connector.set_xfer_handshake_metadata_pp_aware(content)
+    return {"ok": True, "ranks": sorted(tp for _, tp in content), "active": connector._scheduler.active}
+
+
+def unretire(llm) -> dict[str, Any]:
+    """Test seam: undo ``reset_cache``'s "off until restart", so the module's engine serves the next test."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    sched.disabled_reason = None
+    return {"ok": True, "active": sched.active}
+
+
 def keys(llm, req: dict[str, Any]) -> dict[str, Any]:
     n = len(req["prompt"]) // llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.chunk_tokens
     return {"keys": [chunk_key(llm, req["prompt"], i).hex() for i in range(n)]}
@@ -269,6 +296,13 @@ def main() -> int:
                 answer(clear())
             elif op == "keys":
                 answer(keys(llm, req))
+            elif op == "handshake":
+                answer(handshake(llm))
+            elif op == "unretire":
+                answer(unretire(llm))
+            elif op == "reset_prefix_cache":
+                # vLLM's own API: drop the local prefix cache (and, if asked, the connector's).
+                answer({"ok": llm.reset_prefix_cache(reset_connector=bool(req.get("reset_connector", False)))})
             else:
                 answer({"error": f"unknown op {op}"})
         except Exception as err:  # report to the test, which decides whether dying was expected

@@ -84,9 +84,14 @@ HOOKS: dict[str, str] = {
     "update_connector_output": "implemented: settle loads, retry skipped saves, roll back tainted ones",
     "request_finished": "implemented: forget the request; nothing is pending, blocks may be freed",
     "requires_kv_delivery": "implemented: False, saves finish inside their step",
-    "supports_sleep_mode": "implemented (vLLM 0.33): True, the KV cache is re-registered on wake",
+    "reset_cache": "implemented: vLLM resets caches when it sleeps or updates weights; the shared pool is "
+    "never cleared, but this engine's keys may no longer name its weights: it stops using the pool until restart",
+    # Sleep hooks as the 0.33 base class was expected to have them; their signatures could not be
+    # checked against vLLM's source, so the facade accepts any arguments.
+    "supports_sleep_mode": "implemented (vLLM 0.33): True, sleeping is safe: the connector lets go of the KV "
+    "cache and, once awake, stays off the pool (the weights may have been reloaded)",
     "unregister_kv_caches": "implemented (vLLM 0.33): stop touching the KV cache while it sleeps",
-    "restore_kv_caches": "implemented (vLLM 0.33): describe the KV cache again on wake",
+    "restore_kv_caches": "implemented (vLLM 0.33): stay off the pool until restart, the weights may be new",
     # ---- vLLM's default is right for this connector
     "role": "base: set by the constructor",
     "bind_connector_metadata": "base: stores the step's metadata",
@@ -111,7 +116,6 @@ HOOKS: dict[str, str] = {
     "has_pending_push_work": "base: no push transfers",
     "get_required_kvcache_layout": "base: None, every layout vLLM 0.32 resolves is copied as it is",
     "requires_piecewise_for_cudagraph": "base: no layer-by-layer work inside the graph",
-    "reset_cache": "base: the pool is shared by the fleet, one engine must not clear it",
     "set_xfer_handshake_metadata_pp_aware": "base: refuses pipeline-parallel ranks, which are not supported",
     "supports_divergent_local_hybrid_hits": "base: False, one KV cache group only",
 }
@@ -165,7 +169,9 @@ class MaruConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls) -> bool:
-        """vLLM 0.33: the connector lets go of the KV cache on sleep and describes it again on wake."""
+        """vLLM 0.33: sleeping is safe; the connector lets go of the KV cache, and after waking it stays
+        off the pool until restart, because sleep is mostly used to reload weights (RL) and the chunk
+        keys name the weights the engine started with (see :meth:`restore_kv_caches`)."""
         return True
 
     def _failed(self, hook: str, err: BaseException, degraded: str) -> None:
@@ -178,22 +184,35 @@ class MaruConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
-    def unregister_kv_caches(self) -> None:
+    # The two sleep hooks take any arguments: their signatures in vLLM 0.33 are not verified, and a
+    # call that does not match must not raise into vLLM.
+    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
         """Worker (vLLM 0.33), before the KV cache sleeps: stop touching it; loads and saves degrade."""
         if self._worker is not None:
-            self._worker.unregister_kv_caches()
+            try:
+                self._worker.unregister_kv_caches()
+            except Exception as err:
+                self._failed("unregister_kv_caches", err, "the pool stays unused until the next restart")
 
-    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
-        """Worker (vLLM 0.33), after wake-up: describe the KV cache again."""
+    def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """Worker (vLLM 0.33), after wake-up: the weights may have been reloaded while the engine slept,
+        and the keys name the ones it started with, so the worker stays off the pool until restart."""
         if self._worker is not None:
             try:
-                self._worker.restore_kv_caches(kv_caches)
+                self._worker.restore_kv_caches()
             except Exception as err:
                 self._failed("restore_kv_caches", err, "the pool stays unused until the next restart")
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """Worker, once after ``register_kv_caches``: the KV format and rank the scheduler keys with."""
-        return self._worker.handshake() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        try:
+            return self._worker.handshake()
+        except Exception as err:
+            # A rank that reports nothing makes the scheduler half refuse the handshake: no keys at all.
+            self._failed("get_handshake_metadata", err, "this rank reports no KV format and the connector stays off")
+            return None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Worker, every step with loads, before the forward: copy chunks in, synchronously.
@@ -299,6 +318,27 @@ class MaruConnector(KVConnectorBase_V1):
 
     # ============================================================== scheduler side
 
+    def reset_cache(self) -> bool | None:
+        """Scheduler: vLLM resets its caches (sleep at level 1 or 2, a pause that clears caches around a
+        weight update, ``reset_prefix_cache(reset_connector=True)``).
+
+        The pool is shared by the fleet and is not cleared. But the weights may have changed, and the
+        chunk keys name the weights the engine started with: from now on this engine neither loads nor
+        stores, until it restarts. True: nothing stale will reach this engine; False if that failed.
+        """
+        if self._scheduler is None:
+            return None
+        try:
+            self._scheduler.retire(
+                "vLLM reset the connector's cache (sleep, or a weight update); the weights may no longer "
+                "be the ones the chunk keys name, so this engine stops using the pool until it restarts "
+                "(the pool itself is shared and is not cleared)"
+            )
+        except Exception as err:
+            self._failed("reset_cache", err, "vLLM is told the reset failed")
+            return False
+        return True
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Scheduler, once before serving: every worker's KV format, by TP rank."""
         if self._scheduler is None:
@@ -307,6 +347,8 @@ class MaruConnector(KVConnectorBase_V1):
             self._scheduler.set_worker_info({r: m for r, m in metadata.items() if isinstance(m, MaruWorkerInfo)})
         except Exception as err:
             self._failed("set_xfer_handshake_metadata", err, "the connector stays disabled")
+            # Never key with a namespace the workers' handshake did not confirm.
+            self._scheduler.fingerprints = None
 
     def on_new_request(self, request: Request) -> None:
         """Scheduler, when a request arrives: start following it."""
@@ -360,7 +402,10 @@ class MaruConnector(KVConnectorBase_V1):
             return self._sched.request_finished(request, block_ids)
         except Exception as err:
             self._failed("request_finished", err, "the request is forgotten")
-            self._sched.forget(request.request_id)
+            try:
+                self._sched.forget(request.request_id)
+            except Exception as again:
+                self._failed("request_finished (forgetting)", again, "its state is kept until the engine restarts")
             return False, None
 
     @property

@@ -18,6 +18,14 @@ from maru_connector.weights import is_resolved, weights_identity
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+# Keys of --model-loader-extra-config that only change how fast the weights load (threads, streaming
+# concurrency and memory, a completeness check), never which numbers: vLLM 0.32's default and Run:ai
+# loaders. Left out of the key so they cost no hits. Every other key (a tensorizer URI, a sharded
+# state's file pattern, a plugin's options) may pick other weights and goes in.
+LOAD_SPEED_ONLY_KEYS = frozenset(
+    {"enable_multithread_load", "num_threads", "enable_weights_track", "concurrency", "memory_limit", "distributed"}
+)
+
 
 def engine_identity(vllm_config: VllmConfig) -> dict[str, str]:
     """The ``keys.Namespace`` fields an engine's configuration decides."""
@@ -27,7 +35,8 @@ def engine_identity(vllm_config: VllmConfig) -> dict[str, str]:
     cache = vllm_config.cache_config
     # Object-storage models are pulled into a local directory; keep the name people configured.
     name = str(getattr(model, "model_weights", "") or model.model)
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    load = getattr(vllm_config, "load_config", None)
+    download_dir = getattr(load, "download_dir", None)
     weights = weights_identity(str(model.model), model.revision, cache_dir=download_dir)
     if not is_resolved(weights):
         common.log.warning(
@@ -37,16 +46,31 @@ def engine_identity(vllm_config: VllmConfig) -> dict[str, str]:
             name,
         )
     skipped = list(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])
+    impl = getattr(model, "model_impl", "auto")
     return {
         "model": name,
         "revision": str(model.revision or ""),
         "weights": weights,
+        # Which loader fills the weights: `dummy` gives random numbers from the same files, and a
+        # tensorizer or sharded-state loader reads other files than the directory's weights.
+        "load_format": str(getattr(load, "load_format", "auto")),
+        "loader_config": loader_config(getattr(load, "model_loader_extra_config", None)),
+        # Which modelling code computes the KV: vLLM's own, or Transformers' (the model's custom
+        # code with trust_remote_code, whose files are in the weights identity).
+        "model_impl": str(getattr(impl, "value", impl)),
         "quantization": str(model.quantization or ""),
         "hf_overrides": canonical(model.hf_overrides),
         "dtype": str(model.dtype),
         "kv_cache_dtype": str(cache.cache_dtype) + (f" skip={','.join(skipped)}" if skipped else ""),
         "vllm_version": str(vllm.__version__),
     }
+
+
+def loader_config(extra: Any) -> str:
+    """``--model-loader-extra-config`` without the keys that only change loading speed."""
+    if isinstance(extra, dict):
+        extra = {k: v for k, v in extra.items() if k not in LOAD_SPEED_ONLY_KEYS}
+    return canonical(extra or {})
 
 
 def kv_layers_digest(layer_names: Sequence[str], block_bytes: int) -> str:

@@ -263,6 +263,12 @@ class MaruScheduler:
     def active(self) -> bool:
         return self.fingerprints is not None and not self.disabled_reason
 
+    def retire(self, reason: str) -> None:
+        """Stop using the pool for the rest of this engine's life: no lookups, loads or saves are planned."""
+        if not self.disabled_reason:
+            self.disabled_reason = reason
+            common.log.warning("maru connector disabled: %s", reason)
+
     # ------------------------------------------------------------------ vLLM scheduler hooks
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -71,7 +71,9 @@ class MaruWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.paged: PagedKV | None = None
-        self._registered: dict[str, torch.Tensor] | None = None
+        # Set by a sleep (vLLM 0.33): the KV cache is never used with the pool again (unregister_kv_caches).
+        self._slept = False
+        self._said_off_after_sleep = False
         self._staging: torch.Tensor | None = None
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, f"worker{tp_rank}", self.stats)
@@ -85,6 +87,9 @@ class MaruWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Recognise the engine's KV cache once, at start; one this connector cannot copy raises ``KVLayoutError``."""
+        if self._slept:
+            self.restore_kv_caches()  # registered again after a sleep: stay off the pool all the same
+            return
         groups = self._kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise KVLayoutError(f"one KV cache group is supported, the model has {len(groups)}")
@@ -102,7 +107,6 @@ class MaruWorker:
             head_size=spec.head_size,
             backend=attention_backend(self._vllm_config, list(kv_caches)),
         )
-        self._registered = dict(kv_caches)
         chunk_bytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
         self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.paged.device.type == "cuda")
         common.log.info(
@@ -116,14 +120,24 @@ class MaruWorker:
         )
 
     def unregister_kv_caches(self) -> None:
-        """The engine is about to free or offload its KV cache (sleep mode): stop touching it."""
-        self.paged = None
+        """The engine is about to free or offload its KV cache (sleep mode): stop touching it, for good.
 
-    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
-        """The KV cache is back (wake up): describe it again, from ``kv_caches`` or the ones registered."""
-        caches = kv_caches if kv_caches is not None else self._registered
-        if caches is not None:
-            self.register_kv_caches(caches)
+        Sleep is mostly used to reload weights (RL), which the connector cannot see: the chunk keys
+        name the weights identity computed at start, so after a wake-up this engine's KV may belong
+        under other keys. It neither loads nor stores again until it restarts.
+        """
+        self.paged = None
+        self._slept = True
+
+    def restore_kv_caches(self) -> None:
+        """The KV cache is back (wake up): stay off the pool (see :meth:`unregister_kv_caches`)."""
+        if self._slept and not self._said_off_after_sleep:
+            self._said_off_after_sleep = True
+            common.log.warning(
+                "maru worker %d: woke up from sleep; the weights may have been reloaded and the chunk keys "
+                "name the ones it started with, so this engine stops using the pool until it restarts",
+                self.tp_rank,
+            )
 
     def handshake(self) -> MaruWorkerInfo | None:
         if self.paged is None:
@@ -311,10 +325,21 @@ class MaruWorker:
         load that failed on one rank is wrong on all of them: every rank must drop it. One small
         all-reduce on the CPU group, only in steps whose saves depend on unsettled loads.
         """
+        # From the step's metadata, the same on every rank: if this raises, no rank joins the collective.
         deps = sorted({load_id for plan in meta.saves.values() for load_id in plan.depends_on})
         if not deps:
             return set()
-        flags = torch.tensor([int(load_id in self._failed_loads) for load_id in deps], dtype=torch.int32)
+        try:
+            flags = torch.tensor([int(load_id in self._failed_loads) for load_id in deps], dtype=torch.int32)
+        except Exception as err:
+            # This rank's own state broke: it still joins the all-reduce below, or the other ranks wait
+            # in it forever, and says "failed" for every load, so that every rank drops these saves
+            # (stored again later, once nothing they depend on is unsettled).
+            common.hook_failed(
+                self.stats, self.guard.log, "wait_for_save (failed-load check)", err,
+                "the step's saves that depend on unsettled loads are dropped on every rank",
+            )  # fmt: skip
+            flags = torch.ones(len(deps), dtype=torch.int32)
         group = self._tp_group
         if group is not None and getattr(group, "world_size", 1) > 1:
             torch.distributed.all_reduce(flags, group=group.cpu_group)
