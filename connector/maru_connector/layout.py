@@ -31,7 +31,7 @@ message naming them, instead of producing wrong bytes later. Only ``torch`` is i
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +87,24 @@ class PagedKV:
         """True when every page is one range of memory (one copy per block and layer)."""
         return len(self._page_shape) == 1
 
+    def fence(self) -> Callable[[], None]:
+        """A wait for the KV computed so far, for a copy that runs on another thread.
+
+        Called on the engine's thread after a forward; the copy thread calls the result before it
+        reads blocks. On a GPU it waits for an event recorded behind the forward's kernels on the
+        engine's stream; on the CPU the forward has finished by the time this is called.
+        """
+        if self.device.type != "cuda":
+            return _no_wait
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event.synchronize
+
+    def finish_copies(self) -> None:
+        """Wait until this thread's copies into engine memory have landed (before a load is reported)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def geometry(self, blocks_per_chunk: int) -> ChunkGeometry:
         return ChunkGeometry(self.num_layers, blocks_per_chunk, self.block_bytes)
 
@@ -128,6 +146,10 @@ class PagedKV:
         for layer, view in enumerate(self._views):
             blocks = src[layer].index_select(0, idx).view(len(slots), *self._page_shape)
             view.index_copy_(0, dst, blocks.to(self.device))
+
+
+def _no_wait() -> None:
+    pass
 
 
 def describe_kv_caches(

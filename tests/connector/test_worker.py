@@ -31,6 +31,7 @@ from maru_connector.vllm.metadata import (
     ChunkSave,
     LoadPlan,
     MaruConnectorMetadata,
+    MaruWorkerReport,
     SavePlan,
 )
 from maru_connector.vllm.worker import MaruWorker
@@ -81,6 +82,19 @@ def load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int = 1) 
     return MaruConnectorMetadata(loads={"r": plan})
 
 
+def save(worker: MaruWorker, meta: MaruConnectorMetadata) -> None:
+    """Hand a step's saves to the worker and wait for its save lane, as a later step would find them."""
+    worker.save(meta)
+    worker.wait_idle()
+
+
+def settled(worker: MaruWorker) -> MaruWorkerReport | None:
+    """The report vLLM would collect on the next step: the lanes' results, then the worker's report."""
+    worker.wait_idle()
+    worker.finished(None)
+    return worker.report()
+
+
 def pool_offset(pool, k: bytes) -> tuple[int, int]:
     with PoolClient(pool.url, timeout_s=5) as c:
         reply = c._call({"op": "read", "keys": [k.hex()]})
@@ -120,8 +134,8 @@ def short_leases() -> Iterator[PoolDaemon]:
 def test_save_then_load_into_other_blocks(pool) -> None:
     producer, src = make(pool.url)
     fill(src, seed=1)
-    producer.save(save_meta({1: (3, 9), 2: (4, 5)}))
-    assert producer.report().saves == {("r", 0): STORED, ("r", 1): STORED}
+    save(producer, save_meta({1: (3, 9), 2: (4, 5)}))
+    assert settled(producer).saves == {("r", 0): STORED, ("r", 1): STORED}
     consumer, dst = make(pool.url)
     consumer.load(
         MaruConnectorMetadata(
@@ -130,7 +144,7 @@ def test_save_then_load_into_other_blocks(pool) -> None:
             }
         )
     )
-    assert consumer.report().loads == {7: -1}
+    assert settled(consumer).loads == {7: -1}
     assert consumer.take_invalid_blocks() == set()
     for name in src:
         assert torch.equal(dst[name][10], src[name][3])
@@ -143,9 +157,9 @@ def test_second_save_of_a_chunk_is_a_no_op(pool) -> None:
     common.reset_counters()
     worker, caches = make(pool.url)
     fill(caches, seed=2)
-    worker.save(save_meta({7: (0, 1)}))
-    worker.save(save_meta({7: (0, 1)}))
-    assert worker.report().saves == {("r", 0): PRESENT}
+    save(worker, save_meta({7: (0, 1)}))
+    save(worker, save_meta({7: (0, 1)}))
+    assert settled(worker).saves == {("r", 0): PRESENT}
     c = common.counters()
     assert c[common.SAVED_CHUNKS] == 1
     assert c[common.SAVE_NOT_LEASED] == 1
@@ -155,11 +169,11 @@ def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool) -> None:
     common.reset_counters()
     producer, src = make(pool.url)
     fill(src, seed=3)
-    producer.save(save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5)}))
+    save(producer, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5)}))
     flip_pool_byte(pool, key(2)[0])
     consumer, _ = make(pool.url)
     consumer.load(load_meta({1: ((0, 8), (1, 9)), 2: ((0, 10), (1, 11)), 3: ((0, 12), (1, 13))}))
-    assert consumer.report().loads == {1: 1}  # the plan's chunk 1 failed
+    assert settled(consumer).loads == {1: 1}  # the plan's chunk 1 failed
     assert consumer.take_invalid_blocks() == {10, 11, 12, 13}
     assert consumer.take_invalid_blocks() == set()  # reported once
     c = common.counters()
@@ -182,14 +196,14 @@ def test_saves_depending_on_a_failed_load_are_dropped_then_and_later(pool) -> No
     worker, caches = make(pool.url)
     fill(caches, seed=4)
     worker.load(load_meta({50: ((0, 0), (1, 1))}, load_id=5))  # never stored: fails
-    worker.save(save_meta({51: (2, 3)}, depends_on=(5,)))
-    report = worker.report()
+    save(worker, save_meta({51: (2, 3)}, depends_on=(5,)))
+    report = settled(worker)
     assert report.loads == {5: 0} and report.saves == {("r", 0): TAINTED}
     # Next step (planned before the scheduler heard): still tainted. Unrelated saves go through.
     worker.load(MaruConnectorMetadata(settled_below=5))
-    worker.save(save_meta({52: (4, 5)}, depends_on=(5,)))
-    worker.save(save_meta({53: (6, 7)}, depends_on=(4,)))
-    assert worker.report().saves == {("r", 0): STORED}
+    save(worker, save_meta({52: (4, 5)}, depends_on=(5,)))
+    save(worker, save_meta({53: (6, 7)}, depends_on=(4,)))
+    assert settled(worker).saves == {("r", 0): STORED}
     assert common.counters()[common.SAVE_TAINTED_CHUNKS] == 2
     with PoolClient(pool.url, timeout_s=5) as client:
         assert client.lookup_prefix([key(51)[0]]) == 0  # computed over bad blocks: not stored
@@ -197,8 +211,8 @@ def test_saves_depending_on_a_failed_load_are_dropped_then_and_later(pool) -> No
         assert client.lookup_prefix([key(53)[0]]) == 1
     # Once the scheduler has settled the load, its failure is forgotten.
     worker.load(MaruConnectorMetadata(settled_below=6))
-    worker.save(save_meta({54: (8, 9)}, depends_on=(5,)))
-    assert worker.report().saves == {("r", 0): STORED}
+    save(worker, save_meta({54: (8, 9)}, depends_on=(5,)))
+    assert settled(worker).saves == {("r", 0): STORED}
 
 
 def test_a_failed_load_step_reports_every_planned_block(pool) -> None:
@@ -211,7 +225,7 @@ def test_a_failed_load_step_reports_every_planned_block(pool) -> None:
     )
     worker.fail_loads(meta)
     assert worker.take_invalid_blocks() == {6, 7, 9, 10}
-    assert worker.report().loads == {3: 0, 4: 0}
+    assert settled(worker).loads == {3: 0, 4: 0}
 
 
 def test_dead_pool_never_raises(pool) -> None:
@@ -219,10 +233,10 @@ def test_dead_pool_never_raises(pool) -> None:
     worker, caches = make(pool.url)
     fill(caches, seed=5)
     pool.kill()
-    worker.save(save_meta({1: (0, 1)}))
+    save(worker, save_meta({1: (0, 1)}))
     worker.load(load_meta({1: ((0, 2),)}))
     assert worker.take_invalid_blocks() == {2}
-    assert worker.report().saves == {("r", 0): RETRY}
+    assert settled(worker).saves == {("r", 0): RETRY}
     c = common.counters()
     assert c[common.SAVE_SKIPPED_CHUNKS] == 1
     assert c.get(common.SAVED_CHUNKS, 0) == 0
@@ -236,14 +250,14 @@ def test_hung_pool_costs_one_timeout_then_backs_off(pool, monkeypatch: pytest.Mo
     # expire on a merely busy machine before the pool is stopped.
     worker, caches = make(pool.url)
     fill(caches, seed=6)
-    worker.save(save_meta({1: (0, 1)}))  # connects while the daemon answers
+    save(worker, save_meta({1: (0, 1)}))  # connects while the daemon answers
     assert common.counters()[common.SAVED_CHUNKS] == 1, common.counters()
     assert pool.proc is not None
     os.kill(pool.proc.pid, signal.SIGSTOP)
     wait_stopped(pool.proc.pid)
     try:
-        worker.save(save_meta({2: (2, 3)}))  # times out
-        worker.save(save_meta({3: (4, 5)}))  # inside the back-off: not even tried
+        save(worker, save_meta({2: (2, 3)}))  # times out
+        save(worker, save_meta({3: (4, 5)}))  # inside the back-off: not even tried
         worker.load(load_meta({1: ((0, 6),)}))
         assert worker.take_invalid_blocks() == {6}, common.counters()
     finally:
@@ -271,7 +285,7 @@ def test_unknown_layout_is_refused_at_registration(pool) -> None:
 def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
     producer, src = make(pool.url)
     fill(src, seed=7)
-    producer.save(save_meta({1: (0, 1)}))
+    save(producer, save_meta({1: (0, 1)}))
     consumer, dst = make(pool.url)
     meta = MaruConnectorMetadata(
         loads={
@@ -281,7 +295,7 @@ def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
     )
     consumer.load(meta)
     assert consumer.take_invalid_blocks() == {8}
-    assert consumer.report().loads == {1: -1, 2: 0}
+    assert settled(consumer).loads == {1: -1, 2: 0}
     for name in src:
         assert torch.equal(dst[name][6], src[name][0])
         assert torch.equal(dst[name][7], src[name][1])
@@ -300,12 +314,12 @@ def test_full_pool_skips_the_store_without_backing_off() -> None:
             for k in fillers:
                 assert client.put(k, b"\1" * nbytes)
             pins = client.open_read_many(fillers)  # pinned chunks cannot be evicted
-            worker.save(save_meta({1: (0, 1)}))
-            assert worker.report().saves == {("r", 0): RETRY}
+            save(worker, save_meta({1: (0, 1)}))
+            assert settled(worker).saves == {("r", 0): RETRY}
             assert common.counters()[common.SAVE_SKIPPED_CHUNKS] == 1
             client.release_many([p for p in pins if p is not None])
         # Space can be reclaimed now (LRU); a full pool is not a sick pool, so no back-off delays this.
-        worker.save(save_meta({1: (0, 1)}))
+        save(worker, save_meta({1: (0, 1)}))
         assert common.counters()[common.SAVED_CHUNKS] == 1
     finally:
         small.kill()
@@ -341,14 +355,14 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
         return run
 
     slow.paged.gather = stalled(slow.paged.gather)
-    writer = threading.Thread(target=slow.save, args=(save_meta({1: (0, 1)}),))
+    writer = threading.Thread(target=save, args=(slow, save_meta({1: (0, 1)})))
     writer.start()
     time.sleep(1.5)  # A's lease expires and the daemon reclaims its space
     fast.paged.gather = then_wait(fast.paged.gather)
-    fast.save(save_meta({2: (2, 3)}))
+    save(fast, save_meta({2: (2, 3)}))
     writer.join(15)
-    assert fast.report().saves == {("r", 0): STORED}
-    assert slow.report().saves == {("r", 0): RETRY}
+    assert settled(fast).saves == {("r", 0): STORED}
+    assert settled(slow).saves == {("r", 0): RETRY}
     reader, dst = make(url)
     reader.load(load_meta({2: ((0, 8), (1, 9))}))
     assert reader.take_invalid_blocks() == set(), "B's chunk must load"
@@ -361,7 +375,7 @@ def test_a_load_copies_the_bytes_it_verified(pool) -> None:
     """The engine gets exactly the bytes that passed the checksum, even if the pool changes right after."""
     producer, src = make(pool.url)
     fill(src, seed=13)
-    producer.save(save_meta({1: (0, 1)}))
+    save(producer, save_meta({1: (0, 1)}))
     consumer, dst = make(pool.url)
     scatter = consumer.paged.scatter
 
@@ -389,8 +403,8 @@ def test_a_long_save_renews_its_leases(short_leases: PoolDaemon) -> None:
         gather(block_ids, out)
 
     worker.paged.gather = slow_gather
-    worker.save(save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
-    assert worker.report().saves == {("r", i): STORED for i in range(4)}
+    save(worker, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
+    assert settled(worker).saves == {("r", i): STORED for i in range(4)}
     assert common.counters()[common.SAVED_CHUNKS] == 4
 
 
@@ -398,8 +412,8 @@ def test_sleep_mode_lets_go_of_the_kv_cache_and_takes_it_back(pool) -> None:
     producer, src = make(pool.url)
     fill(src, seed=15)
     producer.unregister_kv_caches()
-    producer.save(save_meta({1: (0, 1)}))  # asleep: nothing touches the cache, the save is retried
-    assert producer.report().saves == {("r", 0): RETRY}
+    save(producer, save_meta({1: (0, 1)}))  # asleep: nothing touches the cache, the save is retried
+    assert settled(producer).saves == {("r", 0): RETRY}
     producer.restore_kv_caches()
-    producer.save(save_meta({1: (0, 1)}))
-    assert producer.report().saves == {("r", 0): STORED}
+    save(producer, save_meta({1: (0, 1)}))
+    assert settled(producer).saves == {("r", 0): STORED}

@@ -43,6 +43,8 @@ RANK = textwrap.dedent(
     meta = MaruConnectorMetadata(loads={"r": load}, saves={"r": save})
     worker.load(meta)
     worker.save(meta)
+    worker.wait_idle()
+    worker.finished(None)
     report = worker.report()
     print(json.dumps({"load": report.loads[5], "save": report.saves[("r", 1)]}), flush=True)
     dist.barrier()

@@ -26,6 +26,8 @@ T = TypeVar("T")
 # Counter names; tests and the benchmark read them through counters().
 LOOKUPS = "lookups"
 LOOKUP_CHUNKS_HIT = "lookup_chunks_hit"
+LOOKUP_HANDOFF_POLLS = "lookup_handoff_polls"
+LOOKUP_HANDOFF_SHORT = "lookup_handoff_short"
 HIT_TOKENS = "hit_tokens"
 LOADED_CHUNKS = "loaded_chunks"
 LOAD_FAILED_CHUNKS = "load_failed_chunks"
@@ -42,6 +44,8 @@ HOOK_ERRORS = "hook_errors"
 ALL_COUNTERS = (
     LOOKUPS,
     LOOKUP_CHUNKS_HIT,
+    LOOKUP_HANDOFF_POLLS,
+    LOOKUP_HANDOFF_SHORT,
     HIT_TOKENS,
     LOADED_CHUNKS,
     LOAD_FAILED_CHUNKS,
@@ -153,6 +157,7 @@ class PoolGuard:
         self._min_backoff, self._max_backoff = self.BACKOFF_S
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._lock = threading.RLock()
         self.log = RateLimitedLog()
 
     @property
@@ -164,18 +169,23 @@ class PoolGuard:
         return self._client
 
     def call(self, what: str, fn: Callable[..., T], *args: object) -> tuple[bool, T | None]:
-        """Run ``fn(client, *args)``; ``(True, result)``, or ``(False, None)`` after logging."""
-        if self._retry_at and time.monotonic() < self._retry_at:
-            self._stats.count(POOL_SKIPPED_CALLS)
-            return False, None
-        try:
-            result = fn(self.client, *args)
-        except Exception as err:  # never into vLLM: any failure is a miss or a skipped store
-            self.failed(what, err)
-            return False, None
-        self._backoff = 0.0
-        self._retry_at = 0.0
-        return True, result
+        """Run ``fn(client, *args)``; ``(True, result)``, or ``(False, None)`` after logging.
+
+        Calls from several threads (the worker's load and save lanes) take turns, so a hung pool
+        costs one timeout: whoever waited behind it finds the back-off already set.
+        """
+        with self._lock:
+            if self._retry_at and time.monotonic() < self._retry_at:
+                self._stats.count(POOL_SKIPPED_CALLS)
+                return False, None
+            try:
+                result = fn(self.client, *args)
+            except Exception as err:  # never into vLLM: any failure is a miss or a skipped store
+                self.failed(what, err)
+                return False, None
+            self._backoff = 0.0
+            self._retry_at = 0.0
+            return True, result
 
     def failed(self, what: str, err: BaseException) -> None:
         self._stats.count(POOL_ERRORS)

@@ -1,21 +1,34 @@
 """Worker half of the Maru connector: copies KV blocks between the engine and the pool mapping.
 
-Runs in each model worker (one per TP rank). Loads run in ``start_load_kv`` before the forward
-that needs them; saves run in ``wait_for_save`` after the forward that computed them, and commit
-before the step's output leaves the worker. All copying of engine memory goes through
-``layout.PagedKV``, the one place that knows where KV bytes sit. Pool traffic per step: one batched
-call to pin or lease, one to release or commit, whatever the number of layers.
+Runs in each model worker (one per TP rank). Copies run on two background lanes (``lane.Lane``),
+so the engine's thread only plans them:
 
-Pool memory is read and written exactly once per chunk, through a private staging buffer: a load
-copies the chunk out and verifies that copy in one pass before it touches the engine, and a save
-checksums the engine's bytes while it copies them in, so bytes that changed in the pool behind our
-back can only ever fail a checksum. Leases and pins about to expire are renewed between chunks.
+* **Loads** (asynchronous, vLLM's ``load_kv_async``): ``start_load_kv`` hands the step's loads to
+  the load lane; the request waits in ``WAITING_FOR_REMOTE_KVS`` meanwhile, and ``get_finished``
+  reports it loaded once its copy is done, together with any blocks that failed (vLLM recomputes
+  them before the request computes anything). With ``maru_load_async: false`` loads run inside
+  ``start_load_kv``, before the forward that reads them.
+* **Saves**: ``wait_for_save`` hands the chunks the step completed to the save lane. Their blocks
+  stay valid until the copy is done: a running request does not change full blocks; a finished one
+  keeps them (``request_finished`` delays the free until the scheduler half, having heard every
+  save's outcome, lists the request in ``MaruConnectorMetadata.free_now``, which the worker echoes
+  as ``finished_sending`` once its own lane is done with it); a preempted one is waited for in
+  ``handle_preemptions``, before the step that could reuse its blocks.
+
+All copying of engine memory goes through ``layout.PagedKV``, the one place that knows where KV
+bytes sit. Pool traffic per job: one batched call to pin or lease, one to release or commit, whatever
+the number of layers. Pool memory is read and written exactly once per chunk: a load copies the
+chunk out and verifies that copy in one pass, and a save checksums the engine's bytes while it copies
+them in, so bytes that changed in the pool behind our back can only ever fail a checksum. Leases and
+pins about to expire are renewed between chunks.
 
 What became of each load and save goes back to the scheduler half in :meth:`MaruWorker.report`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +36,7 @@ import torch
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.vllm import common
+from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import (
     ORPHAN,
     PRESENT,
@@ -30,6 +44,7 @@ from maru_connector.vllm.metadata import (
     STORED,
     TAINTED,
     ChunkLoad,
+    ChunkSave,
     LoadPlan,
     MaruConnectorMetadata,
     MaruWorkerInfo,
@@ -43,6 +58,23 @@ if TYPE_CHECKING:
 
 # Renew a lease or pin when less than this share of its period is left before the next chunk's copy.
 RENEW_BELOW_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What one request's load came to (built on the load lane, applied on the engine's thread)."""
+
+    req_id: str
+    load_id: int
+    failed_from: int  # index of the first chunk that failed, -1 when all loaded
+    lost_blocks: frozenset[int]  # destination blocks that hold no valid KV
+    asynchronous: bool
+
+
+# (req_id, chunk index, outcome) for one chunk handed over for saving.
+SaveOutcome = tuple[str, int, str]
+# (req_id, chunk index, ChunkSave) still to be stored.
+SaveItem = tuple[str, int, ChunkSave]
 
 
 class MaruWorker:
@@ -72,13 +104,22 @@ class MaruWorker:
         self._kv_cache_config = kv_cache_config
         self.paged: PagedKV | None = None
         self._registered: dict[str, torch.Tensor] | None = None
-        self._staging: torch.Tensor | None = None
+        # One staging buffer per lane: each lane copies one chunk at a time.
+        self._load_staging: torch.Tensor | None = None
+        self._save_staging: torch.Tensor | None = None
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, f"worker{tp_rank}", self.stats)
+        self._hook_log = common.RateLimitedLog()
+        self._loads = Lane(f"worker{tp_rank}-loads", self._hook_log, self.stats)
+        self._saves = Lane(f"worker{tp_rank}-saves", self._hook_log, self.stats)
         # Destination block ids whose load failed since the last report to vLLM.
         self.invalid_blocks: set[int] = set()
         # Load ids that failed and are not yet settled on the scheduler side (saves may depend on them).
         self._failed_loads: set[int] = set()
+        # Requests whose asynchronous load finished (loaded or not) since the last get_finished.
+        self._loaded: set[str] = set()
+        # Requests the scheduler half let go of whose save jobs here are not done yet.
+        self._to_free: set[str] = set()
         self._report = MaruWorkerReport()
 
     # ------------------------------------------------------------------ registration
@@ -94,7 +135,7 @@ class MaruWorker:
                 f"the model's KV cache is an MLA latent cache ({type(spec).__name__}); MLA models are not "
                 "supported by the Maru connector yet"
             )
-        self.paged = describe_kv_caches(
+        paged = describe_kv_caches(
             kv_caches,
             num_blocks=self._kv_cache_config.num_blocks,
             block_size=self.block_size,
@@ -103,20 +144,24 @@ class MaruWorker:
             backend=attention_backend(self._vllm_config, list(kv_caches)),
         )
         self._registered = dict(kv_caches)
-        chunk_bytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
-        self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.paged.device.type == "cuda")
+        chunk_bytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
+        pinned = paged.device.type == "cuda"
+        self._load_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self._save_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
             self.tp_rank,
-            self.paged.format,
+            paged.format,
             getattr(self._kv_cache_config, "kv_cache_layout", None) or "?",
-            self.paged.num_layers,
-            self.paged.block_bytes,
+            paged.num_layers,
+            paged.block_bytes,
             chunk_bytes,
         )
 
     def unregister_kv_caches(self) -> None:
         """The engine is about to free or offload its KV cache (sleep mode): stop touching it."""
+        self.wait_idle()
         self.paged = None
 
     def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
@@ -139,43 +184,58 @@ class MaruWorker:
     # ------------------------------------------------------------------ loads
 
     def load(self, meta: MaruConnectorMetadata) -> None:
-        """Copy every planned chunk into its blocks, before the forward that reads them.
+        """Start the step's loads: on the load lane (asynchronous plans), or here (the others).
 
-        All of the step's chunks are pinned in one round trip and released in one. A chunk that is
-        missing (evicted since the lookup), unreadable or fails its checksum marks its destination
-        blocks, and those of every later chunk of the request, as failed; vLLM then recomputes from
-        the first failed block (kv_load_failure_policy=recompute).
+        A chunk that is missing (evicted since the lookup), unreadable or fails its checksum marks its
+        destination blocks, and those of every later chunk of the request, as failed; vLLM then
+        recomputes from the first failed block (kv_load_failure_policy=recompute).
         """
         self._forget_settled(meta.settled_below)
         if not meta.loads:
             return
-        plans = list(meta.loads.values())
-        keys = [chunk.keys[self.tp_rank] for plan in plans for chunk in plan.chunks]
+        plans = list(meta.loads.items())
+        now = [(r, p) for r, p in plans if not p.asynchronous]
+        later = [(r, p) for r, p in plans if p.asynchronous]
+        if now:
+            self._apply_loads(self._copy_in(now))
+        if later:
+            self._loads.submit(
+                Job(
+                    run=lambda: self._copy_in(later),
+                    req_ids=frozenset(r for r, _ in later),
+                    on_error=lambda _err: [_failed_load(r, p) for r, p in later],
+                )
+            )
+
+    def fail_loads(self, meta: MaruConnectorMetadata) -> None:
+        """``load`` raised: report every block this step was to load as failed, so vLLM recomputes them."""
+        self._apply_loads(
+            [_failed_load(r, p) for r, p in meta.loads.items() if self._report.loads.get(p.load_id, -1) < 0]
+        )
+
+    def _copy_in(self, plans: list[tuple[str, LoadPlan]]) -> list[LoadOutcome]:
+        """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one."""
+        keys = [chunk.keys[self.tp_rank] for _, plan in plans for chunk in plan.chunks]
         pins: list = [None] * len(keys)
         pool_ok = True
         if keys and self.paged is not None:
             pool_ok, got = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
             pins = got if pool_ok and got is not None else pins
+        outcomes = []
         try:
             at = 0
-            for plan in plans:
-                self._load_plan(plan, pins[at : at + len(plan.chunks)], pool_ok=pool_ok)
+            for req_id, plan in plans:
+                outcomes.append(self._load_plan(req_id, plan, pins[at : at + len(plan.chunks)], pool_ok=pool_ok))
                 at += len(plan.chunks)
         finally:
             held = [p for p in pins if p is not None]
             if held:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
+        if self.paged is not None:
+            self.paged.finish_copies()
+        return outcomes
 
-    def fail_loads(self, meta: MaruConnectorMetadata) -> None:
-        """``load`` raised: report every block this step was to load as failed, so vLLM recomputes them."""
-        for plan in meta.loads.values():
-            if self._report.loads.get(plan.load_id, -1) < 0:
-                self._report.loads[plan.load_id] = 0
-                self._failed_loads.add(plan.load_id)
-            self.invalid_blocks.update(plan.fail_blocks)
-            self.invalid_blocks.update(d for chunk in plan.chunks for _, d in chunk.slots)
-
-    def _load_plan(self, plan: LoadPlan, pins: list, *, pool_ok: bool) -> None:
+    def _load_plan(self, req_id: str, plan: LoadPlan, pins: list, *, pool_ok: bool) -> LoadOutcome:
         done = 0
         if not plan.fail_blocks:
             for chunk, pin in zip(plan.chunks, pins, strict=True):
@@ -184,12 +244,8 @@ class MaruWorker:
                 done += 1
         self.stats.count(common.LOADED_CHUNKS, done)
         if done == len(plan.chunks) and not plan.fail_blocks:
-            self._report.loads[plan.load_id] = -1
-            return
-        self._report.loads[plan.load_id] = done
-        self._failed_loads.add(plan.load_id)
-        lost = [d for chunk in plan.chunks[done:] for _, d in chunk.slots] + list(plan.fail_blocks)
-        self.invalid_blocks.update(lost)
+            return LoadOutcome(req_id, plan.load_id, -1, frozenset(), plan.asynchronous)
+        lost = frozenset(d for chunk in plan.chunks[done:] for _, d in chunk.slots) | frozenset(plan.fail_blocks)
         self.stats.count(common.LOAD_FAILED_CHUNKS, len(plan.chunks) - done)
         if pool_ok and not plan.fail_blocks:
             self.guard.log.warning(
@@ -199,14 +255,17 @@ class MaruWorker:
                 len(plan.chunks),
                 len(lost),
             )
+        return LoadOutcome(req_id, plan.load_id, done, lost, plan.asynchronous)
 
     def _load_chunk(self, chunk: ChunkLoad, pin, held: list) -> bool:
-        assert self.paged is not None and self._staging is not None
+        paged, staging = self.paged, self._load_staging
+        if paged is None or staging is None:
+            return False
         try:
             self._keep_alive(pin, held)
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
-            pin.read_into(self._staging.numpy())
-            self.paged.scatter(self.paged.chunk_view(self._staging, self.blocks_per_chunk), chunk.slots)
+            pin.read_into(staging.numpy())
+            paged.scatter(paged.chunk_view(staging, self.blocks_per_chunk), chunk.slots)
             return True
         except Exception as err:  # a corrupt or odd-sized chunk is a failed load, not an engine error
             if type(err).__name__ == "ChecksumMismatch":
@@ -220,6 +279,16 @@ class MaruWorker:
             )
             return False
 
+    def _apply_loads(self, outcomes: Iterable[LoadOutcome]) -> None:
+        """Record load outcomes for vLLM (failed blocks, finished requests) and the scheduler half."""
+        for out in outcomes:
+            self._report.loads[out.load_id] = out.failed_from
+            if out.failed_from >= 0:
+                self._failed_loads.add(out.load_id)
+                self.invalid_blocks.update(out.lost_blocks)
+            if out.asynchronous:
+                self._loaded.add(out.req_id)
+
     def take_invalid_blocks(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
         return out
@@ -227,7 +296,7 @@ class MaruWorker:
     # ------------------------------------------------------------------ saves
 
     def save(self, meta: MaruConnectorMetadata) -> None:
-        """Store the step's completed chunks: lease all in one call, copy, commit all in one call.
+        """Hand the step's completed chunks to the save lane: lease all in one call, copy, commit all in one.
 
         A request whose KV was computed over a load that failed (in this step, or in an earlier
         one the scheduler had not heard of when it planned this one) stores nothing: its chunks are
@@ -237,7 +306,7 @@ class MaruWorker:
             return
         # First, and on every rank alike: a collective must not be skipped by one rank's early return.
         failed = self._failed_on_any_rank(meta)
-        todo: list[tuple[str, int, object]] = []  # (req_id, chunk index, ChunkSave)
+        todo: list[SaveItem] = []
         for req_id, plan in meta.saves.items():
             if failed.intersection(plan.depends_on):
                 self._outcome(req_id, [c.index for c in plan.chunks], TAINTED)
@@ -246,30 +315,51 @@ class MaruWorker:
             todo += [(req_id, c.index, c) for c in plan.chunks]
         if not todo:
             return
-        if self.paged is None:
-            self._skip(todo)
+        paged = self.paged
+        if paged is None:
+            self._apply_saves(self._skip(todo))
             return
-        nbytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
+        ready = paged.fence()  # the copy must see what this step's forward computed
+        self._saves.submit(
+            Job(
+                run=lambda: self._copy_out(todo, ready),
+                req_ids=frozenset(r for r, _, _ in todo),
+                on_error=lambda _err: self._skip(todo),
+            )
+        )
+
+    def skip_saves(self, meta: MaruConnectorMetadata) -> None:
+        """``save`` raised: whatever it did not report or hand over is to be tried again."""
+        handed = self._saves.busy_with(meta.saves)
+        todo = [(r, c.index, c) for r, plan in meta.saves.items() if r not in handed for c in plan.chunks]
+        self._apply_saves(self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves]))
+
+    def _copy_out(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
+        """Store ``todo`` on the save lane; returns every chunk's outcome."""
+        paged, staging = self.paged, self._save_staging
+        if paged is None or staging is None:
+            return self._skip(todo)
+        nbytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
         items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank]) for _, _, c in todo]
         ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
-            self._skip(todo)
-            return
+            return self._skip(todo)
+        out: list[SaveOutcome] = []
         written = []
         try:
+            ready()
             for (req_id, index, chunk), lease in zip(todo, leases, strict=True):
                 if lease == PRESENT:
                     self.stats.count(common.SAVE_NOT_LEASED)
-                    self._outcome(req_id, [index], PRESENT)
+                    out.append((req_id, index, PRESENT))
                     continue
                 if isinstance(lease, str):  # full, or the chunk before it is not stored
                     self.stats.count(common.SAVE_SKIPPED_CHUNKS)
-                    self._outcome(req_id, [index], ORPHAN if lease == ORPHAN else RETRY)
+                    out.append((req_id, index, ORPHAN if lease == ORPHAN else RETRY))
                     continue
                 self._keep_alive(lease, [x for x in leases if not isinstance(x, str)])
-                out = self.paged.chunk_view(self._staging, self.blocks_per_chunk)
-                self.paged.gather(chunk.block_ids, out)
-                lease.fill(self._staging.numpy())  # checksums the engine's bytes, not the pool's
+                paged.gather(chunk.block_ids, paged.chunk_view(staging, self.blocks_per_chunk))
+                lease.fill(staging.numpy())  # checksums the engine's bytes, not the pool's
                 written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
@@ -277,32 +367,71 @@ class MaruWorker:
         leftover = [x for x in leases if not isinstance(x, str) and id(x) not in done]
         if leftover:
             self.guard.call("save-abort", lambda c, ls: c.abort_many(ls), leftover)
-        reported = {(r, i) for r, i in self._report.saves} | {(r, i) for r, i, _ in written}
-        self._skip([t for t in todo if (t[0], t[1]) not in reported])
+        reported = {(r, i) for r, i, _ in out} | {(r, i) for r, i, _ in written}
+        out += self._skip([t for t in todo if (t[0], t[1]) not in reported])
         if not written:
-            return
+            return out
         ok, committed = self.guard.call("save-commit", lambda c, ls: c.commit_many(ls), [w[2] for w in written])
         results = committed if ok and committed is not None else [False] * len(written)
         for (req_id, index, _), stored in zip(written, results, strict=True):
-            self._outcome(req_id, [index], STORED if stored else RETRY)
+            out.append((req_id, index, STORED if stored else RETRY))
         stored = sum(1 for x in results if x)
         self.stats.count(common.SAVED_CHUNKS, stored)
         self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(written) - stored)
+        return out
 
-    def skip_saves(self, meta: MaruConnectorMetadata) -> None:
-        """``save`` raised: whatever it did not report is to be tried again."""
-        todo = [(req_id, c.index, c) for req_id, plan in meta.saves.items() for c in plan.chunks]
-        self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves])
+    def _skip(self, todo: list[SaveItem]) -> list[SaveOutcome]:
+        self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(todo))
+        return [(req_id, index, RETRY) for req_id, index, _ in todo]
+
+    def _apply_saves(self, outcomes: Iterable[SaveOutcome]) -> None:
+        for req_id, index, outcome in outcomes:
+            self._report.saves[(req_id, index)] = outcome
+
+    # ------------------------------------------------------------------ step boundaries
+
+    def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
+        """Before a step that may reuse preempted requests' blocks: finish the saves reading them."""
+        if meta.preempted:
+            self._saves.wait_for(meta.preempted)
+
+    def finished(self, meta: MaruConnectorMetadata | None) -> tuple[set[str], set[str]]:
+        """Collect the lanes' results; ``(requests whose blocks may be freed, requests loaded)``.
+
+        vLLM's ``get_finished``, once per step after ``wait_for_save``: what it reports here and in
+        the step's ``get_block_ids_with_load_errors`` and ``report`` arrives at the scheduler together.
+        """
+        self._collect()
+        loaded, self._loaded = self._loaded, set()
+        if meta is not None:
+            self._to_free.update(meta.free_now)
+        busy = self._saves.busy_with(self._to_free)
+        freed = self._to_free - busy
+        self._to_free = busy
+        return freed, loaded
 
     def report(self) -> MaruWorkerReport | None:
         """This step's outcomes for the scheduler half (vLLM's ``build_connector_worker_meta``)."""
         out, self._report = self._report, MaruWorkerReport()
         return None if out.is_empty() else out
 
+    def wait_idle(self) -> None:
+        """Block until both lanes are idle (their results are collected on the next step)."""
+        self._loads.wait_for()
+        self._saves.wait_for()
+
     def shutdown(self) -> None:
+        self._loads.close()
+        self._saves.close()
         self.guard.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _collect(self) -> None:
+        for outcomes in self._loads.take_done():
+            self._apply_loads(outcomes)
+        for outcomes in self._saves.take_done():
+            self._apply_saves(outcomes)
 
     def _failed_on_any_rank(self, meta: MaruConnectorMetadata) -> set[int]:
         """Which of the loads the step's saves depend on failed, on this rank or any other.
@@ -320,17 +449,12 @@ class MaruWorker:
             torch.distributed.all_reduce(flags, group=group.cpu_group)
         return {load_id for load_id, n in zip(deps, flags.tolist(), strict=True) if n}
 
-    def _skip(self, todo: list) -> None:
-        for req_id, index, _ in todo:
-            self._outcome(req_id, [index], RETRY)
-        self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(todo))
-
     def _outcome(self, req_id: str, chunks: list[int], outcome: str) -> None:
         for index in chunks:
             self._report.saves[(req_id, index)] = outcome
 
     def _keep_alive(self, item, held: list) -> None:
-        """Renew the step's leases or pins if ``item``'s is running out before its copy."""
+        """Renew the job's leases or pins if ``item``'s is running out before its copy."""
         lease_s = getattr(item, "lease_s", float("inf"))
         if item.remaining() < lease_s * RENEW_BELOW_SHARE:
             live = [x for x in held if x is not None and not isinstance(x, str) and not x.done]
@@ -339,6 +463,11 @@ class MaruWorker:
     def _forget_settled(self, settled_below: int) -> None:
         if self._failed_loads:
             self._failed_loads = {x for x in self._failed_loads if x >= settled_below}
+
+
+def _failed_load(req_id: str, plan: LoadPlan) -> LoadOutcome:
+    lost = frozenset(plan.fail_blocks) | frozenset(d for chunk in plan.chunks for _, d in chunk.slots)
+    return LoadOutcome(req_id, plan.load_id, 0, lost, plan.asynchronous)
 
 
 def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:
