@@ -417,3 +417,101 @@ def test_sleep_mode_lets_go_of_the_kv_cache_and_takes_it_back(pool) -> None:
     producer.restore_kv_caches()
     save(producer, save_meta({1: (0, 1)}))
     assert settled(producer).saves == {("r", 0): STORED}
+
+
+# ---------------------------------------------------------------- background lanes
+
+
+def async_load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int = 1) -> MaruConnectorMetadata:
+    plan = LoadPlan(
+        load_id=load_id, chunks=tuple(ChunkLoad(keys=key(k), slots=s) for k, s in chunks.items()), asynchronous=True
+    )
+    return MaruConnectorMetadata(loads={"r": plan})
+
+
+def hold_gather(worker: MaruWorker) -> tuple[threading.Event, threading.Event]:
+    """Make the worker's next save copy wait inside the lane: (the copy started, let it go)."""
+    started, release = threading.Event(), threading.Event()
+    gather = worker.paged.gather
+
+    def held(block_ids, out):
+        started.set()
+        assert release.wait(30), "the test never let the copy go"
+        gather(block_ids, out)
+
+    worker.paged.gather = held
+    return started, release
+
+
+def test_an_asynchronous_load_is_reported_with_its_failed_blocks_in_one_step(pool) -> None:
+    producer, src = make(pool.url)
+    fill(src, seed=21)
+    save(producer, save_meta({1: (0, 1), 2: (2, 3)}))
+    consumer, dst = make(pool.url)
+    consumer.load(async_load_meta({1: ((0, 4), (1, 5)), 9: ((0, 6),)}))  # key 9 was never stored
+    consumer.wait_idle()
+    freed, loaded = consumer.finished(MaruConnectorMetadata())
+    # What vLLM collects in the same step: the request is loaded, block 6 must be recomputed.
+    assert (freed, loaded) == (set(), {"r"})
+    assert consumer.take_invalid_blocks() == {6}
+    assert consumer.report().loads == {1: 1}
+    for name in src:
+        assert torch.equal(dst[name][4], src[name][0]) and torch.equal(dst[name][5], src[name][1])
+    # Reported once.
+    assert consumer.finished(MaruConnectorMetadata()) == (set(), set())
+
+
+def test_a_finished_request_is_released_only_once_its_save_is_copied(pool) -> None:
+    worker, caches = make(pool.url)
+    fill(caches, seed=22)
+    started, release = hold_gather(worker)
+    worker.save(save_meta({1: (0, 1)}))
+    assert started.wait(30)
+    # The scheduler half lets go of "r" (say its report was lost); the lane still reads its blocks.
+    freed, _ = worker.finished(MaruConnectorMetadata(free_now=frozenset({"r"})))
+    assert freed == set()
+    release.set()
+    worker.wait_idle()
+    freed, _ = worker.finished(MaruConnectorMetadata())
+    assert freed == {"r"}
+    assert worker.report().saves == {("r", 0): STORED}
+
+
+def test_a_preempted_request_s_blocks_are_not_reused_before_its_save_is_copied(pool) -> None:
+    worker, caches = make(pool.url)
+    fill(caches, seed=23)
+    before = {name: t[0:2].clone() for name, t in caches.items()}
+    started, release = hold_gather(worker)
+    worker.save(save_meta({1: (0, 1)}))
+    assert started.wait(30)
+    done = threading.Event()
+    waiter = threading.Thread(
+        target=lambda: (worker.handle_preemptions(MaruConnectorMetadata(preempted=frozenset({"r"}))), done.set())
+    )
+    waiter.start()
+    # The copy is parked inside the lane, so handle_preemptions cannot have returned yet.
+    assert not done.wait(0.2)
+    release.set()
+    waiter.join(30)
+    assert done.is_set()
+    # Only now may vLLM hand the blocks on: what was stored is what the request computed.
+    for t in caches.values():
+        t.zero_()
+    reader, dst = make(pool.url)
+    reader.load(load_meta({1: ((0, 8), (1, 9))}))
+    assert reader.take_invalid_blocks() == set()
+    for name in caches:
+        assert torch.equal(dst[name][8:10], before[name])
+
+
+def test_other_requests_preempted_do_not_wait_for_a_save(pool) -> None:
+    worker, caches = make(pool.url)
+    fill(caches, seed=24)
+    started, release = hold_gather(worker)
+    worker.save(save_meta({1: (0, 1)}))
+    assert started.wait(30)
+    try:
+        worker.handle_preemptions(MaruConnectorMetadata(preempted=frozenset({"someone-else"})))
+    finally:
+        release.set()
+    worker.wait_idle()

@@ -266,8 +266,12 @@ class MaruConnector(KVConnectorBase_V1):
         try:
             freed, loaded = self._worker.finished(self._meta())
         except Exception as err:
-            self._failed("get_finished", err, "transfers finishing now are reported on a later step")
-            return None, None
+            self._failed("get_finished", err, "finished loads are reported, releases wait for the next step")
+            try:
+                return None, self._worker.finished_degraded() or None
+            except Exception as again:
+                self._failed("get_finished (degraded)", again, "finished loads are reported on a later step")
+                return None, None
         return freed or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -101,10 +101,13 @@ class RequestState:
     saving_since: dict[int, float] = field(default_factory=dict)  # chunk -> when it was handed over
     retry_at: dict[int, int] = field(default_factory=dict)  # chunk -> first step it may be tried again
     skips_in_a_row: int = 0  # reports in a row with a skipped save: the back-off doubles with each
-    # From the last lookup: tokens the engine held locally then, and leading chunks the pool had.
+    # Tokens the engine held locally when it last asked, and leading chunks the pool can give
+    # (from the lookup, lowered when a load of them fails).
     local_tokens: int = 0
     chunks_hit: int = 0
     looked_up_keys: int = -1  # how many chunk keys the prompt had when its lookup was asked
+    answered: bool = False  # the lookup for looked_up_keys has answered
+    unsettled_load: int | None = None  # load id handed to the workers whose outcome is not reported
     load: LoadPlan | None = None  # planned at allocation, handed to the workers by the next build
     # Set once vLLM reported the request finished while saves were unsettled: its blocks are held.
     finished_at: float | None = None
@@ -126,7 +129,12 @@ class RequestState:
                 self.chunks[i] = Chunk.IN_POOL
 
     def load_failed(self, first_chunk: int) -> None:
-        """The pool could not give chunks from ``first_chunk`` on: vLLM recomputes them, we re-save."""
+        """The pool could not give chunks from ``first_chunk`` on: vLLM recomputes them, we re-save.
+
+        They are never offered again: a load that failed whole sends the request back to vLLM's
+        waiting queue, which asks again, and must then get a smaller answer or it would loop.
+        """
+        self.chunks_hit = min(self.chunks_hit, first_chunk)
         for i in range(first_chunk, len(self.chunks)):
             if self.chunks[i] is Chunk.IN_POOL:
                 self.chunks[i] = Chunk.MISSING
@@ -327,20 +335,28 @@ class MaruScheduler:
             return 0, False  # the engine already holds all the pool could give
         if state.looked_up_keys != len(state.keys):
             self.stats.count(common.LOOKUPS)
-            state.looked_up_keys = len(state.keys)
+            state.looked_up_keys, state.answered = len(state.keys), False
             self.lookups.submit(
                 request.request_id,
                 state.keys.lookup_order(),
                 expect=self._handoff_expected(request, state),
                 wait_s=self.cfg.handoff_wait_ms / 1000,
             )
-        chunks_hit = self.lookups.result(request.request_id)
-        if chunks_hit is None:
-            return None, False
-        state.looked_up(num_computed_tokens, chunks_hit)
-        self.stats.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
+        if not state.answered:
+            chunks_hit = self.lookups.result(request.request_id)
+            if chunks_hit is None:
+                return None, False
+            state.answered = True
+            self.lookups.forget(request.request_id)
+            state.looked_up(num_computed_tokens, chunks_hit)
+            self.stats.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
+        state.local_tokens = num_computed_tokens
+        if state.unsettled_load is not None:
+            # Asked again before its last load was reported: that load cannot have succeeded (vLLM
+            # asks again only after a load that left nothing); recompute rather than risk a loop.
+            return 0, False
         hit = self._hit_rule(
-            chunks_hit=chunks_hit,
+            chunks_hit=state.chunks_hit,
             chunk_tokens=self.chunk_tokens,
             prompt_len=prompt_len,
             block_size=self.block_size,
@@ -401,11 +417,13 @@ class MaruScheduler:
             meta.loads[req_id] = LoadPlan(
                 load_id=self._new_load_id(), chunks=(), fail_blocks=fail_blocks, asynchronous=self.cfg.load_async
             )
+            if req_id in self._states:
+                self._states[req_id].unsettled_load = meta.loads[req_id].load_id
         self._abandoned = {}
         for req_id, state in self._states.items():
             if state.load is not None:
                 meta.loads[req_id] = state.load
-                state.load = None
+                state.unsettled_load, state.load = state.load.load_id, None
         now = time.monotonic()
         for req_id, plan in meta.loads.items():
             blocks = {d for chunk in plan.chunks for _, d in chunk.slots} | set(plan.fail_blocks)
@@ -455,7 +473,11 @@ class MaruScheduler:
         for load_id, failed in report.loads.items():
             pending = self._pending_loads.pop(load_id, None)
             state = self._states.get(pending.req_id) if pending is not None else None
-            if state is not None and failed >= 0:
+            if state is None:
+                continue
+            if state.unsettled_load == load_id:
+                state.unsettled_load = None
+            if failed >= 0:
                 state.load_failed(pending.first_chunk + failed)
         by_request: dict[str, dict[int, str]] = {}
         for (req_id, chunk), outcome in report.saves.items():

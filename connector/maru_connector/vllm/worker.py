@@ -410,6 +410,13 @@ class MaruWorker:
         self._to_free = busy
         return freed, loaded
 
+    def finished_degraded(self) -> set[str]:
+        """``finished`` raised: still hand vLLM the requests whose loads are done, so none waits forever
+        for a report; releases wait for a call that works."""
+        self._collect()
+        loaded, self._loaded = self._loaded, set()
+        return loaded
+
     def report(self) -> MaruWorkerReport | None:
         """This step's outcomes for the scheduler half (vLLM's ``build_connector_worker_meta``)."""
         out, self._report = self._report, MaruWorkerReport()
