@@ -6,10 +6,14 @@ before the step's output leaves the worker. All copying of engine memory goes th
 ``layout.PagedKV``, the one place that knows where KV bytes sit. Pool traffic per step: one batched
 call to pin or lease, one to release or commit, whatever the number of layers.
 
-Pool memory is read and written exactly once per chunk, through a private staging buffer: a load
-copies the chunk out and verifies that copy in one pass before it touches the engine, and a save
-checksums the engine's bytes while it copies them in, so bytes that changed in the pool behind our
-back can only ever fail a checksum. Leases and pins about to expire are renewed between chunks.
+Pool memory is read and written exactly once per chunk, and checksummed in the same pass, so bytes
+that changed in the pool behind our back can only ever fail a checksum. On CPU engines with dense pages
+(``PagedKV.direct``) the copy goes straight between the engine's pages and the pool, each byte copied
+once: a load that fails its checksum has already written its blocks, which are then reported failed
+and recomputed by vLLM before anything reads them. Otherwise (GPU caches, split pages) it goes
+through a private staging buffer: a load copies the chunk out and verifies that copy before it
+touches the engine, and a save checksums the engine's bytes while it copies them in. Leases and pins
+about to expire are renewed between chunks.
 
 What became of each load and save goes back to the scheduler half in :meth:`MaruWorker.report`.
 """
@@ -104,7 +108,9 @@ class MaruWorker:
         )
         self._registered = dict(kv_caches)
         chunk_bytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
-        self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.paged.device.type == "cuda")
+        self._staging = None  # direct copies (CPU, dense pages) need none
+        if not self.paged.direct:
+            self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.paged.device.type == "cuda")
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
             self.tp_rank,
@@ -201,9 +207,17 @@ class MaruWorker:
             )
 
     def _load_chunk(self, chunk: ChunkLoad, pin, held: list) -> bool:
-        assert self.paged is not None and self._staging is not None
+        assert self.paged is not None
         try:
             self._keep_alive(pin, held)
+            if self.paged.direct:
+                # One pass into the engine's blocks, verified on the way; a mismatch fails these blocks.
+                targets: list[int | None] = [None] * self.blocks_per_chunk
+                for in_chunk, block_id in chunk.slots:
+                    targets[in_chunk] = block_id
+                pin.read_segments(self.paged.segments(targets))
+                return True
+            assert self._staging is not None
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
             pin.read_into(self._staging.numpy())
             self.paged.scatter(self.paged.chunk_view(self._staging, self.blocks_per_chunk), chunk.slots)
@@ -267,9 +281,12 @@ class MaruWorker:
                     self._outcome(req_id, [index], ORPHAN if lease == ORPHAN else RETRY)
                     continue
                 self._keep_alive(lease, [x for x in leases if not isinstance(x, str)])
-                out = self.paged.chunk_view(self._staging, self.blocks_per_chunk)
-                self.paged.gather(chunk.block_ids, out)
-                lease.fill(self._staging.numpy())  # checksums the engine's bytes, not the pool's
+                if self.paged.direct:  # the engine's pages straight into the pool, checksummed on the way
+                    lease.fill_segments(self.paged.segments(chunk.block_ids))
+                else:
+                    out = self.paged.chunk_view(self._staging, self.blocks_per_chunk)
+                    self.paged.gather(chunk.block_ids, out)
+                    lease.fill(self._staging.numpy())  # checksums the engine's bytes, not the pool's
                 written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
