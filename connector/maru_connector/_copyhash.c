@@ -100,9 +100,15 @@ static inline uint64_t mul128_fold64(uint64_t a, uint64_t b) {
  * A kernel copies `n` stripes from `src` to `dst` (none when dst is NULL) and accumulates them,
  * starting at stripe `*in_block` of the current 1 KiB block and scrambling after each block's last
  * stripe. What it stores is what it hashed: both come from the same load.
+ *
+ * `nontemporal` (dst is then 64-byte aligned) stores around the cache, for copies into the pool: that
+ * memory is read by other processes, not by this one, and a store that bypasses the cache need not
+ * first read each destination line it overwrites. The stores are fenced before the kernel returns,
+ * so they are visible before anything the caller does next (a commit).
  */
 
-typedef void (*kernel_fn)(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block);
+typedef void (*kernel_fn)(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block,
+                          int nontemporal);
 
 static inline void accumulate_scalar(uint64_t acc[8], const uint8_t *in, const uint8_t *secret) {
     for (int j = 0; j < 8; j++) {
@@ -122,7 +128,8 @@ static inline void scramble_scalar(uint64_t acc[8]) {
     }
 }
 
-static void kernel_scalar(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block) {
+static void kernel_scalar(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block,
+                          int nontemporal) {
     unsigned s = *in_block;
     uint8_t stripe[STRIPE];
     while (n) {
@@ -164,7 +171,8 @@ static inline __m128i scramble_sse2(__m128i acc, __m128i key) {
     return _mm_add_epi64(lo, _mm_slli_epi64(hi, 32));
 }
 
-static void kernel_sse2(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block) {
+static void kernel_sse2(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block,
+                        int nontemporal) {
     __m128i a[4];
     for (int i = 0; i < 4; i++) a[i] = _mm_loadu_si128((const __m128i *)(acc + 2 * i));
     unsigned s = *in_block;
@@ -175,7 +183,10 @@ static void kernel_sse2(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_
             __m128i d[4];
             for (int i = 0; i < 4; i++) d[i] = _mm_loadu_si128((const __m128i *)(src + 16 * i));
             if (dst) {
-                for (int i = 0; i < 4; i++) _mm_storeu_si128((__m128i *)(dst + 16 * i), d[i]);
+                if (nontemporal)
+                    for (int i = 0; i < 4; i++) _mm_stream_si128((__m128i *)(dst + 16 * i), d[i]);
+                else
+                    for (int i = 0; i < 4; i++) _mm_storeu_si128((__m128i *)(dst + 16 * i), d[i]);
                 dst += STRIPE;
             }
             for (int i = 0; i < 4; i++) a[i] = round_sse2(a[i], d[i], _mm_loadu_si128((const __m128i *)(key + 16 * i)));
@@ -189,6 +200,7 @@ static void kernel_sse2(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_
         }
     }
     for (int i = 0; i < 4; i++) _mm_storeu_si128((__m128i *)(acc + 2 * i), a[i]);
+    if (nontemporal) _mm_sfence();
     *in_block = s;
 }
 
@@ -207,7 +219,7 @@ __attribute__((target("avx2"))) static inline __m256i scramble_avx2(__m256i acc,
 }
 
 __attribute__((target("avx2"))) static void kernel_avx2(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n,
-                                                        unsigned *in_block) {
+                                                        unsigned *in_block, int nontemporal) {
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     unsigned s = *in_block;
@@ -218,8 +230,13 @@ __attribute__((target("avx2"))) static void kernel_avx2(uint64_t acc[8], uint8_t
             __m256i d0 = _mm256_loadu_si256((const __m256i *)src);
             __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + 32));
             if (dst) {
-                _mm256_storeu_si256((__m256i *)dst, d0);
-                _mm256_storeu_si256((__m256i *)(dst + 32), d1);
+                if (nontemporal) {
+                    _mm256_stream_si256((__m256i *)dst, d0);
+                    _mm256_stream_si256((__m256i *)(dst + 32), d1);
+                } else {
+                    _mm256_storeu_si256((__m256i *)dst, d0);
+                    _mm256_storeu_si256((__m256i *)(dst + 32), d1);
+                }
                 dst += STRIPE;
             }
             a0 = round_avx2(a0, d0, _mm256_loadu_si256((const __m256i *)key));
@@ -235,11 +252,12 @@ __attribute__((target("avx2"))) static void kernel_avx2(uint64_t acc[8], uint8_t
     }
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+    if (nontemporal) _mm_sfence();
     *in_block = s;
 }
 
 __attribute__((target("avx512f"))) static void kernel_avx512(uint64_t acc[8], uint8_t *dst, const uint8_t *src,
-                                                             size_t n, unsigned *in_block) {
+                                                             size_t n, unsigned *in_block, int nontemporal) {
     const __m512i prime = _mm512_set1_epi32((int)PRIME32_1);
     __m512i a = _mm512_loadu_si512(acc);
     unsigned s = *in_block;
@@ -249,7 +267,10 @@ __attribute__((target("avx512f"))) static void kernel_avx512(uint64_t acc[8], ui
         for (size_t r = 0; r < run; r++, src += STRIPE, key += 8) {
             __m512i d = _mm512_loadu_si512(src);
             if (dst) {
-                _mm512_storeu_si512(dst, d);
+                if (nontemporal)
+                    _mm512_stream_si512((void *)dst, d);
+                else
+                    _mm512_storeu_si512(dst, d);
                 dst += STRIPE;
             }
             __m512i keyed = _mm512_xor_si512(d, _mm512_loadu_si512(key));
@@ -268,6 +289,7 @@ __attribute__((target("avx512f"))) static void kernel_avx512(uint64_t acc[8], ui
         }
     }
     _mm512_storeu_si512(acc, a);
+    if (nontemporal) _mm_sfence();
     *in_block = s;
 }
 
@@ -320,9 +342,13 @@ typedef struct {
     uint8_t pending[STRIPE];
     uint8_t last[STRIPE]; /* the last normal stripe: the final stripe overlaps it */
     kernel_fn kernel;
+    int nontemporal; /* store runs of whole blocks around the cache (see the kernels) */
 } stream;
 
-static void stream_init(stream *st, size_t total, kernel_fn kernel) {
+/* Runs shorter than this (and unaligned ones) use ordinary stores: the fence would cost more. */
+#define NONTEMPORAL_MIN_STRIPES STRIPES_PER_BLOCK
+
+static void stream_init(stream *st, size_t total, kernel_fn kernel, int nontemporal) {
     static const uint64_t init[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3,
                                      PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
     memcpy(st->acc, init, sizeof init);
@@ -332,6 +358,7 @@ static void stream_init(stream *st, size_t total, kernel_fn kernel) {
     st->in_block = 0;
     st->npending = 0;
     st->kernel = kernel;
+    st->nontemporal = nontemporal;
 }
 
 /* Feed the next `len` bytes of the stream from `src`, copying them to `dst` unless it is NULL. */
@@ -343,7 +370,8 @@ static void stream_feed(stream *st, uint8_t *dst, const uint8_t *src, size_t len
             int reaches_last = n >= left;
             if (reaches_last) n = left - 1;
             if (n) {
-                st->kernel(st->acc, dst, src, n, &st->in_block);
+                int nt = st->nontemporal && dst && n >= NONTEMPORAL_MIN_STRIPES && ((uintptr_t)dst & 63) == 0;
+                st->kernel(st->acc, dst, src, n, &st->in_block, nt);
                 st->hashed += n;
                 src += n * STRIPE;
                 if (dst) dst += n * STRIPE;
@@ -351,7 +379,7 @@ static void stream_feed(stream *st, uint8_t *dst, const uint8_t *src, size_t len
             }
             if (reaches_last) {
                 /* Into `last` first, then out: the final stripe re-reads these very bytes. */
-                st->kernel(st->acc, st->last, src, 1, &st->in_block);
+                st->kernel(st->acc, st->last, src, 1, &st->in_block, 0);
                 st->hashed++;
                 if (dst) {
                     memcpy(dst, st->last, STRIPE);
@@ -374,7 +402,7 @@ static void stream_feed(stream *st, uint8_t *dst, const uint8_t *src, size_t len
         src += take;
         len -= take;
         if (st->npending == STRIPE && st->hashed < st->normal) {
-            st->kernel(st->acc, NULL, st->pending, 1, &st->in_block);
+            st->kernel(st->acc, NULL, st->pending, 1, &st->in_block, 0);
             if (++st->hashed == st->normal) memcpy(st->last, st->pending, STRIPE);
             st->npending = 0;
         }
@@ -513,10 +541,11 @@ static PyObject *short_copy_hash(uint8_t *contig, int contig_is_dst, const segme
 
 /* The one worker of every entry point: `contig` is the contiguous side (the destination of a gather,
  * the source of a scatter); segments are the other side. */
-static PyObject *run(uint8_t *contig, direction dir, const segment *segs, Py_ssize_t nsegs, size_t total) {
+static PyObject *run(uint8_t *contig, direction dir, const segment *segs, Py_ssize_t nsegs, size_t total,
+                     int nontemporal) {
     if (total <= SHORT_MAX) return short_copy_hash(contig, dir == GATHER, segs, nsegs);
     stream st;
-    stream_init(&st, total, active_path->kernel);
+    stream_init(&st, total, active_path->kernel, nontemporal);
     Py_BEGIN_ALLOW_THREADS
     size_t off = 0;
     for (Py_ssize_t i = 0; i < nsegs; i++) {
@@ -530,13 +559,22 @@ static PyObject *run(uint8_t *contig, direction dir, const segment *segs, Py_ssi
     return PyLong_FromUnsignedLongLong(stream_digest(&st));
 }
 
-PyDoc_STRVAR(copy_hash_doc,
-             "copy_hash(dst, src) -> int\n\n"
-             "Copy buffer src into the writable buffer dst (of the same size) and return xxh3_64 of the bytes.");
+#define NONTEMPORAL_DOC                                                                                      \
+    "With nontemporal=True, whole aligned kilobytes of the destination are written around the CPU cache,\n"  \
+    "which saves reading each line before overwriting it: for memory other processes read (the pool), or\n" \
+    "copies too large to stay in cache anyway."
 
-static PyObject *copy_hash(PyObject *self, PyObject *args) {
+PyDoc_STRVAR(copy_hash_doc,
+             "copy_hash(dst, src, *, nontemporal=False) -> int\n\n"
+             "Copy buffer src into the writable buffer dst (of the same size) and return xxh3_64 of the bytes.\n"
+             NONTEMPORAL_DOC);
+
+static PyObject *copy_hash(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"dst", "src", "nontemporal", NULL};
     PyObject *dst_obj, *src_obj;
-    if (!PyArg_ParseTuple(args, "OO:copy_hash", &dst_obj, &src_obj)) return NULL;
+    int nontemporal = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$p:copy_hash", keywords, &dst_obj, &src_obj, &nontemporal))
+        return NULL;
     Py_buffer dst, src;
     if (get_buffer(dst_obj, &dst, 1, "copy_hash", "dst") < 0) return NULL;
     if (get_buffer(src_obj, &src, 0, "copy_hash", "src") < 0) {
@@ -549,7 +587,7 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
                      src.len);
     } else {
         segment seg = {(uint8_t *)src.buf, (size_t)src.len};
-        out = run(dst.buf, GATHER, &seg, 1, (size_t)src.len);
+        out = run(dst.buf, GATHER, &seg, 1, (size_t)src.len, nontemporal);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -562,14 +600,19 @@ static PyObject *hash(PyObject *self, PyObject *arg) {
     Py_buffer buf;
     if (get_buffer(arg, &buf, 0, "hash", "buf") < 0) return NULL;
     segment seg = {NULL, (size_t)buf.len};
-    PyObject *out = run(buf.buf, SCATTER, &seg, 1, (size_t)buf.len);
+    PyObject *out = run(buf.buf, SCATTER, &seg, 1, (size_t)buf.len, 0);
     PyBuffer_Release(&buf);
     return out;
 }
 
-static PyObject *segments_entry(PyObject *args, direction dir, const char *fn) {
+static PyObject *segments_entry(PyObject *args, PyObject *kwargs, direction dir, const char *fn) {
+    static char *gather_keywords[] = {"dst", "segments", "nontemporal", NULL};
+    static char *scatter_keywords[] = {"src", "segments", "nontemporal", NULL};
     PyObject *buf_obj, *seq;
-    if (!PyArg_ParseTuple(args, "OO", &buf_obj, &seq)) return NULL;
+    int nontemporal = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, dir == GATHER ? "OO|$p:gather_hash" : "OO|$p:scatter_hash",
+                                     dir == GATHER ? gather_keywords : scatter_keywords, &buf_obj, &seq, &nontemporal))
+        return NULL;
     Py_buffer buf;
     if (get_buffer(buf_obj, &buf, dir == GATHER, fn, dir == GATHER ? "dst" : "src") < 0) return NULL;
     segment *segs = NULL;
@@ -581,7 +624,7 @@ static PyObject *segments_entry(PyObject *args, direction dir, const char *fn) {
             PyErr_Format(PyExc_ValueError, "%s: segments hold %zu bytes, %s %zd; they must be equal", fn, total,
                          dir == GATHER ? "dst" : "src", buf.len);
         else
-            out = run(buf.buf, dir, segs, n, total);
+            out = run(buf.buf, dir, segs, n, total, nontemporal);
         PyMem_Free(segs);
     }
     PyBuffer_Release(&buf);
@@ -589,20 +632,26 @@ static PyObject *segments_entry(PyObject *args, direction dir, const char *fn) {
 }
 
 PyDoc_STRVAR(gather_hash_doc,
-             "gather_hash(dst, segments) -> int\n\n"
+             "gather_hash(dst, segments, *, nontemporal=False) -> int\n\n"
              "Copy the memory ranges `segments`, (address, length) pairs, back to back into the writable\n"
              "buffer dst, whose size must be their total, and return xxh3_64 of the bytes copied. The\n"
-             "addresses must stay valid for the call (the caller holds what they point into).");
+             "addresses must stay valid for the call (the caller holds what they point into).\n"
+             NONTEMPORAL_DOC);
 
-static PyObject *gather_hash(PyObject *self, PyObject *args) { return segments_entry(args, GATHER, "gather_hash"); }
+static PyObject *gather_hash(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return segments_entry(args, kwargs, GATHER, "gather_hash");
+}
 
 PyDoc_STRVAR(scatter_hash_doc,
-             "scatter_hash(src, segments) -> int\n\n"
+             "scatter_hash(src, segments, *, nontemporal=False) -> int\n\n"
              "Copy buffer src, back to back, into the memory ranges `segments`, (address, length) pairs\n"
              "whose total is src's size, and return xxh3_64 of all of src. Address 0 hashes that range of\n"
-             "src without copying it anywhere.");
+             "src without copying it anywhere.\n"
+             NONTEMPORAL_DOC);
 
-static PyObject *scatter_hash(PyObject *self, PyObject *args) { return segments_entry(args, SCATTER, "scatter_hash"); }
+static PyObject *scatter_hash(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return segments_entry(args, kwargs, SCATTER, "scatter_hash");
+}
 
 PyDoc_STRVAR(simd_doc, "simd() -> str\n\nThe code path in use: avx512, avx2, sse2 or scalar.");
 
@@ -650,9 +699,9 @@ static PyObject *set_simd(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
-    {"copy_hash", copy_hash, METH_VARARGS, copy_hash_doc},
-    {"gather_hash", gather_hash, METH_VARARGS, gather_hash_doc},
-    {"scatter_hash", scatter_hash, METH_VARARGS, scatter_hash_doc},
+    {"copy_hash", (PyCFunction)(void (*)(void))copy_hash, METH_VARARGS | METH_KEYWORDS, copy_hash_doc},
+    {"gather_hash", (PyCFunction)(void (*)(void))gather_hash, METH_VARARGS | METH_KEYWORDS, gather_hash_doc},
+    {"scatter_hash", (PyCFunction)(void (*)(void))scatter_hash, METH_VARARGS | METH_KEYWORDS, scatter_hash_doc},
     {"hash", hash, METH_O, hash_doc},
     {"simd", simd, METH_NOARGS, simd_doc},
     {"simd_paths", simd_paths, METH_NOARGS, simd_paths_doc},

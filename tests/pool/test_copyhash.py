@@ -9,6 +9,7 @@ constant changed and show that these checks catch each of them.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import random
 import shutil
@@ -59,6 +60,13 @@ def addr(buf: bytearray | memoryview, offset: int = 0) -> int:
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) + offset
 
 
+def aligned(n: int, to: int = 64) -> memoryview:
+    """n writable bytes starting at an address that is a multiple of ``to`` (non-temporal stores need it)."""
+    raw = bytearray(n + to)
+    skip = -ctypes.addressof((ctypes.c_char * len(raw)).from_buffer(raw)) % to
+    return memoryview(raw)[skip : skip + n]
+
+
 def split(n: int, rng: random.Random) -> list[int]:
     """Random piece lengths summing to n: zero-length, one-byte, odd and stripe-sized pieces mixed."""
     out = []
@@ -69,9 +77,9 @@ def split(n: int, rng: random.Random) -> list[int]:
     return out
 
 
-def mismatches(module) -> list[str]:
+def mismatches(module, *, first: bool = False) -> list[str]:
     """Every length 0..4096 and some large ones, aligned and not: what differs from xxhash (the mutation
-    tests run this same check on broken builds)."""
+    tests run this same check on broken builds, stopping at the ``first`` difference)."""
     bad = []
     lengths = [*range(4097), *(RNG.randrange(4097, len(DATA) - 64) for _ in range(40)), len(DATA) - 64]
     for n in lengths:
@@ -80,8 +88,12 @@ def mismatches(module) -> list[str]:
         want = xxhash.xxh3_64_intdigest(src)
         dst = bytearray(n + 1)
         got = module.copy_hash(memoryview(dst)[1:], src)
-        if got != want or dst[1:] != src or module.hash(src) != want:
+        around = aligned(n)  # whole aligned kilobytes go around the cache
+        got_nontemporal = module.copy_hash(around, src, nontemporal=True)
+        if got != want or dst[1:] != src or module.hash(src) != want or got_nontemporal != want or around != src:
             bad.append(f"length {n} at offset {offset}")
+            if first:
+                break
     return bad
 
 
@@ -99,30 +111,33 @@ def test_gather_in_any_split_is_the_hash_of_the_whole(simd: str) -> None:
             for length in pieces:
                 segments.append((addr(src, at), length))
                 at += length
-            dst = bytearray(n)
-            assert module.gather_hash(dst, segments) == xxhash.xxh3_64_intdigest(src[:n]), (n, pieces)
-            assert dst == src[:n]
+            for nontemporal in (False, True):
+                dst = aligned(n)
+                digest = module.gather_hash(dst, segments, nontemporal=nontemporal)
+                assert digest == xxhash.xxh3_64_intdigest(src[:n]), (n, pieces, nontemporal)
+                assert dst == src[:n]
 
 
 def test_scatter_copies_each_range_and_hashes_the_holes_too(simd: str) -> None:
     module = native()
-    for n in (300, 4096, 70_001, 1 << 20):
+    for n, nontemporal in itertools.product((300, 4096, 70_001, 1 << 20), (False, True)):
         src = memoryview(DATA)[3 : 3 + n]
-        out = bytearray(b"\xee" * (n + 100))
+        out = aligned(n + 128)  # ranges start 64 bytes in: aligned, as KV pages are
+        out[:] = b"\xee" * len(out)
         segments, at, holes = [], 0, []
         for i, length in enumerate(split(n, random.Random(n))):
             if i % 3 == 1:
                 segments.append((0, length))  # hashed, copied nowhere
                 holes.append((at, length))
             else:
-                segments.append((addr(out, 50 + at), length))
+                segments.append((addr(out, 64 + at), length))
             at += length
-        assert module.scatter_hash(src, segments) == xxhash.xxh3_64_intdigest(src)
+        assert module.scatter_hash(src, segments, nontemporal=nontemporal) == xxhash.xxh3_64_intdigest(src)
         want = bytearray(src)
         for start, length in holes:
             want[start : start + length] = b"\xee" * length
-        assert out[50 : 50 + n] == want
-        assert out[:50] == b"\xee" * 50 and out[50 + n :] == b"\xee" * 50  # nothing past the ranges
+        assert out[64 : 64 + n] == want
+        assert out[:64] == b"\xee" * 64 and out[64 + n :] == b"\xee" * 64  # nothing past the ranges
 
 
 def test_short_inputs_and_empty_segments() -> None:
@@ -177,9 +192,9 @@ def test_the_fallback_gives_the_same_answers(fallback: None) -> None:
     assert copyhash.simd() == "python"
     src = bytearray(DATA[: 3 * copyhash._BLOCK + 5])
     want = xxhash.xxh3_64_intdigest(src)
-    for hash_copy in (False, True):
+    for to_pool in (False, True):
         dst = bytearray(len(src))
-        assert copyhash.copy_checksum(memoryview(dst), memoryview(src), hash_copy=hash_copy) == want
+        assert copyhash.copy_checksum(memoryview(dst), memoryview(src), to_pool=to_pool) == want
         assert dst == src
     assert copyhash.checksum(src) == want
     segments = [(addr(src, 0), 100), (addr(src, 100), 0), (addr(src, 100), len(src) - 100)]
@@ -220,14 +235,14 @@ def build(source: str, where: Path) -> Path:
     return where
 
 
-def run_check(where: Path, simd: str) -> list[str]:
+def run_check(where: Path, simd: str, *, first: bool) -> list[str]:
     code = (
         "import sys, json\n"
         f"sys.path.insert(0, {str(where)!r})\n"
         "import _copyhash\n"
         "from tests.pool.test_copyhash import mismatches\n"
         f"_copyhash.set_simd({simd!r})\n"
-        "print(json.dumps(mismatches(_copyhash)))\n"
+        f"print(json.dumps(mismatches(_copyhash, first={first})))\n"
     )
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
@@ -242,7 +257,7 @@ def original_source() -> str:
 
 def test_an_unchanged_build_passes_the_check(tmp_path: Path, original_source: str) -> None:
     """The control of the mutation tests: the check passes on a fresh build of the real source."""
-    assert run_check(build(original_source, tmp_path), native().simd()) == []
+    assert run_check(build(original_source, tmp_path), native().simd(), first=False) == []
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
@@ -251,7 +266,7 @@ def test_a_wrong_constant_fails_the_check(tmp_path: Path, original_source: str, 
     assert original_source.count(old) == 1, f"the source changed: update the mutation {mutation!r}"
     where = build(original_source.replace(old, new), tmp_path)
     for simd in sorted({native().simd(), "scalar"}):
-        assert run_check(where, simd), f"{mutation} on the {simd} path went unnoticed"
+        assert run_check(where, simd, first=True), f"{mutation} on the {simd} path went unnoticed"
 
 
 def test_a_wrong_shuffle_fails_the_check(tmp_path: Path, original_source: str) -> None:
@@ -260,5 +275,5 @@ def test_a_wrong_shuffle_fails_the_check(tmp_path: Path, original_source: str) -
     if old not in original_source or native().simd() == "scalar":
         pytest.skip("no SIMD path here")
     where = build(original_source.replace(old, "#define SWAP_LANES _MM_SHUFFLE(3, 2, 1, 0)"), tmp_path)
-    assert run_check(where, native().simd())
+    assert run_check(where, native().simd(), first=True)
 

@@ -151,7 +151,7 @@ class WriteLease(_Held):
         if src.nbytes != self.buffer.nbytes:
             raise PoolError(f"fill: lease holds {self.buffer.nbytes} bytes, data has {src.nbytes}")
         self._check_deadline()
-        self._checksum = copyhash.copy_checksum(self.buffer, src, hash_copy=False)
+        self._checksum = copyhash.copy_checksum(self.buffer, src, to_pool=True)
 
     def fill_segments(self, segments: Sequence[Segment]) -> None:
         """Like :meth:`fill`, from the memory ranges ``segments`` (``(address, length)``, back to back).
@@ -241,7 +241,7 @@ class ReadPin(_Held):
         if dst.readonly or dst.nbytes < self.nbytes:
             raise PoolError(f"read_into: output must be writable and hold {self.nbytes} bytes, got {dst.nbytes}")
         self._check_deadline()
-        self._check(copyhash.copy_checksum(dst[: self.nbytes], self.buffer, hash_copy=True))
+        self._check(copyhash.copy_checksum(dst[: self.nbytes], self.buffer, to_pool=False))
 
     def read_segments(self, segments: Sequence[Segment]) -> None:
         """Copy the chunk, back to back, into the memory ranges ``segments`` (``(address, length)``),

@@ -11,6 +11,10 @@ Segments are ``(address, length)`` ranges of process memory (the pages of a chun
 cache): :func:`gather_checksum` copies them into a buffer, :func:`scatter_checksum` copies a buffer
 out into them, address 0 meaning "hash this part, copy it nowhere". Addresses are trusted: the caller
 holds whatever they point into for the whole call.
+
+Copies into the pool store around the CPU cache (non-temporal stores): other processes read that
+memory, this one does not, and such stores need not first read each line they overwrite. Loads do
+the same when the chunk is too large to stay in cache anyway, as glibc's memcpy does for large copies.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ Segment = tuple[int, int]
 # Measured on an EPYC (1 MiB of L2 per core) between shm and heap buffers: 1 MiB blocks beat
 # 32-256 KiB blocks by ~45% on loads and match them on stores.
 _BLOCK = 1 << 20
+# Loads larger than this store around the cache: more than a core's share of L3 on current servers.
+_NONTEMPORAL_LOAD_BYTES = 4 << 20
 
 
 def use_native(enabled: bool) -> bool:
@@ -66,21 +72,21 @@ def checksum(buf: Any) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
-def copy_checksum(dst: memoryview, src: memoryview, *, hash_copy: bool) -> int:
+def copy_checksum(dst: memoryview, src: memoryview, *, to_pool: bool) -> int:
     """Copy ``src`` into ``dst`` (same size) and return the checksum of the bytes copied.
 
-    ``hash_copy`` matters to the fallback only, which reads memory twice: True hashes what landed in
-    ``dst`` (a load: pool memory is read once, so what the caller gets is what was checked), False
-    hashes ``src`` (a store: the checksum describes the caller's bytes). The compiled module hashes
-    the very registers it copies through, which is both.
+    ``to_pool``: a store (``dst`` is pool memory) rather than a load. The fallback, which reads memory
+    twice, then hashes ``src`` (the checksum describes the caller's bytes), and on a load what landed
+    in ``dst`` (pool memory is read once, so what the caller gets is what was checked). The compiled
+    module hashes the very registers it copies through, which is both.
     """
     if _native is not None:
-        return _native.copy_hash(dst, src)
+        return _native.copy_hash(dst, src, nontemporal=to_pool or src.nbytes > _NONTEMPORAL_LOAD_BYTES)
     if dst.readonly:
         raise TypeError("copy_hash: dst is read-only; it must be a writable buffer")
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy_hash: dst holds {dst.nbytes} bytes, src {src.nbytes}; they must be the same size")
-    hashed = dst if hash_copy else src
+    hashed = src if to_pool else dst
     hasher = xxhash.xxh3_64()
     for start in range(0, src.nbytes, _BLOCK):
         end = min(start + _BLOCK, src.nbytes)
@@ -90,9 +96,10 @@ def copy_checksum(dst: memoryview, src: memoryview, *, hash_copy: bool) -> int:
 
 
 def gather_checksum(dst: memoryview, segments: Sequence[Segment]) -> int:
-    """Copy the memory ``segments`` back to back into ``dst`` (their total size); checksum of the bytes."""
+    """Copy the memory ``segments`` back to back into ``dst``, pool memory of their total size; checksum of
+    the bytes."""
     if _native is not None:
-        return _native.gather_hash(dst, segments)
+        return _native.gather_hash(dst, segments, nontemporal=True)
     if dst.readonly:
         raise TypeError("gather_hash: dst is read-only; it must be a writable buffer")
     _check_segments("gather_hash", segments, dst.nbytes, holes=False)
@@ -109,7 +116,7 @@ def gather_checksum(dst: memoryview, segments: Sequence[Segment]) -> int:
 def scatter_checksum(src: memoryview, segments: Sequence[Segment]) -> int:
     """Copy ``src`` back to back into the memory ``segments`` (address 0: skip); checksum of all of ``src``."""
     if _native is not None:
-        return _native.scatter_hash(src, segments)
+        return _native.scatter_hash(src, segments, nontemporal=src.nbytes > _NONTEMPORAL_LOAD_BYTES)
     _check_segments("scatter_hash", segments, src.nbytes, holes=True)
     hasher = xxhash.xxh3_64()
     at = 0
@@ -117,7 +124,7 @@ def scatter_checksum(src: memoryview, segments: Sequence[Segment]) -> int:
         if address:
             dst = _memory_at(address, length)
             dst[:] = src[at : at + length]
-            hasher.update(dst)  # the copy, as with copy_checksum(hash_copy=True)
+            hasher.update(dst)  # the copy, as copy_checksum does on a load
         else:
             hasher.update(src[at : at + length])
         at += length
