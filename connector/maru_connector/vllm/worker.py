@@ -17,10 +17,14 @@ so the engine's thread only plans them:
 
 All copying of engine memory goes through ``layout.PagedKV``, the one place that knows where KV
 bytes sit. Pool traffic per job: one batched call to pin or lease, one to release or commit, whatever
-the number of layers. Pool memory is read and written exactly once per chunk: a load copies the
-chunk out and verifies that copy in one pass, and a save checksums the engine's bytes while it copies
-them in, so bytes that changed in the pool behind our back can only ever fail a checksum. Leases and
-pins about to expire are renewed between chunks.
+the number of layers. Pool memory is read and written exactly once per chunk, and checksummed in
+the same pass, so bytes that changed in the pool behind our back can only ever fail a checksum. On
+CPU engines with dense pages (``PagedKV.direct``) the copy goes straight between the engine's pages
+and the pool, each byte copied once: a load that fails its checksum has already written its blocks,
+which are then reported failed and recomputed by vLLM before anything reads them. Otherwise (GPU
+caches, split pages) it goes through a staging buffer per lane: a load copies the chunk out and
+verifies that copy before it touches the engine, and a save checksums the engine's bytes while it
+copies them in. Leases and pins about to expire are renewed between chunks.
 
 What became of each load and save goes back to the scheduler half in :meth:`MaruWorker.report`.
 """
@@ -145,9 +149,10 @@ class MaruWorker:
         )
         self._registered = dict(kv_caches)
         chunk_bytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
-        pinned = paged.device.type == "cuda"
-        self._load_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
-        self._save_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+        if not paged.direct:  # direct copies (CPU, dense pages) need no staging
+            pinned = paged.device.type == "cuda"
+            self._load_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+            self._save_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
         self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
@@ -259,10 +264,18 @@ class MaruWorker:
 
     def _load_chunk(self, chunk: ChunkLoad, pin, held: list) -> bool:
         paged, staging = self.paged, self._load_staging
-        if paged is None or staging is None:
+        if paged is None:
             return False
         try:
             self._keep_alive(pin, held)
+            if paged.direct:
+                # One pass into the engine's blocks, verified on the way; a mismatch fails these blocks.
+                targets: list[int | None] = [None] * self.blocks_per_chunk
+                for in_chunk, block_id in chunk.slots:
+                    targets[in_chunk] = block_id
+                pin.read_segments(paged.segments(targets))
+                return True
+            assert staging is not None
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
             pin.read_into(staging.numpy())
             paged.scatter(paged.chunk_view(staging, self.blocks_per_chunk), chunk.slots)
@@ -337,7 +350,7 @@ class MaruWorker:
     def _copy_out(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
         """Store ``todo`` on the save lane; returns every chunk's outcome."""
         paged, staging = self.paged, self._save_staging
-        if paged is None or staging is None:
+        if paged is None:
             return self._skip(todo)
         nbytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
         items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank]) for _, _, c in todo]
@@ -358,8 +371,12 @@ class MaruWorker:
                     out.append((req_id, index, ORPHAN if lease == ORPHAN else RETRY))
                     continue
                 self._keep_alive(lease, [x for x in leases if not isinstance(x, str)])
-                paged.gather(chunk.block_ids, paged.chunk_view(staging, self.blocks_per_chunk))
-                lease.fill(staging.numpy())  # checksums the engine's bytes, not the pool's
+                if paged.direct:  # the engine's pages straight into the pool, checksummed on the way
+                    lease.fill_segments(paged.segments(chunk.block_ids))
+                else:
+                    assert staging is not None
+                    paged.gather(chunk.block_ids, paged.chunk_view(staging, self.blocks_per_chunk))
+                    lease.fill(staging.numpy())  # checksums the engine's bytes, not the pool's
                 written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
