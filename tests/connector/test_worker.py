@@ -22,6 +22,7 @@ from maru_connector.layout import KVLayoutError
 from maru_connector.pool import PoolClient, WriteLease
 from maru_connector.pool.memory import HEADER_SIZE
 from maru_connector.vllm import common
+from maru_connector.vllm import worker as worker_module
 from maru_connector.vllm.metadata import (
     PRESENT,
     RETRY,
@@ -418,7 +419,7 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
 def test_a_stalled_direct_writer_never_puts_its_bytes_under_another_key(
     short_leases: PoolDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same on the direct path, where the copy is the lease's own ``fill_segments``: A stalls before it,
+    """The same on the direct path, where the copy is one ``fill_segments_many`` per job: A stalls before it,
     B copies into the reclaimed space and holds its commit until A has tried."""
     url = short_leases.url
     slow, slow_src = make(url)
@@ -426,21 +427,21 @@ def test_a_stalled_direct_writer_never_puts_its_bytes_under_another_key(
     fast, fast_src = make(url)
     fill(fast_src, seed=17)
     fast_copied, slow_tried = threading.Event(), threading.Event()
-    fill_segments = WriteLease.fill_segments
+    fill_segments_many = worker_module.fill_segments_many
 
-    def paced(lease: WriteLease, segments) -> None:
-        if lease.key == key(1)[0]:  # A
+    def paced(leases: list[WriteLease], segments) -> list[bool]:
+        if leases[0].key == key(1)[0]:  # A
             fast_copied.wait(10)
             try:
-                fill_segments(lease, segments)
+                return fill_segments_many(leases, segments)
             finally:
                 slow_tried.set()
-        else:  # B
-            fill_segments(lease, segments)
-            fast_copied.set()
-            slow_tried.wait(3)
+        filled = fill_segments_many(leases, segments)  # B
+        fast_copied.set()
+        slow_tried.wait(3)
+        return filled
 
-    monkeypatch.setattr(WriteLease, "fill_segments", paced)
+    monkeypatch.setattr(worker_module, "fill_segments_many", paced)
     writer = threading.Thread(target=slow.save, args=(save_meta({1: (0, 1)}),))
     writer.start()
     time.sleep(1.5)  # A's lease expires and the daemon reclaims its space
@@ -481,20 +482,21 @@ def test_a_load_copies_the_bytes_it_verified(pool) -> None:
 
 
 @PATHS
-def test_a_long_save_renews_its_leases(short_leases: PoolDaemon, dense: bool) -> None:
+def test_a_long_save_renews_its_leases(short_leases: PoolDaemon, dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four chunks whose copies take 1.6 s in all, with leases of one second: all stored."""
     common.reset_counters()
     worker, caches = make(short_leases.url, dense=dense)
     fill(caches, seed=14)
-    # Each chunk's copy starts with gather (staging) or segments (direct).
-    name = "segments" if dense else "gather"
-    step = getattr(worker.paged, name)
+    # Each copy is a gather (staging, per chunk) or a batch of direct copies, here one chunk each.
+    monkeypatch.setattr(worker_module, "COPY_GROUP_BYTES", 1)
+    owner, name = (worker_module, "fill_segments_many") if dense else (worker.paged, "gather")
+    step = getattr(owner, name)
 
     def slow_step(*args):
         time.sleep(0.4)
         return step(*args)
 
-    setattr(worker.paged, name, slow_step)
+    monkeypatch.setattr(owner, name, slow_step)
     save(worker, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
     assert settled(worker).saves == {("r", i): STORED for i in range(4)}
     assert common.counters()[common.SAVED_CHUNKS] == 4

@@ -159,11 +159,9 @@ class WriteLease(_Held):
         For the pages of a chunk in CPU memory: they are copied straight into the pool and hashed on the
         way, with no staging copy. The caller keeps that memory alive and unchanged during the call.
         """
-        total = _segments_total(segments)
-        if total != self.buffer.nbytes:
-            raise PoolError(f"fill_segments: lease holds {self.buffer.nbytes} bytes, segments have {total}")
         self._check_deadline()
-        self._checksum = copyhash.gather_checksum(self.buffer, segments)
+        if not fill_segments_many([self], [segments])[0]:
+            self._check_deadline()  # it ran out in between
 
     def _check_deadline(self) -> None:
         if self.remaining() <= 0:
@@ -253,11 +251,10 @@ class ReadPin(_Held):
         after the copy; the pin is marked corrupt) the caller must treat every range as garbage.
         Raises :class:`LeaseLost`, touching nothing, once the pin's deadline has passed.
         """
-        total = _segments_total(segments)
-        if total != self.nbytes:
-            raise PoolError(f"read_segments: the chunk holds {self.nbytes} bytes, segments have {total}")
         self._check_deadline()
-        self._check(copyhash.scatter_checksum(self.buffer, segments))
+        if not read_segments_many([self], [segments])[0]:
+            self._check_deadline()  # it ran out in between
+            raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes read do not match their checksum")
 
     def _check_deadline(self) -> None:
         if self.remaining() <= 0:
@@ -276,6 +273,46 @@ class ReadPin(_Held):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+def fill_segments_many(leases: Sequence[WriteLease], segments: Sequence[Sequence[Segment]]) -> list[bool]:
+    """:meth:`WriteLease.fill_segments` for several leases in one pass over their bytes.
+
+    Per lease, whether it was filled: one whose deadline has passed is not touched (``False``), and
+    must be aborted, not committed. Raises :class:`PoolError` when a lease and its segments differ in size.
+    """
+    for lease, segs in zip(leases, segments, strict=True):
+        total = _segments_total(segs)
+        if total != lease.buffer.nbytes:
+            raise PoolError(f"fill_segments: lease holds {lease.buffer.nbytes} bytes, segments have {total}")
+    live = [i for i, lease in enumerate(leases) if lease.remaining() > 0]
+    digests = copyhash.gather_checksum_many([(leases[i].buffer, segments[i]) for i in live])
+    for i, digest in zip(live, digests, strict=True):
+        leases[i]._checksum = digest
+    filled = set(live)
+    return [i in filled for i in range(len(leases))]
+
+
+def read_segments_many(pins: Sequence[ReadPin], segments: Sequence[Sequence[Segment]]) -> list[bool]:
+    """:meth:`ReadPin.read_segments` for several pins in one pass over their bytes.
+
+    Per pin, whether its bytes verified. ``False``: its deadline had passed (nothing was copied), or the
+    copy failed its checksum (the pin is marked corrupt, and its ranges hold garbage). Raises
+    :class:`PoolError` when a pin and its segments differ in size.
+    """
+    for pin, segs in zip(pins, segments, strict=True):
+        total = _segments_total(segs)
+        if total != pin.nbytes:
+            raise PoolError(f"read_segments: the chunk holds {pin.nbytes} bytes, segments have {total}")
+    live = [i for i, pin in enumerate(pins) if pin.remaining() > 0]
+    digests = copyhash.scatter_checksum_many([(pins[i].buffer, segments[i]) for i in live])
+    good = set()
+    for i, digest in zip(live, digests, strict=True):
+        if digest == pins[i].checksum:
+            good.add(i)
+        else:
+            pins[i].corrupt = True
+    return [i in good for i in range(len(pins))]
 
 
 class _Mapping:

@@ -131,6 +131,25 @@ def scatter_checksum(src: memoryview, segments: Sequence[Segment]) -> int:
     return hasher.intdigest()
 
 
+def gather_checksum_many(items: Sequence[tuple[memoryview, Sequence[Segment]]]) -> list[int]:
+    """:func:`gather_checksum` for each ``(dst, segments)`` item, in one call.
+
+    The compiled module releases the GIL once for all of them: a copy thread must not queue for the
+    GIL between chunks behind the engine's busy thread (each wait can last a switch interval).
+    """
+    if _native is not None:
+        return _native.gather_hash_many(items, nontemporal=True)
+    return [gather_checksum(dst, segments) for dst, segments in items]
+
+
+def scatter_checksum_many(items: Sequence[tuple[memoryview, Sequence[Segment]]]) -> list[int]:
+    """:func:`scatter_checksum` for each ``(src, segments)`` item, in one call (see :func:`gather_checksum_many`)."""
+    if _native is not None:
+        large = any(src.nbytes > _NONTEMPORAL_LOAD_BYTES for src, _ in items)
+        return _native.scatter_hash_many(items, nontemporal=large)
+    return [scatter_checksum(src, segments) for src, segments in items]
+
+
 def _check_segments(fn: str, segments: Sequence[Segment], nbytes: int, *, holes: bool) -> None:
     total = 0
     for i, (address, length) in enumerate(segments):

@@ -39,6 +39,7 @@ import torch
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
+from maru_connector.pool.client import fill_segments_many, read_segments_many
 from maru_connector.vllm import common
 from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import (
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
 
 # Renew a lease or pin when less than this share of its period is left before the next chunk's copy.
 RENEW_BELOW_SHARE = 0.5
+# Direct copies go in one call (the GIL released once) per this many bytes; leases are renewed between.
+COPY_GROUP_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -220,17 +223,19 @@ class MaruWorker:
 
     def _copy_in(self, plans: list[tuple[str, LoadPlan]]) -> list[LoadOutcome]:
         """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one."""
-        keys = [chunk.keys[self.tp_rank] for _, plan in plans for chunk in plan.chunks]
-        pins: list = [None] * len(keys)
+        chunks = [chunk for _, plan in plans for chunk in plan.chunks]
+        pins: list = [None] * len(chunks)
         pool_ok = True
-        if keys and self.paged is not None:
+        if chunks and self.paged is not None:
+            keys = [chunk.keys[self.tp_rank] for chunk in chunks]
             pool_ok, got = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
             pins = got if pool_ok and got is not None else pins
         outcomes = []
         try:
+            copied = self._copy_chunks(chunks, pins)
             at = 0
             for req_id, plan in plans:
-                outcomes.append(self._load_plan(req_id, plan, pins[at : at + len(plan.chunks)], pool_ok=pool_ok))
+                outcomes.append(self._load_plan(req_id, plan, copied[at : at + len(plan.chunks)], pool_ok=pool_ok))
                 at += len(plan.chunks)
         finally:
             held = [p for p in pins if p is not None]
@@ -240,12 +245,11 @@ class MaruWorker:
             self.paged.finish_copies()
         return outcomes
 
-    def _load_plan(self, req_id: str, plan: LoadPlan, pins: list, *, pool_ok: bool) -> LoadOutcome:
+    def _load_plan(self, req_id: str, plan: LoadPlan, copied: list[bool], *, pool_ok: bool) -> LoadOutcome:
+        """One request's outcome: its chunks up to the first one that did not land verified."""
         done = 0
         if not plan.fail_blocks:
-            for chunk, pin in zip(plan.chunks, pins, strict=True):
-                if pin is None or not self._load_chunk(chunk, pin, pins):
-                    break
+            while done < len(copied) and copied[done]:
                 done += 1
         self.stats.count(common.LOADED_CHUNKS, done)
         if done == len(plan.chunks) and not plan.fail_blocks:
@@ -262,35 +266,65 @@ class MaruWorker:
             )
         return LoadOutcome(req_id, plan.load_id, done, lost, plan.asynchronous)
 
-    def _load_chunk(self, chunk: ChunkLoad, pin, held: list) -> bool:
+    def _copy_chunks(self, chunks: list[ChunkLoad], pins: list) -> list[bool]:
+        """Copy every pinned chunk into its blocks; per chunk, whether it landed verified.
+
+        Straight into the engine's pages in one pass over all of them when the pages allow it (a
+        chunk that fails its checksum has then written its blocks, which the caller reports failed);
+        else chunk by chunk through the staging buffer.
+        """
+        paged = self.paged
+        copied = [False] * len(chunks)
+        held = [p for p in pins if p is not None]
+        if paged is None or not held:
+            return copied
+        todo = [i for i, pin in enumerate(pins) if pin is not None]
+        try:
+            if paged.direct:
+                for group in _groups(todo, pins[todo[0]].nbytes):
+                    self._keep_alive(pins[group[0]], held)
+                    segments = [paged.segments(self._targets(chunks[i])) for i in group]
+                    for i, good in zip(group, read_segments_many([pins[i] for i in group], segments), strict=True):
+                        copied[i] = good
+                        if not good:
+                            self._unusable(chunks[i], "ChecksumMismatch" if pins[i].corrupt else "LeaseLost")
+                return copied
+            for i in todo:
+                copied[i] = self._load_staged(chunks[i], pins[i], held)
+        except Exception as err:  # a bug or a bad chunk is a failed load, not an engine error
+            self._unusable(chunks[todo[0]], type(err).__name__, err)
+        return copied
+
+    def _targets(self, chunk: ChunkLoad) -> list[int | None]:
+        """The chunk's destination block per block in the chunk (None: not wanted, hashed only)."""
+        targets: list[int | None] = [None] * self.blocks_per_chunk
+        for in_chunk, block_id in chunk.slots:
+            targets[in_chunk] = block_id
+        return targets
+
+    def _load_staged(self, chunk: ChunkLoad, pin, held: list) -> bool:
         paged, staging = self.paged, self._load_staging
-        if paged is None:
-            return False
+        assert paged is not None and staging is not None
         try:
             self._keep_alive(pin, held)
-            if paged.direct:
-                # One pass into the engine's blocks, verified on the way; a mismatch fails these blocks.
-                targets: list[int | None] = [None] * self.blocks_per_chunk
-                for in_chunk, block_id in chunk.slots:
-                    targets[in_chunk] = block_id
-                pin.read_segments(paged.segments(targets))
-                return True
-            assert staging is not None
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
             pin.read_into(staging.numpy())
             paged.scatter(paged.chunk_view(staging, self.blocks_per_chunk), chunk.slots)
             return True
         except Exception as err:  # a corrupt or odd-sized chunk is a failed load, not an engine error
-            if type(err).__name__ == "ChecksumMismatch":
-                self.stats.count(common.CHECKSUM_MISMATCHES)
-            self.guard.log.warning(
-                f"load-{type(err).__name__}",
-                "maru pool: chunk %s unusable (%s: %s); recomputing it",
-                chunk.keys[self.tp_rank].hex()[:16],
-                type(err).__name__,
-                err,
-            )
+            self._unusable(chunk, type(err).__name__, err)
             return False
+
+    def _unusable(self, chunk: ChunkLoad, why: str, err: object = "") -> None:
+        if why == "ChecksumMismatch":
+            self.stats.count(common.CHECKSUM_MISMATCHES)
+        self.guard.log.warning(
+            f"load-{why}",
+            "maru pool: chunk %s unusable (%s%s); recomputing it",
+            chunk.keys[self.tp_rank].hex()[:16],
+            why,
+            f": {err}" if err else "",
+        )
 
     def _apply_loads(self, outcomes: Iterable[LoadOutcome]) -> None:
         """Record load outcomes for vLLM (failed blocks, finished requests) and the scheduler half."""
@@ -358,26 +392,34 @@ class MaruWorker:
         if not ok or leases is None:
             return self._skip(todo)
         out: list[SaveOutcome] = []
-        written = []
+        written: list[tuple[str, int, Any]] = []
         try:
             ready()
+            granted: list[tuple[str, int, ChunkSave, Any]] = []
             for (req_id, index, chunk), lease in zip(todo, leases, strict=True):
                 if lease == PRESENT:
                     self.stats.count(common.SAVE_NOT_LEASED)
                     out.append((req_id, index, PRESENT))
-                    continue
-                if isinstance(lease, str):  # full, or the chunk before it is not stored
+                elif isinstance(lease, str):  # full, or the chunk before it is not stored
                     self.stats.count(common.SAVE_SKIPPED_CHUNKS)
                     out.append((req_id, index, ORPHAN if lease == ORPHAN else RETRY))
-                    continue
-                self._keep_alive(lease, [x for x in leases if not isinstance(x, str)])
-                if paged.direct:  # the engine's pages straight into the pool, checksummed on the way
-                    lease.fill_segments(paged.segments(chunk.block_ids))
                 else:
+                    granted.append((req_id, index, chunk, lease))
+            live = [g[3] for g in granted]
+            if paged.direct:
+                # The engine's pages straight into the pool, many chunks per pass, checksummed on the way.
+                for group in _groups(granted, nbytes):
+                    self._keep_alive(group[0][3], live)
+                    segments = [paged.segments(chunk.block_ids) for _, _, chunk, _ in group]
+                    filled = fill_segments_many([g[3] for g in group], segments)
+                    written += [(r, i, lease) for (r, i, _, lease), ok in zip(group, filled, strict=True) if ok]
+            else:
+                for req_id, index, chunk, lease in granted:
                     assert staging is not None
+                    self._keep_alive(lease, live)
                     paged.gather(chunk.block_ids, paged.chunk_view(staging, self.blocks_per_chunk))
                     lease.fill(staging.numpy())  # checksums the engine's bytes, not the pool's
-                written.append((req_id, index, lease))
+                    written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
         done = {id(lease) for _, _, lease in written}
@@ -487,6 +529,12 @@ class MaruWorker:
     def _forget_settled(self, settled_below: int) -> None:
         if self._failed_loads:
             self._failed_loads = {x for x in self._failed_loads if x >= settled_below}
+
+
+def _groups(items: list, item_bytes: int) -> list[list]:
+    """``items`` in runs of at most :data:`COPY_GROUP_BYTES` (at least one item each)."""
+    per_group = max(1, COPY_GROUP_BYTES // max(1, item_bytes))
+    return [items[i : i + per_group] for i in range(0, len(items), per_group)]
 
 
 def _failed_load(req_id: str, plan: LoadPlan) -> LoadOutcome:
