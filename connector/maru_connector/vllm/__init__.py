@@ -158,6 +158,7 @@ class MaruConnector(KVConnectorBase_V1):
             )
         half = self._scheduler or self._worker
         self._stats = half.stats if half is not None else common.Counters()
+        common.shorten_switch_interval()
         self._hook_log = common.RateLimitedLog()
 
     @property
