@@ -22,9 +22,17 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # ---- wheel: the repository as one wheel (operator and connector packages), built once -----------------
+# It compiles maru_connector._copyhash (the pool client's one-pass copy and checksum), so this stage has
+# a C compiler; no image below does. The module uses Python's limited API: the wheel is cp311-abi3 and
+# also installs on the vllm image's newer Python. Its SIMD paths are chosen at run time, not here.
 FROM ${PYTHON_IMAGE} AS wheel
+# Build stage only, thrown away: the compiler's exact Debian version does not matter.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY operator/ operator/
 COPY connector/ connector/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
@@ -45,7 +53,7 @@ LABEL org.opencontainers.image.source="https://github.com/maru-pd/maru-pd" \
 FROM runtime AS project
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install /wheels/*.whl \
-    && python -c "import maru_operator, maru_connector.pool.cli"
+    && python -c "import maru_operator, maru_connector.pool.cli, maru_connector._copyhash"
 
 # ---- operator: the control plane (the Helm chart runs it) --------------------------------------------
 FROM project AS operator
@@ -90,7 +98,7 @@ LABEL org.opencontainers.image.title="vllm-maru" \
 # PIP_BREAK_SYSTEM_PACKAGES: the image's Python is the system one; pip versions without the marker ignore it.
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl xxhash==4.1.0 \
-    && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config; sys.exit(u.find_spec('maru_connector.vllm') is None)"
+    && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config, maru_connector._copyhash; sys.exit(u.find_spec('maru_connector.vllm') is None)"
 # A numeric non-root user with a home for vLLM's and Hugging Face's caches, for running the image by hand.
 # InferenceGroup pods name the same user and mount emptyDirs there and at /tmp (their root is read-only).
 RUN groupadd --system --gid 65532 maru \

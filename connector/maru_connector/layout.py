@@ -5,7 +5,9 @@ vLLM 0.32 allocates the KV cache of a model as one shared byte buffer and hands 
 engine's resolved ``KVCacheLayout`` (``LBHNC``, ``LBNHC``, ``LHBNC``, ``BLHNC``, ``BLNHC`` or
 ``BHLNC``: the memory order of layer, block, head, token and content). The views are usually not
 contiguous. This module recognises the page of one block of one layer inside that buffer from the
-strides alone and copies it whole, by byte range.
+strides alone and copies it whole, by byte range. For CPU caches with dense pages it can also hand out
+the pages' addresses (:meth:`PagedKV.segments`), so the pool client copies between them and the pool
+directly, in one pass, with no staging buffer.
 
 A pool chunk holds ``blocks_per_chunk`` consecutive KV blocks of one request, for every attention
 layer of this TP rank, packed as::
@@ -31,7 +33,7 @@ message naming them, instead of producing wrong bytes later. Only ``torch`` is i
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +61,7 @@ class PagedKV:
 
     Built once by :func:`describe_kv_caches`; holds strided uint8 views over the engine's own
     storage (no copy), one ``[num_blocks, *page]`` view per layer. ``gather`` and ``scatter`` are the
-    only code that moves KV bytes.
+    only code that moves KV bytes here; :meth:`segments` says where they are, for copies made elsewhere.
     """
 
     def __init__(
@@ -86,6 +88,51 @@ class PagedKV:
     def dense(self) -> bool:
         """True when every page is one range of memory (one copy per block and layer)."""
         return len(self._page_shape) == 1
+
+    def fence(self) -> Callable[[], None]:
+        """A wait for the KV computed so far, for a copy that runs on another thread.
+
+        Called on the engine's thread after a forward; the copy thread calls the result before it
+        reads blocks. On a GPU it waits for an event recorded behind the forward's kernels on the
+        engine's stream; on the CPU the forward has finished by the time this is called.
+        """
+        if self.device.type != "cuda":
+            return _no_wait
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event.synchronize
+
+    def finish_copies(self) -> None:
+        """Wait until this thread's copies into engine memory have landed (before a load is reported)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @property
+    def direct(self) -> bool:
+        """True when :meth:`segments` can describe a chunk: dense pages in CPU memory, addressable by pointer."""
+        return self.dense and self.device.type == "cpu" and all(view.stride(1) == 1 for view in self._views)
+
+    def segments(self, block_ids: Sequence[int | None]) -> list[tuple[int, int]]:
+        """Where a chunk's bytes sit in the engine: ``(address, length)`` per page, in packed order.
+
+        One page per layer and per entry of ``block_ids`` (the chunk's blocks in order), layer-major,
+        exactly the order of ``chunk[layer][block_in_chunk][page bytes]``. A ``None`` entry, a block the
+        caller does not want (a load of part of a chunk), gives ``(0, length)``. The addresses are valid
+        while the engine's KV cache tensors are (an engine going to sleep frees them). Raises
+        :class:`KVLayoutError` unless :attr:`direct`, ``IndexError`` for a block id out of range (an
+        address past the cache would be written to blindly).
+        """
+        if not self.direct:
+            raise KVLayoutError(f"{self.format} on {self.device}: pages are not dense CPU memory; use gather/scatter")
+        for block_id in block_ids:
+            if block_id is not None and not 0 <= block_id < self.num_blocks:
+                raise IndexError(f"block id {block_id} is outside the KV cache's {self.num_blocks} blocks")
+        page = self.block_bytes
+        out = []
+        for view in self._views:
+            base, step = view.data_ptr(), view.stride(0)
+            out += [(0, page) if b is None else (base + b * step, page) for b in block_ids]
+        return out
 
     def geometry(self, blocks_per_chunk: int) -> ChunkGeometry:
         return ChunkGeometry(self.num_layers, blocks_per_chunk, self.block_bytes)
@@ -128,6 +175,10 @@ class PagedKV:
         for layer, view in enumerate(self._views):
             blocks = src[layer].index_select(0, idx).view(len(slots), *self._page_shape)
             view.index_copy_(0, dst, blocks.to(self.device))
+
+
+def _no_wait() -> None:
+    pass
 
 
 def describe_kv_caches(

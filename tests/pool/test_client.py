@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import socket
@@ -20,6 +21,7 @@ from maru_connector.pool import (
     PoolError,
     PoolFull,
     PoolUnavailable,
+    copyhash,
 )
 from maru_connector.pool.memory import HEADER_SIZE
 
@@ -309,3 +311,89 @@ def test_forked_child_reconnects_and_leaves_the_parent_connection_alone(client: 
     assert os.waitstatus_to_exitcode(status) == 0
     assert client.lookup_prefix([key(1), key(2)]) == 2
     assert client._sock is inherited
+
+
+# --- segments: chunks copied straight between scattered memory (a KV cache's pages) and the pool -----
+
+
+def _address(buf: bytearray, offset: int = 0) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) + offset
+
+
+def test_fill_segments_then_read_segments_round_trip_with_holes(client: PoolClient) -> None:
+    """Pages scattered over one buffer are stored as one chunk, then loaded into other places, some skipped."""
+    page, pages = 4096, [7, 2, 9, 0, 5]
+    engine = bytearray(os.urandom(10 * page))
+    lease = client.begin_write(key(1), page * len(pages))
+    lease.fill_segments([(_address(engine, p * page), page) for p in pages])
+    lease.commit()
+    expected = b"".join(engine[p * page : (p + 1) * page] for p in pages)
+    with client.open_read(key(1)) as pin:
+        assert pin.checksum == xxhash.xxh3_64_intdigest(expected)  # of the engine's bytes, in packed order
+        other = bytearray(10 * page)
+        targets = [3, None, 8, None, 1]  # blocks 1 and 3 of the chunk are not wanted
+        pin.read_segments([(0, page) if t is None else (_address(other, t * page), page) for t in targets])
+    for t, p in zip(targets, pages, strict=True):
+        if t is not None:
+            assert other[t * page : (t + 1) * page] == engine[p * page : (p + 1) * page]
+    untouched = [b for b in range(10) if b not in (3, 8, 1)]
+    assert all(other[b * page : (b + 1) * page] == bytes(page) for b in untouched)
+
+
+def test_read_segments_of_a_corrupted_chunk_raises_after_the_copy_and_drops_it(
+    client: PoolClient, sock_dir: Path
+) -> None:
+    data = os.urandom(16384)
+    client.put(key(1), data)
+    with client.open_read(key(1)) as pin:
+        offset = pin.offset
+    _scribble(sock_dir, offset + 9000)
+    out = bytearray(16384)
+    pin = client.open_read(key(1))
+    with pytest.raises(ChecksumMismatch):
+        pin.read_segments([(_address(out), 8192), (0, 4096), (_address(out, 12288), 4096)])
+    assert pin.corrupt
+    assert out[:8192] == data[:8192]  # in place before the verdict: the caller must discard it
+    pin.release()
+    assert client.lookup_prefix([key(1)]) == 0  # reported corrupt: dropped
+
+
+def test_segments_must_cover_the_chunk_exactly(client: PoolClient) -> None:
+    src = bytearray(os.urandom(8192))
+    lease = client.begin_write(key(1), 8192)
+    with pytest.raises(PoolError, match="lease holds 8192 bytes, segments have 4096"):
+        lease.fill_segments([(_address(src), 4096)])
+    with pytest.raises(ValueError, match="negative length"):
+        lease.fill_segments([(_address(src), 8193), (_address(src), -1)])
+    lease.fill_segments([(_address(src), 8192)])
+    lease.commit()
+    with client.open_read(key(1)) as pin:
+        with pytest.raises(PoolError, match="the chunk holds 8192 bytes, segments have 8193"):
+            pin.read_segments([(0, 8193)])
+        pin.read_segments([(0, 8192)])  # verify only
+
+
+def test_the_python_fallback_and_the_compiled_module_read_each_others_chunks(client: PoolClient) -> None:
+    """A pod whose build lacked the compiled module still shares chunks with the others: same checksum."""
+    page = 8192
+    engine = bytearray(os.urandom(4 * page))
+    segments = [(_address(engine, p * page), page) for p in (3, 1)]
+    previous = copyhash.use_native(False)
+    try:
+        client.put(key(1), engine[:page])
+        lease = client.begin_write(key(2), 2 * page)
+        lease.fill_segments(segments)
+        lease.commit()
+    finally:
+        copyhash.use_native(previous)
+    for k, want in ((key(1), engine[:page]), (key(2), engine[3 * page :] + engine[page : 2 * page])):
+        out = bytearray(len(want))
+        assert client.get_into(k, out) and out == want
+    copyhash.use_native(False)
+    try:
+        out = bytearray(2 * page)
+        with client.open_read(key(2)) as pin:
+            pin.read_segments([(_address(out, page), page), (0, page)])
+        assert out[page:] == engine[3 * page :]
+    finally:
+        copyhash.use_native(previous)

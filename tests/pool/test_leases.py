@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from pathlib import Path
@@ -96,3 +97,19 @@ def test_renewed_leases_outlive_the_lease_period(daemons: list[Daemon], sock_dir
     lease.fill(b"r" * 4096)
     assert client.commit_many([lease]) == [True]
     client.release_many([pin])
+
+
+def test_segment_copies_past_their_deadline_are_refused_too(daemons: list[Daemon], sock_dir: Path) -> None:
+    d = start_serve(daemons, sock_dir, "--lease-seconds", "1")
+    client = PoolClient(d.ready["listen"], timeout_s=5)
+    client.put(key(2), b"p" * 4096)
+    pin = client.open_read(key(2))
+    lease = client.begin_write(key(1), 4096)
+    time.sleep(1.2)
+    late = bytearray(b"late" * 1024)
+    address = ctypes.addressof((ctypes.c_char * len(late)).from_buffer(late))
+    with pytest.raises(LeaseLost):
+        lease.fill_segments([(address, 4096)])
+    with pytest.raises(LeaseLost):
+        pin.read_segments([(address, 4096)])
+    assert late == b"late" * 1024  # touched nothing

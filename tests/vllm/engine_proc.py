@@ -3,7 +3,8 @@
 Run as ``python -m tests.vllm.engine_proc '<json options>'``. Each request is one JSON line on stdin,
 each answer one line on stdout prefixed with ``@@`` (vLLM writes its own lines there too).
 
-Ops: ``generate`` (prompts as token ids, greedy), ``session`` (a streaming-input session: one
+Ops: ``generate`` (prompts as token ids, greedy; handoffs in and out), ``flush`` (wait for the
+connector's background copies), ``session`` (a streaming-input session: one
 request whose prompt grows turn by turn), ``counters`` (connector counters of this process, both
 halves), ``metrics`` (the connector's Prometheus counters), ``keys`` (the pool keys of a prompt's
 chunks), ``corrupt`` (flip bytes of one stored chunk in the pool memory), ``inject`` / ``clear``
@@ -76,6 +77,7 @@ def build(opts: dict[str, Any]):
                 "maru_kv_chunk_tokens": opts.get("chunk_tokens", 256),
                 # Generous: a loaded CI machine must not turn a slow answer into a miss the test counts.
                 "maru_rpc_timeout_ms": opts.get("rpc_timeout_ms", 5000),
+                **{f"maru_{k}": opts[k] for k in ("load_async", "handoff_wait_ms") if k in opts},
             }
         )
         ktc = kv_transfer_config(opts["role"], cfg)
@@ -86,14 +88,42 @@ def build(opts: dict[str, Any]):
 
 
 def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
+    """Greedy generation; ``handoffs`` (one ``kv_transfer_params`` per prompt, as a router passes them
+    from prefill to decode) go with the requests. Unless ``flush`` is false, waits for the connector's
+    background saves to land afterwards, so the next engine asked finds them without a handoff."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=req.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
+    handoffs = req.get("handoffs") or [None] * len(req["prompts"])
+    params = [
+        SamplingParams(
+            max_tokens=req.get("max_tokens", 16),
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": h} if h else None,
+        )
+        for h in handoffs
+    ]
     start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], sp, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "elapsed_s": elapsed}
+    if req.get("flush", True):
+        flush()
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "handoffs": [o.kv_transfer_params for o in outs],
+        "elapsed_s": elapsed,
+    }
+
+
+def flush() -> None:
+    """Wait until the worker half's load and save lanes are idle (the engine runs in this process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        worker = getattr(get_kv_transfer_group(), "_worker", None)
+        if worker is not None:
+            worker.wait_idle()
 
 
 def session(llm, req: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +167,8 @@ def inject(req: dict[str, Any]) -> dict[str, Any]:
     """Make a method fail: ``target`` is ``module:Class.method`` (the first of a list that exists),
     ``error`` the exception class name (a pool error, or RuntimeError), ``times`` how many calls fail
     (None: every call until ``clear``), ``lose_from`` for ``open_read_many`` only: pins from this
-    index on come back as misses (a chunk evicted between lookup and load)."""
+    index on come back as misses (a chunk evicted between lookup and load), ``delay_s``: the call is
+    made that much later instead of failing."""
     import importlib
 
     from maru_connector import pool
@@ -156,12 +187,16 @@ def inject(req: dict[str, Any]) -> dict[str, Any]:
     left = [req.get("times")]
     error = getattr(pool, req.get("error", ""), RuntimeError)
     lose_from = req.get("lose_from")
+    delay_s = req.get("delay_s")
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if left[0] is not None and left[0] <= 0:
             return original(*args, **kwargs)
         if left[0] is not None:
             left[0] -= 1
+        if delay_s is not None:
+            time.sleep(delay_s)  # a slow pool: the call succeeds, late
+            return original(*args, **kwargs)
         if lose_from is None:
             raise error(f"fault injected into {target}")
         pins = original(*args, **kwargs)
@@ -284,6 +319,9 @@ def main() -> int:
                 answer(generate(llm, req))
             elif op == "counters":
                 answer({"counters": counters()})
+            elif op == "flush":
+                flush()
+                answer({"ok": True})
             elif op == "metrics":
                 answer({"metrics": metrics(llm)})
             elif op == "corrupt":

@@ -124,9 +124,21 @@ class Engine:
         return self._read(timeout_s)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
-        out = self.call("generate", prompts=prompts, max_tokens=max_tokens)
+        """Token ids per prompt; the connector's background saves have landed when this returns."""
+        return self.generate_full(prompts, max_tokens=max_tokens)["tokens"]
+
+    def generate_full(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int = 16,
+        handoffs: list[dict[str, Any] | None] | None = None,
+        flush: bool = True,
+    ) -> dict[str, Any]:
+        """``tokens`` and ``handoffs`` (each output's kv_transfer_params); see ``engine_proc.generate``."""
+        out = self.call("generate", prompts=prompts, max_tokens=max_tokens, handoffs=handoffs, flush=flush)
         assert "tokens" in out, f"engine {self.name} failed: {out.get('error')}\n{out.get('traceback', '')}"
-        return out["tokens"]
+        return out
 
     def counters(self) -> dict[str, int]:
         return self.call("counters")["counters"]

@@ -100,14 +100,15 @@ HOOKS = [
     "maru_connector.vllm.worker:MaruWorker.save",
     "maru_connector.vllm.worker:MaruWorker.take_invalid_blocks",
     "maru_connector.vllm.worker:MaruWorker.report",
+    "maru_connector.vllm.worker:MaruWorker.finished",
+    "maru_connector.vllm.lookups:AsyncLookups.result",
     "maru_connector.vllm.common:Counters.take",
 ]
 
 
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.rsplit(".", 1)[-1])
 def test_a_fault_in_any_hook_costs_the_pool_not_the_engine(engine: Engine, reference: Engine, hook: str) -> None:
-    # The pool holds the first 6 chunks; the rest of the prompt takes more than the load's step
-    # (see test_vllm_cannot_yet_recover_a_failed_load_that_completes_the_prefill for why).
+    # The pool holds the first 6 chunks; the rest of the prompt takes several steps.
     p = prompt(6 * CHUNK + 3 * BUDGET, seed=200 + HOOKS.index(hook))  # a fresh prompt per hook
     baseline = reference.generate([p])[0]
     engine.generate([p[: 6 * CHUNK]], max_tokens=1)
@@ -255,19 +256,15 @@ def test_skipped_saves_are_retried_while_the_request_holds_its_blocks(engine: En
         assert client.lookup_prefix(keys) == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.32 bug: with asynchronous scheduling, recovering from a failed load of a request whose "
-    "prefill completes in a step planned before the failure was reported feeds an output placeholder "
-    "(-1) to the model; the engine dies. Loads completed before the request is scheduled avoid it.",
-)
-def test_vllm_cannot_yet_recover_a_failed_load_that_completes_the_prefill(
+def test_a_failed_load_that_completes_the_prefill_is_recovered(
     tiny_model: str, pool: PoolDaemon, workdir: Path, reference: Engine
 ) -> None:
-    """The connector reports the failed blocks as vLLM asks; vLLM's own recovery then breaks.
+    """A prompt the pool holds all but the tail of, whose load fails halfway, on vLLM's GPU defaults.
 
-    Kept so the suite notices when vLLM fixes it (this xfail then fails). Until then, a failed load
-    on a GPU engine (async scheduling is its default) that loads most of a prompt hits this.
+    With loads inside the step, vLLM 0.32's own recovery fed an output placeholder (-1) to the model
+    when the prefill completed in a step planned before the failure was reported, and the engine
+    died. Asynchronous loads settle before the request computes anything, so the failure is known in
+    time and vLLM recomputes from the first failed block.
     """
     e = Engine(
         "faults-short", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
@@ -277,8 +274,12 @@ def test_vllm_cannot_yet_recover_a_failed_load_that_completes_the_prefill(
         p = prompt(6 * CHUNK + 40, seed=106)
         e.generate([p], max_tokens=1)
         e.call("inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1)
+        c0 = e.counters()
         got = e.call("generate", prompts=[p], max_tokens=8)
         assert got.get("tokens", [None])[0] == reference.generate([p], max_tokens=8)[0], got.get("error")
+        assert delta(e.counters(), c0, "load_failed_chunks") == 3
+        # And it keeps serving with the pool.
+        assert e.generate([p], max_tokens=8) == [got["tokens"][0]]
     finally:
         e.close()
 

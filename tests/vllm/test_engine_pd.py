@@ -38,9 +38,17 @@ def producer(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engin
     engine.close()
 
 
+# Prefill's commits are held back this long in the handoff test; decode waits up to the second figure.
+COMMIT_DELAY_S = 3.0
+HANDOFF_WAIT_MS = 20_000
+
+
 @pytest.fixture(scope="module")
 def consumer(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine("decode", workdir, model=tiny_model, role="kv_consumer", pool_url=pool.url, chunk_tokens=CHUNK)
+    engine = Engine(
+        "decode", workdir, model=tiny_model, role="kv_consumer", pool_url=pool.url, chunk_tokens=CHUNK,
+        handoff_wait_ms=HANDOFF_WAIT_MS,
+    )  # fmt: skip
     yield engine
     engine.close()
 
@@ -76,6 +84,35 @@ def test_prefill_with_one_token_then_decode(producer: Engine, consumer: Engine) 
     got = consumer.generate([p])[0]
     assert delta(consumer.counters(), c0, "loaded_chunks") == 12
     assert got == producer.generate([p])[0]
+
+
+def test_decode_sent_the_moment_prefill_answers_finds_every_chunk(producer: Engine, consumer: Engine) -> None:
+    """Prefill answers before its saves commit (they run on its save lane); the router sends decode
+    about a millisecond later with prefill's kv_transfer_params. Commits are held back here, so a
+    decode that did not wait for the announced chunks would miss them."""
+    held = producer.call("inject", target="maru_connector.pool.client:PoolClient.commit_many", delay_s=COMMIT_DELAY_S)
+    assert held.get("ok"), held
+    try:
+        # Without the handoff (a client that drops kv_transfer_params), decode cannot know to wait.
+        early = prompt(6 * CHUNK + 10, seed=51)
+        producer.generate_full([early], max_tokens=1, flush=False)
+        c0 = consumer.counters()
+        consumer.generate_full([early])
+        assert delta(consumer.counters(), c0, "loaded_chunks") < 6, "the commits were not held back"
+        # With it, decode waits in its lookup (the engine keeps stepping) and loads every chunk.
+        p = prompt(6 * CHUNK + 10, seed=52)
+        first = producer.generate_full([p], max_tokens=1, flush=False)
+        (handoff,) = first["handoffs"]
+        assert handoff["maru_chunks"] == 6, handoff
+        c1 = consumer.counters()
+        got = consumer.generate_full([p], handoffs=[handoff])["tokens"][0]
+        c2 = consumer.counters()
+    finally:
+        producer.call("clear")
+    assert delta(c2, c1, "loaded_chunks") == 6
+    assert delta(c2, c1, "lookup_handoff_polls") >= 1
+    assert got == producer.generate([p])[0]  # the producer never loads: its answer is a recompute
+    assert got[:1] == first["tokens"][0]
 
 
 def test_chunked_prefill_budget_not_aligned_to_chunks(

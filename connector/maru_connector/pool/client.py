@@ -12,6 +12,10 @@ Leases and pins issued before a restart carry the old epoch and are refused by t
 their commit reports "not stored", their release is a no-op. Leases and pins are bound to the
 connection that took them: a dropped connection gives them back, and its leases cannot be committed.
 
+Chunk bytes are checksummed (xxh3_64) in the same pass that copies them (:mod:`.copyhash`): writers
+hash what they copy in, readers verify what they copy out, from one buffer (``fill``, ``read_into``) or
+straight from and into the engine's pages (``fill_segments``, ``read_segments``).
+
 Every lease and pin has a deadline (the daemon's ``--lease-seconds``), which the client tracks on its
 own clock, conservatively: :meth:`WriteLease.fill` and :meth:`ReadPin.read_into` refuse to touch pool
 memory once it has passed (:class:`LeaseLost`), so a stalled writer never writes into space the daemon
@@ -39,19 +43,14 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-import xxhash
-
-from . import protocol
+from . import copyhash, protocol
 from .allocator import split_offset
+from .copyhash import Segment
 from .memory import read_header_from
 from .units import Endpoint, parse_endpoint
 
 log = logging.getLogger(__name__)
 
-# Copy and hash block by block so the hash pass reads what the copy just touched. Measured on an EPYC
-# (1 MiB of L2 per core) between shm and heap buffers: 1 MiB blocks beat 32-256 KiB blocks by ~45%
-# on loads and match them on stores.
-_BLOCK = 1 << 20
 # Devices of one pool a hello may pass (SCM_RIGHTS carries at most 253 fds per message).
 MAX_REGIONS = 64
 # Share of the daemon's lease period the client allows itself: its clock started before the daemon's.
@@ -160,9 +159,22 @@ class WriteLease(_Held):
         src = _byte_view(data)
         if src.nbytes != self.buffer.nbytes:
             raise PoolError(f"fill: lease holds {self.buffer.nbytes} bytes, data has {src.nbytes}")
+        self._check_deadline()
+        self._checksum = copyhash.copy_checksum(self.buffer, src, to_pool=True)
+
+    def fill_segments(self, segments: Sequence[Segment]) -> None:
+        """Like :meth:`fill`, from the memory ranges ``segments`` (``(address, length)``, back to back).
+
+        For the pages of a chunk in CPU memory: they are copied straight into the pool and hashed on the
+        way, with no staging copy. The caller keeps that memory alive and unchanged during the call.
+        """
+        self._check_deadline()
+        if not fill_segments_many([self], [segments])[0]:
+            self._check_deadline()  # it ran out in between
+
+    def _check_deadline(self) -> None:
         if self.remaining() <= 0:
             raise LeaseLost(f"chunk {self.key.hex()[:16]}: write lease ran out before the copy; not written")
-        self._checksum = _copy_and_hash(self.buffer, src, hash_dst=False)
 
     def commit(self) -> None:
         """Checksum the buffer (xxh3_64) and make the chunk visible. Raises :class:`LeaseLost`."""
@@ -217,7 +229,7 @@ class ReadPin(_Held):
 
     def verify(self) -> None:
         """Raise :class:`ChecksumMismatch` when the bytes in the pool no longer match the committed checksum."""
-        if xxhash.xxh3_64_intdigest(self.buffer) != self.checksum:
+        if copyhash.checksum(self.buffer) != self.checksum:
             self.corrupt = True
             raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes in the pool do not match their checksum")
 
@@ -235,9 +247,30 @@ class ReadPin(_Held):
         dst = _byte_view(out)
         if dst.readonly or dst.nbytes < self.nbytes:
             raise PoolError(f"read_into: output must be writable and hold {self.nbytes} bytes, got {dst.nbytes}")
+        self._check_deadline()
+        self._check(copyhash.copy_checksum(dst[: self.nbytes], self.buffer, to_pool=False))
+
+    def read_segments(self, segments: Sequence[Segment]) -> None:
+        """Copy the chunk, back to back, into the memory ranges ``segments`` (``(address, length)``),
+        verifying it in the same pass; address 0 skips a range (hashed, not copied: all of the chunk is
+        always verified).
+
+        For loading straight into the pages of a CPU KV cache, with no staging copy. Unlike
+        :meth:`read_into` the bytes are in place before the verdict: on :class:`ChecksumMismatch` (raised
+        after the copy; the pin is marked corrupt) the caller must treat every range as garbage.
+        Raises :class:`LeaseLost`, touching nothing, once the pin's deadline has passed.
+        """
+        self._check_deadline()
+        if not read_segments_many([self], [segments])[0]:
+            self._check_deadline()  # it ran out in between
+            raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes read do not match their checksum")
+
+    def _check_deadline(self) -> None:
         if self.remaining() <= 0:
             raise LeaseLost(f"chunk {self.key.hex()[:16]}: read pin ran out before the copy")
-        if _copy_and_hash(dst[: self.nbytes], self.buffer, hash_dst=True) != self.checksum:
+
+    def _check(self, digest: int) -> None:
+        if digest != self.checksum:
             self.corrupt = True
             raise ChecksumMismatch(f"chunk {self.key.hex()[:16]}: bytes read do not match their checksum")
 
@@ -249,6 +282,46 @@ class ReadPin(_Held):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+def fill_segments_many(leases: Sequence[WriteLease], segments: Sequence[Sequence[Segment]]) -> list[bool]:
+    """:meth:`WriteLease.fill_segments` for several leases in one pass over their bytes.
+
+    Per lease, whether it was filled: one whose deadline has passed is not touched (``False``), and
+    must be aborted, not committed. Raises :class:`PoolError` when a lease and its segments differ in size.
+    """
+    for lease, segs in zip(leases, segments, strict=True):
+        total = _segments_total(segs)
+        if total != lease.buffer.nbytes:
+            raise PoolError(f"fill_segments: lease holds {lease.buffer.nbytes} bytes, segments have {total}")
+    live = [i for i, lease in enumerate(leases) if lease.remaining() > 0]
+    digests = copyhash.gather_checksum_many([(leases[i].buffer, segments[i]) for i in live])
+    for i, digest in zip(live, digests, strict=True):
+        leases[i]._checksum = digest
+    filled = set(live)
+    return [i in filled for i in range(len(leases))]
+
+
+def read_segments_many(pins: Sequence[ReadPin], segments: Sequence[Sequence[Segment]]) -> list[bool]:
+    """:meth:`ReadPin.read_segments` for several pins in one pass over their bytes.
+
+    Per pin, whether its bytes verified. ``False``: its deadline had passed (nothing was copied), or the
+    copy failed its checksum (the pin is marked corrupt, and its ranges hold garbage). Raises
+    :class:`PoolError` when a pin and its segments differ in size.
+    """
+    for pin, segs in zip(pins, segments, strict=True):
+        total = _segments_total(segs)
+        if total != pin.nbytes:
+            raise PoolError(f"read_segments: the chunk holds {pin.nbytes} bytes, segments have {total}")
+    live = [i for i, pin in enumerate(pins) if pin.remaining() > 0]
+    digests = copyhash.scatter_checksum_many([(pins[i].buffer, segments[i]) for i in live])
+    good = set()
+    for i, digest in zip(live, digests, strict=True):
+        if digest == pins[i].checksum:
+            good.add(i)
+        else:
+            pins[i].corrupt = True
+    return [i in good for i in range(len(pins))]
 
 
 class _Mapping:
@@ -362,8 +435,7 @@ class PoolClient:
     def commit_many(self, leases: Sequence[WriteLease]) -> list[bool]:
         """Checksum and commit in one round trip; per lease, False when it was lost (expired or stale)."""
         checksums = [
-            lease._checksum if lease._checksum is not None else xxhash.xxh3_64_intdigest(lease.buffer)
-            for lease in leases
+            lease._checksum if lease._checksum is not None else copyhash.checksum(lease.buffer) for lease in leases
         ]
         return self._commit_checksummed(leases, checksums)
 
@@ -768,13 +840,5 @@ def _release_view(view: memoryview) -> None:
         view.release()
 
 
-def _copy_and_hash(dst: memoryview, src: memoryview, *, hash_dst: bool) -> int:
-    """Copy ``src`` into ``dst`` block by block, hashing each block while it is still in cache."""
-    n = src.nbytes
-    hashed = dst if hash_dst else src
-    hasher = xxhash.xxh3_64()
-    for start in range(0, n, _BLOCK):
-        end = min(start + _BLOCK, n)
-        dst[start:end] = src[start:end]
-        hasher.update(hashed[start:end])
-    return hasher.intdigest()
+def _segments_total(segments: Sequence[Segment]) -> int:
+    return sum(length for _, length in segments)

@@ -12,8 +12,10 @@ worker (role WORKER). The facade builds only the half its role needs (``schedule
 workers as one ``metadata.MaruConnectorMetadata``, and what became of it comes back as one
 ``metadata.MaruWorkerReport``.
 
-Roles: ``kv_producer`` (prefill) stores prompt chunks, ``kv_consumer`` (decode) loads them,
-``kv_both`` does both. Pool trouble of any kind degrades to misses and skipped stores, and so does
+Roles: ``kv_producer`` stores prompt chunks, ``kv_consumer`` (decode) loads them, ``kv_both``
+(prefill, by default: the pool is one prefix cache for the whole fleet) does both. Lookups, loads
+and saves all run off the engine's thread (``lookups.py``, ``lane.py``), so a slow or hung pool
+never stalls a step. Pool trouble of any kind degrades to misses and skipped stores, and so does
 a bug: every hook catches what its half raises, logs it (rate-limited), and degrades for that step
 (a load is reported failed so vLLM recomputes it; a save is skipped), because an exception that
 reaches vLLM kills its engine. Only a configuration the connector cannot serve is refused, at start.
@@ -67,10 +69,13 @@ HOOKS: dict[str, str] = {
     "register_kv_caches": "implemented: recognise the KV cache's pages; refuse what cannot be copied",
     "get_handshake_metadata": "implemented: the worker's KV format, which goes into every key",
     "set_xfer_handshake_metadata": "implemented: the scheduler waits for the workers' KV format",
-    "start_load_kv": "implemented: synchronous loads before the forward",
-    "wait_for_layer_load": "implemented: nothing to wait for, loads finished in start_load_kv",
-    "save_kv_layer": "implemented: nothing per layer; saves copy every layer in wait_for_save",
-    "wait_for_save": "implemented: store and commit before the step's output leaves the worker",
+    "start_load_kv": "implemented: hand the step's loads to the load lane (or run them, when synchronous)",
+    "wait_for_layer_load": "implemented: nothing to wait for, a request computes only once its load is done",
+    "save_kv_layer": "implemented: nothing per layer; saves copy every layer on the save lane",
+    "wait_for_save": "implemented: hand the step's completed chunks to the save lane",
+    "handle_preemptions": "implemented: finish saves reading preempted requests' blocks before reuse",
+    "get_finished": "implemented: loads done (finished_recving), finished requests released (finished_sending)",
+    "has_pending_block_frees": "implemented: finished requests hold blocks only until their saves settle",
     "get_block_ids_with_load_errors": "implemented: blocks whose load failed, so vLLM recomputes them",
     "build_connector_worker_meta": "implemented: what became of each load and save, for the scheduler",
     "get_kv_connector_stats": "implemented: counters for vLLM's log line and /metrics",
@@ -82,8 +87,8 @@ HOOKS: dict[str, str] = {
     "update_state_after_alloc": "implemented: plan the load into the blocks just allocated",
     "build_connector_meta": "implemented: the step's loads and saves",
     "update_connector_output": "implemented: settle loads, retry skipped saves, roll back tainted ones",
-    "request_finished": "implemented: forget the request; nothing is pending, blocks may be freed",
-    "requires_kv_delivery": "implemented: False, saves finish inside their step",
+    "request_finished": "implemented: hold blocks while saves settle; tell decode what prefill stored",
+    "requires_kv_delivery": "implemented: False, a best-effort cache: a dropped save is a later miss",
     "reset_cache": "implemented: vLLM resets caches when it sleeps or updates weights; the shared pool is "
     "never cleared, but this engine's keys may no longer name its weights: it stops using the pool until restart",
     # Sleep hooks as the 0.33 base class was expected to have them; their signatures could not be
@@ -101,10 +106,8 @@ HOOKS: dict[str, str] = {
     "set_host_xfer_buffer_ops": "base: no host transfer buffer, copies go straight to the mapping",
     "finish_forward": "base: nothing runs after the forward but wait_for_save",
     "reset_capture_state": "base: nothing is captured in CUDA graphs",
-    "handle_preemptions": "base: no save is in flight across steps",
-    "get_finished": "base: no asynchronous transfer ever",
     "get_transfer_results": "base: built on get_finished",
-    "get_finished_count": "base: no asynchronous transfer ever",
+    "get_finished_count": "base: every worker reports every request it finished",
     "get_kv_connector_kv_cache_events": "base: the pool emits no KV events",
     "bind_kv_cache_manager": "base: the block pool is not needed",
     "bind_gpu_block_pool": "base: the block pool is not needed",
@@ -112,7 +115,6 @@ HOOKS: dict[str, str] = {
     "get_external_cache_hit_sources": "base, with _cache_hit_source = HOST (shared host or CXL memory)",
     "register_finished_partial_tail": "base: partial tails are never stored",
     "take_events": "base: no KV events",
-    "has_pending_block_frees": "base: blocks are never held after a request finishes",
     "has_pending_push_work": "base: no push transfers",
     "get_required_kvcache_layout": "base: None, every layout vLLM 0.32 resolves is copied as it is",
     "requires_piecewise_for_cudagraph": "base: no layer-by-layer work inside the graph",
@@ -160,11 +162,12 @@ class MaruConnector(KVConnectorBase_V1):
             )
         half = self._scheduler or self._worker
         self._stats = half.stats if half is not None else common.Counters()
+        common.shorten_switch_interval()
         self._hook_log = common.RateLimitedLog()
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # Saves finish inside the step that computes them: nothing is pending at preemption.
+        # A best-effort cache: a save lost to a preemption is a later miss, not a broken handoff.
         return False
 
     @classmethod
@@ -214,10 +217,22 @@ class MaruConnector(KVConnectorBase_V1):
             self._failed("get_handshake_metadata", err, "this rank reports no KV format and the connector stays off")
             return None
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Worker, every step with loads, before the forward: copy chunks in, synchronously.
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, at the start of a step, before anything writes KV: saves still reading the blocks
+        of requests preempted by this step's scheduling finish first (vLLM may hand the blocks on)."""
+        if self._worker is None or not isinstance(kv_connector_metadata, MaruConnectorMetadata):
+            return
+        try:
+            self._worker.handle_preemptions(kv_connector_metadata)
+        except Exception as err:
+            self._failed("handle_preemptions", err, "waiting for every save in flight instead")
+            self._worker.wait_idle()
 
-        Touches only the blocks the scheduler planned; failures are reported through
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Worker, every step with loads: hand asynchronous loads to the load lane, run the others.
+
+        vLLM calls it before the forward when the step has synchronous loads, else after the forward
+        is launched. Touches only the blocks the scheduler planned; failures are reported through
         :meth:`get_block_ids_with_load_errors`, never raised.
         """
         meta = self._meta()
@@ -233,18 +248,18 @@ class MaruConnector(KVConnectorBase_V1):
                 self._failed("start_load_kv (failing the loads)", again, "some loaded blocks may be unusable")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker, per attention layer: nothing to wait for, loads completed in ``start_load_kv``."""
+        """Worker, per attention layer: nothing to wait for, a request computes only once loaded."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Worker, per attention layer: nothing; saves copy all layers at once in ``wait_for_save``."""
+        """Worker, per attention layer: nothing; saves copy all layers at once on the save lane."""
 
     def wait_for_save(self) -> None:
-        """Worker, once per step after the forward: store the chunks this step completed, then commit.
+        """Worker, once per step after the forward: hand the chunks this step completed to the save lane.
 
-        Returns only after the pool has committed them (or the store was given up), so the KV of
-        a finished prefill is visible before vLLM returns the request's output.
+        Returns at once. The chunks' blocks stay valid until their copy is done (see ``worker``); a
+        decode that needs them right after prefill answers waits for them in its own lookup.
         """
         meta = self._meta()
         if meta is None or self._worker is None or not meta.saves:
@@ -257,6 +272,27 @@ class MaruConnector(KVConnectorBase_V1):
                 self._worker.skip_saves(meta)
             except Exception as again:
                 self._failed("wait_for_save (skipping)", again, "some saves are not retried")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, once per step after ``wait_for_save``: ``(requests released, requests loaded)``.
+
+        Released: finished requests whose saves the scheduler half has settled (``free_now``) and
+        this worker's save lane is done with; vLLM frees their blocks. Loaded: requests whose
+        asynchronous load finished, loaded or not (failed blocks go out in the same step through
+        :meth:`get_block_ids_with_load_errors`).
+        """
+        if self._worker is None:
+            return None, None
+        try:
+            freed, loaded = self._worker.finished(self._meta())
+        except Exception as err:
+            self._failed("get_finished", err, "finished loads are reported, releases wait for the next step")
+            try:
+                return None, self._worker.finished_degraded() or None
+            except Exception as again:
+                self._failed("get_finished (degraded)", again, "finished loads are reported on a later step")
+                return None, None
+        return freed or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, once per step after ``wait_for_save``: blocks whose load failed this step."""
@@ -397,16 +433,27 @@ class MaruConnector(KVConnectorBase_V1):
             self._failed("update_connector_output", err, "the step's outcomes are lost; its saves are retried")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler, once per finished request: ``(False, None)``, the KV is already committed."""
+        """Scheduler, once per finished request: hold its blocks while saves settle; the handoff for decode."""
         try:
             return self._sched.request_finished(request, block_ids)
         except Exception as err:
-            self._failed("request_finished", err, "the request is forgotten")
+            # Hold the blocks anyway: a save lane may still be reading them. The request is released
+            # next step, and each worker lets go of it once its own lane is done with it.
+            self._failed("request_finished", err, "its unsettled saves are given up")
             try:
-                self._sched.forget(request.request_id)
+                self._sched.release(request.request_id)
             except Exception as again:
-                self._failed("request_finished (forgetting)", again, "its state is kept until the engine restarts")
-            return False, None
+                self._failed("request_finished (releasing)", again, "its blocks are freed now")
+                return False, None
+            return True, None
+
+    def has_pending_block_frees(self) -> bool:
+        """Scheduler: finished requests' blocks are held for their saves and come back soon."""
+        try:
+            return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+        except Exception as err:
+            self._failed("has_pending_block_frees", err, "vLLM may preempt instead of waiting")
+            return False
 
     @property
     def _sched(self) -> MaruScheduler:

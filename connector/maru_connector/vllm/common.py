@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -26,6 +27,8 @@ T = TypeVar("T")
 # Counter names; tests and the benchmark read them through counters().
 LOOKUPS = "lookups"
 LOOKUP_CHUNKS_HIT = "lookup_chunks_hit"
+LOOKUP_HANDOFF_POLLS = "lookup_handoff_polls"
+LOOKUP_HANDOFF_SHORT = "lookup_handoff_short"
 HIT_TOKENS = "hit_tokens"
 LOADED_CHUNKS = "loaded_chunks"
 LOAD_FAILED_CHUNKS = "load_failed_chunks"
@@ -42,6 +45,8 @@ HOOK_ERRORS = "hook_errors"
 ALL_COUNTERS = (
     LOOKUPS,
     LOOKUP_CHUNKS_HIT,
+    LOOKUP_HANDOFF_POLLS,
+    LOOKUP_HANDOFF_SHORT,
     HIT_TOKENS,
     LOADED_CHUNKS,
     LOAD_FAILED_CHUNKS,
@@ -91,6 +96,21 @@ class Counters:
         with self._lock:
             out, self._pending = dict(self._pending), Counter()
         return out
+
+
+# The interpreter's GIL switch interval in engine processes (Python's default is 5 ms).
+SWITCH_INTERVAL_S = 0.0005
+
+
+def shorten_switch_interval() -> None:
+    """Let the connector's threads (lookups, load and save lanes) take the GIL back within 0.5 ms.
+
+    vLLM's engine loop keeps the GIL while it spins between steps; a thread coming back from a pool
+    call or a copy waits for the holder to be asked to drop it, up to one switch interval (5 ms by
+    default) each time, which made a load of 16 chunks take 50 ms instead of 5. Never lengthens it.
+    """
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 class RateLimitedLog:
@@ -153,6 +173,7 @@ class PoolGuard:
         self._min_backoff, self._max_backoff = self.BACKOFF_S
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._lock = threading.RLock()
         self.log = RateLimitedLog()
 
     @property
@@ -168,18 +189,23 @@ class PoolGuard:
         return self._client
 
     def call(self, what: str, fn: Callable[..., T], *args: object) -> tuple[bool, T | None]:
-        """Run ``fn(client, *args)``; ``(True, result)``, or ``(False, None)`` after logging."""
-        if self._retry_at and time.monotonic() < self._retry_at:
-            self._stats.count(POOL_SKIPPED_CALLS)
-            return False, None
-        try:
-            result = fn(self.client, *args)
-        except Exception as err:  # never into vLLM: any failure is a miss or a skipped store
-            self.failed(what, err)
-            return False, None
-        self._backoff = 0.0
-        self._retry_at = 0.0
-        return True, result
+        """Run ``fn(client, *args)``; ``(True, result)``, or ``(False, None)`` after logging.
+
+        Calls from several threads (the worker's load and save lanes) take turns, so a hung pool
+        costs one timeout: whoever waited behind it finds the back-off already set.
+        """
+        with self._lock:
+            if self._retry_at and time.monotonic() < self._retry_at:
+                self._stats.count(POOL_SKIPPED_CALLS)
+                return False, None
+            try:
+                result = fn(self.client, *args)
+            except Exception as err:  # never into vLLM: any failure is a miss or a skipped store
+                self.failed(what, err)
+                return False, None
+            self._backoff = 0.0
+            self._retry_at = 0.0
+            return True, result
 
     def failed(self, what: str, err: BaseException) -> None:
         self._stats.count(POOL_ERRORS)

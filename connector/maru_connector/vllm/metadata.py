@@ -49,6 +49,9 @@ class LoadPlan:
     fail_blocks: tuple[int, ...] = ()
     # Prompt index of the first chunk (the report names failures by position in ``chunks``).
     first_chunk: int = 0
+    # vLLM was told the load is asynchronous: it runs on the load lane and the request waits for
+    # ``get_finished`` to report it; otherwise it runs before the step's forward.
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,14 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     saves: dict[str, SavePlan] = field(default_factory=dict)
     # Every load id below this is settled on the scheduler side: workers may forget its outcome.
     settled_below: int = 0
+    # Requests vLLM preempted this step: their blocks may be reused, so saves reading them finish first.
+    preempted: frozenset[str] = frozenset()
+    # Finished requests whose saves are all settled: workers report them in ``finished_sending``
+    # (once their own save lane is done with them), and vLLM frees their blocks.
+    free_now: frozenset[str] = frozenset()
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.preempted and not self.free_now
 
 
 @dataclass

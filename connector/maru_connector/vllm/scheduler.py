@@ -1,8 +1,9 @@
 """Scheduler half of the Maru connector: decides what to load and what to store, moves no bytes.
 
-Runs inside vLLM's scheduler (the engine core process). Every method here is on the scheduling
-critical path, so the only pool traffic is one ``lookup_prefix`` round trip per new request; the
-worker half does all copying and reports back what became of it (``metadata.MaruWorkerReport``).
+Runs inside vLLM's scheduler (the engine core process), on the scheduling critical path, so it never
+waits for the pool: lookups run on a thread of their own (``lookups.AsyncLookups``; vLLM is told
+"ask again" until the answer is in), and the worker half does all copying on its own lanes and
+reports back what became of it (``metadata.MaruWorkerReport``).
 
 Each live request has a :class:`RequestState`, a small state machine over its prompt chunks::
 
@@ -13,17 +14,30 @@ Each live request has a :class:`RequestState`, a small state machine over its pr
 
 A chunk is planned for saving in the step whose forward computes its last token, or in any later
 step while it is MISSING and the request still holds its blocks: a save skipped because the pool
-was full or failing is retried until it sticks. vLLM 0.32 schedules asynchronously (step N+1 is
-planned before step N's output is known), so a load may fail after saves computed over its blocks
-were planned: every save names the loads its request's KV depends on that were not settled when it
-was planned (``SavePlan.depends_on``), the worker drops it when one of them failed, and the chunks
-go back to MISSING, to be saved once vLLM has recomputed them.
+was full or failing is retried until it sticks. A request that finishes with saves still SAVING, or
+skipped and due again, keeps its blocks (``request_finished`` answers "delay the free") until they
+are settled or :data:`FINISHED_RETRY_S` has passed; then the next step's metadata lists it in
+``free_now`` and the workers release it.
+
+vLLM 0.32 schedules asynchronously (step N+1 is planned before step N's output is known), so a
+synchronous load may fail after saves computed over its blocks were planned: every save names the
+loads its request's KV depends on that were not settled when it was planned
+(``SavePlan.depends_on``), the worker drops it when one of them failed, and the chunks go back to
+MISSING, to be saved once vLLM has recomputed them. Asynchronous loads (the default) settle before
+their request computes anything.
+
+A producer tells whoever reads its answer how many leading chunks it stored or is storing
+(``kv_transfer_params``: ``maru_chunks``, and the last one's key), and a decode request carrying
+them waits (in its lookup, not in the engine) until the pool holds them: prefill commits after it
+answers, and the router sends decode about a millisecond later.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +46,7 @@ from maru_connector import hits
 from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.keys import Namespace, PromptKeys, block_hash_sharing_problem
 from maru_connector.vllm import common
+from maru_connector.vllm.lookups import AsyncLookups
 from maru_connector.vllm.metadata import (
     ORPHAN,
     PRESENT,
@@ -61,8 +76,13 @@ HitRule = Callable[..., int]
 
 # A skipped save waits 1, 2, 4 ... steps before the next try, at most this many.
 MAX_RETRY_BACKOFF_STEPS = 64
-# Work the workers never reported on (a lost report) is given up after this many steps.
-UNREPORTED_AFTER_STEPS = 256
+# Work the workers never reported on (a lost report) is given up after this long.
+UNREPORTED_AFTER_S = 60.0
+# A finished request keeps its blocks at most this long for saves still being retried.
+FINISHED_RETRY_S = 2.0
+# The handoff a producer hands its reader (kv_transfer_params keys).
+HANDOFF_CHUNKS = "maru_chunks"
+HANDOFF_LAST_KEY = "maru_last_key"
 
 
 class Chunk(enum.Enum):
@@ -78,13 +98,21 @@ class RequestState:
     request: Request
     keys: PromptKeys
     chunks: list[Chunk] = field(default_factory=list)  # per full prompt chunk
-    saving_since: dict[int, int] = field(default_factory=dict)  # chunk -> step it was handed over
+    saving_since: dict[int, float] = field(default_factory=dict)  # chunk -> when it was handed over
     retry_at: dict[int, int] = field(default_factory=dict)  # chunk -> first step it may be tried again
     skips_in_a_row: int = 0  # reports in a row with a skipped save: the back-off doubles with each
-    # From the last lookup: tokens the engine held locally then, and leading chunks the pool had.
+    # Tokens the engine held locally when it last asked, and leading chunks the pool can give
+    # (from the lookup, lowered when a load of them fails).
     local_tokens: int = 0
     chunks_hit: int = 0
+    looked_up_keys: int = -1  # how many chunk keys the prompt had when its lookup was asked
+    answered: bool = False  # the lookup for looked_up_keys has answered
+    unsettled_load: int | None = None  # load id handed to the workers whose outcome is not reported
     load: LoadPlan | None = None  # planned at allocation, handed to the workers by the next build
+    # Set once vLLM reported the request finished while saves were unsettled: its blocks are held.
+    finished_at: float | None = None
+    finished_blocks: list[int] = field(default_factory=list)
+    finished_tokens: int = 0
 
     def follow_prompt(self) -> None:
         """Keep keys and chunk states in step with the prompt, which streaming input can grow."""
@@ -101,12 +129,17 @@ class RequestState:
                 self.chunks[i] = Chunk.IN_POOL
 
     def load_failed(self, first_chunk: int) -> None:
-        """The pool could not give chunks from ``first_chunk`` on: vLLM recomputes them, we re-save."""
+        """The pool could not give chunks from ``first_chunk`` on: vLLM recomputes them, we re-save.
+
+        They are never offered again: a load that failed whole sends the request back to vLLM's
+        waiting queue, which asks again, and must then get a smaller answer or it would loop.
+        """
+        self.chunks_hit = min(self.chunks_hit, first_chunk)
         for i in range(first_chunk, len(self.chunks)):
             if self.chunks[i] is Chunk.IN_POOL:
                 self.chunks[i] = Chunk.MISSING
 
-    def saves_due(self, computed_tokens: int, step: int, chunk_tokens: int) -> list[int]:
+    def saves_due(self, computed_tokens: int, step: float, chunk_tokens: int) -> list[int]:
         """Chunks fully computed by the end of this step that should go to the pool now.
 
         In prompt order, and only while the chunk before is stored, being stored, or due too: the
@@ -120,10 +153,10 @@ class RequestState:
                 due.append(i)
         return due
 
-    def save_planned(self, chunks: list[int], step: int) -> None:
+    def save_planned(self, chunks: list[int], now: float) -> None:
         for i in chunks:
             self.chunks[i] = Chunk.SAVING
-            self.saving_since[i] = step
+            self.saving_since[i] = now
 
     def saves_reported(self, outcomes: dict[int, str], step: int) -> None:
         """The workers' report on chunks handed over for saving: chunk -> outcome."""
@@ -154,11 +187,22 @@ class RequestState:
             doublings = min(max(self.skips_in_a_row - 1, 0), MAX_RETRY_BACKOFF_STEPS.bit_length())
             self.retry_at[chunk] = step + min(MAX_RETRY_BACKOFF_STEPS, 1 << doublings)
 
-    def forget_unreported(self, step: int) -> None:
+    def forget_unreported(self, now: float) -> None:
         for chunk, since in list(self.saving_since.items()):
-            if step - since > UNREPORTED_AFTER_STEPS:
+            if now - since > UNREPORTED_AFTER_S:
                 del self.saving_since[chunk]
                 self.chunks[chunk] = Chunk.MISSING
+
+    def stored_prefix(self) -> int:
+        """Leading chunks that are in the pool or on their way there."""
+        n = 0
+        while n < len(self.chunks) and self.chunks[n] in (Chunk.IN_POOL, Chunk.SAVING):
+            n += 1
+        return n
+
+    def saves_unsettled(self, chunk_tokens: int) -> bool:
+        """Whether saves are in flight, or skipped ones are to be tried again (now or after a back-off)."""
+        return bool(self.saving_since) or bool(self.saves_due(self.finished_tokens, math.inf, chunk_tokens))
 
 
 @dataclass(frozen=True)
@@ -166,7 +210,7 @@ class _PendingLoad:
     req_id: str
     block_ids: frozenset[int]
     first_chunk: int  # prompt index of the plan's first chunk
-    step: int
+    since: float
 
 
 class MaruScheduler:
@@ -198,10 +242,13 @@ class MaruScheduler:
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
         self._abandoned: dict[str, tuple[int, ...]] = {}  # req_id -> blocks to report failed next step
+        self._free_now: set[str] = set()  # req_id -> finished, saves settled: workers release it next step
         self._next_load_id = 1
         self._step = 0
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, "scheduler", self.stats)
+        self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.tp_size) if loads else None
+        self._handoff_log = common.RateLimitedLog()
 
         hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self._ns_base = dict(
@@ -271,13 +318,15 @@ class MaruScheduler:
 
     # ------------------------------------------------------------------ vLLM scheduler hooks
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` the worker will load, capped (see ``hits``).
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the workers will load, capped (see ``hits``).
 
-        Called by the scheduler when it considers a waiting request, possibly several times if the
-        request does not fit yet. One pool round trip; a pool failure is a miss. Never async.
+        Called by the scheduler whenever it considers a waiting request. The first call queues the
+        request's lookup and answers ``None`` ("ask again"), as do the calls while it is pending;
+        the answer is kept for the request's life, so the pool is asked once per prompt. Loads are
+        asynchronous (``True``) unless ``maru_load_async`` is off.
         """
-        if not (self.loads_enabled and self.active):
+        if not (self.loads_enabled and self.active) or self.lookups is None:
             return 0, False
         state = self._state(request)
         prompt_len = request.num_prompt_tokens
@@ -290,21 +339,36 @@ class MaruScheduler:
         )
         if best <= 0:
             return 0, False  # the engine already holds all the pool could give
-        self.stats.count(common.LOOKUPS)
-        ok, n = self.guard.call("lookup", lambda c, ks: c.lookup_prefix(ks), state.keys.lookup_order())
-        chunks_hit = (n or 0) // self.tp_size if ok else 0
-        state.looked_up(num_computed_tokens, chunks_hit)
-        self.stats.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
-        return (
-            self._hit_rule(
-                chunks_hit=chunks_hit,
-                chunk_tokens=self.chunk_tokens,
-                prompt_len=prompt_len,
-                block_size=self.block_size,
-                num_computed_tokens=num_computed_tokens,
-            ),
-            False,
+        if state.looked_up_keys != len(state.keys):
+            self.stats.count(common.LOOKUPS)
+            state.looked_up_keys, state.answered = len(state.keys), False
+            self.lookups.submit(
+                request.request_id,
+                state.keys.lookup_order(),
+                expect=self._handoff_expected(request, state),
+                wait_s=self.cfg.handoff_wait_ms / 1000,
+            )
+        if not state.answered:
+            chunks_hit = self.lookups.result(request.request_id)
+            if chunks_hit is None:
+                return None, False
+            state.answered = True
+            self.lookups.forget(request.request_id)
+            state.looked_up(num_computed_tokens, chunks_hit)
+            self.stats.count(common.LOOKUP_CHUNKS_HIT, chunks_hit)
+        state.local_tokens = num_computed_tokens
+        if state.unsettled_load is not None:
+            # Asked again before its last load was reported: that load cannot have succeeded (vLLM
+            # asks again only after a load that left nothing); recompute rather than risk a loop.
+            return 0, False
+        hit = self._hit_rule(
+            chunks_hit=state.chunks_hit,
+            chunk_tokens=self.chunk_tokens,
+            prompt_len=prompt_len,
+            block_size=self.block_size,
+            num_computed_tokens=num_computed_tokens,
         )
+        return hit, hit > 0 and self.cfg.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` into the blocks just allocated.
@@ -328,7 +392,9 @@ class MaruScheduler:
                 (j, block_ids[base + j]) for j in range(self.blocks_per_chunk) if first_block <= base + j < end_block
             )
             plan.append(ChunkLoad(keys=state.keys[chunk], slots=slots))
-        state.load = LoadPlan(load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk)
+        state.load = LoadPlan(
+            load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk, asynchronous=self.cfg.load_async
+        )
         self.stats.count(common.HIT_TOKENS, num_external_tokens)
 
     def abandon_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -354,19 +420,27 @@ class MaruScheduler:
         self._step += 1
         meta = MaruConnectorMetadata()
         for req_id, fail_blocks in self._abandoned.items():
-            meta.loads[req_id] = LoadPlan(load_id=self._new_load_id(), chunks=(), fail_blocks=fail_blocks)
+            meta.loads[req_id] = LoadPlan(
+                load_id=self._new_load_id(), chunks=(), fail_blocks=fail_blocks, asynchronous=self.cfg.load_async
+            )
+            if req_id in self._states:
+                self._states[req_id].unsettled_load = meta.loads[req_id].load_id
         self._abandoned = {}
         for req_id, state in self._states.items():
             if state.load is not None:
                 meta.loads[req_id] = state.load
-                state.load = None
+                state.unsettled_load, state.load = state.load.load_id, None
+        now = time.monotonic()
         for req_id, plan in meta.loads.items():
             blocks = {d for chunk in plan.chunks for _, d in chunk.slots} | set(plan.fail_blocks)
-            self._pending_loads[plan.load_id] = _PendingLoad(req_id, frozenset(blocks), plan.first_chunk, self._step)
+            self._pending_loads[plan.load_id] = _PendingLoad(req_id, frozenset(blocks), plan.first_chunk, now)
+        meta.preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if self.saves_enabled and self.active:
-            self._plan_saves(scheduler_output, meta)
+            self._plan_saves(scheduler_output, meta, now)
+        meta.free_now = frozenset(self._free_now)
+        self._free_now = set()
         meta.settled_below = min(self._pending_loads, default=self._next_load_id)
-        self._forget_unreported()
+        self._forget_unreported(now)
         return meta
 
     def fallback_meta(self) -> MaruConnectorMetadata:
@@ -383,8 +457,17 @@ class MaruScheduler:
         self._abandoned = {}
         for req_id, fail_blocks in promised.items():
             load_id = self._new_load_id()
-            meta.loads[req_id] = LoadPlan(load_id=load_id, chunks=(), fail_blocks=fail_blocks)
-            self._pending_loads[load_id] = _PendingLoad(req_id, frozenset(fail_blocks), 0, self._step)
+            meta.loads[req_id] = LoadPlan(
+                load_id=load_id, chunks=(), fail_blocks=fail_blocks, asynchronous=self.cfg.load_async
+            )
+            self._pending_loads[load_id] = _PendingLoad(req_id, frozenset(fail_blocks), 0, time.monotonic())
+        # Finished requests are released even when their saves cannot be planned: the workers keep
+        # each one until their own lane is done with it.
+        finished = {r for r, st in self._states.items() if st.finished_at is not None}
+        meta.free_now = frozenset(self._free_now | finished)
+        self._free_now = set()
+        for req_id in finished:
+            self.forget(req_id)
         meta.settled_below = min(self._pending_loads, default=self._next_load_id)
         return meta
 
@@ -396,7 +479,11 @@ class MaruScheduler:
         for load_id, failed in report.loads.items():
             pending = self._pending_loads.pop(load_id, None)
             state = self._states.get(pending.req_id) if pending is not None else None
-            if state is not None and failed >= 0:
+            if state is None:
+                continue
+            if state.unsettled_load == load_id:
+                state.unsettled_load = None
+            if failed >= 0:
                 state.load_failed(pending.first_chunk + failed)
         by_request: dict[str, dict[int, str]] = {}
         for (req_id, chunk), outcome in report.saves.items():
@@ -407,44 +494,72 @@ class MaruScheduler:
                 state.saves_reported(outcomes, self._step)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request. Returns ``(False, None)``: its blocks may be freed now.
+        """Whether to hold the request's blocks for its saves, and the handoff for its reader.
 
-        Every chunk was saved synchronously inside the step that computed it (the worker commits
-        before the step's output reaches the scheduler), so by the time vLLM reports the request
-        finished its KV is already committed and nothing still reads its blocks. Saves that were
-        skipped and not yet retried are given up with the blocks.
+        Called once per finished (or aborted) request. Blocks are held (``True``) while any of its
+        chunks is being saved or is due again after a skipped save: the save lane may still read
+        them, and a retry needs them. The request is then released through ``free_now`` once those
+        settle, or after :data:`FINISHED_RETRY_S`. The second value tells a reader (the router passes
+        it to decode unchanged) how many leading chunks it may expect in the pool.
         """
-        self.forget(request.request_id)
-        return False, None
+        state = self._states.get(request.request_id)
+        if state is None:
+            self.forget(request.request_id)
+            return False, None
+        state.follow_prompt()
+        handoff = self._handoff(state)
+        if self.lookups is not None:
+            self.lookups.forget(request.request_id)
+        state.finished_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if not (self.saves_enabled and self.active) or not state.saves_unsettled(self.chunk_tokens):
+            self.forget(request.request_id)
+            return False, handoff
+        state.finished_at = time.monotonic()
+        state.finished_blocks = list(block_ids)
+        return True, handoff
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks of finished requests are held for their saves and will come back without preemption."""
+        return any(state.finished_at is not None for state in self._states.values())
 
     def forget(self, req_id: str) -> None:
         self._states.pop(req_id, None)
         self._abandoned.pop(req_id, None)
+        if self.lookups is not None:
+            self.lookups.forget(req_id)
 
     def shutdown(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         self.guard.close()
 
     # ------------------------------------------------------------------ internals
 
-    def _plan_saves(self, scheduler_output: SchedulerOutput, meta: MaruConnectorMetadata) -> None:
+    def _plan_saves(self, scheduler_output: SchedulerOutput, meta: MaruConnectorMetadata, now: float) -> None:
+        """Plan the saves of scheduled requests, and retries for finished ones still holding blocks."""
         block_state = scheduler_output.kv_connector_block_state
-        if block_state is None:
-            return
-        progress: list[tuple[str, int]] = [
-            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
-        ]
-        cached = scheduler_output.scheduled_cached_reqs
-        progress += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id, computed_before in progress:
-            state = self._states.get(req_id)
-            if state is None:
+        progress: list[tuple[str, int, list[int]]] = []  # (req_id, tokens computed by this step, blocks)
+        if block_state is not None:
+            scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+            cached = scheduler_output.scheduled_cached_reqs
+            scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            for req_id, computed_before in scheduled:
+                if req_id in self._states:
+                    computed = computed_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                    progress.append((req_id, computed, (block_state.get_block_ids(req_id) or ([],))[0]))
+        for req_id, state in list(self._states.items()):
+            if state.finished_at is None:
                 continue
+            if now - state.finished_at > FINISHED_RETRY_S or not state.saves_unsettled(self.chunk_tokens):
+                self.release(req_id)
+            elif not state.saving_since:
+                progress.append((req_id, state.finished_tokens, state.finished_blocks))
+        for req_id, computed, block_ids in progress:
+            state = self._states[req_id]
             state.follow_prompt()
-            computed = computed_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             due = state.saves_due(computed, self._step, self.chunk_tokens)
             if not due:
                 continue
-            block_ids = (block_state.get_block_ids(req_id) or ([],))[0]
             chunks = []
             for i in due:
                 ids = block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
@@ -456,10 +571,45 @@ class MaruScheduler:
             if not chunks:
                 continue
             self.stats.count(common.SAVE_RETRIES, sum(1 for c in chunks if c.index in state.retry_at))
-            state.save_planned([c.index for c in chunks], self._step)
+            state.save_planned([c.index for c in chunks], now)
             used = set(block_ids[: (chunks[-1].index + 1) * self.blocks_per_chunk])
             depends_on = tuple(lid for lid, load in self._pending_loads.items() if load.block_ids & used)
             meta.saves[req_id] = SavePlan(chunks=tuple(chunks), depends_on=depends_on)
+
+    def release(self, req_id: str) -> None:
+        """A finished request's saves are settled (or given up): its blocks go back next step."""
+        self.forget(req_id)
+        self._free_now.add(req_id)
+
+    def _handoff(self, state: RequestState) -> dict[str, Any] | None:
+        """What a producer tells the reader of its answer: leading chunks stored or being stored."""
+        if not (self.saves_enabled and self.active):
+            return None
+        n = state.stored_prefix()
+        if n <= 0:
+            return None
+        return {HANDOFF_CHUNKS: n, HANDOFF_LAST_KEY: state.keys[n - 1][0].hex()}
+
+    def _handoff_expected(self, request: Request, state: RequestState) -> int:
+        """Leading chunks a request's producer announced, if they are chunks of this prompt under our keys."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict):
+            return 0
+        n, last = params.get(HANDOFF_CHUNKS), params.get(HANDOFF_LAST_KEY)
+        if not isinstance(n, int) or n <= 0 or not isinstance(last, str):
+            return 0
+        if n > len(state.keys) or state.keys[n - 1][0].hex() != last:
+            # Its producer keys this prompt differently (another model, chunk size or namespace): its
+            # chunks will never show up under our keys, so waiting for them would only add latency.
+            self._handoff_log.warning(
+                "handoff-mismatch",
+                "maru connector: request %s carries a handoff of %d chunk(s) under keys this engine does not "
+                "use; not waiting for them (prefill and decode must share model, chunk size and cache namespace)",
+                request.request_id,
+                n,
+            )
+            return 0
+        return n
 
     def track(self, request: Request) -> None:
         """Start following a request (vLLM's ``on_new_request``; any later hook would do too)."""
@@ -481,12 +631,12 @@ class MaruScheduler:
         self._next_load_id += 1
         return load_id
 
-    def _forget_unreported(self) -> None:
+    def _forget_unreported(self, now: float) -> None:
         for load_id, load in list(self._pending_loads.items()):
-            if self._step - load.step > UNREPORTED_AFTER_STEPS:
+            if now - load.since > UNREPORTED_AFTER_S:
                 del self._pending_loads[load_id]
         for state in self._states.values():
-            state.forget_unreported(self._step)
+            state.forget_unreported(now)
 
 
 def refuse_unsupported_parallelism(vllm_config: VllmConfig) -> None:

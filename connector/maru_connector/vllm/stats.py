@@ -23,6 +23,8 @@ from maru_connector.vllm import common
 _HELP = {
     common.LOOKUPS: "Prompts looked up in the Maru pool (one round trip each).",
     common.LOOKUP_CHUNKS_HIT: "Leading prompt chunks found in the pool by lookups.",
+    common.LOOKUP_HANDOFF_POLLS: "Lookups repeated while a prefill was still committing the chunks it announced.",
+    common.LOOKUP_HANDOFF_SHORT: "Lookups that gave up waiting for chunks a prefill announced (deadline passed).",
     common.HIT_TOKENS: "Prompt tokens the engine took from the pool instead of computing them.",
     common.LOADED_CHUNKS: "Chunks copied from the pool into KV blocks.",
     common.LOAD_FAILED_CHUNKS: "Chunks that could not be loaded (missing, unreadable, corrupt); recomputed.",

@@ -1,28 +1,47 @@
 """Worker half of the Maru connector: copies KV blocks between the engine and the pool mapping.
 
-Runs in each model worker (one per TP rank). Loads run in ``start_load_kv`` before the forward
-that needs them; saves run in ``wait_for_save`` after the forward that computed them, and commit
-before the step's output leaves the worker. All copying of engine memory goes through
-``layout.PagedKV``, the one place that knows where KV bytes sit. Pool traffic per step: one batched
-call to pin or lease, one to release or commit, whatever the number of layers.
+Runs in each model worker (one per TP rank). Copies run on two background lanes (``lane.Lane``),
+so the engine's thread only plans them:
 
-Pool memory is read and written exactly once per chunk, through a private staging buffer: a load
-copies the chunk out and verifies that copy in one pass before it touches the engine, and a save
-checksums the engine's bytes while it copies them in, so bytes that changed in the pool behind our
-back can only ever fail a checksum. Leases and pins about to expire are renewed between chunks.
+* **Loads** (asynchronous, vLLM's ``load_kv_async``): ``start_load_kv`` hands the step's loads to
+  the load lane; the request waits in ``WAITING_FOR_REMOTE_KVS`` meanwhile, and ``get_finished``
+  reports it loaded once its copy is done, together with any blocks that failed (vLLM recomputes
+  them before the request computes anything). With ``maru_load_async: false`` loads run inside
+  ``start_load_kv``, before the forward that reads them.
+* **Saves**: ``wait_for_save`` hands the chunks the step completed to the save lane. Their blocks
+  stay valid until the copy is done: a running request does not change full blocks; a finished one
+  keeps them (``request_finished`` delays the free until the scheduler half, having heard every
+  save's outcome, lists the request in ``MaruConnectorMetadata.free_now``, which the worker echoes
+  as ``finished_sending`` once its own lane is done with it); a preempted one is waited for in
+  ``handle_preemptions``, before the step that could reuse its blocks.
+
+All copying of engine memory goes through ``layout.PagedKV``, the one place that knows where KV
+bytes sit. Pool traffic per job: one batched call to pin or lease, one to release or commit, whatever
+the number of layers. Pool memory is read and written exactly once per chunk, and checksummed in
+the same pass, so bytes that changed in the pool behind our back can only ever fail a checksum. On
+CPU engines with dense pages (``PagedKV.direct``) the copy goes straight between the engine's pages
+and the pool, each byte copied once: a load that fails its checksum has already written its blocks,
+which are then reported failed and recomputed by vLLM before anything reads them. Otherwise (GPU
+caches, split pages) it goes through a staging buffer per lane: a load copies the chunk out and
+verifies that copy before it touches the engine, and a save checksums the engine's bytes while it
+copies them in. Leases and pins about to expire are renewed between chunks.
 
 What became of each load and save goes back to the scheduler half in :meth:`MaruWorker.report`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
+from maru_connector.pool.client import fill_segments_many, read_segments_many
 from maru_connector.vllm import common
+from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import (
     ORPHAN,
     PRESENT,
@@ -30,6 +49,7 @@ from maru_connector.vllm.metadata import (
     STORED,
     TAINTED,
     ChunkLoad,
+    ChunkSave,
     LoadPlan,
     MaruConnectorMetadata,
     MaruWorkerInfo,
@@ -43,6 +63,25 @@ if TYPE_CHECKING:
 
 # Renew a lease or pin when less than this share of its period is left before the next chunk's copy.
 RENEW_BELOW_SHARE = 0.5
+# Direct copies go in one call (the GIL released once) per this many bytes; leases are renewed between.
+COPY_GROUP_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What one request's load came to (built on the load lane, applied on the engine's thread)."""
+
+    req_id: str
+    load_id: int
+    failed_from: int  # index of the first chunk that failed, -1 when all loaded
+    lost_blocks: frozenset[int]  # destination blocks that hold no valid KV
+    asynchronous: bool
+
+
+# (req_id, chunk index, outcome) for one chunk handed over for saving.
+SaveOutcome = tuple[str, int, str]
+# (req_id, chunk index, ChunkSave) still to be stored.
+SaveItem = tuple[str, int, ChunkSave]
 
 
 class MaruWorker:
@@ -74,13 +113,22 @@ class MaruWorker:
         # Set by a sleep (vLLM 0.33): the KV cache is never used with the pool again (unregister_kv_caches).
         self._slept = False
         self._said_off_after_sleep = False
-        self._staging: torch.Tensor | None = None
+        # One staging buffer per lane: each lane copies one chunk at a time.
+        self._load_staging: torch.Tensor | None = None
+        self._save_staging: torch.Tensor | None = None
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, f"worker{tp_rank}", self.stats)
+        self._hook_log = common.RateLimitedLog()
+        self._loads = Lane(f"worker{tp_rank}-loads", self._hook_log, self.stats)
+        self._saves = Lane(f"worker{tp_rank}-saves", self._hook_log, self.stats)
         # Destination block ids whose load failed since the last report to vLLM.
         self.invalid_blocks: set[int] = set()
         # Load ids that failed and are not yet settled on the scheduler side (saves may depend on them).
         self._failed_loads: set[int] = set()
+        # Requests whose asynchronous load finished (loaded or not) since the last get_finished.
+        self._loaded: set[str] = set()
+        # Requests the scheduler half let go of whose save jobs here are not done yet.
+        self._to_free: set[str] = set()
         self._report = MaruWorkerReport()
 
     # ------------------------------------------------------------------ registration
@@ -99,7 +147,7 @@ class MaruWorker:
                 f"the model's KV cache is an MLA latent cache ({type(spec).__name__}); MLA models are not "
                 "supported by the Maru connector yet"
             )
-        self.paged = describe_kv_caches(
+        paged = describe_kv_caches(
             kv_caches,
             num_blocks=self._kv_cache_config.num_blocks,
             block_size=self.block_size,
@@ -107,15 +155,19 @@ class MaruWorker:
             head_size=spec.head_size,
             backend=attention_backend(self._vllm_config, list(kv_caches)),
         )
-        chunk_bytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
-        self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.paged.device.type == "cuda")
+        chunk_bytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
+        if not paged.direct:  # direct copies (CPU, dense pages) need no staging
+            pinned = paged.device.type == "cuda"
+            self._load_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+            self._save_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
             self.tp_rank,
-            self.paged.format,
+            paged.format,
             getattr(self._kv_cache_config, "kv_cache_layout", None) or "?",
-            self.paged.num_layers,
-            self.paged.block_bytes,
+            paged.num_layers,
+            paged.block_bytes,
             chunk_bytes,
         )
 
@@ -126,6 +178,7 @@ class MaruWorker:
         name the weights identity computed at start, so after a wake-up this engine's KV may belong
         under other keys. It neither loads nor stores again until it restarts.
         """
+        self.wait_idle()  # the lanes' copies in flight still read the cache
         self.paged = None
         self._slept = True
 
@@ -153,57 +206,69 @@ class MaruWorker:
     # ------------------------------------------------------------------ loads
 
     def load(self, meta: MaruConnectorMetadata) -> None:
-        """Copy every planned chunk into its blocks, before the forward that reads them.
+        """Start the step's loads: on the load lane (asynchronous plans), or here (the others).
 
-        All of the step's chunks are pinned in one round trip and released in one. A chunk that is
-        missing (evicted since the lookup), unreadable or fails its checksum marks its destination
-        blocks, and those of every later chunk of the request, as failed; vLLM then recomputes from
-        the first failed block (kv_load_failure_policy=recompute).
+        A chunk that is missing (evicted since the lookup), unreadable or fails its checksum marks its
+        destination blocks, and those of every later chunk of the request, as failed; vLLM then
+        recomputes from the first failed block (kv_load_failure_policy=recompute).
         """
         self._forget_settled(meta.settled_below)
         if not meta.loads:
             return
-        plans = list(meta.loads.values())
-        keys = [chunk.keys[self.tp_rank] for plan in plans for chunk in plan.chunks]
-        pins: list = [None] * len(keys)
+        plans = list(meta.loads.items())
+        now = [(r, p) for r, p in plans if not p.asynchronous]
+        later = [(r, p) for r, p in plans if p.asynchronous]
+        if now:
+            self._apply_loads(self._copy_in(now))
+        if later:
+            self._loads.submit(
+                Job(
+                    run=lambda: self._copy_in(later),
+                    req_ids=frozenset(r for r, _ in later),
+                    on_error=lambda _err: [_failed_load(r, p) for r, p in later],
+                )
+            )
+
+    def fail_loads(self, meta: MaruConnectorMetadata) -> None:
+        """``load`` raised: report every block this step was to load as failed, so vLLM recomputes them."""
+        self._apply_loads(
+            [_failed_load(r, p) for r, p in meta.loads.items() if self._report.loads.get(p.load_id, -1) < 0]
+        )
+
+    def _copy_in(self, plans: list[tuple[str, LoadPlan]]) -> list[LoadOutcome]:
+        """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one."""
+        chunks = [chunk for _, plan in plans for chunk in plan.chunks]
+        pins: list = [None] * len(chunks)
         pool_ok = True
-        if keys and self.paged is not None:
+        if chunks and self.paged is not None:
+            keys = [chunk.keys[self.tp_rank] for chunk in chunks]
             pool_ok, got = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
             pins = got if pool_ok and got is not None else pins
+        outcomes = []
         try:
+            copied = self._copy_chunks(chunks, pins)
             at = 0
-            for plan in plans:
-                self._load_plan(plan, pins[at : at + len(plan.chunks)], pool_ok=pool_ok)
+            for req_id, plan in plans:
+                outcomes.append(self._load_plan(req_id, plan, copied[at : at + len(plan.chunks)], pool_ok=pool_ok))
                 at += len(plan.chunks)
         finally:
             held = [p for p in pins if p is not None]
             if held:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
+        if self.paged is not None:
+            self.paged.finish_copies()
+        return outcomes
 
-    def fail_loads(self, meta: MaruConnectorMetadata) -> None:
-        """``load`` raised: report every block this step was to load as failed, so vLLM recomputes them."""
-        for plan in meta.loads.values():
-            if self._report.loads.get(plan.load_id, -1) < 0:
-                self._report.loads[plan.load_id] = 0
-                self._failed_loads.add(plan.load_id)
-            self.invalid_blocks.update(plan.fail_blocks)
-            self.invalid_blocks.update(d for chunk in plan.chunks for _, d in chunk.slots)
-
-    def _load_plan(self, plan: LoadPlan, pins: list, *, pool_ok: bool) -> None:
+    def _load_plan(self, req_id: str, plan: LoadPlan, copied: list[bool], *, pool_ok: bool) -> LoadOutcome:
+        """One request's outcome: its chunks up to the first one that did not land verified."""
         done = 0
         if not plan.fail_blocks:
-            for chunk, pin in zip(plan.chunks, pins, strict=True):
-                if pin is None or not self._load_chunk(chunk, pin, pins):
-                    break
+            while done < len(copied) and copied[done]:
                 done += 1
         self.stats.count(common.LOADED_CHUNKS, done)
         if done == len(plan.chunks) and not plan.fail_blocks:
-            self._report.loads[plan.load_id] = -1
-            return
-        self._report.loads[plan.load_id] = done
-        self._failed_loads.add(plan.load_id)
-        lost = [d for chunk in plan.chunks[done:] for _, d in chunk.slots] + list(plan.fail_blocks)
-        self.invalid_blocks.update(lost)
+            return LoadOutcome(req_id, plan.load_id, -1, frozenset(), plan.asynchronous)
+        lost = frozenset(d for chunk in plan.chunks[done:] for _, d in chunk.slots) | frozenset(plan.fail_blocks)
         self.stats.count(common.LOAD_FAILED_CHUNKS, len(plan.chunks) - done)
         if pool_ok and not plan.fail_blocks:
             self.guard.log.warning(
@@ -213,26 +278,77 @@ class MaruWorker:
                 len(plan.chunks),
                 len(lost),
             )
+        return LoadOutcome(req_id, plan.load_id, done, lost, plan.asynchronous)
 
-    def _load_chunk(self, chunk: ChunkLoad, pin, held: list) -> bool:
-        assert self.paged is not None and self._staging is not None
+    def _copy_chunks(self, chunks: list[ChunkLoad], pins: list) -> list[bool]:
+        """Copy every pinned chunk into its blocks; per chunk, whether it landed verified.
+
+        Straight into the engine's pages in one pass over all of them when the pages allow it (a
+        chunk that fails its checksum has then written its blocks, which the caller reports failed);
+        else chunk by chunk through the staging buffer.
+        """
+        paged = self.paged
+        copied = [False] * len(chunks)
+        held = [p for p in pins if p is not None]
+        if paged is None or not held:
+            return copied
+        todo = [i for i, pin in enumerate(pins) if pin is not None]
+        try:
+            if paged.direct:
+                for group in _groups(todo, pins[todo[0]].nbytes):
+                    self._keep_alive(pins[group[0]], held)
+                    segments = [paged.segments(self._targets(chunks[i])) for i in group]
+                    for i, good in zip(group, read_segments_many([pins[i] for i in group], segments), strict=True):
+                        copied[i] = good
+                        if not good:
+                            self._unusable(chunks[i], "ChecksumMismatch" if pins[i].corrupt else "LeaseLost")
+                return copied
+            for i in todo:
+                copied[i] = self._load_staged(chunks[i], pins[i], held)
+        except Exception as err:  # a bug or a bad chunk is a failed load, not an engine error
+            self._unusable(chunks[todo[0]], type(err).__name__, err)
+        return copied
+
+    def _targets(self, chunk: ChunkLoad) -> list[int | None]:
+        """The chunk's destination block per block in the chunk (None: not wanted, hashed only)."""
+        targets: list[int | None] = [None] * self.blocks_per_chunk
+        for in_chunk, block_id in chunk.slots:
+            targets[in_chunk] = block_id
+        return targets
+
+    def _load_staged(self, chunk: ChunkLoad, pin, held: list) -> bool:
+        paged, staging = self.paged, self._load_staging
+        assert paged is not None and staging is not None
         try:
             self._keep_alive(pin, held)
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
-            pin.read_into(self._staging.numpy())
-            self.paged.scatter(self.paged.chunk_view(self._staging, self.blocks_per_chunk), chunk.slots)
+            pin.read_into(staging.numpy())
+            paged.scatter(paged.chunk_view(staging, self.blocks_per_chunk), chunk.slots)
             return True
         except Exception as err:  # a corrupt or odd-sized chunk is a failed load, not an engine error
-            if type(err).__name__ == "ChecksumMismatch":
-                self.stats.count(common.CHECKSUM_MISMATCHES)
-            self.guard.log.warning(
-                f"load-{type(err).__name__}",
-                "maru pool: chunk %s unusable (%s: %s); recomputing it",
-                chunk.keys[self.tp_rank].hex()[:16],
-                type(err).__name__,
-                err,
-            )
+            self._unusable(chunk, type(err).__name__, err)
             return False
+
+    def _unusable(self, chunk: ChunkLoad, why: str, err: object = "") -> None:
+        if why == "ChecksumMismatch":
+            self.stats.count(common.CHECKSUM_MISMATCHES)
+        self.guard.log.warning(
+            f"load-{why}",
+            "maru pool: chunk %s unusable (%s%s); recomputing it",
+            chunk.keys[self.tp_rank].hex()[:16],
+            why,
+            f": {err}" if err else "",
+        )
+
+    def _apply_loads(self, outcomes: Iterable[LoadOutcome]) -> None:
+        """Record load outcomes for vLLM (failed blocks, finished requests) and the scheduler half."""
+        for out in outcomes:
+            self._report.loads[out.load_id] = out.failed_from
+            if out.failed_from >= 0:
+                self._failed_loads.add(out.load_id)
+                self.invalid_blocks.update(out.lost_blocks)
+            if out.asynchronous:
+                self._loaded.add(out.req_id)
 
     def take_invalid_blocks(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
@@ -241,7 +357,7 @@ class MaruWorker:
     # ------------------------------------------------------------------ saves
 
     def save(self, meta: MaruConnectorMetadata) -> None:
-        """Store the step's completed chunks: lease all in one call, copy, commit all in one call.
+        """Hand the step's completed chunks to the save lane: lease all in one call, copy, commit all in one.
 
         A request whose KV was computed over a load that failed (in this step, or in an earlier
         one the scheduler had not heard of when it planned this one) stores nothing: its chunks are
@@ -251,7 +367,7 @@ class MaruWorker:
             return
         # First, and on every rank alike: a collective must not be skipped by one rank's early return.
         failed = self._failed_on_any_rank(meta)
-        todo: list[tuple[str, int, object]] = []  # (req_id, chunk index, ChunkSave)
+        todo: list[SaveItem] = []
         for req_id, plan in meta.saves.items():
             if failed.intersection(plan.depends_on):
                 self._outcome(req_id, [c.index for c in plan.chunks], TAINTED)
@@ -260,63 +376,142 @@ class MaruWorker:
             todo += [(req_id, c.index, c) for c in plan.chunks]
         if not todo:
             return
-        if self.paged is None:
-            self._skip(todo)
+        paged = self.paged
+        if paged is None:
+            self._apply_saves(self._skip(todo))
             return
-        nbytes = self.paged.geometry(self.blocks_per_chunk).chunk_bytes
+        ready = paged.fence()  # the copy must see what this step's forward computed
+        self._saves.submit(
+            Job(
+                run=lambda: self._copy_out(todo, ready),
+                req_ids=frozenset(r for r, _, _ in todo),
+                on_error=lambda _err: self._skip(todo),
+            )
+        )
+
+    def skip_saves(self, meta: MaruConnectorMetadata) -> None:
+        """``save`` raised: whatever it did not report or hand over is to be tried again."""
+        handed = self._saves.busy_with(meta.saves)
+        todo = [(r, c.index, c) for r, plan in meta.saves.items() if r not in handed for c in plan.chunks]
+        self._apply_saves(self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves]))
+
+    def _copy_out(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
+        """Store ``todo`` on the save lane; returns every chunk's outcome."""
+        paged, staging = self.paged, self._save_staging
+        if paged is None:
+            return self._skip(todo)
+        nbytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
         items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank]) for _, _, c in todo]
         ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
-            self._skip(todo)
-            return
-        written = []
+            return self._skip(todo)
+        out: list[SaveOutcome] = []
+        written: list[tuple[str, int, Any]] = []
         try:
+            ready()
+            granted: list[tuple[str, int, ChunkSave, Any]] = []
             for (req_id, index, chunk), lease in zip(todo, leases, strict=True):
                 if lease == PRESENT:
                     self.stats.count(common.SAVE_NOT_LEASED)
-                    self._outcome(req_id, [index], PRESENT)
-                    continue
-                if isinstance(lease, str):  # full, or the chunk before it is not stored
+                    out.append((req_id, index, PRESENT))
+                elif isinstance(lease, str):  # full, or the chunk before it is not stored
                     self.stats.count(common.SAVE_SKIPPED_CHUNKS)
-                    self._outcome(req_id, [index], ORPHAN if lease == ORPHAN else RETRY)
-                    continue
-                self._keep_alive(lease, [x for x in leases if not isinstance(x, str)])
-                out = self.paged.chunk_view(self._staging, self.blocks_per_chunk)
-                self.paged.gather(chunk.block_ids, out)
-                lease.fill(self._staging.numpy())  # checksums the engine's bytes, not the pool's
-                written.append((req_id, index, lease))
+                    out.append((req_id, index, ORPHAN if lease == ORPHAN else RETRY))
+                else:
+                    granted.append((req_id, index, chunk, lease))
+            live = [g[3] for g in granted]
+            if paged.direct:
+                # The engine's pages straight into the pool, many chunks per pass, checksummed on the way.
+                for group in _groups(granted, nbytes):
+                    self._keep_alive(group[0][3], live)
+                    segments = [paged.segments(chunk.block_ids) for _, _, chunk, _ in group]
+                    filled = fill_segments_many([g[3] for g in group], segments)
+                    written += [(r, i, lease) for (r, i, _, lease), ok in zip(group, filled, strict=True) if ok]
+            else:
+                for req_id, index, chunk, lease in granted:
+                    assert staging is not None
+                    self._keep_alive(lease, live)
+                    paged.gather(chunk.block_ids, paged.chunk_view(staging, self.blocks_per_chunk))
+                    lease.fill(staging.numpy())  # checksums the engine's bytes, not the pool's
+                    written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
         done = {id(lease) for _, _, lease in written}
         leftover = [x for x in leases if not isinstance(x, str) and id(x) not in done]
         if leftover:
             self.guard.call("save-abort", lambda c, ls: c.abort_many(ls), leftover)
-        reported = {(r, i) for r, i in self._report.saves} | {(r, i) for r, i, _ in written}
-        self._skip([t for t in todo if (t[0], t[1]) not in reported])
+        reported = {(r, i) for r, i, _ in out} | {(r, i) for r, i, _ in written}
+        out += self._skip([t for t in todo if (t[0], t[1]) not in reported])
         if not written:
-            return
+            return out
         ok, committed = self.guard.call("save-commit", lambda c, ls: c.commit_many(ls), [w[2] for w in written])
         results = committed if ok and committed is not None else [False] * len(written)
         for (req_id, index, _), stored in zip(written, results, strict=True):
-            self._outcome(req_id, [index], STORED if stored else RETRY)
+            out.append((req_id, index, STORED if stored else RETRY))
         stored = sum(1 for x in results if x)
         self.stats.count(common.SAVED_CHUNKS, stored)
         self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(written) - stored)
+        return out
 
-    def skip_saves(self, meta: MaruConnectorMetadata) -> None:
-        """``save`` raised: whatever it did not report is to be tried again."""
-        todo = [(req_id, c.index, c) for req_id, plan in meta.saves.items() for c in plan.chunks]
-        self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves])
+    def _skip(self, todo: list[SaveItem]) -> list[SaveOutcome]:
+        self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(todo))
+        return [(req_id, index, RETRY) for req_id, index, _ in todo]
+
+    def _apply_saves(self, outcomes: Iterable[SaveOutcome]) -> None:
+        for req_id, index, outcome in outcomes:
+            self._report.saves[(req_id, index)] = outcome
+
+    # ------------------------------------------------------------------ step boundaries
+
+    def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
+        """Before a step that may reuse preempted requests' blocks: finish the saves reading them."""
+        if meta.preempted:
+            self._saves.wait_for(meta.preempted)
+
+    def finished(self, meta: MaruConnectorMetadata | None) -> tuple[set[str], set[str]]:
+        """Collect the lanes' results; ``(requests whose blocks may be freed, requests loaded)``.
+
+        vLLM's ``get_finished``, once per step after ``wait_for_save``: what it reports here and in
+        the step's ``get_block_ids_with_load_errors`` and ``report`` arrives at the scheduler together.
+        """
+        self._collect()
+        loaded, self._loaded = self._loaded, set()
+        if meta is not None:
+            self._to_free.update(meta.free_now)
+        busy = self._saves.busy_with(self._to_free)
+        freed = self._to_free - busy
+        self._to_free = busy
+        return freed, loaded
+
+    def finished_degraded(self) -> set[str]:
+        """``finished`` raised: still hand vLLM the requests whose loads are done, so none waits forever
+        for a report; releases wait for a call that works."""
+        self._collect()
+        loaded, self._loaded = self._loaded, set()
+        return loaded
 
     def report(self) -> MaruWorkerReport | None:
         """This step's outcomes for the scheduler half (vLLM's ``build_connector_worker_meta``)."""
         out, self._report = self._report, MaruWorkerReport()
         return None if out.is_empty() else out
 
+    def wait_idle(self) -> None:
+        """Block until both lanes are idle (their results are collected on the next step)."""
+        self._loads.wait_for()
+        self._saves.wait_for()
+
     def shutdown(self) -> None:
+        self._loads.close()
+        self._saves.close()
         self.guard.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _collect(self) -> None:
+        for outcomes in self._loads.take_done():
+            self._apply_loads(outcomes)
+        for outcomes in self._saves.take_done():
+            self._apply_saves(outcomes)
 
     def _failed_on_any_rank(self, meta: MaruConnectorMetadata) -> set[int]:
         """Which of the loads the step's saves depend on failed, on this rank or any other.
@@ -345,17 +540,12 @@ class MaruWorker:
             torch.distributed.all_reduce(flags, group=group.cpu_group)
         return {load_id for load_id, n in zip(deps, flags.tolist(), strict=True) if n}
 
-    def _skip(self, todo: list) -> None:
-        for req_id, index, _ in todo:
-            self._outcome(req_id, [index], RETRY)
-        self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(todo))
-
     def _outcome(self, req_id: str, chunks: list[int], outcome: str) -> None:
         for index in chunks:
             self._report.saves[(req_id, index)] = outcome
 
     def _keep_alive(self, item, held: list) -> None:
-        """Renew the step's leases or pins if ``item``'s is running out before its copy."""
+        """Renew the job's leases or pins if ``item``'s is running out before its copy."""
         lease_s = getattr(item, "lease_s", float("inf"))
         if item.remaining() < lease_s * RENEW_BELOW_SHARE:
             live = [x for x in held if x is not None and not isinstance(x, str) and not x.done]
@@ -364,6 +554,17 @@ class MaruWorker:
     def _forget_settled(self, settled_below: int) -> None:
         if self._failed_loads:
             self._failed_loads = {x for x in self._failed_loads if x >= settled_below}
+
+
+def _groups(items: list, item_bytes: int) -> list[list]:
+    """``items`` in runs of at most :data:`COPY_GROUP_BYTES` (at least one item each)."""
+    per_group = max(1, COPY_GROUP_BYTES // max(1, item_bytes))
+    return [items[i : i + per_group] for i in range(0, len(items), per_group)]
+
+
+def _failed_load(req_id: str, plan: LoadPlan) -> LoadOutcome:
+    lost = frozenset(plan.fail_blocks) | frozenset(d for chunk in plan.chunks for _, d in chunk.slots)
+    return LoadOutcome(req_id, plan.load_id, 0, lost, plan.asynchronous)
 
 
 def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:

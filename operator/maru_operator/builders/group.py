@@ -48,9 +48,11 @@ VLLM_PORT = 8000
 ROUTER_CONTAINER_PORT = 8000
 ROUTER_METRICS_PORT = 29000
 
-# Prefill stores the prompt's KV, decode only loads it: by the time decode runs, prefill has already
-# committed every chunk of the prompt, so a decode-side store would only duplicate them.
-KV_ROLES: dict[Role, KVRole] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Prefill loads what any replica stored and stores the rest, so the pool is one prefix cache for the
+# whole fleet: a document one prefill replica read is a hit on every other. Decode only loads: its
+# prefill has stored (or is storing, and says so in the handoff) every chunk of the prompt, so a
+# decode-side store would only duplicate them.
+KV_ROLES: dict[Role, KVRole] = {"prefill": "kv_both", "decode": "kv_consumer"}
 
 # Chunk keys derive from vLLM's block hashes. With the xxhash block-hash options vLLM seeds every chain
 # from PYTHONHASHSEED, randomly when it is unset, so engines would never agree on a key; sha256 (the

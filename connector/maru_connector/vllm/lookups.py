@@ -1,0 +1,127 @@
+"""Pool lookups off the engine core: one background thread answers them, the scheduler never waits.
+
+vLLM asks the scheduler half how much of a waiting request the pool holds every time it considers
+the request, on the engine-core thread that also runs every step. A synchronous RPC there stalls
+every running request for as long as the pool takes to answer (the RPC timeout when it hangs).
+Instead the first ask queues the lookup here and answers ``None`` ("ask again"); vLLM skips the
+request for that step and asks again later, by which time the answer is usually in. Each prompt is
+looked up once: the answer is kept for the request's life (a stale answer only costs a failed load,
+which vLLM recomputes).
+
+A lookup may also *wait for a handoff*: a decode request carries the number of chunks its prefill
+had stored or was storing when it answered (``kv_transfer_params``), and prefill commits
+asynchronously, so the decode's lookup polls until the pool holds that many leading chunks, or
+until a deadline, and then answers with what it found.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from maru_connector.vllm import common
+
+# Polls of a lookup that waits for a handoff start this far apart and double up to the maximum.
+POLL_FIRST_S = 0.001
+POLL_MAX_S = 0.02
+
+
+@dataclass(order=True)
+class _Job:
+    due: float
+    seq: int
+    req_id: str = field(compare=False)
+    keys: list[bytes] = field(compare=False)
+    expect: int = field(compare=False)  # leading chunks a handoff promised (0: none)
+    deadline: float = field(compare=False)
+    poll_s: float = field(compare=False, default=POLL_FIRST_S)
+
+
+class AsyncLookups:
+    """Answers ``lookup_prefix`` for the scheduler half on a thread of its own.
+
+    ``tp_size`` divides the pool's answer: every chunk has one key per TP rank, and a chunk is a hit
+    only when every rank's key is.
+    """
+
+    def __init__(self, guard: common.PoolGuard, stats: common.Counters, *, tp_size: int) -> None:
+        self._guard = guard
+        self._stats = stats
+        self._tp_size = tp_size
+        self._jobs: list[_Job] = []  # heap by due time
+        self._results: dict[str, int] = {}  # req_id -> leading chunks the pool holds
+        self._wanted: dict[str, int] = {}  # req_id -> seq of its queued or running lookup
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="maru-lookups", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, keys: list[bytes], *, expect: int = 0, wait_s: float = 0.0) -> None:
+        """Queue a lookup of ``keys`` (in the pool's lookup order); replaces an earlier one for ``req_id``."""
+        now = time.monotonic()
+        job = _Job(now, next(self._seq), req_id, keys, expect, now + (wait_s if expect else 0.0))
+        with self._cv:
+            self._results.pop(req_id, None)
+            self._wanted[req_id] = job.seq
+            heapq.heappush(self._jobs, job)
+            self._cv.notify()
+
+    def result(self, req_id: str) -> int | None:
+        """Leading chunks found for ``req_id``, or None while its lookup has not finished."""
+        with self._cv:
+            return self._results.get(req_id)
+
+    def forget(self, req_id: str) -> None:
+        with self._cv:
+            self._results.pop(req_id, None)
+            self._wanted.pop(req_id, None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and (not self._jobs or self._jobs[0].due > time.monotonic()):
+                    self._cv.wait(timeout=self._jobs[0].due - time.monotonic() if self._jobs else None)
+                if self._stopped:
+                    return
+                job = heapq.heappop(self._jobs)
+                if self._wanted.get(job.req_id) != job.seq:
+                    continue  # forgotten or replaced while queued
+            try:
+                self._lookup(job)
+            except Exception as err:  # a bug here must not kill the thread: the request becomes a miss
+                self._guard.failed("lookup", err)
+                self._answer(job, 0)
+
+    def _lookup(self, job: _Job) -> None:
+        ok, n = self._guard.call("lookup", lambda c, ks: c.lookup_prefix(ks), job.keys)
+        chunks = (n or 0) // self._tp_size if ok else 0
+        now = time.monotonic()
+        if ok and chunks < job.expect and now < job.deadline:
+            # The prefill that promised these chunks is still committing them: look again shortly.
+            self._stats.count(common.LOOKUP_HANDOFF_POLLS)
+            job.due, job.poll_s = now + job.poll_s, min(POLL_MAX_S, job.poll_s * 2)
+            with self._cv:
+                if self._wanted.get(job.req_id) == job.seq:
+                    heapq.heappush(self._jobs, job)
+            return
+        if job.expect and chunks < job.expect:
+            self._stats.count(common.LOOKUP_HANDOFF_SHORT)
+        self._answer(job, chunks)
+
+    def _answer(self, job: _Job, chunks: int) -> None:
+        with self._cv:
+            if self._wanted.get(job.req_id) == job.seq:
+                del self._wanted[job.req_id]
+                self._results[job.req_id] = chunks
