@@ -26,7 +26,7 @@ from tests.pool.harness import Daemon, start_serve
 
 from . import fakes
 from .fakes import CHUNK
-from .test_scheduler import INFO, expected_keys
+from .test_scheduler import INFO, expected_keys, matched
 
 
 @pytest.fixture
@@ -68,10 +68,10 @@ def test_the_right_credential_finds_what_its_tenant_stored(pool: Daemon, workdir
     writer = PoolClient(pool.ready["listen"], timeout_s=5, token_file=ours)
     for k in expected_keys(req)[:2]:
         assert writer.put(k, b"x" * 4096)
-    assert scheduler(pool, ours).get_num_new_matched_tokens(req, 0)[0] == 2 * CHUNK
+    assert matched(scheduler(pool, ours), req, 0)[0] == 2 * CHUNK
     # Another tenant of the same pool (the same client keys: the same model and salt) finds nothing.
     theirs = token(workdir, "theirs.token", key, scope="other-ns/tiny")
-    assert scheduler(pool, theirs).get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(scheduler(pool, theirs), req, 0) == (0, False)
 
 
 def test_a_refused_credential_is_a_miss_with_one_line_saying_what_to_fix(
@@ -83,7 +83,7 @@ def test_a_refused_credential_is_a_miss_with_one_line_saying_what_to_fix(
     other_pool = token(workdir, "other.token", os.urandom(32))
     sched = scheduler(pool, other_pool)
     for seed in range(3):
-        assert sched.get_num_new_matched_tokens(fakes.request(f"r{seed}", 3 * CHUNK, seed=seed), 0) == (0, False)
+        assert matched(sched, fakes.request(f"r{seed}", 3 * CHUNK, seed=seed), 0) == (0, False)
     assert common.counters()[common.POOL_ERRORS] == 3
     lines = [r.getMessage() for r in caplog.records if "maru pool" in r.getMessage()]
     assert len(lines) == 1, lines  # rate-limited: one line per kind of failure
@@ -94,7 +94,7 @@ def test_a_refused_credential_is_a_miss_with_one_line_saying_what_to_fix(
 def test_a_missing_credential_file_is_a_miss_too(pool: Daemon, workdir: Path) -> None:
     common.reset_counters()
     sched = scheduler(pool, str(workdir / "not-mounted"))
-    assert sched.get_num_new_matched_tokens(fakes.request("r", 3 * CHUNK, seed=1), 0) == (0, False)
+    assert matched(sched, fakes.request("r", 3 * CHUNK, seed=1), 0) == (0, False)
     assert common.counters()[common.POOL_ERRORS] == 1
 
 
