@@ -108,7 +108,7 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     if req.get("flush", True):
-        flush()
+        flush(llm)
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "handoffs": [o.kv_transfer_params for o in outs],
@@ -116,14 +116,27 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def flush() -> None:
-    """Wait until the worker half's load and save lanes are idle (the engine runs in this process)."""
+def flush(llm) -> None:
+    """Wait until the connector's background copies have landed, and give back the blocks finished
+    requests held for them.
+
+    ``LLM.generate`` returns once every output is out, and the engine steps only inside the next call;
+    a server's engine loop keeps stepping while finished requests hold blocks. Step it here as that
+    loop would, so what follows (another engine's lookup, ``reset_prefix_cache``) sees an idle engine.
+    """
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    if has_kv_transfer_group():
-        worker = getattr(get_kv_transfer_group(), "_worker", None)
+    if not has_kv_transfer_group():
+        return
+    worker = getattr(get_kv_transfer_group(), "_worker", None)
+    core = llm.llm_engine.engine_core.engine_core
+    for _ in range(1000):
         if worker is not None:
             worker.wait_idle()
+        if core.scheduler.has_unfinished_requests() or not core.scheduler.has_requests():
+            return
+        core.step_fn()
+    raise RuntimeError("finished requests still hold their blocks after 1000 steps")
 
 
 def session(llm, req: dict[str, Any]) -> dict[str, Any]:
@@ -320,7 +333,7 @@ def main() -> int:
             elif op == "counters":
                 answer({"counters": counters()})
             elif op == "flush":
-                flush()
+                flush(llm)
                 answer({"ok": True})
             elif op == "metrics":
                 answer({"metrics": metrics(llm)})
