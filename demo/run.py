@@ -4,14 +4,17 @@
     local cluster (API server, controllers, kube-proxy, a kubelet running pods as processes)
     python -m maru_operator run          <- watches MaruPools and InferenceGroups
     kubectl apply -f crds/ ; kubectl apply -f examples/local/   (an shm pool, a tiny-model group)
-    kubectl wait --for=condition=Ready   -> pool agent, prefill vLLM, decode vLLM, vllm-router pods
-    requests -> the group's router Service -> prefill, then decode loading the prompt's KV from the pool
+    kubectl wait --for=condition=Ready   -> pool agent, 2 prefill vLLM, decode vLLM, vllm-router pods
+    requests -> the group's router Service -> a prefill replica (round robin), then decode loading the
+                prompt's KV from the pool
 
 The script sends long prompts cold and then repeated, and a prompt whose length is an exact multiple
 of the chunk (the shape that used to kill the loading engine: the capped-hit bug), and prints time to
-first token, where each prompt token's KV came from (vLLM's own counters) and whether decode still
-serves. Nothing is downloaded and no GPU is used. Needs root: every pod runs in its own mount and PID
-namespaces, and the pool's memory-backed /dev/shm is a tmpfs mount.
+first token, which prefill replica served each request, where each prompt token's KV came from
+(vLLM's own counters) and whether the engines still serve. The router takes turns between the two
+prefill replicas, so a repeated prompt lands on the replica that never saw it and loads it from the
+pool: one prefix cache for the fleet. Nothing is downloaded and no GPU is used. Needs root: every pod
+runs in its own mount and PID namespaces, and the pool's memory-backed /dev/shm is a tmpfs mount.
 """
 
 from __future__ import annotations
@@ -62,7 +65,12 @@ LOG_DIR = REPO / ".demo-logs"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # The connector's own counters, exported by each engine as vllm:maru_connector_<name>_total.
 CONNECTOR_COUNTERS = ("hit_tokens", "loaded_chunks", "load_failed_chunks", "checksum_mismatches", "saved_chunks",
-                      "pool_errors")
+                      "pool_errors", "lookup_handoff_polls", "lookup_handoff_short")
+# The example's prefill replicas are named A, B, ... in the order of their pod names.
+REPLICA_NAMES = "ABCDEFGH"
+# Makes the reference request's block hashes (and so its pool keys) its own: neither a prefix cache
+# nor the pool can hit, and the reference is a real recompute (vLLM's OpenAI `cache_salt`).
+REFERENCE_SALT = "maru-demo-recompute-reference"
 
 
 class StepFailed(Exception):
@@ -133,6 +141,8 @@ class RequestResult:
     text: str | None = None
     token_ids: list[int] | None = None
     error: str | None = None
+    # The prefill replica that served it ("A", "B"; "" when none did, "A+B" should the router split it).
+    prefill_replica: str = ""
     prefill: dict[str, int] = field(default_factory=dict)
     decode: dict[str, int] = field(default_factory=dict)
     pool: dict[str, int] = field(default_factory=dict)
@@ -146,7 +156,8 @@ class Demo:
     summary: dict[str, Any] = field(default_factory=dict)
     cluster: Any = None  # maru_localcluster.cluster.LocalCluster
     operator: Any = None  # maru_localcluster.product.OperatorProcess
-    prefill_url: str = ""
+    prefill_urls: dict[str, str] = field(default_factory=dict)  # replica ("A", "B") -> engine URL
+    prefill_pods: dict[str, str] = field(default_factory=dict)  # replica -> pod name
     decode_url: str = ""
     router_url: str = ""
     pool_http: str = ""
@@ -161,19 +172,27 @@ class Demo:
         return [p for p in self.cluster.kube.list("pods", namespace, labels=selector)
                 if not p["metadata"].get("deletionTimestamp")]
 
-    def role_pod(self, role: str) -> dict[str, Any]:
+    def role_pods(self, role: str, count: int) -> list[dict[str, Any]]:
+        """The group's ``count`` pods of ``role``, by name."""
         pods = self.pods(GROUP_NS, f"app.kubernetes.io/instance={GROUP},maru.io/role={role}")
-        if len(pods) != 1:
-            raise StepFailed(f"expected one {role} pod, found {[p['metadata']['name'] for p in pods]}")
-        return pods[0]
+        if len(pods) != count:
+            raise StepFailed(f"expected {count} {role} pod(s), found {[p['metadata']['name'] for p in pods]}")
+        return sorted(pods, key=lambda p: str(p["metadata"]["name"]))
+
+    def role_pod(self, role: str) -> dict[str, Any]:
+        return self.role_pods(role, 1)[0]
+
+    def engines(self) -> dict[str, str]:
+        """Every engine's URL: the prefill replicas by letter, then "decode"."""
+        return {**self.prefill_urls, "decode": self.decode_url}
 
     def operator_alive(self) -> None:
         if self.operator is not None and not self.operator.alive():
             raise StepFailed(f"the operator exited:\n{self.operator.log_tail()}")
 
-    def restarts(self, role: str) -> int:
-        statuses = (self.role_pod(role).get("status") or {}).get("containerStatuses") or []
-        return sum(int(s.get("restartCount", 0)) for s in statuses)
+    def restarts(self, role: str, count: int = 1) -> int:
+        return sum(int(s.get("restartCount", 0)) for pod in self.role_pods(role, count)
+                   for s in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -263,14 +282,38 @@ def wait_ready(d: Demo) -> str:
                 d.operator_alive()
                 raise StepFailed(f"{target} not Ready: {out.stderr.strip()}\n{why_not_ready(d.cluster)}")
             time.sleep(max(0.0, 1 - (time.monotonic() - asked)))  # kubectl gave up at once (not found yet)
-    d.prefill_url = f"http://{d.role_pod('prefill')['status']['podIP']}:8000"
+    replicas = int(d.cluster.kube.get("inferencegroups.maru.io", GROUP, GROUP_NS)["spec"]["prefill"]["replicas"])
+    for letter, pod in zip(REPLICA_NAMES, d.role_pods("prefill", replicas), strict=False):
+        d.prefill_urls[letter] = f"http://{pod['status']['podIP']}:8000"
+        d.prefill_pods[letter] = pod["metadata"]["name"]
     d.decode_url = f"http://{d.role_pod('decode')['status']['podIP']}:8000"
     d.router_url = d.cluster.service_url(GROUP_NS, GROUP)
     (agent,) = d.pods("maru-system", f"app.kubernetes.io/instance={POOL},app.kubernetes.io/component=agent")
     d.pool_http = f"http://{agent['status']['podIP']}:9400"
-    d.summary["urls"] = {"router": d.router_url, "prefill": d.prefill_url, "decode": d.decode_url,
+    d.summary["urls"] = {"router": d.router_url, "prefill": d.prefill_urls, "decode": d.decode_url,
                          "pool": d.pool_http}
-    return f"router Service {d.router_url}"
+    d.summary["prefill_pods"] = d.prefill_pods
+    wait_router_workers(d, until=started + READY_TIMEOUT_S)
+    return f"router Service {d.router_url}, {len(d.prefill_urls)} prefill + 1 decode behind it"
+
+
+def wait_router_workers(d: Demo, until: float) -> None:
+    """Until vllm-router lists every engine: the group is Ready when its pods are, and the router adds
+    a pod from its watch a moment later. Before that, round robin over one prefill sends a repeated
+    prompt back to the replica that computed it, and the fleet is not what is shown."""
+    want = {"prefill_count": len(d.prefill_urls), "decode_count": 1}
+    deadline = max(until, time.monotonic() + 30)
+    while True:
+        try:
+            seen = get_json(d.router_url + "/workers").get("stats") or {}
+        except (RuntimeError, ValueError):
+            seen = {}
+        if all(seen.get(k) == v for k, v in want.items()):
+            return
+        if time.monotonic() > deadline:
+            raise StepFailed(f"vllm-router lists workers {seen or '(none)'}, not {want}")
+        d.operator_alive()
+        time.sleep(0.5)
 
 
 # ------------------------------------------------------------------------------------------ traffic
@@ -280,8 +323,9 @@ Counts = dict[str, float]
 
 
 def snapshot(d: Demo) -> dict[str, Counts]:
+    """Every engine's prompt-token counters (prefill replicas by letter, "decode") and the pool's stats."""
     out: dict[str, Counts] = {}
-    for name, url in (("prefill", d.prefill_url), ("decode", d.decode_url)):
+    for name, url in d.engines().items():
         try:
             samples = scrape(url + "/metrics")
         except RuntimeError:
@@ -306,10 +350,21 @@ def _delta(after: Counts, before: Counts) -> dict[str, int]:
 Answer = tuple[str, list[int], float | None, float | None]
 
 
-def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer],
-             engines: tuple[str, ...] = ("prefill", "decode"), kind: str = "") -> RequestResult:
-    """Run one request and attribute its prompt tokens by source from the engines' counter deltas."""
+def _side(delta: dict[str, int]) -> dict[str, int]:
+    return {"computed": delta.get("local_compute", 0), "local_cache": delta.get("local_cache_hit", 0),
+            "from_pool": delta.get("external_kv_transfer", 0), "ttft_ms": delta.get("ttft_ms", 0)}
+
+
+def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer], kind: str = "",
+             prefills: tuple[str, ...] | None = None, decode: bool = True) -> RequestResult:
+    """Run one request and attribute its prompt tokens by source from the engines' counter deltas.
+
+    ``prefills``: the replicas that may serve it (every one by default: the router picks); the one whose
+    prompt-token count moved is the one that did.
+    """
     tokens = len(prompt)
+    replicas = tuple(d.prefill_urls) if prefills is None else prefills
+    engines = (*replicas, *(["decode"] if decode else []))
     result = RequestResult(name=name, kind=kind, prompt_tokens=tokens, prompt_ids=prompt)
     before = snapshot(d)
     try:
@@ -320,27 +375,35 @@ def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer],
         result.error = str(err)
     # vLLM records a request's prompt-token sources when its first output is processed, which can
     # trail the HTTP answer by a scheduler step: wait until each engine has accounted for the prompt.
+    def counted(after: dict[str, Counts], names: tuple[str, ...]) -> float:
+        return sum(after.get(e, {}).get("prompt_tokens", 0.0) - before.get(e, {}).get("prompt_tokens", 0.0)
+                   for e in names)
+
     deadline = time.monotonic() + 15.0
     after = snapshot(d)
-    while time.monotonic() < deadline and any(
-        after.get(e, {}).get("prompt_tokens", 0.0) - before.get(e, {}).get("prompt_tokens", 0.0) < tokens
-        for e in engines
+    while time.monotonic() < deadline and (
+        (replicas and counted(after, replicas) < tokens) or (decode and counted(after, ("decode",)) < tokens)
     ):
         time.sleep(0.1)
         after = snapshot(d)
-    for e in engines:
-        delta = _delta(after.get(e, {}), before.get(e, {}))
-        side = {"computed": delta.get("local_compute", 0), "local_cache": delta.get("local_cache_hit", 0),
-                "from_pool": delta.get("external_kv_transfer", 0), "ttft_ms": delta.get("ttft_ms", 0)}
-        setattr(result, e, side)
+    deltas = {e: _delta(after.get(e, {}), before.get(e, {})) for e in engines}
+    served = [e for e in replicas if deltas[e].get("prompt_tokens", 0) > 0]
+    if replicas:
+        result.prefill_replica = "+".join(served)
+        result.prefill = {k: sum(_side(deltas[e])[k] for e in served) for k in _side({})}
+    if decode:
+        result.decode = _side(deltas["decode"])
     result.pool = _delta(after.get("pool", {}), before.get("pool", {}))
     return result
 
 
-def request_body(prompt: list[int]) -> dict[str, Any]:
+def request_body(prompt: list[int], cache_salt: str | None = None) -> dict[str, Any]:
     # Greedy, fixed length (no early EOS), and the output's token ids, so outputs compare exactly.
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
 
 
 def via_router(d: Demo, prompt: list[int]) -> Callable[[], Answer]:
@@ -368,16 +431,24 @@ def run_traffic(d: Demo) -> list[RequestResult]:
     return results
 
 
-def reference(d: Demo) -> RequestResult:
-    """Long prompt #1 answered by the prefill engine alone: KV it computed itself, never from the pool."""
+def reference(d: Demo, results: list[RequestResult]) -> RequestResult:
+    """Long prompt #1 recomputed by one prefill engine alone: KV it computed itself, none from the pool.
+
+    Asked of the replica that served the prompt cold, which holds it in its prefix cache, and salted
+    (``cache_salt``): the salt changes every block hash, so neither that cache nor the pool (whose keys
+    are those hashes) can hit, where the plain prompt would be a cache hit on one replica and a pool
+    hit on the other.
+    """
     prompt = prompt_ids(LONG_TOKENS, seed=1)
-    body = request_body(prompt)
+    first = next((r for r in results if r.prompt_ids == prompt and r.prefill_replica in d.prefill_urls), None)
+    replica = first.prefill_replica if first else next(iter(d.prefill_urls))
+    body = request_body(prompt, cache_salt=REFERENCE_SALT)
 
     def send() -> Answer:
-        text, ids = completion(d.prefill_url, body, timeout_s=REQUEST_TIMEOUT_S)
+        text, ids = completion(d.prefill_urls[replica], body, timeout_s=REQUEST_TIMEOUT_S)
         return text, ids, None, None
 
-    return measured(d, "reference: prefill alone", prompt, send, engines=("prefill",), kind="reference")
+    return measured(d, "reference: recompute", prompt, send, kind="reference", prefills=(replica,), decode=False)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -394,9 +465,19 @@ def same_output(a: RequestResult | None, b: RequestResult | None) -> bool:
     return a.token_ids == b.token_ids and a.text == b.text
 
 
-def print_table(results: list[RequestResult], ref: RequestResult | None) -> None:
+def _prefill_cells(r: RequestResult) -> tuple[str, str]:
+    """The prefill replica that served ``r``, and where its prompt tokens' KV came from there."""
+    if not r.prefill:
+        return "-", "-"
+    p = r.prefill
+    return r.prefill_replica or "?", f"{p.get('computed', 0)} / {p.get('local_cache', 0)} / {p.get('from_pool', 0)}"
+
+
+def print_table(d: Demo, results: list[RequestResult], ref: RequestResult | None) -> None:
     say("TTFT: at the client, through the router [prefill engine + decode engine, each from its own /metrics]")
-    head = (f"{'request':<24} {'prompt':>6} {'TTFT ms':>17}  {'prefill computed/cached':>23}  "
+    say("prefill replicas (vllm-router takes turns): "
+        + ", ".join(f"{letter} = {pod}" for letter, pod in d.prefill_pods.items()))
+    head = (f"{'request':<24} {'prompt':>6} {'TTFT ms':>17}  {'prefill':>7} {'computed/cached/from pool':>25}  "
             f"{'decode from pool/computed':>25}  output")
     say(head)
     say("-" * len(head))
@@ -410,11 +491,11 @@ def print_table(results: list[RequestResult], ref: RequestResult | None) -> None
             out = f"same as {first.name!r}" if same_output(r, first) else f"DIFFERS from {first.name!r}"
         else:
             out = " ".join((r.text or "").split()[:5]) + " ..."
-        p = f"{r.prefill.get('computed', 0)} / {r.prefill.get('local_cache', 0)}" if r.prefill else "-"
         dec = f"{r.decode.get('from_pool', 0)} / {r.decode.get('computed', 0)}" if r.decode else "-"
         parts = "+".join(str(side["ttft_ms"]) for side in (r.prefill, r.decode) if side)
         ttft = f"{_fmt_ms(r.ttft_ms)} [{parts}]" if r.ttft_ms is not None else f"- [{parts}]"
-        say(f"{r.name:<24} {r.prompt_tokens:>6} {ttft:>17}  {p:>23}  {dec:>25}  {out}")
+        replica, pre = _prefill_cells(r)
+        say(f"{r.name:<24} {r.prompt_tokens:>6} {ttft:>17}  {replica:>7} {pre:>25}  {dec:>25}  {out}")
 
 
 def _of(results: list[RequestResult], kind: str) -> list[RequestResult]:
@@ -433,18 +514,34 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
     restarts = d.restarts("decode")
     d.summary["decode_restarts"] = restarts
     alive = restarts == 0 and health == 200 and follow.error is None and bool(follow.text)
-    # Prefill computed and stored every prompt, the exact multiple included: it must be up too, or the
-    # router's next request has no first stage.
-    prefill_health, _ = get(d.prefill_url + "/health")
-    d.summary.update(prefill_health_after_exact=prefill_health, prefill_restarts=d.restarts("prefill"))
+    # The exact multiple's repeat lands on the other prefill replica, which loads it from the pool with
+    # the same capped hit as decode: every replica must be up too, or the router's next request may
+    # have no first stage.
+    prefill_health = {letter: get(url + "/health")[0] for letter, url in d.prefill_urls.items()}
+    d.summary.update(prefill_health_after_exact=prefill_health,
+                     prefill_restarts=d.restarts("prefill", len(d.prefill_urls)))
+    # One prefix cache for the fleet: a prompt computed on one replica is a pool hit on the other.
+    fleet = [c.prefill_replica in d.prefill_urls and r.prefill_replica in d.prefill_urls
+             and c.prefill_replica != r.prefill_replica
+             and c.prefill.get("from_pool", 0) == 0 and r.prefill.get("from_pool", 0) > 0
+             for c, r in zip(colds, repeats, strict=True)]
+    recompute = (ref is not None and ref.error is None and ref.prefill.get("from_pool", -1) == 0
+                 and ref.prefill.get("local_cache", -1) == 0 and ref.prefill.get("computed") == ref.prompt_tokens)
     checks = {
         "pool_hit_on_repeated_prompt": all(r.decode.get("from_pool", 0) > 0 for r in repeats),
+        "fleet_hit_on_other_prefill_replica": bool(fleet) and all(fleet),
         "same_output_cold_vs_cached": all(same_output(c, r) for c, r in zip(colds, repeats, strict=True)),
+        "reference_is_a_recompute": recompute,
         "matches_prefill_only_reference": same_output(colds[0], ref),
         "exact_multiple_served": all(r.error is None for r in exacts),
         "decode_alive_after_exact_multiple": alive,
-        "prefill_alive_after_exact_multiple": prefill_health == 200 and d.summary["prefill_restarts"] == 0,
+        "prefill_alive_after_exact_multiple": all(h == 200 for h in prefill_health.values())
+                                              and d.summary["prefill_restarts"] == 0,
     }
+    d.summary["fleet"] = {"rounds": len(fleet), "hits": sum(fleet),
+                          "cold_on": [c.prefill_replica for c in colds],
+                          "repeat_on": [r.prefill_replica for r in repeats],
+                          "repeat_from_pool": [r.prefill.get("from_pool", 0) for r in repeats]}
     d.summary["decode_health_after_exact"] = health
     d.summary["ttft_ms_median"] = {"cold": _median([r.ttft_ms for r in colds]),
                                    "cached": _median([r.ttft_ms for r in repeats]), "rounds": len(colds)}
@@ -454,6 +551,9 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
         "prompt_tokens": exacts[0].prompt_tokens,
         "from_pool": exacts[0].decode.get("from_pool", 0),
         "computed_by_decode": exacts[0].decode.get("computed", 0),
+        "again_on": exacts[-1].prefill_replica,
+        "again_prefill_from_pool": exacts[-1].prefill.get("from_pool", 0),
+        "again_prefill_computed": exacts[-1].prefill.get("computed", 0),
     }
     return checks
 
@@ -461,7 +561,7 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
 def connector_counters(d: Demo) -> dict[str, dict[str, int]]:
     """Run totals of the connector's counters per engine (absent when the connector exports none)."""
     out: dict[str, dict[str, int]] = {}
-    for name, url in (("prefill", d.prefill_url), ("decode", d.decode_url)):
+    for name, url in d.engines().items():
         try:
             samples = scrape(url + "/metrics")
         except RuntimeError:
@@ -482,10 +582,11 @@ def connector_checks(counters: dict[str, dict[str, int]]) -> dict[str, bool]:
     return {"no_failed_loads_or_pool_errors": bad == 0}
 
 
-def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]) -> None:
+def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult], ref: RequestResult | None) -> None:
     colds, repeats = _of(results, "cold"), _of(results, "repeated")
     ex = d.summary["exact_multiple"]
     ttft = d.summary["ttft_ms_median"]
+    fleet = d.summary["fleet"]
     yes = {True: "yes", False: "NO"}
     say()
     best = d.summary["ttft_ms_best"]
@@ -493,24 +594,46 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
         say(f"TTFT through the router, best of {ttft['rounds']} rounds: cold {best['cold']:.0f} ms, cached "
             f"{best['cached']:.0f} ms ({best['cold'] / best['cached']:.1f}x faster); medians {ttft['cold']:.0f} "
             f"and {ttft['cached']:.0f} ms")
+    c, r = colds[0], repeats[0]
+    say(f"repeat on the other prefill replica: {r.prefill.get('from_pool', 0)} of {r.prompt_tokens} tokens from the "
+        f"pool (fleet hit: cold on {c.prefill_replica or '?'}, repeat on {r.prefill_replica or '?'}), "
+        f"{fleet['hits']} of {fleet['rounds']} rounds: {yes[checks['fleet_hit_on_other_prefill_replica']]}")
     say(f"tokens decode loaded from the pool per long prompt ({LONG_TOKENS} tokens): cold "
-        f"{colds[0].decode.get('from_pool', 0)}, repeated {repeats[0].decode.get('from_pool', 0)}; "
-        f"decode computed the remaining {colds[0].decode.get('computed', 0)}")
+        f"{c.decode.get('from_pool', 0)}, repeated {r.decode.get('from_pool', 0)}; "
+        f"decode computed the remaining {c.decode.get('computed', 0)}")
     say(f"exact multiple ({ex['prompt_tokens']} tokens, every chunk in the pool): decode loaded "
-        f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block)")
+        f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block); its "
+        f"repeat on prefill {ex['again_on'] or '?'} loaded {ex['again_prefill_from_pool']} and computed "
+        f"{ex['again_prefill_computed']}")
     say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered, "
         f"pod restarts {d.summary['decode_restarts']}): {yes[checks['decode_alive_after_exact_multiple']]}")
-    say(f"prefill engine alive after it (/health {d.summary['prefill_health_after_exact']}, pod restarts "
-        f"{d.summary['prefill_restarts']}): {yes[checks['prefill_alive_after_exact_multiple']]}")
+    health = " ".join(f"{k} {v}" for k, v in d.summary["prefill_health_after_exact"].items())
+    say(f"prefill engines alive after it (/health {health}, pod restarts {d.summary['prefill_restarts']}): "
+        f"{yes[checks['prefill_alive_after_exact_multiple']]}")
+    if ref is not None:
+        say(f"reference: long #1 recomputed by prefill {ref.prefill_replica or '?'} alone with a cache_salt "
+            f"({ref.prefill.get('computed', 0)} computed, {ref.prefill.get('local_cache', 0)} from its cache, "
+            f"{ref.prefill.get('from_pool', 0)} from the pool): {yes[checks['reference_is_a_recompute']]}")
     say(f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
-        f"same as the prefill engine alone: {yes[checks['matches_prefill_only_reference']]}")
+        f"same as the recompute: {yes[checks['matches_prefill_only_reference']]}")
     conn = d.summary.get("connector", {})
     if conn.get("decode"):
-        p, dc = conn.get("prefill", {}), conn["decode"]
-        say(f"connector (vllm:maru_connector_*): prefill saved {p.get('saved_chunks', '?')} chunks; decode loaded "
-            f"{dc.get('loaded_chunks', '?')} chunks ({dc.get('hit_tokens', '?')} tokens), "
-            f"{dc.get('load_failed_chunks', 0)} failed loads, {dc.get('checksum_mismatches', 0)} checksum "
-            f"mismatches; pool errors {p.get('pool_errors', 0) + dc.get('pool_errors', 0)}")
+        dc = conn["decode"]
+        pre = {k: v for k, v in conn.items() if k in d.prefill_urls}
+
+        def total(key: str) -> int:
+            return sum(side.get(key, 0) for side in pre.values())
+
+        saved = ", ".join(f"{k} {v.get('saved_chunks', '?')}" for k, v in pre.items())
+        loaded = ", ".join(f"{k} {v.get('loaded_chunks', '?')}" for k, v in pre.items())
+        say(f"connector (vllm:maru_connector_*): prefill saved {total('saved_chunks')} chunks ({saved}) and "
+            f"loaded {total('loaded_chunks')} ({loaded}, {total('hit_tokens')} tokens); decode loaded "
+            f"{dc.get('loaded_chunks', '?')} chunks ({dc.get('hit_tokens', '?')} tokens)")
+        say(f"  decode's lookups waiting for prefill's handoff: {dc.get('lookup_handoff_polls', 0)} polls, "
+            f"{dc.get('lookup_handoff_short', 0)} gave up; "
+            f"{total('load_failed_chunks') + dc.get('load_failed_chunks', 0)} failed loads, "
+            f"{total('checksum_mismatches') + dc.get('checksum_mismatches', 0)} checksum mismatches, "
+            f"{total('pool_errors') + dc.get('pool_errors', 0)} pool errors")
     pool = d.summary.get("pool_status", {}).get("stats", {})
     if pool:
         say(f"pool: {pool.get('chunks', 0)} chunks, {pool.get('used_bytes', 0) / 2**20:.1f} MiB used, "
@@ -525,14 +648,18 @@ UNCAPPED = "tiny-decode-uncapped"
 
 
 def uncapped_pod(d: Demo) -> dict[str, Any]:
-    """The operator's decode pod, but with ``demo_uncapped``'s connector (no capped hit) and no role labels,
-    so the router never sends it traffic."""
+    """The operator's decode pod, but with ``demo_uncapped``'s connector (no capped hit, synchronous loads)
+    and no role labels, so the router never sends it traffic."""
     template = d.cluster.kube.get("deployments.apps", f"{GROUP}-decode", GROUP_NS)["spec"]["template"]
     spec = json.loads(json.dumps(template["spec"]))
     container = spec["containers"][0]
     args = container["args"]
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     config["kv_connector"], config["kv_connector_module_path"] = "UncappedMaruConnector", "demo_uncapped"
+    # Loads inside the step: after an asynchronous load vLLM 0.32 leaves the last token to compute by
+    # itself, so only the synchronous path shows the crash the cap prevents (and that any vLLM without
+    # the rescue would have on either path).
+    config.setdefault("kv_connector_extra_config", {})["maru_load_async"] = False
     args[args.index("--kv-transfer-config") + 1] = json.dumps(config)
     from maru_localcluster.images import package_roots
 
@@ -658,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
             s["detail"] = f"TTFT {warm.ttft_ms:.0f} ms"
         with step("requests through the router Service") as s:
             results = [warm, *run_traffic(d)]
-            ref = reference(d)
+            ref = reference(d, results)
             checks = evaluate(d, results, ref)
             d.summary["pool_status"] = get_json(d.pool_http + "/status")
             d.summary["connector"] = connector_counters(d)
@@ -678,8 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         say("$ kubectl get pods -A -o wide")
         say(d.kubectl("get", "pods", "-A", "-o", "wide").rstrip())
         say()
-        print_table(results, ref)
-        print_verdict(d, checks, results)
+        print_table(d, results, ref)
+        print_verdict(d, checks, results, ref)
         print_uncapped(d)
         failed = [k for k, ok in checks.items() if not ok]
         if failed:

@@ -1,5 +1,5 @@
 """`python demo/run.py` end to end, as a user runs it: the local cluster, the operator, kubectl, real
-vLLM engines and router in the pods the operator renders.
+vLLM engines (two prefill replicas, one decode) and router in the pods the operator renders.
 
 One run serves every assertion (it takes a minute or two on two cores); a second, short run is
 interrupted while the engines start, the moment with the most processes half up.
@@ -141,6 +141,42 @@ def test_repeated_prompt_is_loaded_from_the_pool(demo: tuple[int, str, dict[str,
     assert summary["pool_status"]["stats"]["commits"] > 0
 
 
+def test_repeat_on_the_other_prefill_replica_is_a_pool_hit(demo: tuple[int, str, dict[str, Any], Path],
+                                                          demo_run_module: ModuleType) -> None:
+    """One prefix cache for the fleet: the router takes turns between the two prefill replicas, so each
+    long prompt's repeat lands on the replica that never saw it, which loads it from the pool."""
+    _, out, summary, _ = demo
+    chunk = demo_run_module.CHUNK_TOKENS
+    replicas = set(summary["prefill_pods"])
+    assert len(replicas) == 2, summary["prefill_pods"]
+    colds, repeats = _requests(summary, "cold"), _requests(summary, "repeated")
+    for cold, again in zip(colds, repeats, strict=True):
+        n = cold["prompt_tokens"]
+        assert {cold["prefill_replica"], again["prefill_replica"]} == replicas, (cold, again)
+        # Cold: computed whole where it landed.
+        assert cold["prefill"] == {**cold["prefill"], "computed": n, "local_cache": 0, "from_pool": 0}, cold
+        # The repeat, on the other replica: no local cache to hit there, every full chunk from the pool.
+        assert again["prefill"]["local_cache"] == 0, again
+        assert again["prefill"]["from_pool"] == n // chunk * chunk, again
+        assert again["prefill"]["computed"] == n % chunk, again
+    assert summary["checks"]["fleet_hit_on_other_prefill_replica"] is True
+    verdict = next(line for line in out.splitlines() if line.startswith("repeat on the other prefill replica:"))
+    assert verdict.startswith(f"repeat on the other prefill replica: {repeats[0]['prefill']['from_pool']} of ")
+    assert "(fleet hit" in verdict and verdict.endswith(": yes"), verdict
+
+
+def test_reference_is_a_recompute(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    """The reference is salted: neither its replica's prefix cache nor the pool may supply any of it."""
+    _, _, summary, _ = demo
+    ref = summary["reference"]
+    assert ref["error"] is None and ref["prefill_replica"] in summary["prefill_pods"], ref
+    assert ref["prefill"] == {**ref["prefill"], "computed": ref["prompt_tokens"], "local_cache": 0,
+                              "from_pool": 0}, ref
+    # Asked of the replica that served the same prompt cold: unsalted, it would have been a cache hit.
+    (cold,) = [r for r in _requests(summary, "cold") if r["name"].startswith("long #1,")]
+    assert ref["prefill_replica"] == cold["prefill_replica"]
+
+
 def test_repeated_prompt_gives_the_same_tokens(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     _, _, summary, _ = demo
     colds, repeats = _requests(summary, "cold"), _requests(summary, "repeated")
@@ -151,7 +187,7 @@ def test_repeated_prompt_gives_the_same_tokens(demo: tuple[int, str, dict[str, A
         assert cold["text"] == again["text"]
     # Different prompts, different answers: the comparison above can tell outputs apart.
     assert len({tuple(c["token_ids"]) for c in colds}) == len(colds)
-    # And the same as the prefill engine computing it alone, with no KV from the pool.
+    # And the same as a prefill engine recomputing it alone, with no KV from the pool.
     assert summary["reference"]["token_ids"] == colds[0]["token_ids"]
 
 
@@ -166,8 +202,15 @@ def test_decode_survives_the_exact_multiple_prompt(demo: tuple[int, str, dict[st
     assert summary["decode_health_after_exact"] == 200
     (follow,) = _requests(summary, "follow-up")
     assert follow["error"] is None and follow["text"]
-    # Both engines: prefill computed the same prompt whole.
-    assert (summary["prefill_health_after_exact"], summary["prefill_restarts"]) == (200, 0)
+    # Its repeat landed on the other prefill replica, which took the same capped hit from the pool.
+    first, again = _requests(summary, "exact")
+    assert again["error"] is None and again["prefill_replica"] != first["prefill_replica"], (first, again)
+    assert 0 < again["prefill"]["from_pool"] < n
+    assert again["prefill"]["from_pool"] + again["prefill"]["computed"] == n
+    # Every engine is up after it.
+    assert set(summary["prefill_health_after_exact"]) == set(summary["prefill_pods"])
+    assert set(summary["prefill_health_after_exact"].values()) == {200}
+    assert summary["prefill_restarts"] == 0
 
 
 def test_connector_counters_agree_with_vllms_accounting(demo: tuple[int, str, dict[str, Any], Path]) -> None:
@@ -180,7 +223,13 @@ def test_connector_counters_agree_with_vllms_accounting(demo: tuple[int, str, di
     assert decode["hit_tokens"] == from_pool
     assert decode["loaded_chunks"] > 0
     assert decode.get("load_failed_chunks", 0) == 0 and decode.get("checksum_mismatches", 0) == 0
-    assert summary["connector"]["prefill"]["saved_chunks"] == summary["pool_status"]["stats"]["commits"]
+    prefills = [summary["connector"][replica] for replica in summary["prefill_pods"]]
+    # The prefill replicas' loads, in both ledgers too (the reference is a prefill-only request).
+    prefill_from_pool = sum(r["prefill"].get("from_pool", 0) for r in [*summary["requests"], summary["reference"]])
+    assert sum(p["hit_tokens"] for p in prefills) == prefill_from_pool > 0
+    assert all(p.get("load_failed_chunks", 0) == 0 and p.get("checksum_mismatches", 0) == 0 for p in prefills)
+    # Every chunk in the pool was stored by one replica or the other, once.
+    assert sum(p["saved_chunks"] for p in prefills) == summary["pool_status"]["stats"]["commits"]
 
 
 def test_without_the_cap_the_same_prompt_kills_decode(demo: tuple[int, str, dict[str, Any], Path]) -> None:
@@ -200,12 +249,13 @@ def test_prints_progress_the_cluster_and_the_table(demo: tuple[int, str, dict[st
                for line in out.splitlines())
     assert "decode from pool/computed" in out
     assert "TTFT through the router" in out
-    assert "decode engine alive after it" in out and "prefill engine alive after it (/health 200" in out
+    assert "decode engine alive after it" in out and "prefill engines alive after it (/health A 200 B 200" in out
+    assert "prefill replicas (vllm-router takes turns): A = tiny-prefill-" in out
 
 
 def test_no_process_or_mount_is_left_behind(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     _, _, summary, _ = demo
-    assert len(summary["pid_namespaces"]) >= 4  # pool agent, prefill, decode, router
+    assert len(summary["pid_namespaces"]) >= 5  # pool agent, 2 prefill, decode, router
     assert summary["leftover_pids"] == []
     assert processes_in(set(summary["pid_namespaces"])) == []
     assert summary["workdir"] not in Path("/proc/self/mountinfo").read_text()

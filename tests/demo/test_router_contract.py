@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -87,16 +88,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture
-def routed(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
+@contextmanager
+def _router(tmp_path: Path, prefills: int) -> Iterator[tuple[Any, ...]]:
     beside = Path(sys.executable).parent / "vllm-router"
     binary = str(beside) if beside.is_file() else shutil.which("vllm-router")
     if binary is None:
         pytest.fail("vllm-router is not installed (it is a dev dependency: pip install -e '.[dev]')")
-    prefill, decode = FakeEngine("prefill"), FakeEngine("decode")
+    prefill = [FakeEngine("prefill") for _ in range(prefills)]
+    decode = FakeEngine("decode")
     port = _free_port()
-    argv = [binary, "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
-            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+    argv = [binary, "--vllm-pd-disaggregation", *(a for e in prefill for a in ("--prefill", e.url)),
+            "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(_free_port()), "--policy", "round_robin",
             "--worker-startup-check-interval", "1"]
     with open(tmp_path / "router.log", "wb") as log:
@@ -117,8 +119,14 @@ def routed(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
             except subprocess.TimeoutExpired:
                 router.kill()
                 router.wait()
-        prefill.close()
-        decode.close()
+        for engine in (*prefill, decode):
+            engine.close()
+
+
+@pytest.fixture
+def routed(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
+    with _router(tmp_path, prefills=1) as (url, router, (prefill,), decode):
+        yield url, router, prefill, decode
 
 
 def test_router_sends_prefill_then_decode_with_the_prefill_params(routed: tuple[Any, ...],
@@ -148,3 +156,18 @@ def test_router_stops_on_sigterm(routed: tuple[Any, ...]) -> None:
     _, router, _, _ = routed
     router.send_signal(signal.SIGTERM)
     assert router.wait(timeout=15) is not None
+
+
+def test_router_takes_turns_between_prefill_workers(tmp_path: Path, demo_run_module: ModuleType) -> None:
+    """The demo's fleet hit relies on it: with two prefill replicas, round robin sends a prompt's repeat
+    to the replica that did not compute it (while decode, the only one, gets every request)."""
+    with _router(tmp_path, prefills=2) as (url, _, prefill, decode):
+        served = []
+        for k in range(6):
+            before = [len(e.requests) for e in prefill]
+            body = demo_run_module.request_body(demo_run_module.prompt_ids(300, seed=k // 2))
+            demo_run_module.stream_completion(url, body, timeout_s=60)
+            (which,) = [i for i, e in enumerate(prefill) if len(e.requests) > before[i]]
+            served.append(which)
+        assert served[0::2] == [served[0]] * 3 and served[1::2] == [1 - served[0]] * 3, served
+        assert len(decode.requests) == 6

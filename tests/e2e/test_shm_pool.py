@@ -35,6 +35,9 @@ CHUNK = 256
 @pytest.fixture(scope="module")
 def shm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     pool, group = example("examples/local/pool-shm.yaml"), example("examples/local/inferencegroup-tiny.yaml")
+    # One engine per role: these tests change, break and address each role's pod (the demo shows two
+    # prefill replicas sharing the pool).
+    group["spec"]["prefill"]["replicas"] = 1
     with deployed(tiny_model, tmp_path_factory.mktemp("e2e-shm"), [("node-1", {}, {})], [pool, group]) as d:
         wait_ready(d.cluster, "marupools.maru.io", "local-shm", timeout=120)
         wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, timeout=420)
