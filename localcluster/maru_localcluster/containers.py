@@ -204,6 +204,7 @@ def podrun_spec(container: JsonObj, image: Image, env: dict[str, str], box: Sand
         "capabilities": {"privileged": privileged, **(sc.get("capabilities") or {})},
         "no_new_privs": sc.get("allowPrivilegeEscalation") is False and not privileged,
         "reachable": [*image.reachable, *image.files],
+        "programs": list(image.reachable),
         "pid_file": pid_file,
     }
 

@@ -178,6 +178,7 @@ def build_root(spec: dict[str, Any]) -> str:
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, m.get("options") or None)
         else:
             _bind(m["source"], target, readonly=bool(m.get("readonly")))
+    _keep_programs_visible(root, spec.get("programs") or [], spec["mounts"])
     _make_reachable(root, spec.get("reachable") or [])
     cwd = spec.get("cwd") or "/"
     os.makedirs(_target(root, cwd), exist_ok=True)
@@ -189,6 +190,22 @@ def build_root(spec: dict[str, Any]) -> str:
     if spec.get("readonly_root"):
         mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
     return root
+
+
+def _keep_programs_visible(root: str, programs: list[str], mounts: list[dict[str, Any]]) -> None:
+    """Show the image's programs again where a volume's mount point covers them.
+
+    The "image" is this machine's root, so the interpreter, the virtual environment and the checkout are
+    wherever they happen to be here, under /tmp for a checkout cloned there; a pod with an emptyDir at
+    /tmp would then lose them, which no real image does (it keeps them under /usr or /opt). Bound
+    read-only at their own paths, on top of the volume.
+    """
+    covered = [m["target"].rstrip("/") or "/" for m in mounts]
+    for path in programs:
+        if os.path.isdir(path) and any(path == t or path.startswith(t + "/") for t in covered):
+            target = _target(root, path)
+            os.makedirs(target, exist_ok=True)
+            _bind(path, target, readonly=True, recursive=True)
 
 
 def _make_reachable(root: str, paths: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import sys
 import textwrap
 import time
 import urllib.request
@@ -471,6 +472,23 @@ def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None
     shim = int(stat[stat.rfind(")") + 2:].split()[1])
     assert Path(f"/proc/{shim}/root/etc/hostname").read_text() == Path("/etc/hostname").read_text()
     cluster.kubectl("delete", "pod", "pivot")
+
+
+def test_a_volume_over_the_checkout_leaves_the_image_s_programs_in_place(cluster: LocalCluster) -> None:
+    # The "image" is this machine's root, so its Python lives wherever the checkout does: under /tmp
+    # for a fresh clone there, where the vLLM pods mount an emptyDir. Every vLLM pod then failed with
+    # "exec .../.venv/bin/python: no such file or directory". A real image keeps its programs apart.
+    checkout = str(Path(__file__).resolve().parents[2])
+    script = (f"{sys.executable} -c 'import maru_connector; print(maru_connector.__name__)' && "
+              f"{{ ls {checkout}/README.md || true; }}")
+    apply(cluster, pod("covered", script,
+                       volumes=[{"name": "scratch", "emptyDir": {}}],
+                       container={"volumeMounts": [{"name": "scratch", "mountPath": checkout}]}))
+    phase, log = finished(cluster, "covered")
+    assert phase == "Succeeded", log
+    assert "maru_connector" in log
+    assert "No such file" in log  # the rest of the checkout is covered by the volume, as mounted
+    cluster.kubectl("delete", "pod", "covered")
 
 
 def test_hostpath_types_are_checked(cluster: LocalCluster) -> None:
