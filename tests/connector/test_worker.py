@@ -371,6 +371,18 @@ def test_full_pool_skips_the_store_without_backing_off() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def assert_only_b_stored(url: str, slow: MaruWorker, fast: MaruWorker, fast_src: dict[str, torch.Tensor]) -> None:
+    """B's chunk (blocks 2-3 of its cache, key 2) is stored and holds B's bytes; A's store was given up."""
+    assert settled(fast).saves == {("r", 0): STORED}
+    assert settled(slow).saves == {("r", 0): RETRY}
+    reader, dst = make(url)
+    reader.load(load_meta({2: ((0, 8), (1, 9))}))
+    assert reader.take_invalid_blocks() == set(), "B's chunk must load"
+    for name in dst:
+        assert torch.equal(dst[name][8], fast_src[name][2]), "B's key holds A's bytes"
+        assert torch.equal(dst[name][9], fast_src[name][3])
+
+
 def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: PoolDaemon) -> None:
     """Writer A stalls between its lease and its copy; the lease expires and B gets the same space.
 
@@ -406,14 +418,7 @@ def test_a_stalled_writer_never_puts_its_bytes_under_another_key(short_leases: P
     fast.paged.gather = then_wait(fast.paged.gather)
     save(fast, save_meta({2: (2, 3)}))
     writer.join(15)
-    assert settled(fast).saves == {("r", 0): STORED}
-    assert settled(slow).saves == {("r", 0): RETRY}
-    reader, dst = make(url)
-    reader.load(load_meta({2: ((0, 8), (1, 9))}))
-    assert reader.take_invalid_blocks() == set(), "B's chunk must load"
-    for name in dst:
-        assert torch.equal(dst[name][8], fast_src[name][2]), "B's key holds A's bytes"
-        assert torch.equal(dst[name][9], fast_src[name][3])
+    assert_only_b_stored(url, slow, fast, fast_src)
 
 
 def test_a_stalled_direct_writer_never_puts_its_bytes_under_another_key(
@@ -448,14 +453,7 @@ def test_a_stalled_direct_writer_never_puts_its_bytes_under_another_key(
     save(fast, save_meta({2: (2, 3)}))
     writer.join(15)
     assert slow_tried.is_set()
-    assert settled(fast).saves == {("r", 0): STORED}
-    assert settled(slow).saves == {("r", 0): RETRY}
-    reader, dst = make(url)
-    reader.load(load_meta({2: ((0, 8), (1, 9))}))
-    assert reader.take_invalid_blocks() == set(), "B's chunk must load"
-    for name in dst:
-        assert torch.equal(dst[name][8], fast_src[name][2]), "B's key holds A's bytes"
-        assert torch.equal(dst[name][9], fast_src[name][3])
+    assert_only_b_stored(url, slow, fast, fast_src)
 
 
 def test_a_load_copies_the_bytes_it_verified(pool) -> None:
