@@ -44,6 +44,7 @@ EXAMPLES = REPO / "examples" / "local"
 POOL, GROUP, GROUP_NS = "local-shm", "tiny", "llm"
 VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
 MODEL_IN_IMAGE = "/models/tiny-llama"
+UNCAPPED_IN_IMAGE = "/opt/maru-demo/demo_uncapped.py"
 NODE = "node-1"
 
 MODEL_NAME = "tiny"
@@ -230,7 +231,12 @@ def start_cluster(d: Demo, stack: ExitStack) -> str:
     from maru_localcluster.cluster import LocalCluster
     from maru_localcluster.images import ImageTable
 
-    images = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: d.summary["model"]})
+    # The uncapped connector of --show-uncapped goes into the vLLM image too, like the model: the demo's
+    # folder is no program of the image (and a volume of the pod may cover it).
+    images = ImageTable().with_files(VLLM_IMAGE, {
+        MODEL_IN_IMAGE: d.summary["model"],
+        UNCAPPED_IN_IMAGE: str(Path(__file__).resolve().parent / "demo_uncapped.py"),
+    })
     d.cluster = stack.enter_context(LocalCluster(d.workdir / "cluster", images=images, keep_state=True))
     d.cluster.add_node(NODE)
     d.summary["cluster"] = {"api": d.cluster.kube.url, "state": str(d.workdir / "cluster")}
@@ -663,7 +669,7 @@ def uncapped_pod(d: Demo) -> dict[str, Any]:
     args[args.index("--kv-transfer-config") + 1] = json.dumps(config)
     from maru_localcluster.images import package_roots
 
-    paths = [str(Path(__file__).resolve().parent), *package_roots()]
+    paths = [str(Path(UNCAPPED_IN_IMAGE).parent), *package_roots()]
     container["env"] = [*container.get("env", []), {"name": "PYTHONPATH", "value": os.pathsep.join(paths)}]
     spec["restartPolicy"] = "Never"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": UNCAPPED, "namespace": GROUP_NS,

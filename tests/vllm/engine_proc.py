@@ -130,13 +130,16 @@ def flush(llm) -> None:
         return
     worker = getattr(get_kv_transfer_group(), "_worker", None)
     core = llm.llm_engine.engine_core.engine_core
-    for _ in range(1000):
+    # Saves refused by a sick pool are retried for up to FINISHED_RETRY_S (2 s) before the blocks go back.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         if worker is not None:
             worker.wait_idle()
         if core.scheduler.has_unfinished_requests() or not core.scheduler.has_requests():
             return
         core.step_fn()
-    raise RuntimeError("finished requests still hold their blocks after 1000 steps")
+        time.sleep(0.001)
+    raise RuntimeError("finished requests still hold their blocks after 60 s")
 
 
 def session(llm, req: dict[str, Any]) -> dict[str, Any]:

@@ -65,11 +65,21 @@ def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
     assert {k: env[k] for k in CACHE_ENV} == CACHE_ENV
 
     steps = ["set -e", "mount --make-rprivate /"]
+    # The interpreter, the virtual environment and the checkout are the "image": a checkout under /tmp
+    # would vanish under the tmpfs there, which no real image's programs do. Kept aside, then bound back.
+    from maru_localcluster.images import program_paths
+
+    covered = [p for p in program_paths() if any(p == s or p.startswith(s.rstrip("/") + "/") for s in scratch)]
+    held = outside_tmp / "programs"
+    for i, path in enumerate(covered):
+        steps += [f"mkdir -p {held / str(i)}", f"mount --bind {shlex.quote(path)} {held / str(i)}"]
     for path in scratch:
         # A mount point that does not exist on this machine is made inside a tmpfs over its parent.
         if not Path(path).exists():
             steps += [f"mount -t tmpfs tmpfs {shlex.quote(str(Path(path).parent))}", f"mkdir -p {shlex.quote(path)}"]
         steps.append(f"mount -t tmpfs -o size=1g tmpfs {shlex.quote(path)}")
+    for i, path in enumerate(covered):
+        steps += [f"mkdir -p {shlex.quote(path)}", f"mount --bind {held / str(i)} {shlex.quote(path)}"]
     steps += [
         "mount -o remount,bind,ro /",
         "if touch /.maru-probe 2>/dev/null; then echo 'the root is writable'; exit 3; fi",
