@@ -44,7 +44,7 @@ EXAMPLES = REPO / "examples" / "local"
 POOL, GROUP, GROUP_NS = "local-shm", "tiny", "llm"
 VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
 MODEL_IN_IMAGE = "/models/tiny-llama"
-UNCAPPED_IN_IMAGE = "/opt/maru-demo/demo_uncapped.py"
+DEMO_IN_IMAGE = "/opt/maru-demo"  # this folder, for demo_uncapped (the connector of --show-uncapped)
 NODE = "node-1"
 
 MODEL_NAME = "tiny"
@@ -235,7 +235,7 @@ def start_cluster(d: Demo, stack: ExitStack) -> str:
     # folder is no program of the image (and a volume of the pod may cover it).
     images = ImageTable().with_files(VLLM_IMAGE, {
         MODEL_IN_IMAGE: d.summary["model"],
-        UNCAPPED_IN_IMAGE: str(Path(__file__).resolve().parent / "demo_uncapped.py"),
+        DEMO_IN_IMAGE: str(Path(__file__).resolve().parent),
     })
     d.cluster = stack.enter_context(LocalCluster(d.workdir / "cluster", images=images, keep_state=True))
     d.cluster.add_node(NODE)
@@ -669,7 +669,7 @@ def uncapped_pod(d: Demo) -> dict[str, Any]:
     args[args.index("--kv-transfer-config") + 1] = json.dumps(config)
     from maru_localcluster.images import package_roots
 
-    paths = [str(Path(UNCAPPED_IN_IMAGE).parent), *package_roots()]
+    paths = [DEMO_IN_IMAGE, *package_roots()]
     container["env"] = [*container.get("env", []), {"name": "PYTHONPATH", "value": os.pathsep.join(paths)}]
     spec["restartPolicy"] = "Never"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": UNCAPPED, "namespace": GROUP_NS,

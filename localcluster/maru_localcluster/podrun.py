@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import platform
@@ -226,7 +227,11 @@ def _make_reachable(root: str, paths: list[str]) -> None:
             # Group too: a process in the owner's group (gid 0 under a root-owned dir) is judged by it.
             wanted = 0o055 if depth == len(parts) else 0o011
             if (mode & wanted) != wanted:
-                os.chmod(directory, (mode & 0o7777) | wanted)
+                try:
+                    os.chmod(directory, (mode & 0o7777) | wanted)
+                except OSError as err:
+                    if err.errno != errno.EROFS:
+                        raise  # a read-only bind (an image file) stays as it is: its mode is its own
 
 
 def _drop_capabilities(keep: set[str]) -> None:
