@@ -6,7 +6,7 @@ not act on a stale copy). Nothing here does I/O.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 from maru_operator.api.common import GROUP
@@ -16,6 +16,8 @@ Key = tuple[str, str, str]  # (kind, namespace or "", name)
 
 OWNER_KINDS = ("MaruPool", "InferenceGroup")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+# Deleted objects' last versions, kept only as long as a reconcile's write could still be answering.
+TOMBSTONES = 4096
 
 
 def key_of(obj: Object) -> Key:
@@ -46,6 +48,13 @@ def _newer_or_equal(new: Object, old: Object) -> bool:
         return True
 
 
+def _version(obj: Object | None) -> int | None:
+    try:
+        return int(((obj or {}).get("metadata") or {}).get("resourceVersion"))
+    except (TypeError, ValueError):
+        return None
+
+
 def not_newer(obj: Object, version: str | None) -> bool:
     """Whether ``obj`` is no newer than a list taken at ``version`` (unknown versions count as older)."""
     try:
@@ -59,12 +68,21 @@ class Store:
         self.objects: dict[Key, Object] = {}
         self._owned: dict[Key, set[Key]] = defaultdict(set)
         self._owner_of: dict[Key, Key] = {}
+        self._gone: OrderedDict[Key, int] = OrderedDict()
 
     def put(self, obj: Object) -> None:
         key = key_of(obj)
         old = self.objects.get(key)
         if old is not None and not _newer_or_equal(obj, old):
             return
+        gone_at = self._gone.get(key)
+        if gone_at is not None:
+            version = _version(obj)
+            if version is not None and version <= gone_at:
+                # A write's response that arrives after the delete was seen: the object is gone, and a
+                # reconcile that found it here would believe it in sync and never make it again.
+                return
+            del self._gone[key]
         self.objects[key] = obj
         owner = owner_key(obj)
         previous = self._owner_of.get(key)
@@ -76,7 +94,16 @@ class Store:
 
     def remove(self, obj_or_key: Object | Key) -> None:
         key = obj_or_key if isinstance(obj_or_key, tuple) else key_of(obj_or_key)
-        self.objects.pop(key, None)
+        cached = self.objects.pop(key, None)
+        # Nothing up to this version may come back: the deleted object's own (a DELETED event), else the
+        # cached copy's (our own delete, a 404).
+        gone_at = max((v for v in (_version(cached), None if isinstance(obj_or_key, tuple) else
+                                   _version(obj_or_key)) if v is not None), default=None)
+        if gone_at is not None:
+            self._gone[key] = max(gone_at, self._gone.get(key, gone_at))
+            self._gone.move_to_end(key)
+            while len(self._gone) > TOMBSTONES:
+                self._gone.popitem(last=False)
         owner = self._owner_of.pop(key, None)
         if owner:
             self._owned[owner].discard(key)

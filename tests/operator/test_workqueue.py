@@ -113,6 +113,28 @@ class TestStore:
         store.put(self.child("a", "4"))
         assert store.get(("Deployment", "llm", "a"))["metadata"]["resourceVersion"] == "5"  # type: ignore[index]
 
+    def test_a_write_answered_after_the_delete_was_seen_does_not_bring_the_object_back(self) -> None:
+        """The operator creates a child (rv 5), someone deletes it (the DELETED event, rv 6, is handled),
+        then the create's response (rv 5) reaches the store: the child stays gone, so the next reconcile
+        makes it again instead of believing it in sync."""
+        store = Store()
+        store.put(self.child("a", "5"))
+        store.remove(self.child("a", "6"))
+        store.put(self.child("a", "5"))
+        assert store.get(("Deployment", "llm", "a")) is None
+        assert store.children(("InferenceGroup", "llm", "g")) == {}
+        store.put(self.child("a", "7"))  # made again: newer than the delete
+        assert store.get(("Deployment", "llm", "a"))["metadata"]["resourceVersion"] == "7"  # type: ignore[index]
+
+    def test_a_removal_by_key_forgets_what_was_cached_up_to_its_version(self) -> None:
+        store = Store()
+        store.put(self.child("a", "5"))
+        store.remove(("Deployment", "llm", "a"))  # our own delete, or a 404: no newer version known
+        store.put(self.child("a", "5"))
+        assert store.get(("Deployment", "llm", "a")) is None
+        store.put(self.child("a", "8"))
+        assert store.get(("Deployment", "llm", "a")) is not None
+
     def test_owner_key_ignores_foreign_owners(self) -> None:
         foreign = self.child("a")
         foreign["metadata"]["ownerReferences"][0]["apiVersion"] = "apps/v1"
