@@ -181,28 +181,29 @@ class Controller:
     async def _take(self, obj: Object, owner: Owner, result: Applied) -> None:
         """A child this owner is not known to have: create it, use it if it is ours, else report a conflict."""
         key = key_of(obj)
-        have = await self._claim(obj, owner, result)
-        if have is None and key not in result.conflicts:
-            try:
-                created = await self.kube.create(obj)
-            except ApiError as err:
-                if err.status != 409:
-                    raise
-                # Someone created the name between the look and the create (or an earlier create of ours
-                # landed although its answer was lost): look again, and never write into another's object.
-                have = await self._claim(obj, owner, result)
-                if have is None and key not in result.conflicts:
-                    raise  # gone again already: the retry looks afresh
-            else:
-                result.children[key] = await self._created(obj, created)
-                return
+        # Create first: a create never writes into an existing object, and most names are free (a look
+        # before every create was one more request per child).
+        try:
+            created = await self.kube.create(obj)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            # The name is taken: by us (the watch has not told us yet, or an earlier create of ours landed
+            # although its answer was lost), or by someone else, whose object is never written to.
+            have = await self._claim(obj, owner, result)
+            if have is None and key not in result.conflicts:
+                raise  # gone again already: the retry looks afresh
+        else:
+            result.children[key] = await self._created(obj, created)
+            return
         if have is None:
             return  # a conflict, reported by _claim
         why = out_of_sync(obj, have)
         result.children[key] = have if why is None else await self._update(obj, have, why)
 
     async def _claim(self, obj: Object, owner: Owner, result: Applied) -> Object | None:
-        """Look before creating: None when the name is free, the object when it is ours; else a conflict."""
+        """After a create found the name taken: None when it is free again, the object when it is ours; else a
+        conflict."""
         kind, ns, name = key_of(obj)
         have = await self.kube.get(kind, ns or None, name)
         if have is None or controlled_by(have, owner.uid):
