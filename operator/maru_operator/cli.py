@@ -1,4 +1,4 @@
-"""``maru-operator run`` (the controller) and ``maru-operator render`` (offline manifests)."""
+"""``maru-operator run`` (the controller), ``render`` (offline manifests), ``validate`` and ``rbac``."""
 
 from __future__ import annotations
 
@@ -95,10 +95,15 @@ def _parser() -> argparse.ArgumentParser:
     _network_policy_flags(render)
 
     validate = sub.add_parser(
-        "validate", help="check MaruPool/InferenceGroup files as the API server and the operator would, offline"
+        "validate", help="check MaruPool/InferenceGroup files as the API server and the operator would, offline",
+        description="Check MaruPools and InferenceGroups against the CRDs' schema and rules, the operator's own "
+                    "checks, and each other (a group's poolRef, the pool's allowedNamespaces). One line per "
+                    "document: ok, error, note (not checked, and why) or skip (another kind). Exit 0: every "
+                    "object is valid; 1: an error, or nothing to check; 2: a file that does not exist.",
     )
     validate.add_argument("-f", "--filename", action="append", required=True,
-                          help="a YAML file or a directory of them (repeatable)")
+                          help="a YAML file, a directory of them (*.yaml, *.yml; not recursive) or - for standard "
+                               "input (repeatable; objects given together are checked against each other)")
 
     rbac = sub.add_parser("rbac", help="print the ClusterRole and the pool namespace's Role the operator needs")
     rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole and the Role")
@@ -179,41 +184,9 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    """Schema and CEL rules of the CRDs, then the operator's semantic checks; one line per object."""
-    from pydantic import ValidationError
+    from maru_operator.validatecli import run
 
-    from maru_operator.api import InferenceGroupSpec, MaruPoolSpec
-    from maru_operator.crdvalidate import Validator
-    from maru_operator.render import load_documents
-    from maru_operator.validation import check_group, check_pool
-
-    validator = Validator.from_models()
-    failed = 0
-    try:
-        docs = load_documents(args.filename)
-    except (OSError, ValueError) as err:
-        print(f"maru-operator validate: {err}", file=sys.stderr)
-        return 1
-    for doc in docs:
-        if not validator.knows(doc):
-            continue
-        name = (doc.get("metadata") or {}).get("name", "?")
-        errors = [str(e) for e in validator.validate(doc)]
-        if not errors:
-            try:
-                if doc["kind"] == "MaruPool":
-                    errors = [str(e) for e in check_pool(MaruPoolSpec.model_validate(doc["spec"]), name)]
-                else:
-                    errors = [str(e) for e in check_group(InferenceGroupSpec.model_validate(doc["spec"]))]
-            except ValidationError as err:
-                errors = [f"spec: {err}"]
-        for error in errors:
-            print(f"{doc['kind']} {name}: {error}")
-        if errors:
-            failed += 1
-        else:
-            print(f"{doc['kind']} {name}: valid")
-    return 1 if failed else 0
+    return run(args.filename)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -109,16 +109,28 @@ def _pod_checks(role: RoleSpec, where: str) -> list[FieldError]:
 
 
 def check_group_on_pool(spec: InferenceGroupSpec, pool: PoolView) -> list[FieldError]:
-    """What depends on the bound pool: a user volume may not cover the pool's socket directory."""
+    """What depends on the bound pool: a user volume may not cover the pool's socket directory, and a
+    role's nodeSelector may not contradict the pool's (the pods are pinned to the pool's nodes)."""
     socket_dir = socket_host_dir(pool.spec, pool.name).rstrip("/")
     errors = []
     for role_name in ("prefill", "decode"):
-        for mount in getattr(spec, role_name).volume_mounts:
+        role: RoleSpec = getattr(spec, role_name)
+        for mount in role.volume_mounts:
             if _overlaps(mount.mount_path.rstrip("/"), socket_dir):
                 errors.append(FieldError(
                     f"spec.{role_name}.volumeMounts",
                     f"{mount.mount_path} overlaps {socket_dir}, where the pool {pool.name}'s socket is mounted; "
                     "mount the volume elsewhere"))
+        for key, value in sorted(role.node_selector.items()):
+            want = pool.spec.node_selector.get(key)
+            if want is not None and want != value:
+                # Required affinity to the pool's nodes AND this nodeSelector: no node has both values, so
+                # the pods would stay Pending with nothing saying why.
+                errors.append(FieldError(
+                    f"spec.{role_name}.nodeSelector",
+                    f"{key}={value} contradicts the pool {pool.name}'s nodeSelector {key}={want}: the pods run only "
+                    "on the pool's nodes (the pool socket is there), so no node could take them; drop the key or "
+                    "select the pool's value"))
     return errors
 
 
