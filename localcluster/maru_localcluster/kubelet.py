@@ -5,8 +5,10 @@
 One process per node, talking to the API server over HTTP as a kubelet does: it registers its Node,
 watches the pods with ``spec.nodeName`` = its name, and for each pod
 
-* gives it its own loopback address (``status.podIP``), a hosts file with its own name and the
-  cluster's Services (the cluster DNS of this local cluster), a hostname and a 64Mi ``/dev/shm``;
+* gives it a network namespace of its own (held by a sandbox process, as a pause container holds it),
+  with an address from the node's range on a veth to the cluster's bridge (``status.podIP``;
+  ``hostNetwork`` pods share the node's), a hosts file with its own name and the cluster's Services
+  (the cluster DNS of this local cluster), a hostname and a 64Mi ``/dev/shm``;
 * sets up its volumes (``volumes.py``), retrying with FailedMount events while that fails;
 * runs init containers in order, then every container through ``podrun`` (its own mount, PID and
   UTS namespaces and root filesystem), with logs under ``logs/``;
@@ -41,8 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from maru_localcluster import events
-from maru_localcluster.addresses import PodAddresses
+from maru_localcluster import events, network
 from maru_localcluster.apiclient import ApiClient, ApiError, Informer
 from maru_localcluster.containers import ContainerConfigError, Sandbox, container_env, decode_secret, podrun_spec
 from maru_localcluster.images import ImageNotFound, ImageTable
@@ -403,6 +404,8 @@ class PodWorker:
         self.pod_dir = Path(kubelet.config.state_dir) / "pods" / self.uid
         self.log_dir = Path(kubelet.config.state_dir) / "logs" / f"{self.namespace}_{self.name}_{self.uid}"
         self.ip = ""
+        self.host_network = bool(pod["spec"].get("hostNetwork"))
+        self.sandbox_proc: asyncio.subprocess.Process | None = None
         self.hostname = (pod["spec"].get("hostname") or self.name)[:63]
         self.volume_paths: dict[str, str] = {}
         self.init_runners = [ContainerRunner(self, c, init=True) for c in pod["spec"].get("initContainers") or []]
@@ -485,9 +488,17 @@ class PodWorker:
                 await main
 
     async def _run_pod(self) -> None:
-        self.ip = self.kubelet.addresses.take()
+        self.ip = self.kubelet.config.node_address if self.host_network else self.kubelet.addresses.take()
         self.started_at = _stamp()
         self._make_sandbox()
+        while not self.terminating and not self.host_network:
+            try:
+                await self._make_network()
+                break
+            except (network.NetworkSetupError, OSError) as err:
+                await self._remove_network()
+                await self.event("Warning", "FailedCreatePodSandBox", f"Failed to create pod sandbox: {err}")
+                await self.sleep(2.0)
         self.changed()
         while not self.terminating:
             try:
@@ -518,6 +529,33 @@ class PodWorker:
         shm.mkdir(exist_ok=True)
         if not os.path.ismount(shm):
             mount("tmpfs", str(shm), "tmpfs", MS_NOSUID | MS_NODEV, f"size={POD_SHM_SIZE},mode=1777")
+
+    async def _make_network(self) -> None:
+        """The pod's network namespace, held by its sandbox process, attached to the cluster's bridge."""
+        log = open(self.pod_dir / "sandbox.log", "ab")  # noqa: SIM115 - the child's from here on
+        try:
+            self.sandbox_proc = await asyncio.create_subprocess_exec(
+                *network.sandbox_argv(self.kubelet.config.python), stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                stderr=log, env=network.sandbox_env(), start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + 60
+        while not network.has_own_netns(self.sandbox_proc.pid):
+            if self.sandbox_proc.returncode is not None or time.monotonic() > deadline:
+                tail = (self.pod_dir / "sandbox.log").read_text(errors="replace").strip()[-300:]
+                raise network.NetworkSetupError(f"the sandbox process did not get its namespace: {tail}")
+            await asyncio.sleep(0.01)
+        cidr = self.kubelet.addresses.network
+        await network.attach_pod(self.sandbox_proc.pid, self.uid, self.ip, cidr.prefixlen,
+                                 self.kubelet.config.node_address)
+
+    async def _remove_network(self) -> None:
+        """The sandbox ends; with its last process the namespace goes, and the veth with it."""
+        proc, self.sandbox_proc = self.sandbox_proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
 
     def write_hosts(self) -> None:
         """The pod's /etc/hosts: localhost, the pod itself, every Service (rewritten in place when they change)."""
@@ -565,8 +603,9 @@ class PodWorker:
         addresses = {"podIP": self.ip, "podIPs": [{"ip": self.ip}], "hostIP": self.kubelet.config.node_address,
                      "hostIPs": [{"ip": self.kubelet.config.node_address}]}
         pod = {**self.pod, "status": {**(self.pod.get("status") or {}), **addresses}}
+        netns = network.netns_path(self.sandbox_proc.pid) if self.sandbox_proc is not None else None
         return Sandbox(
-            pod=pod, pod_ip=self.ip, hostname=self.hostname, hosts_file=str(self.pod_dir / "hosts"),
+            pod=pod, pod_ip=self.ip, netns=netns, hostname=self.hostname, hosts_file=str(self.pod_dir / "hosts"),
             hostname_file=str(self.pod_dir / "hostname"), resolv_file=str(self.pod_dir / "resolv.conf"),
             shm_dir=str(self.pod_dir / "shm"), volume_paths=dict(self.volume_paths), services=services,
             kubernetes_service=self.kubelet.config.kubernetes_service, node_cpus=os.cpu_count() or 1,
@@ -599,9 +638,10 @@ class PodWorker:
         shm = self.pod_dir / "shm"
         if os.path.ismount(shm):
             _umount(str(shm))
+        await self._remove_network()
         self.sandbox_removed = True
         shutil.rmtree(self.pod_dir, ignore_errors=True)
-        if self.ip:
+        if self.ip and not self.host_network:
             self.kubelet.addresses.give_back(self.ip)
         if self._status_task is not None:
             self._status_task.cancel()
@@ -726,7 +766,7 @@ class Kubelet:
         self.node_root = Path(config.state_dir) / "root"
         self.ca_pem = Path(config.ca_file).read_text()
         self.memory = _machine_memory()
-        self.addresses = PodAddresses(ipaddress.IPv4Network(config.pod_cidr))
+        self.addresses = network.PodAddresses(ipaddress.IPv4Network(config.pod_cidr))
         self.csi_plugins = {
             p["driver"]: CsiPlugin(p["driver"], p["endpoint"], tuple(p.get("node_path_attributes", ())))
             for p in config.csi_plugins

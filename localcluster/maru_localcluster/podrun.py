@@ -39,6 +39,7 @@ from typing import Any
 _libc = ctypes.CDLL(None, use_errno=True)
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWPID = 0x20000000
 MS_RDONLY = 0x1
@@ -275,11 +276,38 @@ def _become_container(spec: dict[str, Any], root: str) -> None:
     os.execve(argv[0], argv, spec["env"])
 
 
+def _join_netns(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check(_libc.setns(fd, CLONE_NEWNET), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
+def pause() -> int:
+    """A pod's sandbox: holds a new network namespace for the pod's containers until it is killed.
+
+    What the pause container is to a real pod. It dies with the kubelet (parent-death signal).
+    """
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        unshare(CLONE_NEWNET)
+    except SetupError as err:
+        print(f"pod sandbox: {err}", file=sys.stderr, flush=True)
+        return 128
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while True:
+        signal.pause()
+
+
 def run(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     # If the kubelet dies, so does this shim, and with it the container (see _become_container).
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     try:
+        if spec.get("netns"):
+            # The pod's network namespace, shared by its containers (the sandbox holds it).
+            _join_netns(spec["netns"])
         unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS)
         mount(None, "/", None, MS_REC | MS_PRIVATE)
         root = build_root(spec)
@@ -335,7 +363,7 @@ def run(spec_path: str) -> int:
 
 def exec_in(pid: int, uid: int, gid: int, argv: list[str]) -> int:
     """Run ``argv`` in the namespaces and root of container process ``pid`` (for exec probes)."""
-    for ns in ("uts", "mnt", "pid"):
+    for ns in ("net", "uts", "mnt", "pid"):
         fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)
         try:
             _check(_libc.setns(fd, 0), f"setns {ns}")
@@ -366,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) == 2 and args[0] == "run":
         return run(args[1])
+    if args == ["pause"]:
+        return pause()
     if len(args) >= 6 and args[0] == "exec" and args[4] == "--":
         return exec_in(int(args[1]), int(args[2]), int(args[3]), args[5:])
-    print("usage: podrun run SPEC.json | podrun exec PID UID GID -- CMD...", file=sys.stderr)
+    print("usage: podrun run SPEC.json | podrun pause | podrun exec PID UID GID -- CMD...", file=sys.stderr)
     return 2
 
 

@@ -1,6 +1,12 @@
 """The product on the local cluster, as a user runs it: CRDs applied with kubectl, the operator as
-``python -m maru_operator run`` outside the cluster (with the cluster's kubeconfig), resources applied
-and waited for with kubectl. Shared by ``make demo`` and the end-to-end tests.
+``python -m maru_operator run`` on the cluster's network (with a kubeconfig for it), resources applied
+and waited for. Shared by ``make demo`` and the end-to-end tests.
+
+Waits are bounded by progress, not by a fixed window: a loaded two-core machine runs everything two
+or three times slower, so a wait goes on while the cluster visibly works (a pod changes state, a
+container writes to its log, an object changes) and gives up only after ``STALL_S`` seconds in which
+nothing moved, or at a ceiling meant only to end a run that never settles. Its failure shows the pods,
+their states and the last lines of their logs.
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from maru_localcluster import tools
 from maru_localcluster.cluster import LocalCluster
@@ -21,6 +28,58 @@ from maru_localcluster.tools import REPO_ROOT
 
 CRDS = REPO_ROOT / "crds"
 POOL_NAMESPACE = "maru-system"
+# No visible progress for this long ends a wait; the ceiling ends one that never settles.
+STALL_S = 120.0
+CEILING_S = 1200.0
+
+T = TypeVar("T")
+
+
+def activity(cluster: LocalCluster) -> Hashable:
+    """What changes while the cluster works: every pod's phase, containers' states and restarts, and the
+    size of every container log. (Not the API server's resourceVersion: the operator's Lease renewals
+    move it every few seconds whether anything progresses or not.)"""
+    pods = []
+    for pod in cluster.kube.list("pods"):
+        status = pod.get("status") or {}
+        containers = tuple((c.get("name"), c.get("ready"), c.get("restartCount"), tuple(c.get("state") or {}))
+                           for c in status.get("containerStatuses") or [])
+        pods.append((pod["metadata"]["namespace"], pod["metadata"]["name"], status.get("phase"), containers))
+    log_bytes = 0
+    for log in cluster.workdir.glob("nodes/*/logs/*/*/*.log"):
+        try:
+            log_bytes += log.stat().st_size
+        except OSError:
+            continue
+    return tuple(sorted(pods, key=repr)), log_bytes
+
+
+def wait_for(what: str, check: Callable[[], T], cluster: LocalCluster, *, stall_s: float = STALL_S,
+             ceiling_s: float = CEILING_S, explain: Callable[[], str] | None = None,
+             progress: Callable[[], Hashable] | None = None, poll_s: float = 0.5) -> T:
+    """Poll ``check`` until it returns something truthy, for as long as the cluster makes progress.
+
+    ``progress`` (default: :func:`activity`) is sampled at every poll; the wait fails when it has not
+    changed for ``stall_s`` seconds, or after ``ceiling_s`` in all. The failure says which, and shows
+    ``explain()`` (default: :func:`why_not_ready`).
+    """
+    sample = progress or (lambda: activity(cluster))
+    started = last_change = time.monotonic()
+    seen = sample()
+    while True:
+        result = check()
+        if result:
+            return result
+        now = time.monotonic()
+        current = sample()
+        if current != seen:
+            seen, last_change = current, now
+        if now - last_change > stall_s or now - started > ceiling_s:
+            why = (f"nothing in the cluster changed for {now - last_change:.0f}s" if now - last_change > stall_s
+                   else f"still changing after {now - started:.0f}s")
+            detail = (explain or (lambda: why_not_ready(cluster)))()
+            raise AssertionError(f"gave up waiting for {what} after {now - started:.0f}s ({why})\n{detail}")
+        time.sleep(poll_s)
 
 
 def free_port() -> int:
@@ -50,14 +109,18 @@ def create_namespace(cluster: LocalCluster, name: str) -> None:
 
 
 class OperatorProcess:
-    """``python -m maru_operator run`` against the cluster, logging to ``log_path``."""
+    """``python -m maru_operator run`` against the cluster, logging to ``log_path``.
+
+    It runs on the cluster's network, as a host-network process of a node would: it reaches the pool
+    daemons' status endpoints at their pod addresses, as the operator's pod does in a cluster.
+    """
 
     def __init__(self, cluster: LocalCluster, log_path: Path, *, pool_namespace: str = POOL_NAMESPACE,
                  extra_args: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
         self.log_path = log_path
         self.argv = [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", pool_namespace,
-                     # Out of the cluster it shares the machine's ports: a free one for liveness, no metrics.
+                     # Not a pod: it shares the cluster network with the node components, so a free port.
                      "--liveness", f"http://127.0.0.1:{free_port()}/healthz", "--metrics-port", "0",
                      "--resync-seconds", "10", *extra_args]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -69,10 +132,10 @@ class OperatorProcess:
         self.stop()
 
     def start(self) -> OperatorProcess:
-        env = self.cluster.env(PYTHONPATH=os.pathsep.join(package_roots()))
+        env = self.cluster.inside_env(PYTHONPATH=os.pathsep.join(package_roots()))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+                                         env=env, start_new_session=True, preexec_fn=self.cluster.inside_preexec())
         return self
 
     def alive(self) -> bool:
@@ -131,15 +194,17 @@ def why_not_ready(cluster: LocalCluster) -> str:
 
 
 def wait_ready(cluster: LocalCluster, resource: str, name: str, namespace: str | None = None, *,
-               timeout: float = 300, generation: int | None = None) -> dict[str, Any]:
-    """Wait until the object is Ready (at ``generation``); the error shows the pods and their logs."""
-    deadline = time.monotonic() + timeout
-    while True:
+               stall_s: float = STALL_S, generation: int | None = None) -> dict[str, Any]:
+    """Wait until the object is Ready (at ``generation``) while the cluster makes progress; the error
+    shows the object's status, the pods and their logs."""
+    where = f"{namespace}/{name}" if namespace else name
+
+    def ready() -> dict[str, Any] | None:
         obj = cluster.kube.get(resource, name, namespace)
-        if obj is not None and is_ready(obj, generation):
-            return obj
-        if time.monotonic() > deadline:
-            where = f"{namespace}/{name}" if namespace else name
-            raise AssertionError(f"{resource} {where} not Ready after {timeout:.0f}s: "
-                                 f"{(obj or {}).get('status')}\n{why_not_ready(cluster)}")
-        time.sleep(0.5)
+        return obj if obj is not None and is_ready(obj, generation) else None
+
+    def explain() -> str:
+        return f"{resource} {where}: {(cluster.kube.get(resource, name, namespace) or {}).get('status')}\n" \
+            + why_not_ready(cluster)
+
+    return wait_for(f"{resource} {where} to be Ready", ready, cluster, stall_s=stall_s, explain=explain)

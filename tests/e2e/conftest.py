@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from maru_localcluster.product import (
     apply_crds,
     create_namespace,
     install_csi_driver,
+    wait_for,
     why_not_ready,
 )
 from tests.required import require_local_cluster, require_vllm
@@ -76,13 +76,13 @@ class Deployment:
         return pods
 
     def engine_url(self, role: str) -> str:
-        """An engine reached directly at its pod's address (the router's view of it)."""
+        """An engine reached directly at its pod's address (the router's view of it), through a door."""
         (pod,) = self.pods(role, ready_only=True)
-        return f"http://{pod['status']['podIP']}:8000"
+        return self.cluster.pod_url(GROUP_NS, pod["metadata"]["name"], 8000)
 
     @property
     def router_url(self) -> str:
-        """The group's Service, as a client in the cluster reaches it (its ClusterIP)."""
+        """The group's Service (its ClusterIP, through a door from this machine)."""
         return self.cluster.service_url(GROUP_NS, self.group)
 
     def get(self, resource: str, name: str, namespace: str | None = None) -> dict[str, Any]:
@@ -94,17 +94,10 @@ class Deployment:
         return why_not_ready(self.cluster) + "\n--- operator\n" + self.operator.log_tail()
 
 
-def wait(what: str, check: Callable[[], Any], deployment: Deployment | None = None, timeout: float = 240) -> Any:
-    """Poll ``check`` until it returns something truthy; the failure shows the cluster's state."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            detail = deployment.explain() if deployment else ""
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail}")
-        time.sleep(0.5)
+def wait(what: str, check: Callable[[], Any], deployment: Deployment) -> Any:
+    """Poll ``check`` until it returns something truthy, for as long as the cluster makes progress
+    (``product.wait_for``); the failure shows the cluster's state and the operator's last lines."""
+    return wait_for(what, check, deployment.cluster, explain=deployment.explain)
 
 
 @contextlib.contextmanager

@@ -49,8 +49,8 @@ def dax(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     group["spec"]["prefill"]["replicas"] = 1
     nodes = [(f"cxl-node-{i}", {"maru.io/cxl": "true"}, {"/dev/dax0.0": device}) for i in (1, 2)]
     with deployed(tiny_model, workdir, nodes, [pool, group]) as d:
-        wait_ready(d.cluster, "marupools.maru.io", "cxl-pool", timeout=120)
-        wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, timeout=420)
+        wait_ready(d.cluster, "marupools.maru.io", "cxl-pool")
+        wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
         yield d
 
 
@@ -79,7 +79,7 @@ def test_prefill_and_decode_share_kv_across_nodes(dax: Deployment) -> None:
     recomputed = complete(prefill, long_prompt)
     loaded = from_pool(decode)
     assert complete(dax.router_url, long_prompt) == recomputed
-    moved = wait("decode to load from the pool", lambda: from_pool(decode) - loaded, dax, timeout=30)
+    moved = wait("decode to load from the pool", lambda: from_pool(decode) - loaded, dax)
     assert moved == 2 * CHUNK
 
 
@@ -88,10 +88,11 @@ def _pool_pods(d: Deployment, component: str) -> list[dict[str, Any]]:
             if not p["metadata"].get("deletionTimestamp")]
 
 
-def _status(pod: dict[str, Any]) -> dict[str, Any]:
+def _status(d: Deployment, pod: dict[str, Any]) -> dict[str, Any]:
     """A pool daemon's ``/status``, at its pod's address (as the operator reads it)."""
     port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
-    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/status", timeout=10) as resp:
+    url = d.cluster.pod_url(pod["metadata"]["namespace"], pod["metadata"]["name"], port)
+    with urllib.request.urlopen(f"{url}/status") as resp:
         return dict(json.loads(resp.read()))
 
 
@@ -102,8 +103,8 @@ def test_killing_a_pool_agent_restarts_it_while_vllm_answers(dax: Deployment) ->
     (metadata,) = _pool_pods(dax, "metadata")
     name = agent["metadata"]["name"]
     restarts = agent["status"]["containerStatuses"][0]["restartCount"]
-    epoch = _status(metadata)["epoch"]
-    assert _status(agent)["epoch"] == epoch
+    epoch = _status(dax, metadata)["epoch"]
+    assert _status(dax, agent)["epoch"] == epoch
     prefill, decode = dax.engine_url("prefill"), dax.engine_url("decode")
     # KV stored before the kill: prefill computes the prompt and stores its chunks.
     stored = prompt(2 * CHUNK + 40, seed=51)
@@ -119,18 +120,17 @@ def test_killing_a_pool_agent_restarts_it_while_vllm_answers(dax: Deployment) ->
         status = dax.get("pods", name, POOL_NAMESPACE)["status"]["containerStatuses"][0]
         return status["restartCount"] > restarts and status["ready"]
 
-    wait("the kubelet to restart the agent", restarted, dax, timeout=90)
+    wait("the kubelet to restart the agent", restarted, dax)
     last = dax.get("pods", name, POOL_NAMESPACE)["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert last["exitCode"] == 128 + signal.SIGKILL, last
-    wait_ready(dax.cluster, "marupools.maru.io", "cxl-pool", timeout=60)
+    wait_ready(dax.cluster, "marupools.maru.io", "cxl-pool")
     # The restarted agent mapped the device again and took the metadata server's epoch, the one the
     # stored chunks carry: the pool's memory outlived the agent's process.
-    assert _status(dax.get("pods", name, POOL_NAMESPACE))["epoch"] == epoch
+    assert _status(dax, dax.get("pods", name, POOL_NAMESPACE))["epoch"] == epoch
     assert f"pool epoch is now {epoch} (was None)" in dax.cluster.pod_log(POOL_NAMESPACE, name, "agent")
-    commits = _status(metadata)["stats"]["commits"]
+    commits = _status(dax, metadata)["stats"]["commits"]
     loaded = from_pool(decode)
     assert complete(dax.router_url, stored) == expected
-    moved = wait("decode to load the chunks stored before the kill", lambda: from_pool(decode) - loaded, dax,
-                 timeout=30)
+    moved = wait("decode to load the chunks stored before the kill", lambda: from_pool(decode) - loaded, dax)
     assert moved == 2 * CHUNK
-    assert _status(metadata)["stats"]["commits"] == commits  # loaded what was there, nothing stored anew
+    assert _status(dax, metadata)["stats"]["commits"] == commits  # loaded what was there, nothing stored anew

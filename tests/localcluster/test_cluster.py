@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from maru_localcluster import network
 from maru_localcluster.cluster import LocalCluster, processes_in
 from tests.required import require_local_cluster
 
@@ -81,10 +82,8 @@ def web(replicas: int = 2, version: str = "1", strategy: dict[str, Any] | None =
             "template": {"metadata": {"labels": {"app": "web"}}, "spec": {"terminationGracePeriodSeconds": 2,
                                                                           "containers": [{
                 "name": "web", "image": IMAGE, "env": [{"name": "VERSION", "value": version}],
-                # No address given: the server binds every interface, as it would in a pod of its own;
-                # the image table tells python's http.server nothing, so it gets the pod's address
-                # through the downward API instead.
-                "command": ["python", "-m", "http.server", "8080", "--bind", "$(POD_IP)"],
+                # Every interface, as in any pod: each pod has a network namespace of its own.
+                "command": ["python", "-m", "http.server", "8080"],
                 "ports": [{"name": "http", "containerPort": 8080}],
                 "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
             }]}},
@@ -146,10 +145,8 @@ def test_service_clusterip_and_dns_reach_ready_endpoints(cluster: LocalCluster) 
     """, automountServiceAccountToken=False))
     phase, log = finished(cluster, "client")
     assert phase == "Succeeded", log
-    block = cluster.block
-    assert block is not None
     assert log.split()[:2] == ["200", "200"]
-    assert f"host=client env=client api={block.kubernetes_service}:443" in log
+    assert f"host=client env=client api={network.KUBERNETES_SERVICE_IP}:443" in log
 
 
 def test_endpoint_slices_carry_the_service_labels(cluster: LocalCluster) -> None:
@@ -220,11 +217,10 @@ def test_a_pod_failing_readiness_gets_no_traffic(cluster: LocalCluster) -> None:
     def gate(name: str) -> dict[str, Any]:
         (site / name).mkdir(parents=True, exist_ok=True)
         (site / name / "index.html").write_text(name)
-        body = pod(name, 'exec python -m http.server 8080 --bind "$POD_IP" --directory /www',
+        body = pod(name, 'exec python -m http.server 8080 --directory /www',
                    restartPolicy="Always", nodeSelector={"zone": "a"}, terminationGracePeriodSeconds=1,
                    volumes=[{"name": "www", "hostPath": {"path": f"/gate/{name}", "type": "Directory"}}],
-                   container={"env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                              "ports": [{"name": "http", "containerPort": 8080}],
+                   container={"ports": [{"name": "http", "containerPort": 8080}],
                               "volumeMounts": [{"name": "www", "mountPath": "/www"}],
                               "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1}})
         body["metadata"]["labels"] = {"app": "gate"}
@@ -244,7 +240,8 @@ def test_a_pod_failing_readiness_gets_no_traffic(cluster: LocalCluster) -> None:
             for e in s["endpoints"]}
 
     def serves(name: str) -> bool:
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://{ip[name]}:8080/", timeout=10) as resp:
+        with contextlib.suppress(OSError), urllib.request.urlopen(cluster.pod_url("default", name, 8080),
+                                                                  timeout=10) as resp:
             return bool(resp.read() == name.encode())
         return False
 
