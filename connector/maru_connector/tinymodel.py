@@ -1,4 +1,5 @@
-"""A random-weight 2-layer Llama made offline, for tests, the benchmark and the local demo.
+"""A random-weight 2-layer Llama made offline, for tests, the benchmark and the local demo (and, for the
+tests of which models the connector refuses, a tiny Mamba2 and a tiny Granite 4 hybrid).
 
 Nothing is downloaded: the weights come from a seeded ``torch`` generator and the tokenizer is a
 ``tokenizers`` WordLevel vocabulary of ``t4 .. t{N-1}``. Special tokens are ``<s> </s> <pad> <unk>`` (ids 0-3), so text
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 16384
@@ -81,6 +84,98 @@ def make_tiny_llama(path: str | Path, spec: TinyModelSpec | None = None) -> Path
     model.save_pretrained(out, safe_serialization=True)
 
     _tokenizer(spec.vocab_size, PreTrainedTokenizerFast).save_pretrained(out)
+    stamp.write_text(wanted)
+    return out
+
+
+# Layer kinds of ``make_tiny_granite_hybrid``, as Granite 4 configs name them.
+MAMBA, ATTENTION = "mamba", "attention"
+
+
+def make_tiny_granite_hybrid(path: str | Path, layer_types: tuple[str, ...] = (MAMBA, ATTENTION)) -> Path:
+    """A random-weight 2-layer Granite 4 hybrid (``GraniteMoeHybridForCausalLM``, no experts), written like
+    :func:`make_tiny_llama`. ``layer_types`` picks Mamba2 or attention per layer: the default mixes them
+    (what vLLM calls a hybrid model); all attention is how Granite 4 "micro" ships, a hybrid config
+    whose KV cache is plain attention."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    def build() -> Any:
+        config = GraniteMoeHybridConfig(
+            **_common_config(),
+            hidden_size=256,
+            intermediate_size=512,
+            shared_intermediate_size=512,
+            num_hidden_layers=len(layer_types),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            layer_types=list(layer_types),
+            # Mamba2 mixer: 8 heads of 64 (expand 2 x hidden 256), the shapes vLLM's CPU kernels run.
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=256,
+            position_embedding_type="rope",
+        )
+        return GraniteMoeHybridForCausalLM(config).to(torch.float32)
+
+    return _write(path, {"kind": "granite-hybrid", "layer_types": list(layer_types)}, build)
+
+
+def make_tiny_mamba2(path: str | Path) -> Path:
+    """A random-weight 2-layer Mamba2 (``Mamba2ForCausalLM``: state-space layers only, no attention)."""
+    import torch
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    def build() -> Any:
+        config = Mamba2Config(
+            **_common_config(),
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=64,
+            n_groups=1,
+            state_size=64,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=256,
+        )
+        return Mamba2ForCausalLM(config).to(torch.float32)
+
+    return _write(path, {"kind": "mamba2"}, build)
+
+
+def _common_config() -> dict[str, Any]:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_MODEL_LEN,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+
+
+def _write(path: str | Path, what: dict[str, Any], build: Callable[[], Any], seed: int = 1234) -> Path:
+    """Save ``build()``'s model (seeded) and the tokenizer to ``path``, unless it already holds ``what``."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(path)
+    stamp = out / "maru-tinymodel.json"
+    wanted = json.dumps({**what, "seed": seed, "tokenizer": TOKENIZER_VERSION}, sort_keys=True)
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    build().save_pretrained(out, safe_serialization=True)
+    _tokenizer(VOCAB_SIZE, PreTrainedTokenizerFast).save_pretrained(out)
     stamp.write_text(wanted)
     return out
 

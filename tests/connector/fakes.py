@@ -38,12 +38,16 @@ def vllm_config(
 def kv_cache_config(
     *, block_size: int = BLOCK, heads: int = 2, head_size: int = 64, num_blocks: int = 16
 ) -> SimpleNamespace:
-    spec = SimpleNamespace(num_kv_heads=heads, head_size=head_size)
+    """One group of vLLM's own full-attention spec over two layers: what a Llama engine hands the connector."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float32)
     return SimpleNamespace(
         hash_block_size=block_size,
         num_blocks=num_blocks,
         kv_cache_layout="LBHNC",
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)],
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["layer0", "layer1"])],
     )
 
 

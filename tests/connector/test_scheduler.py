@@ -380,6 +380,98 @@ def test_decode_context_parallelism_is_refused_at_start_with_one_clear_line() ->
         MaruScheduler(config, fakes.kv_cache_config(block_size=2 * BLOCK), cfg, loads=True, saves=True)
 
 
+# ---------------------------------------------------------------- KV caches the connector cannot copy
+
+
+def kv_cache(*layers: tuple[str, object]) -> object:
+    """vLLM's own KV cache config, one group per (layer name, spec): what an engine hands the connector.
+
+    Several groups are what vLLM's hybrid KV cache manager makes; 0.32 turns it off for this connector
+    (no ``SupportsHMA``), but the scheduler half must not rely on that.
+    """
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([name], spec) for name, spec in layers]  # type: ignore[arg-type]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups, hash_block_size=BLOCK)
+
+
+def mamba_layer(name: str) -> tuple[str, object]:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    # A Mamba2 mixer's conv and SSM state (the shapes of the tiny model's), one slot per request.
+    return name, MambaSpec(block_size=BLOCK, shapes=((3, 640), (8, 64, 64)), dtypes=(torch.float32, torch.float32))
+
+
+def attention_layer(name: str, kind: str = "full") -> tuple[str, object]:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    if kind == "mla":
+        return name, MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    if kind == "window":
+        return name, SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512
+        )
+    return name, FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+
+UNCOPYABLE = {
+    "state-space": (
+        lambda: kv_cache(mamba_layer("mixer0"), mamba_layer("mixer1")),
+        r"it is a state-space model \(2 Mamba/linear-attention layers, no attention\); .* could never serve a hit",
+    ),
+    "hybrid": (
+        lambda: kv_cache(mamba_layer("mixer0"), attention_layer("attn1")),
+        r"it is a hybrid model \(1 attention and 1 Mamba/linear-attention layers\)",
+    ),
+    "attention-free": (lambda: kv_cache(), r"it keeps no KV cache at all"),
+    "mla": (lambda: kv_cache(attention_layer("attn0", "mla")), r"its KV cache is an MLA latent cache"),
+    "two-groups": (
+        lambda: kv_cache(attention_layer("attn0"), attention_layer("attn1", "window")),
+        r"its KV cache has 2 groups \(vLLM's hybrid KV cache manager",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNCOPYABLE))
+def test_a_kv_cache_the_connector_cannot_copy_is_refused_at_start_naming_the_model(case: str) -> None:
+    make_cache, why = UNCOPYABLE[case]
+    cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": NO_POOL, "maru_kv_chunk_tokens": CHUNK})
+    with pytest.raises(ConfigError, match=r"^maru connector: model tiny-llama cannot use the pool: " + why):
+        MaruScheduler(fakes.vllm_config(), make_cache(), cfg, loads=True, saves=True)
+
+
+def test_vllms_own_attention_spec_is_served() -> None:
+    cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": NO_POOL, "maru_kv_chunk_tokens": CHUNK})
+    MaruScheduler(fakes.vllm_config(), kv_cache(attention_layer("attn0")), cfg, loads=True, saves=True).shutdown()
+
+
+def test_a_mamba_engine_is_never_promised_a_hit(pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused at start; and why it must be: nothing else in the scheduler half looks at the cache's kind.
+
+    With the refusal taken out, the same engine is promised the pool's chunks of its prompt (which a
+    load would write over Mamba state slots, and vLLM would skip computing those tokens)."""
+    from maru_connector.vllm import scheduler as scheduler_module
+
+    cfg = MaruConnectorConfig.from_extra_config(
+        {"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
+    )
+    mamba = kv_cache(mamba_layer("mixer0"), mamba_layer("mixer1"))
+    with pytest.raises(ConfigError, match="state-space model"):
+        MaruScheduler(fakes.vllm_config(), mamba, cfg, loads=True, saves=True)
+
+    monkeypatch.setattr(scheduler_module, "refuse_unsupported_kv_cache", lambda *_: None)
+    sched = MaruScheduler(fakes.vllm_config(), mamba, cfg, loads=True, saves=True)
+    sched.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **INFO)})
+    req = fakes.request("r", 4 * CHUNK, seed=41)
+    with PoolClient(pool.url, timeout_s=5) as c:
+        for k in expected_keys(req):
+            c.put(k, b"x")
+    assert matched(sched, req, 0) == (4 * CHUNK - BLOCK, True)
+    sched.shutdown()
+
+
 # ---------------------------------------------------------------- finished requests
 
 

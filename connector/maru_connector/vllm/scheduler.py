@@ -46,6 +46,7 @@ from maru_connector import hits
 from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.keys import Namespace, PromptKeys, block_hash_sharing_problem
 from maru_connector.vllm import common
+from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
 from maru_connector.vllm.lookups import AsyncLookups
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -227,6 +228,10 @@ class MaruScheduler:
         hit_rule: HitRule = hits.capped_hit_tokens,
     ) -> None:
         refuse_unsupported_parallelism(vllm_config)
+        # Before the block-size checks: a Mamba model's huge state "block" would otherwise be blamed
+        # on the chunk size. Refused here too, not only in the workers, so this half never promises
+        # a hit it cannot keep, whatever order vLLM builds the halves in.
+        refuse_unsupported_kv_cache(vllm_config, kv_cache_config)
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves

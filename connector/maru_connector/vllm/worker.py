@@ -41,6 +41,7 @@ from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.pool.client import fill_segments_many, read_segments_many
 from maru_connector.vllm import common
+from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
 from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -104,6 +105,7 @@ class MaruWorker:
         self.saves_enabled = saves
         self.tp_rank = tp_rank
         self._tp_group = tp_group
+        refuse_unsupported_kv_cache(vllm_config, kv_cache_config)  # before the block size: see kvspec
         self.block_size = vllm_config.cache_config.block_size
         cfg.check_block_size(self.block_size)
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
@@ -138,15 +140,8 @@ class MaruWorker:
         if self._slept:
             self.restore_kv_caches()  # registered again after a sleep: stay off the pool all the same
             return
-        groups = self._kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise KVLayoutError(f"one KV cache group is supported, the model has {len(groups)}")
-        spec = groups[0].kv_cache_spec
-        if "MLA" in type(spec).__name__:
-            raise KVLayoutError(
-                f"the model's KV cache is an MLA latent cache ({type(spec).__name__}); MLA models are not "
-                "supported by the Maru connector yet"
-            )
+        # One group of paged attention KV: the constructor refused every other kind (kvspec).
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         paged = describe_kv_caches(
             kv_caches,
             num_blocks=self._kv_cache_config.num_blocks,

@@ -1,0 +1,98 @@
+"""Which engines the connector can serve at all, decided from the KV cache vLLM allocated.
+
+The connector stores and loads paged attention KV: per token, per layer, in whole blocks of one KV
+cache group. vLLM hands both halves the engine's ``KVCacheConfig`` when it builds them, after it has
+decided what each layer keeps; that, not the model's name or architecture, is what decides whether a
+chunk could ever be stored and loaded (a "hybrid" Granite 4 with attention layers only allocates
+plain attention KV, and is served).
+
+What cannot work is refused when the connector is built, at engine start, with one error naming the
+model, what its cache holds, and what to do. Such an engine could never be served a hit: the scheduler
+half would promise tokens that no load can deliver, and every store would be wasted. Refusing beats
+switching the connector off quietly: a pod that asks for prefill/decode through the pool would
+otherwise run with decode recomputing every prompt, and the only trace would be a line in its log.
+Pool trouble at run time stays a miss; this is a configuration that can never serve.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from maru_connector.config import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+WHAT_TO_DO = "serve this model without the Maru connector (no --kv-transfer-config)"
+
+
+def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
+    """Why the connector cannot copy this engine's KV cache, or None when it can."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        return "it keeps no KV cache at all (an attention-free model): there is nothing to store or load"
+    layers = [spec for group in groups for spec in _layer_specs(group)]
+    kinds = ", ".join(f"{n} x {kind}" for kind, n in sorted(Counter(type(s).__name__ for s in layers).items()))
+    state = sum(isinstance(s, MambaSpec) for s in layers)
+    if state:
+        what = (
+            f"a hybrid model ({len(layers) - state} attention and {state} Mamba/linear-attention layers)"
+            if state < len(layers)
+            else f"a state-space model ({state} Mamba/linear-attention layers, no attention)"
+        )
+        # The scheduler half would answer lookups with tokens; for these layers a load could only
+        # write KV bytes over recurrent state. vLLM 0.32 itself refuses the hybrids with a connector
+        # that lacks SupportsHMA; the pure state-space models reach the connector and stop here.
+        return (
+            f"it is {what}; a Mamba layer keeps one running state per request, overwritten at every token, "
+            "not per-token KV in blocks, so a prompt prefix cannot be stored in chunks or loaded into blocks "
+            f"and the connector could never serve a hit (KV cache: {kinds})"
+        )
+    foreign = sorted({type(s).__name__ for s in layers if not isinstance(s, AttentionSpec)})
+    if foreign:
+        return f"its KV cache holds {', '.join(foreign)}, which is not paged attention KV (KV cache: {kinds})"
+    if any(isinstance(s, MLAAttentionSpec) for s in layers):
+        return f"its KV cache is an MLA latent cache ({kinds}); MLA models are not supported by the Maru connector yet"
+    if len(groups) > 1:
+        return (
+            f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
+            "copies the blocks of one group"
+        )
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        shapes = {(s.num_kv_heads, s.head_size, str(s.dtype)) for s in layers if isinstance(s, AttentionSpec)}
+        if len(shapes) > 1:
+            return f"its attention layers have different KV shapes (heads, head size, dtype: {sorted(shapes)})"
+    return None
+
+
+def refuse_unsupported_kv_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Raise ``ConfigError`` naming the model when the connector cannot copy its KV cache."""
+    problem = kv_cache_problem(kv_cache_config)
+    if problem is None:
+        return
+    raise ConfigError(f"maru connector: model {_model_name(vllm_config)} cannot use the pool: {problem}; {WHAT_TO_DO}")
+
+
+def _layer_specs(group: object) -> list[KVCacheSpec]:
+    """One spec per layer of a group (``UniformTypeKVCacheSpecs`` keeps one per layer already)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    spec = group.kv_cache_spec  # type: ignore[attr-defined]
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return list(spec.kv_cache_specs.values())
+    return [spec] * max(1, len(getattr(group, "layer_names", None) or ()))
+
+
+def _model_name(vllm_config: VllmConfig) -> str:
+    model = vllm_config.model_config
+    name = str(getattr(model, "model_weights", "") or model.model)
+    try:
+        arch = model.architecture
+    except Exception:  # only decorates the message; a config without it still gets the error
+        arch = None
+    return f"{name} ({arch})" if arch else name
