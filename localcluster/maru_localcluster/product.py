@@ -54,6 +54,33 @@ def activity(cluster: LocalCluster) -> Hashable:
     return tuple(sorted(pods, key=repr)), log_bytes
 
 
+class ProgressClock:
+    """Says when a wait should give up: ``progress`` (default :func:`activity`) unchanged for ``stall_s``,
+    or ``ceiling_s`` in all."""
+
+    def __init__(self, cluster: LocalCluster, *, stall_s: float = STALL_S, ceiling_s: float = CEILING_S,
+                 progress: Callable[[], Hashable] | None = None) -> None:
+        self.sample = progress or (lambda: activity(cluster))
+        self.stall_s, self.ceiling_s = stall_s, ceiling_s
+        self.started = self.last_change = time.monotonic()
+        self.seen = self.sample()
+
+    def expired(self) -> str | None:
+        """None while the wait may go on; else why it should end."""
+        now = time.monotonic()
+        current = self.sample()
+        if current != self.seen:
+            self.seen, self.last_change = current, now
+        if now - self.last_change > self.stall_s:
+            return f"nothing in the cluster changed for {now - self.last_change:.0f}s"
+        if now - self.started > self.ceiling_s:
+            return f"still changing after {now - self.started:.0f}s"
+        return None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
 def wait_for(what: str, check: Callable[[], T], cluster: LocalCluster, *, stall_s: float = STALL_S,
              ceiling_s: float = CEILING_S, explain: Callable[[], str] | None = None,
              progress: Callable[[], Hashable] | None = None, poll_s: float = 0.5) -> T:
@@ -63,22 +90,15 @@ def wait_for(what: str, check: Callable[[], T], cluster: LocalCluster, *, stall_
     changed for ``stall_s`` seconds, or after ``ceiling_s`` in all. The failure says which, and shows
     ``explain()`` (default: :func:`why_not_ready`).
     """
-    sample = progress or (lambda: activity(cluster))
-    started = last_change = time.monotonic()
-    seen = sample()
+    clock = ProgressClock(cluster, stall_s=stall_s, ceiling_s=ceiling_s, progress=progress)
     while True:
         result = check()
         if result:
             return result
-        now = time.monotonic()
-        current = sample()
-        if current != seen:
-            seen, last_change = current, now
-        if now - last_change > stall_s or now - started > ceiling_s:
-            why = (f"nothing in the cluster changed for {now - last_change:.0f}s" if now - last_change > stall_s
-                   else f"still changing after {now - started:.0f}s")
+        why = clock.expired()
+        if why is not None:
             detail = (explain or (lambda: why_not_ready(cluster)))()
-            raise AssertionError(f"gave up waiting for {what} after {now - started:.0f}s ({why})\n{detail}")
+            raise AssertionError(f"gave up waiting for {what} after {clock.elapsed():.0f}s ({why})\n{detail}")
         time.sleep(poll_s)
 
 

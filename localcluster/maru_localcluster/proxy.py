@@ -4,10 +4,10 @@
 
 A process of its own, so the data path (clients to the router, pool agents and vLLM pods to the
 metadata server) never waits on the test's or demo's Python. It watches Services and EndpointSlices
-and listens on each ClusterIP and port (in the cluster's network namespace, where it runs); a connection goes to the next ready
-endpoint in turn, or, when none is ready, to a serving one that is terminating (as kube-proxy does),
-and is closed at once when there is none. Only TCP; NodePort and LoadBalancer Services get their
-ClusterIP only.
+and listens on each ClusterIP and port (in the cluster's network namespace, where it runs); a
+connection goes to the next ready endpoint in turn, or, when none is ready, to a serving one that is
+terminating (as kube-proxy does), and is closed at once when there is none. Only TCP; NodePort and
+LoadBalancer Services get their ClusterIP only.
 """
 
 from __future__ import annotations
