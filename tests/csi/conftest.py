@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import tempfile
@@ -15,6 +16,8 @@ from maru_connector.csi import csi_pb2_grpc, mounts
 from tests.required import require_root
 
 from .harness import Plugin
+
+ADMISSION_FILE = "admission.json"  # beside the pool's socket, written by the pool's agent
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +40,22 @@ class Layout:
         for folder in (self.sockets, self.pods):
             folder.mkdir()
 
-    def pool(self, name: str) -> Path:
-        """A pool's socket directory, as its daemon's hostPath (DirectoryOrCreate) would leave it."""
+    def pool(self, name: str, admits: list[str] | None = None, *, admission: bool = True) -> Path:
+        """A pool's socket directory, as its daemon's hostPath (DirectoryOrCreate) would leave it, with the
+        admission file its agent's init container writes: every namespace (``admits`` None), or those listed;
+        none at all with ``admission=False``."""
         path = self.sockets / name
         path.mkdir(exist_ok=True)
+        rule = path / ADMISSION_FILE
+        if not admission:
+            rule.unlink(missing_ok=True)
+            return path
+        # Spelled out, not rendered by the product's own code: this is the file format the plugin reads.
+        document: dict[str, object] = {"version": 1, "pool": name, "admit": "AllNamespaces"}
+        if admits is not None:
+            document.update(admit="ListedNamespaces", namespaces=admits)
+        rule.write_text(json.dumps(document))
+        rule.chmod(0o644)
         return path
 
     def target(self, name: str) -> str:

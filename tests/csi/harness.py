@@ -83,12 +83,13 @@ def publish_request(
     socket_dir: str | None = None,
     volume_id: str = "csi-0123456789abcdef",
     readonly: bool = True,
+    namespace: str = "llm",
 ) -> csi_pb2.NodePublishVolumeRequest:
     """What the kubelet sends for an inline ephemeral volume of a driver with podInfoOnMount."""
     context = {
         ATTR_POOL: pool,
         POD_NAME: "qwen-7b-decode-5d8f7c9b4-x2k7q",
-        POD_NAMESPACE: "llm",
+        POD_NAMESPACE: namespace,
         "csi.storage.k8s.io/pod.uid": "6f1c9a6e-0d5b-4a55-9b8e-3f0c2a1d4e5f",
         "csi.storage.k8s.io/serviceAccount.name": "default",
         EPHEMERAL: "true",

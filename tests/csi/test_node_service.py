@@ -149,6 +149,108 @@ def test_bad_unpublish_is_refused_by_name(node: csi_pb2_grpc.NodeStub, volume_id
     assert error.code() == Code.INVALID_ARGUMENT and word in error.details()
 
 
+# --------------------------------------------------------------------------------- admission
+
+
+def test_a_namespace_the_pool_does_not_admit_is_refused(node: csi_pb2_grpc.NodeStub, layout: Layout) -> None:
+    """A pod may name any pool in its volume; it gets the socket only if the pool admits its namespace. The
+    message (the pod's FailedMount event) names the pod's namespace, the pool and the rule."""
+    layout.pool("pool-prod", admits=["prod", "staging"])
+    request = publish_request(layout.target("intruder"), "pool-prod", namespace="llm")
+    error = refused(lambda: node.NodePublishVolume(request, timeout=10))
+    assert error.code() == Code.PERMISSION_DENIED, error.details()
+    for word in ("namespace llm", "MaruPool pool-prod", "spec.allowedNamespaces", "prod", "staging"):
+        assert word in error.details(), error.details()
+    assert not os.path.exists(request.target_path)
+
+
+def test_without_pod_info_a_restricted_pool_admits_nobody(node: csi_pb2_grpc.NodeStub, layout: Layout) -> None:
+    layout.pool("pool-prod", admits=["prod"])
+    request = publish_request(layout.target("anonymous"), "pool-prod", namespace="prod")
+    del request.volume_context["csi.storage.k8s.io/pod.namespace"]
+    error = refused(lambda: node.NodePublishVolume(request, timeout=10))
+    assert error.code() == Code.PERMISSION_DENIED and "podInfoOnMount" in error.details(), error.details()
+
+
+def _corrupt(text: str, mode: int = 0o644) -> Callable[[Path], None]:
+    def write(rule: Path) -> None:
+        rule.write_text(text)
+        rule.chmod(mode)
+
+    return write
+
+
+def _symlink(rule: Path) -> None:
+    elsewhere = rule.parent.parent / "elsewhere.json"
+    elsewhere.write_text('{"version": 1, "pool": "pool-x", "admit": "AllNamespaces"}')
+    rule.symlink_to(elsewhere)
+
+
+# (id, what becomes of the pool's admission file, words the message must contain)
+NO_RULE = [
+    ("missing", None, ["admission.json is missing"]),
+    ("not-json", _corrupt("admit everyone"), ["not JSON"]),
+    ("empty-list", _corrupt('{"version": 1, "pool": "pool-x", "admit": "ListedNamespaces", "namespaces": []}'),
+     ["non-empty list"]),
+    ("no-admit", _corrupt('{"version": 1, "pool": "pool-x"}'), ["admit"]),
+    ("other-version", _corrupt('{"version": 2, "pool": "pool-x", "admit": "AllNamespaces"}'), ["version 2"]),
+    ("world-writable", _corrupt('{"version": 1, "pool": "pool-x", "admit": "AllNamespaces"}', 0o666),
+     ["no other user may write"]),
+    ("symlink", _symlink, ["cannot be opened"]),
+]
+
+
+@pytest.mark.parametrize(("change", "words"), [r[1:] for r in NO_RULE], ids=[r[0] for r in NO_RULE])
+def test_without_a_usable_admission_rule_nobody_is_admitted(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, change: Callable[[Path], None] | None, words: list[str]
+) -> None:
+    """Refused closed: missing or unusable admission data never means "every namespace"."""
+    pool = layout.pool("pool-x", admission=False)
+    (pool / "elsewhere.json").unlink(missing_ok=True)
+    if change is not None:
+        change(pool / "admission.json")
+    request = publish_request(layout.target("no-rule"), "pool-x")
+    error = refused(lambda: node.NodePublishVolume(request, timeout=10))
+    assert error.code() == Code.FAILED_PRECONDITION, error.details()
+    for word in ("'pool-x'", "no pod is admitted", *words):
+        assert word in error.details(), error.details()
+    assert not os.path.exists(request.target_path)
+
+
+@needs_root
+def test_an_admitted_namespace_gets_the_socket(node: csi_pb2_grpc.NodeStub, layout: Layout) -> None:
+    (layout.pool("pool-prod", admits=["prod", "staging"]) / "name").write_text("pool-prod")
+    target = layout.target("admitted")
+    node.NodePublishVolume(publish_request(target, "pool-prod", namespace="staging"), timeout=10)
+    try:
+        assert Path(target, "name").read_text() == "pool-prod"
+    finally:
+        node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=target))
+
+
+@needs_root
+def test_a_pool_without_allowed_namespaces_admits_every_namespace(node: csi_pb2_grpc.NodeStub, layout: Layout) -> None:
+    (layout.pool("pool-open") / "name").write_text("pool-open")
+    for namespace in ("llm", "team-b", "default"):
+        target = layout.target(f"open-{namespace}")
+        node.NodePublishVolume(publish_request(target, "pool-open", namespace=namespace), timeout=10)
+        try:
+            assert Path(target, "name").read_text() == "pool-open"
+        finally:
+            node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=target))
+
+
+@needs_root
+def test_a_changed_rule_applies_to_the_next_publish(node: csi_pb2_grpc.NodeStub, layout: Layout) -> None:
+    """No cache: once the node's agent has rewritten the file, the next pod is judged by the new rule."""
+    layout.pool("pool-moving", admits=["prod"])
+    request = publish_request(layout.target("moving"), "pool-moving", namespace="llm")
+    assert refused(lambda: node.NodePublishVolume(request, timeout=10)).code() == Code.PERMISSION_DENIED
+    layout.pool("pool-moving", admits=["prod", "llm"])
+    node.NodePublishVolume(request, timeout=10)
+    node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=request.target_path))
+
+
 # --------------------------------------------------------------------------------- real mounts
 
 

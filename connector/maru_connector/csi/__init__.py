@@ -7,6 +7,7 @@ directory, read-only, at the pod's volume path. The plugin is infrastructure: it
 every node, from the pool image; the pods that use it stay unprivileged.
 
 ``contract``: the driver name and volume attributes (no gRPC: the operator imports it).
+``admission``: which pods a pool admits, the file its agent writes beside the socket (no gRPC either).
 ``node``: the Identity and Node services. ``mounts``: bind mounts and /proc/self/mountinfo.
 ``server``: the process (``maru-csi``). ``csi.proto`` and the generated ``csi_pb2*``: the CSI messages.
 """

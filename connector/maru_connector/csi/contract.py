@@ -23,6 +23,7 @@ ATTRIBUTES = (ATTR_POOL, ATTR_SOCKET_DIR)
 POD_INFO_PREFIX = "csi.storage.k8s.io/"
 POD_NAME = POD_INFO_PREFIX + "pod.name"
 POD_NAMESPACE = POD_INFO_PREFIX + "pod.namespace"
+POD_SERVICE_ACCOUNT = POD_INFO_PREFIX + "serviceAccount.name"
 EPHEMERAL = POD_INFO_PREFIX + "ephemeral"
 
 # One path component: a DNS-1123 name of at most 63 characters (MaruPool names up to 63 characters

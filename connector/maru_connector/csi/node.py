@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import wrappers_pb2
 
-from . import csi_pb2, csi_pb2_grpc, mounts
+from . import admission, csi_pb2, csi_pb2_grpc, mounts
 from .contract import (
     ATTR_POOL,
     ATTR_SOCKET_DIR,
@@ -34,6 +34,7 @@ from .contract import (
     POD_INFO_PREFIX,
     POD_NAME,
     POD_NAMESPACE,
+    POD_SERVICE_ACCOUNT,
     pool_dir_error,
 )
 
@@ -185,8 +186,32 @@ def check_publish(request: csi_pb2.NodePublishVolumeRequest, socket_root: Path) 
         ) from None
     if not stat.S_ISDIR(mode):
         raise CsiError(grpc.StatusCode.FAILED_PRECONDITION, f"{source} is not a directory (a pool's socket directory)")
-    namespace, name = context.get(POD_NAMESPACE, ""), context.get(POD_NAME, "")
-    return Publication(request.volume_id, pool, str(source), target, f"{namespace}/{name}" if name else "")
+    pod = admission.PodIdentity(
+        namespace=context.get(POD_NAMESPACE, ""),
+        name=context.get(POD_NAME, ""),
+        service_account=context.get(POD_SERVICE_ACCOUNT, ""),
+    )
+    _admit(pool, str(source), pod)
+    return Publication(request.volume_id, pool, str(source), target, pod.describe() if pod.name else "")
+
+
+def _admit(pool: str, source: str, pod: admission.PodIdentity) -> None:
+    """Publish only to a pod the pool admits, by the rule its agent wrote beside the socket.
+
+    The rule is read at every publish (no cache): a changed ``allowedNamespaces`` applies to the next pod
+    once the node's agent has rewritten the file. Missing or unreadable data refuses (closed).
+    """
+    try:
+        rule = admission.read(source)
+    except admission.AdmissionError as err:
+        raise CsiError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pool {pool!r}: no usable admission rule on this node, so no pod is admitted: {err}",
+        ) from None
+    try:
+        rule.check(pod)
+    except admission.Refused as err:
+        raise CsiError(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
 
 
 class NodeService(csi_pb2_grpc.NodeServicer):

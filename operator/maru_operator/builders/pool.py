@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from maru_connector.csi.admission import admission_document, render
 from maru_connector.poolsize import format_size, parse_size, pool_memory_bytes
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
@@ -288,6 +289,39 @@ def _agent_security(spec: MaruPoolSpec) -> tuple[dict[str, Any], dict[str, Any]]
     return pod, container
 
 
+# The init container that writes the pool's admission rule beside its socket: tiny, and done in a second.
+ADMISSION_RESOURCES = {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}}
+
+
+def admission_init_container(spec: MaruPoolSpec, pool: str) -> Object:
+    """Writes ``<socket dir>/admission.json`` from ``spec.allowedNamespaces`` before the agent starts.
+
+    The CSI node plugin publishes the socket directory only to pods this rule admits. It comes from the
+    MaruPool through this pod spec, so the plugin needs no API access, and it is written by root into a
+    directory pods get read-only, so no tenant can forge it. A changed rule changes the pod template: the
+    agents roll, one node at a time, and each node's agent rewrites the file as it starts.
+    """
+    return {
+        "name": "admission",
+        "image": spec.daemon.image,
+        "imagePullPolicy": spec.daemon.image_pull_policy,
+        "command": ["python", "-m", "maru_connector.csi.admission"],
+        "args": [
+            "--dir", socket_host_dir(spec, pool),
+            "--document", render(admission_document(pool, spec.allowed_namespaces)),
+        ],
+        "resources": ADMISSION_RESOURCES,
+        "volumeMounts": [{"name": "socket", "mountPath": socket_host_dir(spec, pool)}],
+        # Root to write the root-owned directory the kubelet created; nothing else, also with dax.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": False,
+        },
+    }
+
+
 def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> Object:
     """The per-node daemon: ``maru-pool agent`` (dax) or a self-contained ``maru-pool serve`` (shm)."""
     pool = owner.name
@@ -330,6 +364,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
         **_priority(spec),
         "securityContext": pod_security,
         "tolerations": _tolerations(spec),
+        "initContainers": [admission_init_container(spec, pool)],
         "containers": [container],
         "volumes": volumes,
     }

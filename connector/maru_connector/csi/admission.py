@@ -1,0 +1,211 @@
+"""Which pods a pool admits: the admission file beside the pool's socket, and its check at publish.
+
+The CSI node plugin publishes a pool's socket directory only to a pod the pool admits. The rule comes
+from the MaruPool's ``spec.allowedNamespaces`` (the one source of truth): the operator renders it into
+the pool's agent DaemonSet, whose init container (``python -m maru_connector.csi.admission``, root, in
+the pool's namespace) writes it as ``<socket root>/<pool>/admission.json`` on each pool node before the
+agent starts. Nothing a tenant writes is trusted: not the volume's attributes (the pod's author writes
+those), and not a file a pod could write (pods get the directory read-only, and only root-owned files
+that no other user may write are read).
+
+Refused closed: a missing, unreadable or malformed file admits nobody. A pool without
+``allowedNamespaces`` admits every namespace, and its file says so (``"admit": "AllNamespaces"``), so a
+missing file never means "allow all".
+
+No gRPC here: the operator renders the document with :func:`admission_document`, and the agent's init
+container runs this module from the pool image without the plugin's runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import stat
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+ADMISSION_FILE = "admission.json"
+VERSION = 1
+ADMIT_ALL = "AllNamespaces"
+ADMIT_LISTED = "ListedNamespaces"
+# A few hundred namespaces fit many times over; anything larger is not a file the init container wrote.
+MAX_BYTES = 64 << 10
+
+
+class AdmissionError(Exception):
+    """The admission data is missing, unreadable or malformed: the pool admits nobody until it is fixed."""
+
+
+class Refused(Exception):
+    """A pod the pool does not admit; the message names the pod's namespace, the pool and the rule."""
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """Who asks for the volume, from the publish context the kubelet fills (podInfoOnMount).
+
+    ``service_account`` is not checked yet. When pool credentials are minted at publish (rather than
+    issued per group as a Secret), the rule will also name each group's service account and
+    :meth:`Admission.check` will bind the publish to it: that is why it is carried here already.
+    """
+
+    namespace: str
+    name: str
+    service_account: str
+
+    def describe(self) -> str:
+        return f"{self.namespace or '<unknown namespace>'}/{self.name or '<unknown pod>'}"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A pool's admission rule: every namespace, or the listed ones (never empty)."""
+
+    pool: str
+    namespaces: tuple[str, ...] | None  # None: every namespace (the rule says so explicitly)
+
+    def rule(self) -> str:
+        if self.namespaces is None:
+            return "no spec.allowedNamespaces: every namespace"
+        return f"spec.allowedNamespaces {list(self.namespaces)}"
+
+    def check(self, pod: PodIdentity) -> None:
+        """Raise :class:`Refused` unless the pool admits ``pod``."""
+        if self.namespaces is None:
+            return
+        if not pod.namespace:
+            raise Refused(
+                f"MaruPool {self.pool} admits only the namespaces of its {self.rule()}, and the kubelet sent no "
+                "pod namespace: the CSIDriver csi.maru.io needs podInfoOnMount: true (the chart sets it)"
+            )
+        if pod.namespace not in self.namespaces:
+            raise Refused(
+                f"namespace {pod.namespace} (pod {pod.describe()}) is not admitted by MaruPool {self.pool}: "
+                f"its {self.rule()} does not list {pod.namespace}; add it there, or use a pool that admits it"
+            )
+        # The seam for minted credentials: bind pod.service_account to the group's account here.
+
+
+def admission_document(pool: str, allowed_namespaces: Sequence[str] | None) -> dict[str, Any]:
+    """The admission file's content for a MaruPool's name and ``spec.allowedNamespaces``."""
+    if allowed_namespaces is None:
+        return {"version": VERSION, "pool": pool, "admit": ADMIT_ALL}
+    if not allowed_namespaces:
+        # The CRD requires at least one: an empty list would admit nobody, which is no pool at all.
+        raise ValueError("allowedNamespaces, when set, lists at least one namespace")
+    return {"version": VERSION, "pool": pool, "admit": ADMIT_LISTED, "namespaces": sorted(set(allowed_namespaces))}
+
+
+def render(document: dict[str, Any]) -> str:
+    """The document as the init container passes and writes it: compact, keys sorted (stable in the pod spec)."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def parse(text: str | bytes, where: str) -> Admission:
+    """Read an admission document strictly; anything unexpected is an :class:`AdmissionError`."""
+    try:
+        doc = json.loads(text)
+    except ValueError as err:
+        raise AdmissionError(f"{where} is not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise AdmissionError(f"{where} is not a JSON object")
+    if doc.get("version") != VERSION:
+        raise AdmissionError(f"{where} has version {doc.get('version')!r}; this plugin reads version {VERSION}")
+    pool = doc.get("pool")
+    if not isinstance(pool, str) or not pool:
+        raise AdmissionError(f"{where} names no pool")
+    admit = doc.get("admit")
+    if admit == ADMIT_ALL:
+        if set(doc) != {"version", "pool", "admit"}:
+            raise AdmissionError(f"{where}: admit {ADMIT_ALL} takes no other field")
+        return Admission(pool, None)
+    if admit != ADMIT_LISTED:
+        raise AdmissionError(f"{where}: admit is {admit!r}, not {ADMIT_ALL!r} or {ADMIT_LISTED!r}")
+    namespaces = doc.get("namespaces")
+    if (not isinstance(namespaces, list) or not namespaces
+            or not all(isinstance(n, str) and n for n in namespaces)):
+        raise AdmissionError(f"{where}: admit {ADMIT_LISTED} needs a non-empty list of namespace names")
+    known = {"version", "pool", "admit", "namespaces"}
+    if set(doc) != known:
+        raise AdmissionError(f"{where} has unknown fields {sorted(set(doc) - known)}")
+    return Admission(pool, tuple(namespaces))
+
+
+def read(pool_dir: str) -> Admission:
+    """The admission rule of the pool whose socket directory is ``pool_dir``, as its agent wrote it.
+
+    Only a regular file (not a link) owned by root or by this process's user, and writable by its owner
+    alone, is read: anything else could have been written by someone other than the pool's agent.
+    """
+    path = os.path.join(pool_dir, ADMISSION_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise AdmissionError(f"{path} is missing: the pool's agent on this node writes it before it starts "
+                             "(an agent rendered by an older operator does not)") from None
+    except OSError as err:
+        raise AdmissionError(f"{path} cannot be opened ({os.strerror(err.errno or 0)})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AdmissionError(f"{path} is not a regular file")
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            raise AdmissionError(f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
+                                 "only a root-owned file that no other user may write is trusted")
+        if st.st_size > MAX_BYTES:
+            raise AdmissionError(f"{path} is larger than {MAX_BYTES} bytes")
+        data = os.read(fd, MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    return parse(data, path)
+
+
+def write(pool_dir: str, document: dict[str, Any]) -> str:
+    """Write the admission file into ``pool_dir`` atomically (a reader sees the old file or the new one)."""
+    text = render(document)
+    parse(text, "the admission document")  # never write what the plugin would refuse
+    os.makedirs(pool_dir, mode=0o755, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".admission-", dir=pool_dir)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # pods admitted to the directory may read it; nobody but root writes it
+        path = os.path.join(pool_dir, ADMISSION_FILE)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m maru_connector.csi.admission --dir DIR --document JSON``: the agent's init container."""
+    parser = _Parser(prog="maru-admission", description="Write a pool's admission file beside its socket.")
+    parser.add_argument("--dir", required=True, help="the pool's socket directory on the node")
+    parser.add_argument("--document", required=True, help="the admission document (JSON), rendered by the operator")
+    args = parser.parse_args(argv)
+    try:
+        document = json.loads(args.document)
+        parse(args.document, "--document")
+    except (ValueError, AdmissionError) as err:
+        parser.error(str(err))
+    path = write(args.dir, document)
+    print(f"maru-admission wrote {path}: {render(document)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
