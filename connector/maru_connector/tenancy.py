@@ -14,6 +14,19 @@ The design is stateless: a daemon holds no list of tenants, any token the key si
 long as the key is, and a token signed by another pool's key (or by none) is refused. Revoking one
 token means rotating the key.
 
+**Quotas travel in the token.** A tenant's token may carry its :class:`Quota` (bytes stored, pins and
+write leases outstanding), signed with the principal, so the daemon learns each tenant's limits at its
+hello with no configuration to reload and no tenant list to keep::
+
+    maru2.<principal, base64url>.<quota, base64url>.<HMAC-SHA256(key, "maru-pool-token/v2\n" + principal
+                                                                 + "\n" + quota), base64url>
+
+The quota is ``bytes=N,pins=N,leases=N`` (each field optional, in that order). A ``maru1`` token, and a
+field a ``maru2`` token leaves out, mean "the pool's default" (see ``maru_connector.pool.quota``). A
+token with no quota is still issued as ``maru1``, so credentials of pools without quotas stay as they
+were. Changing the quota inside a token breaks its signature; like revocation, *lowering* a tenant's
+quota binds a tenant that kept a copy of its old token only once the key is rotated.
+
 **Key scopes.** The daemon maps every key a tenant sends to ``blake2b(key, key=scope digest)`` before it
 touches the index, so two tenants' identical keys are different chunks and a tenant cannot name a key of
 another: isolation no longer depends on the salt a client mixes into its own keys.
@@ -25,13 +38,18 @@ import base64
 import binascii
 import hashlib
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 TOKEN_VERSION = "maru1"
+QUOTA_TOKEN_VERSION = "maru2"  # a token that carries a quota
 MIN_KEY_BYTES = 32
 KEY_BYTES = 32  # what the operator generates
 _MAC_CONTEXT = b"maru-pool-token/v1\n"
+_MAC_CONTEXT_V2 = b"maru-pool-token/v2\n"
+QUOTA_FIELDS = ("bytes", "pins", "leases")
+# Bounds of a quota field: positive, and no absurd numbers (2**63 bytes is far beyond any memory).
+MAX_QUOTA_VALUE = 2**63 - 1
 _SCOPE_PERSON = b"maru-scope-v1"
 
 PrincipalKind = Literal["tenant", "agent", "anonymous"]
@@ -47,11 +65,66 @@ class BadKey(ValueError):
 
 
 @dataclass(frozen=True)
+class Quota:
+    """A tenant's limits; a field left None is the pool's default for it (the daemon resolves it).
+
+    ``bytes``: pool memory the tenant's chunks take, stored or being written (in allocation units, so a
+    one-byte chunk counts 4 KiB); ``pins``: read pins outstanding; ``leases``: write leases outstanding.
+    """
+
+    bytes: int | None = None
+    pins: int | None = None
+    leases: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in QUOTA_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= MAX_QUOTA_VALUE):
+                raise ValueError(f"quota {name} must be a whole number from 1 to {MAX_QUOTA_VALUE}, not {value!r}")
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, name) is None for name in QUOTA_FIELDS)
+
+    def encode(self) -> str:
+        """The canonical text signed into a token: ``bytes=N,pins=N,leases=N``, set fields only."""
+        return ",".join(f"{n}={getattr(self, n)}" for n in QUOTA_FIELDS if getattr(self, n) is not None)
+
+    @classmethod
+    def decode(cls, text: str) -> Quota:
+        """The inverse of :meth:`encode`; ValueError for anything :meth:`encode` would not write."""
+        values: dict[str, int] = {}
+        for part in text.split(",") if text else []:
+            name, sep, value = part.partition("=")
+            if not sep or name not in QUOTA_FIELDS or name in values:
+                raise ValueError(f"unknown or repeated quota field {name!r} (fields: {', '.join(QUOTA_FIELDS)})")
+            if not value.isascii() or not value.isdigit() or value.startswith("0"):
+                raise ValueError(f"quota {name}: {value!r} is not a positive whole number")
+            values[name] = int(value)
+        quota = cls(**values)
+        if quota.encode() != text:
+            raise ValueError("quota fields out of order")
+        return quota
+
+    def __str__(self) -> str:
+        return self.encode() or "default"
+
+
+DEFAULT_QUOTA = Quota()
+
+
+@dataclass(frozen=True)
 class Principal:
-    """Who a connection speaks for, once its hello was verified."""
+    """Who a connection speaks for, once its hello was verified.
+
+    ``quota`` (tenants only) is what the token carried; it is not part of the principal's identity: two
+    tokens of one tenant with different quotas speak for the same tenant.
+    """
 
     kind: PrincipalKind
     name: str = ""
+    quota: Quota = field(default=DEFAULT_QUOTA, compare=False)
 
     @property
     def scope(self) -> str:
@@ -65,10 +138,10 @@ class Principal:
 ANONYMOUS = Principal("anonymous")
 
 
-def tenant(scope: str) -> Principal:
+def tenant(scope: str, quota: Quota = DEFAULT_QUOTA) -> Principal:
     if not scope:
         raise ValueError("a tenant's scope must not be empty")
-    return Principal("tenant", scope)
+    return Principal("tenant", scope, quota)
 
 
 def agent(node: str) -> Principal:
@@ -86,8 +159,8 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
-def _mac(key: bytes, principal: bytes) -> bytes:
-    return hmac.new(key, _MAC_CONTEXT + principal, hashlib.sha256).digest()
+def _mac(key: bytes, signed: bytes, context: bytes = _MAC_CONTEXT) -> bytes:
+    return hmac.new(key, context + signed, hashlib.sha256).digest()
 
 
 def _b64(data: bytes) -> str:
@@ -103,24 +176,46 @@ def issue(key: bytes, principal: Principal) -> str:
     if principal.kind not in _SIGNED_KINDS:
         raise ValueError(f"only {', '.join(_SIGNED_KINDS)} principals get tokens, not {principal.kind}")
     body = str(principal).encode()
-    return f"{TOKEN_VERSION}.{_b64(body)}.{_b64(_mac(check_key(key), body))}"
+    if principal.quota.empty:
+        return f"{TOKEN_VERSION}.{_b64(body)}.{_b64(_mac(check_key(key), body))}"
+    if principal.kind != "tenant":
+        raise ValueError("only tenants have quotas")
+    quota = principal.quota.encode().encode()
+    mac = _mac(check_key(key), body + b"\n" + quota, _MAC_CONTEXT_V2)
+    return f"{QUOTA_TOKEN_VERSION}.{_b64(body)}.{_b64(quota)}.{_b64(mac)}"
 
 
 def verify(key: bytes, token: str) -> Principal:
     """The principal ``token`` speaks for; :class:`BadToken` when it is malformed or another key signed it."""
     parts = token.strip().split(".")
-    if len(parts) != 3 or parts[0] != TOKEN_VERSION:
-        raise BadToken(f"not a pool token (expected {TOKEN_VERSION}.<principal>.<signature>)")
+    versions = {TOKEN_VERSION: 3, QUOTA_TOKEN_VERSION: 4}  # a quota token has one part more
+    if versions.get(parts[0]) != len(parts):
+        raise BadToken(
+            f"not a pool token (expected {TOKEN_VERSION}.<principal>.<signature> or "
+            f"{QUOTA_TOKEN_VERSION}.<principal>.<quota>.<signature>)"
+        )
     try:
-        body, mac = _unb64(parts[1]), _unb64(parts[2])
+        fields = [_unb64(p) for p in parts[1:]]
     except (binascii.Error, ValueError):
         raise BadToken("not a pool token (its parts are not base64url)") from None
-    if not hmac.compare_digest(mac, _mac(key, body)):
+    body, mac = fields[0], fields[-1]
+    # The quota is signed with the principal: a token whose quota was changed is a forgery.
+    expected = _mac(key, body) if len(fields) == 2 else _mac(key, body + b"\n" + fields[1], _MAC_CONTEXT_V2)
+    if not hmac.compare_digest(mac, expected):
         raise BadToken("signed by another key: it was issued for another pool (or forged)")
     kind, sep, name = body.decode("utf-8", "replace").partition(":")
     if not sep or not name or kind not in _SIGNED_KINDS:
         raise BadToken(f"names no principal this pool knows (kinds: {', '.join(_SIGNED_KINDS)})")
-    return Principal(kind, name)  # type: ignore[arg-type]
+    quota = DEFAULT_QUOTA
+    if len(fields) == 3:
+        try:
+            quota = Quota.decode(fields[1].decode("ascii"))
+        except (UnicodeDecodeError, ValueError) as err:
+            # Signed by this pool's key, so written by a newer operator: refuse rather than drop a limit.
+            raise BadToken(f"carries a quota this pool daemon cannot read ({err}); upgrade the pool daemons") from None
+        if kind != "tenant" and not quota.empty:
+            raise BadToken("carries a quota, which only tenants have")
+    return Principal(kind, name, quota)  # type: ignore[arg-type]
 
 
 class KeyScope:

@@ -140,7 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="print the token of a tenant (a key scope) for a pool key")
     token.add_argument("--key-file", required=True, help="the pool key the daemons were given (--auth-key-file)")
     token.add_argument("--tenant", required=True, help="the tenant's key scope, e.g. NAMESPACE/MODEL")
+    # The quota travels in the token, signed (see the pool README's Quotas); a field not given is the pool's default.
+    token.add_argument("--quota-bytes", type=_size, help="pool memory the tenant may hold, e.g. 16Gi")
+    token.add_argument("--quota-pins", type=_count, help="read pins the tenant may hold at once")
+    token.add_argument("--quota-leases", type=_count, help="write leases the tenant may hold at once")
     return parser
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
 
 
 def _print_token(args: argparse.Namespace) -> int:
@@ -152,7 +162,8 @@ def _print_token(args: argparse.Namespace) -> int:
     if not args.tenant:
         print("maru-pool token: error: --tenant: must not be empty", file=sys.stderr)
         return 2
-    print(tenancy.issue(key, tenancy.tenant(args.tenant)))
+    quota = tenancy.Quota(bytes=args.quota_bytes, pins=args.quota_pins, leases=args.quota_leases)
+    print(tenancy.issue(key, tenancy.tenant(args.tenant, quota)))
     return 0
 
 

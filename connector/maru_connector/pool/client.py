@@ -56,10 +56,12 @@ MAX_REGIONS = 64
 # Share of the daemon's lease period the client allows itself: its clock started before the daemon's.
 _DEADLINE_SHARE = 0.8
 
-# Why a write was not granted (lease_many): stored or being stored already, no room, parent missing.
+# Why a write was not granted (lease_many): stored or being stored already, no room, parent missing,
+# the tenant at its quota (bytes or write leases; see the pool README's Quotas).
 PRESENT = "present"
 FULL = "full"
 ORPHAN = "orphan"
+QUOTA = "quota"
 
 
 class PoolError(Exception):
@@ -405,9 +407,10 @@ class PoolClient:
         """Leases for ``(key, nbytes[, parent])`` items in one round trip; never raises for a full pool.
 
         Per item a :class:`WriteLease`, or why not: :data:`PRESENT` (stored or being stored already),
-        :data:`FULL` (no room even after eviction) or :data:`ORPHAN` (``parent``, the chunk before this
+        :data:`FULL` (no room even after eviction), :data:`ORPHAN` (``parent``, the chunk before this
         one in its prompt, is not stored: this one could never be hit, so the daemon keeps prompts
-        prefix-closed and refuses it).
+        prefix-closed and refuses it) or :data:`QUOTA` (this tenant holds as many bytes or write leases
+        as its quota allows, and none of its own chunks could be evicted for this one).
         """
         if not items:
             return []
@@ -425,7 +428,7 @@ class PoolClient:
         out: list[WriteLease | str] = []
         for (key, nbytes, *_), grant in zip(items, reply["grants"], strict=True):
             if grant is None or isinstance(grant, str):
-                out.append({None: PRESENT, "full": FULL, "orphan": ORPHAN}.get(grant, FULL))
+                out.append({None: PRESENT, "full": FULL, "orphan": ORPHAN, "quota": QUOTA}.get(grant, FULL))
                 continue
             lease_id, offset = grant
             view = mapping.view(offset, nbytes)
@@ -502,6 +505,9 @@ class PoolClient:
             reply = self._call(msg)
             mapping = self._mapping()
         epoch, lease_s = int(reply["epoch"]), _lease_seconds(reply)
+        if reply.get("refused"):
+            # Pins past this tenant's quota come back as misses (never an error): the reader recomputes.
+            log.debug("pool: pins refused as misses: %s (this tenant is at its pin quota)", reply["refused"])
         out: list[ReadPin | None] = []
         for key, pin in zip(keys, reply["pins"], strict=False):
             if pin is None:

@@ -92,7 +92,7 @@ class _Late:
     def __init__(self) -> None:
         self.handle: Callable[[dict[str, Any], Peer], Reply] = lambda _m, _p: fail("unavailable", "starting")
         self.closed: Callable[[Peer], None] = lambda _p: None
-        self.stats: Callable[[], dict[str, int]] = dict
+        self.stats: Callable[[], dict[str, Any]] = dict
         self.status: Callable[[], dict[str, Any]] = dict
         self.healthy: Callable[[], bool] = lambda: True
 
@@ -141,13 +141,15 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             "epoch": epoch,
             "nodes": [{"node": args.node_name, "device": memory.path, "ready": True}],
             "stats": stats,
+            "tenants": index.tenant_stats(),
         }
 
     service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
     gate = AuthGate(service.handle, keys, role="serve")
     late.handle, late.status = gate.handle, status
     late.closed = _both(gate.closed, service.closed)
-    late.stats = lambda: {**index.stats(), "auth_refusals": gate.refusals}
+    # /metrics also carries each tenant's use against its quota (labelled families; see httpd.py).
+    late.stats = lambda: {**index.stats(), "auth_refusals": gate.refusals, "tenants": index.tenant_stats()}
 
     def cleanup() -> None:
         memory.close()
@@ -253,6 +255,7 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
             "agents": known,
             "nodes": [{"node": a["node"], "ready": a["ready"]} for a in known],
             "stats": s,
+            "tenants": service.index.tenant_stats() if service.index else [],
         }
 
     def hello(_is_unix: bool) -> Reply:
@@ -261,7 +264,12 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
     service = IndexService(None, hello=hello, status=status, agents=agents, make_index=make_index)
     gate = AuthGate(service.handle, keys, role="metadata")
     rpc = _rpc(endpoint, gate.handle, on_close=_both(gate.closed, service.closed))
-    http = _http(args.metrics_addr, stats, status, on_fail=rpc.close)
+    http = _http(
+        args.metrics_addr,
+        lambda: {**stats(), "tenants": service.index.tenant_stats() if service.index else []},
+        status,
+        on_fail=rpc.close,
+    )
 
     def expire() -> None:
         if service.index is not None:
@@ -393,7 +401,7 @@ def _rpc(
 
 def _http(
     address: str,
-    stats: Callable[[], dict[str, int]],
+    stats: Callable[[], dict[str, Any]],
     status: Callable[[], dict[str, Any]],
     *,
     healthy: Callable[[], bool] = lambda: True,

@@ -47,15 +47,54 @@ GAUGES = {
     "agents_ready": "Node agents that sent a heartbeat recently.",
     "metadata_connected": "1 when this agent's last heartbeat reached the metadata server.",
 }
+# Per tenant (label ``tenant``: its key scope, "" without authentication), from the stats' ``tenants`` list.
+TENANT_GAUGES = {
+    "used_bytes": "Bytes of pool memory the tenant's chunks take, stored or being written.",
+    "quota_bytes": "The tenant's byte quota (its token's, else the pool default; at most the pool).",
+    "chunks": "The tenant's committed chunks.",
+    "pins": "Read pins the tenant holds.",
+    "quota_pins": "The tenant's pin quota (absent: unlimited).",
+    "leases": "Write leases the tenant holds.",
+    "quota_leases": "The tenant's write lease quota (absent: unlimited).",
+}
+
+
+def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
+    for name, help_text in TENANT_GAUGES.items():
+        family = GaugeMetricFamily(f"maru_pool_tenant_{name}", help_text, labels=["tenant"])
+        for t in tenants:
+            if t.get(name) is not None:
+                family.add_metric([t["tenant"]], t[name])
+        yield family
+    evictions = CounterMetricFamily(
+        "maru_pool_tenant_evictions",
+        "The tenant's chunks evicted; by=other: for another tenant's chunks (what its quota protects it from), "
+        "by=self: for its own (pool full, or at its byte quota).",
+        labels=["tenant", "by"],
+    )
+    refusals = CounterMetricFamily(
+        "maru_pool_tenant_quota_refusals",
+        "Requests refused because the tenant was at its quota (kind: bytes, leases, pins).",
+        labels=["tenant", "kind"],
+    )
+    for t in tenants:
+        evictions.add_metric([t["tenant"], "other"], t["evictions_by_others"])
+        evictions.add_metric([t["tenant"], "self"], t["evictions_by_self"])
+        for kind, count in sorted(t["refused"].items()):
+            refusals.add_metric([t["tenant"], kind], count)
+    yield evictions
+    yield refusals
 
 
 class _StatsCollector:
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
         for name, value in self._stats().items():
-            if name in COUNTERS:
+            if name == "tenants":
+                yield from _tenant_metrics(value)
+            elif name in COUNTERS:
                 yield CounterMetricFamily(f"maru_pool_{name}", COUNTERS[name], value=value)
             elif name in GAUGES:
                 yield GaugeMetricFamily(f"maru_pool_{name}", GAUGES[name], value=value)
@@ -72,7 +111,7 @@ class HttpEndpoint:
         self,
         address: str,
         *,
-        stats: Callable[[], dict[str, int]],
+        stats: Callable[[], dict[str, Any]],
         status: Callable[[], dict[str, Any]],
         healthy: Callable[[], bool] = lambda: True,
     ) -> None:

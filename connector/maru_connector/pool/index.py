@@ -19,6 +19,11 @@ is evicted, repeatedly, until the request fits (with ``evict=False`` the write i
 Lookups and reads touch a prompt's chunks from the last to the first, so the head of a prompt is
 always its most recently used chunk and the tail ages first.
 
+**Tenants.** Every chunk, lease and pin is charged to a tenant's :class:`~.quota.Account` (its key scope;
+"" for a pool without authentication), whose quota bounds the bytes it holds and its pins and leases
+outstanding. Eviction for another tenant's write takes from tenants over their quota, then over their fair
+share, and only then the global least recently used chunk (see :mod:`.quota`).
+
 Lease and pin ids are random 64-bit numbers, and each is bound to its *owner* (the connection that
 took it): another connection cannot commit, abort, renew or release it, even knowing the id. Every
 mutating call also carries the epoch it was issued in, so a lease from before a daemon restart can
@@ -38,7 +43,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from maru_connector.tenancy import Quota
+
 from .allocator import RegionAllocator
+from .quota import QUOTA, Account, Accounts
 
 FULL = "full"
 # Refused because the chunk's parent is neither stored nor being stored: it could never be hit.
@@ -62,6 +70,8 @@ class Chunk:
     dropped: bool = False
     # Committed chunks whose parent this is (insertion-ordered set).
     children: dict[bytes, None] = field(default_factory=dict)
+    account: Account | None = None  # the tenant it is charged to (set by begin_write)
+    used_at: int = 0  # when it was last used, on the index's use counter (eviction compares tenants by it)
 
 
 @dataclass(eq=False)
@@ -107,6 +117,8 @@ class PoolIndex:
         self._chunks: dict[bytes, Chunk] = {}  # key -> chunk, writing or committed
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed keys, least recently used first
         self._leases: dict[int, _Lease] = {}  # lease or pin id -> its chunk, deadline and owner
+        self.accounts = Accounts(self._alloc.capacity)
+        self._uses = itertools.count(1)
         self.counters = {
             "evictions": 0,
             "hits": 0,
@@ -146,12 +158,21 @@ class PoolIndex:
     # ----------------------------------------------------------------- writes
 
     def begin_write(
-        self, items: Sequence[tuple[bytes, int] | tuple[bytes, int, bytes | None]], owner: int = 0
+        self,
+        items: Sequence[tuple[bytes, int] | tuple[bytes, int, bytes | None]],
+        owner: int = 0,
+        *,
+        tenant: str = "",
+        quota: Quota | None = None,
     ) -> list[WriteGrant | str | None]:
         """Per ``(key, nbytes[, parent])``: a grant, None (key present or being written), ``ORPHAN`` (the
-        parent is neither stored nor being stored) or ``FULL`` (no room even after eviction)."""
+        parent is neither stored nor being stored), ``QUOTA`` (the tenant is at its lease or byte quota,
+        even after evicting its own unpinned chunks) or ``FULL`` (no room even after eviction).
+
+        ``tenant`` and ``quota``: who is charged and its token's quota (None: unlimited)."""
         with self._lock:
             now = self._clock()
+            account = self.accounts.get(tenant, quota)
             out: list[WriteGrant | str | None] = []
             for key, nbytes, *rest in items:
                 parent = rest[0] if rest else None
@@ -164,11 +185,18 @@ class PoolIndex:
                     self.counters["orphans"] += 1
                     out.append(ORPHAN)
                     continue
-                offset = self._make_room(nbytes, now, keep=parent)
+                refused = self._admit(account, nbytes, keep=parent)
+                if refused is not None:
+                    account.refused[refused] += 1
+                    out.append(QUOTA)
+                    continue
+                offset = self._make_room(nbytes, now, keep=parent, writer=account)
                 if offset is None:
                     out.append(FULL)
                     continue
-                chunk = Chunk(key=key, offset=offset, nbytes=nbytes, parent=parent)
+                chunk = Chunk(key=key, offset=offset, nbytes=nbytes, parent=parent, account=account)
+                account.used += self._alloc.round(nbytes)
+                account.leases += 1
                 self._chunks[key] = chunk
                 lease_id = self._new_id()
                 self._leases[lease_id] = _Lease(chunk, now + self.lease_seconds, write=True, owner=owner)
@@ -187,7 +215,7 @@ class PoolIndex:
                     self.counters["errors"] += 1
                     out.append(False)
                     continue
-                del self._leases[lease_id]
+                self._end_lease(lease_id)
                 chunk = lease.chunk
                 parent = self._chunks.get(chunk.parent) if chunk.parent is not None else None
                 if chunk.parent is not None and (parent is None or not parent.committed):
@@ -200,6 +228,8 @@ class PoolIndex:
                 if parent is not None:
                     parent.children[chunk.key] = None
                 self._lru[chunk.key] = None
+                self._account(chunk).lru[chunk.key] = None
+                chunk.used_at = next(self._uses)
                 self.counters["commits"] += 1
                 out.append(True)
             return out
@@ -210,18 +240,29 @@ class PoolIndex:
             for lease_id in lease_ids:
                 lease = self._owned(lease_id, owner, write=True)
                 if lease is not None:
-                    del self._leases[lease_id]
+                    self._end_lease(lease_id)
                     self._forget_writing(lease.chunk)
 
     # ----------------------------------------------------------------- reads
 
-    def open_read(self, keys: Sequence[bytes], *, prefix: bool = False, owner: int = 0) -> list[ReadGrant | None]:
-        """Pin committed chunks; None per miss. With ``prefix``, a lookup that pins: it stops at the
-        first miss (returning only the leading hits) and counts hits and misses like :meth:`lookup_prefix`.
+    def open_read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        prefix: bool = False,
+        owner: int = 0,
+        tenant: str = "",
+        quota: Quota | None = None,
+    ) -> list[ReadGrant | str | None]:
+        """Pin committed chunks; None per miss, ``QUOTA`` per pin refused because the tenant holds as many
+        as its quota allows (a miss to the reader). With ``prefix``, a lookup that pins: it stops at the
+        first miss or refusal (returning only the leading hits, then ``QUOTA`` if that is why it stopped)
+        and counts hits and misses like :meth:`lookup_prefix`.
         """
         with self._lock:
             now = self._clock()
-            out: list[ReadGrant | None] = []
+            account = self.accounts.get(tenant, quota)
+            out: list[ReadGrant | str | None] = []
             for key in keys:
                 chunk = self._chunks.get(key)
                 if chunk is None or not chunk.committed:
@@ -230,14 +271,23 @@ class PoolIndex:
                     self.counters["read_misses"] += 1
                     out.append(None)
                     continue
+                if account.at_limit("pins"):
+                    account.refused["pins"] += 1
+                    out.append(QUOTA)
+                    if prefix:
+                        break
+                    self.counters["read_misses"] += 1
+                    continue
                 chunk.pins += 1
+                account.pins += 1
                 pin_id = self._new_id()
                 self._leases[pin_id] = _Lease(chunk, now + self.lease_seconds, write=False, owner=owner)
                 out.append(ReadGrant(pin_id, chunk.offset, chunk.nbytes, chunk.checksum))
-            self._touch([key for key, grant in zip(keys, out, strict=False) if grant is not None])
+            pinned = [key for key, grant in zip(keys, out, strict=False) if isinstance(grant, ReadGrant)]
+            self._touch(pinned)
             if prefix:
-                self.counters["hits"] += len(out)
-                self.counters["misses"] += len(keys) - len(out)
+                self.counters["hits"] += len(pinned)
+                self.counters["misses"] += len(keys) - len(pinned)
             return out
 
     def release(self, epoch: int, pin_ids: Iterable[int], corrupt: Iterable[int] = (), owner: int = 0) -> None:
@@ -253,7 +303,7 @@ class PoolIndex:
             for pin_id in pin_ids:
                 lease = self._owned(pin_id, owner, write=False)
                 if lease is not None:
-                    del self._leases[pin_id]
+                    self._end_lease(pin_id)
                     self._unpin(lease.chunk)
 
     def renew(self, epoch: int, ids: Iterable[int], owner: int = 0) -> list[bool]:
@@ -275,7 +325,7 @@ class PoolIndex:
         with self._lock:
             held = [(lid, lease) for lid, lease in self._leases.items() if lease.owner == owner]
             for lease_id, lease in held:
-                del self._leases[lease_id]
+                self._end_lease(lease_id)
                 if lease.write:
                     self._forget_writing(lease.chunk)
                 else:
@@ -307,9 +357,23 @@ class PoolIndex:
                 **self.counters,
             }
 
+    def tenant_stats(self) -> list[dict[str, object]]:
+        """Per tenant: bytes, pins and leases held against its quota, evictions suffered, refusals."""
+        with self._lock:
+            return self.accounts.snapshot()
+
     def check_invariants(self) -> None:
         """Assert that live regions never overlap each other or free space (used by tests)."""
         with self._lock:
+            held = {id(c): c for c in self._chunks.values()}
+            held.update({id(lease.chunk): lease.chunk for lease in self._leases.values()})
+            for account in self.accounts:
+                mine = [c for c in held.values() if c.account is account and not (c.dropped and c.pins == 0)]
+                assert account.used == sum(self._alloc.round(c.nbytes) for c in mine), f"{account.name}: bytes"
+                leases = [lease for lease in self._leases.values() if lease.chunk.account is account]
+                assert account.leases == sum(lease.write for lease in leases), f"{account.name}: leases"
+                assert account.pins == sum(not lease.write for lease in leases), f"{account.name}: pins"
+                assert all(self._chunks[k].account is account for k in account.lru), f"{account.name}: lru"
             live = {id(c): c for c in self._chunks.values()}
             live.update({id(lease.chunk): lease.chunk for lease in self._leases.values()})
             regions = [(c.offset, self._alloc.round(c.nbytes)) for c in live.values()]
@@ -347,46 +411,106 @@ class PoolIndex:
         """Mark a prompt's chunks used, its head last: the tail of a prompt ages before its head."""
         for key in reversed(keys):
             self._lru.move_to_end(key)
+            chunk = self._chunks[key]
+            self._account(chunk).lru.move_to_end(key)
+            chunk.used_at = next(self._uses)
 
     def _check_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.counters["errors"] += 1
             raise StaleEpoch(f"epoch {epoch} is not the pool's current epoch {self.epoch}")
 
-    def _make_room(self, nbytes: int, now: float, keep: bytes | None = None) -> int | None:
+    def _admit(self, account: Account, nbytes: int, keep: bytes | None) -> str | None:
+        """None when ``account`` may take one more lease of ``nbytes`` (evicting its own unpinned chunks to
+        stay within its byte quota); else the quota it is at (``leases`` or ``bytes``)."""
+        # Expired leases and pins are not swept here: a tenant hammering at its quota would make every one of
+        # its requests scan every lease of the pool. The periodic sweep reclaims them within a second.
+        if account.at_limit("leases"):
+            return "leases"
+        size, limit = self._alloc.round(nbytes), account.byte_limit(self._alloc.capacity)
+        if limit >= self._alloc.capacity:
+            return None  # a quota of the whole pool is no quota: what does not fit is the pool being full
+        if size > limit:
+            return "bytes"
+        while account.used + size > limit:
+            victim = self._victim_in(account.lru, keep)[1] if self.evict else None
+            if victim is None:
+                return "bytes"  # the rest is pinned or being written: the tenant's own doing, never another's
+            self._evict(victim, account)
+        return None
+
+    def _make_room(
+        self, nbytes: int, now: float, keep: bytes | None = None, writer: Account | None = None
+    ) -> int | None:
         """Space for ``nbytes``, evicting leaves as needed; ``keep`` (the new chunk's parent) is spared."""
         if self._alloc.round(nbytes) > self._alloc.largest_region():
             return None
         offset = self._alloc.alloc(nbytes)
         expired_once = False
         while offset is None:
-            victim = self._victim(keep) if self.evict else None
+            victim = self._victim(keep, writer) if self.evict else None
             if victim is None:
                 # Dead clients' leases are the last resort before refusing.
                 if expired_once or not self._expire(now):
                     return None
                 expired_once = True
             else:
-                self._evict(victim)
+                self._evict(victim, writer)
             offset = self._alloc.alloc(nbytes)
         return offset
 
-    def _victim(self, keep: bytes | None) -> Chunk | None:
-        """The deepest stored descendant of the least recently used chunk that has an unpinned one."""
-        for key in self._lru:
-            chunk = self._chunks[key]
+    def _victim(self, keep: bytes | None, writer: Account | None = None) -> Chunk | None:
+        """What to evict for ``writer``: the least recently used evictable chunk of the tenants over their
+        byte quota, else of those over their fair share, else of the whole pool (see :mod:`.quota`)."""
+        if writer is not None:
+            for tier in (self.accounts.over_quota(), self.accounts.over_share(writer)):
+                found = [self._victim_in(a.lru, keep) for a in tier]
+                candidates = [(used_at, chunk) for used_at, chunk in found if chunk is not None]
+                if candidates:
+                    return min(candidates, key=lambda c: c[0])[1]
+        return self._victim_in(self._lru, keep)[1]
+
+    def _victim_in(self, lru: OrderedDict[bytes, None], keep: bytes | None) -> tuple[int, Chunk | None]:
+        """The deepest stored descendant of the least recently used chunk of ``lru`` that has an unpinned
+        one, and when that chunk was used."""
+        for key in lru:
+            head = chunk = self._chunks[key]
             while chunk.children:
                 chunk = self._chunks[next(reversed(chunk.children))]
             if chunk.pins == 0 and chunk.key != keep:
-                return chunk
-        return None
+                return head.used_at, chunk
+        return 0, None
 
-    def _evict(self, chunk: Chunk) -> None:
+    def _evict(self, chunk: Chunk, writer: Account | None = None) -> None:
         del self._chunks[chunk.key]
         del self._lru[chunk.key]
+        account = self._account(chunk)
+        del account.lru[chunk.key]
+        if writer is None or writer is account:
+            account.evicted_by_self += 1
+        else:
+            account.evicted_by_others += 1
         self._unlink(chunk)
-        self._alloc.free(chunk.offset, chunk.nbytes)
+        self._free(chunk)
         self.counters["evictions"] += 1
+
+    def _account(self, chunk: Chunk) -> Account:
+        assert chunk.account is not None  # begin_write charges every chunk it makes
+        return chunk.account
+
+    def _free(self, chunk: Chunk) -> None:
+        """Give a chunk's space back, and take it off its tenant's bill."""
+        self._alloc.free(chunk.offset, chunk.nbytes)
+        self._account(chunk).used -= self._alloc.round(chunk.nbytes)
+
+    def _end_lease(self, lease_id: int) -> None:
+        """Forget a lease or pin, and take it off its tenant's count."""
+        lease = self._leases.pop(lease_id)
+        account = self._account(lease.chunk)
+        if lease.write:
+            account.leases -= 1
+        else:
+            account.pins -= 1
 
     def _unlink(self, chunk: Chunk) -> None:
         parent = self._chunks.get(chunk.parent) if chunk.parent is not None else None
@@ -396,7 +520,7 @@ class PoolIndex:
     def _forget_writing(self, chunk: Chunk) -> None:
         if self._chunks.get(chunk.key) is chunk:
             del self._chunks[chunk.key]
-        self._alloc.free(chunk.offset, chunk.nbytes)
+        self._free(chunk)
 
     def _drop(self, chunk: Chunk) -> None:
         """Take a chunk and its descendants out of the index; pinned ones keep their space until unpinned."""
@@ -409,21 +533,22 @@ class PoolIndex:
             if self._chunks.get(chunk.key) is chunk:
                 del self._chunks[chunk.key]
                 self._lru.pop(chunk.key, None)
+                self._account(chunk).lru.pop(chunk.key, None)
                 self._unlink(chunk)
             doomed.extend(self._chunks[k] for k in chunk.children if k in self._chunks)
             chunk.children.clear()
             if chunk.pins == 0:
-                self._alloc.free(chunk.offset, chunk.nbytes)
+                self._free(chunk)
 
     def _unpin(self, chunk: Chunk) -> None:
         chunk.pins -= 1
         if chunk.dropped and chunk.pins == 0:
-            self._alloc.free(chunk.offset, chunk.nbytes)
+            self._free(chunk)
 
     def _expire(self, now: float) -> int:
         expired = [(lid, lease) for lid, lease in self._leases.items() if lease.deadline <= now]
         for lease_id, lease in expired:
-            del self._leases[lease_id]
+            self._end_lease(lease_id)
             if lease.write:
                 self._forget_writing(lease.chunk)
             else:

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import protocol
 from .gate import Session
-from .index import FULL, ORPHAN, PoolIndex, StaleEpoch
+from .index import FULL, ORPHAN, QUOTA, PoolIndex, ReadGrant, StaleEpoch
 from .memory import HEADER_SIZE, PoolMemory, new_device_uuid
 from .rpc import Peer
 
@@ -79,6 +79,12 @@ class _Caller:
     def keys(self, values: Any) -> list[bytes]:
         """The request's hex keys, in the caller's tenant key space."""
         return self.session.scope.all(protocol.unhex_keys(values))
+
+    @property
+    def tenant(self) -> dict[str, Any]:
+        """Whom the index charges, with the quota its token carried (None, unlimited: no authentication)."""
+        principal = self.session.principal
+        return {"tenant": principal.scope, "quota": principal.quota if principal.kind == "tenant" else None}
 
 
 class IndexService:
@@ -173,10 +179,10 @@ class IndexService:
             (scoped(bytes.fromhex(k)), int(n), scoped(bytes.fromhex(rest[0])) if rest and rest[0] is not None else None)
             for k, n, *rest in msg["items"]
         ]
-        grants = self._ix.begin_write(items, caller.owner)
+        grants = self._ix.begin_write(items, caller.owner, **caller.tenant)
         out: list[Any] = []
         for g in grants:
-            if g is None or g in (FULL, ORPHAN):
+            if g is None or g in (FULL, ORPHAN, QUOTA):
                 out.append(g)
             else:
                 out.append([g.lease_id, g.offset])  # type: ignore[union-attr]
@@ -191,9 +197,16 @@ class IndexService:
         return {}
 
     def _read(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
-        grants = self._ix.open_read(caller.keys(msg["keys"]), prefix=bool(msg.get("prefix")), owner=caller.owner)
-        pins = [None if g is None else [g.pin_id, g.offset, g.nbytes, g.checksum] for g in grants]
-        return {"epoch": self._ix.epoch, "lease_ms": self._lease_ms, "pins": pins}
+        grants = self._ix.open_read(
+            caller.keys(msg["keys"]), prefix=bool(msg.get("prefix")), owner=caller.owner, **caller.tenant
+        )
+        pins = [[g.pin_id, g.offset, g.nbytes, g.checksum] if isinstance(g, ReadGrant) else None for g in grants]
+        reply: dict[str, Any] = {"epoch": self._ix.epoch, "lease_ms": self._lease_ms, "pins": pins}
+        refused = sum(g == QUOTA for g in grants)
+        if refused:
+            # Misses to the reader, with the reason: the tenant holds as many pins as its quota allows.
+            reply["refused"] = {QUOTA: refused}
+        return reply
 
     def _release(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         corrupt = [int(x) for x in msg.get("corrupt", [])]
