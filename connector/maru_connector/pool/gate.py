@@ -151,6 +151,14 @@ class AuthGate:
         with self._lock:
             self._sessions.pop(peer.id, None)
 
+    def verified(self, peer: Peer) -> bool:
+        """Whether ``peer`` said a verified hello (without a key: always), so the transport may lift its
+        before-hello bounds (a small frame, a deadline) from it."""
+        if self._keys is None:
+            return True
+        with self._lock:
+            return peer.id in self._sessions
+
     def _hello(self, msg: dict[str, Any], peer: Peer) -> Reply:
         if self._keys is None:
             session = ANONYMOUS

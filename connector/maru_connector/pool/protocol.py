@@ -30,6 +30,12 @@ Operations (request fields -> reply fields):
   -> epoch, regions [capacity per region], region_uuids [uuid per region], assign {path: uuid to write},
   problem
 
+Frames are bounded by the daemon (:mod:`.limits`): before a verified hello by ``--max-hello-frame`` (a few
+KiB: a hello is all that may come), after it by ``--max-frame``. A frame over the bound is answered with
+``frame_too_large`` and the connection closed; a body is read as it arrives, never allocated at the size its
+header announces. A connection over the daemon's caps is answered ``too_many_connections`` and closed; one that
+sends no verified hello within ``--hello-timeout-seconds`` is answered ``hello_timeout`` and closed.
+
 Lease and pin ids are bound to the connection that took them: ``commit``, ``abort``, ``release`` and
 ``renew`` from another connection treat them as unknown. Keys are bound to the connection's tenant: the
 daemon maps each key into the tenant's key space before it reaches the index (keys never travel back).
@@ -40,6 +46,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from typing import Any
 
 _LEN = struct.Struct(">I")
@@ -57,10 +64,26 @@ E_UNAUTHENTICATED = "unauthenticated"
 E_BAD_TOKEN = "bad_token"
 E_FORBIDDEN = "forbidden"
 AUTH_ERRORS = (E_UNAUTHENTICATED, E_BAD_TOKEN, E_FORBIDDEN)
+# Limits (see limits.py): a frame over the bound, a connection over the caps, no verified hello in time.
+# Each is the last frame on its connection.
+E_TOO_LARGE = "frame_too_large"
+E_BUSY = "too_many_connections"
+E_HELLO_TIMEOUT = "hello_timeout"
+# Bodies are read in pieces of at most this many bytes, so memory follows what arrived, not what was announced.
+_READ_PIECE = 64 * 1024
 
 
 class ProtocolError(Exception):
     """The peer sent something that is not a frame of this protocol."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame header announced more bytes than the receiver accepts; nothing of its body was read."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"frame of {length} bytes exceeds the {limit}-byte limit")
+        self.length = length
+        self.limit = limit
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -77,23 +100,30 @@ def send_msg(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = N
         sock.sendall(frame)
 
 
-def recv_msg(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One frame, and any file descriptors that came with it; ``(None, [])`` on a clean EOF."""
+def recv_msg(
+    sock: socket.socket, *, max_fds: int = 0, max_frame: int = MAX_FRAME, deadline: float | None = None
+) -> tuple[dict[str, Any] | None, list[int]]:
+    """One frame, and any file descriptors that came with it; ``(None, [])`` on a clean EOF.
+
+    Raises :class:`FrameTooLarge` before reading a body over ``max_frame``, and ``TimeoutError`` once
+    ``deadline`` (``time.monotonic()``) passes, however slowly the bytes trickle in.
+    """
     fds: list[int] = []
     if max_fds:
+        _settle_timeout(sock, deadline)
         head, fds, _, _ = socket.recv_fds(sock, _LEN.size, max_fds)
         if not head:
             return None, fds
         if len(head) < _LEN.size:
-            head += _recv_exact(sock, _LEN.size - len(head))
+            head += _recv_exact(sock, _LEN.size - len(head), deadline=deadline)
     else:
-        head = _recv_exact(sock, _LEN.size, eof_ok=True)
+        head = _recv_exact(sock, _LEN.size, eof_ok=True, deadline=deadline)
         if not head:
             return None, fds
     (length,) = _LEN.unpack(head)
-    if length > MAX_FRAME:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
-    body = _recv_exact(sock, length)
+    if length > max_frame:
+        raise FrameTooLarge(length, max_frame)
+    body = _recv_exact(sock, length, deadline=deadline)
     try:
         msg = json.loads(body)
     except ValueError as err:
@@ -103,17 +133,27 @@ def recv_msg(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] |
     return msg, fds
 
 
-def _recv_exact(sock: socket.socket, n: int, *, eof_ok: bool = False) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if eof_ok and got == 0:
+def _settle_timeout(sock: socket.socket, deadline: float | None) -> None:
+    """Make the next blocking call on ``sock`` end at ``deadline`` (no deadline: leave the timeout as set)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed before the frame was complete")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, *, eof_ok: bool = False, deadline: float | None = None) -> bytes:
+    # Grown as bytes arrive: a header that announces a large frame and sends nothing costs nothing.
+    buf = bytearray()
+    while len(buf) < n:
+        _settle_timeout(sock, deadline)
+        piece = sock.recv(min(n - len(buf), _READ_PIECE))
+        if not piece:
+            if eof_ok and not buf:
                 return b""
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += piece
     return bytes(buf)
 
 

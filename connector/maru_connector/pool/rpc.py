@@ -1,7 +1,9 @@
 """The RPC transport: a threaded stream server (one thread per client connection) over Unix or TCP.
 
 Threads keep it simple: connections are few (a handful per vLLM process) and each request is a short
-critical section in the index, so a selector loop would buy nothing measurable.
+critical section in the index, so a selector loop would buy nothing measurable. What a client can make the
+server hold (connections, frame sizes, time before and after hello) is bounded by :mod:`.limits`: a refused
+connection costs no thread, and no frame is allocated before its bytes arrive.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import secrets
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
+from .limits import DEFAULT, Admission, Limits, peer_of
 from .units import Endpoint
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,8 @@ class Peer:
 Handler = Callable[[dict[str, Any], Peer], tuple[dict[str, Any], list[int]]]
 # called once when a connection closes, for whatever reason
 CloseHandler = Callable[[Peer], None]
+# whether the connection has said a verified hello (then frames up to --max-frame, no hello deadline)
+Verified = Callable[[Peer], bool]
 
 
 class ListenError(OSError):
@@ -58,34 +64,101 @@ class _Connection(socketserver.BaseRequestHandler):
                 log.exception("rpc: cleanup after a closed connection failed")
 
     def _serve(self, sock: socket.socket, peer: Peer) -> None:
+        limits = self.server.limits
+        hello_deadline = time.monotonic() + limits.hello_timeout_s
         while True:
+            # Until a verified hello: small frames, and one deadline for all of them (a trickle cannot
+            # stretch it). After it: full-size frames, each to arrive within the idle timeout.
+            verified = self.server.verified(peer)
+            if verified:
+                idle = limits.idle_timeout_s
+                deadline, max_frame = (time.monotonic() + idle if idle else None), limits.frame_bytes
+                sock.settimeout(None)
+            else:
+                deadline, max_frame = hello_deadline, limits.hello_frame_bytes
             try:
-                msg, _ = protocol.recv_msg(sock)
+                msg, _ = protocol.recv_msg(sock, max_frame=max_frame, deadline=deadline)
+            except TimeoutError:
+                if not verified:
+                    self._last_word(sock, protocol.E_HELLO_TIMEOUT, (
+                        f"no verified hello within {limits.hello_timeout_s:g}s of connecting "
+                        "(--hello-timeout-seconds); closing"))  # fmt: skip
+                else:
+                    log.debug("rpc: closing a connection idle for %ss", limits.idle_timeout_s)
+                return
+            except protocol.FrameTooLarge as err:
+                bound = "--max-frame" if verified else "--max-hello-frame (before a verified hello)"
+                self._last_word(sock, protocol.E_TOO_LARGE, f"{err} ({bound}); closing")
+                return
             except (ConnectionError, OSError):
                 return
             except protocol.ProtocolError as err:
-                log.warning("rpc: dropping a client that sent a malformed frame: %s", err)
+                self.server.admission.logs.warning(
+                    "malformed", "rpc: dropping a client that sent a malformed frame: %s", err
+                )
                 return
             if msg is None:
                 return
             reply, fds = self.server.handler(msg, peer)
             try:
+                # A client that stops reading its replies must not hold this thread forever.
+                sock.settimeout(limits.idle_timeout_s or limits.hello_timeout_s)
                 protocol.send_msg(sock, reply, fds)
             except OSError:
                 return
 
+    def _last_word(self, sock: socket.socket, code: str, message: str) -> None:
+        """Tell the client why it is being closed (best effort), and the log (rate-limited)."""
+        self.server.admission.logs.warning(code, "rpc: %s: %s", code, message)
+        _send_refusal(sock, code, message)
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
+
+def _send_refusal(sock: socket.socket, code: str, message: str) -> None:
+    """One error frame, never blocking: the client may not be reading, and the socket is closed next."""
+    try:
+        sock.setblocking(False)
+        sock.send(protocol.encode({"ok": False, "error": code, "message": message}))
+    except OSError:
+        pass
+
+
+class _Limited(socketserver.BaseServer):
+    """Admission at accept: a connection over the caps is answered and closed before a thread starts."""
+
     handler: Handler
     on_close: CloseHandler
+    verified: Verified
+    limits: Limits
+    admission: Admission
+    _admitted: dict[socket.socket, str]
+    _admitted_lock: threading.Lock
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        who = peer_of(request, client_address)
+        why = self.admission.admit(who)
+        if why is not None:
+            _send_refusal(request, protocol.E_BUSY, why)
+            return False
+        with self._admitted_lock:
+            self._admitted[request] = who
+        return True
+
+    def close_request(self, request: Any) -> None:
+        # Runs once per accepted connection (refused ones too): the slot is given back exactly once.
+        with self._admitted_lock:
+            who = self._admitted.pop(request, None)
+        if who is not None:
+            self.admission.release(who)
+        super().close_request(request)
 
 
-class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _UnixServer(socketserver.ThreadingMixIn, _Limited, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class _TcpServer(socketserver.ThreadingMixIn, _Limited, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
-    handler: Handler
-    on_close: CloseHandler
 
 
 class _Tcp6Server(_TcpServer):
@@ -102,6 +175,9 @@ class RpcServer:
         *,
         on_close: CloseHandler = lambda _peer: None,
         socket_mode: int = 0o666,
+        verified: Verified = lambda _peer: True,
+        limits: Limits = DEFAULT,
+        role: str = "rpc",
     ) -> None:
         self.endpoint = endpoint
         server: _UnixServer | _TcpServer
@@ -124,11 +200,20 @@ class RpcServer:
             self.endpoint = Endpoint(kind="tcp", host=str(host), port=int(port))
         server.handler = handler
         server.on_close = on_close
+        server.verified = verified
+        server.limits = limits
+        server.admission = Admission(limits, role)
+        server._admitted, server._admitted_lock = {}, threading.Lock()
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="maru-pool-rpc", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def stats(self) -> dict[str, int]:
+        """Open connections, and connections refused at accept for being over a cap."""
+        admission = self._server.admission
+        return {"connections": admission.open, "connection_refusals": admission.refusals}
 
     def close(self) -> None:
         # shutdown() waits for serve_forever to notice, so it would hang if that never started.
