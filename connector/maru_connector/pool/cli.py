@@ -25,6 +25,7 @@ from maru_connector import tenancy
 
 from .daemon import Daemon, UsageError, build_agent, build_metadata, build_serve
 from .gate import KeyFile, KeyFileError
+from .limits import add_flags as add_limit_flags
 from .units import parse_size
 
 KEY_FILE_ENV = "MARU_POOL_AUTH_KEY_FILE"
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="the pool key (at least 32 bytes): every client must say hello with a token it signed, and "
             f"each tenant gets its own key space (default: ${KEY_FILE_ENV}; none: no authentication)",
         )
+        # Connections, frames and time a client may hold (see limits.py).
+        add_limit_flags(p)
 
     def node_name(p: argparse.ArgumentParser) -> None:
         p.add_argument(

@@ -100,7 +100,12 @@ _ERRORS: dict[str, type[PoolError]] = {
     protocol.E_FULL: PoolFull,
     protocol.E_STALE_EPOCH: _StaleEpoch,
     **{code: PoolAuthError for code in protocol.AUTH_ERRORS},
+    # The daemon's limits (limits.py): over its connection caps, no hello in time.
+    protocol.E_BUSY: PoolUnavailable,
+    protocol.E_HELLO_TIMEOUT: PoolUnavailable,
 }
+# Replies after which the daemon has closed the connection: the next call starts a new one.
+_LAST_WORDS = (protocol.E_BUSY, protocol.E_HELLO_TIMEOUT, protocol.E_TOO_LARGE)
 
 
 class _Held:
@@ -663,6 +668,8 @@ class PoolClient:
                     continue  # a connection from before a daemon restart: retry once on a new one
                 if not reply.get("ok"):
                     code = str(reply.get("error"))
+                    if code in _LAST_WORDS:
+                        self._reset()
                     raise _ERRORS.get(code, PoolError)(f"pool at {self.url}: {code}: {reply.get('message')}")
                 return reply
         raise AssertionError("unreachable")
@@ -701,7 +708,14 @@ class PoolClient:
         token = self._token()
         hello_sock = _open_socket(self._endpoint, self.timeout_s)
         try:
-            protocol.send_msg(hello_sock, {"op": "hello", "token": token})
+            try:
+                protocol.send_msg(hello_sock, {"op": "hello", "token": token})
+            except OSError:
+                # A daemon over its connection caps answers at accept and closes: say why, if it did.
+                refusal = _last_word(hello_sock)
+                if refusal is not None:
+                    raise self._refused(refusal) from None
+                raise
             reply, fds = protocol.recv_msg(hello_sock, max_fds=MAX_REGIONS)
         except BaseException:
             hello_sock.close()
@@ -818,6 +832,15 @@ def _open_socket(endpoint: Endpoint, timeout_s: float) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _last_word(sock: socket.socket) -> dict[str, Any] | None:
+    """The error frame a daemon sent before closing ``sock``, if one is there to read."""
+    try:
+        reply, _ = protocol.recv_msg(sock, max_frame=64 * 1024)
+    except (OSError, protocol.ProtocolError):
+        return None
+    return reply if reply is not None and reply.get("ok") is False else None
 
 
 def _lease_seconds(reply: dict[str, Any]) -> float:

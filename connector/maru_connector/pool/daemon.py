@@ -21,6 +21,8 @@ from .agent import NodeAgent
 from .gate import AuthGate, KeyFile, KeyFileError
 from .httpd import HttpEndpoint
 from .index import PoolIndex
+from .limits import Limits
+from .limits import from_args as limits_from_args
 from .memory import PoolMemory, PoolMemoryError, discover_devices, new_epoch_floor
 from .rpc import ListenError, Peer, RpcServer
 from .service import AgentRegistry, IndexService, LocalMemoryHello, Reply, fail
@@ -95,12 +97,23 @@ class _Late:
         self.stats: Callable[[], dict[str, Any]] = dict
         self.status: Callable[[], dict[str, Any]] = dict
         self.healthy: Callable[[], bool] = lambda: True
+        # Starting: no connection is verified, so the before-hello bounds hold until the gate is wired.
+        self.verified: Callable[[Peer], bool] = lambda _p: False
 
-    def bind(self, endpoint: Endpoint, metrics_addr: str) -> tuple[RpcServer, HttpEndpoint]:
-        rpc = _rpc(endpoint, lambda msg, peer: self.handle(msg, peer), on_close=lambda peer: self.closed(peer))
+    def bind(
+        self, endpoint: Endpoint, metrics_addr: str, limits: Limits, role: str
+    ) -> tuple[RpcServer, HttpEndpoint]:
+        rpc = _rpc(
+            endpoint,
+            lambda msg, peer: self.handle(msg, peer),
+            on_close=lambda peer: self.closed(peer),
+            verified=lambda peer: self.verified(peer),
+            limits=limits,
+            role=role,
+        )
         http = _http(
             metrics_addr,
-            lambda: self.stats(),
+            lambda: {**self.stats(), **rpc.stats()},
             lambda: self.status(),
             healthy=lambda: self.healthy(),
             on_fail=rpc.close,
@@ -120,7 +133,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         if not os.path.isdir(os.path.dirname(path) or "."):
             raise UsageError(f"--shm-path {path}: directory {os.path.dirname(path)} does not exist")
     late = _Late()
-    rpc, http = late.bind(endpoint, args.metrics_addr)
+    rpc, http = late.bind(endpoint, args.metrics_addr, _limits(args), "serve")
     try:
         memory, owned_file = _open_serve_memory(args, endpoint)
     except UsageError:
@@ -147,6 +160,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
     service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
     gate = AuthGate(service.handle, keys, role="serve")
     late.handle, late.status = gate.handle, status
+    late.verified = gate.verified
     late.closed = _both(gate.closed, service.closed)
     # /metrics also carries each tenant's use against its quota (labelled families; see httpd.py).
     late.stats = lambda: {**index.stats(), "auth_refusals": gate.refusals, "tenants": index.tenant_stats()}
@@ -221,6 +235,7 @@ def _lock_or_refuse(flag: str) -> Callable[[int, str], None]:
 def build_metadata(args: argparse.Namespace) -> Daemon:
     endpoint = _listen(args.listen)
     keys = _key_file(args)
+    limits = _limits(args)
     # No memory to keep an epoch in: the clock makes each start's epoch larger than the last one's.
     epoch = new_epoch_floor()
     agents = AgentRegistry(stale_after_s=args.agent_stale_seconds)
@@ -238,8 +253,8 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
         if service.index is None:
             return {"capacity_bytes": 0, "used_bytes": 0, "chunks": 0, "epoch": epoch,
                     "errors": service.errors_before_index, "agents_ready": ready,
-                    "auth_refusals": gate.refusals}  # fmt: skip
-        return {**service.index.stats(), "agents_ready": ready, "auth_refusals": gate.refusals}
+                    "auth_refusals": gate.refusals, **rpc.stats()}  # fmt: skip
+        return {**service.index.stats(), "agents_ready": ready, "auth_refusals": gate.refusals, **rpc.stats()}
 
     def status() -> dict[str, Any]:
         s = stats()
@@ -263,7 +278,14 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
 
     service = IndexService(None, hello=hello, status=status, agents=agents, make_index=make_index)
     gate = AuthGate(service.handle, keys, role="metadata")
-    rpc = _rpc(endpoint, gate.handle, on_close=_both(gate.closed, service.closed))
+    rpc = _rpc(
+        endpoint,
+        gate.handle,
+        on_close=_both(gate.closed, service.closed),
+        verified=gate.verified,
+        limits=limits,
+        role="metadata",
+    )
     http = _http(
         args.metrics_addr,
         lambda: {**stats(), "tenants": service.index.tenant_stats() if service.index else []},
@@ -309,7 +331,7 @@ def build_agent(args: argparse.Namespace) -> Daemon:
         _must_exist("--device", device)
     keys = _key_file(args)
     late = _Late()
-    rpc, http = late.bind(endpoint, args.metrics_addr)
+    rpc, http = late.bind(endpoint, args.metrics_addr, _limits(args), "agent")
     memories: list[PoolMemory] = []
     try:
         for device in devices:
@@ -327,6 +349,7 @@ def build_agent(args: argparse.Namespace) -> Daemon:
     agent = NodeAgent(memories, metadata, args.node_name, credential=credential)
     gate = AuthGate(agent.handle, keys, role="agent")
     late.handle, late.status, late.healthy = gate.handle, agent.status, agent.healthy
+    late.verified = gate.verified
     late.closed = gate.closed
     late.stats = lambda: {**agent.stats(), "auth_refusals": gate.refusals}
     # First contact before serving, so clients are not refused needlessly; a metadata server that
@@ -386,14 +409,26 @@ def _must_exist(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: not found")
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    """The connection and frame limits the flags name (see limits.py), checked before anything listens."""
+    try:
+        return limits_from_args(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _rpc(
     endpoint: Endpoint,
     handler: Any,
     on_fail: Callable[[], object] = lambda: None,
     on_close: Callable[[Peer], None] = lambda _peer: None,
+    *,
+    verified: Callable[[Peer], bool],
+    limits: Limits,
+    role: str,
 ) -> RpcServer:
     try:
-        return RpcServer(endpoint, handler, on_close=on_close)
+        return RpcServer(endpoint, handler, on_close=on_close, verified=verified, limits=limits, role=role)
     except ListenError as err:
         on_fail()
         raise UsageError(str(err)) from None

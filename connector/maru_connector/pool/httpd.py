@@ -36,6 +36,7 @@ COUNTERS = {
     "commits": "Chunks committed.",
     "heartbeat_failures": "Agent heartbeats to the metadata server that failed.",
     "auth_refusals": "Requests refused for want of a valid credential: no hello, a bad token, a forbidden op.",
+    "connection_refusals": "Connections refused at accept: over --max-connections or --max-connections-per-peer.",
 }
 GAUGES = {
     "capacity_bytes": "Bytes of pool memory for chunks.",
@@ -46,6 +47,7 @@ GAUGES = {
     "epoch": "Epoch of the pool index; changes on every daemon restart.",
     "agents_ready": "Node agents that sent a heartbeat recently.",
     "metadata_connected": "1 when this agent's last heartbeat reached the metadata server.",
+    "connections": "Client connections open now (verified or not).",
 }
 # Per tenant (label ``tenant``: its key scope, "" without authentication), from the stats' ``tenants`` list.
 TENANT_GAUGES = {
