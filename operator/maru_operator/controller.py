@@ -29,6 +29,7 @@ from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL
 from maru_operator.builders.credentials import pool_key, pool_key_name
 from maru_operator.builders.group import (
     build_group_children,
+    cache_scope,
     role_name,
     router_endpoint,
     router_name,
@@ -59,11 +60,13 @@ from maru_operator.status import (
     blocked_pool_status,
     changed,
     group_status,
+    group_usage_only_change,
     invalid_group_status,
     invalid_pool_status,
     pool_status,
     ready_endpoints,
     status_body,
+    tenant_usage,
     usage_only_change,
 )
 from maru_operator.validation import check_group, check_group_on_pool, check_pool
@@ -124,6 +127,10 @@ class Controller:
     monotonic: Callable[[], float] = time.monotonic
     # pool -> when its status was last written (monotonic seconds)
     _pool_written: dict[str, float] = field(default_factory=dict)
+    # pool -> each tenant's (cache scope's) use, from the daemons' /status the pool's reconcile polls anyway
+    _pool_tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # group -> when a change of its pool usage alone was last written (monotonic seconds)
+    _group_written: dict[Key, float] = field(default_factory=dict)
     # child -> (digest of what was applied, resourceVersion the server answered): an apply the server
     # took as is is not repeated while neither changes.
     _applied: dict[Key, tuple[str, Any]] = field(default_factory=dict)
@@ -369,6 +376,9 @@ class Controller:
             conflicts=list(applied.conflicts.values()),
         )
         seen.stats = await self._pool_stats(spec, name, pods)
+        tenants = tenant_usage(seen.stats)
+        if tenants is not None:  # no answer: the groups keep the last use they were told
+            self._pool_tenants[name] = tenants
         new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
         return await self._write_pool_status(body, old, new)
 
@@ -530,10 +540,27 @@ class Controller:
         new = group_status(spec, generation, binding, observed, old,
                            endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
                            conflicts=list(applied.conflicts.values()))
-        await self.write_status(body, old, new)
+        again = await self._write_group_status(body, old, new, spec, owner, binding.pool is not None)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
-        return KEY_RETRY_SECONDS if key_missing else None
+        return min(KEY_RETRY_SECONDS, again or KEY_RETRY_SECONDS) if key_missing else again
+
+    async def _write_group_status(self, body: Object, old: InferenceGroupStatus, new: InferenceGroupStatus,
+                                  spec: InferenceGroupSpec, owner: Owner, bound: bool) -> float | None:
+        """Write the group's status with its pool usage (from the pool's own poll of its daemons, no request
+        of its own); a change of usage alone waits until ``usage_interval`` has passed since the last one.
+
+        Returns when to look again for usage (None: the pool reports none for this group)."""
+        usage = self._pool_tenants.get(spec.pool_ref.name, {}).get(cache_scope(spec, owner)) if bound else None
+        new = new.model_copy(update={"pool_usage": (usage or old.pool_usage) if bound else None})
+        key = key_of(body)
+        if group_usage_only_change(old, new):
+            since = self.monotonic() - self._group_written.get(key, float("-inf"))
+            if since < self.usage_interval:
+                return self.usage_interval - since
+            self._group_written[key] = self.monotonic()
+        await self.write_status(body, old, new)
+        return self.usage_interval if usage is not None else None
 
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",

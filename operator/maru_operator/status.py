@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_operator import conditions as cond
-from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus, RoleStatus
+from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus, PoolUsage, RoleStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus, PoolNodeStatus
 from maru_operator.builders.group import PoolView
 from maru_operator.builders.pool import SHM_FILE, pool_endpoint
@@ -325,6 +325,42 @@ def usage_only_change(old: MaruPoolStatus, new: MaruPoolStatus) -> bool:
     if not old.used or not new.used or old.used_bytes == new.used_bytes:
         return False
     return old.model_dump(exclude=_USAGE_FIELDS) == new.model_dump(exclude=_USAGE_FIELDS)
+
+
+_SUMMED = ("used_bytes", "chunks", "pins", "leases", "evictions_by_others")
+
+
+def tenant_usage(stats: dict[str, dict[str, Any] | None]) -> dict[str, PoolUsage] | None:
+    """Each tenant's use of a pool from its daemons' /status answers (summed over a shm pool's nodes, each
+    a pool of its own; the byte quota is per node). None when no daemon answered with tenants: unknown."""
+    answers = [a for a in stats.values() if a is not None and isinstance(a.get("tenants"), list)]
+    if not answers:
+        return None
+    totals: dict[str, dict[str, int]] = {}
+    for answer in answers:
+        for t in answer["tenants"]:
+            row = totals.setdefault(str(t.get("tenant", "")), dict.fromkeys((*_SUMMED, "quota_bytes", "refused"), 0))
+            for name in _SUMMED:
+                row[name] += int(t.get(name) or 0)
+            row["quota_bytes"] = max(row["quota_bytes"], int(t.get("quota_bytes") or 0))
+            row["refused"] += sum(int(v) for v in (t.get("refused") or {}).values())
+    return {
+        scope: PoolUsage(
+            used=format_bytes(row["used_bytes"]), used_bytes=row["used_bytes"],
+            quota=format_bytes(row["quota_bytes"]), quota_bytes=row["quota_bytes"],
+            chunks=row["chunks"], pins=row["pins"], leases=row["leases"],
+            evictions_by_others=row["evictions_by_others"], quota_refusals=row["refused"],
+        )
+        for scope, row in totals.items()
+    }
+
+
+def group_usage_only_change(old: InferenceGroupStatus, new: InferenceGroupStatus) -> bool:
+    """True when only the group's pool usage moved between two known values: traffic, written at a bounded
+    rate like a pool's use."""
+    if old.pool_usage is None or new.pool_usage is None or old.pool_usage == new.pool_usage:
+        return False
+    return old.model_dump(exclude={"pool_usage"}) == new.model_dump(exclude={"pool_usage"})
 
 
 def status_body(status: Any) -> dict[str, Any]:

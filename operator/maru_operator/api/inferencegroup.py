@@ -15,6 +15,7 @@ from maru_operator.api.common import (
     ResourceRequirements,
     Toleration,
 )
+from maru_operator.api.marupool import TenantQuota
 from maru_operator.api.pod import EnvList, PodOptions, RolloutStrategy, Volume, VolumeMount
 from maru_operator.vllmflags import cel_owned_flags_rule, settings
 
@@ -248,6 +249,15 @@ class InferenceGroupSpec(KubeModel):
     decode: RoleSpec = Field(default_factory=RoleSpec, description="Decode pods: load prompt KV, generate.")
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec, description="KV chunking, shared by both roles.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the group.")
+    pool_quota: TenantQuota | None = Field(
+        None,
+        description=(
+            "This group's quota in its pool (bytes, pins, write leases), enforced by the pool daemons: another "
+            "group's flood cannot evict this one's chunks while it stays within its share, and this group cannot "
+            "take the whole pool. Fields not set: the MaruPool's tenantQuota, then the daemon's defaults. Capped "
+            "by the MaruPool's maxTenantQuota. Groups sharing a cacheNamespace share one quota: set the same value."
+        ),
+    )
 
 
 class RoleStatus(KubeModel):
@@ -258,6 +268,24 @@ class RoleStatus(KubeModel):
     desired: int = Field(0, description="Replicas asked for.")
     ready: int = Field(0, description="Replicas ready to serve.")
     summary: str = Field("", description="ready/desired, for kubectl get.")
+
+
+class PoolUsage(KubeModel):
+    """A group's use of its pool, from the pool daemons' /status (summed over nodes for shm pools)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    used: str = Field("", description="Pool memory this group's chunks take, as a quantity.")
+    used_bytes: int = Field(0, description="Pool memory this group's chunks take, in bytes.")
+    quota: str = Field("", description="The byte quota the daemons enforce (per node for shm pools).")
+    quota_bytes: int = Field(0, description="The byte quota in bytes.")
+    chunks: int = Field(0, description="Chunks stored.")
+    pins: int = Field(0, description="Read pins held now.")
+    leases: int = Field(0, description="Write leases held now.")
+    evictions_by_others: int = Field(
+        0, description="This group's chunks evicted to make room for other groups' (since the daemons started)."
+    )
+    quota_refusals: int = Field(0, description="Stores skipped and loads missed because the group was at its quota.")
 
 
 class InferenceGroupStatus(KubeModel):
@@ -274,6 +302,11 @@ class InferenceGroupStatus(KubeModel):
     router: RoleStatus = Field(default_factory=RoleStatus, description="Router replicas.")
     endpoint: str = Field("", description="URL of the group's OpenAI-compatible API (the router Service).")
     pool_endpoint: str = Field("", description="Pool URL written into the connector config of both roles.")
+    pool_usage: PoolUsage | None = Field(
+        None,
+        description="This group's use of its pool against its quota, as the pool daemons last reported it "
+        "(refreshed at the pool's usage interval).",
+    )
 
 
 class InferenceGroup(CustomResource):

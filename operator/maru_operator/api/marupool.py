@@ -57,6 +57,59 @@ class EvictionSpec(KubeModel):
     )
 
 
+MAX_QUOTA_COUNT = 1 << 20
+
+
+class TenantQuota(KubeModel):
+    """Limits of one tenant (an InferenceGroup's cache) in the pool; a field not set falls back to the next level.
+
+    Enforced by the pool daemons, which read it from the group's pool credential (the operator signs it into
+    the token): a store past a limit is skipped and a load past it is a miss, never an error in vLLM.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.bytes) || has(self.pins) || has(self.leases)",
+                    "message": "set at least one of bytes, pins, leases",
+                    "reason": "FieldValueRequired",
+                }
+            ]
+        }
+    )
+
+    bytes: PoolSize | None = Field(
+        None,
+        description=(
+            "Pool memory the tenant's chunks may take, stored or being written, e.g. 16Gi (the pool size grammar; "
+            "each chunk counts in 4 KiB units). Past it, its own least recently used chunks are evicted for its "
+            "new ones, or the store is skipped. At most the pool: a larger value means the whole pool. Default: "
+            "three quarters of the pool, so no single tenant can leave the others less than a quarter."
+        ),
+    )
+    pins: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_QUOTA_COUNT,
+        description="Read pins the tenant may hold at once (a pin keeps a chunk while it is loaded or a request "
+        "that hit it waits); past it a load is a miss. Default: 65536.",
+    )
+    leases: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_QUOTA_COUNT,
+        description="Write leases the tenant may hold at once (one per chunk being stored); past it a store is "
+        "skipped. Default: 16384.",
+    )
+
+    @model_validator(mode="after")
+    def _something_set(self) -> TenantQuota:
+        if self.bytes is None and self.pins is None and self.leases is None:
+            raise ValueError("set at least one of bytes, pins, leases")
+        return self
+
+
 class PoolDaemonSpec(KubeModel):
     """The pool daemons: the only pods that touch the memory device."""
 
@@ -150,6 +203,23 @@ class MaruPoolSpec(KubeModel):
         description="Namespaces whose InferenceGroups may bind to this pool. Unset: every namespace.",
     )
     daemon: PoolDaemonSpec = Field(default_factory=PoolDaemonSpec, description="The pool daemons.")
+    tenant_quota: TenantQuota | None = Field(
+        None,
+        description=(
+            "Default quota of every InferenceGroup bound to this pool (each group's cache is a tenant), for "
+            "the fields its spec.poolQuota does not set. Unset fields: the daemon's defaults (bytes three "
+            "quarters of the pool, 65536 pins, 16384 leases). A change re-issues the groups' credentials; "
+            "engines pick it up when they reconnect, the daemons are not restarted."
+        ),
+    )
+    max_tenant_quota: TenantQuota | None = Field(
+        None,
+        description=(
+            "Ceiling of any group's quota, whatever its spec.poolQuota asks (a group's namespace owner writes "
+            "that field; the pool's owner writes this one). A field set here and in no default is also the "
+            "default. Unset: no ceiling but the pool."
+        ),
+    )
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> MaruPoolSpec:

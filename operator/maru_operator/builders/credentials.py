@@ -7,6 +7,11 @@
   connector config names the file. A group's engines can read their own token and nothing else: the
   pool's key never leaves the release namespace.
 
+A group's **quota** in its pool travels inside its token, signed (:func:`effective_quota`: the group's
+``poolQuota``, else the pool's ``tenantQuota``, capped by the pool's ``maxTenantQuota``): the daemons learn
+it at the engines' hello, with no tenant list and no restart. A group with no quota anywhere gets the token
+it always had (``maru1``), which the daemons read as "the pool's defaults".
+
 Tokens are derived, not stored anywhere else: the operator recomputes a group's from its pool's key on every
 pass, so there is nothing to keep in sync and a new key re-issues every credential. The builders take the
 key as an argument (None when rendering offline: the Secrets then carry no data).
@@ -19,6 +24,8 @@ import binascii
 from typing import Any
 
 from maru_connector import tenancy
+from maru_connector.poolsize import parse_size
+from maru_operator.api.marupool import MaruPoolSpec, TenantQuota
 from maru_operator.builders.common import LABEL_POOL, Object, Owner, labels, metadata
 from maru_operator.names import child_name, label_value
 
@@ -74,11 +81,31 @@ def build_pool_key_secret(owner: Owner, namespace: str, key: bytes | None) -> Ob
     return _secret(meta, POOL_KEY_FIELD, key)
 
 
-def build_group_credential(owner: Owner, pool: str, scope: str, key: bytes | None) -> Object:
-    """The group's token for ``scope`` under its pool's ``key`` (None: rendered without data)."""
+def effective_quota(group: TenantQuota | None, pool: MaruPoolSpec) -> tenancy.Quota:
+    """The quota signed into a group's token, field by field: the group's, else the pool's default, capped by
+    the pool's ceiling (which is also the default where neither sets one); None: the daemon's default."""
+    values: dict[str, int | None] = {}
+    for name in tenancy.QUOTA_FIELDS:
+        wanted = _field(group, name)
+        if wanted is None:
+            wanted = _field(pool.tenant_quota, name)
+        ceiling = _field(pool.max_tenant_quota, name)
+        values[name] = ceiling if wanted is None else wanted if ceiling is None else min(wanted, ceiling)
+    return tenancy.Quota(**values)
+
+
+def _field(quota: TenantQuota | None, name: str) -> int | None:
+    value = getattr(quota, name) if quota is not None else None
+    return parse_size(value) if isinstance(value, str) else value
+
+
+def build_group_credential(
+    owner: Owner, pool: str, scope: str, key: bytes | None, quota: tenancy.Quota = tenancy.DEFAULT_QUOTA
+) -> Object:
+    """The group's token for ``scope`` and ``quota`` under its pool's ``key`` (None: rendered without data)."""
     meta = metadata(owner, name=credential_name(owner.name), namespace=owner.namespace, labels={
         **labels(owner, app="vllm", component="pool-credential"), LABEL_POOL: label_value(pool)})
-    token = tenancy.issue(key, tenancy.tenant(scope)).encode() if key is not None else None
+    token = tenancy.issue(key, tenancy.tenant(scope, quota)).encode() if key is not None else None
     return _secret(meta, TOKEN_FIELD, token)
 
 

@@ -33,6 +33,7 @@ from maru_operator.builders.credentials import (
     build_group_credential,
     credential_mount,
     credential_volume,
+    effective_quota,
 )
 from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
@@ -117,7 +118,8 @@ def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
 
 def build_pool_credential(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> Object:
     """The Secret holding the group's token for its pool (no data without the pool's key)."""
-    return build_group_credential(owner, pool.name, cache_scope(spec, owner), pool.key)
+    quota = effective_quota(spec.pool_quota, pool.spec)
+    return build_group_credential(owner, pool.name, cache_scope(spec, owner), pool.key, quota)
 
 
 def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView) -> list[str]:
