@@ -59,11 +59,17 @@ class NodeAgent:
         self.connected = False
         self.problem: str | None = None
         self.heartbeat_failures = 0
+        # Once the metadata server has matched this node's devices, their uuids are known for good.
+        self._layout_known = False
 
     def heartbeat(self) -> bool:
         """Report to the metadata server and adopt its epoch and capacity; False when unreachable."""
-        for memory in self.memories:
-            memory.refresh_uuid()  # another node may have made it part of the pool since
+        if not self._layout_known:
+            # Until the metadata server has matched this node's devices, read their uuids afresh: another
+            # node may have made them part of the pool since. Never after: every client maps the header
+            # read-write, so what it holds then may be anyone's scribble; this agent keeps (and restores) its own.
+            for memory in self.memories:
+                memory.refresh_uuid()
         msg = {
             "op": "agent",
             "node": self.node,
@@ -109,6 +115,12 @@ class NodeAgent:
                         memory.write_header(epoch)
                     log.info("agent %s: pool epoch is now %d (was %s)", self.node, epoch, self._header_epoch)
                     self._header_epoch = epoch
+                else:
+                    # A scribbled header would take the device out of the pool for an agent that starts
+                    # next (it finds devices by uuid): put it back every heartbeat.
+                    for memory in self._ordered:
+                        memory.keep_header(epoch, newer_epoch_ok=True)
+                self._layout_known = True
             self.epoch, self.regions = epoch, regions
             self.connected = True
         return True

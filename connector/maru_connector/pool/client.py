@@ -46,7 +46,7 @@ from typing import Any
 from . import copyhash, protocol
 from .allocator import split_offset
 from .copyhash import Segment
-from .memory import read_header_from
+from .memory import file_identity
 from .units import Endpoint, parse_endpoint
 
 log = logging.getLogger(__name__)
@@ -771,26 +771,24 @@ class PoolClient:
                 f"pool at {self.url}: this daemon holds no pool memory (a metadata server?); "
                 "point the client at the node agent's unix:// socket"
             )
+        # Epoch, layout and uuid are the daemon's word, from this authenticated hello. The header in the
+        # mapping is not consulted: every client of the pool can write it, so a check against it would let
+        # one tenant fail everyone's connect. Memory passed by fd is the daemon's own; memory opened by path
+        # is checked to be the daemon's file by what the kernel says of it, not by bytes in it.
         mms: list[mmap.mmap] = []
         try:
             for i, region in enumerate(regions):
-                mm = self._map_one(fds[i] if fds else None, paths[i] if not fds else None, int(region["map_size"]))
+                mm = self._map_one(
+                    fds[i] if fds else None, paths[i] if not fds else None, int(region["map_size"]), region.get("file")
+                )
                 mms.append(mm)
-                header = read_header_from(mm)
-                if header is None:
-                    raise PoolUnavailable(f"pool at {self.url}: memory region {i} has no valid pool header")
-                if region.get("uuid") and header.uuid != region["uuid"]:
-                    raise PoolUnavailable(
-                        f"pool at {self.url}: memory region {i} is device {header.uuid}, the daemon named "
-                        f"{region['uuid']}; the daemon's devices changed under it, restart it"
-                    )
         except BaseException:
             for mm in mms:
                 mm.close()
             raise
         return _Mapping(mms, int(reply["header_size"]), [int(r["capacity"]) for r in regions])
 
-    def _map_one(self, fd: int | None, path: str | None, map_size: int) -> mmap.mmap:
+    def _map_one(self, fd: int | None, path: str | None, map_size: int, identity: str | None) -> mmap.mmap:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         if fd is not None:
             return mmap.mmap(fd, map_size, mmap.MAP_SHARED, prot)
@@ -803,6 +801,12 @@ class PoolClient:
                 "over tcp:// the client must run on the daemon's node, else use the unix:// socket"
             ) from None
         try:
+            if identity and file_identity(own_fd) != identity:
+                raise PoolUnavailable(
+                    f"pool at {self.url}: {path} here is not the daemon's pool memory (another file of that "
+                    "name: another node or mount namespace); over tcp:// the client must see the daemon's "
+                    "file, else use the unix:// socket"
+                )
             return mmap.mmap(own_fd, map_size, mmap.MAP_SHARED, prot)
         finally:
             os.close(own_fd)

@@ -183,7 +183,8 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             "epoch": epoch,
             "auth": _on_off(gate),
         },
-        tick=index.expire,
+        # Clients map the header read-write: nothing trusts it, but a restart reads it, so keep it ours.
+        tick=lambda: (index.expire(), memory.keep_header(epoch)),
         tick_seconds=_sweep_interval(args.lease_seconds),
         cleanup=cleanup,
     )

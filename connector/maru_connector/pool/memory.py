@@ -17,6 +17,12 @@ released against the new index.
 The uuid names the memory itself. It is written once, when the memory first becomes part of a pool,
 and kept across restarts: in a multi-node pool every node finds each shared device by it, whatever
 the device is called on that node and in whatever order it is listed.
+
+The header is in the memory every client maps read-write (a client holding the fd can map any range of
+it, and a devdax device cannot be split into a read-only and a writable part), so its bytes may be
+anyone's scribble. Nobody relies on them while a pool runs: clients take epoch, layout and uuid from the
+authenticated hello; daemons keep their own copy and put it back (:meth:`PoolMemory.keep_header`); a start
+never takes an epoch that is implausibly far ahead of the clock from it.
 """
 
 from __future__ import annotations
@@ -36,12 +42,17 @@ from dataclasses import dataclass
 
 from maru_connector.poolsize import HEADER_SIZE
 
+from .limits import RateLimitedLog
+
 log = logging.getLogger(__name__)
+_restored = RateLimitedLog(log)
 
 MAGIC = b"MARUPOOL"
 VERSION = 2
 # magic, version, header_size, epoch, capacity, uuid (16 bytes; all zero: not part of a pool yet)
 _HEADER = struct.Struct("<8sIIQQ16s")
+# An epoch found in a header further ahead of the clock (ms) than this was not written by a daemon.
+MAX_EPOCH_LEAD_MS = 24 * 3600 * 1000
 
 
 class PoolMemoryError(OSError):
@@ -154,6 +165,28 @@ class PoolMemory:
         raw = bytes.fromhex(self.uuid) if self.uuid else bytes(16)
         _HEADER.pack_into(self.mm, 0, MAGIC, VERSION, HEADER_SIZE, epoch, self.capacity, raw)
 
+    def keep_header(self, epoch: int, *, newer_epoch_ok: bool = False) -> bool:
+        """Put this daemon's header back if the memory holds anything else; True when it had to.
+
+        Every client maps the header read-write. Nothing trusts its bytes while the pool runs, but a
+        restart, another node's agent and a human do read it. ``newer_epoch_ok``: a plausible epoch above
+        ``epoch`` is left alone (another node's agent adopted the metadata server's new epoch first).
+        """
+        found = self.read_header()
+        if found is not None and found.uuid == self.uuid and found.capacity == self.capacity:
+            if found.epoch == epoch:
+                return False
+            if newer_epoch_ok and epoch < found.epoch <= new_epoch_floor() + MAX_EPOCH_LEAD_MS:
+                return False
+        self.write_header(epoch)
+        _restored.warning(
+            f"header:{self.path}",
+            "pool memory %s: its header was overwritten (by a client: they map it read-write); put back "
+            "uuid %s, epoch %d. Nothing relied on it; if this repeats, find the client writing there",
+            self.path, self.uuid, epoch,
+        )  # fmt: skip
+        return True
+
     def format(self, new_uuid: str, epoch: int = 0) -> None:
         """Make this memory part of a pool under ``new_uuid``."""
         self.uuid = new_uuid
@@ -163,7 +196,17 @@ class PoolMemory:
     def bump_epoch(self) -> int:
         """Start a new epoch: above the one in memory, and above earlier starts even if the file was recreated."""
         previous = self.read_header()
-        epoch = max((previous.epoch if previous else 0) + 1, new_epoch_floor())
+        floor = new_epoch_floor()
+        last = previous.epoch if previous else 0
+        if last > floor + MAX_EPOCH_LEAD_MS:
+            # Clients can write the header: an epoch this far ahead of the clock is a scribble, and taken
+            # at its word it would overflow the header's 64 bits at a start to come.
+            log.warning(
+                "pool memory %s: the header's epoch %d is far ahead of the clock (overwritten by a client?); "
+                "starting from the clock", self.path, last,
+            )  # fmt: skip
+            last = 0
+        epoch = max(last + 1, floor)
         if self.uuid is None:
             self.uuid = new_device_uuid()
         self.write_header(epoch)
@@ -178,6 +221,15 @@ class PoolMemory:
         with contextlib.suppress(BufferError):
             self.mm.close()
         os.close(self.fd)
+
+
+def file_identity(fd: int) -> str:
+    """Which file ``fd`` is, as the kernel knows it: the device number of a character device (devdax),
+    else filesystem and inode. A client that opens the pool memory by path checks it is the daemon's."""
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode):
+        return f"rdev:{st.st_rdev}"
+    return f"file:{st.st_dev}:{st.st_ino}"
 
 
 def discover_devices(dev_dir: str = "/dev") -> list[str]:

@@ -8,9 +8,11 @@ a Unix socket, which carries the pool memory's file descriptor as SCM_RIGHTS anc
 
 Operations (request fields -> reply fields):
 
-* ``hello``   token?, memory?              -> epoch, header_size, regions [{map_size, capacity, uuid}],
+* ``hello``   token?, memory?              -> epoch, header_size, regions [{map_size, capacity, uuid, file?}],
   ``metadata`` URL or null, one fd per region (Unix) or ``paths`` (TCP), auth (whether this daemon checks
-  tokens). ``token`` is the client's credential (:mod:`maru_connector.tenancy`); a daemon started with a
+  tokens). This reply, not the header in the mapping (which every client can write), is what clients go
+  by; ``file`` names the memory's file as the kernel knows it, for a client that opens ``paths``.
+  ``token`` is the client's credential (:mod:`maru_connector.tenancy`); a daemon started with a
   key refuses every other op on a connection until a hello with a valid token (``unauthenticated``,
   ``bad_token``), and runs the connection's ops in its tenant's key space. With ``memory`` false the hello
   only authenticates the connection (a client towards the metadata server, an agent's heartbeat link)

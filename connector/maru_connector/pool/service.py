@@ -21,7 +21,7 @@ from typing import Any
 from . import protocol
 from .gate import Session
 from .index import FULL, ORPHAN, QUOTA, PoolIndex, ReadGrant, StaleEpoch
-from .memory import HEADER_SIZE, PoolMemory, new_device_uuid
+from .memory import HEADER_SIZE, PoolMemory, file_identity, new_device_uuid
 from .rpc import Peer
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,13 @@ class LocalMemoryHello:
             "epoch": self._epoch,
             "header_size": HEADER_SIZE,
             "regions": [
-                {"map_size": self._memory.map_size, "capacity": self._capacity, "uuid": self._memory.uuid}
+                {
+                    "map_size": self._memory.map_size,
+                    "capacity": self._capacity,
+                    "uuid": self._memory.uuid,
+                    # lets a client that opens the memory by path (TCP) check it is this daemon's file
+                    "file": file_identity(self._memory.fd),
+                }
             ],
             "backend": self._memory.backend,
             "metadata": None,
