@@ -32,9 +32,11 @@ pytestmark = pytest.mark.emulator
 IG = "inferencegroups.maru.io"
 DS = "daemonsets.apps"
 DEPLOY = "deployments.apps"
-# Short, so a test sees expiry and takeover in seconds (the defaults are 15/10/2).
 LEASE_NS = "default"  # the Lease of an instance, for every release
-FAST_LEASE = ("--lease-seconds", "3", "--renew-deadline", "2", "--retry-period", "0.3")
+# Short, so a test sees expiry and takeover in seconds (the defaults are 15/10/2), with 4 s between a
+# stuck leader's renew deadline and its Lease's expiry: the step-down must reach the API server before
+# the standby's takeover, and 1 s of margin was too little for a process starved on a loaded machine.
+FAST_LEASE = ("--lease-seconds", "6", "--renew-deadline", "2", "--retry-period", "0.3")
 
 
 class Processes:
