@@ -348,10 +348,7 @@ class Doors:
             sock.close()
             client_w.close()
             return
-        await asyncio.gather(_pipe(client_r, server_w), _pipe(server_r, client_w))
-        for writer in (server_w, client_w):
-            with contextlib.suppress(OSError):
-                writer.close()
+        await splice(client_r, client_w, server_r, server_w)
 
     def close(self) -> None:
         async def shut() -> None:
@@ -363,6 +360,15 @@ class Doors:
                 asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+
+async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter, b_reader: asyncio.StreamReader,
+                 b_writer: asyncio.StreamWriter) -> None:
+    """Copy both ways between two connections until both directions end, then close both."""
+    await asyncio.gather(_pipe(a_reader, b_writer), _pipe(b_reader, a_writer))
+    for writer in (a_writer, b_writer):
+        with contextlib.suppress(OSError):
+            writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

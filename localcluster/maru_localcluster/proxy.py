@@ -13,7 +13,6 @@ LoadBalancer Services get their ClusterIP only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import itertools
 import logging
@@ -22,6 +21,7 @@ import sys
 from typing import Any
 
 from maru_localcluster.apiclient import ApiClient, Informer
+from maru_localcluster.network import splice
 
 log = logging.getLogger("kube-proxy")
 
@@ -68,22 +68,7 @@ class Proxy:
             log.info("%s/%s:%s -> %s:%s: %s", *target, host, port, err)
             client_w.close()
             return
-
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(1 << 16):
-                    writer.write(data)
-                    await writer.drain()
-            except (OSError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                with contextlib.suppress(OSError):
-                    if writer.can_write_eof():
-                        writer.write_eof()
-
-        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
-        for w in (client_w, server_w):
-            w.close()
+        await splice(client_r, client_w, server_r, server_w)
 
     def wanted(self) -> dict[tuple[str, int], Target]:
         out = {}
