@@ -6,9 +6,12 @@ renewed for ``lease_seconds`` is taken over. A leader that cannot renew within `
 (shorter than ``lease_seconds``) stops reconciling before anyone else may start: each attempt is
 bounded by what is left of that deadline (client-go's ``context.WithTimeout(renewDeadline)``), so a
 renewal the API server never answers cannot keep it leading past the point where a standby may take
-over. A leader that shuts down gives the Lease up at once, so a rolling update hands over without
-waiting for it to expire. Becoming and ceasing to be the leader are Events on the Lease (reason
-``LeaderElection``), as client-go posts them.
+over. Renewing is this module's own loop, never held up by what starting to lead does (``on_lead``: a
+fresh list of every watched kind, as long as the cluster and the API server make it): that runs in its
+own task, as client-go's ``OnStartedLeading``, is cancelled only when the Lease is lost, and when it
+fails the leader steps down and gives the Lease up. A leader that shuts down gives the Lease up at
+once, so a rolling update hands over without waiting for it to expire. Becoming and ceasing to be the
+leader are Events on the Lease (reason ``LeaderElection``), as client-go posts them.
 
 Why a Lease and not kopf's peering: peering needs kopf's own CRDs in the cluster, and replicas of
 the same priority both keep running (kopf only warns), which is the fight this prevents. A Lease is
@@ -56,6 +59,11 @@ def micro_time(now: datetime.datetime | None = None) -> str:
     return (now or datetime.datetime.now(datetime.UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _failed(leading: asyncio.Task[bool]) -> bool:
+    """Whether starting to lead has ended, and in failure (not merely cancelled on losing the Lease)."""
+    return leading.done() and not leading.cancelled() and leading.exception() is None and leading.result() is False
+
+
 def _event_time() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -87,33 +95,65 @@ class LeaderElector:
                     deadline = await self._attempt()
                 self.leading = True
                 log.info("became the leader (Lease %s/%s, identity %s)", s.namespace, s.name, s.identity)
-                await self._announce(f"{s.identity} became leader")
+                # Starting to lead (a fresh list of everything) takes as long as it takes, on a large cluster
+                # or a slow API server longer than the renew deadline: it runs in its own task while this one
+                # renews, as client-go's OnStartedLeading does, and is cancelled only once the Lease is lost.
+                # Bounding it by the deadline instead made a leader drop the Lease, take it again and start
+                # over, forever, never reconciling (and still renewing, so no standby took over).
+                leading = asyncio.create_task(self._lead(), name="maru-leading")
                 try:
-                    # Starting to lead (a fresh list of everything) renews nothing: it ends by the deadline too.
-                    await asyncio.wait_for(self._on_lead(), max(0.0, deadline - self._monotonic()))
-                except TimeoutError:
-                    log.warning("starting to lead took past the renew deadline")
-                while (renewed := await self._renew_before(deadline)) is not None:
-                    deadline = renewed
+                    while (renewed := await self._renew_before(deadline, leading)) is not None:
+                        deadline = renewed
+                finally:
+                    leading.cancel()
+                    await asyncio.gather(leading, return_exceptions=True)
                 self.leading = False
-                log.warning("could not renew the Lease %s/%s within %.1f s: stopped reconciling",
-                            s.namespace, s.name, s.renew_deadline)
+                failed = _failed(leading)
+                if failed:
+                    log.warning("stopped leading after failing to start; another replica may take the Lease")
+                else:
+                    log.warning("could not renew the Lease %s/%s within %.1f s: stopped reconciling",
+                                s.namespace, s.name, s.renew_deadline)
                 await self._on_lose()
                 await self._announce(f"{s.identity} stopped leading")
+                if failed:
+                    # Give a standby the Lease now, and a head start: holding it without reconciling would
+                    # block the standby as surely as the old livelock did.
+                    await self._release()
+                    await asyncio.sleep(s.retry_period)
         finally:
             if self.leading:
                 self.leading = False
                 await self._on_lose()
                 await self._release()
 
-    async def _renew_before(self, deadline: float) -> float | None:
+    async def _lead(self) -> bool:
+        """What starting to lead does, alongside the renewals (the Event too: posting it must not delay them).
+
+        False when ``on_lead`` failed: the renewals then stop, and this process steps down.
+        """
+        s = self.settings
+        await self._announce(f"{s.identity} became leader")
+        try:
+            await self._on_lead()
+        except Exception:  # logged here: nobody else reads this task's exception
+            log.exception("starting to lead failed (Lease %s/%s)", s.namespace, s.name)
+            return False
+        return True
+
+    async def _renew_before(self, deadline: float, leading: asyncio.Task[bool]) -> float | None:
         """Renew every ``retry_period`` until one renewal succeeds before ``deadline``: the next deadline.
 
-        None once the deadline has passed: the caller stops leading at once.
+        None once the deadline has passed, or once ``leading`` has failed: the caller stops leading at once.
         """
         s = self.settings
         while (left := deadline - self._monotonic()) > 0:
-            await asyncio.sleep(min(s.retry_period, left))
+            if leading.done():
+                await asyncio.sleep(min(s.retry_period, left))
+            else:  # woken early by a failed start, so that a standby need not wait a whole period for the Lease
+                await asyncio.wait([leading], timeout=min(s.retry_period, left))
+            if _failed(leading):
+                return None
             renewed = await self._attempt(deadline)
             if renewed is not None:
                 return renewed
@@ -132,7 +172,10 @@ class LeaderElector:
         if budget <= 0:
             return None
         try:
-            held = await asyncio.wait_for(self._try_acquire_or_renew(), budget)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
+            # request completes, and a shutdown (or a step-down) would then go on renewing.
+            async with asyncio.timeout(budget):
+                held = await self._try_acquire_or_renew()
         except TimeoutError:
             log.warning("Lease %s/%s: no answer from the API server within %.1f s; gave up the attempt",
                         s.namespace, s.name, budget)
@@ -144,9 +187,9 @@ class LeaderElector:
         if self._lease_seen is None:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.kube.event(self._lease_seen, type_="Normal", reason="LeaderElection",
-                                                   message=message, now=_event_time()),
-                                   self.settings.renew_deadline)
+            async with asyncio.timeout(self.settings.renew_deadline):
+                await self.kube.event(self._lease_seen, type_="Normal", reason="LeaderElection", message=message,
+                                      now=_event_time())
 
     async def _try_acquire_or_renew(self) -> bool:
         s = self.settings
@@ -218,7 +261,8 @@ class LeaderElector:
         then expires instead).
         """
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._give_up(), self.settings.renew_deadline)
+            async with asyncio.timeout(self.settings.renew_deadline):
+                await self._give_up()
 
     async def _give_up(self) -> None:
         s = self.settings

@@ -254,3 +254,43 @@ def test_two_releases_of_one_instance_in_two_namespaces_never_both_lead(cluster:
         assert f"held by a replica of the release in namespace {namespace}" in processes.log(standby)
     except AssertionError:
         raise AssertionError(processes.logs()) from None
+
+
+def test_a_leader_whose_priming_outlasts_the_renew_deadline_leads_once_and_reconciles(cluster: KubeEmulator,
+                                                                                        processes: Processes) -> None:
+    """Starting to lead lists every watched kind afresh; on a large cluster or a slow API server that takes longer
+    than the renew deadline. The leader renews meanwhile, in its own task, and priming is never cut short: bounding
+    it by the deadline made the leader drop the Lease, take it again and prime again, forever, without reconciling."""
+    delay = 5.0  # each list of Roles priming makes: well past the 2 s renew deadline of FAST_LEASE
+    roles = r"^/apis/rbac\.authorization\.k8s\.io/v1/roles$"
+    slow = cluster.inject_fault(roles, None, method="GET", times=10_000, delay=delay)
+    cluster.create(pool())
+    cluster.create(group())
+    processes.start("a", "--pool-namespace", POOL_NS, *FAST_LEASE)
+    try:
+        def leadership(emulator: Any) -> list[str]:
+            return [e["message"] for e in emulator.list_objects("", "events", LEASE_NS)
+                    if e.get("reason") == "LeaderElection"]
+
+        def ready_or_stepped_down(emulator: Any) -> bool:
+            ig = emulator.get_object("maru.io", "inferencegroups", GROUP_NS, "qwen")
+            return (ig is not None and has_condition(ig, "Ready", "True")) or any(
+                m.endswith("stopped leading") for m in leadership(emulator))
+
+        # Either way, the first sign ends the wait: reconciled, or stepped down (the livelock's first turn).
+        cluster.wait_until(ready_or_stepped_down, timeout=120)
+        assert cluster.call(lambda: slow.hits) >= 1
+        assert [m.split()[-2:] for m in cluster.call(leadership, cluster.emulator)] == [["became", "leader"]]
+        assert has_condition(cluster.get(IG, "qwen", GROUP_NS) or {}, "Ready", "True")
+        assert processes.log("a").count("became the leader") == 1
+        # The Lease was renewed while priming waited on its list: renewals that reached the API server after the
+        # list did and before it could be answered (the server holds it ``delay`` seconds).
+        requests = cluster.requests_since(0)
+        lists = [r for r in requests if r.method == "GET" and re.search(roles, r.path) and not r.is_watch
+                 and "labelSelector" in r.query]
+        renewals = [r for r in requests if r.method == "PATCH" and r.path.endswith("/leases/maru-operator")
+                    and r.status == 200]
+        assert lists and any(any(r.timestamp > listed.timestamp and r.timestamp < listed.timestamp + delay
+                                 for r in renewals) for listed in lists)
+    except (AssertionError, TimeoutError):
+        raise AssertionError(processes.logs()) from None
