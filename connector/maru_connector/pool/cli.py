@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="single-node pool: index and memory in one process")
     common(serve, "unix:///path/pool.sock or tcp://host:port")
     serve.add_argument("--size", type=_size,
-                       help="chunk capacity, e.g. 2Gi, as MaruPool.spec.size (required without --device)")
+                       help="chunk capacity, e.g. 2Gi, as MaruPool.spec.size (required without --device); "
+                       "an existing shm file is grown to fit, never shrunk under engines that map it")
     serve.add_argument("--device", help="devdax device (or a file standing in for one) instead of shm")
     serve.add_argument("--shm-path", help="shm file to create (default: /dev/shm/maru-pool-<listen address>)")
     index_flags(serve)

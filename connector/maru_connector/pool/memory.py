@@ -104,7 +104,9 @@ class PoolMemory:
     def open_shm(
         cls, path: str, capacity: int, *, before_resize: Callable[[int, str], None] | None = None
     ) -> PoolMemory:
-        """Create (or reuse) a shm file sized ``HEADER_SIZE + capacity``, with all of its memory reserved.
+        """Create (or reuse) a shm file of at least ``HEADER_SIZE + capacity``, with that much memory reserved.
+
+        A reused file is grown when it is too small and never shrunk (see the warning below).
 
         ``before_resize(fd, path)`` runs before the file is touched (the daemon takes its lock there:
         resizing a file another daemon still serves would crash that daemon's clients).
@@ -114,8 +116,18 @@ class PoolMemory:
         try:
             if before_resize is not None:
                 before_resize(fd, path)
-            if os.fstat(fd).st_size != map_size:
+            current = os.fstat(fd).st_size
+            if current < map_size:
                 os.ftruncate(fd, map_size)
+            elif current > map_size:
+                # Never shrink in place: engines keep the mapping of the previous daemon across its
+                # restart, and a copy past a truncated end kills the engine with SIGBUS. The new daemon
+                # only allocates below its capacity; the tail is given back when the file is removed.
+                log.warning(
+                    "shm %s: keeps its %d bytes although --size asks for %d (pool capacity %d); shrinking "
+                    "it would crash engines that still map it. Remove the file while no engine runs to free "
+                    "the rest", path, current, map_size, capacity,
+                )  # fmt: skip
             # A sparse tmpfs file that outgrows its filesystem kills whichever client touches the
             # missing page with SIGBUS; reserving now turns that into a clear error at start.
             try:
