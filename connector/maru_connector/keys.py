@@ -182,3 +182,45 @@ def block_hash_sharing_problem(hash_algo: str, env: Mapping[str, str]) -> str | 
             "engine, or use sha256 / sha256_cbor"
         )
     return None
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """What a reader outside the engine needs to key a prompt exactly as the engine does.
+
+    A producer announces it with its handoff, so a router can compute a prompt's chunk keys with
+    vLLM's own block hashing and this module, and ask the pool for its coverage, without guessing
+    the engine's namespace (half of it is only known once the workers registered their KV caches).
+    """
+
+    fingerprints: tuple[bytes, ...]  # per TP rank, Namespace.fingerprint()
+    hash_block_size: int
+    chunk_tokens: int
+    hash_algo: str
+
+    def to_params(self) -> dict[str, object]:
+        return {
+            "fingerprints": [fp.hex() for fp in self.fingerprints],
+            "hash_block_size": self.hash_block_size,
+            "chunk_tokens": self.chunk_tokens,
+            "hash_algo": self.hash_algo,
+        }
+
+    @classmethod
+    def from_params(cls, params: object) -> KeyScheme:
+        """Parse :meth:`to_params` output; ValueError naming the field on anything else."""
+        if not isinstance(params, Mapping):
+            raise ValueError(f"key scheme: expected an object, got {type(params).__name__}")
+        fps = params.get("fingerprints")
+        if not isinstance(fps, list) or not fps or not all(isinstance(f, str) and len(f) == 64 for f in fps):
+            raise ValueError("key scheme: fingerprints must be a non-empty list of 64-digit hex strings")
+        block, chunk, algo = params.get("hash_block_size"), params.get("chunk_tokens"), params.get("hash_algo")
+        if not isinstance(block, int) or not isinstance(chunk, int) or block <= 0 or chunk % block or chunk <= 0:
+            raise ValueError(f"key scheme: chunk_tokens {chunk} must be a positive multiple of hash_block_size {block}")
+        if not isinstance(algo, str) or not algo:
+            raise ValueError("key scheme: hash_algo must be a non-empty string")
+        try:
+            fingerprints = tuple(bytes.fromhex(f) for f in fps)
+        except ValueError:
+            raise ValueError("key scheme: fingerprints must be hex") from None
+        return cls(fingerprints, block, chunk, algo)

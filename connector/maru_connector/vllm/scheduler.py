@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from maru_connector import hits
 from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.keys import Namespace, PromptKeys, block_hash_sharing_problem
+from maru_connector.keys import KeyScheme, Namespace, PromptKeys, block_hash_sharing_problem
 from maru_connector.vllm import common
 from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
 from maru_connector.vllm.lookups import AsyncLookups
@@ -84,6 +84,8 @@ FINISHED_RETRY_S = 2.0
 # The handoff a producer hands its reader (kv_transfer_params keys).
 HANDOFF_CHUNKS = "maru_chunks"
 HANDOFF_LAST_KEY = "maru_last_key"
+# How this engine keys prompts (keys.KeyScheme): lets a router ask the pool what it holds of a prompt.
+HANDOFF_KEY_SCHEME = "maru_key_scheme"
 
 
 class Chunk(enum.Enum):
@@ -593,7 +595,10 @@ class MaruScheduler:
         n = state.stored_prefix()
         if n <= 0:
             return None
-        return {HANDOFF_CHUNKS: n, HANDOFF_LAST_KEY: state.keys[n - 1][0].hex()}
+        assert self.fingerprints is not None  # active
+        algo = self._ns_base["hash_algo"]
+        scheme = KeyScheme(tuple(self.fingerprints), self.hash_block_size, self.chunk_tokens, algo)
+        return {HANDOFF_CHUNKS: n, HANDOFF_LAST_KEY: state.keys[n - 1][0].hex(), HANDOFF_KEY_SCHEME: scheme.to_params()}
 
     def _handoff_expected(self, request: Request, state: RequestState) -> int:
         """Leading chunks a request's producer announced, if they are chunks of this prompt under our keys."""
