@@ -12,7 +12,8 @@
  * package, which is also the fallback when this module is missing and the reference the tests use.
  *
  * The best of AVX-512, AVX2 and SSE2 is chosen at import from what the CPU reports (the build never
- * uses -march=native: images run on other machines); elsewhere a portable scalar path runs.
+ * uses -march=native: images run on other machines); AArch64 runs NEON, which every such CPU has;
+ * elsewhere a portable scalar path runs.
  *
  * Built with the limited C API of Python 3.11, so one wheel serves every CPython from 3.11 on.
  */
@@ -31,6 +32,12 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define COPYHASH_X86 1
 #include <immintrin.h>
+#endif
+
+/* Advanced SIMD is part of every AArch64 CPU: no run-time check is needed for it. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define COPYHASH_NEON 1
+#include <arm_neon.h>
 #endif
 
 /* ------------------------------------------------------------------ XXH3 constants */
@@ -295,6 +302,57 @@ __attribute__((target("avx512f"))) static void kernel_avx512(uint64_t acc[8], ui
 
 #endif /* COPYHASH_X86 */
 
+#ifdef COPYHASH_NEON
+
+/* The same step as round_sse2 on 128-bit NEON vectors: vextq swaps the two 64-bit lanes (the j^1
+ * pairing), and vmull_u32 of the narrowed low and high halves is the 32x32->64 product. */
+static inline uint64x2_t round_neon(uint64x2_t acc, uint64x2_t data, uint64x2_t key) {
+    uint64x2_t keyed = veorq_u64(data, key);
+    uint64x2_t product = vmull_u32(vmovn_u64(keyed), vshrn_n_u64(keyed, 32));
+    return vaddq_u64(acc, vaddq_u64(vextq_u64(data, data, 1), product));
+}
+
+static inline uint64x2_t scramble_neon(uint64x2_t acc, uint64x2_t key) {
+    const uint32x2_t prime = vdup_n_u32(PRIME32_1);
+    acc = veorq_u64(veorq_u64(acc, vshrq_n_u64(acc, 47)), key);
+    uint64x2_t lo = vmull_u32(vmovn_u64(acc), prime);
+    uint64x2_t hi = vmull_u32(vshrn_n_u64(acc, 32), prime);
+    return vaddq_u64(lo, vshlq_n_u64(hi, 32));
+}
+
+/* `nontemporal` is a hint only: AArch64's non-temporal pair store (STNP) still allocates on most cores,
+ * so plain stores are used; the commit that follows a copy is a system call, which orders them. */
+static void kernel_neon(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n, unsigned *in_block,
+                        int nontemporal) {
+    uint64x2_t a[4];
+    for (int i = 0; i < 4; i++) a[i] = vld1q_u64(acc + 2 * i);
+    unsigned s = *in_block;
+    while (n) {
+        size_t run = STRIPES_PER_BLOCK - s < n ? STRIPES_PER_BLOCK - s : n;
+        const uint8_t *key = SECRET + 8 * s;
+        for (size_t r = 0; r < run; r++, src += STRIPE, key += 8) {
+            uint64x2_t d[4];
+            for (int i = 0; i < 4; i++) d[i] = vreinterpretq_u64_u8(vld1q_u8(src + 16 * i));
+            if (dst) {
+                for (int i = 0; i < 4; i++) vst1q_u8(dst + 16 * i, vreinterpretq_u8_u64(d[i]));
+                dst += STRIPE;
+            }
+            for (int i = 0; i < 4; i++) a[i] = round_neon(a[i], d[i], vreinterpretq_u64_u8(vld1q_u8(key + 16 * i)));
+        }
+        n -= run;
+        s += (unsigned)run;
+        if (s == STRIPES_PER_BLOCK) {
+            for (int i = 0; i < 4; i++)
+                a[i] = scramble_neon(a[i], vreinterpretq_u64_u8(vld1q_u8(SECRET + SCRAMBLE_SECRET + 16 * i)));
+            s = 0;
+        }
+    }
+    for (int i = 0; i < 4; i++) vst1q_u64(acc + 2 * i, a[i]);
+    *in_block = s;
+}
+
+#endif /* COPYHASH_NEON */
+
 typedef struct {
     const char *name;
     kernel_fn kernel;
@@ -306,6 +364,9 @@ static const simd_path PATHS[] = {
     {"avx512", kernel_avx512},
     {"avx2", kernel_avx2},
     {"sse2", kernel_sse2},
+#endif
+#ifdef COPYHASH_NEON
+    {"neon", kernel_neon},
 #endif
     {"scalar", kernel_scalar},
 };
@@ -780,7 +841,7 @@ static PyObject *scatter_hash_many(PyObject *self, PyObject *args, PyObject *kwa
     return many_entry(args, kwargs, SCATTER, "scatter_hash_many");
 }
 
-PyDoc_STRVAR(simd_doc, "simd() -> str\n\nThe code path in use: avx512, avx2, sse2 or scalar.");
+PyDoc_STRVAR(simd_doc, "simd() -> str\n\nThe code path in use: avx512, avx2, sse2, neon or scalar.");
 
 static PyObject *simd(PyObject *self, PyObject *unused) { return PyUnicode_FromString(active_path->name); }
 

@@ -25,7 +25,7 @@ import xxhash
 from maru_connector.pool import copyhash
 
 SOURCE = Path(__file__).resolve().parents[2] / "connector" / "maru_connector" / "_copyhash.c"
-ALL_PATHS = ("avx512", "avx2", "sse2", "scalar")
+ALL_PATHS = ("avx512", "avx2", "sse2", "neon", "scalar")
 RNG = random.Random(20240611)
 DATA = RNG.randbytes(3 * (1 << 20) + 4099)
 

@@ -32,7 +32,11 @@ try:
     from maru_connector import _copyhash as _compiled
 except ImportError as err:
     _compiled = None
-    log.warning("maru pool: compiled copy+checksum module unavailable (%s); copies run at Python speed", err)
+    log.warning(
+        "maru pool: the compiled copy+checksum module is missing (%s); copies run at Python speed, several "
+        "times slower. Install a C compiler and the Python headers, then reinstall the package",
+        err,
+    )
 
 #: True when the compiled module was built and imports.
 NATIVE = _compiled is not None
@@ -61,7 +65,7 @@ def use_native(enabled: bool) -> bool:
 
 
 def simd() -> str:
-    """The code path copies run on: ``avx512``, ``avx2``, ``sse2``, ``scalar``, or ``python`` (fallback)."""
+    """The code path copies run on: ``avx512``, ``avx2``, ``sse2``, ``neon``, ``scalar``, or ``python`` (fallback)."""
     return _native.simd() if _native is not None else "python"
 
 
