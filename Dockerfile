@@ -9,8 +9,9 @@
 #
 # These are the defaults the rest of the product refers to: the chart's image.repository (operator),
 # MaruPool spec.daemon.image (pool), InferenceGroup spec.image (vllm) and spec.router.image (router).
-# Add --platform linux/amd64,linux/arm64 with `docker buildx build` for multi-arch operator, pool and
-# router images; the vllm target follows the platforms of its upstream base image.
+# `make images` builds all four (docker buildx, podman or buildah; IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS), and
+# .github/workflows/release.yml builds and pushes them for linux/amd64 and linux/arm64 on every release tag.
+# The vllm target follows the platforms of its upstream base image (amd64 and arm64 for v0.32.0).
 #
 # operator, pool and router run as UID/GID 65532 by default and need no writable root filesystem.
 # The pool daemon gets access to devdax devices and the host socket directory from its pod spec
@@ -18,7 +19,10 @@
 # connector, run as UID 65532 with a writable home for vLLM's caches; its entrypoint stays `vllm serve`.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
-# The vLLM release the connector is written and tested against (KVConnectorBase_V1 of vLLM 0.32).
+# The vLLM release the connector is written and tested against (KVConnectorBase_V1 of vLLM 0.32;
+# maru_connector.vllm.supported.SUPPORTED_VLLM). The official image carries the GPU (CUDA) build of
+# exactly that release, the `vllm==0.32.0` of pyproject's `vllm-gpu` extra; the vllm target checks it.
+ARG VLLM_VERSION=0.32.0
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # ---- wheel: the repository as one wheel (operator and connector packages), built once -----------------
@@ -96,6 +100,9 @@ LABEL org.opencontainers.image.title="vllm-maru" \
 # --no-deps: vLLM's own pins must not move. Of the connector's imports, only xxhash is not already in
 # the vLLM image (pydantic, pyyaml and prometheus-client are); a test checks that list.
 # PIP_BREAK_SYSTEM_PACKAGES: the image's Python is the system one; pip versions without the marker ignore it.
+# The version check reads the installed distribution: importing vLLM needs no GPU, but takes long.
+ARG VLLM_VERSION
+RUN python3 -c "import importlib.metadata as m, sys; v = m.version('vllm'); sys.exit(None if v.split('+')[0] == '${VLLM_VERSION}' else f'the base image has vLLM {v}, the connector needs ${VLLM_VERSION}')"
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl xxhash==4.1.0 \
     && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config, maru_connector._copyhash; sys.exit(u.find_spec('maru_connector.vllm') is None)"

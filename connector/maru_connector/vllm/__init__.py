@@ -23,6 +23,9 @@ reaches vLLM kills its engine. Only a configuration the connector cannot serve i
 
 from __future__ import annotations
 
+from maru_connector.vllm import supported  # noqa: F401  # first: refuses an unsupported vLLM before its modules load
+
+# isort: split
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
