@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
                            "maru-system)")
     rbac.add_argument("--lease-namespace", default=None,
                       help="where the leader Lease's Role goes (default: default)")
+    rbac.add_argument("--instance", default="", type=_instance_name,
+                      help="the operator instance (run --instance): the leader Lease its Role names")
     rbac.add_argument("--service-account", default=None,
                       help="also print the bindings to this ServiceAccount (in the pool namespace)")
     return parser
@@ -161,7 +163,7 @@ def _rbac(args: argparse.Namespace) -> int:
         for groups, resources, verbs, why in scoped:
             print(f"#   {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
     objects = [cluster_role(args.name, args.namespaced), pool_namespace_role(namespace, args.name),
-               lease_namespace_role(lease_namespace, args.name)]
+               lease_namespace_role(lease_namespace, args.name, args.instance)]
     if args.service_account:
         objects += bindings(namespace, args.service_account, args.name, lease_namespace)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))

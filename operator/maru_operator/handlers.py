@@ -36,7 +36,7 @@ from maru_operator.cache import SERVICE_NAME_LABEL, Key, Store, key_of, not_newe
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
-from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE
+from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE, lease_name
 
 log = logging.getLogger("maru_operator.handlers")
 
@@ -67,10 +67,6 @@ def owner_selector(instance: str) -> str:
 def child_selector(instance: str) -> str:
     """The children an operator instance watches: made by the operator, for this instance's owners."""
     return f"{LABEL_MANAGED_BY}={MANAGED_BY},{instance_selector(instance)}"
-
-
-def lease_name(instance: str) -> str:
-    return f"maru-operator-{instance}" if instance else "maru-operator"
 
 
 def default_pool_namespace() -> str:

@@ -12,7 +12,8 @@ Four scopes:
 * the pool namespace only (``POOL_NAMESPACE_RULES``, a Role there): writing DaemonSets, which the
   operator creates only where pools run;
 * the lease namespace only (``LEASE_NAMESPACE_RULES``, a Role there; ``default`` unless
-  ``--lease-namespace``): the leader Lease, kept where every release of the cluster looks for it.
+  ``--lease-namespace``): the leader Lease, kept where every release of the cluster looks for it; get and
+  patch name that one Lease (``resourceNames``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ CLUSTER_RULES: list[Rule] = [
      "the vLLM, router and pool metadata Deployments; delete prunes unwanted ones"),
     (["apps"], ["daemonsets"], READ, "watch the pool agent DaemonSets (written in the pool namespace only)"),
     ([""], ["services", "serviceaccounts"], MANAGE, "the router Service and ServiceAccount, the pool metadata Service"),
+    ([""], ["persistentvolumeclaims"], MANAGE,
+     "each group's model cache claim, shared by its vLLM pods (unless the group names its own)"),
+    (["policy"], ["poddisruptionbudgets"], MANAGE,
+     "a PodDisruptionBudget per role: a node drain takes a role down one pod at a time"),
     (["rbac.authorization.k8s.io"], ["roles", "rolebindings"], MANAGE,
      "the router's Role (read pods in its namespace) and RoleBinding"),
     (["networking.k8s.io"], ["networkpolicies"], MANAGE,
@@ -63,14 +68,24 @@ POOL_NAMESPACE_RULES: list[Rule] = [
      "the pool agent DaemonSets, which run in the pool namespace only"),
 ]
 
+# Get and patch name the instance's Lease (resourceNames); create cannot: Kubernetes authorizes a create
+# before the object has a name, so a create rule with resourceNames never matches.
 LEASE_NAMESPACE_RULES: list[Rule] = [
-    (["coordination.k8s.io"], ["leases"], ["get", "create", "patch"],
-     "leader election: one Lease per operator instance, in one namespace for every release, so two releases "
-     "of the same instance never both lead"),
+    (["coordination.k8s.io"], ["leases"], ["create"],
+     "leader election: the first replica of an instance creates its Lease (create cannot be limited by name)"),
+    (["coordination.k8s.io"], ["leases"], ["get", "patch"],
+     "leader election: only this instance's Lease (resourceNames), in one namespace for every release, so two "
+     "releases of the same instance never both lead"),
 ]
+NAMED_LEASE_VERBS = frozenset({"get", "patch"})
 # Where every release keeps the Lease of its instance: a namespace every cluster has, the same for all
 # releases, and not kube-system (whose Leases elect the control plane's own leaders).
 DEFAULT_LEASE_NAMESPACE = "default"
+
+
+def lease_name(instance: str) -> str:
+    """The leader Lease of an operator instance; the chart's leader-election Role names it too."""
+    return f"maru-operator-{instance}" if instance else "maru-operator"
 
 
 def rules(namespaced: bool = False) -> list[Rule]:
@@ -78,9 +93,16 @@ def rules(namespaced: bool = False) -> list[Rule]:
     return CLUSTER_RULES + (NAMESPACED_MODE_RULES if namespaced else [])
 
 
-def _rules(rules_: list[Rule]) -> list[dict[str, Any]]:
-    return [{"apiGroups": list(groups), "resources": list(resources), "verbs": list(verbs)}
-            for groups, resources, verbs, _ in rules_]
+def _rules(rules_: list[Rule], names: list[str] | None = None,
+           named_verbs: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """RBAC rules; a rule whose verbs are all ``named_verbs`` is limited to the objects ``names``."""
+    out = []
+    for groups, resources, verbs, _ in rules_:
+        rule: dict[str, Any] = {"apiGroups": list(groups), "resources": list(resources), "verbs": list(verbs)}
+        if names and set(verbs) <= named_verbs:
+            rule["resourceNames"] = list(names)
+        out.append(rule)
+    return out
 
 
 def cluster_role(name: str = "maru-operator", namespaced: bool = False) -> dict[str, Any]:
@@ -101,13 +123,14 @@ def pool_namespace_role(namespace: str, name: str = "maru-operator") -> dict[str
     }
 
 
-def lease_namespace_role(namespace: str = DEFAULT_LEASE_NAMESPACE, name: str = "maru-operator") -> dict[str, Any]:
+def lease_namespace_role(namespace: str = DEFAULT_LEASE_NAMESPACE, name: str = "maru-operator",
+                         instance: str = "") -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": {"name": f"{name}-leader-election", "namespace": namespace,
                      "labels": {"app.kubernetes.io/name": "maru-operator"}},
-        "rules": _rules(LEASE_NAMESPACE_RULES),
+        "rules": _rules(LEASE_NAMESPACE_RULES, [lease_name(instance)], NAMED_LEASE_VERBS),
     }
 
 
@@ -132,9 +155,11 @@ def bindings(namespace: str, service_account: str, name: str = "maru-operator",
 
 
 def allows(verb: str, group: str, resource: str, namespaced: bool = False, *, in_pool_namespace: bool = False,
-           in_lease_namespace: bool = False) -> bool:
+           in_lease_namespace: bool = False, name: str | None = None, instance: str = "") -> bool:
     """Whether the documented rules grant ``verb`` on ``group``/``resource`` (in the pool or lease namespace or
-    not)."""
+    not); ``name``: the object's, for the Lease rules that name theirs."""
+    if in_lease_namespace and resource == "leases" and verb in NAMED_LEASE_VERBS and name != lease_name(instance):
+        return False
     scope = (rules(namespaced) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
              + (LEASE_NAMESPACE_RULES if in_lease_namespace else []))
     return any(group in groups and resource in resources and verb in verbs for groups, resources, verbs, _ in scope)

@@ -82,7 +82,7 @@ def test_no_wildcard_anywhere(objects: list[dict[str, Any]]) -> None:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{role['metadata']['name']}: {field} has '*'"
             assert "nonResourceURLs" not in rule
-            assert "resourceNames" not in rule
+            assert "*" not in rule.get("resourceNames", [])
 
 
 def test_no_secret_deletes_and_no_escalation_verbs(objects: list[dict[str, Any]]) -> None:
@@ -130,6 +130,18 @@ def test_the_lease_namespace_is_one_for_every_release(render) -> None:
         assert "--lease-namespace=default" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     moved = render("--set", "leaseNamespace=maru-leases")
     assert_pool_namespace_role(moved, lease_namespace="maru-leases")
+
+
+@pytest.mark.parametrize("instance", ["", "team-a"])
+def test_the_lease_role_reads_and_renews_only_its_instance_lease(render, instance: str) -> None:
+    """get and patch name the instance's Lease; create cannot (Kubernetes authorizes it before the name)."""
+    from maru_operator.rbac import lease_name, lease_namespace_role
+
+    role = one(render("--set", f"instance={instance}"), "Role", f"{RELEASE}-leader-election")
+    by_verbs = {tuple(sorted(r["verbs"])): r.get("resourceNames") for r in role["rules"]}
+    assert by_verbs == {("create",): None, ("get", "patch"): [lease_name(instance)]}
+    # The same rules as `maru-operator rbac` prints, which the operator's tests run under.
+    assert role["rules"] == lease_namespace_role(instance=instance)["rules"]
 
 
 def test_watch_namespaces_binds_workload_rights_only_in_those_namespaces(

@@ -194,8 +194,13 @@ def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role()
     assert docs[1]["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
                                  "verbs": ["create", "patch", "delete"]}]
     # The leader Lease is where every release of the cluster looks for it, not in the release namespace.
-    assert docs[2]["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                                 "verbs": ["get", "create", "patch"]}]
+    # Read and renewed by name; create cannot be limited by name.
+    assert docs[2]["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "patch"],
+         "resourceNames": ["maru-operator"]}]
+    team = list(yaml.safe_load_all(run_cli("rbac", "--instance", "team-a").stdout))
+    assert team[2]["rules"][1]["resourceNames"] == ["maru-operator-team-a"]
     assert docs[5]["roleRef"]["name"] == docs[2]["metadata"]["name"]
     assert "# Role in ops:" in result.stdout and "# Role in default:" in result.stdout
     assert "#   pods (core): get, list, watch:" in result.stdout

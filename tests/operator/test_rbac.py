@@ -58,8 +58,10 @@ def check_requests(kube: KubeEmulator, namespaced: bool) -> set[Any]:
         if perm is None:
             continue
         used.add(perm)
+        lease_path = f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases"
+        name = r.path.partition(lease_path + "/")[2].split("/")[0] or None
         if not allows(*perm, namespaced=namespaced, in_pool_namespace=f"/namespaces/{POOL_NS}/" in r.path,
-                      in_lease_namespace=f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases" in r.path):
+                      in_lease_namespace=lease_path in r.path, name=name):
             denied.add((perm, r.path))
     assert not denied, sorted(denied)
     return used
