@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv test lint crds check-crds scan protos demo render bench clean
+.PHONY: help venv test lint crds check-crds scan protos demo render bench images clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -57,6 +57,17 @@ render: venv  ## print what the operator creates for examples/
 
 bench: venv  ## benchmarks; results in bench/results.json
 	$(PY) bench/run.py
+
+# Images of the Dockerfile's targets, for those who build their own (releases: .github/workflows/release.yml).
+# No virtual environment needed: hack/images.sh uses docker buildx, else podman, else buildah.
+IMAGE_REGISTRY ?= ghcr.io/maru-pd
+IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' charts/maru-operator/Chart.yaml)
+PLATFORMS ?=
+PUSH ?=
+
+images:  ## build the operator, pool, vllm and router images (IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS, PUSH=1)
+	IMAGE_REGISTRY='$(IMAGE_REGISTRY)' IMAGE_TAG='$(IMAGE_TAG)' PLATFORMS='$(PLATFORMS)' PUSH='$(PUSH)' \
+		hack/images.sh
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .ruff_cache

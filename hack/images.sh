@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Build the product's images from the Dockerfile's targets with whichever builder is present:
+# docker buildx, else podman, else buildah. `make images` runs it; the release workflow builds the same
+# targets under the same names (a test keeps them in step).
+#
+#   IMAGE_REGISTRY  registry and path of the images                       (default: ghcr.io/maru-pd)
+#   IMAGE_TAG       tag of the operator, pool and vllm images              (default: the chart's appVersion)
+#   PLATFORMS       e.g. linux/amd64,linux/arm64                           (default: the builder's platform)
+#   PUSH            1: push the images (a multi-platform build must push)  (default: keep them local)
+#   TARGETS         which targets                                          (default: operator pool vllm router)
+#   BUILDER         docker, podman or buildah, instead of the first found
+#
+# The router image keeps the version of the vllm-router it packages (the Dockerfile's pin), not IMAGE_TAG.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+fail() {
+    echo "make images: $*" >&2
+    exit 2
+}
+
+registry=${IMAGE_REGISTRY:-ghcr.io/maru-pd}
+registry=${registry%/}
+tag=${IMAGE_TAG:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' charts/maru-operator/Chart.yaml)}
+[ -n "$tag" ] || fail "no IMAGE_TAG, and no appVersion in charts/maru-operator/Chart.yaml"
+router_tag=$(sed -n 's/.*pip install vllm-router==\([0-9][0-9.]*\).*/\1/p' Dockerfile)
+[ -n "$router_tag" ] || fail "the Dockerfile's router target pins no vllm-router==VERSION"
+platforms=${PLATFORMS:-}
+push=${PUSH:-}
+targets=${TARGETS:-operator pool vllm router}
+
+# target -> image name; the operator and the chart refer to these names (maru_operator.images).
+image_name() {
+    case "$1" in
+        operator) echo maru-operator ;;
+        pool) echo maru-pool ;;
+        vllm) echo vllm-maru ;;
+        router) echo vllm-router ;;
+        *) fail "unknown target '$1': the Dockerfile's targets are operator, pool, vllm and router" ;;
+    esac
+}
+
+image_ref() {
+    local version=$tag
+    [ "$1" = router ] && version=$router_tag
+    echo "$registry/$(image_name "$1"):$version"
+}
+
+pick_builder() {
+    if [ -n "${BUILDER:-}" ]; then
+        case "$BUILDER" in
+            docker) docker buildx version >/dev/null 2>&1 || fail "BUILDER=docker, but 'docker buildx' does not run: install the buildx plugin (https://docs.docker.com/build/install-buildx/)" ;;
+            podman | buildah) command -v "$BUILDER" >/dev/null 2>&1 || fail "BUILDER=$BUILDER, but $BUILDER is not on PATH" ;;
+            *) fail "BUILDER=$BUILDER: use docker (buildx), podman or buildah" ;;
+        esac
+        echo "$BUILDER"
+        return
+    fi
+    if command -v docker >/dev/null 2>&1 && docker buildx version >/dev/null 2>&1; then
+        echo docker
+    elif command -v podman >/dev/null 2>&1; then
+        echo podman
+    elif command -v buildah >/dev/null 2>&1; then
+        echo buildah
+    elif command -v docker >/dev/null 2>&1; then
+        fail "docker is installed without buildx, and neither podman nor buildah is: install the buildx plugin (https://docs.docker.com/build/install-buildx/), or Podman or Buildah"
+    else
+        fail "no image builder: install Docker with buildx (https://docs.docker.com/get-docker/), Podman (https://podman.io/docs/installation) or Buildah (https://buildah.io), or pull the released images (README, Quickstart on a cluster)"
+    fi
+}
+
+run() {
+    echo "+ $*"
+    "$@"
+}
+
+for target in $targets; do
+    image_name "$target" >/dev/null
+done
+builder=$(pick_builder)
+multi=""
+[[ "$platforms" == *,* ]] && multi=1
+
+for target in $targets; do
+    ref=$(image_ref "$target")
+    case "$builder" in
+        docker)
+            args=(docker buildx build --target "$target" --tag "$ref")
+            [ -n "$platforms" ] && args+=(--platform "$platforms")
+            if [ "$push" = 1 ]; then
+                args+=(--push)
+            elif [ -z "$multi" ]; then
+                args+=(--load)
+            else
+                fail "PLATFORMS=$platforms: a multi-platform image cannot be loaded into the local image store; add PUSH=1, or build one platform"
+            fi
+            run "${args[@]}" .
+            ;;
+        podman | buildah)
+            # A multi-platform build goes into a manifest list, pushed with every image it lists.
+            if [ -n "$multi" ]; then
+                "$builder" manifest rm "$ref" >/dev/null 2>&1 || true
+                run "$builder" build --target "$target" --platform "$platforms" --manifest "$ref" .
+                if [ "$push" = 1 ]; then
+                    run "$builder" manifest push --all "$ref" "docker://$ref"
+                fi
+            else
+                args=("$builder" build --target "$target" --tag "$ref")
+                [ -n "$platforms" ] && args+=(--platform "$platforms")
+                run "${args[@]}" .
+                if [ "$push" = 1 ]; then
+                    run "$builder" push "$ref"
+                fi
+            fi
+            ;;
+    esac
+done
+echo "make images: built with $builder: $(for t in $targets; do printf '%s ' "$(image_ref "$t")"; done)"

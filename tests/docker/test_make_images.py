@@ -1,0 +1,136 @@
+"""`make images` (hack/images.sh): the builder it picks, the command lines it runs, and its one clear line
+when no builder is installed.
+
+Each test runs the real `make images` with a PATH that holds only the tools it needs (make, bash, sed...)
+plus, where the test says so, a stand-in `docker`, `podman` or `buildah` that records its arguments and
+succeeds. What is tested is our Makefile and script; no image is built.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+APP_VERSION = yaml.safe_load((REPO_ROOT / "charts" / "maru-operator" / "Chart.yaml").read_text())["appVersion"]
+TOOLS = ("make", "bash", "sh", "sed", "dirname", "env")
+NAMES = {"operator": "maru-operator", "pool": "maru-pool", "vllm": "vllm-maru", "router": "vllm-router"}
+ROUTER_VERSION = "0.1.17"
+
+RECORDER = """#!{python}
+import json, os, sys
+with open(os.environ["FAKE_BUILDER_LOG"], "a") as log:
+    log.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + "\\n")
+sys.exit(1 if sys.argv[1:3] == ["buildx", "version"] and os.environ.get("FAKE_NO_BUILDX") else 0)
+"""
+
+
+def make_images(tmp_path: Path, builders: tuple[str, ...], *args: str, **env: str) -> tuple[int, str, list[list[str]]]:
+    """Run `make images ARGS` with only TOOLS and the given stand-in builders on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        assert found, f"{tool} is needed to run make images"
+        (bin_dir / tool).symlink_to(found)
+    for name in builders:
+        script = bin_dir / name
+        script.write_text(RECORDER.format(python=sys.executable))
+        script.chmod(0o755)
+    log = tmp_path / "argv.jsonl"
+    log.touch()
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(REPO_ROOT), "images", *args],
+        env={"PATH": str(bin_dir), "FAKE_BUILDER_LOG": str(log), **env},
+        capture_output=True, text=True, timeout=120, executable=str(bin_dir / "make"),
+    )
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return done.returncode, done.stdout + done.stderr, calls
+
+
+def builds(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if "build" in c[1:3]]
+
+
+def test_without_any_builder_it_says_what_is_missing(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ())
+    assert rc != 0
+    ours = [line for line in output.splitlines() if line.startswith("make images:")]
+    assert ours == [
+        "make images: no image builder: install Docker with buildx (https://docs.docker.com/get-docker/), "
+        "Podman (https://podman.io/docs/installation) or Buildah (https://buildah.io), or pull the released "
+        "images (README, Quickstart on a cluster)"
+    ]
+    assert calls == []
+
+
+def test_docker_without_buildx_is_named(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), FAKE_NO_BUILDX="1")
+    assert rc != 0
+    assert "make images: docker is installed without buildx" in output
+    assert builds(calls) == []
+
+
+def test_docker_buildx_builds_every_target_with_the_chart_version(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker", "podman"), "IMAGE_REGISTRY=registry.example.com/team/")
+    assert rc == 0, output
+    assert calls[0] == ["docker", "buildx", "version"]
+    expected = []
+    for target, name in NAMES.items():
+        version = ROUTER_VERSION if target == "router" else APP_VERSION
+        expected.append(["docker", "buildx", "build", "--target", target,
+                         "--tag", f"registry.example.com/team/{name}:{version}", "--load", "."])
+    assert builds(calls) == expected
+
+
+def test_multi_platform_docker_build_pushes(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1",
+                                    "IMAGE_TAG=1.2.3")
+    assert rc == 0, output
+    assert builds(calls)[0] == ["docker", "buildx", "build", "--target", "operator",
+                                "--tag", "ghcr.io/maru-pd/maru-operator:1.2.3",
+                                "--platform", "linux/amd64,linux/arm64", "--push", "."]
+    assert all("--push" in c for c in builds(calls))
+
+
+def test_multi_platform_docker_build_without_push_is_refused(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/amd64,linux/arm64")
+    assert rc != 0
+    assert "cannot be loaded into the local image store; add PUSH=1" in output
+    assert builds(calls) == []
+
+
+def test_podman_when_there_is_no_docker(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("podman", "buildah"), "PUSH=1")
+    assert rc == 0, output
+    assert calls[:2] == [
+        ["podman", "build", "--target", "operator", "--tag", f"ghcr.io/maru-pd/maru-operator:{APP_VERSION}", "."],
+        ["podman", "push", f"ghcr.io/maru-pd/maru-operator:{APP_VERSION}"],
+    ]
+    assert {c[0] for c in calls} == {"podman"}
+
+
+def test_buildah_multi_platform_builds_a_manifest_list(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("buildah",), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1",
+                                    "TARGETS=pool")
+    assert rc == 0, output
+    ref = f"ghcr.io/maru-pd/maru-pool:{APP_VERSION}"
+    assert calls == [
+        ["buildah", "manifest", "rm", ref],
+        ["buildah", "build", "--target", "pool", "--platform", "linux/amd64,linux/arm64", "--manifest", ref, "."],
+        ["buildah", "manifest", "push", "--all", ref, f"docker://{ref}"],
+    ]
+
+
+@pytest.mark.parametrize("target", ["bogus", "wheel"])
+def test_an_unknown_target_is_refused_before_any_build(tmp_path: Path, target: str) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), f"TARGETS=operator {target}")
+    assert rc != 0
+    assert f"unknown target '{target}'" in output
+    assert calls == []
