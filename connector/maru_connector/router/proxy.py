@@ -1,0 +1,309 @@
+"""The router's HTTP side: decide per request, then decode alone or prefill then decode.
+
+The key scheme (namespace fingerprints, block and chunk size, hash) is learnt from the producers'
+handoffs (``kv_transfer_params``): half of an engine's namespace is only known once its workers
+registered their KV caches, so only the engine can say it. Until a prefill has answered once,
+and for any prompt keyed under a scheme no engine uses any more, requests take the prefill path,
+whose answer teaches the scheme in use.
+
+Any trouble finding the coverage (pool down or slow, tokenizer endpoint failing) sends the
+request through prefill, as without this router: never an error of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from maru_connector.config import MaruConnectorConfig
+from maru_connector.keys import KeyScheme
+from maru_connector.router import decide
+from maru_connector.router.prompt_keys import chunk_lookup_keys
+from maru_connector.vllm import common
+from maru_connector.vllm.scheduler import HANDOFF_KEY_SCHEME
+
+log = logging.getLogger("maru.router")
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# What vllm-router 0.1.17 (and vLLM's own P/D proxies) ask of prefill: keep the KV for a remote decode.
+PREFILL_TRANSFER = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Chat fields that change the tokens of the rendered prompt: /tokenize must see them as the engine does.
+CHAT_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+)
+DIRECT, PD = "direct", "pd"
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: str  # DIRECT or PD
+    reason: str  # covered | no_key_scheme | short | unsupported | cold | pool_error | tokenize_error | disabled
+    prompt_tokens: int = 0
+    chunks_hit: int = 0
+
+
+class Metrics:
+    """The router's counters, on its own registry (``GET /metrics``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "maru_router_requests",
+            "Requests by route: decode alone (direct) or prefill then decode (pd), and why.",
+            ["route", "reason"],
+            registry=self.registry,
+        )
+        self.lookups = Counter(
+            "maru_router_coverage_lookups", "Prompts whose coverage was asked of the pool.", registry=self.registry
+        )
+        self.fallbacks = Counter(
+            "maru_router_fallbacks",
+            "Requests sent through prefill because their coverage could not be known (pool or tokenizer trouble).",
+            ["reason"],
+            registry=self.registry,
+        )
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        connector: MaruConnectorConfig,
+        min_coverage: float = 1.0,
+        decode_direct: bool = True,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("router: at least one prefill and one decode URL are needed")
+        decide.chunks_needed(1, 1, min_coverage)  # validates min_coverage now, not on the first request
+        self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
+        self._decode = itertools.cycle([u.rstrip("/") for u in decode])
+        self.min_coverage = min_coverage
+        self.decode_direct = decode_direct
+        self.scheme: KeyScheme | None = None
+        self.metrics = Metrics()
+        self._pool = common.PoolGuard(connector, "router", common.Counters())
+        self._session: ClientSession | None = None
+
+    # ------------------------------------------------------------------ app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post(COMPLETIONS, self.serve)
+        app.router.add_post(CHAT, self.serve)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _: web.Application) -> None:
+        # No total deadline: a long generation streams for as long as it takes.
+        self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10))
+
+    async def _close(self, _: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._pool.close()
+
+    @property
+    def session(self) -> ClientSession:
+        assert self._session is not None, "the app is not started"
+        return self._session
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return await self._relay(request, "GET", next(self._decode) + "/v1/models", None)
+
+    # ------------------------------------------------------------------ requests
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return _error(400, "request body: must be a JSON object")
+        decision = await self.decide(request.path, body)
+        self.metrics.requests.labels(decision.route, decision.reason).inc()
+        log.info(
+            "route=%s reason=%s path=%s prompt_tokens=%d chunks_hit=%d",
+            decision.route,
+            decision.reason,
+            request.path,
+            decision.prompt_tokens,
+            decision.chunks_hit,
+        )
+        if decision.route == DIRECT:
+            return await self._relay(request, "POST", next(self._decode) + request.path, body)
+        return await self._prefill_then_decode(request, body)
+
+    async def decide(self, path: str, body: dict[str, Any]) -> Decision:
+        """Decode alone when the pool holds enough of the prompt; anything unknown means prefill."""
+        scheme = self.scheme
+        if not self.decode_direct:
+            return Decision(PD, "disabled")
+        if scheme is None:
+            return Decision(PD, "no_key_scheme")
+        try:
+            ids = await self._prompt_ids(path, body)
+        except _TokenizeError as err:
+            log.warning("coverage unknown, prefill path: tokenize failed: %s", err)
+            self.metrics.fallbacks.labels("tokenize_error").inc()
+            return Decision(PD, "tokenize_error")
+        if ids is None:
+            return Decision(PD, "unsupported")
+        need = decide.chunks_needed(len(ids), scheme.chunk_tokens, self.min_coverage)
+        if need is None:
+            return Decision(PD, "short", len(ids))
+        self.metrics.lookups.inc()
+        salt = body.get("cache_salt")
+        ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt if isinstance(salt, str) else None)
+        if not ok or n is None:
+            self.metrics.fallbacks.labels("pool_error").inc()
+            return Decision(PD, "pool_error", len(ids))
+        chunks = n // len(scheme.fingerprints)
+        if chunks >= need:
+            return Decision(DIRECT, "covered", len(ids), chunks)
+        return Decision(PD, "cold", len(ids), chunks)
+
+    def _coverage(self, ids: list[int], scheme: KeyScheme, salt: str | None) -> tuple[bool, int | None]:
+        keys = chunk_lookup_keys(ids, scheme, salt)
+        return self._pool.call("lookup", lambda client, k: client.lookup_prefix(k), keys)
+
+    async def _prompt_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine will see them; None for what the router cannot key."""
+        if path == COMPLETIONS:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if isinstance(prompt, str) and "prompt_embeds" not in body:
+                query = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+                return await self._tokenize({"model": body.get("model"), **query})
+            return None  # batches, embeddings
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(_text_only(m) for m in messages):
+            return None  # images, audio: vLLM hashes their features into the blocks
+        query = {k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body}
+        return await self._tokenize({"model": body.get("model"), "messages": messages, **query})
+
+    async def _tokenize(self, query: dict[str, Any]) -> list[int]:
+        """The engine's own tokenizer and chat template, through its ``/tokenize`` endpoint."""
+        url = next(self._decode) + "/tokenize"
+        try:
+            async with self.session.post(url, json=query, timeout=ClientTimeout(total=10)) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise _TokenizeError(f"{url}: HTTP {resp.status}")
+        except (ClientError, TimeoutError, ValueError) as err:
+            raise _TokenizeError(f"{url}: {type(err).__name__}: {err}") from None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list):
+            raise _TokenizeError(f"{url}: no tokens in the answer")
+        return tokens
+
+    async def _prefill_then_decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        url = next(self._prefill) + request.path
+        first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TRANSFER}
+        first.pop("stream_options", None)  # vLLM refuses stream_options on a request that does not stream
+        if "max_completion_tokens" in first:
+            first["max_completion_tokens"] = 1
+        try:
+            async with self.session.post(url, json=first) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+        except (ClientError, TimeoutError) as err:
+            log.warning("prefill %s failed: %s: %s", url, type(err).__name__, err)
+            return _error(502, f"prefill {url} failed: {type(err).__name__}")
+        try:
+            params = json.loads(data).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        self._learn(params)
+        then = {**body, "kv_transfer_params": params}
+        return await self._relay(request, "POST", next(self._decode) + request.path, then)
+
+    def _learn(self, params: object) -> None:
+        """Take the key scheme a producer announced with its handoff, if it changed."""
+        if not isinstance(params, dict) or HANDOFF_KEY_SCHEME not in params:
+            return
+        try:
+            scheme = KeyScheme.from_params(params[HANDOFF_KEY_SCHEME])
+        except ValueError as err:
+            log.warning("ignoring a producer's handoff: %s", err)
+            return
+        if scheme != self.scheme:
+            log.info(
+                "key scheme learnt from prefill: chunk_tokens=%d hash_block_size=%d hash=%s tp=%d",
+                scheme.chunk_tokens,
+                scheme.hash_block_size,
+                scheme.hash_algo,
+                len(scheme.fingerprints),
+            )
+            self.scheme = scheme
+
+    async def _relay(self, request: web.Request, method: str, url: str, body: Any) -> web.StreamResponse:
+        """Send ``body`` upstream and pass the answer back as it comes (server-sent events included)."""
+        try:
+            async with self.session.request(method, url, json=body) as resp:
+                if "text/event-stream" not in resp.headers.get("Content-Type", ""):
+                    data = await resp.read()
+                    return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+                out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.headers["Content-Type"]})
+                await out.prepare(request)
+                async for piece in resp.content.iter_any():
+                    await out.write(piece)
+                await out.write_eof()
+                return out
+        except (ClientError, TimeoutError) as err:
+            log.warning("upstream %s failed: %s: %s", url, type(err).__name__, err)
+            return _error(502, f"upstream {url} failed: {type(err).__name__}")
+
+
+class _TokenizeError(Exception):
+    pass
+
+
+def _text_only(message: object) -> bool:
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "router_error", "code": status}}, status=status)

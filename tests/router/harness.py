@@ -1,0 +1,82 @@
+"""The router as it runs in production: ``python -m maru_connector.router`` in its own process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.vllm.harness import env
+from tests.vllm.test_serve_pd import free_port, http
+
+START_TIMEOUT_S = 120.0
+
+
+class RouterProcess:
+    def __init__(self, name: str, workdir: Path, *, prefill: str, decode: str, pool_url: str, **flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"router-{name}.log"
+        connector = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 2000}
+        args = [
+            sys.executable, "-m", "maru_connector.router", "--host", "127.0.0.1", "--port", str(self.port),
+            "--prefill", prefill, "--decode", decode, "--connector-config", json.dumps(connector),
+        ]  # fmt: skip
+        for flag, value in flags.items():
+            args += [f"--{flag.replace('_', '-')}", value]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env())
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise AssertionError(f"router did not start:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                http(f"{self.url}/health", timeout=2)
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(http(f"{self.url}/v1/completions", body))
+
+    def stream(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The server-sent events of a streamed completion, parsed."""
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        events = []
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: ") :]))
+        return events
+
+    def metrics(self) -> dict[str, float]:
+        """``name{labels}`` -> value of every sample the router exposes."""
+        samples = {}
+        for line in http(f"{self.url}/metrics").splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def routed(self, route: str, reason: str) -> float:
+        return self.metrics().get(f'maru_router_requests_total{{reason="{reason}",route="{route}"}}', 0.0)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
