@@ -155,10 +155,11 @@ class TestRoleDeployment:
         # The pool's socket directory comes from the chart's CSI driver, read-only: no hostPath.
         assert volumes["maru-socket"] == {"name": "maru-socket", "csi": {
             "driver": "csi.maru.io", "readOnly": True, "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru"}}}
-        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
         mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
         assert mounts == {"maru-socket": "/run/maru/pool", "maru-credential": "/var/run/secrets/maru.io/pool",
-                          "dshm": "/dev/shm", "home": "/home/maru", "tmp": "/tmp"}
+                          "dshm": "/dev/shm", "model-cache": "/var/cache/maru/models", "home": "/home/maru",
+                          "tmp": "/tmp"}
         assert next(m for m in container(dep)["volumeMounts"] if m["name"] == "maru-socket")["readOnly"] is True
 
     def test_security_and_probes(self) -> None:
@@ -180,22 +181,23 @@ class TestRoleDeployment:
         spec = group_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}})
         c = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
         assert c["resources"] == {"limits": {"nvidia.com/gpu": 2, "memory": "32Gi"},
-                                  "requests": {"cpu": "4", "memory": "8Gi"}}
+                                  "requests": {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "10Gi"}}
         c = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
-        assert c["resources"] == {"limits": {"memory": "32Gi"}, "requests": {"cpu": "1", "memory": "8Gi"}}
+        assert c["resources"] == {"limits": {"memory": "32Gi"},
+                                  "requests": {"cpu": "1", "memory": "8Gi", "ephemeral-storage": "10Gi"}}
 
     def test_memory_defaults_scale_with_tensor_parallel_size_and_yield_to_the_user(self) -> None:
         spec = group_spec(prefill={"tensorParallelSize": 4}, decode={"resources": {"limits": {"memory": "20Gi"}}})
         prefill = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))["resources"]
-        assert prefill == {"limits": {"memory": "128Gi"}, "requests": {"cpu": "4", "memory": "32Gi"}}
+        assert prefill == {"limits": {"memory": "128Gi"},
+                           "requests": {"cpu": "4", "memory": "32Gi", "ephemeral-storage": "10Gi"}}
         decode = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["resources"]
         # A limit alone: Kubernetes defaults the request to it, nothing is added.
-        assert decode == {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1"}}
+        assert decode == {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1", "ephemeral-storage": "10Gi"}}
 
     def test_replicas_override(self) -> None:
         spec = group_spec(decode={"replicas": 3})
         assert build_role_deployment(spec, "decode", GROUP_OWNER, pool_view())["spec"]["replicas"] == 3
-        assert build_role_deployment(spec, "decode", GROUP_OWNER, pool_view(), replicas=0)["spec"]["replicas"] == 0
 
 
 class TestRouterServiceAccount:
@@ -309,8 +311,13 @@ class TestGroupChildren:
 
     def test_bound_group(self) -> None:
         names = [c["metadata"]["name"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
-        assert names == ["llama-pool-credential", "llama-prefill", "llama-decode", "llama-router", "llama-router",
-                         "llama-router", "llama", "llama-router"]
+        kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
+        assert list(zip(kinds, names, strict=True)) == [
+            ("Secret", "llama-pool-credential"), ("PersistentVolumeClaim", "llama-model-cache"),
+            ("Deployment", "llama-prefill"), ("PodDisruptionBudget", "llama-prefill"),
+            ("Deployment", "llama-decode"), ("PodDisruptionBudget", "llama-decode"),
+            ("ServiceAccount", "llama-router"), ("Role", "llama-router"), ("RoleBinding", "llama-router"),
+            ("Service", "llama"), ("Deployment", "llama-router")]
 
 
 class TestRouterResources:
@@ -330,10 +337,24 @@ class TestRouterResources:
 class TestRollout:
     """GPU roles roll without a spare GPU, and slow model loads are not reported as stuck."""
 
-    def test_default_needs_no_spare_gpu(self) -> None:
+    def test_a_single_replica_is_replaced_only_once_its_successor_is_ready(self) -> None:
         spec = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view())["spec"]
-        # A surge pod would need a free GPU on a pool node: replace one pod at a time instead.
-        assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        # maxUnavailable 1 would leave the role without a pod for a whole model load.
+        assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+    def test_more_replicas_surge_and_may_also_stop_one_first(self) -> None:
+        spec = build_role_deployment(group_spec(decode={"replicas": 4}), "decode", GROUP_OWNER, pool_view())["spec"]
+        # Without a free GPU for the surge pod, the update still goes on one pod at a time.
+        assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 1}
+
+    def test_the_users_pace_wins_and_never_both_zero(self) -> None:
+        no_spare = group_spec(decode={"strategy": {"rollingUpdate": {"maxSurge": 0}}})
+        spec = build_role_deployment(no_spare, "decode", GROUP_OWNER, pool_view())["spec"]
+        assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+        given = group_spec(decode={"replicas": 8, "strategy": {"rollingUpdate": {"maxSurge": "25%",
+                                                                                  "maxUnavailable": 0}}})
+        spec = build_role_deployment(given, "decode", GROUP_OWNER, pool_view())["spec"]
+        assert spec["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 0}
 
     def test_progress_deadline_covers_the_startup_budget(self) -> None:
         for spec, budget in ((group_spec(), 1800), (group_spec(prefill={"startupTimeoutSeconds": 3600}), 3600)):

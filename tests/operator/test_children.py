@@ -247,7 +247,7 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     # The user's HOME instead of the read-only root's (env is keyed by name: one HOME).
     assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/models/home"}]
     # The user's /dev/shm and /tmp replace the operator's; the socket and $HOME emptyDir stay.
-    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "home", "models",
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "model-cache", "home", "models",
                                                   "big-shm", "big-tmp"}
     assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("model-reader", "inference")
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
@@ -257,12 +257,13 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
     assert dep is not None
     pod = dep["spec"]["template"]["spec"]
-    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "dshm", "home", "tmp"}
+    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "dshm", "model-cache", "home",
+                                                  "tmp"}
     assert "serviceAccountName" not in pod and "priorityClassName" not in pod and "imagePullSecrets" not in pod
     assert "team" not in dep["spec"]["template"]["metadata"]["labels"]
-    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     env = pod["containers"][0]["env"]
-    assert [e["name"] for e in env] == ["PYTHONHASHSEED", *CACHE_ENV]
+    assert [e["name"] for e in env] == ["PYTHONHASHSEED", "HF_HUB_CACHE", *CACHE_ENV]
     assert {"name": "HOME", "value": CACHE_ENV["HOME"]} in env
 
 

@@ -313,11 +313,15 @@ class PodOptions(KubeModel):
 
 
 class RollingUpdate(KubeModel):
-    """The pace of a rolling update. The default needs no spare GPU: one old pod stops before its
-    replacement starts (a surge pod would need a free GPU on a pool node)."""
+    """The pace of a rolling update. Unset values come from the role's replicas: a surge pod (1) starts
+    before an old one stops, and an old one may stop first (1) only when the role has more than one, so a
+    single-replica role is never left without a pod, and a larger one still rolls without a spare GPU."""
 
-    max_surge: IntOrPercent = Field(0, description="Pods started above the desired count during an update.")
-    max_unavailable: IntOrPercent = Field(1, description="Pods that may be missing during an update.")
+    max_surge: IntOrPercent | None = Field(
+        None, description="Pods started above the desired count during an update. Default 1.")
+    max_unavailable: IntOrPercent | None = Field(
+        None, description="Pods that may be missing during an update. Default: 0 for one replica (1 when "
+                          "maxSurge is 0), else 1.")
 
 
 class RolloutStrategy(KubeModel):
