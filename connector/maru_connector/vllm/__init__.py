@@ -440,15 +440,15 @@ class MaruConnector(KVConnectorBase_V1):
         try:
             return self._sched.request_finished(request, block_ids)
         except Exception as err:
-            # Hold the blocks anyway: a save lane may still be reading them. The request is released
-            # next step, and each worker lets go of it once its own lane is done with it.
+            # Hold the blocks anyway (a save lane may still be reading them), unless its asynchronous
+            # load runs: vLLM holds those itself. A held request is released next step, and each
+            # worker lets go of it once its own lanes are done with it.
             self._failed("request_finished", err, "its unsettled saves are given up")
             try:
-                self._sched.release(request.request_id)
+                return self._sched.release_after_error(request.request_id), None
             except Exception as again:
                 self._failed("request_finished (releasing)", again, "its blocks are freed now")
                 return False, None
-            return True, None
 
     def has_pending_block_frees(self) -> bool:
         """Scheduler: finished requests' blocks are held for their saves and come back soon."""

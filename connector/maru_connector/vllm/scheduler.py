@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from maru_connector import hits
 from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.keys import KeyScheme, Namespace, PromptKeys, block_hash_sharing_problem
+from maru_connector.keys import KeyScheme, Namespace, PromptKeys, block_hash_sharing_problem, with_adapter
 from maru_connector.vllm import common
 from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
 from maru_connector.vllm.lookups import AsyncLookups
@@ -63,6 +63,7 @@ from maru_connector.vllm.metadata import (
     SavePlan,
 )
 from maru_connector.vllm.namespace import engine_identity
+from maru_connector.weights import adapter_identity, remote_weights_problem
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,6 +112,9 @@ class RequestState:
     looked_up_keys: int = -1  # how many chunk keys the prompt had when its lookup was asked
     answered: bool = False  # the lookup for looked_up_keys has answered
     unsettled_load: int | None = None  # load id handed to the workers whose outcome is not reported
+    # That load runs on the load lane while vLLM holds the request in WAITING_FOR_REMOTE_KVS: vLLM
+    # itself keeps the blocks until the load is reported, and none of them may be saved before then.
+    loading_async: bool = False
     load: LoadPlan | None = None  # planned at allocation, handed to the workers by the next build
     # Set once vLLM reported the request finished while saves were unsettled: its blocks are held.
     finished_at: float | None = None
@@ -214,6 +218,7 @@ class _PendingLoad:
     block_ids: frozenset[int]
     first_chunk: int  # prompt index of the plan's first chunk
     since: float
+    asynchronous: bool = False
 
 
 class MaruScheduler:
@@ -266,7 +271,10 @@ class MaruScheduler:
             salt=cfg.cache_namespace,
             hash_algo=hash_algo,
         )
-        self.disabled_reason = block_hash_sharing_problem(hash_algo, os.environ)
+        # Weights whose next version would get the same keys are refused like unshared hashes.
+        self.disabled_reason = block_hash_sharing_problem(hash_algo, os.environ) or remote_weights_problem(
+            self._ns_base["weights"], self._ns_base["revision"], cfg.cache_namespace
+        )
         if self.disabled_reason:
             # Refuse rather than fall back to a private hash chain: vLLM's block hashes carry the
             # request's cache_salt, LoRA and multimodal inputs, which a re-hash of token ids would
@@ -432,15 +440,19 @@ class MaruScheduler:
             )
             if req_id in self._states:
                 self._states[req_id].unsettled_load = meta.loads[req_id].load_id
+                self._states[req_id].loading_async = self.cfg.load_async
         self._abandoned = {}
         for req_id, state in self._states.items():
             if state.load is not None:
                 meta.loads[req_id] = state.load
-                state.unsettled_load, state.load = state.load.load_id, None
+                state.unsettled_load, state.loading_async = state.load.load_id, state.load.asynchronous
+                state.load = None
         now = time.monotonic()
         for req_id, plan in meta.loads.items():
             blocks = {d for chunk in plan.chunks for _, d in chunk.slots} | set(plan.fail_blocks)
-            self._pending_loads[plan.load_id] = _PendingLoad(req_id, frozenset(blocks), plan.first_chunk, now)
+            self._pending_loads[plan.load_id] = _PendingLoad(
+                req_id, frozenset(blocks), plan.first_chunk, now, plan.asynchronous
+            )
         meta.preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if self.saves_enabled and self.active:
             self._plan_saves(scheduler_output, meta, now)
@@ -467,7 +479,9 @@ class MaruScheduler:
             meta.loads[req_id] = LoadPlan(
                 load_id=load_id, chunks=(), fail_blocks=fail_blocks, asynchronous=self.cfg.load_async
             )
-            self._pending_loads[load_id] = _PendingLoad(req_id, frozenset(fail_blocks), 0, time.monotonic())
+            self._pending_loads[load_id] = _PendingLoad(
+                req_id, frozenset(fail_blocks), 0, time.monotonic(), self.cfg.load_async
+            )
         # Finished requests are released even when their saves cannot be planned: the workers keep
         # each one until their own lane is done with it.
         finished = {r for r, st in self._states.items() if st.finished_at is not None}
@@ -489,7 +503,7 @@ class MaruScheduler:
             if state is None:
                 continue
             if state.unsettled_load == load_id:
-                state.unsettled_load = None
+                state.unsettled_load, state.loading_async = None, False
             if failed >= 0:
                 state.load_failed(pending.first_chunk + failed)
         by_request: dict[str, dict[int, str]] = {}
@@ -508,6 +522,11 @@ class MaruScheduler:
         them, and a retry needs them. The request is then released through ``free_now`` once those
         settle, or after :data:`FINISHED_RETRY_S`. The second value tells a reader (the router passes
         it to decode unchanged) how many leading chunks it may expect in the pool.
+
+        Never held while its asynchronous load runs: vLLM then holds the blocks itself until the
+        load is reported (``finished_recving``), frees them at that notice, and would fail on a
+        second notice (``finished_sending``) for a request it no longer knows. Nothing is saved
+        from blocks a load may still be writing.
         """
         state = self._states.get(request.request_id)
         if state is None:
@@ -517,13 +536,38 @@ class MaruScheduler:
         handoff = self._handoff(state)
         if self.lookups is not None:
             self.lookups.forget(request.request_id)
-        state.finished_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if self.load_in_flight(request.request_id):
+            self.forget(request.request_id)
+            return False, handoff
+        # Tokens whose forward has run: under asynchronous scheduling the next step's are counted
+        # already, and their blocks hold nothing yet.
+        computed = request.num_computed_tokens - (getattr(request, "num_in_flight_tokens", 0) or 0)
+        state.finished_tokens = max(0, min(computed, request.num_prompt_tokens))
         if not (self.saves_enabled and self.active) or not state.saves_unsettled(self.chunk_tokens):
             self.forget(request.request_id)
             return False, handoff
         state.finished_at = time.monotonic()
         state.finished_blocks = list(block_ids)
         return True, handoff
+
+    def load_in_flight(self, req_id: str) -> bool:
+        """Whether an asynchronous load of ``req_id`` was handed to the workers and not reported yet."""
+        state = self._states.get(req_id)
+        if state is not None and state.unsettled_load is not None and state.loading_async:
+            return True
+        return any(p.req_id == req_id and p.asynchronous for p in self._pending_loads.values())
+
+    def release_after_error(self, req_id: str) -> bool:
+        """``request_finished`` raised: whether vLLM should hold the blocks (a save lane may read them).
+
+        Not while an asynchronous load of the request runs: vLLM holds those blocks itself (see
+        :meth:`request_finished`). Otherwise held, and released next step through ``free_now``.
+        """
+        if self.load_in_flight(req_id):
+            self.forget(req_id)
+            return False
+        self.release(req_id)
+        return True
 
     def has_pending_block_frees(self) -> bool:
         """Blocks of finished requests are held for their saves and will come back without preemption."""
@@ -563,6 +607,8 @@ class MaruScheduler:
                 progress.append((req_id, state.finished_tokens, state.finished_blocks))
         for req_id, computed, block_ids in progress:
             state = self._states[req_id]
+            if state.loading_async:
+                continue  # its blocks are being written by a load; saved once it is reported
             state.follow_prompt()
             due = state.saves_due(computed, self._step, self.chunk_tokens)
             if not due:
@@ -630,7 +676,8 @@ class MaruScheduler:
         state = self._states.get(request.request_id)
         if state is None or state.request is not request:
             assert self.fingerprints is not None
-            keys = PromptKeys(self.fingerprints, hash_block_size=self.hash_block_size, chunk_tokens=self.chunk_tokens)
+            fingerprints = with_adapter(self.fingerprints, adapter_identity(getattr(request, "lora_request", None)))
+            keys = PromptKeys(fingerprints, hash_block_size=self.hash_block_size, chunk_tokens=self.chunk_tokens)
             state = RequestState(request, keys)
             self._states[request.request_id] = state
         state.follow_prompt()

@@ -473,7 +473,8 @@ class MaruWorker:
         loaded, self._loaded = self._loaded, set()
         if meta is not None:
             self._to_free.update(meta.free_now)
-        busy = self._saves.busy_with(self._to_free)
+        # Neither lane may still be touching a released request's blocks.
+        busy = self._saves.busy_with(self._to_free) | self._loads.busy_with(self._to_free)
         freed = self._to_free - busy
         self._to_free = busy
         return freed, loaded

