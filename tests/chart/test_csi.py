@@ -73,6 +73,32 @@ def test_mounts_meet_where_the_kubelet_looks(default_objects: list[dict[str, Any
     assert mounts["socket-root"]["readOnly"] is True
 
 
+def test_the_plugin_itself_is_probed_over_its_csi_socket(default_objects: list[dict[str, Any]]) -> None:
+    """The plugin container's liveness and readiness are its CSI Probe, asked over the socket the kubelet uses
+    (the livenessprobe sidecar); the registrar's own probe tells only that it registered the plugin."""
+    containers = _containers(default_objects)
+    plugin, sidecar = containers["plugin"], containers["liveness-probe"]
+    (port,) = plugin["ports"]
+    flags = _flags(sidecar["args"])
+    assert flags["csi-address"] == "/csi/csi.sock"
+    assert flags["http-endpoint"] == f":{port['containerPort']}"
+    for probe in (plugin["livenessProbe"], plugin["readinessProbe"]):
+        assert probe["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]} == {"plugin-dir": "/csi"}
+    assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert sidecar["securityContext"]["allowPrivilegeEscalation"] is False
+    pod = one(default_objects, "DaemonSet", CSI_NODE)["spec"]["template"]["spec"]
+    # Evicted last, scheduled first: vLLM pods on the node cannot start without it.
+    assert pod["priorityClassName"] == "system-node-critical"
+    names = [p["name"] for c in containers.values() for p in c.get("ports", [])]
+    assert len(names) == len(set(names)), names
+
+
+def test_the_priority_class_can_be_left_out(render) -> None:
+    pod = one(render("--set", "csiDriver.priorityClassName="), "DaemonSet", CSI_NODE)["spec"]["template"]["spec"]
+    assert "priorityClassName" not in pod
+
+
 def test_privilege_where_it_is_needed_only(default_objects: list[dict[str, Any]]) -> None:
     containers = _containers(default_objects)
     assert containers["plugin"]["securityContext"]["privileged"] is True

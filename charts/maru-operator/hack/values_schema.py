@@ -219,12 +219,16 @@ VALUES: dict[str, Any] = obj(
                 "registrar": obj(
                     {"image": IMAGE, "resources": kube(CORE + "ResourceRequirements")}, required=["image"]
                 ),
+                "livenessProbe": obj(
+                    {"port": port(), "image": IMAGE, "resources": kube(CORE + "ResourceRequirements")},
+                    required=["port", "image"],
+                ),
                 "resources": kube(CORE + "ResourceRequirements"),
                 "nodeSelector": string_map(),
                 "tolerations": kube_list(CORE + "Toleration"),
                 "priorityClassName": string(maxLength=253),
             },
-            required=["enabled", "socketRoot", "kubeletDir", "image", "registrar"],
+            required=["enabled", "socketRoot", "kubeletDir", "image", "registrar", "livenessProbe"],
         ),
     },
     required=["image", "instance", "logLevel", "workers", "resyncSeconds", "poolUsageIntervalSeconds", "replicas",
