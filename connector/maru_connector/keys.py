@@ -9,6 +9,10 @@ dtypes, the KV cache's byte format and layers, the vLLM version, block and chunk
 rank and size, and the tenant salt.
 Nothing re-reads token ids, so a 128k-token prompt costs one small hash per chunk.
 
+A request served through a LoRA adapter gets keys of its own adapter's weights (:func:`with_adapter`):
+vLLM's block hashes carry the adapter's name and path, which stay the same when new adapter weights
+are written at that path.
+
 The chain only matches across engines when vLLM's root hash (``NONE_HASH``) is the same in every
 process: :func:`block_hash_sharing_problem` says when it is not.
 
@@ -73,6 +77,20 @@ class Namespace:
 
     def for_rank(self, tp_rank: int) -> Namespace:
         return Namespace(**{**asdict(self), "tp_rank": tp_rank})
+
+
+def with_adapter(fingerprints: Sequence[bytes], adapter: str) -> list[bytes]:
+    """The per-rank fingerprints of a request served through the LoRA adapter ``adapter``.
+
+    ``adapter`` is ``weights.adapter_identity`` of the request's adapter; "" (no adapter) keeps the
+    engine's fingerprints, so requests without an adapter share keys as before.
+    """
+    if not adapter:
+        return list(fingerprints)
+    return [
+        hashlib.blake2b(adapter.encode(), digest_size=32, key=fp, person=b"maru-adapter").digest()
+        for fp in fingerprints
+    ]
 
 
 def chunk_keys(

@@ -10,6 +10,15 @@ So the keys carry an identity of the weights themselves, derived without reading
   bytes of its small JSON files (config, checkpoint index, quantization config) and of its
   modelling code (the ``*.py`` files ``trust_remote_code`` runs).
 
+Weights the loader streams from object storage (``s3://``, ``gs://``, ``az://``: vLLM then pulls only
+the config and code into a local directory) or reads from a tensorizer file are not in that directory,
+and an object store's URI keeps its name when new weights are written there: such weights are
+*unresolved* unless something the user gives pins them (:func:`remote_weights_problem`). A tensorizer
+file on a local disk is identified like a weight file.
+
+LoRA adapters are weights too: vLLM's block hashes carry an adapter's name and path, not its numbers,
+so :func:`adapter_identity` identifies the adapter's files the same way.
+
 Files are only listed and stat'ed, and small JSON and code files read: microseconds to milliseconds.
 Two copies of one model made separately on two nodes get different identities unless their
 modification times match (container images, ``cp -p`` and ``rsync -t`` keep them); that costs hits,
@@ -24,6 +33,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
 # Custom modelling code shipped with the weights (``modeling_*.py``, ``configuration_*.py``), which
@@ -33,26 +43,122 @@ CODE_SUFFIXES = (".py",)
 # head counts), the checkpoint index, quantization parameters, and the modelling code; read whole.
 SMALL_FILE_MAX_BYTES = 4 << 20
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# Where a loader may read weights that no local file stands for: vLLM's object-storage schemes
+# (transformers_utils.runai_utils) and the URLs tensorizer streams from.
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", "http://", "https://")
 
 
-def weights_identity(model: str, revision: str | None = None, *, cache_dir: str | None = None) -> str:
+def weights_identity(model: str, revision: str | None = None, *, cache_dir: str | None = None, source: str = "") -> str:
     """A short string that changes whenever the weights ``model`` names may have changed.
 
     ``model`` is a local directory or a Hugging Face repo id (then looked up in ``cache_dir`` or the
-    default hub cache). Never raises: what cannot be resolved is named as such, so an unresolved
-    model keeps working, keyed by its name and revision alone.
+    default hub cache). ``source`` is where the loader really reads the weights when that is not
+    ``model``'s files: the object-storage URI vLLM streams them from, or a tensorizer file. Never
+    raises: what cannot be resolved is named as such, so an unresolved model keeps working, keyed by
+    its name and revision alone (see :func:`remote_weights_problem` for when that is not enough).
     """
+    if source and is_remote(source):
+        return _unresolved(source, revision)
+    identity = _model_identity(model, revision, cache_dir)
+    if not source or not is_resolved(identity):
+        return identity
+    weights = Path(source)
+    if weights.is_file():
+        return f"{identity}+{_file_identity(weights)}"
+    if weights.is_dir():
+        return f"{identity}+{_directory_identity(weights)}"
+    return _unresolved(source, revision)
+
+
+def _model_identity(model: str, revision: str | None, cache_dir: str | None) -> str:
     path = Path(model)
     if path.is_dir():
         return _directory_identity(path)
     snapshot = _cached_snapshot(model, revision, cache_dir)
-    if snapshot is not None:
-        return _directory_identity(snapshot)
-    return f"unresolved:{model}@{revision or 'default'}"
+    return _directory_identity(snapshot) if snapshot is not None else _unresolved(model, revision)
+
+
+def _unresolved(name: str, revision: str | None) -> str:
+    return f"unresolved:{name}@{revision or 'default'}"
 
 
 def is_resolved(identity: str) -> bool:
     return not identity.startswith("unresolved:")
+
+
+def is_remote(uri: str) -> bool:
+    return uri.lower().startswith(REMOTE_SCHEMES)
+
+
+def loader_source(model_weights: str, load_format: str, loader_config: Any) -> str:
+    """Where vLLM's loader reads the weights when the model directory does not hold them, else "".
+
+    ``model_weights`` is vLLM's ``ModelConfig.model_weights`` (set to the object-storage URI when
+    the model was given as one; ``model`` is then a local directory with the config alone); a
+    ``tensorizer`` load reads ``tensorizer_uri`` (or ``<tensorizer_dir>/model.tensors``).
+    """
+    if model_weights and is_remote(model_weights):
+        return model_weights
+    if load_format != "tensorizer":
+        return ""
+    uri, directory = _option(loader_config, "tensorizer_uri"), _option(loader_config, "tensorizer_dir")
+    return uri or (f"{directory.rstrip('/')}/model.tensors" if directory else "")
+
+
+def remote_weights_problem(identity: str, revision: str, cache_namespace: str) -> str | None:
+    """Why chunk keys could not tell these weights from the next ones at the same URI, or None.
+
+    New weights uploaded to the same ``s3://`` prefix (or tensorizer URI) keep every name the keys
+    can see, so their engines would load KV computed by the old weights: wrong numbers, no error.
+    A revision (the objects' ETag or version id, or any label the deployment changes with them) or
+    a ``maru_cache_namespace`` given to each version tells them apart.
+    """
+    if is_resolved(identity) or revision or cache_namespace:
+        return None
+    source = identity.removeprefix("unresolved:").rsplit("@", 1)[0]
+    if not is_remote(source):
+        return None
+    return (
+        f"the weights are read from {source}, which keeps its name when new weights are written there, so "
+        "chunk keys cannot tell two versions apart; pin them with --revision (the objects' ETag or version id) "
+        "or give each version its own maru_cache_namespace in --kv-transfer-config"
+    )
+
+
+def adapter_identity(lora_request: Any) -> str:
+    """The identity of a LoRA adapter's weights ("" for a request without one).
+
+    Taken when the engine first meets the adapter (vLLM loads it then and keeps it loaded under its
+    id), and again whenever the request asks vLLM to reload it in place.
+    """
+    if lora_request is None:
+        return ""
+    path = str(getattr(lora_request, "lora_path", "") or "")
+    key = (str(getattr(lora_request, "lora_name", "")), int(getattr(lora_request, "lora_int_id", 0) or 0), path)
+    identity = _ADAPTERS.get(key)
+    if identity is None or getattr(lora_request, "load_inplace", False):
+        if len(_ADAPTERS) >= _MAX_ADAPTERS:
+            _ADAPTERS.pop(next(iter(_ADAPTERS)))
+        identity = _ADAPTERS[key] = f"lora:{key[0]}:{weights_identity(path) if path else _unresolved('', None)}"
+    return identity
+
+
+# (lora_name, lora_int_id, lora_path) -> identity, as first seen; oldest dropped first.
+_ADAPTERS: dict[tuple[str, int, str], str] = {}
+_MAX_ADAPTERS = 1024
+
+
+def _option(config: Any, key: str) -> str:
+    value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return str(value) if value else ""
+
+
+def _file_identity(file: Path) -> str:
+    """A single weights file (a tensorizer archive): its name, size and modification time."""
+    st = file.stat()
+    digest = hashlib.blake2b(digest_size=16, person=b"maru-weights")
+    digest.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return f"file:{digest.hexdigest()}"
 
 
 def _directory_identity(path: Path) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from maru_connector.vllm import common
-from maru_connector.weights import is_resolved, weights_identity
+from maru_connector.weights import is_resolved, loader_source, weights_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,13 +37,19 @@ def engine_identity(vllm_config: VllmConfig) -> dict[str, str]:
     name = str(getattr(model, "model_weights", "") or model.model)
     load = getattr(vllm_config, "load_config", None)
     download_dir = getattr(load, "download_dir", None)
-    weights = weights_identity(str(model.model), model.revision, cache_dir=download_dir)
+    load_format = str(getattr(load, "load_format", "auto"))
+    # Weights streamed from object storage or read from a tensorizer file are not in model.model,
+    # a local directory of config and code alone.
+    source = loader_source(
+        str(getattr(model, "model_weights", "") or ""), load_format, getattr(load, "model_loader_extra_config", None)
+    )
+    weights = weights_identity(str(model.model), model.revision, cache_dir=download_dir, source=source)
     if not is_resolved(weights):
         common.log.warning(
-            "maru connector: cannot identify the weights of %s (no local directory or cached snapshot); "
-            "chunk keys use its name and revision only, so pin --revision to a commit, or give a "
-            "different maru_cache_namespace to each version of the weights",
-            name,
+            "maru connector: cannot identify the weights of %s from local files; chunk keys use its "
+            "name, revision and maru_cache_namespace only, so pin --revision to a commit (or the objects' "
+            "ETag), or give a different maru_cache_namespace to each version of the weights",
+            source or name,
         )
     skipped = list(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])
     impl = getattr(model, "model_impl", "auto")
@@ -53,7 +59,7 @@ def engine_identity(vllm_config: VllmConfig) -> dict[str, str]:
         "weights": weights,
         # Which loader fills the weights: `dummy` gives random numbers from the same files, and a
         # tensorizer or sharded-state loader reads other files than the directory's weights.
-        "load_format": str(getattr(load, "load_format", "auto")),
+        "load_format": load_format,
         "loader_config": loader_config(getattr(load, "model_loader_extra_config", None)),
         # Which modelling code computes the KV: vLLM's own, or Transformers' (the model's custom
         # code with trust_remote_code, whose files are in the weights identity).
