@@ -18,6 +18,9 @@ level-triggered, as the real controllers do from their informers:
   Service's labels copied onto its slices and kept in step, beside ``kubernetes.io/service-name``);
   **ServiceAccount** ``default`` and ConfigMap ``kube-root-ca.crt`` in every namespace; **pod GC**
   removes the pods of nodes that are gone (owner-reference GC is the API server's, ``apiserver.py``).
+* **PersistentVolumeClaim**: a provisioner of one shared filesystem (as an NFS class is) binds every claim
+  at once, whatever its access mode and class, with the capacity it asked for; the kubelets mount
+  ``<cluster>/persistent-volumes/<namespace>/<claim>-<uid>`` (``volumes.py``).
 
 Writes go straight to the API server's store (no HTTP), as the same loop serves the API; watchers
 see them like any other write. A create the API server refuses (a missing PriorityClass or
@@ -245,6 +248,18 @@ class ControllerManager:
         for d in emulator.list_objects("apps", "deployments"):
             self.deployment_status(emulator, d)
         self.endpoint_slices(emulator, pods)
+        self.claims(emulator)
+
+    # --- PersistentVolumeClaims: bound at once to the shared filesystem
+
+    def claims(self, emulator: Emulator) -> None:
+        for claim in emulator.list_objects("", "persistentvolumeclaims"):
+            if (claim.get("status") or {}).get("phase") == "Bound":
+                continue
+            spec = claim.get("spec") or {}
+            status = {"phase": "Bound", "accessModes": list(spec.get("accessModes") or ["ReadWriteOnce"]),
+                      "capacity": dict((spec.get("resources") or {}).get("requests") or {})}
+            self._write_status(emulator, "", "persistentvolumeclaims", claim, status)
 
     # --- namespaces: the default ServiceAccount and the cluster's CA
 

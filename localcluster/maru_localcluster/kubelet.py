@@ -89,6 +89,10 @@ class KubeletConfig:
         return cls(**data)
 
 
+# Kubernetes gives a container whose preStop hook took its whole grace period 2 s more to stop.
+PRE_STOP_EXTRA_GRACE_S = 2.0
+
+
 def _stamp() -> str:
     return events.now()
 
@@ -282,11 +286,15 @@ class ContainerRunner:
         return self.host_pid
 
     async def stop(self, grace: float, reason: str = "") -> None:
-        """SIGTERM to PID 1 (through podrun), SIGKILL once ``grace`` seconds passed."""
+        """The preStop hook, then SIGTERM to PID 1 (through podrun), SIGKILL once ``grace`` seconds passed
+        since the hook started (at least 2 s after a hook that took the whole grace period, as the kubelet)."""
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
         self.kill_reason = self.kill_reason or reason
+        started = time.monotonic()
+        await self._pre_stop(grace)
+        grace = max(grace - (time.monotonic() - started), PRE_STOP_EXTRA_GRACE_S)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
@@ -299,6 +307,22 @@ class ContainerRunner:
                         os.kill(target, signal.SIGKILL)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=10)
+
+    async def _pre_stop(self, grace: float) -> None:
+        """Run the container's ``lifecycle.preStop`` (exec, httpGet or sleep) within ``grace`` seconds; a
+        failing hook is reported as an Event and the container is stopped all the same."""
+        hook = (self.spec.get("lifecycle") or {}).get("preStop")
+        pid = self.pid()
+        if not hook or pid is None or grace <= 0:
+            return
+        if "sleep" in hook:
+            await asyncio.sleep(min(float(hook["sleep"].get("seconds", 0)), grace))
+            return
+        probe = {**hook, "timeoutSeconds": grace}
+        ok, detail = await run_probe(probe, self.spec, self.worker.ip, exec_prefix(pid, self.uid, self.gid))
+        if not ok:
+            await self.worker.event("Warning", "FailedPreStopHook",
+                                    f"PreStopHook failed: {detail}", container=self.name)
 
     # --- probes
 

@@ -362,14 +362,17 @@ def run(spec_path: str) -> int:
 
 
 def exec_in(pid: int, uid: int, gid: int, argv: list[str]) -> int:
-    """Run ``argv`` in the namespaces and root of container process ``pid`` (for exec probes)."""
-    for ns in ("net", "uts", "mnt", "pid"):
-        fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)
-        try:
-            _check(_libc.setns(fd, 0), f"setns {ns}")
-        finally:
-            os.close(fd)
+    """Run ``argv`` in the namespaces and root of container process ``pid`` (exec probes, preStop hooks)."""
+    # Everything about ``pid`` is read first: once in its mount namespace, /proc is the container's, where
+    # the pid is another (PID 1).
     env = _environ_of(pid)
+    fds = [(ns, os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)) for ns in ("net", "uts", "pid", "mnt")]
+    try:
+        for ns, fd in fds:
+            _check(_libc.setns(fd, 0), f"setns {ns}")
+    finally:
+        for _, fd in fds:
+            os.close(fd)
     child = os.fork()
     if child == 0:
         try:

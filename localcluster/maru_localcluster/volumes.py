@@ -15,6 +15,10 @@ more entry, registered with :func:`register`.
   TokenRequest API, bound to the pod; its CA and namespace): files written once when the pod starts
   (no live updates, no token refresh: the API server extends the default 3607 s tokens, as
   kube-apiserver does).
+* ``persistentVolumeClaim``: the claim's folder on the cluster's shared filesystem
+  (``<cluster>/persistent-volumes/<namespace>/<claim>-<uid>``, the same on every node, as an NFS export
+  is), once the claim is Bound; with the pod's ``fsGroup`` the folder's group is set to it and made
+  group-writable (setgid), as the kubelet does for volumes that support ownership management.
 * ``csi`` (inline ephemeral volumes): NodePublishVolume / NodeUnpublishVolume over the gRPC socket of
   the driver's node plugin, which the kubelet runs on its node (see ``kubelet.py``), if the driver's
   CSIDriver object allows ``Ephemeral``; with ``podInfoOnMount`` the pod's name, namespace, uid and
@@ -401,6 +405,32 @@ class Csi:
                          volume["name"])
 
 
+class PersistentVolumeClaimVolume:
+    @staticmethod
+    def storage_root(ctx: PodContext) -> Path:
+        # <cluster>/nodes/<node>/root: the cluster's folder is three up.
+        return ctx.node_root.parents[2] / "persistent-volumes"
+
+    async def setup(self, ctx: PodContext, volume: JsonObj) -> str:
+        source = volume["persistentVolumeClaim"]
+        name = source.get("claimName", "")
+        claim = await ctx.api.get(f"/api/v1/namespaces/{ctx.namespace}/persistentvolumeclaims/{name}")
+        if claim is None:
+            raise MountError(f'persistentvolumeclaim "{name}" not found')
+        if (claim.get("status") or {}).get("phase") != "Bound":
+            raise MountError(f'persistentvolumeclaim "{name}" is not bound yet')
+        path = self.storage_root(ctx) / ctx.namespace / f"{name}-{claim['metadata']['uid']}"
+        path.mkdir(parents=True, exist_ok=True)
+        group = (ctx.pod["spec"].get("securityContext") or {}).get("fsGroup")
+        if group is not None:
+            os.chown(path, -1, int(group))
+            os.chmod(path, 0o2775)
+        return str(path)
+
+    async def teardown(self, ctx: PodContext, volume: JsonObj, path: str) -> None:
+        """The claim's data outlives the pod."""
+
+
 register("hostPath", HostPath())
 register("csi", Csi())
 register("emptyDir", EmptyDir())
@@ -408,6 +438,7 @@ register("configMap", ObjectVolume("configMap"))
 register("secret", ObjectVolume("secret"))
 register("downwardAPI", DownwardApi())
 register("projected", Projected())
+register("persistentVolumeClaim", PersistentVolumeClaimVolume())
 
 __all__ = ["HANDLERS", "CsiPlugin", "MountError", "PodContext", "VolumeHandler", "field_value", "handler_for",
            "register"]

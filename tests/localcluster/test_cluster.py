@@ -548,6 +548,48 @@ def test_graceful_deletion_sigterm_then_sigkill(cluster: LocalCluster) -> None:
     assert processes_in(spaces) == []
 
 
+def test_pre_stop_hook_runs_before_sigterm(cluster: LocalCluster) -> None:
+    """The vLLM pods drain in a preStop hook: it must end before the container gets SIGTERM."""
+    marker = cluster.node_root("node-1") / "tmp" / "pre-stop"
+    marker.unlink(missing_ok=True)
+    apply(cluster, pod("draining", """
+        trap 'echo sigterm >> /host/pre-stop; exit 0' TERM
+        while true; do sleep 0.1; done
+    """, nodeSelector={"zone": "a"}, restartPolicy="Always", terminationGracePeriodSeconds=30,
+        volumes=[{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
+        container={"volumeMounts": [{"name": "host", "mountPath": "/host"}], "lifecycle": {"preStop": {"exec": {
+            "command": ["/bin/sh", "-c", "echo hook-start >> /host/pre-stop; sleep 1; echo hook-end >> /host/pre-stop"]
+        }}}}))
+    wait(lambda: "running" in ((cluster.kube.get("pods", "draining", "default").get("status") or {}).get(
+        "containerStatuses") or [{}])[0].get("state", {}), "draining running")
+    cluster.kubectl("delete", "pod", "draining", "--wait=true", "--timeout=60s")
+    events = [e.get("message") for e in cluster.kube.list("events", "default")
+              if e.get("involvedObject", {}).get("name") == "draining"]
+    assert marker.read_text().split() == ["hook-start", "hook-end", "sigterm"], events
+
+
+def test_claims_are_bound_and_shared_across_nodes(cluster: LocalCluster) -> None:
+    """A ReadWriteMany claim, as the operator creates for a group's model cache: one folder for every pod,
+    on every node, writable by the pods' fsGroup."""
+    apply(cluster, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": "models", "namespace": "default"},
+                    "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    claim = wait(lambda: (c := cluster.kube.get("persistentvolumeclaims", "models", "default"))
+                 and c.get("status", {}).get("phase") == "Bound" and c, "the claim bound")
+    assert claim["status"]["capacity"] == {"storage": "1Gi"}
+    volume = {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+              "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532}}
+    mount = {"volumeMounts": [{"name": "models", "mountPath": "/models"}]}
+    apply(cluster, pod("writer", "echo weights > /models/blob", nodeSelector={"zone": "a"}, container=mount,
+                       **volume))
+    assert finished(cluster, "writer")[0] == "Succeeded", cluster.pod_log("default", "writer")
+    apply(cluster, pod("reader", "cat /models/blob", nodeSelector={"zone": "b"}, tolerations=[
+        {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}], container=mount, **volume))
+    phase, log = finished(cluster, "reader")
+    assert (phase, log.strip()) == ("Succeeded", "weights")
+    assert cluster.kube.get("pods", "reader", "default")["spec"]["nodeName"] == "node-2"
+
+
 def test_pods_of_a_deleted_owner_are_collected(cluster: LocalCluster) -> None:
     pods = cluster.kube.list("pods", "default", labels="app=web")
     spaces = set().union(*(cluster.pid_namespaces(p) for p in pods))
