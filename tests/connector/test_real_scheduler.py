@@ -97,3 +97,28 @@ def test_abort_during_a_reloading_prefill_after_an_orphan_does_not_kill_the_engi
         assert "r" not in engine.finished_sending, "vLLM frees an aborted loading request itself"
     finally:
         engine.close()
+
+
+def test_a_dead_pool_never_keeps_finished_requests_blocks_from_vllm(model_dir: Path) -> None:
+    """With the pool gone every save is skipped; a finished request must give its blocks back at once.
+
+    vLLM stops preempting while ``has_pending_block_frees()`` is True, so a request held to retry
+    skipped saves stalls allocation for every step of the hold.
+    """
+    engine = Engine(model_dir, NO_POOL, num_blocks=24)
+    try:
+        a = engine.add("a", prompt(4 * CHUNK + 31, 3), max_tokens=2)
+        step_until(engine, lambda: a.is_finished(), "a finished")
+        states = engine.connector._scheduler._states
+        # A copy (here: the attempt that finds the pool gone) may still run when a finishes; that
+        # one is worth waiting for. Once the workers have reported it, nothing is.
+        step_until(engine, lambda: "a" not in states or not states["a"].saving_since, "a's saves reported")
+        pending = [engine.connector.has_pending_block_frees()]
+        for _ in range(3):
+            engine.step()
+            pending.append(engine.connector.has_pending_block_frees())
+        assert not any(pending), f"vLLM was told blocks are coming back in steps {pending}"
+        assert "a" not in engine.sched.requests, "a's blocks are back within a few steps of its end"
+        assert engine.sched.kv_cache_manager.block_pool.get_num_free_blocks() == 23
+    finally:
+        engine.close()

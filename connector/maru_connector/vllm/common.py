@@ -207,6 +207,10 @@ class PoolGuard:
             self._retry_at = 0.0
             return True, result
 
+    def backing_off(self) -> bool:
+        """Whether calls are being skipped after a failure (the pool is dead or hung)."""
+        return bool(self._retry_at) and time.monotonic() < self._retry_at
+
     def failed(self, what: str, err: BaseException) -> None:
         self._stats.count(POOL_ERRORS)
         full = type(err).__name__ == "PoolFull"

@@ -22,8 +22,11 @@ PRESENT = "present"  # already stored, or being stored by another engine: nothin
 RETRY = "retry"  # not stored (pool full or failing, lease lost): try again later
 ORPHAN = "orphan"  # refused: the chunk before it is no longer stored; store that one again first
 TAINTED = "tainted"  # computed over a load that failed: dropped; saved again once recomputed
+# Not tried: the pool is unreachable or backing off, or the save lane is behind. Retried while the
+# request runs, never a reason to hold a finished request's blocks.
+SKIPPED = "skipped"
 # When ranks disagree, the worse outcome wins (a chunk counts as stored only if every rank stored it).
-_SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, ORPHAN: 2, TAINTED: 3}
+_SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, SKIPPED: 1, ORPHAN: 2, TAINTED: 3}
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class MaruWorkerReport(KVConnectorWorkerMetadata):
 
     # load_id -> index of the first chunk that failed, or -1 when every chunk loaded
     loads: dict[int, int] = field(default_factory=dict)
-    # (req_id, chunk index) -> STORED | PRESENT | RETRY | ORPHAN | TAINTED
+    # (req_id, chunk index) -> STORED | PRESENT | RETRY | SKIPPED | ORPHAN | TAINTED
     saves: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> MaruWorkerReport:

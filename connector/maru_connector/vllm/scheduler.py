@@ -52,6 +52,7 @@ from maru_connector.vllm.metadata import (
     ORPHAN,
     PRESENT,
     RETRY,
+    SKIPPED,
     STORED,
     TAINTED,
     ChunkLoad,
@@ -167,7 +168,7 @@ class RequestState:
 
     def saves_reported(self, outcomes: dict[int, str], step: int) -> None:
         """The workers' report on chunks handed over for saving: chunk -> outcome."""
-        if any(outcome == RETRY for outcome in outcomes.values()):
+        if any(outcome in (RETRY, SKIPPED) for outcome in outcomes.values()):
             self.skips_in_a_row += 1  # one more step whose saves were skipped: the back-off doubles
         elif any(outcome in (STORED, PRESENT) for outcome in outcomes.values()):
             self.skips_in_a_row = 0
@@ -207,9 +208,11 @@ class RequestState:
             n += 1
         return n
 
-    def saves_unsettled(self, chunk_tokens: int) -> bool:
-        """Whether saves are in flight, or skipped ones are to be tried again (now or after a back-off)."""
-        return bool(self.saving_since) or bool(self.saves_due(self.finished_tokens, math.inf, chunk_tokens))
+    def saves_unsettled(self, chunk_tokens: int, *, retries: bool = True) -> bool:
+        """Whether saves are in flight, or (``retries``) skipped ones are to be tried again."""
+        if self.saving_since:
+            return True
+        return retries and bool(self.saves_due(self.finished_tokens, math.inf, chunk_tokens))
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,9 @@ class MaruScheduler:
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
         self._abandoned: dict[str, tuple[int, ...]] = {}  # req_id -> blocks to report failed next step
         self._free_now: set[str] = set()  # req_id -> finished, saves settled: workers release it next step
+        # The workers' last word on saves was "skipped, the pool is unreachable": finished requests are
+        # then not held for retries, which would only keep blocks from vLLM while the pool is away.
+        self._pool_down = False
         self._next_load_id = 1
         self._step = 0
         self.stats = common.Counters()
@@ -506,6 +512,11 @@ class MaruScheduler:
                 state.unsettled_load, state.loading_async = None, False
             if failed >= 0:
                 state.load_failed(pending.first_chunk + failed)
+        outcomes = set(report.saves.values())
+        if SKIPPED in outcomes:
+            self._pool_down = True
+        elif outcomes - {TAINTED}:
+            self._pool_down = False
         by_request: dict[str, dict[int, str]] = {}
         for (req_id, chunk), outcome in report.saves.items():
             by_request.setdefault(req_id, {})[chunk] = outcome
@@ -543,7 +554,7 @@ class MaruScheduler:
         # already, and their blocks hold nothing yet.
         computed = request.num_computed_tokens - (getattr(request, "num_in_flight_tokens", 0) or 0)
         state.finished_tokens = max(0, min(computed, request.num_prompt_tokens))
-        if not (self.saves_enabled and self.active) or not state.saves_unsettled(self.chunk_tokens):
+        if not (self.saves_enabled and self.active) or not self._worth_holding(state):
             self.forget(request.request_id)
             return False, handoff
         state.finished_at = time.monotonic()
@@ -570,8 +581,16 @@ class MaruScheduler:
         return True
 
     def has_pending_block_frees(self) -> bool:
-        """Blocks of finished requests are held for their saves and will come back without preemption."""
-        return any(state.finished_at is not None for state in self._states.values())
+        """Blocks of finished requests come back without preemption: only while their copies run.
+
+        vLLM stops preempting while this is True, so a request merely waiting to retry a skipped save
+        does not count: that wait can last :data:`FINISHED_RETRY_S`, many steps with no block freed.
+        """
+        return any(state.finished_at is not None and state.saving_since for state in self._states.values())
+
+    def _worth_holding(self, state: RequestState) -> bool:
+        """Whether a finished request keeps its blocks: copies run, or retries may still store them."""
+        return state.saves_unsettled(self.chunk_tokens, retries=not self._pool_down)
 
     def forget(self, req_id: str) -> None:
         self._states.pop(req_id, None)
@@ -601,7 +620,7 @@ class MaruScheduler:
         for req_id, state in list(self._states.items()):
             if state.finished_at is None:
                 continue
-            if now - state.finished_at > FINISHED_RETRY_S or not state.saves_unsettled(self.chunk_tokens):
+            if now - state.finished_at > FINISHED_RETRY_S or not self._worth_holding(state):
                 self.release(req_id)
             elif not state.saving_since:
                 progress.append((req_id, state.finished_tokens, state.finished_blocks))

@@ -47,6 +47,7 @@ from maru_connector.vllm.metadata import (
     ORPHAN,
     PRESENT,
     RETRY,
+    SKIPPED,
     STORED,
     TAINTED,
     ChunkLoad,
@@ -372,15 +373,16 @@ class MaruWorker:
         if not todo:
             return
         paged = self.paged
-        if paged is None:
-            self._apply_saves(self._skip(todo))
+        if paged is None or self.guard.backing_off():
+            # Nothing to try: a dead pool is not asked again before its back-off ends.
+            self._apply_saves(self._skip(todo, SKIPPED))
             return
         ready = paged.fence()  # the copy must see what this step's forward computed
         self._saves.submit(
             Job(
                 run=lambda: self._copy_out(todo, ready),
                 req_ids=frozenset(r for r, _, _ in todo),
-                on_error=lambda _err: self._skip(todo),
+                on_error=lambda _err: self._skip(todo, SKIPPED),
             )
         )
 
@@ -388,7 +390,7 @@ class MaruWorker:
         """``save`` raised: whatever it did not report or hand over is to be tried again."""
         handed = self._saves.busy_with(meta.saves)
         todo = [(r, c.index, c) for r, plan in meta.saves.items() if r not in handed for c in plan.chunks]
-        self._apply_saves(self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves]))
+        self._apply_saves(self._skip([t for t in todo if (t[0], t[1]) not in self._report.saves], SKIPPED))
 
     def _copy_out(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
         """Store ``todo`` on the save lane; returns every chunk's outcome."""
@@ -399,7 +401,7 @@ class MaruWorker:
         items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank]) for _, _, c in todo]
         ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
-            return self._skip(todo)
+            return self._skip(todo, SKIPPED)
         out: list[SaveOutcome] = []
         written: list[tuple[str, int, Any]] = []
         try:
@@ -448,9 +450,9 @@ class MaruWorker:
         self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(written) - stored)
         return out
 
-    def _skip(self, todo: list[SaveItem]) -> list[SaveOutcome]:
+    def _skip(self, todo: list[SaveItem], outcome: str = RETRY) -> list[SaveOutcome]:
         self.stats.count(common.SAVE_SKIPPED_CHUNKS, len(todo))
-        return [(req_id, index, RETRY) for req_id, index, _ in todo]
+        return [(req_id, index, outcome) for req_id, index, _ in todo]
 
     def _apply_saves(self, outcomes: Iterable[SaveOutcome]) -> None:
         for req_id, index, outcome in outcomes:
