@@ -317,6 +317,11 @@ class MaruWorker:
         assert paged is not None and staging is not None
         try:
             self._keep_alive(pin, held)
+            expected = paged.geometry(self.blocks_per_chunk).chunk_bytes
+            if pin.nbytes != expected:
+                # As on the direct path: a chunk of another size is not this engine's chunk, and a short
+                # one would leave the staging buffer's stale tail to be scattered into the blocks.
+                raise ValueError(f"the chunk holds {pin.nbytes} bytes, this engine's chunk is {expected}")
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
             pin.read_into(staging.numpy())
             paged.scatter(paged.chunk_view(staging, self.blocks_per_chunk), chunk.slots)
