@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from maru_operator import __version__
 from maru_operator.builders.netpol import NetworkPolicyConfig
+from maru_operator.images import ImageDefaults
 
 log = logging.getLogger("maru_operator")
 
@@ -46,6 +47,39 @@ def network_policy_config(args: argparse.Namespace, operator_namespace: str | No
         api_server_cidrs=tuple(args.api_server_cidr) or defaults.api_server_cidrs,
         api_server_ports=tuple(args.api_server_port) or defaults.api_server_ports,
     )
+
+
+def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
+    """An argparse type from a check that raises ValueError naming the rule."""
+    def parse(text: str) -> str:
+        try:
+            return check(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return parse
+
+
+def _image_flags(parser: argparse.ArgumentParser) -> None:
+    """The images of MaruPools and InferenceGroups that name none (see maru_operator/images.py)."""
+    from maru_operator import images
+
+    parser.add_argument("--image-registry", default=images.DEFAULT_REGISTRY, type=_checked(images.check_registry),
+                        metavar="REGISTRY",
+                        help=f"registry and path of the default pool, vLLM and router images "
+                             f"(default: {images.DEFAULT_REGISTRY})")
+    parser.add_argument("--image-tag", default=images.DEFAULT_IMAGES.tag, type=_checked(images.check_tag),
+                        help="tag of the default pool and vLLM images (default: the operator's version, "
+                             f"{images.DEFAULT_IMAGES.tag}); the router image keeps its own")
+    for name, derived in (("pool", f"<registry>/{images.POOL_NAME}:<tag>"),
+                          ("vllm", f"<registry>/{images.VLLM_NAME}:<tag>"),
+                          ("router", f"<registry>/{images.ROUTER_NAME}:{images.ROUTER_VERSION}")):
+        parser.add_argument(f"--{name}-image", default=None, type=_checked(images.check_reference), metavar="IMAGE",
+                            help=f"the whole default {name} image, instead of {derived}")
+
+
+def image_defaults(args: argparse.Namespace) -> ImageDefaults:
+    return ImageDefaults(registry=args.image_registry, tag=args.image_tag, pool=args.pool_image or "",
+                         vllm=args.vllm_image or "", router=args.router_image or "")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,12 +121,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--log-format", choices=["text", "json"], default="text",
                      help="json: one JSON object per line, for log collectors")
     _network_policy_flags(run)
+    _image_flags(run)
 
     render = sub.add_parser("render", help="print the child manifests for MaruPool/InferenceGroup files")
     render.add_argument("-f", "--filename", action="append", required=True,
                         help="a YAML file or a directory of them (repeatable)")
     render.add_argument("--pool-namespace", default=None, help="namespace of the pool daemons")
     _network_policy_flags(render)
+    _image_flags(render)
 
     validate = sub.add_parser(
         "validate", help="check MaruPool/InferenceGroup files as the API server and the operator would, offline",
@@ -178,7 +214,7 @@ def _render(args: argparse.Namespace) -> int:
 
     try:
         sys.stdout.write(render(args.filename, args.pool_namespace or default_pool_namespace(),
-                                network_policy_config(args)))
+                                network_policy_config(args), image_defaults(args)))
     except (OSError, ValidationError, RenderError) as err:
         print(f"maru-operator render: {err}", file=sys.stderr)
         return 1
@@ -237,12 +273,16 @@ def _run(args: argparse.Namespace) -> int:
         renew_deadline=args.renew_deadline, retry_period=args.retry_period,
         connection=connection, namespaces=namespaces,
         network=network_policy_config(args, handlers.operator_namespace()),
+        images=image_defaults(args),
     ))
     if args.renew_deadline >= args.lease_seconds or args.retry_period >= args.renew_deadline:
         print("maru-operator: need --retry-period < --renew-deadline < --lease-seconds", file=sys.stderr)
         return 2
     log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,
              "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces")
+    images = image_defaults(args)
+    log.info("default images (for objects that name none): pool %s, vllm %s, router %s",
+             images.pool_image, images.vllm_image, images.router_image)
     asyncio.run(kopf.operator(
         standalone=True,
         clusterwide=not namespaces,

@@ -43,6 +43,7 @@ from maru_operator.builders.pool import (
     metadata_name,
 )
 from maru_operator.cache import Key, Store
+from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
 from maru_operator.reconcile import (
     adopted_ownership,
@@ -123,6 +124,7 @@ class Controller:
     fetch_status: StatusFetcher = fetch_daemon_status
     clock: Callable[[], str] = utcnow
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
+    images: ImageDefaults = DEFAULT_IMAGES  # what pools and groups that name no image get
     usage_interval: float = DEFAULT_USAGE_INTERVAL
     monotonic: Callable[[], float] = time.monotonic
     # pool -> when its status was last written (monotonic seconds)
@@ -362,7 +364,8 @@ class Controller:
 
         ns = self.pool_namespace
         key = await self._pool_key(owner)
-        desired = build_pool_children(spec, owner, ns, key) + build_pool_policies(spec, owner, ns, self.network)
+        desired = build_pool_children(self.images.for_pool(spec), owner, ns, key)
+        desired += build_pool_policies(spec, owner, ns, self.network)
         applied = await self.apply(owner, desired)
         children = applied.children
         pods = await self.kube.list("Pod", ns, {
@@ -502,7 +505,7 @@ class Controller:
         if pool is not None and pool_body is not None:
             key = await self._current_key(pool.name, pool_body.get("metadata", {}).get("uid"))
             pool, key_missing = replace(pool, key=key), key is None
-        desired = build_group_children(spec, owner, pool)
+        desired = build_group_children(self.images.for_group(spec), owner, pool)
         if key_missing:
             # Never apply a credential without its token: that would take the token from running pods.
             log.warning("InferenceGroup %s/%s: MaruPool %s has no key yet; its credential waits for it",

@@ -34,6 +34,7 @@ from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, instance
 from maru_operator.builders.netpol import NetworkPolicyConfig
 from maru_operator.cache import SERVICE_NAME_LABEL, Key, Store, key_of, not_newer, owner_key
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
+from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
 from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE, lease_name
@@ -88,6 +89,7 @@ class Config:
     connection: kopf.ConnectionInfo | None = None
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
+    images: ImageDefaults = DEFAULT_IMAGES
     instance: str = ""  # which objects this operator serves (see the module docstring)
     leader_election: bool = True
     lease_namespace: str = DEFAULT_LEASE_NAMESPACE
@@ -159,6 +161,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     STATE.controller = Controller(
         kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
         fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
+        images=config.images,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
     log.info("operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",

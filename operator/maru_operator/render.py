@@ -3,6 +3,7 @@
 The same builders as the running operator, so what a reviewer (or a GitOps diff) sees is what the
 cluster gets. Without a cluster there are no UIDs, so the ownerReferences are left out; a group is
 rendered against the pool of the same name in the input (or as if its pool had the default settings).
+Objects that name no image get the operator's defaults, moved by the same --image-* flags as ``run``.
 The pools' key Secrets and the groups' credential Secrets are rendered without data: a pool's key is made
 in the cluster, and the groups' tokens derive from it.
 """
@@ -28,6 +29,7 @@ from maru_operator.builders.netpol import (
     build_pool_policies,
 )
 from maru_operator.builders.pool import build_pool_children
+from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.validation import check_group
 
 Object = dict[str, Any]
@@ -54,7 +56,7 @@ def _stderr(message: str) -> None:
 
 def render_objects(
     docs: list[Object], pool_namespace: str, warn: Callable[[str], None] = _stderr,
-    network: NetworkPolicyConfig = DEFAULT_NETWORK,
+    network: NetworkPolicyConfig = DEFAULT_NETWORK, images: ImageDefaults = DEFAULT_IMAGES,
 ) -> Iterator[Object]:
     ours = [d for d in docs if d.get("apiVersion") == API_VERSION]
     pools = {d["metadata"]["name"]: MaruPoolSpec.model_validate(d.get("spec") or {})
@@ -63,7 +65,7 @@ def render_objects(
         kind, meta = doc.get("kind"), doc.get("metadata") or {}
         owner = Owner(kind=str(kind), name=meta.get("name", ""), namespace=meta.get("namespace") or None)
         if kind == "MaruPool":
-            yield from build_pool_children(pools[owner.name], owner, pool_namespace)
+            yield from build_pool_children(images.for_pool(pools[owner.name]), owner, pool_namespace)
             yield from build_pool_policies(pools[owner.name], owner, pool_namespace, network)
         elif kind == "InferenceGroup":
             owner = Owner(kind="InferenceGroup", name=owner.name, namespace=owner.namespace or "default")
@@ -78,11 +80,11 @@ def render_objects(
                      "rendered as if the pool had the default socketDir and no nodeSelector")
                 pool_spec = MaruPoolSpec.model_validate({"backend": "shm", "size": "1Gi"})
             pool = PoolView(pool_name, pool_spec)
-            yield from build_group_children(spec, owner, pool)
+            yield from build_group_children(images.for_group(spec), owner, pool)
             yield from build_group_policies(spec, owner, pool, pool_namespace, network)
 
 
 def render(paths: Iterable[str | Path], pool_namespace: str,
-           network: NetworkPolicyConfig = DEFAULT_NETWORK) -> str:
-    objects = list(render_objects(load_documents(paths), pool_namespace, network=network))
+           network: NetworkPolicyConfig = DEFAULT_NETWORK, images: ImageDefaults = DEFAULT_IMAGES) -> str:
+    objects = list(render_objects(load_documents(paths), pool_namespace, network=network, images=images))
     return yaml.safe_dump_all(objects, sort_keys=False, width=120)

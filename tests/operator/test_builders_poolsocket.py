@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from maru_connector.csi.contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
-from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.api.marupool import DEFAULT_POOL_IMAGE, MaruPoolSpec
 from maru_operator.builders.common import Owner
 from maru_operator.builders.pool import build_agent_daemonset, pool_endpoint, socket_host_dir
 from maru_operator.builders.poolsocket import pool_socket_mount, pool_socket_volume
@@ -115,7 +115,7 @@ def test_the_admission_init_container_writes_only_the_pools_directory(backend: s
     the pool's socket directory and nothing else, and runs from the pool image."""
     spec = pool_spec() if backend == "shm" else dax_spec(allowedNamespaces=["llm"])
     init = admission_init(spec, "shared")
-    assert init["image"] == spec.daemon.image
+    assert init["image"] == DEFAULT_POOL_IMAGE  # the pool image, as the object names none
     assert init["volumeMounts"] == [{"name": "socket", "mountPath": socket_host_dir(spec, "shared")}]
     security = init["securityContext"]
     assert security["capabilities"] == {"drop": ["ALL"]} and security["allowPrivilegeEscalation"] is False

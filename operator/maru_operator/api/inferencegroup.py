@@ -17,10 +17,9 @@ from maru_operator.api.common import (
 )
 from maru_operator.api.marupool import TenantQuota
 from maru_operator.api.pod import EnvList, PodOptions, RolloutStrategy, Volume, VolumeMount
+from maru_operator.images import DEFAULT_ROUTER_IMAGE as DEFAULT_ROUTER_IMAGE
+from maru_operator.images import DEFAULT_VLLM_IMAGE as DEFAULT_VLLM_IMAGE
 from maru_operator.vllmflags import cel_owned_flags_rule, settings
-
-DEFAULT_VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru:0.1.0"
-DEFAULT_ROUTER_IMAGE = "ghcr.io/maru-pd/vllm-router:0.1.17"
 
 # Flags the operator derives from the spec; letting extraArgs set them again would let
 # prefill and decode disagree, which is the failure this product exists to prevent.
@@ -222,7 +221,11 @@ class RouterSpec(PodOptions):
 
     enabled: bool = Field(True, description="Run a router Deployment and Service for this group.")
     replicas: int = Field(1, ge=1, le=64, description="Router pods.")
-    image: str = Field(DEFAULT_ROUTER_IMAGE, min_length=1, description="Router image.")
+    image: str | None = Field(
+        None, min_length=1,
+        description=f"Router image. Unset: the operator's default ({DEFAULT_ROUTER_IMAGE} unless the operator's "
+                    "--router-image or --image-registry, the chart's images values, say otherwise).",
+    )
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
         "round_robin", description="How the router picks a decode pod."
     )
@@ -241,7 +244,12 @@ class InferenceGroupSpec(KubeModel):
 
     model: ModelSpec = Field(description="The model both roles serve.")
     pool_ref: PoolRef = Field(description="The MaruPool that carries KV cache from prefill to decode.")
-    image: str = Field(DEFAULT_VLLM_IMAGE, min_length=1, description="vLLM image with the Maru connector installed.")
+    image: str | None = Field(
+        None, min_length=1,
+        description=f"vLLM image with the Maru connector installed. Unset: the operator's default "
+                    f"({DEFAULT_VLLM_IMAGE} unless the operator's --vllm-image or --image-registry, the chart's "
+                    "images values, say otherwise).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the vLLM image."
     )

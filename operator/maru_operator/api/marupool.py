@@ -20,6 +20,7 @@ from maru_operator.api.common import (
     Toleration,
 )
 from maru_operator.api.common import Condition as Condition
+from maru_operator.images import DEFAULT_POOL_IMAGE as DEFAULT_POOL_IMAGE
 
 DevicePath = Annotated[str, Field(pattern=r"^/dev/[A-Za-z0-9._/-]+$", max_length=255)]
 NamespaceName = Annotated[str, Field(pattern=DNS1123_LABEL_PATTERN, max_length=63)]
@@ -31,7 +32,6 @@ PoolSize = Annotated[
 ]
 PriorityClassName = Annotated[str, Field(pattern=f"^$|{DNS1123_SUBDOMAIN_PATTERN}", max_length=253)]
 
-DEFAULT_POOL_IMAGE = "ghcr.io/maru-pd/maru-pool:0.1.0"
 DEFAULT_SOCKET_DIR = "/run/maru"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
 
@@ -113,7 +113,11 @@ class TenantQuota(KubeModel):
 class PoolDaemonSpec(KubeModel):
     """The pool daemons: the only pods that touch the memory device."""
 
-    image: str = Field(DEFAULT_POOL_IMAGE, min_length=1, description="Pool daemon image.")
+    image: str | None = Field(
+        None, min_length=1,
+        description=f"Pool daemon image. Unset: the operator's default ({DEFAULT_POOL_IMAGE} unless the "
+                    "operator's --pool-image or --image-registry, the chart's images values, say otherwise).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the pool daemon image."
     )

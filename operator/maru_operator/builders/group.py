@@ -39,6 +39,7 @@ from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
 from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_defaults
 from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
+from maru_operator.images import DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
 from maru_operator.names import child_name, label_value, short_hash
 
 Role = Literal["prefill", "decode"]
@@ -243,7 +244,7 @@ def build_role_deployment(
     volumes, mounts = role_volumes(role_spec, pool, owner.name)
     container: dict[str, Any] = {
         "name": "vllm",
-        "image": spec.image,
+        "image": spec.image or DEFAULT_VLLM_IMAGE,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["vllm", "serve"],
         "args": vllm_args(spec, role, owner, pool),
@@ -376,7 +377,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
     resources = with_defaults(given, ROUTER)
     container: dict[str, Any] = {
         "name": "router",
-        "image": spec.router.image,
+        "image": spec.router.image or DEFAULT_ROUTER_IMAGE,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["vllm-router"],
         "args": router_args(spec, owner),

@@ -42,6 +42,7 @@ from maru_operator.builders.resources import (
     plus,
     with_defaults,
 )
+from maru_operator.images import DEFAULT_POOL_IMAGE
 from maru_operator.names import MAX_NAME, child_name
 
 APP = "maru-pool"
@@ -204,7 +205,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                     "containers": [
                         {
                             "name": "metadata",
-                            "image": spec.daemon.image,
+                            "image": spec.daemon.image or DEFAULT_POOL_IMAGE,
                             "imagePullPolicy": spec.daemon.image_pull_policy,
                             "command": ["maru-pool"],
                             "args": args,
@@ -303,7 +304,7 @@ def admission_init_container(spec: MaruPoolSpec, pool: str) -> Object:
     """
     return {
         "name": "admission",
-        "image": spec.daemon.image,
+        "image": spec.daemon.image or DEFAULT_POOL_IMAGE,
         "imagePullPolicy": spec.daemon.image_pull_policy,
         "command": ["python", "-m", "maru_connector.csi.admission"],
         "args": [
@@ -346,7 +347,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
     pod_security, container_security = _agent_security(spec)
     container: dict[str, Any] = {
         "name": "agent",
-        "image": spec.daemon.image,
+        "image": spec.daemon.image or DEFAULT_POOL_IMAGE,
         "imagePullPolicy": spec.daemon.image_pull_policy,
         "command": ["maru-pool"],
         "args": _agent_args(spec, pool, namespace),
