@@ -130,3 +130,48 @@ def test_every_role_gets_a_disruption_budget_and_the_group_a_model_cache(
     assert dep is not None
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "shared-models"}
+
+
+@pytest.fixture
+def paced_operator(cluster: KubeEmulator, stats: Any) -> Any:
+    from tests.operator.conftest import RunningOperator
+
+    running = RunningOperator(cluster, stats, resync_seconds=3600, workers=4, max_rolling_groups=1).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_pod_template_changes_roll_one_group_at_a_time(cluster: KubeEmulator, kube_controllers: Any,
+                                                       paced_operator: RunningOperator) -> None:
+    """An operator upgrade changes every group's template at once; at most --max-rolling-groups roll together,
+    and a rollout that does not finish (pods never ready) keeps the others waiting, as a canary."""
+    cluster.create(pool())
+    cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+    for name in ("a", "b"):
+        cluster.create(group(name))
+        cluster.wait_for(IG, name, GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+    settle(paced_operator)
+    # a's new pods will not become ready: its rollout stays in progress.
+    kube_controllers.set_readiness(lambda obj: not obj["metadata"]["name"].startswith("a-"))
+
+    def change(name: str) -> None:
+        cluster.patch(IG, name, {"spec": {"decode": {"env": [{"name": "NEW", "value": "1"}]}}}, GROUP_NS)
+
+    def new_template(dep: dict[str, Any] | None) -> bool:
+        assert dep is not None
+        return any(e["name"] == "NEW" for e in dep["spec"]["template"]["spec"]["containers"][0].get("env") or [])
+
+    change("a")
+    cluster.wait_for(DEPLOY, "a-decode", GROUP_NS, new_template)
+    change("b")
+    body = cluster.wait_for(IG, "b", GROUP_NS, lambda o: has_condition(o, "Progressing", "True"))
+    progressing = next(c for c in body["status"]["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] == "RolloutQueued" and "b-decode" in progressing["message"]
+    settle(paced_operator)
+    assert not new_template(cluster.get(DEPLOY, "b-decode", GROUP_NS))
+    # a's rollout finishes: b goes next.
+    kube_controllers.set_readiness(lambda obj: True)
+    cluster.wait_for(DEPLOY, "b-decode", GROUP_NS, new_template, timeout=60)
+    cluster.wait_for(IG, "b", GROUP_NS, lambda o: has_condition(o, "Progressing", "False"), timeout=60)
