@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from maru_connector.config import MaruConnectorConfig
 from maru_operator.builders.common import LABEL_POOL, LABEL_ROLE
@@ -10,7 +11,6 @@ from maru_operator.builders.group import (
     build_group_children,
     build_role_deployment,
     build_router_deployment,
-    build_router_role,
     build_router_role_binding,
     build_router_service,
     build_router_service_account,
@@ -167,7 +167,9 @@ class TestRoleDeployment:
         pod = dep["spec"]["template"]["spec"]
         # runAsUser too: runAsNonRoot alone refuses images whose user is root.
         assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-                                          "seccompProfile": {"type": "RuntimeDefault"}}
+                                          "seccompProfile": {"type": "RuntimeDefault"},
+                                          # The shared model cache is writable by the pods, chowned only once.
+                                          "fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
         assert pod["automountServiceAccountToken"] is False
         c = container(dep)
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -211,25 +213,22 @@ class TestRouterServiceAccount:
         assert build_router_service_account(group_spec(router={"enabled": False}), GROUP_OWNER) is None
 
 
-class TestRouterRole:
-    def test_read_only_pods_in_namespace(self) -> None:
-        role = build_router_role(group_spec(), GROUP_OWNER)
-        assert role is not None
-        assert_valid(role)
-        assert role["kind"] == "Role" and role["metadata"]["namespace"] == "llm"
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-
-    def test_disabled(self) -> None:
-        assert build_router_role(group_spec(router={"enabled": False}), GROUP_OWNER) is None
-
-
 class TestRouterRoleBinding:
-    def test_binds_the_router_account(self) -> None:
+    def test_binds_the_routers_cluster_role_to_the_router_account(self) -> None:
         rb = build_router_role_binding(group_spec(), GROUP_OWNER)
         assert rb is not None
         assert_valid(rb)
-        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llama-router"}
+        assert rb["metadata"]["namespace"] == "llm"
+        # The roleRef of the Role-bound binding of earlier versions cannot change: another name.
+        assert rb["metadata"]["name"] == "llama-router-pods"
+        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                 "name": "maru-operator-router"}
         assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "llm"}]
+
+    def test_the_cluster_role_is_the_operator_instances(self) -> None:
+        owner = replace(GROUP_OWNER, operator_instance="team-a")
+        rb = build_router_role_binding(group_spec(), owner)
+        assert rb is not None and rb["roleRef"]["name"] == "maru-operator-team-a-router"
 
     def test_disabled(self) -> None:
         assert build_router_role_binding(group_spec(router={"enabled": False}), GROUP_OWNER) is None
@@ -305,7 +304,7 @@ class TestRouterService:
 class TestGroupChildren:
     def test_unbound_group_gets_only_the_router(self) -> None:
         kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, None)]
-        assert "Deployment" in kinds and len(kinds) == 5
+        assert "Deployment" in kinds and len(kinds) == 4
         assert all(c["metadata"]["name"].startswith("llama") for c in build_group_children(group_spec(), GROUP_OWNER,
                                                                                              None))
 
@@ -316,7 +315,7 @@ class TestGroupChildren:
             ("Secret", "llama-pool-credential"), ("PersistentVolumeClaim", "llama-model-cache"),
             ("Deployment", "llama-prefill"), ("PodDisruptionBudget", "llama-prefill"),
             ("Deployment", "llama-decode"), ("PodDisruptionBudget", "llama-decode"),
-            ("ServiceAccount", "llama-router"), ("Role", "llama-router"), ("RoleBinding", "llama-router"),
+            ("ServiceAccount", "llama-router"), ("RoleBinding", "llama-router-pods"),
             ("Service", "llama"), ("Deployment", "llama-router")]
 
 
@@ -489,3 +488,25 @@ class TestPodOptions:
             == "router"
         assert pod["serviceAccountName"] == "llama-router"  # the router's own, for pod discovery
         assert_valid(dep)
+
+
+class TestEcosystemLabels:
+    """Pods carry their role as llm-d selects it, and the revision of their pool keys."""
+
+    @staticmethod
+    def pod_labels(spec: Any, role: str) -> dict[str, str]:
+        return build_role_deployment(spec, role, GROUP_OWNER, pool_view())["spec"]["template"]["metadata"]["labels"]
+
+    def test_llm_d_role(self) -> None:
+        for role in ("prefill", "decode"):
+            assert self.pod_labels(group_spec(), role)["llm-d.ai/role"] == role
+
+    def test_kv_revision_is_shared_by_both_roles_and_follows_what_keys_derive_from(self) -> None:
+        base = self.pod_labels(group_spec(), "prefill")["maru.io/kv-revision"]
+        assert self.pod_labels(group_spec(), "decode")["maru.io/kv-revision"] == base
+        # Replicas, resources and the like leave the keys as they are.
+        assert self.pod_labels(group_spec(prefill={"replicas": 3, "extraArgs": ["--max-num-seqs=8"]}),
+                               "prefill")["maru.io/kv-revision"] == base
+        for changed in (group_spec(connector={"chunkTokens": 512}), group_spec(model={"name": "org/other"}),
+                        group_spec(model={"name": "Qwen/Qwen2.5-7B-Instruct", "revision": "abc"})):
+            assert self.pod_labels(changed, "decode")["maru.io/kv-revision"] != base
