@@ -45,10 +45,13 @@ class RouterProcess:
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(http(f"{self.url}/v1/completions", body))
 
-    def stream(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        """The server-sent events of a streamed completion, parsed."""
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(http(f"{self.url}/v1/chat/completions", body))
+
+    def stream(self, body: dict[str, Any], path: str = "/v1/completions") -> list[dict[str, Any]]:
+        """The server-sent events of a streamed completion (or chat), parsed."""
         req = urllib.request.Request(
-            f"{self.url}/v1/completions",
+            f"{self.url}{path}",
             data=json.dumps({**body, "stream": True}).encode(),
             headers={"content-type": "application/json"},
         )

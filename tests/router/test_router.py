@@ -7,6 +7,7 @@ asking it for a whole answer is a full recompute: the reference for token equali
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,25 @@ REQUESTS = "vllm:request_success_total"
 LOADED = "vllm:maru_connector_loaded_chunks_total"
 
 
+# The tiny model has no chat template; this one renders each message's words, so a chat prompt is
+# the same token ids as its text.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
 @pytest.fixture(scope="module")
-def fleet(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Server, Server]]:
-    prefill = Server("prefill", workdir, tiny_model, "kv_producer", pool.url)
-    decode = Server("decode", workdir, tiny_model, "kv_consumer", pool.url)
+def chat_model(workdir: Path) -> str:
+    from maru_connector.tinymodel import make_tiny_llama
+
+    model = make_tiny_llama(workdir / "tiny-chat")
+    config = model / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE}))
+    return str(model)
+
+
+@pytest.fixture(scope="module")
+def fleet(chat_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Server, Server]]:
+    prefill = Server("prefill", workdir, chat_model, "kv_producer", pool.url)
+    decode = Server("decode", workdir, chat_model, "kv_consumer", pool.url)
     router = None
     try:
         prefill.wait_ready()
@@ -95,6 +111,28 @@ def test_router_keys_a_text_prompt_as_the_engine_does(fleet: tuple[RouterProcess
     again = router.complete(body(decode.model, text))
     assert router.routed("direct", "covered") - direct == 1
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_a_repeated_chat_goes_to_decode_alone_streamed_or_not(fleet: tuple[RouterProcess, Server, Server]) -> None:
+    # Chat goes through the engine's /tokenize with the same messages: its chat template, its tokens.
+    router, prefill, decode = fleet
+    ids = prompt(PROMPT, seed=51)
+    chat = {
+        "model": decode.model,
+        "messages": [{"role": "user", "content": " ".join(f"t{t}" for t in ids)}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    first = router.chat(chat)
+    direct = router.routed("direct", "covered")
+    again = router.chat(chat)
+    streamed = router.stream(chat, path="/v1/chat/completions")
+    assert router.routed("direct", "covered") - direct == 2
+    text = first["choices"][0]["message"]["content"]
+    assert text == recompute(prefill, ids)  # the template renders the words back into the same ids
+    assert again["choices"][0]["message"]["content"] == text
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e.get("choices")) == text
 
 
 def test_a_dead_pool_sends_requests_through_prefill(
