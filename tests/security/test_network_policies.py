@@ -216,3 +216,39 @@ def test_policies_can_be_turned_off(tmp_path: Path, helm: Path) -> None:
     assert not [o for o in chart if o["kind"] == "NetworkPolicy"]
     operator = next(o for o in chart if o["kind"] == "Deployment")
     assert "--no-network-policies" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _cilium_selects(selector: dict[str, Any], namespace: str, labels: dict[str, str]) -> bool:
+    """A Cilium endpointSelector (matchLabels only) on a pod; ``k8s:`` keys are the pod's own, the namespace
+    is ``k8s:io.kubernetes.pod.namespace``."""
+    assert set(selector) == {"matchLabels"}, selector
+    pod = {**{f"k8s:{k}": v for k, v in labels.items()}, "k8s:io.kubernetes.pod.namespace": namespace}
+    return all(pod.get(k if k.startswith("k8s:") else f"k8s:{k}") == v for k, v in selector["matchLabels"].items())
+
+
+def test_on_cilium_the_operator_and_the_routers_reach_the_kube_apiserver_entity(helm: Path, tmp_path: Path) -> None:
+    """Cilium never matches an ipBlock to an API server on the nodes: with networkPolicy.apiServer.cilium the
+    chart allows Cilium's kube-apiserver entity to exactly the pods that talk to the API server."""
+    assert not [o for o in chart_render(helm) if o["apiVersion"].startswith("cilium.io/")]
+    chart = chart_render(helm, "--set", "networkPolicy.apiServer.cilium=true",
+                         "--set-json", "networkPolicy.apiServer.ports=[6443]")
+    (policy,) = [o for o in chart if o["apiVersion"].startswith("cilium.io/")]
+    assert policy["apiVersion"] == "cilium.io/v2" and policy["kind"] == "CiliumClusterwideNetworkPolicy"
+    # The Kubernetes policies stay: Cilium allows what any policy selecting a pod allows.
+    assert [o for o in chart if o["kind"] == "NetworkPolicy"]
+    children = examples_bound_to_each_pool(tmp_path)
+    pods = [o for o in chart + [c for cs in children.values() for c in cs] if pod_template(o) is not None]
+    reach = set()
+    for pod in pods:
+        meta, _ = pod_template(pod)  # type: ignore[misc]
+        for spec in policy["specs"]:
+            if not _cilium_selects(spec["endpointSelector"], pod["metadata"]["namespace"], meta.get("labels") or {}):
+                continue
+            for rule in spec["egress"]:
+                ports = [p for to in rule["toPorts"] for p in to["ports"]]
+                if rule["toEntities"] == ["kube-apiserver"] and ports == [{"port": "6443", "protocol": "TCP"}]:
+                    reach.add((pod["kind"], pod["metadata"]["name"]))
+    routers = {("Deployment", o["metadata"]["name"]) for cs in children.values() for o in cs
+               if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-router")}
+    assert routers
+    assert reach == {("Deployment", "maru-operator")} | routers

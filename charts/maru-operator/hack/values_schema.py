@@ -167,6 +167,7 @@ VALUES: dict[str, Any] = obj(
                     {
                         "cidrs": {"type": "array", "minItems": 1, "items": string(pattern=CIDR)},
                         "ports": {"type": "array", "minItems": 1, "items": port()},
+                        "cilium": boolean(),
                     },
                     required=["cidrs", "ports"],
                 ),
