@@ -20,12 +20,21 @@ check proves it can tell: it also runs broken save paths (mutants) that must fai
 before the kernel on every device and, on a GPU, a gather on a side stream that waits for nothing.
 It prints one table row per case; exit status 0 when every round trip is exact and every mutant
 is caught.
+
+Then it measures the connector's staged copy path (``staging.StagedCopier``, what a GPU worker's
+lanes run) for a cache of a Llama-3-8B rank on a GPU (32 layers, 8 KV heads of 128, bf16, 16-token
+blocks, 256-token chunks of 32 MiB; a small cache on the CPU): saves (gather kernel, device-to-host
+copy, copy and checksum into pool-like shared memory) and loads (verified copy out of it,
+host-to-device copy, scatter kernel), and prints the GB/s of each, per rank. The numbers say how fast
+this machine moves KV, nothing more: they are not checked against anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TextIO
@@ -33,6 +42,8 @@ from typing import TextIO
 import torch
 
 from maru_connector.layout import PagedKV, describe_kv_caches
+from maru_connector.pool.copyhash import copy_checksum
+from maru_connector.staging import StagedCopier
 
 # vLLM 0.32's KVCacheLayout: the memory order of the logical dims [L, B, H, N, C], outermost first.
 LAYOUTS: dict[str, tuple[int, int, int, int, int]] = {
@@ -367,14 +378,128 @@ def run(
     return failures
 
 
+# ---------------------------------------------------------------- throughput of the staged copy path
+
+# One TP rank of Llama-3-8B (bf16, 16-token blocks, 256-token chunks: 32 MiB a chunk) on a GPU; a small
+# cache on the CPU, where the number only shows the path runs.
+GPU_BENCH = CacheShape(num_layers=32, num_blocks=512, heads=8, block_size=16, head_size=128)
+CPU_BENCH = CacheShape(num_layers=4, num_blocks=256, heads=2, block_size=16, head_size=64)
+BENCH_LAYOUTS = ("LBHNC", "LBNHC")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    layout: str
+    dtype: str
+    chunk_bytes: int
+    chunks: int
+    save_gbps: float
+    load_gbps: float
+
+
+def measure(
+    layout: str, shape: CacheShape, dtype: torch.dtype, device: torch.device | str, *, chunks: int = 8
+) -> Throughput:
+    """Save ``chunks`` chunks through :class:`StagedCopier` into pool-like memory and load them back.
+
+    Each chunk's blocks go to other blocks of the same cache, which are then compared with the
+    originals, so a fast but wrong path fails (:class:`CheckFailed`) instead of printing a number.
+    """
+    device = torch.device(device)
+    per_chunk = 256 // shape.block_size if shape.block_size <= 256 else 1
+    if 2 * chunks * per_chunk > shape.num_blocks:
+        raise ValueError(f"{shape.num_blocks} blocks cannot hold {chunks} chunks of {per_chunk} blocks twice")
+    _, views = allocate(layout, shape, dtype, device)
+    for view in views.values():
+        view.copy_(torch.rand(view.shape, device=device).to(dtype))
+    paged = describe_kv_caches(
+        views, num_blocks=shape.num_blocks, block_size=shape.block_size, num_kv_heads=shape.heads,
+        head_size=shape.head_size, backend=BACKEND,
+    )  # fmt: skip
+    copier = StagedCopier(paged, per_chunk)
+    size = copier.chunk_bytes
+    pool = mmap.mmap(-1, size * chunks)  # shared memory, as the pool's mapping
+    slots = [memoryview(pool)[c * size : (c + 1) * size] for c in range(chunks)]
+    sources = [list(range(c * per_chunk, (c + 1) * per_chunk)) for c in range(chunks)]
+    targets = [[b + chunks * per_chunk for b in blocks] for blocks in sources]
+    sums: list[int] = [0] * chunks
+
+    def save() -> None:
+        for c, host in enumerate(copier.gathered(sources)):
+            sums[c] = copy_checksum(slots[c], memoryview(host), to_pool=True)
+
+    def load() -> None:
+        for c in range(chunks):
+            copier.scatter(lambda host, c=c: _read_verified(host, slots[c], sums[c]), list(enumerate(targets[c])))
+        copier.finish()
+
+    save_s, load_s = _timed(save, device), _timed(load, device)
+    for src, dst in zip(sources, targets, strict=True):
+        for view in paged._views:
+            if not torch.equal(view[dst], view[src]):
+                raise CheckFailed(f"{layout} {dtype} on {device}: the measured round trip changed blocks {src}")
+    for view in slots:
+        view.release()
+    pool.close()
+    total = size * chunks
+    name = str(dtype).removeprefix("torch.")
+    return Throughput(layout, name, size, chunks, total / save_s / 1e9, total / load_s / 1e9)
+
+
+def _read_verified(host: object, slot: memoryview, want: int) -> None:
+    got = copy_checksum(memoryview(host), slot, to_pool=False)  # type: ignore[arg-type]
+    if got != want:
+        raise CheckFailed(f"the pool copy of a chunk changed: checksum {got:#x} != {want:#x}")
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds of the faster of two runs of ``step``, after one run that warms buffers and kernels up."""
+    best = float("inf")
+    for attempt in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def report_throughput(device: torch.device | str, *, shape: CacheShape | None = None, out: TextIO = sys.stdout) -> int:
+    """Measure and print the staged path's GB/s for save and load; returns the number of failed layouts."""
+    device = torch.device(device)
+    shape = shape or (GPU_BENCH if device.type == "cuda" else CPU_BENCH)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    failures = 0
+    for layout in BENCH_LAYOUTS:
+        try:
+            t = measure(layout, shape, dtype, device)
+        except CheckFailed as err:
+            print(f"FAIL throughput {layout}: {err}", file=out)
+            failures += 1
+            continue
+        print(
+            f"throughput {t.layout} {t.dtype} on {device}: save {t.save_gbps:.3g} GB/s, load {t.load_gbps:.3g} GB/s "
+            f"({t.chunks} chunks of {t.chunk_bytes / (1 << 20):.2f} MiB, {shape.num_layers} layers, per rank)",
+            file=out,
+        )
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-throughput", action="store_true", help="skip the save/load GB/s measurement")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     # On a GPU the slow kernel takes tens of milliseconds, far longer than a save's copy.
     slow = (4096, 40) if device.type == "cuda" else (64, 4)
-    return 1 if run(device, slow=slow) else 0
+    failed = run(device, slow=slow)
+    if not args.no_throughput:
+        failed += report_throughput(device)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import torch
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.pool.client import fill_segments_many, read_segments_many
+from maru_connector.staging import StagedCopier
 from maru_connector.vllm import common
 from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
 from maru_connector.vllm.lane import Job, Lane
@@ -117,8 +118,8 @@ class MaruWorker:
         self._slept = False
         self._said_off_after_sleep = False
         # One staging buffer per lane: each lane copies one chunk at a time.
-        self._load_staging: torch.Tensor | None = None
-        self._save_staging: torch.Tensor | None = None
+        self._load_staging: StagedCopier | None = None
+        self._save_staging: StagedCopier | None = None
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, f"worker{tp_rank}", self.stats)
         self._hook_log = common.RateLimitedLog()
@@ -153,9 +154,8 @@ class MaruWorker:
         )
         chunk_bytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
         if not paged.direct:  # direct copies (CPU, dense pages) need no staging
-            pinned = paged.device.type == "cuda"
-            self._load_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
-            self._save_staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+            self._load_staging = StagedCopier(paged, self.blocks_per_chunk)
+            self._save_staging = StagedCopier(paged, self.blocks_per_chunk)
         self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
@@ -251,8 +251,8 @@ class MaruWorker:
             held = [p for p in pins if p is not None]
             if held:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
-        if self.paged is not None:
-            self.paged.finish_copies()
+        if self._load_staging is not None:
+            self._load_staging.finish()  # scatters queued on the lane's stream have landed
         return outcomes
 
     def _load_plan(self, req_id: str, plan: LoadPlan, copied: list[bool], *, pool_ok: bool) -> LoadOutcome:
@@ -323,8 +323,7 @@ class MaruWorker:
                 # one would leave the staging buffer's stale tail to be scattered into the blocks.
                 raise ValueError(f"the chunk holds {pin.nbytes} bytes, this engine's chunk is {expected}")
             # One read of pool memory: copy out and verify that copy; the engine only sees verified bytes.
-            pin.read_into(staging.numpy())
-            paged.scatter(paged.chunk_view(staging, self.blocks_per_chunk), chunk.slots)
+            staging.scatter(pin.read_into, chunk.slots)
             return True
         except Exception as err:  # a corrupt or odd-sized chunk is a failed load, not an engine error
             self._unusable(chunk, type(err).__name__, err)
@@ -430,11 +429,11 @@ class MaruWorker:
                     filled = fill_segments_many([g[3] for g in group], segments)
                     written += [(r, i, lease) for (r, i, _, lease), ok in zip(group, filled, strict=True) if ok]
             else:
-                for req_id, index, chunk, lease in granted:
-                    assert staging is not None
+                assert staging is not None
+                packed = staging.gathered([chunk.block_ids for _, _, chunk, _ in granted])
+                for (req_id, index, _, lease), host in zip(granted, packed, strict=True):
                     self._keep_alive(lease, live)
-                    paged.gather(chunk.block_ids, paged.chunk_view(staging, self.blocks_per_chunk))
-                    lease.fill(staging.numpy())  # checksums the engine's bytes, not the pool's
+                    lease.fill(host)  # checksums the engine's bytes, not the pool's
                     written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
