@@ -41,6 +41,8 @@ SAVE_TAINTED_CHUNKS = "save_tainted_chunks"
 POOL_ERRORS = "pool_errors"
 POOL_SKIPPED_CALLS = "pool_skipped_calls"
 HOOK_ERRORS = "hook_errors"
+SAVE_BEHIND_CHUNKS = "save_behind_chunks"  # skipped: the save lane was too far behind
+LANE_JOBS_DROPPED = "lane_jobs_dropped"  # given up unrun: past their deadline, or dropped
 
 ALL_COUNTERS = (
     LOOKUPS,
@@ -59,6 +61,8 @@ ALL_COUNTERS = (
     POOL_ERRORS,
     POOL_SKIPPED_CALLS,
     HOOK_ERRORS,
+    SAVE_BEHIND_CHUNKS,
+    LANE_JOBS_DROPPED,
 )
 
 _counters: Counter[str] = Counter()

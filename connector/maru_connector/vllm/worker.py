@@ -31,6 +31,7 @@ What became of each load and save goes back to the scheduler half in :meth:`Maru
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,12 @@ if TYPE_CHECKING:
 RENEW_BELOW_SHARE = 0.5
 # Direct copies go in one call (the GIL released once) per this many bytes; leases are renewed between.
 COPY_GROUP_BYTES = 256 << 20
+# A step's saves are skipped (SKIPPED, counted) while this many steps' saves wait on the save lane:
+# a pool slower than the engine then costs stores, not memory and ever longer waits.
+SAVE_LANE_MAX_QUEUED = 4
+# A copy job not started this long after its step is given up: loads are reported failed (vLLM
+# recomputes), saves skipped.
+JOB_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,7 @@ class MaruWorker:
                     run=lambda: self._copy_in(later),
                     req_ids=frozenset(r for r, _ in later),
                     on_error=lambda _err: [_failed_load(r, p) for r, p in later],
+                    deadline=time.monotonic() + JOB_DEADLINE_S,
                 )
             )
 
@@ -381,12 +389,17 @@ class MaruWorker:
             # Nothing to try: a dead pool is not asked again before its back-off ends.
             self._apply_saves(self._skip(todo, SKIPPED))
             return
+        if self._saves.queued() >= SAVE_LANE_MAX_QUEUED:
+            self.stats.count(common.SAVE_BEHIND_CHUNKS, len(todo))
+            self._apply_saves(self._skip(todo, SKIPPED))
+            return
         ready = paged.fence()  # the copy must see what this step's forward computed
         self._saves.submit(
             Job(
                 run=lambda: self._copy_out(todo, ready),
                 req_ids=frozenset(r for r, _, _ in todo),
                 on_error=lambda _err: self._skip(todo, SKIPPED),
+                deadline=time.monotonic() + JOB_DEADLINE_S,
             )
         )
 
@@ -467,6 +480,10 @@ class MaruWorker:
     def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
         """Before a step that may reuse preempted requests' blocks: finish the saves reading them."""
         if meta.preempted:
+            # Saves not started have read nothing: give them up (SKIPPED) rather than wait behind
+            # every job queued before them. A copy already running reads the blocks: it is waited
+            # for, and its own pool calls are bounded by the RPC timeout.
+            self._saves.drop(meta.preempted)
             self._saves.wait_for(meta.preempted)
 
     def finished(self, meta: MaruConnectorMetadata | None) -> tuple[set[str], set[str]]:
