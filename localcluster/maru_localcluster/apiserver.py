@@ -29,6 +29,7 @@ and every controller and kubelet (they live in ``controllers.py``, ``scheduler.p
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import contextvars
@@ -596,6 +597,35 @@ def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
 
 
+
+StoreKey = tuple[str, str, str | None, str]  # (group, plural, namespace, name)
+
+
+class _Store(dict[StoreKey, JsonObj]):
+    """The objects by key, with the keys of each resource type at hand: a list reads its own type's
+    objects instead of every object of the cluster (tens of thousands in a scale test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._types: dict[tuple[str, str], dict[StoreKey, None]] = collections.defaultdict(dict)
+
+    def of_type(self, key: tuple[str, str]) -> dict[StoreKey, None]:
+        return self._types.get(key) or {}
+
+    def __setitem__(self, key: StoreKey, value: JsonObj) -> None:
+        super().__setitem__(key, value)
+        self._types[key[:2]][key] = None
+
+    def __delitem__(self, key: StoreKey) -> None:
+        super().__delitem__(key)
+        self._types[key[:2]].pop(key, None)
+
+    def pop(self, key: StoreKey, *default: Any) -> Any:  # type: ignore[override]
+        if key in self:
+            self._types[key[:2]].pop(key, None)
+        return super().pop(key, *default)
+
+
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """The emulator; all state lives in, and is changed on, the event loop that serves it."""
@@ -611,7 +641,7 @@ class Emulator(kmock.KubernetesEmulator):
     pod_log_reader: PodLogReader | None = None  # serves pods/<name>/log (kubectl logs)
 
     _types: dict[tuple[str, str], ResourceType] = attrs.field(factory=dict, init=False)
-    _store: dict[tuple[str, str, str | None, str], JsonObj] = attrs.field(factory=dict, init=False)
+    _store: _Store = attrs.field(factory=lambda: _Store(), init=False)
     _uids: dict[str, tuple[str, str, str | None, str]] = attrs.field(factory=dict, init=False)
     _rv: int = attrs.field(default=0, init=False)
     _log: collections.deque[_LoggedEvent] = attrs.field(factory=collections.deque, init=False)
@@ -1030,9 +1060,9 @@ class Emulator(kmock.KubernetesEmulator):
     # Internals of the store.
 
     def _iter(self, rt: ResourceType, namespace: str | None) -> Iterator[JsonObj]:
-        for (g, p, ns, _), obj in self._store.items():
-            if (g, p) == rt.key and (namespace is None or ns == namespace):
-                yield obj
+        for key in list(self._store.of_type(rt.key)):
+            if (namespace is None or key[2] == namespace) and key in self._store:
+                yield self._store[key]
 
     def _admit(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None, name: str) -> JsonObj:
         if rt.key == ('apiextensions.k8s.io', 'customresourcedefinitions'):
@@ -1421,13 +1451,19 @@ class Emulator(kmock.KubernetesEmulator):
                 return await self._serve_watch_stream(raw, rt, version, namespace, query)
             labels = parse_label_selector(query.get('labelSelector'))
             fields = parse_field_selector(query.get('fieldSelector'))
-            items = [_at_version(copy.deepcopy(o), rt, version) for o in self._iter(rt, namespace)
-                     if match_selectors(o, labels, fields)]
-            items.sort(key=lambda o: (o['metadata'].get('namespace') or '', o['metadata']['name']))
+            found = sorted((o for o in self._iter(rt, namespace) if match_selectors(o, labels, fields)),
+                           key=_list_order)
+            page, list_meta = _page(found, query, str(self._rv))
+            if _wants_metadata(raw):
+                return _json_response({'apiVersion': 'meta.k8s.io/v1', 'kind': 'PartialObjectMetadataList',
+                                       'metadata': list_meta, 'items': [
+                                           {'apiVersion': 'meta.k8s.io/v1', 'kind': 'PartialObjectMetadata',
+                                            'metadata': copy.deepcopy(o['metadata'])} for o in page]})
+            items = [_at_version(copy.deepcopy(o), rt, version) for o in page]
             if _wants_table(raw, rt, version):
-                return _json_response(_table(rt, version, items, query, str(self._rv)))
+                return _json_response(_table(rt, version, items, query, list_meta['resourceVersion']))
             return _json_response({'apiVersion': rt.api_version(version), 'kind': f'{rt.kind}List',
-                                   'metadata': {'resourceVersion': str(self._rv)}, 'items': items})
+                                   'metadata': list_meta, 'items': items})
         if method == 'GET':
             obj = self.get_object(rt.group, rt.plural, namespace, name) if name else None
             if obj is not None and subresource == 'log' and rt.key == ('', 'pods') and self.pod_log_reader:
@@ -1769,6 +1805,45 @@ def _scale_of(obj: JsonObj, paths: JsonObj) -> JsonObj:
 
 
 def _wants_table(raw: aiohttp.web.BaseRequest, rt: ResourceType, version: str) -> bool:
+def _list_order(obj: JsonObj) -> tuple[str, str]:
+    return obj['metadata'].get('namespace') or '', obj['metadata']['name']
+
+
+def _page(found: list[JsonObj], query: dict[str, str], rv: str) -> tuple[list[JsonObj], JsonObj]:
+    """One page of a list (``limit``, ``continue``) and the list's metadata, as kube-apiserver pages them.
+
+    The continue token holds the resourceVersion the list began at and the last key served; the next page
+    starts after that key. kube-apiserver serves every page from the snapshot of the first; here later pages
+    see the objects as they are now, which a client that keeps the first page's resourceVersion cannot tell
+    from objects changed right after the list (both are newer than it).
+    """
+    token = query.get('continue')
+    if token:
+        try:
+            start = json.loads(base64.urlsafe_b64decode(token.encode()))
+            rv, after = str(start['rv']), tuple(start['after'])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ApiError(400, 'BadRequest', f'continue key is not valid: {err}') from None
+        found = [o for o in found if _list_order(o) > after]
+    meta: JsonObj = {'resourceVersion': rv}
+    try:
+        limit = int(query.get('limit') or 0)
+    except ValueError:
+        raise ApiError(400, 'BadRequest', f'limit: invalid value {query.get("limit")!r}: not an integer') from None
+    if limit > 0 and len(found) > limit:
+        last = _list_order(found[limit - 1])
+        meta['continue'] = base64.urlsafe_b64encode(json.dumps({'rv': rv, 'after': last}).encode()).decode()
+        meta['remainingItemCount'] = len(found) - limit
+        found = found[:limit]
+    return found, meta
+
+
+def _wants_metadata(raw: aiohttp.web.BaseRequest) -> bool:
+    """Whether the client asked for metadata only (``as=PartialObjectMetadataList;g=meta.k8s.io;v=v1``)."""
+    accept = raw.headers.get('Accept', '')
+    return 'as=PartialObjectMetadataList' in accept and 'g=meta.k8s.io' in accept
+
+
     # Only custom resources with printer columns get server-side tables: for everything else,
     # kubectl's own fallback printing (NAME, AGE) is what a table of ours would show anyway.
     return 'as=Table' in raw.headers.get('Accept', '') and bool(rt.columns.get(version))

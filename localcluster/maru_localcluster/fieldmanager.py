@@ -15,10 +15,12 @@ fields), ``v:<json>`` (a member of a set) and ``.`` (the item itself). How a lis
 from the CRD schema (``x-kubernetes-list-type``, ``x-kubernetes-list-map-keys``, ``x-kubernetes-map-type``)
 for custom resources, and from the markers of the built-in Go types (a table by field name) for the rest.
 
+A manager is a (name, operation) pair, as in kube-apiserver: an apply conflicts with the fields the same
+name owns through plain updates, and never removes them.
+
 A client may also set managedFields itself: a write that changes them stores them as sent, and a list of
-one empty entry (``[{}]``) clears them. Not modelled: positional (``i:``) paths, field-path conversion
-between versions, and managers that differ only by operation (one manager name never conflicts with
-itself).
+one empty entry (``[{}]``) clears them. Not modelled: positional (``i:``) paths and field-path conversion
+between versions.
 """
 
 from __future__ import annotations
@@ -46,8 +48,14 @@ _MAP_LISTS: dict[str, tuple[str, ...]] = {
     'resourceClaims': ('name',),
 }
 _SET_LISTS = {'finalizers'}
-# Built-in maps and structs replaced as a whole (+mapType=atomic, +structType=atomic).
-_ATOMIC_MAPS = {'selector', 'nodeSelector'}
+# Built-in maps and structs replaced as a whole: the fields whose Go types carry +mapType=atomic or
+# +structType=atomic (x-kubernetes-map-type: atomic in kube-apiserver's OpenAPI), for the kinds the operator
+# writes. LabelSelector (a Deployment's or DaemonSet's selector, a NetworkPolicy's podSelector and its peers'
+# podSelector and namespaceSelector, the labelSelector of affinity terms and topology spread constraints),
+# NodeSelector (required node affinity), RoleRef, and the key and field selectors of env valueFrom.
+_ATOMIC_MAPS = {'selector', 'nodeSelector', 'podSelector', 'namespaceSelector', 'labelSelector',
+                'requiredDuringSchedulingIgnoredDuringExecution', 'roleRef', 'secretKeyRef', 'configMapKeyRef',
+                'fieldRef', 'resourceFieldRef'}
 # Fields with a default of their own, used to key items that leave them out (as the server defaults them).
 _KEY_DEFAULTS = {'protocol': 'TCP'}
 # Metadata a client may set and own; the rest (name, uid, resourceVersion...) is identity or the server's.
@@ -328,9 +336,10 @@ def apply(live: JsonObj | None, config: JsonObj, shape: Shape, manager: str, api
     for entry in entries:
         if entry.subresource:
             continue
-        if entry.manager == manager:
-            if entry.operation == 'Apply':
-                own_before = entry.paths
+        # A manager is a (name, operation) pair: the same name's Update entry is another manager, whose
+        # fields this apply conflicts with and never removes, as in kube-apiserver.
+        if entry.manager == manager and entry.operation == 'Apply':
+            own_before = entry.paths
         else:
             others.append(entry)
 
@@ -338,12 +347,11 @@ def apply(live: JsonObj | None, config: JsonObj, shape: Shape, manager: str, api
     for entry in others:
         for path in sorted(entry.paths & set(applied)):
             if applied[path] is not _PRESENT and current.get(path, _MISSING) != applied[path]:
-                conflicts.append((entry.manager, path))
+                conflicts.append((entry, path))
     if conflicts and not force:
-        raise ConflictError(conflicts)
-    taken = {p for _, p in conflicts}
-    for entry in others:
-        entry.paths -= taken
+        raise ConflictError([(e.manager, p) for e, p in conflicts])
+    for entry, path in conflicts:
+        entry.paths.discard(path)
 
     merged = _merge(live, config, shape, '', root=True)
     still_owned = set().union(*(e.paths for e in others)) | set(applied)

@@ -1049,3 +1049,49 @@ def test_controllers_can_keep_pods(kube: KubeEmulator) -> None:
                         and len(e.list_objects('', 'pods', 'default', 'app=dec')) == 2, message='new pods')
         kube.delete('deployments.apps', 'dec', 'default')
         kube.wait_until(lambda e: not e.list_objects('', 'pods', 'default'), message='pods collected')
+
+
+def _get_json(url: str, accept: str = 'application/json') -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(url, headers={'Accept': accept}), timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_lists_are_paged_with_limit_and_continue(k8s_emulator: KubeEmulator) -> None:
+    """``limit`` and ``continue`` as kube-apiserver has them: pages in key order, the list's resourceVersion
+    kept across pages, remainingItemCount, and a 400 for a token that is not one."""
+    import urllib.error
+    import urllib.parse
+
+    for i in range(5):
+        k8s_emulator.create({'apiVersion': 'v1', 'kind': 'ConfigMap',
+                             'metadata': {'name': f'cm-{i}', 'namespace': 'default'}, 'data': {'i': str(i)}})
+    base = f'{k8s_emulator.url}/api/v1/namespaces/default/configmaps'
+    first = _get_json(f'{base}?limit=2')
+    assert [o['metadata']['name'] for o in first['items']] == ['cm-0', 'cm-1']
+    assert first['metadata']['remainingItemCount'] == 3 and first['metadata']['continue']
+    k8s_emulator.create({'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'cm-9', 'namespace': 'default'}})
+    names, token, versions = [], first['metadata']['continue'], {first['metadata']['resourceVersion']}
+    while token:
+        page = _get_json(f'{base}?limit=2&continue={urllib.parse.quote(token)}')
+        names += [o['metadata']['name'] for o in page['items']]
+        versions.add(page['metadata']['resourceVersion'])
+        token = page['metadata'].get('continue')
+    assert names == ['cm-2', 'cm-3', 'cm-4', 'cm-9']
+    assert len(versions) == 1  # every page answers for the list as it began
+    assert [o['metadata']['name'] for o in _get_json(base)['items']][-1] == 'cm-9'  # no limit: one page
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _get_json(f'{base}?limit=2&continue=not-a-token')
+    assert err.value.code == 400
+
+
+def test_metadata_only_lists(k8s_emulator: KubeEmulator) -> None:
+    k8s_emulator.create({'apiVersion': 'v1', 'kind': 'ConfigMap',
+                         'metadata': {'name': 'cm', 'namespace': 'default', 'labels': {'a': 'b'}}, 'data': {'k': 'v'}})
+    listed = _get_json(f'{k8s_emulator.url}/api/v1/namespaces/default/configmaps',
+                       'application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1')
+    assert (listed['kind'], listed['apiVersion']) == ('PartialObjectMetadataList', 'meta.k8s.io/v1')
+    (item,) = listed['items']
+    assert set(item) == {'kind', 'apiVersion', 'metadata'} and item['kind'] == 'PartialObjectMetadata'
+    assert item['metadata']['labels'] == {'a': 'b'} and item['metadata']['resourceVersion']

@@ -261,3 +261,45 @@ def test_an_update_with_another_uid_fails_its_precondition(kube: KubeEmulator) -
     assert caught.value.code == 409
     assert f"Precondition failed: UID in precondition: another, UID in object meta: {created['metadata']['uid']}" in (
         str(caught.value.message))
+
+
+def test_an_update_and_an_apply_by_one_name_are_two_managers(kube: KubeEmulator) -> None:
+    """kube-apiserver keys managers by (name, operation): an apply never removes, and conflicts with, what the
+    same name wrote with a plain update."""
+    kube.create(deployment(nodeSelector={"gpu": "a100"}), field_manager=OPERATOR)  # an Update
+    kube.apply(deployment(nodeSelector={"gpu": "a100"}), OPERATOR)
+    after = kube.apply(deployment(), OPERATOR)  # no nodeSelector any more
+    assert pod_spec(after)["nodeSelector"] == {"gpu": "a100"}  # still the Update's
+    assert {(e["manager"], e["operation"]) for e in after["metadata"]["managedFields"]} == {
+        (OPERATOR, "Update"), (OPERATOR, "Apply")}
+    with pytest.raises(ApiError) as err:
+        kube.apply(deployment(nodeSelector={"gpu": "h100"}), OPERATOR)
+    assert err.value.code == 409 and f'conflict with "{OPERATOR}"' in err.value.message
+    forced = kube.apply(deployment(nodeSelector={"gpu": "h100"}), OPERATOR, force=True)
+    assert pod_spec(forced)["nodeSelector"] == {"gpu": "h100"}
+    assert ("f:spec", "f:template", "f:spec", "f:nodeSelector") not in owned(forced, OPERATOR, "Update")
+
+
+def test_label_selectors_are_atomic(kube: KubeEmulator) -> None:
+    """LabelSelector is +structType=atomic: a forced apply takes the whole selector, never merges into it (a
+    NetworkPolicy's podSelector; a topology spread constraint's labelSelector, inside a list merged by key)."""
+    def policy(labels: dict[str, str]) -> dict[str, Any]:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": "np", "namespace": "default"},
+                "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"]}}
+
+    def spread(labels: dict[str, str]) -> dict[str, Any]:
+        return deployment(topologySpreadConstraints=[{
+            "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "maxSkew": 1,
+            "labelSelector": {"matchLabels": labels}}])
+
+    kube.apply(policy({"a": "1"}), OPERATOR)
+    after = kube.apply(policy({"b": "2"}), "someone-else", force=True)
+    assert after["spec"]["podSelector"] == {"matchLabels": {"b": "2"}}
+    assert ("f:spec", "f:podSelector") in owned(after, "someone-else")
+    assert ("f:spec", "f:podSelector") not in owned(after, OPERATOR)
+
+    kube.apply(spread({"a": "1"}), OPERATOR)
+    after = kube.apply(spread({"b": "2"}), "someone-else", force=True)
+    (constraint,) = pod_spec(after)["topologySpreadConstraints"]
+    assert constraint["labelSelector"] == {"matchLabels": {"b": "2"}}
