@@ -1804,7 +1804,6 @@ def _scale_of(obj: JsonObj, paths: JsonObj) -> JsonObj:
             'status': {'replicas': status[0] if status else 0, **({'selector': sel} if sel else {})}}
 
 
-def _wants_table(raw: aiohttp.web.BaseRequest, rt: ResourceType, version: str) -> bool:
 def _list_order(obj: JsonObj) -> tuple[str, str]:
     return obj['metadata'].get('namespace') or '', obj['metadata']['name']
 
@@ -1844,6 +1843,7 @@ def _wants_metadata(raw: aiohttp.web.BaseRequest) -> bool:
     return 'as=PartialObjectMetadataList' in accept and 'g=meta.k8s.io' in accept
 
 
+def _wants_table(raw: aiohttp.web.BaseRequest, rt: ResourceType, version: str) -> bool:
     # Only custom resources with printer columns get server-side tables: for everything else,
     # kubectl's own fallback printing (NAME, AGE) is what a table of ours would show anyway.
     return 'as=Table' in raw.headers.get('Accept', '') and bool(rt.columns.get(version))
