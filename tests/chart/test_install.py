@@ -23,12 +23,14 @@ from typing import Any
 import pytest
 
 from maru_localcluster.tools import helm_path
+from maru_operator.images import DEFAULT_IMAGES
 from tests.chart.conftest import CHART, NAMESPACE, RELEASE, REPO_ROOT
 from tests.k8s.fixtures import KubeEmulator, k8s_emulator  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.tools, pytest.mark.emulator]
 
 GROUP_NAMESPACE = "llm"  # the namespace of examples/inferencegroup.yaml
+MIRROR = "registry.example.com/mirror"  # images.registry of the install
 
 
 def free_port() -> int:
@@ -73,10 +75,15 @@ def test_install_then_run_the_operator_within_its_rbac(
     cluster = k8s_emulator
     cluster.kubectl("create", "namespace", GROUP_NAMESPACE)  # a watched namespace must exist first
     liveness, metrics = free_port(), free_port()
-    values = ["--set", f"livenessProbe.port={liveness}", "--set", f"metrics.port={metrics}"]
+    values = ["--set", f"livenessProbe.port={liveness}", "--set", f"metrics.port={metrics}",
+              "--set", f"images.registry={MIRROR}"]
     if watch_namespaces:
         values += ["--set", f"watchNamespaces={{{GROUP_NAMESPACE}}}"]
-    helm(cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace", *values)
+    # As the README's quickstart: the release namespace and its Pod Security label first (the CSI plugin and
+    # the pool daemons are privileged), then the install without --create-namespace.
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    cluster.kubectl("label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=privileged")
+    helm(cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, *values)
 
     # The CRDs came from the chart's crds/ folder.
     crds = {c["metadata"]["name"] for c in cluster.list("customresourcedefinitions.apiextensions.k8s.io")}
@@ -111,7 +118,10 @@ def test_install_then_run_the_operator_within_its_rbac(
     )
     try:
         # The pool's daemons go to the release namespace, the group's children to its own.
-        wait_for(lambda: cluster.get("daemonsets.apps", "cxl-pool-agent", NAMESPACE), "the pool agent DaemonSet")
+        agent = wait_for(lambda: cluster.get("daemonsets.apps", "cxl-pool-agent", NAMESPACE), "the agent DaemonSet")
+        # images.registry reached the operator: the example pool names no image and gets the mirror's.
+        assert {c["image"] for c in agent["spec"]["template"]["spec"]["containers"]} == {
+            f"{MIRROR}/maru-pool:{DEFAULT_IMAGES.tag}"}
         wait_for(lambda: cluster.get("deployments.apps", "cxl-pool-metadata", NAMESPACE), "the metadata server")
         wait_for(lambda: cluster.get("roles.rbac.authorization.k8s.io", "qwen-7b-router", GROUP_NAMESPACE), "router")
         wait_for(

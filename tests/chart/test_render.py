@@ -199,6 +199,8 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
         "--api-server-cidr=::/0",
         "--api-server-port=443",
         "--api-server-port=6443",
+        "--image-registry=ghcr.io/maru-pd",
+        f"--image-tag={APP_VERSION}",
     ]
     assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in c["env"]
     probe = c["livenessProbe"]["httpGet"]
@@ -375,18 +377,89 @@ def test_release_named_after_the_chart_is_not_doubled(render) -> None:
     assert one(render("--set", "fullnameOverride=maru"), "Deployment")["metadata"]["name"] == "maru"
 
 
-def test_notes_tell_the_next_three_commands(run_helm) -> None:
+def test_notes_tell_how_to_check_and_what_next(run_helm) -> None:
     result = run_helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:", 1)[1]
+    # Helm prints the notes before the operator's pod exists: they say how to check it, not that it runs.
+    assert "running" not in notes
     commands = re.findall(r"kubectl [^#\n]+?(?=\s+#|\n)", notes)
     assert commands == [
-        "kubectl apply -f examples/pool-cxl.yaml",
-        "kubectl create namespace llm && kubectl apply -f examples/inferencegroup.yaml",
+        f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}",
+        "kubectl label node <your-gpu-node> maru.io/shm-pool=true",
+        "kubectl apply -f examples/pool-shm.yaml",
+        "kubectl create namespace llm && kubectl apply -f examples/inferencegroup-shm.yaml",
         "kubectl get mpool,ig --all-namespaces --watch",
     ]
-    # The group in the example binds to the pool the notes apply first, in the namespace they create.
-    group = yaml.safe_load((REPO_ROOT / "examples" / "inferencegroup.yaml").read_text())
-    pool = yaml.safe_load((REPO_ROOT / "examples" / "pool-cxl.yaml").read_text())
+    # The labelled node is the one the pool selects, and the group binds that pool in the namespace created.
+    group = yaml.safe_load((REPO_ROOT / "examples" / "inferencegroup-shm.yaml").read_text())
+    pool = yaml.safe_load((REPO_ROOT / "examples" / "pool-shm.yaml").read_text())
+    assert pool["spec"]["nodeSelector"] == {"maru.io/shm-pool": "true"}
     assert group["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
     assert group["metadata"]["namespace"] == "llm"
+
+
+# --- images: one registry for everything the chart and the operator run ------------------------------
+
+
+def operator_args(objects: list[dict[str, Any]]) -> list[str]:
+    return container(objects)["args"]
+
+
+def csi_plugin_image(objects: list[dict[str, Any]]) -> str:
+    pod = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    return next(c["image"] for c in pod["containers"] if c["name"] == "plugin")
+
+
+def test_default_images_are_the_operators_own_defaults(default_objects: list[dict[str, Any]]) -> None:
+    """The chart passes the registry and tag the operator would use anyway: nothing depends on which says it."""
+    from maru_operator.cli import _parser, image_defaults
+    from maru_operator.images import DEFAULT_IMAGES
+
+    args = [a for a in operator_args(default_objects) if a.startswith("--image") or a.endswith("-image")]
+    assert image_defaults(_parser().parse_args(["run", *args])) == DEFAULT_IMAGES
+    assert container(default_objects)["image"] == f"ghcr.io/maru-pd/maru-operator:{APP_VERSION}"
+    assert csi_plugin_image(default_objects) == DEFAULT_IMAGES.pool_image
+
+
+def test_one_registry_value_moves_every_image(render) -> None:
+    objects = render("--set", "images.registry=registry.example.com/mirror/")
+    assert container(objects)["image"] == f"registry.example.com/mirror/maru-operator:{APP_VERSION}"
+    assert csi_plugin_image(objects) == f"registry.example.com/mirror/maru-pool:{APP_VERSION}"
+    args = operator_args(objects)
+    assert "--image-registry=registry.example.com/mirror" in args
+    assert f"--image-tag={APP_VERSION}" in args
+    assert not [a for a in args if a.startswith(("--pool-image", "--vllm-image", "--router-image"))]
+
+
+def test_each_image_can_be_overridden(render) -> None:
+    objects = render("--set", "images.registry=registry.example.com/mirror", "--set", "images.tag=1.0.0-rc.1",
+                     "--set", "images.pool=pools.example.com/pool:7", "--set", "images.vllm=gpu.example.com/vllm:cu129",
+                     "--set", "images.router=r.example.com/router:2", "--set", "image.repository=ops.example.com/op",
+                     "--set", "image.tag=v9")
+    assert container(objects)["image"] == "ops.example.com/op:v9"
+    assert csi_plugin_image(objects) == "pools.example.com/pool:7"  # the CSI plugin runs from the pool image
+    args = operator_args(objects)
+    for arg in ("--image-registry=registry.example.com/mirror", "--image-tag=1.0.0-rc.1",
+                "--pool-image=pools.example.com/pool:7", "--vllm-image=gpu.example.com/vllm:cu129",
+                "--router-image=r.example.com/router:2"):
+        assert arg in args
+    # csiDriver.image.repository still names the plugin's image outright.
+    objects = render("--set", "csiDriver.image.repository=csi.example.com/pool", "--set", "images.pool=x/y:1")
+    assert csi_plugin_image(objects) == f"csi.example.com/pool:{APP_VERSION}"
+
+
+@pytest.mark.parametrize("registry", ["https://registry.example.com", "Registry.Example.com", "ghcr.io/maru:0.1"])
+def test_a_registry_the_operator_would_refuse_fails_the_install(run_helm, template_args, registry: str) -> None:
+    result = run_helm(*template_args("--set", f"images.registry={registry}"))
+    assert result.returncode != 0
+    assert "images" in result.stderr and "registry" in result.stderr
+
+
+def test_the_schema_and_the_operator_accept_the_same_registries() -> None:
+    import json
+
+    from maru_operator.images import REGISTRY_PATTERN
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["images"]["properties"]["registry"]["pattern"] == f"^{REGISTRY_PATTERN}/?$"

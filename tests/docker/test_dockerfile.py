@@ -264,7 +264,7 @@ def test_build_commands_name_the_images_the_product_uses(text: str, parsed: dict
     assert set(commands) == {"operator", "pool", "vllm", "router"}
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert commands["operator"] == f"{values['image']['repository']}:{chart['appVersion']}"
+    assert commands["operator"] == f"{values['images']['registry']}/maru-operator:{chart['appVersion']}"
     assert commands["pool"] == DEFAULT_POOL_IMAGE
     assert commands["vllm"] == DEFAULT_VLLM_IMAGE
     assert commands["router"] == DEFAULT_ROUTER_IMAGE

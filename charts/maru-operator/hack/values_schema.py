@@ -90,6 +90,11 @@ CORE = "io.k8s.api.core.v1."
 # An absolute host path other than "/" (a trailing "/" is allowed).
 ABSOLUTE_PATH = r"^/.*[^/]/?$"
 IMAGE_TAG = r"^$|^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
+# A registry host (optionally with a port) and path, lower case; no scheme, no tag. The operator's
+# --image-registry accepts the same (maru_operator.images.REGISTRY_PATTERN; a test keeps them equal).
+IMAGE_REGISTRY = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*/?$"
+# A whole image reference, or empty.
+IMAGE_REFERENCE = r"^$|^[a-z0-9][^\s]*$"
 # An IPv4 or IPv6 address range in CIDR notation (the shape only; the API server checks the rest).
 CIDR = r"^([0-9]{1,3}(\.[0-9]{1,3}){3}|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*)/[0-9]{1,3}$"
 PULL_POLICY = ("Always", "IfNotPresent", "Never")
@@ -111,9 +116,19 @@ VALUES: dict[str, Any] = obj(
     {
         "nameOverride": string(maxLength=63),
         "fullnameOverride": string(maxLength=63),
+        "images": obj(
+            {
+                "registry": string(pattern=IMAGE_REGISTRY),
+                "tag": string(pattern=IMAGE_TAG),
+                "pool": string(pattern=IMAGE_REFERENCE),
+                "vllm": string(pattern=IMAGE_REFERENCE),
+                "router": string(pattern=IMAGE_REFERENCE),
+            },
+            required=["registry"],
+        ),
         "image": obj(
             {
-                "repository": string(minLength=1),
+                "repository": string(),
                 "tag": string(pattern=IMAGE_TAG),
                 "digest": string(pattern=r"^sha256:[a-f0-9]{64}$"),
                 "pullPolicy": enum(*PULL_POLICY),
@@ -216,7 +231,10 @@ VALUES: dict[str, Any] = obj(
                 "enabled": boolean(),
                 "socketRoot": string(pattern=ABSOLUTE_PATH),
                 "kubeletDir": string(pattern=ABSOLUTE_PATH),
-                "image": IMAGE,
+                "image": obj(
+                    {"repository": string(), "tag": string(pattern=IMAGE_TAG), "pullPolicy": enum(*PULL_POLICY)},
+                    required=["pullPolicy"],
+                ),
                 "registrar": obj(
                     {"image": IMAGE, "resources": kube(CORE + "ResourceRequirements")}, required=["image"]
                 ),

@@ -59,13 +59,40 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+Images: one registry (images.registry) for the operator, the CSI plugin and, through the operator's
+--image-* flags, every pool, vLLM and router image it writes; each can be overridden on its own.
+*/}}
+{{- define "maru-operator.registry" -}}
+{{- .Values.images.registry | trimSuffix "/" }}
+{{- end }}
+
+{{/* The tag of the operator, pool and vllm images: images.tag, else the chart's appVersion. */}}
+{{- define "maru-operator.imageTag" -}}
+{{- .Values.images.tag | default .Chart.AppVersion }}
+{{- end }}
+
 {{/* The operator image: repository:tag, or repository:tag@digest. */}}
 {{- define "maru-operator.image" -}}
-{{- $tag := .Values.image.tag | default .Chart.AppVersion }}
+{{- $repository := .Values.image.repository | default (printf "%s/maru-operator" (include "maru-operator.registry" .)) }}
+{{- $tag := .Values.image.tag | default (include "maru-operator.imageTag" .) }}
 {{- if .Values.image.digest }}
-{{- printf "%s:%s@%s" .Values.image.repository $tag .Values.image.digest }}
+{{- printf "%s:%s@%s" $repository $tag .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- printf "%s:%s" $repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* The CSI node plugin's image, the pool image: csiDriver.image.repository, else images.pool, else the registry's. */}}
+{{- define "maru-operator.csiImage" -}}
+{{- $image := .Values.csiDriver.image }}
+{{- $tag := $image.tag | default (include "maru-operator.imageTag" .) }}
+{{- if $image.repository }}
+{{- printf "%s:%s" $image.repository $tag }}
+{{- else if .Values.images.pool }}
+{{- .Values.images.pool }}
+{{- else }}
+{{- printf "%s/maru-pool:%s" (include "maru-operator.registry" .) $tag }}
 {{- end }}
 {{- end }}
 
