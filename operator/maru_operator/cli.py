@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from maru_operator import __version__
 from maru_operator.builders.netpol import NetworkPolicyConfig
+from maru_operator.cache import RESYNC_SECONDS
 from maru_operator.images import ImageDefaults
 
 log = logging.getLogger("maru_operator")
@@ -98,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="kopf liveness endpoint URL; empty to disable")
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 to disable")
     run.add_argument("--workers", type=int, default=8, help="objects reconciled at once")
-    run.add_argument("--resync-seconds", type=float, default=60.0, help="look at every object this often")
+    run.add_argument("--resync-seconds", type=float, default=RESYNC_SECONDS,
+                     help=f"check the cache against fresh lists and look at every owner this often (default: "
+                          f"{RESYNC_SECONDS:.0f})")
     run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
                      help="write a pool's memory use (which changes with traffic) to its status at most this "
                           "often; condition changes are written at once")

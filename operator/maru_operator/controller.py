@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Awaitable, Callable, Collection, Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,6 +46,7 @@ from maru_operator.cache import Key, Store
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
 from maru_operator.reconcile import (
+    FIELD_MANAGER,
     adopted_ownership,
     controlled_by,
     describe_controller,
@@ -84,6 +85,8 @@ UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
 # A just created child's fields are made applied ones with a compare-and-swap: tries before the next pass.
 _ADOPT_TRIES = 3
+# The most writes one owner has in flight at once: its children are independent of one another.
+WRITE_CONCURRENCY = 8
 # A bound group whose pool's key Secret is not there yet (it is the pool's first child) looks again soon.
 KEY_RETRY_SECONDS = 5.0
 # Kinds the operator never deletes: their owner's deletion does (ownerReferences), and the operator holds
@@ -100,8 +103,22 @@ def model_errors(err: ValidationError) -> list[str]:
     return [".".join(["spec", *(str(p) for p in e["loc"])]) + f": {e['msg']}" for e in err.errors()]
 
 
-def _digest(obj: Object) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+def _digest(obj: Object) -> bytes:
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).digest()
+
+
+def _fingerprint(actual: Object) -> bytes:
+    """What an actual child is compared on: all but its status, resourceVersion and others' managedFields.
+
+    A Deployment's status is written several times on its way to Ready (new resourceVersions each time);
+    none of that can make it differ from the desired object.
+    """
+    meta = actual.get("metadata") or {}
+    ours = [e for e in meta.get("managedFields") or []
+            if e.get("manager") == FIELD_MANAGER and not e.get("subresource")]
+    return _digest({**{k: v for k, v in actual.items() if k not in ("status", "metadata")}, "metadata": {
+        **{k: v for k, v in meta.items() if k not in ("resourceVersion", "generation", "managedFields")},
+        "managedFields": ours}})
 
 
 class Replaced(Exception):
@@ -133,9 +150,10 @@ class Controller:
     _pool_tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
     # group -> when a change of its pool usage alone was last written (monotonic seconds)
     _group_written: dict[Key, float] = field(default_factory=dict)
-    # child -> (digest of what was applied, resourceVersion the server answered): an apply the server
-    # took as is is not repeated while neither changes.
-    _applied: dict[Key, tuple[str, Any]] = field(default_factory=dict)
+    # child -> (digest of the desired object, resourceVersion, fingerprint of the actual one) when the child
+    # was last found in sync or applied: no diff is run again, and an apply the server took as is is not
+    # repeated, while the desired object and the child's fingerprint stay the same.
+    _synced: dict[Key, tuple[bytes, Any, bytes]] = field(default_factory=dict)
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -158,23 +176,23 @@ class Controller:
         """
         owner_key: Key = (owner.kind, owner.namespace or "", owner.name)
         ours = {k: o for k, o in self.store.children(owner_key).items() if controlled_by(o, owner.uid)}
-        creates, updates, deletes = plan(desired, ours)
+        creates, updates, deletes = plan(desired, ours, self._check)
         result = Applied(children=dict(ours))
-        for obj in creates:
-            await self._take(obj, owner, result)
-        for obj, why in updates:
+
+        async def update(obj: Object, why: str) -> None:
             key = key_of(obj)
-            if self._applied.get(key) == (_digest(obj), ours[key]["metadata"].get("resourceVersion")):
-                continue  # applied as is already: what differs is someone else's (e.g. their list items)
             try:
                 result.children[key] = await self._update(obj, ours[key], why)
             except Replaced as err:
                 # The child it saw is gone, or another object has its name: the name is to be taken again.
                 log.info("%s %s: %s; looking at the name afresh", owner.kind, owner.name, err)
                 self.store.remove(key)
-                self._applied.pop(key, None)
+                self._synced.pop(key, None)
                 result.children.pop(key, None)
                 await self._take(obj, owner, result)
+
+        await _together([self._take(obj, owner, result) for obj in creates]
+                        + [update(obj, why) for obj, why in updates])
         for obj in deletes:
             key = key_of(obj)
             if key in keep or key[0] in NEVER_PRUNED:
@@ -184,6 +202,7 @@ class Controller:
             await self.kube.delete(kind, ns or None, name, uid=obj["metadata"].get("uid"))
             metrics.WRITES.labels(kind, "delete").inc()
             self.store.remove(key)
+            self._synced.pop(key, None)
             result.children.pop(key, None)
         return result
 
@@ -207,7 +226,7 @@ class Controller:
             return
         if have is None:
             return  # a conflict, reported by _claim
-        why = out_of_sync(obj, have)
+        why = self._check(obj, have)
         result.children[key] = have if why is None else await self._update(obj, have, why)
 
     async def _claim(self, obj: Object, owner: Owner, result: Applied) -> Object | None:
@@ -241,13 +260,16 @@ class Controller:
         if adopted is None:
             log.info("%s %s/%s changed right after its create; its fields are adopted on the next pass",
                      kind, ns, name)
-            adopted = created
-        self._applied[key_of(obj)] = (_digest(obj), adopted.get("metadata", {}).get("resourceVersion"))
+            self.store.put(created)
+            return created
+        self._synced_as(obj, adopted)
         self.store.put(adopted)
         return adopted
 
-    async def _adopt(self, obj: Object, created: Object) -> Object | None:
-        """Make the fields of the just created ``obj`` applied ones; None when it keeps changing or went."""
+    async def _adopt(self, obj: Object, created: Object, *, only_desired: bool = True) -> Object | None:
+        """Make the operator's fields of the just created ``obj`` applied ones; None when it keeps changing or
+        went. ``only_desired``: only the fields ``obj`` sets (after a create), else all (an upgrade: those the
+        spec no longer has must be applied ones for the apply to remove them)."""
         kind, ns, name = key_of(obj)
         uid = created.get("metadata", {}).get("uid")
         current: Object | None = created
@@ -258,7 +280,7 @@ class Controller:
                 # With the resourceVersion: the whole list is replaced, so it must be the one just read (a
                 # controller writing status right after the create adds an entry of its own).
                 return await self.kube.patch(kind, ns or None, name, {"metadata": {
-                    "managedFields": adopted_ownership(current, desired=obj),
+                    "managedFields": adopted_ownership(current, desired=obj if only_desired else None),
                     "resourceVersion": current["metadata"].get("resourceVersion")}})
             except ApiError as err:
                 if err.status not in (404, 409):
@@ -273,10 +295,12 @@ class Controller:
         try:
             if legacy_owner(have):
                 # Written by a version of the operator before server-side apply (or just created): its
-                # fields become applied ones, so this apply removes those the spec no longer has.
-                await self.kube.patch(kind, ns or None, name, {"metadata": {
-                    "managedFields": adopted_ownership(have),
-                    "resourceVersion": have["metadata"].get("resourceVersion")}})
+                # fields become applied ones, so this apply removes those the spec no longer has. A status
+                # write between the look and the patch is no failure: the patch is tried again on a fresh copy.
+                adopted = await self._adopt(obj, have, only_desired=False)
+                if adopted is None:
+                    raise Replaced(f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were "
+                                   "adopted")
             applied = await self.kube.apply(obj, uid=uid)
         except ApiError as err:
             # 404/409: gone or changed; 422: another object has the name. Which one, a fresh look tells.
@@ -290,9 +314,32 @@ class Controller:
                            f"not {uid})") from err
         metrics.WRITES.labels(kind, "apply").inc()
         log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, why)
-        self._applied[key_of(obj)] = (_digest(obj), applied.get("metadata", {}).get("resourceVersion"))
+        self._synced_as(obj, applied)
         self.store.put(applied)
         return applied
+
+    def _synced_as(self, obj: Object, actual: Object) -> None:
+        """``actual`` is what applying ``obj`` made: in sync with it until either changes."""
+        self._synced[key_of(obj)] = (_digest(obj), actual.get("metadata", {}).get("resourceVersion"),
+                                     _fingerprint(actual))
+
+    def _check(self, obj: Object, have: Object) -> str | None:
+        """:func:`out_of_sync`, run only when the desired object or the child changed since it last passed
+        (or was applied as is: then what differs is someone else's, e.g. their list items)."""
+        key, digest = key_of(obj), _digest(obj)
+        version = have.get("metadata", {}).get("resourceVersion")
+        seen = self._synced.get(key)
+        if seen is not None and seen[0] == digest:
+            if seen[1] == version:
+                return None
+            fingerprint = _fingerprint(have)
+            if seen[2] == fingerprint:
+                self._synced[key] = (digest, version, fingerprint)
+                return None
+        why = out_of_sync(obj, have)
+        if why is None:
+            self._synced[key] = (digest, version, _fingerprint(have))
+        return why
 
     async def write_status(self, body: Object, old: Any, new: Any) -> None:
         if not changed(old, new):
@@ -564,6 +611,21 @@ class Controller:
             self._group_written[key] = self.monotonic()
         await self.write_status(body, old, new)
         return self.usage_interval if usage is not None else None
+
+
+async def _together(writes: list[Awaitable[None]]) -> None:
+    """Run independent writes at once, at most WRITE_CONCURRENCY in flight; every one runs to its end, then
+    the first failure is raised (the retry redoes only what is still missing)."""
+    bound = asyncio.Semaphore(WRITE_CONCURRENCY)
+
+    async def one(write: Awaitable[None]) -> None:
+        async with bound:
+            await write
+
+    results = await asyncio.gather(*(one(w) for w in writes), return_exceptions=True)
+    for outcome in results:
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",

@@ -32,6 +32,10 @@ log = logging.getLogger("maru_operator.kube")
 Object = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
+# Lists of metadata only: what a check for objects gone needs, a fraction of the objects' size.
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+# Items per list request: kube-apiserver answers a page in one etcd range read instead of one big one.
+LIST_PAGE = 500
 APPLY_PATCH = "application/apply-patch+yaml"
 # Every write of the operator is recorded under one name in managedFields.
 WRITE_PARAMS = {"fieldManager": FIELD_MANAGER}
@@ -166,15 +170,17 @@ class Kube:
 
     async def request(
         self, method: str, url: str, *, body: Any = None, content_type: str = "application/json",
-        params: dict[str, str] | None = None, what: str = "",
+        params: dict[str, str] | None = None, what: str = "", accept: str | None = None,
     ) -> Any:
         try:
-            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what)
+            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what,
+                                       accept=accept)
         except ApiError as err:
             if err.status != 401 or not self._relogin():
                 raise
             # Service account tokens are rotated on disk; read the current one and try once more.
-            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what)
+            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what,
+                                       accept=accept)
 
     def _relogin(self) -> bool:
         try:
@@ -192,10 +198,13 @@ class Kube:
 
     async def _request(
         self, method: str, url: str, *, body: Any, content_type: str, params: dict[str, str] | None, what: str,
+        accept: str | None = None,
     ) -> Any:
         full = self.server + url + (("?" + urlencode(params)) if params else "")
         data = json.dumps(body) if body is not None else None
         headers = {"Content-Type": content_type} if data is not None else {}
+        if accept:
+            headers["Accept"] = accept
         started = time.monotonic()
         try:
             async with self.session().request(method, full, data=data, headers=headers) as resp:
@@ -230,14 +239,39 @@ class Kube:
         return (await self.list_with_version(kind, namespace, label_selector))[0]
 
     async def list_with_version(
-        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None, *,
+        metadata_only: bool = False, page: int = LIST_PAGE,
     ) -> tuple[list[Object], str | None]:
-        """The items, and the resourceVersion the list was taken at; the selector as a map or as text."""
+        """The items, and the resourceVersion the list was taken at; the selector as a map or as text.
+
+        Read in pages of ``page`` items. ``metadata_only``: each item is a PartialObjectMetadata (its
+        ``metadata`` alone). A continue token that expired (410) starts the list over, once.
+        """
         if isinstance(label_selector, dict):
             label_selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
-        params = {"labelSelector": label_selector} if label_selector else None
-        result = await self.request("GET", path(kind, namespace), params=params, what=f"list {kind} in {namespace}")
-        return list((result or {}).get("items") or []), (result or {}).get("metadata", {}).get("resourceVersion")
+        base = {"labelSelector": label_selector} if label_selector else {}
+        if page > 0:
+            base["limit"] = str(page)
+        for attempt in range(2):
+            items: list[Object] = []
+            version: str | None = None
+            params = dict(base)
+            try:
+                while True:
+                    result = await self.request("GET", path(kind, namespace), params=params or None,
+                                                what=f"list {kind} in {namespace}",
+                                                accept=METADATA_LIST if metadata_only else None) or {}
+                    meta = result.get("metadata") or {}
+                    version = version or meta.get("resourceVersion")
+                    items += result.get("items") or []
+                    if not meta.get("continue"):
+                        return items, version
+                    params = {**base, "continue": meta["continue"]}
+            except ApiError as err:
+                if err.status != 410 or "continue" not in params or attempt:
+                    raise
+                log.info("list %s in %s: its continue token expired; listing again", kind, namespace)
+        raise AssertionError("unreachable")
 
     async def create(self, obj: Object) -> Object:
         meta = obj["metadata"]

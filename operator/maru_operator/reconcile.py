@@ -16,7 +16,9 @@ apply is needed, so a converged object is never written:
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from maru_operator.quantity import same_quantity
@@ -75,15 +77,63 @@ def is_subset(desired: Any, actual: Any, path: str = "") -> str | None:
 
 
 # --- managedFields ------------------------------------------------------------------------------------
+#
+# A manager's fields are a FieldsV1 tree; every question below is answered in one walk of that tree beside
+# the desired (and the actual) object, never by looking each leaf up from the root again: a converged
+# Deployment has hundreds of leaves.
+
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=8192)
+def _item_key(rest: str) -> tuple[tuple[str, Any], ...]:
+    """A ``k:`` step's key fields (parsed once: the same few keys recur on every child)."""
+    return tuple(json.loads(rest).items())
+
+
+@functools.lru_cache(maxsize=8192)
+def _set_member(rest: str) -> Any:
+    return json.loads(rest)
+
+
+def _step(node: Any, part: str) -> Any:
+    """The value one FieldsV1 step (``f:``, ``k:``, ``v:``, ``.``) names under ``node``, or ``_ABSENT``."""
+    kind, _, rest = part.partition(":")
+    if kind == "f":
+        return node[rest] if isinstance(node, dict) and rest in node else _ABSENT
+    if kind == "k":
+        if not isinstance(node, list):
+            return _ABSENT
+        wanted = _item_key(rest)
+        return next((item for item in node if isinstance(item, dict) and all(
+            item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted)), _ABSENT)
+    if kind == "v":
+        return rest if isinstance(node, list) and _set_member(rest) in node else _ABSENT
+    if part == ".":
+        return node
+    return _ABSENT  # a positional path: never ours (we apply no positional lists)
+
+
+def _dotted(path: tuple[str, ...]) -> str:
+    return "." + ".".join(p[2:] if p.startswith("f:") else p for p in path)
+
+
+def _owned_tree(actual: Object, manager: str) -> dict[str, Any] | None:
+    """The FieldsV1 tree ``manager`` applied to ``actual``; None when it never applied."""
+    for entry in actual.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
+            return entry.get("fieldsV1") or {}
+    return None
+
 
 def owned_fields(actual: Object, manager: str = FIELD_MANAGER) -> list[tuple[str, ...]] | None:
     """The field paths ``manager`` applied to ``actual`` (FieldsV1 spelling); None when it never applied."""
-    for entry in actual.get("metadata", {}).get("managedFields") or []:
-        if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
-            paths: list[tuple[str, ...]] = []
-            _leaves(entry.get("fieldsV1") or {}, (), paths)
-            return paths
-    return None
+    tree = _owned_tree(actual, manager)
+    if tree is None:
+        return None
+    paths: list[tuple[str, ...]] = []
+    _leaves(tree, (), paths)
+    return paths
 
 
 def _leaves(node: dict[str, Any], prefix: tuple[str, ...], out: list[tuple[str, ...]]) -> None:
@@ -98,67 +148,80 @@ def sets_field(desired: Any, path: tuple[str, ...]) -> bool:
     """Whether ``desired`` sets the field a FieldsV1 path names (``f:``, ``k:``, ``v:`` and ``.`` steps)."""
     node = desired
     for part in path:
-        if part == ".":
-            return True
-        kind, _, rest = part.partition(":")
-        if kind == "f":
-            if not isinstance(node, dict) or rest not in node:
-                return False
-            node = node[rest]
-        elif kind == "k":
-            wanted = json.loads(rest)
-            if not isinstance(node, list):
-                return False
-            node = next((item for item in node if isinstance(item, dict) and all(
-                item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted.items())), None)
-            if node is None:
-                return False
-        elif kind == "v":
-            return isinstance(node, list) and json.loads(rest) in node
-        else:
-            return False  # a positional path: never ours (we apply no positional lists)
+        if part == "." or part.startswith("v:"):
+            return _step(node, part) is not _ABSENT
+        node = _step(node, part)
+        if node is _ABSENT:
+            return False
     return True
+
+
+def _walk(tree: dict[str, Any], want: Any, have: Any, prefix: tuple[str, ...]
+          ) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+    """Each owned leaf as (path, desired value, actual value), values ``_ABSENT`` where not set."""
+    for part, sub in tree.items():
+        path = (*prefix, part)
+        w = _step(want, part) if want is not _ABSENT else _ABSENT
+        h = _step(have, part) if have is not _ABSENT else _ABSENT
+        if sub and part != "." and not part.startswith("v:"):
+            yield from _walk(sub, w, h, path)
+        else:
+            yield path, w, h
 
 
 def stale_field(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
     """The first field ``manager`` owns on ``actual`` that ``desired`` no longer sets, dotted; None if none."""
-    for path in owned_fields(actual, manager) or []:
-        if not sets_field(desired, path):
-            return "." + ".".join(p[2:] if p.startswith("f:") else p for p in path)
+    for path, want, _ in _walk(_owned_tree(actual, manager) or {}, desired, _ABSENT, ()):
+        if want is _ABSENT:
+            return _dotted(path)
     return None
-
-
-_ABSENT = object()
 
 
 def _value_at(obj: Any, path: tuple[str, ...]) -> Any:
     """The value a FieldsV1 path names in ``obj`` (``f:`` and ``k:`` steps), or ``_ABSENT``."""
     node = obj
     for part in path:
-        kind, _, rest = part.partition(":")
-        if kind == "f" and isinstance(node, dict) and rest in node:
-            node = node[rest]
-        elif kind == "k" and isinstance(node, list):
-            wanted = json.loads(rest)
-            node = next((item for item in node if isinstance(item, dict) and all(
-                item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted.items())), _ABSENT)
-            if node is _ABSENT:
-                return _ABSENT
-        else:
+        if not part.startswith(("f:", "k:")):
+            return _ABSENT
+        node = _step(node, part)
+        if node is _ABSENT:
             return _ABSENT
     return node
 
 
+# Fields the API server defaults inside structs that are owned whole (+structType=atomic): an env var's
+# fieldRef comes back with its apiVersion. Not a difference of the owner's.
+_ATOMIC_DEFAULTS: dict[str, dict[str, Any]] = {"f:fieldRef": {"apiVersion": "v1"}}
+
+
+def _atomic_changed(path: tuple[str, ...], want: Any, have: Any) -> str | None:
+    if want is _ABSENT or have is _ABSENT or _empty(want) or not isinstance(have, (list, dict)):
+        return None  # an empty value is owned whole for being empty, not for being atomic
+    if not path[-1].startswith(("f:", "k:")):
+        return None  # an item's own path, or a set member: never a value owned whole
+    if isinstance(want, dict) and path[-1] in _ATOMIC_DEFAULTS:
+        want = {**_ATOMIC_DEFAULTS[path[-1]], **want}
+    dotted = _dotted(path)
+    return dotted if is_subset(have, want, dotted) is not None else None
+
+
 def changed_atomic(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
     """The first list or map ``manager`` owns whole whose actual value holds more than the desired one."""
-    for path in owned_fields(actual, manager) or []:
-        want, have = _value_at(desired, path), _value_at(actual, path)
-        if want is _ABSENT or have is _ABSENT or _empty(want) or not isinstance(have, (list, dict)):
-            continue  # an empty value is owned whole for being empty, not for being atomic
-        dotted = "." + ".".join(p[2:] if p.startswith("f:") else p for p in path)
-        if is_subset(have, want, dotted) is not None:
-            return dotted
+    for path, want, have in _walk(_owned_tree(actual, manager) or {}, desired, actual, ()):
+        found = _atomic_changed(path, want, have)
+        if found:
+            return found
     return None
+
+
+def _stale_or_atomic(desired: Object, actual: Object, manager: str) -> str | None:
+    """:func:`stale_field`, then :func:`changed_atomic`, in one walk of the owned fields."""
+    atomic = None
+    for path, want, have in _walk(_owned_tree(actual, manager) or {}, desired, actual, ()):
+        if want is _ABSENT:
+            return _dotted(path)
+        atomic = atomic or _atomic_changed(path, want, have)
+    return atomic
 
 
 def _mine(actual: Object, manager: str) -> list[dict[str, Any]]:
@@ -183,16 +246,18 @@ def _merge_trees(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _only_set(tree: dict[str, Any], desired: Any, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+def _only_set(tree: dict[str, Any], desired: Any) -> dict[str, Any]:
     """The FieldsV1 ``tree`` without the leaves ``desired`` does not set."""
     out: dict[str, Any] = {}
     for part, sub in tree.items():
-        path = (*prefix, part)
-        if sub:
-            kept = _only_set(sub, desired, path)
+        node = _step(desired, part) if desired is not _ABSENT else _ABSENT
+        if node is _ABSENT:
+            continue
+        if sub and part != "." and not part.startswith("v:"):
+            kept = _only_set(sub, node)
             if kept:
                 out[part] = kept
-        elif sets_field(desired, path):
+        else:
             out[part] = sub
     return out
 
@@ -221,8 +286,7 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
 
 def out_of_sync(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
     """Why ``desired`` must be applied to ``actual`` (a field path, for the log); None when it is in sync."""
-    return (is_subset(desired, actual) or stale_field(desired, actual, manager)
-            or changed_atomic(desired, actual, manager)
+    return (is_subset(desired, actual) or _stale_or_atomic(desired, actual, manager)
             or ("metadata.managedFields" if legacy_owner(actual, manager) else None))
 
 
@@ -251,9 +315,13 @@ def key_of(obj: dict[str, Any]) -> Key:
     return obj.get("kind", ""), meta.get("namespace") or "", meta.get("name", "")
 
 
-def plan(desired: list[Object], actual: dict[Key, Object]) -> tuple[list[Object], list[tuple[Object, str]],
-                                                                     list[Object]]:
-    """(absent: create, (desired, why) to apply, actual objects no longer wanted: delete)."""
+def plan(desired: list[Object], actual: dict[Key, Object],
+         check: Callable[[Object, Object], str | None] = out_of_sync
+         ) -> tuple[list[Object], list[tuple[Object, str]], list[Object]]:
+    """(absent: create, (desired, why) to apply, actual objects no longer wanted: delete).
+
+    ``check``: why one desired object must be applied to its actual one (:func:`out_of_sync`, or a caller's
+    memo of it)."""
     creates, updates = [], []
     wanted = set()
     for obj in desired:
@@ -263,7 +331,7 @@ def plan(desired: list[Object], actual: dict[Key, Object]) -> tuple[list[Object]
         if have is None:
             creates.append(obj)
             continue
-        why = out_of_sync(obj, have)
+        why = check(obj, have)
         if why is not None:
             updates.append((obj, why))
     deletes = [obj for key, obj in actual.items() if key not in wanted]

@@ -193,7 +193,7 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
         "--liveness=http://0.0.0.0:8080/healthz",
         "--metrics-port=9090",
         "--workers=8",
-        "--resync-seconds=60",
+        "--resync-seconds=600",
         "--pool-usage-interval=30",
         "--api-server-cidr=0.0.0.0/0",
         "--api-server-cidr=::/0",

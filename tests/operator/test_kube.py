@@ -66,3 +66,29 @@ def test_errors_carry_status_reason_and_what() -> None:
                 await client.list("Pod", "llm")
 
     asyncio.run(main())
+
+
+def test_lists_are_read_in_pages_and_metadata_only_on_request(tmp_path: Any) -> None:
+    """Against the emulator: every page is read, the list's resourceVersion is the first page's, and a
+    metadata-only list carries no spec."""
+    from maru_localcluster.server import running_emulator
+
+    with running_emulator(tmp_path) as cluster:
+        for i in range(5):
+            cluster.create({"apiVersion": "v1", "kind": "Service", "metadata": {
+                "name": f"s{i}", "namespace": "default", "labels": {"app": "x"}}, "spec": {"ports": [{"port": 80}]}})
+        mark = cluster.mark()
+
+        async def main() -> None:
+            async with Kube(cluster.kopf_connection()) as client:
+                items, version = await client.list_with_version("Service", "default", {"app": "x"}, page=2)
+                assert [o["metadata"]["name"] for o in items] == [f"s{i}" for i in range(5)]
+                assert version is not None and all(o.get("spec") for o in items)
+                meta, _ = await client.list_with_version("Service", "default", "app=x", metadata_only=True)
+                assert [o["kind"] for o in meta] == ["PartialObjectMetadata"] * 5
+                assert all("spec" not in o for o in meta)
+
+        asyncio.run(main())
+        lists = [r for r in cluster.requests_since(mark) if r.method == "GET"]
+        assert [r.query.get("limit") for r in lists] == ["2", "2", "2", str(kube_module.LIST_PAGE)]
+        assert [bool(r.query.get("continue")) for r in lists] == [False, True, True, False]

@@ -193,3 +193,20 @@ def test_a_created_childs_fields_are_adopted_without_the_servers_defaults(desire
     adopted = adopted_ownership(created, desired=desired)
     assert adopted[-1]["fieldsV1"] == {"f:metadata": {"f:labels": {"f:app.kubernetes.io/name": {}}}}
     assert stale_field(desired, {"metadata": {"managedFields": adopted}}) is None
+
+
+def test_a_field_reference_owned_whole_is_not_drift_for_its_defaulted_api_version() -> None:
+    """ObjectFieldSelector is +structType=atomic: the server records fieldRef as one leaf and fills in its
+    apiVersion. A restarted operator must not take that for a change (one write per restart)."""
+    env = {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    desired = {"kind": "DaemonSet", "metadata": {"name": "a", "namespace": "p"}, "spec": {"template": {"spec": {
+        "containers": [{"name": "agent", "env": [env]}]}}}}
+    actual = copy.deepcopy(desired)
+    actual["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["apiVersion"] = "v1"
+    leaf = {"f:spec": {"f:template": {"f:spec": {"f:containers": {'k:{"name":"agent"}': {
+        ".": {}, "f:name": {}, "f:env": {'k:{"name":"NODE_NAME"}': {
+            ".": {}, "f:name": {}, "f:valueFrom": {"f:fieldRef": {}}}}}}}}}}
+    actual["metadata"]["managedFields"] = [{"manager": "maru-operator", "operation": "Apply", "fieldsV1": leaf}]
+    assert out_of_sync(desired, actual) is None
+    actual["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] = "x"
+    assert out_of_sync(desired, actual) is not None
