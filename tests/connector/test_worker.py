@@ -26,6 +26,7 @@ from maru_connector.vllm import worker as worker_module
 from maru_connector.vllm.metadata import (
     PRESENT,
     RETRY,
+    SKIPPED,
     STORED,
     TAINTED,
     ChunkLoad,
@@ -281,7 +282,7 @@ def test_dead_pool_never_raises(pool) -> None:
     save(worker, save_meta({1: (0, 1)}))
     worker.load(load_meta({1: ((0, 2),)}))
     assert worker.take_invalid_blocks() == {2}
-    assert settled(worker).saves == {("r", 0): RETRY}
+    assert settled(worker).saves == {("r", 0): SKIPPED}  # not tried: never a reason to hold blocks
     c = common.counters()
     assert c[common.SAVE_SKIPPED_CHUNKS] == 1
     assert c.get(common.SAVED_CHUNKS, 0) == 0
@@ -523,11 +524,11 @@ def test_after_a_sleep_the_worker_stays_off_the_pool(pool) -> None:
     assert settled(producer).saves == {("r", 0): STORED}
     producer.unregister_kv_caches()
     save(producer, save_meta({2: (2, 3)}))  # asleep: nothing touches the cache, the save is skipped
-    assert settled(producer).saves == {("r", 0): RETRY}
+    assert settled(producer).saves == {("r", 0): SKIPPED}
     producer.restore_kv_caches()
     producer.register_kv_caches(src)
     save(producer, save_meta({2: (2, 3)}))
-    assert settled(producer).saves == {("r", 0): RETRY}
+    assert settled(producer).saves == {("r", 0): SKIPPED}
     producer.load(load_meta({1: ((0, 5), (1, 6))}))  # chunk 1 is in the pool, but not for this engine now
     assert producer.take_invalid_blocks() == {5, 6}
     with PoolClient(pool.url, timeout_s=5) as client:

@@ -622,12 +622,11 @@ class MaruScheduler:
                 continue
             if now - state.finished_at > FINISHED_RETRY_S or not self._worth_holding(state):
                 self.release(req_id)
-            elif not state.saving_since:
+            elif not state.saving_since and not state.loading_async:
+                # Never over blocks a load may still be writing (request_finished lets such a request go).
                 progress.append((req_id, state.finished_tokens, state.finished_blocks))
         for req_id, computed, block_ids in progress:
             state = self._states[req_id]
-            if state.loading_async:
-                continue  # its blocks are being written by a load; saved once it is reported
             state.follow_prompt()
             due = state.saves_due(computed, self._step, self.chunk_tokens)
             if not due:

@@ -387,6 +387,8 @@ class MaruWorker:
         paged = self.paged
         if paged is None or self.guard.backing_off():
             # Nothing to try: a dead pool is not asked again before its back-off ends.
+            if paged is not None:
+                self.stats.count(common.POOL_SKIPPED_CALLS)
             self._apply_saves(self._skip(todo, SKIPPED))
             return
         if self._saves.queued() >= SAVE_LANE_MAX_QUEUED:
