@@ -60,10 +60,11 @@ def test_examples_are_valid() -> None:
     result = _validate(REPO / "examples")
     assert result.returncode == 0, result.stdout + result.stderr
     ok = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 3, result.stdout
+    assert len(ok) == 4, result.stdout
     assert any(line.endswith("pool-shm.yaml, document 1: MaruPool local-shm") for line in ok), result.stdout
     assert any(line.endswith("inferencegroup.yaml, document 1: InferenceGroup llm/qwen-7b") for line in ok)
-    assert "3 objects checked" in result.stdout.splitlines()[-1]
+    assert any(line.endswith("inferencegroup-shm.yaml, document 1: InferenceGroup llm/qwen-small") for line in ok)
+    assert "4 objects checked" in result.stdout.splitlines()[-1]
 
 
 def test_demo_examples_are_valid_together(capsys: pytest.CaptureFixture[str]) -> None:

@@ -65,8 +65,12 @@ def test_every_serving_pod_passes_restricted(rendered: dict[str, list[dict[str, 
                 map(str, violations)
             )
             checked.append(obj)
-    # Prefill, decode and router for the group bound to each pool: nothing was skipped by accident.
-    assert len(checked) == len(ROLES) * len(rendered)
+    # Prefill, decode and router for every group bound to each pool: nothing was skipped by accident.
+    # examples/ holds two groups (each rendered bound to each of its two pools), examples/local/ one.
+    groups = {(pool, o["metadata"]["labels"]["app.kubernetes.io/instance"])
+              for pool, objects in rendered.items() for o in _pods(objects) if _app(o) in SERVING_APPS}
+    assert len(groups) == 5, sorted(groups)
+    assert len(checked) == len(ROLES) * len(groups)
 
 
 def test_the_socket_reaches_serving_pods_through_a_csi_volume(rendered: dict[str, list[dict[str, Any]]]) -> None:
