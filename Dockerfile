@@ -7,8 +7,9 @@
 #   docker build --target vllm     -t ghcr.io/maru-pd/vllm-maru:0.1.0 .
 #   docker build --target router   -t ghcr.io/maru-pd/vllm-router:0.1.17 .
 #
-# These are the defaults the rest of the product refers to: the chart's image.repository (operator),
-# MaruPool spec.daemon.image (pool), InferenceGroup spec.image (vllm) and spec.router.image (router).
+# These are the defaults the rest of the product refers to: the chart's images.registry and appVersion
+# (operator, CSI plugin), and the operator's defaults for MaruPools (pool) and InferenceGroups (vllm, router)
+# that name no image (maru_operator/images.py); the same registry moves all of them.
 # `make images` builds all four (docker buildx, podman or buildah; IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS), and
 # .github/workflows/release.yml builds and pushes them for linux/amd64 and linux/arm64 on every release tag.
 # The vllm target follows the platforms of its upstream base image (amd64 and arm64 for v0.32.0).
