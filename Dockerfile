@@ -12,7 +12,7 @@
 # that name no image (maru_operator/images.py); the same registry moves all of them.
 # `make images` builds all four (docker buildx, podman or buildah; IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS), and
 # .github/workflows/release.yml builds and pushes them for linux/amd64 and linux/arm64 on every release tag.
-# The vllm target follows the platforms of its upstream base image (amd64 and arm64 for v0.32.0).
+# The vllm target builds only for the platforms its upstream base image is published for.
 #
 # operator, pool and router run as UID/GID 65532 by default and need no writable root filesystem.
 # The pool daemon gets access to devdax devices and the host socket directory from its pod spec
