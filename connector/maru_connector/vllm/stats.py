@@ -37,6 +37,10 @@ _HELP = {
     common.HOOK_ERRORS: "Connector hooks that raised; the engine went on without the pool for that work.",
     common.POOL_ERRORS: "Pool calls that failed (down, slow, full, protocol error).",
     common.POOL_SKIPPED_CALLS: "Pool calls not attempted during the back-off after a failure.",
+    common.LOOKUP_HANDOFF_WAITS: "Waits in the pool for chunks a prefill announced (one call serves every "
+                                 "waiting handoff).",
+    common.SAVE_BEHIND_CHUNKS: "Chunks not stored because the save lane was too far behind the engine.",
+    common.LANE_JOBS_DROPPED: "Pool jobs given up before they ran (past their deadline, or their request went).",
 }
 
 
