@@ -5,7 +5,7 @@ Reasons are CamelCase and stable (alerts match on them); messages say what is wr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from maru_operator.api.common import Condition
 
@@ -69,7 +69,11 @@ def pool_bound(ok: bool, reason: str, message: str, gen: int | None) -> Conditio
     return condition(POOL_BOUND, ok, reason, message, gen)
 
 
-def group_progressing(rolling: list[str], gen: int | None) -> Condition:
+def group_progressing(rolling: list[str], gen: int | None, queued: Sequence[str] = ()) -> Condition:
+    if queued:
+        return condition(PROGRESSING, True, "RolloutQueued",
+                         "pod template change of " + ", ".join(queued) + " waits while other groups roll out "
+                         "(the operator's --max-rolling-groups)", gen)
     if rolling:
         return condition(PROGRESSING, True, "RollingOut", "rolling out: " + ", ".join(rolling), gen)
     return condition(PROGRESSING, False, "RolloutComplete", "", gen)

@@ -59,6 +59,8 @@ KINDS: dict[str, Kind] = {
     "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Kind("apis/networking.k8s.io/v1", "networkpolicies"),
+    "PersistentVolumeClaim": Kind("api/v1", "persistentvolumeclaims"),
+    "PodDisruptionBudget": Kind("apis/policy/v1", "poddisruptionbudgets"),
     "Lease": Kind("apis/coordination.k8s.io/v1", "leases"),
     "EndpointSlice": Kind("apis/discovery.k8s.io/v1", "endpointslices"),
     "MaruPool": Kind("apis/maru.io/v1alpha1", "marupools", namespaced=False),

@@ -223,6 +223,7 @@ def group_status(
     now: str,
     router: Router | None = None,
     conflicts: list[str] | None = None,
+    queued: list[str] | None = None,
 ) -> InferenceGroupStatus:
     """``children`` maps prefill, decode, router to their observed Deployment (None when absent).
 
@@ -268,7 +269,7 @@ def group_status(
     conditions = [
         cond.pool_bound(binding.ok, binding.reason, binding.message, gen),
         ready,
-        cond.group_progressing(rolling, gen),
+        cond.group_progressing(rolling, gen, queued or []),
         cond.group_degraded(degraded, gen),
     ]
     return InferenceGroupStatus(

@@ -12,11 +12,12 @@ from maru_operator.api.common import (
     Condition,
     CustomResource,
     KubeModel,
+    Quantity,
     ResourceRequirements,
     Toleration,
 )
 from maru_operator.api.marupool import TenantQuota
-from maru_operator.api.pod import EnvList, PodOptions, RolloutStrategy, Volume, VolumeMount
+from maru_operator.api.pod import EnvList, IntOrPercent, PodOptions, RolloutStrategy, Volume, VolumeMount
 from maru_operator.images import DEFAULT_ROUTER_IMAGE as DEFAULT_ROUTER_IMAGE
 from maru_operator.images import DEFAULT_VLLM_IMAGE as DEFAULT_VLLM_IMAGE
 from maru_operator.vllmflags import cel_owned_flags_rule, settings
@@ -68,9 +69,114 @@ class PoolRef(KubeModel):
     )
 
 
-# Volumes the operator adds to every vLLM pod (the pool socket, the pool credential, /dev/shm, the scratch
-# directories of a read-only root); a user's volume may not take their names.
-RESERVED_VOLUMES = ("maru-socket", "maru-credential", "dshm", "home", "tmp")
+DEFAULT_MODEL_CACHE_SIZE = "200Gi"
+MODEL_CACHE_PATH = "/var/cache/maru/models"
+
+
+class ModelCacheClaim(KubeModel):
+    """A PersistentVolumeClaim holding the Hugging Face hub cache, shared by every vLLM pod of the group."""
+
+    claim_name: str | None = Field(
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        description="An existing claim in the group's namespace (e.g. one several groups share, or one filled "
+                    "ahead of time); the operator then creates none. Unset: the operator creates "
+                    "<group>-model-cache, owned by the group (deleted with it).",
+    )
+    size: Quantity = Field(
+        DEFAULT_MODEL_CACHE_SIZE,
+        description="Size of the claim the operator creates; room for every revision of the model the group "
+                    "will serve. It can grow later where the StorageClass allows expansion.",
+    )
+    storage_class_name: str | None = Field(
+        None, max_length=253, description="StorageClass of the claim the operator creates. Unset: the cluster's "
+                                          "default class. It must offer the access mode below.",
+    )
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany"] = Field(
+        "ReadWriteMany",
+        description="ReadWriteMany (NFS, CephFS, a cloud file store): every pod of the group, on any node, reads "
+                    "one copy and the first to start downloads it. ReadWriteOnce only works while all the "
+                    "group's pods share one node. ReadOnlyMany: a pre-filled claim (set claimName).",
+    )
+
+
+class ModelCacheEmptyDir(KubeModel):
+    """A per-pod cache: every pod downloads the model again, into node storage bounded by ``sizeLimit``."""
+
+    size_limit: Quantity = Field(
+        description="Node storage one pod's download may take; the kubelet evicts the pod beyond it. Also "
+                    "requested as ephemeral-storage, so the scheduler picks a node with the room.",
+    )
+
+
+class ModelCacheSpec(KubeModel):
+    """Where vLLM keeps downloaded weights (``HF_HUB_CACHE``). Exactly one of the two; default a claim."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [{
+                "rule": "!(has(self.persistentVolumeClaim) && has(self.emptyDir))",
+                "message": "set one of persistentVolumeClaim and emptyDir",
+                "reason": "FieldValueForbidden",
+            }]
+        }
+    )
+
+    persistent_volume_claim: ModelCacheClaim | None = Field(
+        None, description="A claim shared by the group's pods (the default, with its defaults, when emptyDir is "
+                          "not set).",
+    )
+    empty_dir: ModelCacheEmptyDir | None = Field(
+        None, description="A per-pod emptyDir instead: only for small models or a model baked into the image.",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ModelCacheSpec:
+        if self.persistent_volume_claim is not None and self.empty_dir is not None:
+            raise ValueError("modelCache: set one of persistentVolumeClaim and emptyDir")
+        return self
+
+    @property
+    def claim(self) -> ModelCacheClaim | None:
+        """The claim to mount, None for an emptyDir."""
+        if self.empty_dir is not None:
+            return None
+        return self.persistent_volume_claim or ModelCacheClaim()
+
+
+class Termination(KubeModel):
+    """How a vLLM pod stops: it first drains, then gets SIGTERM."""
+
+    grace_period_seconds: int = Field(
+        600, ge=1, le=86400,
+        description="terminationGracePeriodSeconds: the whole budget from the pod's deletion to SIGKILL, "
+                    "drain included.",
+    )
+    drain_seconds: int = Field(
+        570, ge=0, le=86400,
+        description="How long the preStop hook waits for the generations in flight to finish (vLLM's "
+                    "num_requests_running and num_requests_waiting at 0) before vLLM gets SIGTERM; 0: no drain. "
+                    "At most gracePeriodSeconds; keep ~30 s for vLLM's own shutdown.",
+    )
+
+    @model_validator(mode="after")
+    def _drain_fits(self) -> Termination:
+        if self.drain_seconds > self.grace_period_seconds:
+            raise ValueError("termination.drainSeconds: must not exceed termination.gracePeriodSeconds")
+        return self
+
+
+class DisruptionBudget(KubeModel):
+    """A PodDisruptionBudget of the role: how many of its pods a node drain may evict at once."""
+
+    enabled: bool = Field(True, description="Render a PodDisruptionBudget for this role.")
+    max_unavailable: IntOrPercent = Field(
+        1, description="Pods of the role a voluntary disruption (a node drain) may take down at once.",
+    )
+
+
+# Volumes the operator adds to every vLLM pod (the pool socket, the pool credential, /dev/shm, the model
+# cache, the scratch directories of a read-only root); a user's volume may not take their names.
+RESERVED_VOLUMES = ("maru-socket", "maru-credential", "dshm", "model-cache", "home", "tmp")
 DEFAULT_STARTUP_SECONDS = 1800
 
 
@@ -105,7 +211,17 @@ class RoleSpec(PodOptions):
         }
     )
 
-    replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods of this role.")
+    replicas: int = Field(
+        1, ge=0, le=1024,
+        description="Number of vLLM pods of this role. With scaler External: only the count the Deployment "
+                    "is created with; the autoscaler sets it from then on.",
+    )
+    scaler: Literal["Operator", "External"] = Field(
+        "Operator",
+        description="Who sets the role Deployment's spec.replicas. Operator: replicas, always (a manual "
+                    "`kubectl scale` is put back). External: an HPA, KEDA or `kubectl scale deployment "
+                    "<group>-<role>` does, and the operator never writes it after the create.",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM instance shards the model over (--tensor-parallel-size)."
     )
@@ -142,8 +258,21 @@ class RoleSpec(PodOptions):
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of this role's pods.")
     strategy: RolloutStrategy = Field(
         default_factory=RolloutStrategy,
-        description="How pods are replaced on a change. Default: RollingUpdate with maxSurge 0, maxUnavailable 1, "
-                    "which needs no spare GPU (one pod of the role is down at a time during an update).",
+        description="How pods are replaced on a change. Default: RollingUpdate with maxSurge 1, and "
+                    "maxUnavailable 0 for a single replica (the old pod serves until its replacement is ready: "
+                    "never a role without pods) or 1 for more (the update goes on when no spare GPU is free).",
+    )
+    shm_size: Quantity | None = Field(
+        None,
+        description="Size of the pod's /dev/shm (a memory-backed emptyDir, counted in the container's memory). "
+                    "Default: 1Gi per tensor-parallel rank (vLLM's worker queues and NCCL's shared-memory "
+                    "transport). A volumeMount at /dev/shm replaces it.",
+    )
+    termination: Termination = Field(
+        default_factory=Termination, description="Draining and the grace period of a stopping pod.",
+    )
+    disruption_budget: DisruptionBudget = Field(
+        default_factory=DisruptionBudget, description="The role's PodDisruptionBudget.",
     )
     startup_timeout_seconds: int = Field(
         DEFAULT_STARTUP_SECONDS, ge=60, le=86400,
@@ -239,6 +368,13 @@ class RouterSpec(PodOptions):
     env: EnvList = Field(default_factory=list, max_length=64, description="Environment variables of the router.")
 
 
+class ReplicaRatio(KubeModel):
+    """Prefill:decode pods to keep when an autoscaler scales one role: the other follows."""
+
+    prefill: int = Field(ge=1, le=64, description="Prefill pods per ``decode`` decode pods.")
+    decode: int = Field(ge=1, le=64, description="Decode pods per ``prefill`` prefill pods.")
+
+
 class InferenceGroupSpec(KubeModel):
     """Desired state of an InferenceGroup."""
 
@@ -256,6 +392,18 @@ class InferenceGroupSpec(KubeModel):
     prefill: RoleSpec = Field(default_factory=RoleSpec, description="Prefill pods: store prompt KV.")
     decode: RoleSpec = Field(default_factory=RoleSpec, description="Decode pods: load prompt KV, generate.")
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec, description="KV chunking, shared by both roles.")
+    model_cache: ModelCacheSpec = Field(
+        default_factory=ModelCacheSpec,
+        description="Where the pods keep downloaded weights. Default: a ReadWriteMany PersistentVolumeClaim the "
+                    "operator creates, shared by every pod of the group, so a model is downloaded once, not once "
+                    "per pod.",
+    )
+    replica_ratio: ReplicaRatio | None = Field(
+        None,
+        description="Keep prefill:decode at this ratio while an autoscaler scales one role (scaler External on "
+                    "exactly one of them): the operator sets the other role's replicas to "
+                    "ceil(scaled role's replicas x its share), at least 1.",
+    )
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the group.")
     pool_quota: TenantQuota | None = Field(
         None,
@@ -266,6 +414,16 @@ class InferenceGroupSpec(KubeModel):
             "by the MaruPool's maxTenantQuota. Groups sharing a cacheNamespace share one quota: set the same value."
         ),
     )
+
+    @model_validator(mode="after")
+    def _ratio_follows_one_scaled_role(self) -> InferenceGroupSpec:
+        if self.replica_ratio is None:
+            return self
+        external = [r for r in ("prefill", "decode") if getattr(self, r).scaler == "External"]
+        if len(external) != 1:
+            raise ValueError("replicaRatio: needs scaler External on exactly one of prefill and decode (the role "
+                             f"an autoscaler scales; the other follows), found {len(external)}")
+        return self
 
 
 class RoleStatus(KubeModel):

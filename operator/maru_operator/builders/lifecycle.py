@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from maru_operator.api.inferencegroup import RoleSpec
@@ -27,6 +29,13 @@ SHM_PER_RANK = 1 * Gi
 SCRATCH_BYTES = 10 * Gi
 EPHEMERAL = "ephemeral-storage"
 DRAIN_MODULE = "maru_connector.drain"
+# On a role Deployment: the hash of the pod template the operator applied, for pacing rollouts
+# (maru_operator.rollouts) without diffing templates.
+TEMPLATE_HASH = "maru.io/template-hash"
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def shm_size(role: RoleSpec) -> str:
