@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from maru_operator.api import GROUP, VERSION, InferenceGroup, MaruPool
-from maru_operator.api.common import CustomResource
+from maru_operator.api.common import LIST_MAP_KEYS, CustomResource
 
 KINDS: tuple[type[CustomResource], ...] = (MaruPool, InferenceGroup)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,13 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     resolved = {k: _resolve(v, defs) for k, v in node.items() if k not in _DROPPED_KEYS}
     if resolved.get("type") == "object" and isinstance(node.get("additionalProperties"), dict):
         resolved["additionalProperties"] = _resolve(node["additionalProperties"], defs)
+    items = resolved.get("items")
+    if resolved.get("type") == "array" and isinstance(items, dict) and LIST_MAP_KEYS in items:
+        # A list of a model that names its map keys (conditions: by type) merges item by item.
+        items = dict(items)
+        resolved["items"] = items
+        resolved["x-kubernetes-list-type"] = "map"
+        resolved["x-kubernetes-list-map-keys"] = list(items.pop(LIST_MAP_KEYS))
     return resolved
 
 

@@ -21,6 +21,8 @@ import yaml
 
 from maru_connector.poolsize import SIZE_PATTERN, parse_size
 from maru_operator.api.common import (
+    CONDITION_REASON_PATTERN,
+    CONDITION_TYPE_PATTERN,
     DNS1123_LABEL_PATTERN,
     DNS1123_SUBDOMAIN_PATTERN,
     QUANTITY_PATTERN,
@@ -289,6 +291,16 @@ PATTERNS: dict[str, PatternRule] = {
         "a label value",
         "a label value is empty or at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter "
         "or digit",
+    ),
+    CONDITION_TYPE_PATTERN: PatternRule(
+        "a condition type",
+        "a condition type is letters, digits, '-', '_' and '.', starting and ending with a letter or digit, with "
+        "an optional DNS subdomain prefix and '/', e.g. Ready",
+    ),
+    CONDITION_REASON_PATTERN: PatternRule(
+        "a condition reason",
+        "a condition reason is CamelCase: a letter, then letters, digits, '_', ',' and ':', not ending with ',' "
+        "or ':', e.g. PoolNotReady",
     ),
     r"^/dev/[A-Za-z0-9._/-]+$": PatternRule(
         "a device path", "a device path is a path under /dev of letters, digits, '.', '_', '-' and '/', e.g. "

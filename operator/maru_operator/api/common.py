@@ -80,17 +80,35 @@ class ResourceRequirements(KubeModel):
     )
 
 
+# metav1.Condition's rules (k8s.io/apimachinery/pkg/apis/meta/v1 types.go), as API conventions ask of
+# every condition.
+CONDITION_TYPE_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+)
+CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+# Marks a model whose lists merge item by item by these keys; crdgen turns it into x-kubernetes-list-type:
+# map and x-kubernetes-list-map-keys on every list of the model.
+LIST_MAP_KEYS = "x-maru-list-map-keys"
+
+
 class Condition(KubeModel):
-    """A status condition in the standard Kubernetes shape (metav1.Condition)."""
+    """A status condition in the standard Kubernetes shape (metav1.Condition).
 
-    model_config = ConfigDict(extra="ignore")
+    A list of conditions holds one per type: a map keyed by ``type`` to server-side apply and to
+    ``kubectl``, as metav1.Condition lists are.
+    """
 
-    type: str = Field(description="Condition type, e.g. Ready.")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={LIST_MAP_KEYS: ["type"]})
+
+    type: str = Field(description="Condition type, e.g. Ready.", pattern=CONDITION_TYPE_PATTERN, max_length=316)
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str = Field("", description="CamelCase reason for the last transition.")
-    message: str = Field("", description="Human-readable detail: what is wrong and what to do.")
-    last_transition_time: str | None = Field(None, description="When the status last changed (RFC 3339).")
-    observed_generation: int | None = Field(None, description="Generation the condition was computed from.")
+    # Optional here (the operator always sets one): a hand-written status in an example may leave it out.
+    reason: str | None = Field(None, description="CamelCase reason for the last transition.",
+                               pattern=CONDITION_REASON_PATTERN, min_length=1, max_length=1024)
+    message: str = Field("", description="Human-readable detail: what is wrong and what to do.", max_length=32768)
+    last_transition_time: str | None = Field(None, description="When the status last changed (RFC 3339).",
+                                             json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(None, description="Generation the condition was computed from.", ge=0)
 
 
 class CustomResource(KubeModel):
