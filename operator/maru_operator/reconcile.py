@@ -277,7 +277,8 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
     mine = [e for e in _mine(actual, manager) if e.get("operation") != "Apply"]
     tree: dict[str, Any] = {}
     for entry in mine:
-        tree = _merge_trees(tree, entry.get("fieldsV1") or {})
+        # The first entry (a create's, often the only one) is taken as it is: merging it into nothing copied it.
+        tree = _merge_trees(tree, entry.get("fieldsV1") or {}) if tree else (entry.get("fieldsV1") or {})
     if desired is not None:
         tree = _only_set(tree, desired)
     adopted = {**(mine[0] if mine else {}), "manager": manager, "operation": "Apply", "fieldsV1": tree}
