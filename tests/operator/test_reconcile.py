@@ -25,7 +25,8 @@ def server_version(obj: dict) -> dict:
     """What an API server hands back: defaults filled in, empties dropped, metadata added."""
     actual = copy.deepcopy(obj)
     actual["metadata"].update(uid="x", resourceVersion="7", generation=1, creationTimestamp="2026-01-01T00:00:00Z",
-                              annotations={"deployment.kubernetes.io/revision": "1"})
+                              annotations={**obj["metadata"].get("annotations", {}),
+                                           "deployment.kubernetes.io/revision": "1"})
     spec = actual["spec"]
     spec.setdefault("revisionHistoryLimit", 10)
     spec.setdefault("progressDeadlineSeconds", 600)
