@@ -67,7 +67,7 @@ def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, 
     settle(operator)
     assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
     dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
-    assert dep is not None and dep["metadata"]["annotations"] == {"team": "search"}
+    assert dep is not None and dep["metadata"]["annotations"]["team"] == "search"
 
 
 def test_children_written_before_server_side_apply_lose_removed_fields(
