@@ -79,7 +79,7 @@ def test_decode_waits_for_the_chunks_its_prefill_announced(pool) -> None:
         assert matched(sched, req, 0) == (5 * CHUNK, True)
     finally:
         late.join()
-    assert common.counters()[common.LOOKUP_HANDOFF_POLLS] >= 1
+    assert common.counters()[common.LOOKUP_HANDOFF_WAITS] >= 1
 
 
 def test_a_handoff_under_other_keys_is_not_waited_for(pool) -> None:

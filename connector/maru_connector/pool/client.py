@@ -386,6 +386,24 @@ class PoolClient:
             return 0
         return int(self._call({"op": "lookup", "keys": protocol.hex_keys(list(keys))})["n"])
 
+    def wait_prefixes(self, waits: Sequence[tuple[Sequence[bytes], int]], timeout_s: float) -> list[int] | None:
+        """For each ``(keys, need)``, how many leading keys are committed, answered by the daemon as soon
+        as one wait has ``need`` of them, or after ``timeout_s`` (kept under this client's RPC timeout).
+
+        One round trip however many waits; None from a daemon that predates the op (poll it instead).
+        """
+        if not waits:
+            return []
+        timeout_ms = int(1000 * max(0.0, min(timeout_s, self.timeout_s / 2)))
+        items = [[protocol.hex_keys(list(keys)), need] for keys, need in waits]
+        try:
+            reply = self._call({"op": "wait", "waits": items, "timeout_ms": min(timeout_ms, protocol.MAX_WAIT_MS)})
+        except PoolError as err:
+            if f"{protocol.E_BAD_REQUEST}: unknown op" in str(err):
+                return None
+            raise
+        return [int(n) for n in reply["n"]]
+
     def begin_write(self, key: bytes, nbytes: int) -> WriteLease | None:
         """A lease to write ``nbytes`` for ``key``; None when the key is already stored or being stored."""
         return self.begin_write_many([(key, nbytes)])[0]

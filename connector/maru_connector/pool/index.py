@@ -113,6 +113,8 @@ class PoolIndex:
         self.evict = evict
         self._clock = clock
         self._lock = threading.Lock()
+        # Notified on every commit: readers waiting for a handoff (wait_prefixes) look again.
+        self._committed = threading.Condition(self._lock)
         self._alloc = RegionAllocator(capacity if isinstance(capacity, list) else [capacity], align)
         self._chunks: dict[bytes, Chunk] = {}  # key -> chunk, writing or committed
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed keys, least recently used first
@@ -144,16 +146,36 @@ class PoolIndex:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
-            n = 0
-            for key in keys:
-                chunk = self._chunks.get(key)
-                if chunk is None or not chunk.committed:
-                    break
-                n += 1
+            n = self._prefix(keys)
             self._touch(keys[:n])
             self.counters["hits"] += n
             self.counters["misses"] += len(keys) - n
             return n
+
+    def wait_prefixes(self, waits: Sequence[tuple[Sequence[bytes], int]], timeout_s: float) -> list[int]:
+        """Leading committed keys of each ``(keys, need)``, once one has ``need`` or ``timeout_s`` passed.
+
+        Blocks the caller's thread on the commits' condition, not in a poll: one call serves any number
+        of waits, and it is answered the moment a commit satisfies one of them. Counts no hits or
+        misses: the reader's lookup that follows does.
+        """
+        until = time.monotonic() + timeout_s
+        with self._committed:
+            while True:
+                found = [self._prefix(keys) for keys, _ in waits]
+                left = until - time.monotonic()
+                if left <= 0 or any(n >= need for n, (_, need) in zip(found, waits, strict=True)):
+                    return found
+                self._committed.wait(left)
+
+    def _prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is None or not chunk.committed:
+                break
+            n += 1
+        return n
 
     # ----------------------------------------------------------------- writes
 
@@ -232,6 +254,8 @@ class PoolIndex:
                 chunk.used_at = next(self._uses)
                 self.counters["commits"] += 1
                 out.append(True)
+            if any(out):
+                self._committed.notify_all()
             return out
 
     def abort(self, epoch: int, lease_ids: Iterable[int], owner: int = 0) -> None:

@@ -18,6 +18,10 @@ Operations (request fields -> reply fields):
   only authenticates the connection (a client towards the metadata server, an agent's heartbeat link)
   and is answered with ok, auth and principal
 * ``lookup``  keys                        -> n (leading committed keys)
+* ``wait``    waits [[keys, need]...], timeout_ms -> n [leading committed keys per wait], answered as soon
+  as one wait has ``need`` of them or ``timeout_ms`` (at most :data:`MAX_WAIT_MS`) passed: a reader waiting
+  for a handoff blocks here, on a connection of its own, instead of polling ``lookup``. A daemon that
+  predates it answers ``bad_request`` (unknown op); clients then poll
 * ``write``   items [[key, nbytes, parent?]...] -> epoch, lease_ms, grants [[lease_id, offset] | null
   (present) | "full" | "orphan" (parent not stored)]
 * ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]
@@ -71,6 +75,9 @@ AUTH_ERRORS = (E_UNAUTHENTICATED, E_BAD_TOKEN, E_FORBIDDEN)
 E_TOO_LARGE = "frame_too_large"
 E_BUSY = "too_many_connections"
 E_HELLO_TIMEOUT = "hello_timeout"
+# Bounds of a ``wait``: its longest wait, and the most waits in one request.
+MAX_WAIT_MS = 10_000
+MAX_WAITS = 4096
 # Bodies are read in pieces of at most this many bytes, so memory follows what arrived, not what was announced.
 _READ_PIECE = 64 * 1024
 

@@ -114,6 +114,7 @@ class IndexService:
         # op -> handler(request, caller): leases and pins are bound to the caller's connection, keys to its tenant
         self._ops: dict[str, Callable[[dict[str, Any], _Caller], dict[str, Any]]] = {
             "lookup": self._lookup,
+            "wait": self._wait,
             "write": self._write,
             "commit": self._commit,
             "abort": self._abort,
@@ -172,6 +173,19 @@ class IndexService:
 
     def _lookup(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         return {"n": self._ix.lookup_prefix(caller.keys(msg["keys"]))}
+
+    def _wait(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        timeout_ms, waits = msg["timeout_ms"], msg["waits"]
+        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= protocol.MAX_WAIT_MS:
+            raise ValueError(f"timeout_ms must be an integer from 0 to {protocol.MAX_WAIT_MS}, got {timeout_ms!r}")
+        if not isinstance(waits, list) or len(waits) > protocol.MAX_WAITS:
+            raise ValueError(f"waits must be a list of at most {protocol.MAX_WAITS} [keys, need] pairs")
+        parsed = []
+        for keys, need in waits:
+            if not isinstance(need, int) or need < 0:
+                raise ValueError(f"a wait's need must be a non-negative integer, got {need!r}")
+            parsed.append((caller.keys(keys), need))
+        return {"n": self._ix.wait_prefixes(parsed, timeout_ms / 1000)}
 
     def _write(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         scoped = caller.session.scope

@@ -29,6 +29,7 @@ LOOKUPS = "lookups"
 LOOKUP_CHUNKS_HIT = "lookup_chunks_hit"
 LOOKUP_HANDOFF_POLLS = "lookup_handoff_polls"
 LOOKUP_HANDOFF_SHORT = "lookup_handoff_short"
+LOOKUP_HANDOFF_WAITS = "lookup_handoff_waits"  # wait RPCs, each serving every handoff then waiting
 HIT_TOKENS = "hit_tokens"
 LOADED_CHUNKS = "loaded_chunks"
 LOAD_FAILED_CHUNKS = "load_failed_chunks"
@@ -49,6 +50,7 @@ ALL_COUNTERS = (
     LOOKUP_CHUNKS_HIT,
     LOOKUP_HANDOFF_POLLS,
     LOOKUP_HANDOFF_SHORT,
+    LOOKUP_HANDOFF_WAITS,
     HIT_TOKENS,
     LOADED_CHUNKS,
     LOAD_FAILED_CHUNKS,

@@ -265,7 +265,11 @@ class MaruScheduler:
         self._step = 0
         self.stats = common.Counters()
         self.guard = common.PoolGuard(cfg, "scheduler", self.stats)
-        self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.tp_size) if loads else None
+        self.lookups = None
+        if loads:
+            # Handoff waits block in the daemon, so they get a connection of their own.
+            waits = common.PoolGuard(cfg, "scheduler-handoffs", self.stats)
+            self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.tp_size, wait_guard=waits)
         self._handoff_log = common.RateLimitedLog()
 
         hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
