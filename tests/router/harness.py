@@ -14,7 +14,7 @@ from typing import Any
 from tests.vllm.harness import env
 from tests.vllm.test_serve_pd import free_port, http
 
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 300.0
 
 
 class RouterProcess:

@@ -90,4 +90,4 @@ def test_router_stops_on_sigterm(routed: Routed) -> None:
     # PID 1 of its container in a cluster: it must act on SIGTERM, not wait for SIGKILL.
     router, _, _ = routed
     router.proc.send_signal(signal.SIGTERM)
-    assert router.proc.wait(timeout=15) == 0
+    assert router.proc.wait(timeout=60) == 0

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from maru_connector.config import MaruConnectorConfig
@@ -54,12 +54,15 @@ CHAT_TEMPLATE_FIELDS = (
     "documents",
 )
 DIRECT, PD = "direct", "pd"
+# Client headers the engines may need (an --api-key, request ids, tracing); nothing else is passed on.
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
 
 
 @dataclass(frozen=True)
 class Decision:
     route: str  # DIRECT or PD
-    reason: str  # covered | no_key_scheme | short | unsupported | cold | pool_error | tokenize_error | disabled
+    # covered | no_key_scheme | short | unsupported | cold | pool_error | tokenize_error | keying_error | disabled
+    reason: str
     prompt_tokens: int = 0
     chunks_hit: int = 0
 
@@ -122,8 +125,11 @@ class Router:
         return app
 
     async def _open(self, _: web.Application) -> None:
-        # No total deadline: a long generation streams for as long as it takes.
-        self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10))
+        # No total deadline: a long generation streams for as long as it takes. No cap on connections
+        # either: every request in flight holds one to an engine, and the engines bound their own load.
+        self._session = ClientSession(
+            timeout=ClientTimeout(total=None, sock_connect=10), connector=TCPConnector(limit=0)
+        )
 
     async def _close(self, _: web.Application) -> None:
         if self._session is not None:
@@ -142,7 +148,7 @@ class Router:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return await self._relay(request, "GET", next(self._decode) + "/v1/models", None)
+        return await self._relay(request, "GET", next(self._decode) + "/v1/models", None, _forwarded(request))
 
     # ------------------------------------------------------------------ requests
 
@@ -153,7 +159,8 @@ class Router:
             body = None
         if not isinstance(body, dict):
             return _error(400, "request body: must be a JSON object")
-        decision = await self.decide(request.path, body)
+        headers = _forwarded(request)
+        decision = await self.decide(request.path, body, headers)
         self.metrics.requests.labels(decision.route, decision.reason).inc()
         log.info(
             "route=%s reason=%s path=%s prompt_tokens=%d chunks_hit=%d",
@@ -164,10 +171,10 @@ class Router:
             decision.chunks_hit,
         )
         if decision.route == DIRECT:
-            return await self._relay(request, "POST", next(self._decode) + request.path, body)
-        return await self._prefill_then_decode(request, body)
+            return await self._relay(request, "POST", next(self._decode) + request.path, body, headers)
+        return await self._prefill_then_decode(request, body, headers)
 
-    async def decide(self, path: str, body: dict[str, Any]) -> Decision:
+    async def decide(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Decision:
         """Decode alone when the pool holds enough of the prompt; anything unknown means prefill."""
         scheme = self.scheme
         if not self.decode_direct:
@@ -175,7 +182,7 @@ class Router:
         if scheme is None:
             return Decision(PD, "no_key_scheme")
         try:
-            ids = await self._prompt_ids(path, body)
+            ids = await self._prompt_ids(path, body, headers or {})
         except _TokenizeError as err:
             log.warning("coverage unknown, prefill path: tokenize failed: %s", err)
             self.metrics.fallbacks.labels("tokenize_error").inc()
@@ -187,7 +194,12 @@ class Router:
             return Decision(PD, "short", len(ids))
         self.metrics.lookups.inc()
         salt = body.get("cache_salt")
-        ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt if isinstance(salt, str) else None)
+        try:
+            ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt if isinstance(salt, str) else None)
+        except Exception:  # a prompt the hashing could not key must still be served, through prefill
+            log.exception("coverage unknown, prefill path: keying the prompt failed")
+            self.metrics.fallbacks.labels("keying_error").inc()
+            return Decision(PD, "keying_error", len(ids))
         if not ok or n is None:
             self.metrics.fallbacks.labels("pool_error").inc()
             return Decision(PD, "pool_error", len(ids))
@@ -200,7 +212,7 @@ class Router:
         keys = chunk_lookup_keys(ids, scheme, salt)
         return self._pool.call("lookup", lambda client, k: client.lookup_prefix(k), keys)
 
-    async def _prompt_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+    async def _prompt_ids(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
         """The prompt's token ids as the engine will see them; None for what the router cannot key."""
         if path == COMPLETIONS:
             prompt = body.get("prompt")
@@ -210,19 +222,19 @@ class Router:
                 return prompt
             if isinstance(prompt, str) and "prompt_embeds" not in body:
                 query = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
-                return await self._tokenize({"model": body.get("model"), **query})
+                return await self._tokenize({"model": body.get("model"), **query}, headers)
             return None  # batches, embeddings
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(_text_only(m) for m in messages):
             return None  # images, audio: vLLM hashes their features into the blocks
         query = {k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body}
-        return await self._tokenize({"model": body.get("model"), "messages": messages, **query})
+        return await self._tokenize({"model": body.get("model"), "messages": messages, **query}, headers)
 
-    async def _tokenize(self, query: dict[str, Any]) -> list[int]:
+    async def _tokenize(self, query: dict[str, Any], headers: dict[str, str]) -> list[int]:
         """The engine's own tokenizer and chat template, through its ``/tokenize`` endpoint."""
         url = next(self._decode) + "/tokenize"
         try:
-            async with self.session.post(url, json=query, timeout=ClientTimeout(total=10)) as resp:
+            async with self.session.post(url, json=query, headers=headers, timeout=ClientTimeout(total=10)) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status != 200:
                     raise _TokenizeError(f"{url}: HTTP {resp.status}")
@@ -233,14 +245,16 @@ class Router:
             raise _TokenizeError(f"{url}: no tokens in the answer")
         return tokens
 
-    async def _prefill_then_decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    async def _prefill_then_decode(
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
         url = next(self._prefill) + request.path
         first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TRANSFER}
         first.pop("stream_options", None)  # vLLM refuses stream_options on a request that does not stream
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
         try:
-            async with self.session.post(url, json=first) as resp:
+            async with self.session.post(url, json=first, headers=headers) as resp:
                 data = await resp.read()
                 if resp.status != 200:
                     return web.Response(body=data, status=resp.status, content_type=resp.content_type)
@@ -253,7 +267,7 @@ class Router:
             params = None
         self._learn(params)
         then = {**body, "kv_transfer_params": params}
-        return await self._relay(request, "POST", next(self._decode) + request.path, then)
+        return await self._relay(request, "POST", next(self._decode) + request.path, then, headers)
 
     def _learn(self, params: object) -> None:
         """Take the key scheme a producer announced with its handoff, if it changed."""
@@ -274,10 +288,12 @@ class Router:
             )
             self.scheme = scheme
 
-    async def _relay(self, request: web.Request, method: str, url: str, body: Any) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, method: str, url: str, body: Any, headers: dict[str, str]
+    ) -> web.StreamResponse:
         """Send ``body`` upstream and pass the answer back as it comes (server-sent events included)."""
         try:
-            async with self.session.request(method, url, json=body) as resp:
+            async with self.session.request(method, url, json=body, headers=headers) as resp:
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
                     data = await resp.read()
                     return web.Response(body=data, status=resp.status, content_type=resp.content_type)
@@ -294,6 +310,10 @@ class Router:
 
 class _TokenizeError(Exception):
     pass
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
 def _text_only(message: object) -> bool:
