@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -122,3 +123,20 @@ def test_a_job_past_its_deadline_is_given_up_unrun() -> None:
     assert lane.take_done() == [[], "JobDropped"]
     assert not ran.is_set()
     lane.close()
+
+
+def test_a_released_request_is_not_freed_while_its_load_still_runs(pool) -> None:
+    """Both lanes may touch a request's blocks: a release waits for the load lane too."""
+    worker, _ = make(pool.url)
+    release = hold(worker._loads)
+    try:
+        meta = load_meta({1: ((0, 2),)})
+        worker.load(MaruConnectorMetadata(loads={"r": replace(meta.loads["r"], asynchronous=True)}))
+        freed, _ = worker.finished(MaruConnectorMetadata(free_now=frozenset({"r"})))
+        assert freed == set(), "freed while its load was still queued to write its blocks"
+    finally:
+        release()
+    worker.wait_idle()
+    freed, loaded = worker.finished(MaruConnectorMetadata())
+    assert (freed, loaded) == ({"r"}, {"r"})
+    worker.shutdown()
