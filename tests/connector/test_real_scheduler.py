@@ -122,3 +122,34 @@ def test_a_dead_pool_never_keeps_finished_requests_blocks_from_vllm(model_dir: P
         assert engine.sched.kv_cache_manager.block_pool.get_num_free_blocks() == 23
     finally:
         engine.close()
+
+
+def test_abort_during_a_load_when_request_finished_fails_does_not_kill_the_engine(
+    model_dir: Path, small_pool: PoolDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The facade's answer when the scheduler half raises must not make vLLM free the request twice."""
+    engine = Engine(model_dir, small_pool.url, num_blocks=24)
+    try:
+        r = engine.add("r", prompt(2 * CHUNK + 5, 4), max_tokens=2)
+        keys = engine.connector._scheduler._states["r"].keys
+        with PoolClient(small_pool.url, timeout_s=5) as client:
+            for i in range(2):
+                assert client.put(keys[i][0], bytes(CHUNK_BYTES))
+        release = engine.hold_lane("loads")
+        try:
+            step_until(engine, lambda: r.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "r loading")
+
+            def broken(*_args: object) -> None:
+                raise RuntimeError("a connector bug")
+
+            monkeypatch.setattr(type(engine.connector._scheduler), "request_finished", broken)
+            engine.sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+        finally:
+            release()
+        step_until(engine, lambda: "r" not in engine.sched.requests, "r released")
+        for _ in range(10):
+            engine.step()
+            time.sleep(0.002)
+        assert engine.sched.kv_cache_manager.block_pool.get_num_free_blocks() == 23
+    finally:
+        engine.close()
