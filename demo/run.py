@@ -255,13 +255,15 @@ def start_operator(d: Demo, stack: ExitStack) -> str:
 
 
 def apply_crds(d: Demo) -> str:
-    from maru_localcluster.product import install_csi_driver
+    from maru_localcluster.product import install_cluster_objects
 
     d.kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
     d.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    # The chart's CSIDriver: vLLM pods get the pool's socket through csi.maru.io volumes.
-    install_csi_driver(d.cluster)
-    return "marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io"
+    # The chart's CSIDriver (vLLM pods get the pool's socket through csi.maru.io volumes) and the routers'
+    # ClusterRole (the operator binds it to each router for its pod discovery).
+    install_cluster_objects(d.cluster)
+    return ("marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io and ClusterRole "
+            "maru-operator-router")
 
 
 def apply_examples(d: Demo) -> str:

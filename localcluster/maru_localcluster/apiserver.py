@@ -999,8 +999,9 @@ class Emulator(kmock.KubernetesEmulator):
         elif rt.group == authz.RBAC and rt.plural in ('rolebindings', 'clusterrolebindings'):
             ref = obj.get('roleRef') or {}
             role_plural = 'clusterroles' if ref.get('kind') == 'ClusterRole' else 'roles'
-            bind = authz.Attributes('bind', rt.group, role_plural, '', None if role_plural == 'clusterroles'
-                                    else namespace, ref.get('name'))
+            # Checked in the binding's namespace, whatever the role's kind (Kubernetes' BindingAuthorized): a
+            # RoleBinding may name a ClusterRole that its writer may bind in that namespace.
+            bind = authz.Attributes('bind', rt.group, role_plural, '', namespace, ref.get('name'))
             rules = list(self.authorizer.rules_of(ref, namespace))
             if not self.authorizer.allowed(user, bind) and self.authorizer.holds_all(user, rules, namespace):
                 raise ApiError(403, 'Forbidden', f'{what} "{meta.get("name")}" is forbidden: '

@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+
 from maru_localcluster import tools
 from maru_localcluster.cluster import LocalCluster
 from maru_localcluster.images import package_roots
@@ -114,13 +116,17 @@ def apply_crds(cluster: LocalCluster) -> None:
     cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
 
 
-def install_csi_driver(cluster: LocalCluster) -> None:
-    """The chart's CSIDriver object for csi.maru.io, which vLLM pods' socket volumes need (the node
-    plugin itself runs with each kubelet)."""
+def install_cluster_objects(cluster: LocalCluster) -> None:
+    """The chart's cluster-wide objects that the operator's children need: the CSIDriver object for
+    csi.maru.io, which vLLM pods' socket volumes need (the node plugin itself runs with each kubelet), and
+    the routers' ClusterRole, which the operator binds to each router."""
     rendered = subprocess.run(
         [str(tools.helm_path()), "template", "maru-operator", str(REPO_ROOT / "charts" / "maru-operator"),
-         "--show-only", "templates/csi-driver.yaml"], capture_output=True, text=True, check=True, timeout=60)
-    cluster.kubectl("apply", "--validate=false", "-f", "-", input=rendered.stdout)
+         "--show-only", "templates/csi-driver.yaml", "--show-only", "templates/rbac.yaml"],
+        capture_output=True, text=True, check=True, timeout=60)
+    wanted = [d for d in yaml.safe_load_all(rendered.stdout)
+              if d and (d["kind"] == "CSIDriver" or d["metadata"]["name"] == "maru-operator-router")]
+    cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(wanted))
 
 
 def create_namespace(cluster: LocalCluster, name: str) -> None:

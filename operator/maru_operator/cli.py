@@ -191,20 +191,24 @@ def _rbac(args: argparse.Namespace) -> int:
         cluster_role,
         lease_namespace_role,
         pool_namespace_role,
+        router_cluster_role,
         rules,
     )
 
     namespace = args.pool_namespace or default_pool_namespace()
     lease_namespace = args.lease_namespace or DEFAULT_LEASE_NAMESPACE
-    for title, scoped in (("ClusterRole", rules(args.namespaced)), (f"Role in {namespace}", POOL_NAMESPACE_RULES),
+    for title, scoped in (("ClusterRole", rules(args.namespaced, args.instance)),
+                          (f"Role in {namespace}", POOL_NAMESPACE_RULES),
                           (f"Role in {lease_namespace}", LEASE_NAMESPACE_RULES)):
         print(f"# {title}:")
         for groups, resources, verbs, why in scoped:
             print(f"#   {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
-    objects = [cluster_role(args.name, args.namespaced), pool_namespace_role(namespace, args.name),
+    objects = [cluster_role(args.name, args.namespaced, args.instance), pool_namespace_role(namespace, args.name),
                lease_namespace_role(lease_namespace, args.name, args.instance)]
     if args.service_account:
         objects += bindings(namespace, args.service_account, args.name, lease_namespace)
+    # Not bound to the operator: it binds this one to each router (the routers' pod discovery).
+    objects.append(router_cluster_role(args.instance))
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     return 0
 

@@ -10,10 +10,15 @@ Four scopes:
   every namespace unless told otherwise;
 * only with ``--namespace`` (``NAMESPACED_MODE_RULES``): kopf follows the namespaces it serves;
 * the pool namespace only (``POOL_NAMESPACE_RULES``, a Role there): writing DaemonSets, which the
-  operator creates only where pools run;
+  operator creates only where pools run, and listing the pool agents' pods, which run there only;
 * the lease namespace only (``LEASE_NAMESPACE_RULES``, a Role there; ``default`` unless
   ``--lease-namespace``): the leader Lease, kept where every release of the cluster looks for it; get and
   patch name that one Lease (``resourceNames``).
+
+The routers read pods through one fixed ClusterRole per operator instance (:func:`router_cluster_role`,
+which the chart installs) that the operator binds in each group's namespace. The operator holds ``bind`` on
+that one ClusterRole, not the pod rights it grants: RBAC lets whoever may ``bind`` a role reference it in
+a binding without holding its rules, so the operator reads no pods outside its own namespace.
 """
 
 from __future__ import annotations
@@ -41,16 +46,15 @@ CLUSTER_RULES: list[Rule] = [
      "each group's model cache claim, shared by its vLLM pods (unless the group names its own)"),
     (["policy"], ["poddisruptionbudgets"], MANAGE,
      "a PodDisruptionBudget per role: a node drain takes a role down one pod at a time"),
-    (["rbac.authorization.k8s.io"], ["roles", "rolebindings"], MANAGE,
-     "the router's Role (read pods in its namespace) and RoleBinding"),
+    (["rbac.authorization.k8s.io"], ["rolebindings"], MANAGE,
+     "each router's RoleBinding to the routers' ClusterRole (read pods in its namespace)"),
+    (["rbac.authorization.k8s.io"], ["roles"], ["list", "watch", "delete"],
+     "never written: the routers' own Roles of earlier versions are watched to be pruned on upgrade"),
     (["networking.k8s.io"], ["networkpolicies"], MANAGE,
      "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)"),
     ([""], ["secrets"], ["get", "list", "watch", "create", "patch"],
      "each pool's key (release namespace) and each group's pool credential, the token its vLLM pods mount; only "
      "the operator's Secrets are watched (label selector); never deleted (ownerReferences do), never updated"),
-    ([""], ["pods"], READ,
-     "list the pool agents' pods for per-node status; also required to grant the router read access to pods "
-     "(RBAC refuses to create a Role with permissions its creator lacks)"),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"],
      "Ready needs the router Service's ready endpoints (only slices labelled as the operator's Services are watched)"),
     ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),
@@ -66,7 +70,19 @@ NAMESPACED_MODE_RULES: list[Rule] = [
 POOL_NAMESPACE_RULES: list[Rule] = [
     (["apps"], ["daemonsets"], ["create", "patch", "delete"],
      "the pool agent DaemonSets, which run in the pool namespace only"),
+    ([""], ["pods"], ["list"], "the pool agents' pods, for the pool's per-node status"),
 ]
+
+# What every router needs (vllm-router's Kubernetes service discovery); bound in its group's namespace.
+ROUTER_RULES: list[Rule] = [
+    ([""], ["pods"], READ, "vllm-router finds its group's prefill and decode pods by label, in its namespace"),
+]
+
+
+def router_role_name(instance: str = "") -> str:
+    """The routers' ClusterRole of an operator instance: one per release, as every release has its own instance;
+    the chart names it the same way."""
+    return f"maru-operator-{instance}-router" if instance else "maru-operator-router"
 
 # Get and patch name the instance's Lease (resourceNames); create cannot: Kubernetes authorizes a create
 # before the object has a name, so a create rule with resourceNames never matches.
@@ -88,9 +104,14 @@ def lease_name(instance: str) -> str:
     return f"maru-operator-{instance}" if instance else "maru-operator"
 
 
-def rules(namespaced: bool = False) -> list[Rule]:
+def bind_rule(router_role: str) -> Rule:
+    return (["rbac.authorization.k8s.io"], ["clusterroles"], ["bind"],
+            f"bind the routers' ClusterRole {router_role} (and no other: resourceNames) in the groups' namespaces")
+
+
+def rules(namespaced: bool = False, instance: str = "") -> list[Rule]:
     """The rules granted across the cluster (or, with --namespace, in each served namespace)."""
-    return CLUSTER_RULES + (NAMESPACED_MODE_RULES if namespaced else [])
+    return CLUSTER_RULES + [bind_rule(router_role_name(instance))] + (NAMESPACED_MODE_RULES if namespaced else [])
 
 
 def _rules(rules_: list[Rule], names: list[str] | None = None,
@@ -105,12 +126,25 @@ def _rules(rules_: list[Rule], names: list[str] | None = None,
     return out
 
 
-def cluster_role(name: str = "maru-operator", namespaced: bool = False) -> dict[str, Any]:
+BIND = frozenset({"bind"})
+
+
+def cluster_role(name: str = "maru-operator", namespaced: bool = False, instance: str = "") -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "maru-operator"}},
-        "rules": _rules(rules(namespaced)),
+        "rules": _rules(rules(namespaced, instance), [router_role_name(instance)], BIND),
+    }
+
+
+def router_cluster_role(instance: str = "") -> dict[str, Any]:
+    """The routers' rights; the operator binds it, never holds them."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": router_role_name(instance), "labels": {"app.kubernetes.io/name": "maru-operator"}},
+        "rules": _rules(ROUTER_RULES),
     }
 
 
@@ -157,9 +191,11 @@ def bindings(namespace: str, service_account: str, name: str = "maru-operator",
 def allows(verb: str, group: str, resource: str, namespaced: bool = False, *, in_pool_namespace: bool = False,
            in_lease_namespace: bool = False, name: str | None = None, instance: str = "") -> bool:
     """Whether the documented rules grant ``verb`` on ``group``/``resource`` (in the pool or lease namespace or
-    not); ``name``: the object's, for the Lease rules that name theirs."""
+    not); ``name``: the object's, for the rules that name theirs."""
     if in_lease_namespace and resource == "leases" and verb in NAMED_LEASE_VERBS and name != lease_name(instance):
         return False
-    scope = (rules(namespaced) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
+    if resource == "clusterroles" and verb in BIND and name != router_role_name(instance):
+        return False
+    scope = (rules(namespaced, instance) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
              + (LEASE_NAMESPACE_RULES if in_lease_namespace else []))
     return any(group in groups and resource in resources and verb in verbs for groups, resources, verbs, _ in scope)

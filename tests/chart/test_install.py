@@ -123,7 +123,8 @@ def test_install_then_run_the_operator_within_its_rbac(
         assert {c["image"] for c in agent["spec"]["template"]["spec"]["containers"]} == {
             f"{MIRROR}/maru-pool:{DEFAULT_IMAGES.tag}"}
         wait_for(lambda: cluster.get("deployments.apps", "cxl-pool-metadata", NAMESPACE), "the metadata server")
-        wait_for(lambda: cluster.get("roles.rbac.authorization.k8s.io", "qwen-7b-router", GROUP_NAMESPACE), "router")
+        wait_for(lambda: cluster.get("rolebindings.rbac.authorization.k8s.io", "qwen-7b-router-pods", GROUP_NAMESPACE),
+                 "the router's RoleBinding")
         wait_for(
             lambda: (cluster.get("marupools.maru.io", "cxl-pool") or {}).get("status", {}).get("conditions"),
             "the pool's status",

@@ -35,18 +35,24 @@ NAMESPACED_RULES = {
     ("apps", "daemonsets"): {"get", "list", "watch"},
     ("", "services"): CHILD_VERBS,
     ("", "serviceaccounts"): CHILD_VERBS,
-    ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
+    # Earlier versions' router Roles, pruned; never written.
+    ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
+    # Only the routers' ClusterRole (resourceNames): the routers' pod reads, granted without holding them.
+    ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
     ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
     # Pool keys and group credentials: never deleted (ownerReferences), never updated.
     ("", "secrets"): CHILD_VERBS - {"delete"},
-    ("", "pods"): {"get", "list", "watch"},
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
 }
 # A Role in the release namespace, where the pool daemons run.
 POOL_NAMESPACE_RULES = {
     ("apps", "daemonsets"): {"create", "patch", "delete"},
+    ("", "pods"): {"list"},
 }
+# The routers' ClusterRole, which the operator binds in the groups' namespaces.
+ROUTER_RULES = {("", "pods"): {"get", "list", "watch"}}
+ROUTER_CLUSTER_ROLE = "maru-operator-router"
 # A Role in leaseNamespace: the leader Lease, where every release of the cluster looks for it.
 LEASE_NAMESPACE_RULES = {
     ("coordination.k8s.io", "leases"): {"get", "create", "patch"},
@@ -87,10 +93,15 @@ def test_no_wildcard_anywhere(objects: list[dict[str, Any]]) -> None:
 
 def test_no_secret_deletes_and_no_escalation_verbs(objects: list[dict[str, Any]]) -> None:
     for role in all_roles(objects):
-        for (group, resource), verbs in grants(role).items():
-            if resource.split("/")[0] == "secrets":
+        for rule in role["rules"]:
+            verbs = set(rule["verbs"])
+            if "secrets" in rule["resources"]:
                 assert not verbs & {"delete", "update"}, f"{role['metadata']['name']} grants {verbs} on secrets"
-            assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}, (group, resource, verbs)
+            assert not verbs & {"escalate", "impersonate", "deletecollection"}, rule
+            if "bind" in verbs:  # the routers' ClusterRole by name, nothing else
+                assert rule["resources"] == ["clusterroles"] and rule["verbs"] == ["bind"], rule
+                (router,) = rule["resourceNames"]
+                assert grants(one(objects, "ClusterRole", router)) == ROUTER_RULES
 
 
 def test_default_grants_exactly_what_the_operator_needs_cluster_wide(default_objects: list[dict[str, Any]]) -> None:
@@ -171,15 +182,24 @@ def test_release_namespace_in_watch_namespaces_gets_one_binding(render) -> None:
     assert sorted(b["metadata"]["namespace"] for b in bound) == ["llm-serving", NAMESPACE]
 
 
-def test_router_role_can_be_granted_where_routers_live(custom_objects: list[dict[str, Any]]) -> None:
-    """Kubernetes refuses to let the operator create the routers' pod-read Role unless it holds
-    pods get/list/watch itself in that namespace (privilege escalation prevention)."""
-    bound = {b["metadata"]["namespace"] for b in find(custom_objects, "RoleBinding")
-             if b["roleRef"]["kind"] == "ClusterRole"}
-    namespaced = grants(one(custom_objects, "ClusterRole", f"{RELEASE}-namespaced"))
-    assert {"llm-serving", "llm-staging"} <= bound
-    assert {"get", "list", "watch"} <= namespaced[("", "pods")]
-    assert {"create", "patch"} <= namespaced[("rbac.authorization.k8s.io", "roles")]
+def test_routers_are_bound_a_cluster_role_the_operator_does_not_hold(render) -> None:
+    """The operator may bind the routers' ClusterRole where routers live, and reads pods only in its own
+    namespace: no pod rights across the cluster or in the groups' namespaces."""
+    from maru_operator.rbac import router_role_name
+
+    for instance in ("", "team-a"):
+        objects = render("--set", f"instance={instance}")
+        router = one(objects, "ClusterRole", router_role_name(instance))
+        assert grants(router) == ROUTER_RULES
+        namespaced = one(objects, "ClusterRole", f"{RELEASE}-namespaced")
+        (bind,) = [r for r in namespaced["rules"] if "bind" in r["verbs"]]
+        assert bind["resourceNames"] == [router_role_name(instance)]
+        for role in all_roles(objects):
+            if role is router:
+                continue
+            pods = grants(role).get(("", "pods"), set())
+            where = role["metadata"].get("namespace")
+            assert not pods or (where == NAMESPACE and pods == {"list"}), (role["metadata"]["name"], pods)
 
 
 def test_rbac_create_false_renders_no_rbac(render) -> None:
@@ -208,12 +228,13 @@ def readme_table() -> dict[str, dict[tuple[str, str], set[str]]]:
 def test_readme_lists_every_rule_and_verb(custom_objects: list[dict[str, Any]]) -> None:
     table = readme_table()
     assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced", "release namespace",
-                          "lease namespace"}
+                          "lease namespace", "routers (bound by the operator)"}
     assert table["cluster"] == CLUSTER_RULES
     assert table["cluster, only with `watchNamespaces`"] == WATCH_NAMESPACES_ONLY_RULES
     assert table["namespaced"] == NAMESPACED_RULES
     assert table["release namespace"] == POOL_NAMESPACE_RULES
     assert table["lease namespace"] == LEASE_NAMESPACE_RULES
+    assert table["routers (bound by the operator)"] == ROUTER_RULES
     assert (
         grants(one(custom_objects, "ClusterRole", RELEASE))
         == table["cluster"] | table["cluster, only with `watchNamespaces`"]
@@ -281,10 +302,13 @@ def test_every_resource_the_operator_watches_is_granted() -> None:
     assert {"list", "watch"} <= NAMESPACED_RULES[("maru.io", "inferencegroups")]
 
 
-def test_router_role_needs_nothing_the_operator_lacks() -> None:
-    """Kubernetes refuses a Role that grants more than its creator holds (no escalate verb here)."""
-    roles = [o for o in _operator_children() if o["kind"] == "Role"]
-    assert roles, "the examples' InferenceGroup has a router Role"
-    for role in roles:
-        for key, verbs in grants(role).items():
-            assert verbs <= NAMESPACED_RULES.get(key, set()), (role["metadata"]["name"], key, verbs)
+def test_the_operator_binds_only_the_cluster_role_it_may_bind() -> None:
+    """Kubernetes refuses a binding to a role whose rights its creator lacks, unless it may ``bind`` that
+    role: every binding the operator writes names the routers' ClusterRole, and it writes no Role."""
+    children = _operator_children()
+    assert not [o for o in children if o["kind"] in ("Role", "ClusterRole")]
+    bindings = [o for o in children if o["kind"] == "RoleBinding"]
+    assert bindings, "the examples' InferenceGroup has a router"
+    for binding in bindings:
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": ROUTER_CLUSTER_ROLE}

@@ -23,7 +23,7 @@ from maru_localcluster.product import (
     OperatorProcess,
     apply_crds,
     create_namespace,
-    install_csi_driver,
+    install_cluster_objects,
     wait_for,
     why_not_ready,
 )
@@ -112,7 +112,7 @@ def deployed(tiny_model: Path, workdir: Path, nodes: list[tuple[str, dict[str, s
         for name, labels, devices in nodes:
             cluster.add_node(name, labels, devices=devices)
         apply_crds(cluster)
-        install_csi_driver(cluster)
+        install_cluster_objects(cluster)
         for ns in (POOL_NAMESPACE, GROUP_NS):
             create_namespace(cluster, ns)
         with OperatorProcess(cluster, logs / "operator.log") as operator:

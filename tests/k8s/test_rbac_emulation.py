@@ -141,6 +141,35 @@ def test_roles_grant_only_what_their_writer_holds(kube: KubeEmulator, token: str
                 pod_reader)[0] == 403
 
 
+def test_bind_lets_a_writer_reference_a_role_it_does_not_hold(kube: KubeEmulator, token: str) -> None:
+    """As Kubernetes' BindingAuthorized: ``bind`` on the ClusterRole by name, checked in the binding's namespace
+    (a RoleBinding of it there is enough), lets the writer grant it without holding its rules."""
+    kube.create({"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "pod-reader"},
+                 "rules": [rule("", ["pods"], ["get", "list"])]})
+    binder = {"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "binder"},
+              "rules": [rule("rbac.authorization.k8s.io", ["rolebindings"], ["create"]),
+                        {**rule("rbac.authorization.k8s.io", ["clusterroles"], ["bind"]),
+                         "resourceNames": ["pod-reader"]}]}
+    kube.create(binder)
+    kube.create({"apiVersion": RBAC, "kind": "RoleBinding", "metadata": {"name": "binder", "namespace": "default"},
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "binder"},
+                 "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "robot"}]})
+
+    def binding(role: str) -> dict[str, Any]:
+        return {"apiVersion": RBAC, "kind": "RoleBinding", "metadata": {"name": role},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+                "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "router"}]}
+
+    path = "/apis/rbac.authorization.k8s.io/v1/namespaces/{}/rolebindings"
+    assert http(kube, "POST", path.format("default"), token, binding("pod-reader"))[0] == 201
+    # Another ClusterRole by name, or the same one where the writer may not bind: refused.
+    kube.create({"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "secret-reader"},
+                 "rules": [rule("", ["secrets"], ["get"])]})
+    code, answer = http(kube, "POST", path.format("default"), token, binding("secret-reader"))
+    assert code == 403 and "may not bind" in answer["message"]
+    assert http(kube, "POST", path.format("other"), token, binding("pod-reader"))[0] == 403
+
+
 def test_token_request_issues_bound_service_account_tokens(kube: KubeEmulator) -> None:
     # What the kubelet mounts into pods: a token from the TokenRequest API, valid while its pod and
     # ServiceAccount exist, held to the ServiceAccount's RBAC.

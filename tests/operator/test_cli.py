@@ -190,9 +190,10 @@ def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role()
     docs = list(yaml.safe_load_all(result.stdout))
     assert [(d["kind"], d["metadata"].get("namespace")) for d in docs] == [
         ("ClusterRole", None), ("Role", "ops"), ("Role", "default"), ("ClusterRoleBinding", None),
-        ("RoleBinding", "ops"), ("RoleBinding", "default")]
+        ("RoleBinding", "ops"), ("RoleBinding", "default"), ("ClusterRole", None)]
     assert docs[1]["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
-                                 "verbs": ["create", "patch", "delete"]}]
+                                 "verbs": ["create", "patch", "delete"]},
+                                {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
     # The leader Lease is where every release of the cluster looks for it, not in the release namespace.
     # Read and renewed by name; create cannot be limited by name.
     assert docs[2]["rules"] == [
@@ -203,10 +204,16 @@ def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role()
     assert team[2]["rules"][1]["resourceNames"] == ["maru-operator-team-a"]
     assert docs[5]["roleRef"]["name"] == docs[2]["metadata"]["name"]
     assert "# Role in ops:" in result.stdout and "# Role in default:" in result.stdout
-    assert "#   pods (core): get, list, watch:" in result.stdout
+    # Pods: listed in the pool namespace only; the routers read theirs through a ClusterRole the operator binds.
+    assert "#   pods (core): list:" in result.stdout.split("# Role in ops:")[1]
+    assert "#   pods (core)" not in result.stdout.split("# Role in ops:")[0]
+    assert docs[-1]["kind"] == "ClusterRole" and docs[-1]["metadata"]["name"] == "maru-operator-router"
+    assert docs[-1]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind"],
+            "resourceNames": ["maru-operator-router"]} in docs[0]["rules"]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33", strict=True)
-    for binding in docs[3:]:
+    for binding in docs[3:6]:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]
     moved = list(yaml.safe_load_all(run_cli("rbac", "--lease-namespace", "leases", "--service-account", "op").stdout))
     assert [d["metadata"].get("namespace") for d in moved if d["kind"] in ("Role", "RoleBinding")] == [

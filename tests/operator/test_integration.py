@@ -72,8 +72,7 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     uid = ig["metadata"]["uid"]
     for resource, name in [(DEPLOY, "qwen-prefill"), (DEPLOY, "qwen-decode"), (DEPLOY, "qwen-router"),
                            ("services", "qwen"), ("serviceaccounts", "qwen-router"),
-                           ("roles.rbac.authorization.k8s.io", "qwen-router"),
-                           ("rolebindings.rbac.authorization.k8s.io", "qwen-router"),
+                           ("rolebindings.rbac.authorization.k8s.io", "qwen-router-pods"),
                            (NETPOL, "qwen-vllm"), (NETPOL, "qwen-router")]:
         child = cluster.get(resource, name, GROUP_NS)
         assert child is not None, f"{resource} {name} missing"
@@ -85,6 +84,29 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     assert has_condition(ig, "PoolBound", "True", "Bound")
     cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {}).get("boundGroups") == 1)
     assert wait_event(cluster, GROUP_NS, "qwen", "Serving")["type"] == "Normal"
+
+
+def test_an_upgrade_prunes_the_router_role_of_earlier_versions(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    """Earlier versions gave each router its own Role and a RoleBinding of it, under the router's name; the
+    router's pod reads now come from the routers' ClusterRole, and the old pair goes."""
+    cluster.create(group())
+    wait_group_ready(cluster)
+    account = cluster.get("serviceaccounts", "qwen-router", GROUP_NS)
+    assert account is not None
+    meta = {"name": "qwen-router", "namespace": GROUP_NS, "labels": account["metadata"]["labels"],
+            "ownerReferences": account["metadata"]["ownerReferences"]}
+    rbac = "rbac.authorization.k8s.io"
+    cluster.create({"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": meta,
+                    "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]})
+    cluster.create({"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": meta,
+                    "roleRef": {"apiGroup": rbac, "kind": "Role", "name": "qwen-router"},
+                    "subjects": [{"kind": "ServiceAccount", "name": "qwen-router", "namespace": GROUP_NS}]})
+    cluster.wait_gone(f"roles.{rbac}", "qwen-router", GROUP_NS)
+    cluster.wait_gone(f"rolebindings.{rbac}", "qwen-router", GROUP_NS)
+    binding = cluster.get(f"rolebindings.{rbac}", "qwen-router-pods", GROUP_NS)
+    assert binding is not None and binding["roleRef"]["kind"] == "ClusterRole"
 
 
 def test_network_policies_are_children_kept_as_built(

@@ -16,6 +16,7 @@ from maru_operator.rbac import (
     cluster_role,
     lease_namespace_role,
     pool_namespace_role,
+    router_cluster_role,
 )
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
@@ -73,6 +74,7 @@ def bind_documented_rbac(kube: KubeEmulator, namespaced: bool = False, account: 
     if kube.get("clusterroles.rbac.authorization.k8s.io", "maru-operator") is None:
         kube.create(cluster_role(namespaced=namespaced))
         kube.create(lease_namespace_role())
+        kube.create(router_cluster_role())
     if kube.get("roles.rbac.authorization.k8s.io", "maru-operator", pool_namespace) is None:
         kube.create(pool_namespace_role(pool_namespace))
     for binding in bindings(pool_namespace, account, "maru-operator"):
@@ -92,6 +94,13 @@ def test_the_operator_works_within_its_rbac_on_a_hardened_cluster(cluster: KubeE
         cluster.create(group())
         cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
         cluster.wait_for("marupools.maru.io", "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+        # The router reads pods in its namespace through the ClusterRole the operator bound; the operator
+        # itself reads pods nowhere but in the pool namespace.
+        router = cluster.service_account_token(GROUP_NS, "qwen-router")
+        assert cluster.allowed(router, "list", "pods", GROUP_NS)
+        assert not cluster.allowed(router, "list", "pods", POOL_NS)
+        assert not cluster.allowed(token, "list", "pods", GROUP_NS)
+        assert cluster.allowed(token, "list", "pods", POOL_NS)
         # The NetworkPolicies too, with blockOwnerDeletion, under RBAC and OwnerReferencesPermissionEnforcement.
         assert {p["metadata"]["name"] for p in cluster.list(NETPOL, GROUP_NS)} == {"qwen-vllm", "qwen-router"}
         assert {p["metadata"]["name"] for p in cluster.list(NETPOL, POOL_NS)} == {"local-shm-agent"}

@@ -41,6 +41,7 @@ from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with
 from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
 from maru_operator.images import DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
 from maru_operator.names import child_name, label_value, short_hash
+from maru_operator.rbac import router_role_name
 
 Role = Literal["prefill", "decode"]
 
@@ -322,29 +323,25 @@ def build_router_service_account(spec: InferenceGroupSpec, owner: Owner) -> Obje
     }
 
 
-def build_router_role(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
-    """The router discovers prefill and decode pods by label: read-only pods, this namespace only."""
-    if not spec.router.enabled:
-        return None
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": metadata(owner, name=router_name(owner.name), namespace=owner.namespace,
-                             labels=_router_labels(owner)),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
-    }
+def router_binding_name(group: str) -> str:
+    # Not the router's own name, which the RoleBinding of earlier versions had: a binding's roleRef cannot
+    # change, so the new one is a new object and the old one (and its Role) is pruned.
+    return child_name(group, "router-pods")
 
 
 def build_router_role_binding(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
+    """The router discovers prefill and decode pods by label: read-only pods, this namespace only, through the
+    instance's routers' ClusterRole, which the operator may bind but does not hold (see maru_operator.rbac)."""
     if not spec.router.enabled:
         return None
-    name = router_name(owner.name)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": metadata(owner, name=name, namespace=owner.namespace, labels=_router_labels(owner)),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        "metadata": metadata(owner, name=router_binding_name(owner.name), namespace=owner.namespace,
+                             labels=_router_labels(owner)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": router_role_name(owner.operator_instance)},
+        "subjects": [{"kind": "ServiceAccount", "name": router_name(owner.name), "namespace": owner.namespace}],
     }
 
 
@@ -439,7 +436,6 @@ def router_endpoint(spec: InferenceGroupSpec, owner: Owner) -> str:
 def build_router_children(spec: InferenceGroupSpec, owner: Owner) -> list[Object]:
     children = [
         build_router_service_account(spec, owner),
-        build_router_role(spec, owner),
         build_router_role_binding(spec, owner),
         build_router_service(spec, owner),
         build_router_deployment(spec, owner),
