@@ -41,6 +41,8 @@ NAMESPACED_RULES = {
     # Only the routers' ClusterRole (resourceNames): the routers' pod reads, granted without holding them.
     ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
     ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
+    ("", "persistentvolumeclaims"): CHILD_VERBS,
+    ("policy", "poddisruptionbudgets"): CHILD_VERBS,
     # Pool keys and group credentials: never deleted (ownerReferences), never updated.
     ("", "secrets"): CHILD_VERBS - {"delete"},
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},

@@ -145,6 +145,7 @@ VALUES: dict[str, Any] = obj(
         "leaseNamespace": string(pattern=DNS1123_LABEL, maxLength=63),
         "logLevel": enum("info", "debug"),
         "workers": integer(1, 256),
+        "maxRollingGroups": integer(0, 10000),
         "resyncSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
         "poolUsageIntervalSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
         "extraArgs": {"type": "array", "items": string(minLength=1)},
