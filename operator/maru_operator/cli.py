@@ -12,6 +12,7 @@ from maru_operator import __version__
 from maru_operator.builders.netpol import NetworkPolicyConfig
 from maru_operator.cache import RESYNC_SECONDS
 from maru_operator.images import ImageDefaults
+from maru_operator.rollouts import DEFAULT_MAX_GROUPS
 
 log = logging.getLogger("maru_operator")
 
@@ -102,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resync-seconds", type=float, default=RESYNC_SECONDS,
                      help=f"check the cache against fresh lists and look at every owner this often (default: "
                           f"{RESYNC_SECONDS:.0f})")
+    run.add_argument("--max-rolling-groups", type=int, default=DEFAULT_MAX_GROUPS,
+                     help="groups whose vLLM pods roll out at once; a pod template change of another waits "
+                          "(an operator upgrade then restarts the fleet a few groups at a time); 0: no bound")
     run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
                      help="write a pool's memory use (which changes with traffic) to its status at most this "
                           "often; condition changes are written at once")
@@ -281,6 +285,7 @@ def _run(args: argparse.Namespace) -> int:
         connection=connection, namespaces=namespaces,
         network=network_policy_config(args, handlers.operator_namespace()),
         images=image_defaults(args),
+        max_rolling_groups=args.max_rolling_groups,
     ))
     if args.renew_deadline >= args.lease_seconds or args.retry_period >= args.renew_deadline:
         print("maru-operator: need --retry-period < --renew-deadline < --lease-seconds", file=sys.stderr)

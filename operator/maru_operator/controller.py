@@ -42,6 +42,7 @@ from maru_operator.builders.pool import (
     build_pool_children,
     metadata_name,
 )
+from maru_operator.builders.scaling import create_replicas, scaled_externally
 from maru_operator.cache import Key, Store
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
@@ -54,7 +55,9 @@ from maru_operator.reconcile import (
     legacy_owner,
     out_of_sync,
     plan,
+    released_ownership,
 )
+from maru_operator.rollouts import RolloutPacer
 from maru_operator.status import (
     PoolObservation,
     Router,
@@ -89,6 +92,8 @@ _ADOPT_TRIES = 3
 WRITE_CONCURRENCY = 8
 # A bound group whose pool's key Secret is not there yet (it is the pool's first child) looks again soon.
 KEY_RETRY_SECONDS = 5.0
+# A group whose rollout waits for others looks again this often (their Deployments' events wake it too).
+ROLLOUT_QUEUE_SECONDS = 15.0
 # Kinds the operator never deletes: their owner's deletion does (ownerReferences), and the operator holds
 # no delete right on Secrets. A group's credential outlives an outage of its pool, as its pods do.
 NEVER_PRUNED = frozenset({"Secret"})
@@ -141,6 +146,7 @@ class Controller:
     fetch_status: StatusFetcher = fetch_daemon_status
     clock: Callable[[], str] = utcnow
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
+    pacer: RolloutPacer = field(default_factory=RolloutPacer)
     images: ImageDefaults = DEFAULT_IMAGES  # what pools and groups that name no image get
     usage_interval: float = DEFAULT_USAGE_INTERVAL
     monotonic: Callable[[], float] = time.monotonic
@@ -212,7 +218,7 @@ class Controller:
         # Create first: a create never writes into an existing object, and most names are free (a look
         # before every create was one more request per child).
         try:
-            created = await self.kube.create(obj)
+            created = await self.kube.create(create_replicas(obj))
         except ApiError as err:
             if err.status != 409:
                 raise
@@ -301,6 +307,12 @@ class Controller:
                 if adopted is None:
                     raise Replaced(f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were "
                                    "adopted")
+            elif scaled_externally(obj) and (released := released_ownership(have, obj)) is not None:
+                # A role handed to an autoscaler: its replicas stay as they are, owned by nobody, instead
+                # of being removed by the apply (and reset to 1) for no longer being the operator's.
+                await self.kube.patch(kind, ns or None, name, {"metadata": {
+                    "managedFields": released,
+                    "resourceVersion": have["metadata"].get("resourceVersion")}})
             applied = await self.kube.apply(obj, uid=uid)
         except ApiError as err:
             # 404/409: gone or changed; 422: another object has the name. Which one, a fresh look tells.
@@ -552,14 +564,21 @@ class Controller:
         if pool is not None and pool_body is not None:
             key = await self._current_key(pool.name, pool_body.get("metadata", {}).get("uid"))
             pool, key_missing = replace(pool, key=key), key is None
-        desired = build_group_children(self.images.for_group(spec), owner, pool)
+        desired = build_group_children(self.images.for_group(spec), owner, pool, self._role_replicas(owner))
         if key_missing:
             # Never apply a credential without its token: that would take the token from running pods.
             log.warning("InferenceGroup %s/%s: MaruPool %s has no key yet; its credential waits for it",
                         namespace, name, spec.pool_ref.name)
             desired = [d for d in desired if not (d["kind"] == "Secret" and "data" not in d)]
         desired += build_group_policies(spec, owner, pool, self.pool_namespace, self.network)
-        keep: set[Key] = set()
+        # A pod template change waits while other groups roll (see maru_operator.rollouts).
+        held = self.pacer.held(("InferenceGroup", namespace, name), desired, self.store)
+        if held:
+            log.info("InferenceGroup %s/%s: pod template change of %s waits: %d groups are rolling out (at most %d "
+                     "at once, --max-rolling-groups)", namespace, name, ", ".join(k[2] for k in held),
+                     self.pacer.max_groups, self.pacer.max_groups)
+            desired = [d for d in desired if key_of(d) not in held]
+        keep: set[Key] = set(held)
         if not binding.ok:
             # Running vLLM pods keep serving through a pool outage (the connector degrades to "no hit");
             # only revoked access stops them. New ones are not created until the pool is usable.
@@ -589,11 +608,23 @@ class Controller:
             router = Router(f"{namespace}/{svc}", ready_endpoints(self.store.endpoint_slices(namespace, svc)))
         new = group_status(spec, generation, binding, observed, old,
                            endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
-                           conflicts=list(applied.conflicts.values()))
+                           conflicts=list(applied.conflicts.values()),
+                           queued=[k[2] for k in held])
         again = await self._write_group_status(body, old, new, spec, owner, binding.pool is not None)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
+        if held:
+            again = min(again or ROLLOUT_QUEUE_SECONDS, ROLLOUT_QUEUE_SECONDS)
         return min(KEY_RETRY_SECONDS, again or KEY_RETRY_SECONDS) if key_missing else again
+
+    def _role_replicas(self, owner: Owner) -> dict[str, int | None]:
+        """Each role Deployment's spec.replicas now (None when it has none of this group's yet)."""
+        now: dict[str, int | None] = {}
+        for role in ("prefill", "decode"):
+            have = self.store.get(("Deployment", owner.namespace or "", role_name(owner.name, role)))
+            ok = have is not None and controlled_by(have, owner.uid)
+            now[role] = int(have.get("spec", {}).get("replicas", 1)) if ok and have is not None else None
+        return now
 
     async def _write_group_status(self, body: Object, old: InferenceGroupStatus, new: InferenceGroupStatus,
                                   spec: InferenceGroupSpec, owner: Owner, bound: bool) -> float | None:

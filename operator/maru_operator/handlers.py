@@ -38,6 +38,7 @@ from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
 from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE, lease_name
+from maru_operator.rollouts import DEFAULT_MAX_GROUPS, RolloutPacer
 
 log = logging.getLogger("maru_operator.handlers")
 
@@ -50,6 +51,8 @@ CHILD_RESOURCES = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    ("", "v1", "persistentvolumeclaims"),
+    ("policy", "v1", "poddisruptionbudgets"),
     # The pools' keys and the groups' credentials; only the operator's (the label selector below), never a
     # user's Secret.
     ("", "v1", "secrets"),
@@ -90,6 +93,7 @@ class Config:
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
     images: ImageDefaults = DEFAULT_IMAGES
+    max_rolling_groups: int = DEFAULT_MAX_GROUPS  # groups rolling their vLLM pods at once (0: no bound)
     instance: str = ""  # which objects this operator serves (see the module docstring)
     leader_election: bool = True
     lease_namespace: str = DEFAULT_LEASE_NAMESPACE
@@ -179,6 +183,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     STATE.controller = Controller(
         kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
         fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
+        pacer=RolloutPacer(config.max_rolling_groups),
         images=config.images,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
@@ -217,7 +222,8 @@ async def _follow() -> None:
 
 
 PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
-                "RoleBinding", "NetworkPolicy", "Secret", "EndpointSlice")
+                "RoleBinding", "NetworkPolicy", "Secret", "EndpointSlice", "PersistentVolumeClaim",
+                "PodDisruptionBudget")
 
 
 async def _prime(kube: Kube, namespaces: list[str]) -> None:

@@ -285,6 +285,25 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
     return [e for e in entries if e not in mine] + [adopted]
 
 
+def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MANAGER
+                       ) -> list[dict[str, Any]] | None:
+    """``actual``'s managedFields with the fields ``manager`` applied but ``desired`` no longer sets owned by
+    nobody; None when there are none.
+
+    An apply removes a field its manager alone owned and no longer applies; a field handed over this way
+    (an externally scaled Deployment's replicas) keeps its value instead, for whoever writes it next.
+    """
+    entries = actual.get("metadata", {}).get("managedFields") or []
+    for i, entry in enumerate(entries):
+        if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
+            tree = entry.get("fieldsV1") or {}
+            kept = _only_set(tree, desired)
+            if kept == tree:
+                return None
+            return [*entries[:i], {**entry, "fieldsV1": kept}, *entries[i + 1:]]
+    return None
+
+
 def out_of_sync(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
     """Why ``desired`` must be applied to ``actual`` (a field path, for the log); None when it is in sync."""
     return (is_subset(desired, actual) or _stale_or_atomic(desired, actual, manager)

@@ -7,6 +7,7 @@ Both mount the group's pool credential (:mod:`.credentials`), the token of the g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from maru_operator.builders.common import (
     LABEL_NAME,
     LABEL_POOL,
     LABEL_ROLE,
+    NONROOT_UID,
     Object,
     Owner,
     labels,
@@ -35,9 +37,26 @@ from maru_operator.builders.credentials import (
     credential_volume,
     effective_quota,
 )
+from maru_operator.builders.disruption import build_disruption_budget
+from maru_operator.builders.lifecycle import (
+    TEMPLATE_HASH,
+    pre_stop,
+    rolling_update,
+    shm_volume,
+    template_hash,
+    with_ephemeral_request,
+)
+from maru_operator.builders.modelcache import (
+    build_model_cache_claim,
+    model_cache_env,
+    model_cache_ephemeral_bytes,
+    model_cache_volume,
+    replaced_by_user,
+)
 from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
 from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_defaults
+from maru_operator.builders.scaling import desired_replicas, external_annotations
 from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
 from maru_operator.images import DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
 from maru_operator.names import child_name, label_value, short_hash
@@ -155,9 +174,10 @@ def pool_node_affinity(pool: MaruPoolSpec) -> dict[str, Any] | None:
     }
 
 
-def _resources(role_spec: RoleSpec) -> dict[str, Any]:
+def _resources(spec: InferenceGroupSpec, role_spec: RoleSpec) -> dict[str, Any]:
     given = {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
-    return with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size))
+    return with_ephemeral_request(with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size)),
+                                  model_cache_ephemeral_bytes(spec))
 
 
 PROBE_PERIOD_SECONDS = 10
@@ -172,26 +192,31 @@ def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
 
 def role_env(role_spec: RoleSpec) -> list[dict[str, Any]]:
     """The vLLM container's env: the hash seed every engine must share, the user's, then the cache locations
-    the user did not set. Each name appears once (server-side apply keys env by name)."""
+    the user did not set (the model cache first). Each name appears once (server-side apply keys env by
+    name)."""
     env = [{"name": HASH_SEED_ENV, "value": HASH_SEED}]
     env += [e.to_k8s() for e in role_spec.env if e.name != HASH_SEED_ENV]
+    if not replaced_by_user(role_spec):
+        env += [{"name": k, "value": v} for k, v in model_cache_env().items()]
     return env + scratch_env({e["name"] for e in env})
 
 
 def role_volumes(
-    role_spec: RoleSpec, pool: PoolView, group: str
+    spec: InferenceGroupSpec, role_spec: RoleSpec, pool: PoolView, group: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, vLLM container mounts): the operator's, then the user's.
 
-    A user mount at /dev/shm replaces the operator's (a larger tmpfs for NCCL, say), and one at a scratch
-    directory (``$HOME``, ``/tmp``) replaces that emptyDir; the pool socket and the pool credential cannot
-    be replaced (the semantic checks refuse a mount there).
+    A user mount at /dev/shm replaces the operator's (a larger tmpfs for NCCL, say), one at the model
+    cache's path replaces the cache, and one at a scratch directory (``$HOME``, ``/tmp``) replaces that
+    emptyDir; the pool socket and the pool credential cannot be replaced (the semantic checks refuse a
+    mount there).
     """
     taken = {m.mount_path.rstrip("/") for m in role_spec.volume_mounts}
     # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
     operator = [(pool_socket_volume(pool.spec, pool.name), pool_socket_mount(pool.spec, pool.name)),
                 (credential_volume(group), credential_mount()),
-                ({"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/dev/shm"}),
+                shm_volume(role_spec),
+                *([] if replaced_by_user(role_spec) else [model_cache_volume(spec, group)]),
                 *zip(scratch_volumes(), scratch_mounts(), strict=True)]
     kept = [(v, m) for v, m in operator
             if v["name"] in (SOCKET_VOLUME, CREDENTIAL_VOLUME) or m["mountPath"] not in taken]
@@ -217,18 +242,33 @@ def apply_pod_options(template: dict[str, Any], options: PodOptions, own_pods: d
         pod["topologySpreadConstraints"] = [c.to_k8s(own_pods) for c in options.topology_spread_constraints]
 
 
-def rollout(role_spec: RoleSpec) -> dict[str, Any]:
+def rollout(role_spec: RoleSpec, replicas: int) -> dict[str, Any]:
     """The Deployment's strategy and progress deadline: a slow model load must not count as stuck."""
     strategy = role_spec.strategy
     out: dict[str, Any] = {"type": strategy.type}
     if strategy.type == "RollingUpdate":
-        out["rollingUpdate"] = {"maxSurge": strategy.rolling_update.max_surge,
-                                "maxUnavailable": strategy.rolling_update.max_unavailable}
+        out["rollingUpdate"] = rolling_update(role_spec, replicas)
     return {"strategy": out, "progressDeadlineSeconds": role_spec.startup_timeout_seconds + PROGRESS_MARGIN_SECONDS}
 
 
 def role_labels(owner: Owner, role: str, pool: str) -> dict[str, str]:
     return {**labels(owner, app=VLLM_APP, component=role, role=role), LABEL_POOL: label_value(pool)}
+
+
+# The role as llm-d's scheduler and LeaderWorkerSet's DisaggregatedSet select it, beside our own maru.io/role.
+LLMD_ROLE_LABEL = "llm-d.ai/role"
+# What the pool keys of a pod depend on: pods of two roles may be paired only when theirs are equal (an old
+# prefill and a new decode mid-rollout would store and look up different keys).
+KV_REVISION_LABEL = "maru.io/kv-revision"
+
+
+def kv_revision(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> str:
+    """A hash of everything the chunk keys derive from: the model, its revision and dtype, the block and
+    chunk sizes, the cache scope and the connector's own settings (the same for both roles)."""
+    model = spec.model
+    parts = [model.name, model.revision or "", model.dtype, str(spec.connector.block_size),
+             connector_config(spec, owner, pool).model_dump_json()]
+    return short_hash("\0".join(parts))
 
 
 def discovery_selector(owner: Owner, role: str) -> dict[str, str]:
@@ -237,12 +277,14 @@ def discovery_selector(owner: Owner, role: str) -> dict[str, str]:
 
 
 def build_role_deployment(
-    spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView, *, replicas: int | None = None
+    spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView,
+    observed: Mapping[str, int | None] | None = None,
 ) -> Object:
-    """The vLLM Deployment of one role; ``replicas`` overrides the spec (0 when access is revoked)."""
+    """The vLLM Deployment of one role; ``observed``: each role Deployment's replicas now (for a ratio)."""
     role_spec: RoleSpec = getattr(spec, role)
     pod_labels = role_labels(owner, role, pool.name)
-    volumes, mounts = role_volumes(role_spec, pool, owner.name)
+    volumes, mounts = role_volumes(spec, role_spec, pool, owner.name)
+    replicas = desired_replicas(spec, role, observed or {})
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.image or DEFAULT_VLLM_IMAGE,
@@ -251,7 +293,7 @@ def build_role_deployment(
         "args": vllm_args(spec, role, owner, pool),
         "env": role_env(role_spec),
         "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
-        "resources": _resources(role_spec),
+        "resources": _resources(spec, role_spec),
         "volumeMounts": mounts,
         # Loading weights can take many minutes; liveness only starts once the server answered once.
         "startupProbe": _probe("/health", "http",
@@ -261,13 +303,18 @@ def build_role_deployment(
         # vLLM's caches and temporary files go to emptyDirs (scratch_env points them there).
         "securityContext": restricted_container_security(),
     }
+    if lifecycle := pre_stop(role_spec, VLLM_PORT):
+        container["lifecycle"] = lifecycle
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": restricted_pod_security(),
+        # fsGroup: the model cache claim's files are the pods' to write, whoever created its root; only when
+        # the root's group differs is it changed (a recursive chown of a model cache takes minutes).
+        "securityContext": {**restricted_pod_security(), "fsGroup": NONROOT_UID,
+                            "fsGroupChangePolicy": "OnRootMismatch"},
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": role_spec.termination.grace_period_seconds,
     }
     if role_spec.service_account_name:
         pod_spec["serviceAccountName"] = role_spec.service_account_name
@@ -293,19 +340,26 @@ def build_role_deployment(
             tolerations.append(dumped)
     if tolerations:
         pod_spec["tolerations"] = tolerations
-    template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
+    template = {"metadata": {"labels": {**pod_labels, LLMD_ROLE_LABEL: role,
+                                        KV_REVISION_LABEL: kv_revision(spec, owner, pool)}},
+                "spec": pod_spec}
     apply_pod_options(template, role_spec, discovery_selector(owner, role))
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata(owner, name=role_name(owner.name, role), namespace=owner.namespace, labels=pod_labels),
-        "spec": {
-            "replicas": role_spec.replicas if replicas is None else replicas,
-            "selector": {"matchLabels": selector(owner, app=VLLM_APP, component=role)},
-            **rollout(role_spec),
-            "template": template,
-        },
+    meta = metadata(owner, name=role_name(owner.name, role), namespace=owner.namespace, labels=pod_labels)
+    meta["annotations"] = {TEMPLATE_HASH: template_hash(template), **external_annotations(spec, role)}
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector(owner, app=VLLM_APP, component=role)},
+        **rollout(role_spec, role_spec.replicas if replicas is None else replicas),
+        "template": template,
     }
+    if replicas is not None:
+        deployment_spec = {"replicas": replicas, **deployment_spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": deployment_spec}
+
+
+def build_role_disruption_budget(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView) -> Object | None:
+    return build_disruption_budget(owner, role, getattr(spec, role).disruption_budget,
+                                   role_labels(owner, role, pool.name),
+                                   selector(owner, app=VLLM_APP, component=role))
 
 
 def _router_labels(owner: Owner) -> dict[str, str]:
@@ -443,10 +497,18 @@ def build_router_children(spec: InferenceGroupSpec, owner: Owner) -> list[Object
     return [c for c in children if c is not None]
 
 
-def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None) -> list[Object]:
-    """Every child of a bound group (``pool`` given), or only the router when there is no pool."""
-    children: list[Object] = []
+def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None,
+                         observed: Mapping[str, int | None] | None = None) -> list[Object]:
+    """Every child of a bound group (``pool`` given), or only the router when there is no pool.
+
+    ``observed``: each role Deployment's ``spec.replicas`` as it is now, which a role following the other
+    through ``replicaRatio`` is computed from.
+    """
+    children: list[Object | None] = []
     if pool is not None:
         children.append(build_pool_credential(spec, owner, pool))
-        children += [build_role_deployment(spec, role, owner, pool) for role in ("prefill", "decode")]
-    return children + build_router_children(spec, owner)
+        children.append(build_model_cache_claim(spec, owner))
+        for role in ("prefill", "decode"):
+            children.append(build_role_deployment(spec, role, owner, pool, observed))
+            children.append(build_role_disruption_budget(spec, role, owner, pool))
+    return [c for c in children if c is not None] + build_router_children(spec, owner)
