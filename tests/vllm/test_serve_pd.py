@@ -125,3 +125,35 @@ def test_router_style_prefill_then_decode(servers: tuple[Server, Server]) -> Non
         assert out["choices"][0]["text"] == baseline["choices"][0]["text"]
         assert out["choices"][0]["text"].startswith(first["choices"][0]["text"])
         assert decode.metric(loaded) - before == chunks
+
+
+def test_the_pods_drain_hook_waits_for_the_generation_in_flight(servers: tuple[Server, Server]) -> None:
+    """The vLLM pods' preStop hook (``python3 -m maru_connector.drain``) returns only once vLLM has finished
+    the generation it was running, as its own /metrics tell."""
+    import threading
+
+    from maru_connector.drain import drain, read_metrics
+
+    _, decode = servers
+    result: dict[str, Any] = {}
+    generation = threading.Thread(target=lambda: result.update(decode.complete(prompt(300, seed=7), 600)))
+    generation.start()
+    while decode.metric("vllm:num_requests_running") < 1:
+        assert generation.is_alive(), "the generation ended before it was seen running"
+        time.sleep(0.05)
+    counts: list[str] = []
+
+    def read(url: str) -> str:
+        text = read_metrics(url)
+        counts.append(text)
+        return text
+
+    why = drain(f"{decode.url}/metrics", timeout=600, read=read)
+    finished_by_then = not generation.is_alive()
+    generation.join()
+    assert why == "drained"
+    assert finished_by_then and result["usage"]["completion_tokens"] == 600
+    # It did wait: the first look saw the request running.
+    from maru_connector.drain import in_flight
+
+    assert in_flight(counts[0]) == 1
