@@ -174,6 +174,13 @@ def operator(cluster: KubeEmulator, stats: StubStats) -> Iterator[RunningOperato
         running.stop()
 
 
+@pytest.fixture
+def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
+    """The pool ``local-shm``, created and Ready (with the operator running)."""
+    cluster.create(pool())
+    return cluster.wait_for("marupools.maru.io", "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+
+
 def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) -> None:
     """Enqueue every owner (as the resync timer would) and wait until the queue stays idle."""
     import time

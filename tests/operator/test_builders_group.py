@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 from maru_connector.config import MaruConnectorConfig
 from maru_operator.builders.common import LABEL_POOL, LABEL_ROLE

@@ -35,12 +35,6 @@ def pod_spec(kube: KubeEmulator, name: str) -> dict[str, Any]:
     return dep["spec"]["template"]["spec"]
 
 
-@pytest.fixture
-def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
-    cluster.create(pool())
-    return cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
-
-
 def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, operator: RunningOperator,
                                                          ready_pool: dict[str, Any]) -> None:
     cluster.create(group(prefill={

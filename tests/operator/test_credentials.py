@@ -21,7 +21,6 @@ from tests.operator.conftest import (
     create_namespace,
     group,
     has_condition,
-    pool,
     settle,
 )
 
@@ -31,12 +30,6 @@ IG = "inferencegroups.maru.io"
 MP = "marupools.maru.io"
 DEPLOY = "deployments.apps"
 DS = "daemonsets.apps"
-
-
-@pytest.fixture
-def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
-    cluster.create(pool())
-    return cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
 
 
 def key_of(kube: KubeEmulator) -> bytes:

@@ -22,12 +22,6 @@ PDB = "poddisruptionbudgets.policy"
 PVC = "persistentvolumeclaims"
 
 
-@pytest.fixture
-def ready_pool(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
-    cluster.create(pool())
-    return cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
-
-
 def replicas(cluster: KubeEmulator, role: str) -> int:
     dep = cluster.get(DEPLOY, f"qwen-{role}", GROUP_NS)
     assert dep is not None
