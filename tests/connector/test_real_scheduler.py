@@ -43,11 +43,14 @@ def small_pool() -> Iterator[PoolDaemon]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def step_until(engine: Engine, done, what: str) -> None:
+def step_until(engine: Engine, done, what: str, *, settle: bool = False) -> None:
+    """Step until ``done()``; ``settle``: let the worker's lanes finish each step's copies before the next."""
     for _ in range(MAX_STEPS):
         if done():
             return
         engine.step()
+        if settle:
+            engine.worker.wait_idle()
         time.sleep(0.002)  # lets the lookup thread and the lanes answer between steps
     raise AssertionError(f"never happened: {what}")
 
@@ -75,7 +78,8 @@ def test_abort_during_a_reloading_prefill_after_an_orphan_does_not_kill_the_engi
         with PoolClient(small_pool.url, timeout_s=5) as client:
             for j in range(20):  # evict what r loaded: its saves of chunks 2 and 3 come back ORPHAN
                 client.put(bytes([j + 1]) * 32, bytes(CHUNK_BYTES))
-        step_until(engine, lambda: r.num_preemptions > 0, "r preempted")
+        # Settled steps: r's saves reach the pool (and come back ORPHAN) before b's growth preempts r.
+        step_until(engine, lambda: r.num_preemptions > 0, "r preempted", settle=True)
         assert small_pool.stats()["orphans"] > 0
         engine.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)  # r may come back
         release = engine.hold_lane("loads")  # the pool is slow: the re-admitted load stays in flight
