@@ -305,7 +305,7 @@ class TestRouterService:
 class TestGroupChildren:
     def test_unbound_group_gets_only_the_router(self) -> None:
         kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, None)]
-        assert "Deployment" in kinds and len(kinds) == 4
+        assert "Deployment" in kinds and len(kinds) == 5 and "PodDisruptionBudget" in kinds
         assert all(c["metadata"]["name"].startswith("llama") for c in build_group_children(group_spec(), GROUP_OWNER,
                                                                                              None))
 
@@ -317,7 +317,7 @@ class TestGroupChildren:
             ("Deployment", "llama-prefill"), ("PodDisruptionBudget", "llama-prefill"),
             ("Deployment", "llama-decode"), ("PodDisruptionBudget", "llama-decode"),
             ("ServiceAccount", "llama-router"), ("RoleBinding", "llama-router-pods"),
-            ("Service", "llama"), ("Deployment", "llama-router")]
+            ("Service", "llama"), ("Deployment", "llama-router"), ("PodDisruptionBudget", "llama-router")]
 
 
 class TestRouterResources:

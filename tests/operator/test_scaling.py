@@ -103,12 +103,14 @@ def test_a_ratio_needs_exactly_one_scaled_role(cluster: KubeEmulator, operator: 
 def test_every_role_gets_a_disruption_budget_and_the_group_a_model_cache(
         cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
     cluster.create(group())
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "router"):
         budget = cluster.wait_for(PDB, f"qwen-{role}", GROUP_NS)
         dep = cluster.get(DEPLOY, f"qwen-{role}", GROUP_NS)
         assert dep is not None
         assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
         assert budget["spec"]["maxUnavailable"] == 1
+        if role == "router":
+            continue
         volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
         assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "qwen-model-cache"}
     claim = cluster.wait_for(PVC, "qwen-model-cache", GROUP_NS)

@@ -366,6 +366,9 @@ class RouterSpec(PodOptions):
         default_factory=ResourceRequirements, description="Resources of each router container."
     )
     env: EnvList = Field(default_factory=list, max_length=64, description="Environment variables of the router.")
+    disruption_budget: DisruptionBudget = Field(
+        default_factory=DisruptionBudget, description="The router's PodDisruptionBudget.",
+    )
 
 
 class ReplicaRatio(KubeModel):

@@ -493,6 +493,8 @@ def build_router_children(spec: InferenceGroupSpec, owner: Owner) -> list[Object
         build_router_role_binding(spec, owner),
         build_router_service(spec, owner),
         build_router_deployment(spec, owner),
+        build_disruption_budget(owner, "router", spec.router.disruption_budget, _router_labels(owner),
+                                selector(owner, app=ROUTER_APP, component="router")) if spec.router.enabled else None,
     ]
     return [c for c in children if c is not None]
 
