@@ -115,6 +115,7 @@ def test_default_objects(default_objects: list[dict[str, Any]]) -> None:
         "CSIDriver",
         "ClusterRole",
         "ClusterRole",
+        "ClusterRole",  # the routers' (the operator binds them to it, never holds it)
         "ClusterRoleBinding",
         "ClusterRoleBinding",
         "DaemonSet",
@@ -193,6 +194,7 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
         "--liveness=http://0.0.0.0:8080/healthz",
         "--metrics-port=9090",
         "--workers=8",
+        "--max-rolling-groups=3",
         "--resync-seconds=600",
         "--pool-usage-interval=30",
         "--api-server-cidr=0.0.0.0/0",
@@ -261,7 +263,7 @@ def test_operator_accepts_the_rendered_arguments(request: pytest.FixtureRequest,
             "http://0.0.0.0:8080/healthz",
             9090,
             8,
-            60.0,
+            600.0,
             False,
         )
     else:
