@@ -110,7 +110,7 @@ def test_decode_sent_the_moment_prefill_answers_finds_every_chunk(producer: Engi
     finally:
         producer.call("clear")
     assert delta(c2, c1, "loaded_chunks") == 6
-    assert delta(c2, c1, "lookup_handoff_polls") >= 1
+    assert delta(c2, c1, "lookup_handoff_waits") >= 1  # waited in the daemon, not polled
     assert got == producer.generate([p])[0]  # the producer never loads: its answer is a recompute
     assert got[:1] == first["tokens"][0]
 
