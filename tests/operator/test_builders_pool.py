@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from maru_connector.poolsize import HEADER_SIZE, parse_size
 from maru_localcluster.admission import qos_class
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
@@ -228,3 +231,24 @@ class TestPoolChildren:
 
     def test_pure(self) -> None:
         assert build_pool_children(dax_spec(), POOL_OWNER, NS) == build_pool_children(dax_spec(), POOL_OWNER, NS)
+
+
+class TestPrivateRegistry:
+    """Pool daemons pull from a private registry with the Secrets the pool names (in the operator's namespace)."""
+
+    def test_both_daemons_get_the_pull_secrets(self) -> None:
+        spec = dax_spec(daemon={"imagePullSecrets": [{"name": "mirror-credentials"}]})
+        metadata = build_metadata_deployment(spec, POOL_OWNER, "maru-system")
+        assert metadata is not None
+        agent = build_agent_daemonset(spec, POOL_OWNER, "maru-system")
+        for workload in (metadata, agent):
+            assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "mirror-credentials"}]
+            assert_valid(workload)
+
+    def test_none_by_default(self) -> None:
+        agent = build_agent_daemonset(pool_spec(), POOL_OWNER, "maru-system")
+        assert "imagePullSecrets" not in agent["spec"]["template"]["spec"]
+
+    def test_a_secret_named_twice_is_refused_naming_the_field(self) -> None:
+        with pytest.raises(ValidationError, match="imagePullSecrets"):
+            pool_spec(daemon={"imagePullSecrets": [{"name": "a"}, {"name": "a"}]})

@@ -20,6 +20,7 @@ from maru_operator.api.common import (
     Toleration,
 )
 from maru_operator.api.common import Condition as Condition
+from maru_operator.api.pod import LocalObjectReference, check_unique, unique_by
 from maru_operator.images import DEFAULT_POOL_IMAGE as DEFAULT_POOL_IMAGE
 
 DevicePath = Annotated[str, Field(pattern=r"^/dev/[A-Za-z0-9._/-]+$", max_length=255)]
@@ -121,6 +122,11 @@ class PoolDaemonSpec(KubeModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the pool daemon image."
     )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16,
+        description="Secrets with credentials of a private registry, in the operator's namespace (where the pool "
+                    "daemons run), e.g. the chart's imagePullSecrets.",
+        json_schema_extra=unique_by("name", what="imagePullSecrets"))
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,
         description=(
@@ -149,6 +155,11 @@ class PoolDaemonSpec(KubeModel):
     )
     metadata_port: int = Field(7400, ge=1, le=65535, description="Port of the pool-wide metadata server.")
     metrics_port: int = Field(9400, ge=1, le=65535, description="Port serving /metrics and /status.")
+
+    @model_validator(mode="after")
+    def _pull_secrets_are_unique(self) -> PoolDaemonSpec:
+        check_unique(self.image_pull_secrets, ("name",), "daemon.imagePullSecrets")
+        return self
 
 
 class MaruPoolSpec(KubeModel):

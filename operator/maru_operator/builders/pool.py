@@ -198,6 +198,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     **_priority(spec),
+                    **_pull_secrets(spec),
                     # The metadata server needs no host access at all.
                     "securityContext": restricted_pod_security(),
                     "tolerations": _tolerations(spec),
@@ -363,6 +364,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         **_priority(spec),
+        **_pull_secrets(spec),
         "securityContext": pod_security,
         "tolerations": _tolerations(spec),
         "initContainers": [admission_init_container(spec, pool)],
@@ -382,6 +384,11 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
             "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
         },
     }
+
+
+def _pull_secrets(spec: MaruPoolSpec) -> dict[str, Any]:
+    secrets = [s.model_dump() for s in spec.daemon.image_pull_secrets]
+    return {"imagePullSecrets": secrets} if secrets else {}
 
 
 def build_pool_children(spec: MaruPoolSpec, owner: Owner, namespace: str, key: bytes | None = None) -> list[Object]:
