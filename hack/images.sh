@@ -9,8 +9,12 @@
 #   PUSH            1: push the images (a multi-platform build must push)  (default: keep them local)
 #   TARGETS         which targets                                          (default: operator pool vllm router)
 #   BUILDER         docker, podman or buildah, instead of the first found
+#   VLLM_IMAGE      base of the vllm target                                (default: the Dockerfile's VLLM_IMAGE)
 #
 # The router image keeps the version of the vllm-router it packages (the Dockerfile's pin), not IMAGE_TAG.
+# The vllm image can only be built for the platforms its base is published for: with PLATFORMS set, the
+# base's manifest list is read first, and a platform it lacks is left out of that one image with a warning
+# (an arm64 GPU node then needs VLLM_IMAGE pointing at a base built for arm64).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,6 +32,8 @@ tag=${IMAGE_TAG:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' ch
 router_tag=$(sed -n 's/.*pip install vllm-router==\([0-9][0-9.]*\).*/\1/p' Dockerfile)
 [ -n "$router_tag" ] || fail "the Dockerfile's router target pins no vllm-router==VERSION"
 platforms=${PLATFORMS:-}
+vllm_base=${VLLM_IMAGE:-$(sed -n 's/^ARG VLLM_IMAGE=\(.*\)$/\1/p' Dockerfile)}
+[ -n "$vllm_base" ] || fail "no VLLM_IMAGE, and the Dockerfile declares no ARG VLLM_IMAGE=<base image>"
 push=${PUSH:-}
 targets=${TARGETS:-operator pool vllm router}
 
@@ -76,19 +82,61 @@ run() {
     "$@"
 }
 
+# The platforms (linux/<arch>, one a line) an image's manifest list names; nothing when the registry
+# cannot be asked or the image is a single manifest, which leaves the choice to the build.
+published_platforms() {
+    local raw
+    case "$builder" in
+        docker) raw=$(docker buildx imagetools inspect --raw "$1" 2>/dev/null) || return 0 ;;
+        podman | buildah) raw=$("$builder" manifest inspect "docker://$1" 2>/dev/null) || return 0 ;;
+    esac
+    printf '%s' "$raw" | tr -d ' \n' | grep -o '"architecture":"[a-z0-9]*"' | sed 's/.*:"\(.*\)"/linux\/\1/' |
+        grep -vx 'linux/unknown' || true
+}
+
+# PLATFORMS for one target: every target gets them all but vllm, which gets those its base is published for.
+target_platforms() {
+    if [ "$1" != vllm ] || [ -z "$platforms" ]; then
+        echo "$platforms"
+        return
+    fi
+    local available kept="" dropped="" wanted p
+    available=$(published_platforms "$vllm_base")
+    if [ -z "$available" ]; then
+        echo "$platforms"
+        return
+    fi
+    IFS=, read -ra wanted <<< "$platforms"
+    for p in "${wanted[@]}"; do
+        if grep -qx "${p%/v*}" <<< "$available"; then
+            kept+="${kept:+,}$p"
+        else
+            dropped+="${dropped:+,}$p"
+        fi
+    done
+    [ -n "$kept" ] || fail "PLATFORMS=$platforms: $vllm_base is published for none of them ($(echo $available | tr ' ' ',')): set VLLM_IMAGE to a vLLM image of version $(sed -n 's/^ARG VLLM_VERSION=\(.*\)$/\1/p' Dockerfile) built for them"
+    if [ -n "$dropped" ]; then
+        echo "make images: warning: $vllm_base is not published for $dropped: the vllm image is built for $kept only; for $dropped set VLLM_IMAGE to a vLLM image of the same version built for it" >&2
+    fi
+    echo "$kept"
+}
+
 for target in $targets; do
     image_name "$target" >/dev/null
 done
 builder=$(pick_builder)
-multi=""
-[[ "$platforms" == *,* ]] && multi=1
 
 for target in $targets; do
     ref=$(image_ref "$target")
+    tplatforms=$(target_platforms "$target") || exit 2
+    multi=""
+    [[ "$tplatforms" == *,* ]] && multi=1
+    build_args=()
+    [ "$target" = vllm ] && [ -n "${VLLM_IMAGE:-}" ] && build_args=(--build-arg "VLLM_IMAGE=$VLLM_IMAGE")
     case "$builder" in
         docker)
-            args=(docker buildx build --target "$target" --tag "$ref")
-            [ -n "$platforms" ] && args+=(--platform "$platforms")
+            args=(docker buildx build --target "$target" --tag "$ref" "${build_args[@]}")
+            [ -n "$tplatforms" ] && args+=(--platform "$tplatforms")
             if [ "$push" = 1 ]; then
                 args+=(--push)
             elif [ -z "$multi" ]; then
@@ -102,13 +150,13 @@ for target in $targets; do
             # A multi-platform build goes into a manifest list, pushed with every image it lists.
             if [ -n "$multi" ]; then
                 "$builder" manifest rm "$ref" >/dev/null 2>&1 || true
-                run "$builder" build --target "$target" --platform "$platforms" --manifest "$ref" .
+                run "$builder" build --target "$target" "${build_args[@]}" --platform "$tplatforms" --manifest "$ref" .
                 if [ "$push" = 1 ]; then
                     run "$builder" manifest push --all "$ref" "docker://$ref"
                 fi
             else
-                args=("$builder" build --target "$target" --tag "$ref")
-                [ -n "$platforms" ] && args+=(--platform "$platforms")
+                args=("$builder" build --target "$target" --tag "$ref" "${build_args[@]}")
+                [ -n "$tplatforms" ] && args+=(--platform "$tplatforms")
                 run "${args[@]}" .
                 if [ "$push" = 1 ]; then
                     run "$builder" push "$ref"

@@ -19,7 +19,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 APP_VERSION = yaml.safe_load((REPO_ROOT / "charts" / "maru-operator" / "Chart.yaml").read_text())["appVersion"]
-TOOLS = ("make", "bash", "sh", "sed", "dirname", "env")
+TOOLS = ("make", "bash", "sh", "sed", "dirname", "env", "grep", "tr")
 NAMES = {"operator": "maru-operator", "pool": "maru-pool", "vllm": "vllm-maru", "router": "vllm-router"}
 ROUTER_VERSION = "0.1.17"
 
@@ -27,6 +27,8 @@ RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["FAKE_BUILDER_LOG"], "a") as log:
     log.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + "\\n")
+if "inspect" in sys.argv[1:4] and os.environ.get("FAKE_MANIFEST"):
+    print(os.environ["FAKE_MANIFEST"])
 sys.exit(1 if sys.argv[1:3] == ["buildx", "version"] and os.environ.get("FAKE_NO_BUILDX") else 0)
 """
 
@@ -134,3 +136,57 @@ def test_an_unknown_target_is_refused_before_any_build(tmp_path: Path, target: s
     assert rc != 0
     assert f"unknown target '{target}'" in output
     assert calls == []
+
+
+def manifest_list(*platforms: str) -> str:
+    """An OCI index as a registry returns it, with a provenance attestation entry as buildx pushes one."""
+    entries = [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{i:064x}",
+                "platform": {"os": "linux", "architecture": arch}} for i, arch in enumerate((*platforms, "unknown"))]
+    return json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                       "manifests": entries}, indent=2)
+
+
+def platform_of(calls: list[list[str]], target: str) -> str:
+    (build,) = [c for c in builds(calls) if c[c.index("--target") + 1] == target]
+    return build[build.index("--platform") + 1]
+
+
+@pytest.mark.parametrize("builder", ["docker", "podman"])
+def test_vllm_image_leaves_out_a_platform_its_base_is_not_published_for(tmp_path: Path, builder: str) -> None:
+    rc, output, calls = make_images(tmp_path, (builder,), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1",
+                                    "TARGETS=operator vllm", FAKE_MANIFEST=manifest_list("amd64"))
+    assert rc == 0, output
+    base = "vllm/vllm-openai:v0.32.0"
+    inspect = [c for c in calls if "inspect" in c]
+    assert inspect and base in inspect[0][-1], calls
+    assert platform_of(calls, "operator") == "linux/amd64,linux/arm64"
+    assert platform_of(calls, "vllm") == "linux/amd64"
+    assert (f"make images: warning: {base} is not published for linux/arm64: the vllm image is built for "
+            "linux/amd64 only") in output
+
+
+def test_vllm_image_keeps_every_platform_its_base_has(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/amd64,linux/arm64/v8", "PUSH=1",
+                                    "TARGETS=vllm", FAKE_MANIFEST=manifest_list("amd64", "arm64"))
+    assert rc == 0, output
+    assert platform_of(calls, "vllm") == "linux/amd64,linux/arm64/v8"
+    assert "warning" not in output
+
+
+def test_vllm_image_for_no_published_platform_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/arm64", "PUSH=1",
+                                    "TARGETS=vllm", FAKE_MANIFEST=manifest_list("amd64"))
+    assert rc == 2, output
+    assert ("make images: PLATFORMS=linux/arm64: vllm/vllm-openai:v0.32.0 is published for none of them "
+            "(linux/amd64): set VLLM_IMAGE to a vLLM image of version 0.32.0 built for them") in output
+    assert builds(calls) == []
+
+
+def test_vllm_image_on_another_base(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/arm64", "PUSH=1", "TARGETS=vllm",
+                                    "VLLM_IMAGE=registry.example.com/vllm-openai:v0.32.0-arm64",
+                                    FAKE_MANIFEST=manifest_list("arm64"))
+    assert rc == 0, output
+    (build,) = builds(calls)
+    assert "VLLM_IMAGE=registry.example.com/vllm-openai:v0.32.0-arm64" in build
+    assert build[build.index("--platform") + 1] == "linux/arm64"
