@@ -230,3 +230,40 @@ class KeyScope:
 
     def all(self, keys: list[bytes]) -> list[bytes]:
         return [self(k) for k in keys]
+
+
+def effective_quota(requested: Quota, default: Quota = DEFAULT_QUOTA, ceiling: Quota = DEFAULT_QUOTA) -> Quota:
+    """The quota signed into a tenant's token, field by field: the tenant's request, else the pool's
+    default, capped by the pool's ceiling (which is also the value where neither sets one); None: the
+    daemon's default.
+
+    One rule for whoever signs tokens: the operator (which renders a group's request) and the CSI node
+    plugin (which mints the token at publish and must hold any pod to its pool's ceiling).
+    """
+    values: dict[str, int | None] = {}
+    for name in QUOTA_FIELDS:
+        wanted = getattr(requested, name)
+        if wanted is None:
+            wanted = getattr(default, name)
+        cap = getattr(ceiling, name)
+        values[name] = cap if wanted is None else wanted if cap is None else min(wanted, cap)
+    return Quota(**values)
+
+
+MAX_SCOPE = 253
+_SCOPE_HASH_LEN = 8
+
+
+def tenant_scope(namespace: str, cache: str) -> str:
+    """A tenant's key scope: ``<namespace>/<cache>``, hashed down to :data:`MAX_SCOPE` characters.
+
+    The namespace always comes first, so a cache named ``B/x`` in namespace A is ``A/B/x``, never B's.
+    The operator (status, connector salt) and the CSI node plugin (minting) must agree on it exactly.
+    """
+    if not namespace or not cache:
+        raise ValueError("a tenant scope needs a namespace and a cache name")
+    scope = f"{namespace}/{cache}"
+    if len(scope) <= MAX_SCOPE:
+        return scope
+    digest = hashlib.sha256(scope.encode()).hexdigest()[:_SCOPE_HASH_LEN]
+    return scope[: MAX_SCOPE - _SCOPE_HASH_LEN - 1] + "-" + digest

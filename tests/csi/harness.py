@@ -84,6 +84,7 @@ def publish_request(
     volume_id: str = "csi-0123456789abcdef",
     readonly: bool = True,
     namespace: str = "llm",
+    attributes: dict[str, str] | None = None,
 ) -> csi_pb2.NodePublishVolumeRequest:
     """What the kubelet sends for an inline ephemeral volume of a driver with podInfoOnMount."""
     context = {
@@ -96,6 +97,7 @@ def publish_request(
     }
     if socket_dir is not None:
         context[ATTR_SOCKET_DIR] = socket_dir
+    context.update(attributes or {})
     return csi_pb2.NodePublishVolumeRequest(
         volume_id=volume_id,
         target_path=target,

@@ -1,4 +1,9 @@
-"""The pool-socket volume as a pod asks for it: driver name, volume attributes and their rules.
+"""The driver's two volumes as a pod asks for them: driver name, volume attributes and their rules.
+
+* the **pool socket** volume (``pool``, optional ``socketDir``): the pool's socket directory, read-only;
+* the **pool credential** volume (``pool``, ``cache``, optional ``quota`` and ``socketDir``): a small
+  read-only tmpfs holding ``token``, the pool credential the plugin mints at publish for the cache
+  ``cache`` in the pod's namespace (which the kubelet names, never the pod).
 
 Shared by the operator (which writes the volume into vLLM pods) and the node plugin (which checks
 what it is asked for), so the two can never disagree. No gRPC here: the operator image has none.
@@ -17,7 +22,17 @@ SOCKET_FILE = "pool.sock"
 # volumeAttributes of the pod's csi volume.
 ATTR_POOL = "pool"  # the pool's socket directory under the socket root (the MaruPool's name, or its short form)
 ATTR_SOCKET_DIR = "socketDir"  # optional: the MaruPool's spec.daemon.socketDir, checked against the socket root
-ATTRIBUTES = (ATTR_POOL, ATTR_SOCKET_DIR)
+# The credential volume's: which cache of the pod's namespace the token is for, and the quota it asks for.
+ATTR_CACHE = "cache"  # the group's cacheNamespace, or its name
+ATTR_QUOTA = "quota"  # optional: bytes=N,pins=N,leases=N (maru_connector.tenancy.Quota), capped by the pool
+ATTRIBUTES = (ATTR_POOL, ATTR_SOCKET_DIR, ATTR_CACHE, ATTR_QUOTA)
+CREDENTIAL_ONLY = (ATTR_CACHE, ATTR_QUOTA)
+# The file the credential volume holds; the connector's pool_token_file names it.
+TOKEN_FILE = "token"
+# Under the socket root: each pool's minting material (key and quota policy), root-only. Never a pool's
+# directory name (those are DNS-1123 names), so it can never be published into a pod.
+CREDENTIALS_DIR = "_credentials"
+MAX_CACHE = 253
 
 # What the kubelet adds to volume_context when the CSIDriver has podInfoOnMount: true.
 POD_INFO_PREFIX = "csi.storage.k8s.io/"
@@ -43,6 +58,29 @@ def pool_dir_error(value: str) -> str | None:
             "lower-case letters, digits, '-' and '.', starting and ending with a letter or digit"
         )
     return None
+
+
+def cache_error(value: str) -> str | None:
+    """Why ``value`` is not a valid ``cache`` attribute, or None when it is."""
+    if not value:
+        return f"volumeAttributes.{ATTR_CACHE} is required for a credential: the group's cache name"
+    if len(value) > MAX_CACHE or not value.isprintable():
+        return (f"volumeAttributes.{ATTR_CACHE} must be 1 to {MAX_CACHE} printable characters "
+                "(the group's spec.connector.cacheNamespace, or its name)")
+    return None
+
+
+def credential_attributes(pool_dir: str, socket_dir: str, cache: str, quota: str = "") -> dict[str, str]:
+    """The volumeAttributes of a credential volume: the token of ``cache`` (in the pod's namespace) for a pool;
+    ``quota``: the group's request (``bytes=N,pins=N,leases=N``), empty for the pool's default."""
+    attributes = volume_attributes(pool_dir, socket_dir)
+    error = cache_error(cache)
+    if error:
+        raise ValueError(error)
+    attributes[ATTR_CACHE] = cache
+    if quota:
+        attributes[ATTR_QUOTA] = quota
+    return attributes
 
 
 def volume_attributes(pool_dir: str, socket_dir: str) -> dict[str, str]:

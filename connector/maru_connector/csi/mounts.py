@@ -48,6 +48,25 @@ def bind_read_only(source: str, target: str) -> None:
         raise
 
 
+# A credential volume: a tmpfs holding one token file. Its size bounds what a publish can take of the
+# node's memory whatever happens; a token is well under 1 KiB.
+TMPFS_BYTES = 64 << 10
+TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+
+
+def mount_tmpfs(target: str, size: int = TMPFS_BYTES) -> None:
+    """A writable tmpfs of ``size`` bytes at ``target``, nosuid, nodev, noexec, its root mode 0755."""
+    _check(_libc.mount(b"tmpfs", target.encode(), b"tmpfs", TMPFS_FLAGS, f"size={size},mode=0755".encode()),
+           f"mount tmpfs on {target}")
+
+
+def remount(target: str, *, read_only: bool) -> None:
+    """Make the tmpfs at ``target`` read-only (or writable again, to replace its token)."""
+    flags = MS_REMOUNT | TMPFS_FLAGS | (MS_RDONLY if read_only else 0)
+    _check(_libc.mount(None, target.encode(), None, flags, None),
+           f"remount {target} {'read-only' if read_only else 'read-write'}")
+
+
 def unmount(target: str) -> None:
     _check(_libc.umount2(target.encode(), 0), f"unmount {target}")
 

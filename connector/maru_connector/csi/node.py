@@ -1,7 +1,9 @@
-"""The plugin's Identity and Node services: publish a pool's socket directory at a pod's volume path.
+"""The plugin's Identity and Node services: publish a pool's socket directory, or a pool credential, into a pod.
 
-NodePublishVolume bind-mounts ``<socket root>/<pool>`` read-only at the target path the kubelet gives;
-NodeUnpublishVolume unmounts it and removes the target directory. Both are idempotent and keep no
+NodePublishVolume bind-mounts ``<socket root>/<pool>`` read-only at the target path the kubelet gives, or,
+for a credential volume (attribute ``cache``), mounts a small tmpfs there holding the token it mints for
+the cache in the pod's namespace (:mod:`.minting`); NodeUnpublishVolume unmounts either and removes the
+target directory. Both are idempotent and keep no
 state: what is published is read back from the mount table, so a restarted plugin unpublishes what
 an earlier one published. Errors carry the gRPC codes of the CSI specification and a message that
 names the field and the fix, since the kubelet shows it in the pod's events (``FailedMount``).
@@ -16,7 +18,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,17 +26,24 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import wrappers_pb2
 
-from . import admission, csi_pb2, csi_pb2_grpc, mounts
+from maru_connector import tenancy
+
+from . import admission, csi_pb2, csi_pb2_grpc, minting, mounts
 from .contract import (
+    ATTR_CACHE,
     ATTR_POOL,
+    ATTR_QUOTA,
     ATTR_SOCKET_DIR,
     ATTRIBUTES,
+    CREDENTIAL_ONLY,
     DRIVER_NAME,
     EPHEMERAL,
     POD_INFO_PREFIX,
     POD_NAME,
     POD_NAMESPACE,
     POD_SERVICE_ACCOUNT,
+    TOKEN_FILE,
+    cache_error,
     pool_dir_error,
 )
 
@@ -109,17 +118,20 @@ class IdentityService(csi_pb2_grpc.IdentityServicer):
 
 @dataclass(frozen=True)
 class Publication:
-    """A checked NodePublishVolume: which pool directory goes where, for which pod."""
+    """A checked NodePublishVolume: which pool directory (or which minted credential) goes where, for which pod."""
 
     volume_id: str
     pool: str
     source: str
     target: str
     pod: str  # namespace/name, or "" when the kubelet sends no pod info
+    token: str = field(default="", repr=False)  # a credential volume's minted token; never logged
+    credential: str = ""  # the token's principal and quota, for the log (no secret in it)
 
     def describe(self) -> str:
         pod = f" pod={self.pod}" if self.pod else ""
-        return f"volume={self.volume_id} pool={self.pool} source={self.source} target={self.target}{pod}"
+        what = f"credential={self.credential}" if self.token else f"source={self.source}"
+        return f"volume={self.volume_id} pool={self.pool} {what} target={self.target}{pod}"
 
 
 def _target(path: str) -> str:
@@ -162,6 +174,9 @@ def check_publish(request: csi_pb2.NodePublishVolumeRequest, socket_root: Path) 
     unknown = sorted(k for k in context if k not in ATTRIBUTES and not k.startswith(POD_INFO_PREFIX))
     if unknown:
         raise _invalid(f"unknown volumeAttributes {unknown}: {DRIVER_NAME} takes {list(ATTRIBUTES)}")
+    if ATTR_CACHE not in context and (stray := [k for k in CREDENTIAL_ONLY if k in context]):
+        raise _invalid(f"volumeAttributes {stray} apply to a credential volume only: set "
+                       f"volumeAttributes.{ATTR_CACHE} too, or leave them out of a pool socket volume")
     if context.get(EPHEMERAL, "true") != "true":
         raise _invalid(f"{DRIVER_NAME} serves inline ephemeral volumes only (spec.volumes[].csi in a pod)")
     pool = context.get(ATTR_POOL, "")
@@ -192,7 +207,42 @@ def check_publish(request: csi_pb2.NodePublishVolumeRequest, socket_root: Path) 
         service_account=context.get(POD_SERVICE_ACCOUNT, ""),
     )
     _admit(pool, str(source), pod)
-    return Publication(request.volume_id, pool, str(source), target, pod.describe() if pod.name else "")
+    described = pod.describe() if pod.name else ""
+    if ATTR_CACHE not in context:
+        return Publication(request.volume_id, pool, str(source), target, described)
+    token, credential = _mint(context, socket_root, pool, pod)
+    return Publication(request.volume_id, pool, minting.material_path(str(socket_root), pool), target, described,
+                       token, credential)
+
+
+def _mint(context: dict[str, str], socket_root: Path, pool: str, pod: admission.PodIdentity) -> tuple[str, str]:
+    """The token of ``tenant:<pod namespace>/<cache>``, its quota the request capped by the pool's policy.
+
+    The namespace comes from the kubelet (podInfoOnMount), never from the attributes: whoever writes pods
+    in a namespace may name any of its caches (as they may write a group's poolQuota), never another
+    namespace's; the pool's maxTenantQuota binds whatever the pod asks for.
+    """
+    cache = context.get(ATTR_CACHE, "")
+    error = cache_error(cache)
+    if error:
+        raise _invalid(error)
+    try:
+        requested = tenancy.Quota.decode(context.get(ATTR_QUOTA, ""))
+    except ValueError as err:
+        raise _invalid(f"volumeAttributes.{ATTR_QUOTA} {context[ATTR_QUOTA]!r} is not a quota: {err}; write "
+                       "bytes=N,pins=N,leases=N (each optional, in that order, positive whole numbers)") from None
+    if not pod.namespace:
+        raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                       "a pool credential is minted for the pod's namespace, and the kubelet sent none: the "
+                       "CSIDriver csi.maru.io needs podInfoOnMount: true (the chart sets it)")
+    try:
+        material = minting.read(str(socket_root), pool)
+    except minting.MintingError as err:
+        raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"pool {pool!r}: no usable credential material on this node, so no credential is minted: "
+                       f"{err}") from None
+    token, scope = material.mint(pod.namespace, cache, requested)
+    return token, f"tenant:{scope} quota={material.quota_for(requested)}"
 
 
 def _admit(pool: str, source: str, pod: admission.PodIdentity) -> None:
@@ -239,6 +289,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         return csi_pb2.NodePublishVolumeResponse()
 
     def _publish(self, p: Publication) -> None:
+        if p.token:
+            self._publish_credential(p)
+            return
         stacked = mounts.mounts_at(p.target)
         if stacked:
             if mounts.same_directory(p.target, p.source) and stacked[-1].read_only:
@@ -253,6 +306,44 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         os.makedirs(p.target, mode=0o755, exist_ok=True)
         try:
             mounts.bind_read_only(p.source, p.target)
+        except OSError:
+            if created:
+                os.rmdir(p.target)
+            raise
+        log.info("published %s", p.describe())
+
+    def _publish_credential(self, p: Publication) -> None:
+        """A read-only tmpfs holding ``token``; published again (kubelet retries, requiresRepublish), the token
+        is re-minted and replaced when it changed (a rotated pool key, a changed quota policy)."""
+        stacked = mounts.mounts_at(p.target)
+        if stacked:
+            top = stacked[-1]
+            if top.fs_type != "tmpfs" or not os.path.isfile(os.path.join(p.target, TOKEN_FILE)):
+                raise CsiError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"target_path {p.target} already holds another mount ({top.fs_type} {top.root}): "
+                    f"not a pool credential of pool {p.pool!r}",
+                )
+            if _read_token(p.target) == p.token:
+                log.info("already published %s", p.describe())
+                return
+            mounts.remount(p.target, read_only=False)
+            try:
+                _write_token(p.target, p.token)
+            finally:
+                mounts.remount(p.target, read_only=True)
+            log.info("credential replaced %s", p.describe())
+            return
+        created = not os.path.exists(p.target)
+        os.makedirs(p.target, mode=0o755, exist_ok=True)
+        try:
+            mounts.mount_tmpfs(p.target)
+            try:
+                _write_token(p.target, p.token)
+                mounts.remount(p.target, read_only=True)
+            except OSError:
+                mounts.unmount(p.target)
+                raise
         except OSError:
             if created:
                 os.rmdir(p.target)
@@ -285,3 +376,24 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     f"target_path {target} is not a mount and not empty: not removed (it is not this driver's)",
                 ) from None
             raise
+
+
+def _read_token(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, TOKEN_FILE)) as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _write_token(directory: str, token: str) -> None:
+    """Write ``token`` atomically, world-readable: the vLLM container's user (any UID) reads it, and the
+    volume is this pod's alone."""
+    tmp = os.path.join(directory, f".{TOKEN_FILE}.new")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+    try:
+        os.fchmod(fd, 0o444)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(directory, TOKEN_FILE))
