@@ -7,11 +7,12 @@ Both mount the group's pool credential (:mod:`.credentials`), the token of the g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
+from maru_operator.api.common import Toleration
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.api.pod import PodOptions
@@ -174,6 +175,30 @@ def pool_node_affinity(pool: MaruPoolSpec) -> dict[str, Any] | None:
     }
 
 
+def pool_placement(pool: PoolView, *, near: dict[str, str] | None = None,
+                   tolerations: Sequence[Toleration] = ()) -> dict[str, Any]:
+    """``affinity`` and ``tolerations`` of a pod that uses the pool's socket: on the pool's nodes, tolerating
+    their taints (and ``tolerations``); with an shm pool, preferably beside the pods ``near`` selects, since
+    each node's shm pool holds only what that node's pods stored."""
+    out: dict[str, Any] = {}
+    affinity = pool_node_affinity(pool.spec) or {}
+    if pool.spec.backend == "shm" and near is not None:
+        affinity["podAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {"labelSelector": {"matchLabels": dict(near)}, "topologyKey": "kubernetes.io/hostname"},
+        }]}
+    if affinity:
+        out["affinity"] = affinity
+    merged: list[dict[str, Any]] = []
+    for t in [*pool.spec.tolerations, *tolerations]:
+        dumped = t.model_dump(by_alias=True, exclude_none=True)
+        if dumped not in merged:
+            merged.append(dumped)
+    if merged:
+        out["tolerations"] = merged
+    return out
+
+
 def _resources(spec: InferenceGroupSpec, role_spec: RoleSpec) -> dict[str, Any]:
     given = {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
     return with_ephemeral_request(with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size)),
@@ -318,28 +343,11 @@ def build_role_deployment(
     }
     if role_spec.service_account_name:
         pod_spec["serviceAccountName"] = role_spec.service_account_name
-    affinity = pool_node_affinity(pool.spec) or {}
-    if pool.spec.backend == "shm" and role == "decode":
-        # An shm pool is one independent pool per node: decode finds prefill's KV only on prefill's node.
-        affinity["podAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [{
-            "weight": 100,
-            "podAffinityTerm": {
-                "labelSelector": {"matchLabels": discovery_selector(owner, "prefill")},
-                "topologyKey": "kubernetes.io/hostname",
-            },
-        }]}
-    if affinity:
-        pod_spec["affinity"] = affinity
+    # An shm pool is one independent pool per node: decode finds prefill's KV only on prefill's node.
+    near = discovery_selector(owner, "prefill") if role == "decode" else None
+    pod_spec.update(pool_placement(pool, near=near, tolerations=role_spec.tolerations))
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
-    # The pods must run where the pool is, so they tolerate the pool nodes' taints too.
-    tolerations: list[dict[str, Any]] = []
-    for t in [*pool.spec.tolerations, *role_spec.tolerations]:
-        dumped = t.model_dump(by_alias=True, exclude_none=True)
-        if dumped not in tolerations:
-            tolerations.append(dumped)
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
     template = {"metadata": {"labels": {**pod_labels, LLMD_ROLE_LABEL: role,
                                         KV_REVISION_LABEL: kv_revision(spec, owner, pool)}},
                 "spec": pod_spec}
