@@ -47,6 +47,7 @@ from . import copyhash, protocol
 from .allocator import split_offset
 from .copyhash import Segment
 from .memory import file_identity
+from .readers import Reader
 from .units import Endpoint, parse_endpoint
 
 log = logging.getLogger(__name__)
@@ -380,24 +381,44 @@ class PoolClient:
 
     # ------------------------------------------------------------ metadata calls
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are committed (stops at the first miss). One round trip."""
+    def lookup_prefix(self, keys: Sequence[bytes], *, reader: Reader | None = None, handoff: int = 0) -> int:
+        """How many leading keys are committed (stops at the first miss). One round trip.
+
+        ``reader``: who asks, for the daemon's reader counters; ``handoff``: keys a prefill announced that the
+        caller will wait for (with :meth:`wait_prefixes`, same ``reader``) if this lookup comes short.
+        """
         if not keys:
             return 0
-        return int(self._call({"op": "lookup", "keys": protocol.hex_keys(list(keys))})["n"])
+        msg: dict[str, Any] = {"op": "lookup", "keys": protocol.hex_keys(list(keys))}
+        if reader is not None:
+            msg["reader"] = reader.fields()
+            if handoff:
+                msg["handoff"] = handoff
+        return int(self._call(msg)["n"])
 
-    def wait_prefixes(self, waits: Sequence[tuple[Sequence[bytes], int]], timeout_s: float) -> list[int] | None:
+    def wait_prefixes(
+        self,
+        waits: Sequence[tuple[Sequence[bytes], int]],
+        timeout_s: float,
+        *,
+        reader: Reader | None = None,
+        final: Sequence[int] = (),
+    ) -> list[int] | None:
         """For each ``(keys, need)``, how many leading keys are committed, answered by the daemon as soon
         as one wait has ``need`` of them, or after ``timeout_s`` (kept under this client's RPC timeout).
 
         One round trip however many waits; None from a daemon that predates the op (poll it instead).
+        ``final``: indexes of the waits given up after this one (counted as handoff timeouts if short).
         """
         if not waits:
             return []
         timeout_ms = int(1000 * max(0.0, min(timeout_s, self.timeout_s / 2)))
         items = [[protocol.hex_keys(list(keys)), need] for keys, need in waits]
+        msg: dict[str, Any] = {"op": "wait", "waits": items, "timeout_ms": min(timeout_ms, protocol.MAX_WAIT_MS)}
+        if reader is not None:
+            msg["reader"], msg["final"] = reader.fields(), list(final)
         try:
-            reply = self._call({"op": "wait", "waits": items, "timeout_ms": min(timeout_ms, protocol.MAX_WAIT_MS)})
+            reply = self._call(msg)
         except PoolError as err:
             if f"{protocol.E_BAD_REQUEST}: unknown op" in str(err):
                 return None

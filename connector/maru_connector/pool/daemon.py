@@ -154,7 +154,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
             "epoch": epoch,
             "nodes": [{"node": args.node_name, "device": memory.path, "ready": True}],
             "stats": stats,
-            "tenants": index.tenant_stats(),
+            "tenants": service.tenant_stats(),
         }
 
     service = IndexService(index, hello=LocalMemoryHello(memory, epoch, index.capacity), status=status)
@@ -163,7 +163,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
     late.verified = gate.verified
     late.closed = _both(gate.closed, service.closed)
     # /metrics also carries each tenant's use against its quota (labelled families; see httpd.py).
-    late.stats = lambda: {**index.stats(), "auth_refusals": gate.refusals, "tenants": index.tenant_stats()}
+    late.stats = lambda: {**index.stats(), "auth_refusals": gate.refusals, "tenants": service.tenant_stats()}
 
     def cleanup() -> None:
         memory.close()
@@ -271,7 +271,7 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
             "agents": known,
             "nodes": [{"node": a["node"], "ready": a["ready"]} for a in known],
             "stats": s,
-            "tenants": service.index.tenant_stats() if service.index else [],
+            "tenants": service.tenant_stats(),
         }
 
     def hello(_is_unix: bool) -> Reply:
@@ -289,7 +289,7 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
     )
     http = _http(
         args.metrics_addr,
-        lambda: {**stats(), "tenants": service.index.tenant_stats() if service.index else []},
+        lambda: {**stats(), "tenants": service.tenant_stats()},
         status,
         on_fail=rpc.close,
     )

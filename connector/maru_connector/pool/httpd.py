@@ -80,12 +80,52 @@ def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
         labels=["tenant", "kind"],
     )
     for t in tenants:
+        if "evictions_by_others" not in t:
+            continue  # a tenant that only looked up: no account yet
         evictions.add_metric([t["tenant"], "other"], t["evictions_by_others"])
         evictions.add_metric([t["tenant"], "self"], t["evictions_by_self"])
         for kind, count in sorted(t["refused"].items()):
             refusals.add_metric([t["tenant"], kind], count)
     yield evictions
     yield refusals
+    yield from _reader_metrics([t for t in tenants if "readers" in t])
+
+
+def _reader_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
+    """What each tenant's readers asked the pool for and found (see readers.py)."""
+    lookups = CounterMetricFamily(
+        "maru_pool_tenant_lookups",
+        "Lookups by the reader's role (decode, prefill; unknown: a client that does not say, e.g. an older one).",
+        labels=["tenant", "role"],
+    )
+    tokens = CounterMetricFamily(
+        "maru_pool_tenant_prompt_tokens",
+        "Prompt tokens in whole chunks that readers looked up, by role: source=pool were in the pool, "
+        "source=computed were not (asked minus found: the engine computes them itself). A handoff counts when "
+        "its wait ends. For decode, computed tokens are the prefill work done twice.",
+        labels=["tenant", "role", "source"],
+    )
+    waits = CounterMetricFamily(
+        "maru_pool_tenant_handoff_waits",
+        "Lookups that found fewer chunks than their prefill announced, and so waited for them in the daemon.",
+        labels=["tenant"],
+    )
+    timeouts = CounterMetricFamily(
+        "maru_pool_tenant_handoff_timeouts",
+        "Handoff waits that ended at the reader's deadline with announced chunks still missing (evicted, never "
+        "committed, or stored under other keys).",
+        labels=["tenant"],
+    )
+    for t in tenants:
+        name, r = t["tenant"], t["readers"]
+        for role, count in sorted(r["lookups"].items()):
+            lookups.add_metric([name, role], count)
+        for role, by_source in sorted(r["prompt_tokens"].items()):
+            for source, count in sorted(by_source.items()):
+                tokens.add_metric([name, role, source], count)
+        waits.add_metric([name], r["handoff_waits"])
+        timeouts.add_metric([name], r["handoff_timeouts"])
+    yield from (lookups, tokens, waits, timeouts)
 
 
 class _StatsCollector:

@@ -17,11 +17,18 @@ Operations (request fields -> reply fields):
   ``bad_token``), and runs the connection's ops in its tenant's key space. With ``memory`` false the hello
   only authenticates the connection (a client towards the metadata server, an agent's heartbeat link)
   and is answered with ok, auth and principal
-* ``lookup``  keys                        -> n (leading committed keys)
-* ``wait``    waits [[keys, need]...], timeout_ms -> n [leading committed keys per wait], answered as soon
-  as one wait has ``need`` of them or ``timeout_ms`` (at most :data:`MAX_WAIT_MS`) passed: a reader waiting
-  for a handoff blocks here, on a connection of its own, instead of polling ``lookup``. A daemon that
-  predates it answers ``bad_request`` (unknown op); clients then poll
+* ``lookup``  keys, reader?, handoff?     -> n (leading committed keys)
+  ``reader`` {role, chunk_tokens, ranks} says who looks up (``decode``, ``prefill``) and how many tokens a
+  key stands for (a chunk has one key per TP rank); ``handoff``: keys the prefill announced, which the reader
+  will wait for if they are not all there. Both only feed the daemon's per-tenant reader counters
+  (:mod:`.readers`); a lookup without them (an older client) counts as role ``unknown``, and a daemon that
+  predates them ignores them
+* ``wait``    waits [[keys, need]...], timeout_ms, reader?, final? -> n [leading committed keys per wait],
+  answered as soon as one wait has ``need`` of them or ``timeout_ms`` (at most :data:`MAX_WAIT_MS`) passed: a
+  reader waiting for a handoff blocks here, on a connection of its own, instead of polling ``lookup``.
+  ``final``: indexes of the waits whose reader gives up after this one (their deadline falls within it), so
+  the daemon counts a handoff timeout once. A daemon that predates the op answers ``bad_request`` (unknown
+  op); clients then poll
 * ``write``   items [[key, nbytes, parent?]...] -> epoch, lease_ms, grants [[lease_id, offset] | null
   (present) | "full" | "orphan" (parent not stored)]
 * ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]

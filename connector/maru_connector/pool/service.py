@@ -22,6 +22,7 @@ from . import protocol
 from .gate import Session
 from .index import FULL, ORPHAN, QUOTA, PoolIndex, ReadGrant, StaleEpoch
 from .memory import HEADER_SIZE, PoolMemory, file_identity, new_device_uuid
+from .readers import Reader, ReaderTally, with_readers
 from .rpc import Peer
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class IndexService:
         self._hello = hello
         self._status = status
         self._agents = agents
+        self.readers = ReaderTally()
         # op -> handler(request, caller): leases and pins are bound to the caller's connection, keys to its tenant
         self._ops: dict[str, Callable[[dict[str, Any], _Caller], dict[str, Any]]] = {
             "lookup": self._lookup,
@@ -125,6 +127,10 @@ class IndexService:
             "status": lambda _msg, _caller: self._status(),
             "agent": self._agent,
         }
+
+    def tenant_stats(self) -> list[dict[str, Any]]:
+        """Per tenant: its use against its quota (the index's) and what its readers found (``readers``)."""
+        return with_readers(self.index.tenant_stats() if self.index is not None else [], self.readers.snapshot())
 
     def closed(self, peer: Peer) -> None:
         """A connection closed: whatever it still held is given back now, not at lease expiry."""
@@ -172,7 +178,13 @@ class IndexService:
             self.index.count_error()
 
     def _lookup(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
-        return {"n": self._ix.lookup_prefix(caller.keys(msg["keys"]))}
+        reader, handoff = Reader.parse(msg.get("reader")), msg.get("handoff", 0)
+        if not isinstance(handoff, int) or handoff < 0:
+            raise ValueError(f"handoff must be a non-negative integer, got {handoff!r}")
+        keys = caller.keys(msg["keys"])
+        n = self._ix.lookup_prefix(keys)
+        self.readers.looked_up(caller.session.principal.scope, reader, len(keys), n, handoff)
+        return {"n": n}
 
     def _wait(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         timeout_ms, waits = msg["timeout_ms"], msg["waits"]
@@ -180,12 +192,22 @@ class IndexService:
             raise ValueError(f"timeout_ms must be an integer from 0 to {protocol.MAX_WAIT_MS}, got {timeout_ms!r}")
         if not isinstance(waits, list) or len(waits) > protocol.MAX_WAITS:
             raise ValueError(f"waits must be a list of at most {protocol.MAX_WAITS} [keys, need] pairs")
+        reader, final = Reader.parse(msg.get("reader")), msg.get("final", [])
+        if not isinstance(final, list) or not all(isinstance(i, int) and 0 <= i < len(waits) for i in final):
+            raise ValueError("final must be a list of indexes into waits")
         parsed = []
         for keys, need in waits:
             if not isinstance(need, int) or need < 0:
                 raise ValueError(f"a wait's need must be a non-negative integer, got {need!r}")
             parsed.append((caller.keys(keys), need))
-        return {"n": self._ix.wait_prefixes(parsed, timeout_ms / 1000)}
+        found = self._ix.wait_prefixes(parsed, timeout_ms / 1000)
+        if reader is not None:
+            # A wait ends when its keys are there or its reader's last slice is over; the rest come again.
+            last = set(final)
+            for i, ((keys, need), n) in enumerate(zip(parsed, found, strict=True)):
+                if n >= need or i in last:
+                    self.readers.wait_ended(caller.session.principal.scope, reader, len(keys), n, need)
+        return {"n": found}
 
     def _write(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         scoped = caller.session.scope
