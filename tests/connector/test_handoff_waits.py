@@ -65,7 +65,7 @@ def test_200_waiting_decodes_cost_a_few_rpcs_each_not_a_poll_loop(pool, monkeypa
 def test_an_older_daemon_without_the_wait_op_is_polled(pool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``PoolClient.wait_prefixes`` answers None when the daemon says it has no such op."""
     common.reset_counters()
-    monkeypatch.setattr(PoolClient, "wait_prefixes", lambda self, waits, timeout_s: None)
+    monkeypatch.setattr(PoolClient, "wait_prefixes", lambda self, waits, timeout_s, **_: None)
     sched = make(pool.url, handoff_wait_ms=30_000)
     req = fakes.request("r", 2 * CHUNK + 1, seed=7)
     keys = expected_keys(req)

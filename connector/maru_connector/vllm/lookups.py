@@ -16,6 +16,12 @@ on a connection of its own, sends every pending handoff in one ``wait`` request 
 answers when a commit completes one of them (or after :data:`WAIT_SLICE_S`, to take in handoffs that
 came in meanwhile), so 200 waiting decodes cost a few RPCs, not 200 poll loops on the lookup thread.
 A daemon too old for ``wait`` is polled instead.
+
+Each lookup and wait tells the daemon who reads (``reader``: role and chunk geometry) and which handoff it
+waits for, so the daemon can count decode prompt tokens found in the pool vs computed, and handoffs that
+timed out (``maru_connector.pool.readers``). A handoff is settled on the daemon's word only: when its keys
+are there, or after the wait marked ``final`` (the one its deadline falls in), so the daemon counts each
+handoff once, as this side does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from maru_connector.pool.readers import Reader
 from maru_connector.vllm import common
 
 # Polls of a lookup that waits for a handoff start this far apart and double up to the maximum.
@@ -60,9 +67,12 @@ class AsyncLookups:
         *,
         tp_size: int,
         wait_guard: common.PoolGuard | None = None,
+        reader: Reader | None = None,
     ) -> None:
-        """``wait_guard``: a guard of its own (its own connection) for handoff waits; None: poll."""
+        """``wait_guard``: a guard of its own (its own connection) for handoff waits; None: poll.
+        ``reader``: who this engine is to the daemon's reader counters (None: it does not say)."""
         self._guard = guard
+        self._reader = reader
         self._wait_guard = wait_guard
         self._daemon_waits = wait_guard is not None  # False once the daemon turns out too old for ``wait``
         self._stats = stats
@@ -131,10 +141,16 @@ class AsyncLookups:
                 self._answer(job, 0)
 
     def _lookup(self, job: _Job) -> None:
-        ok, n = self._guard.call("lookup", lambda c, ks: c.lookup_prefix(ks), job.keys)
+        # Decided before asking: a handoff the daemon was told this reader waits for is always waited for,
+        # so the daemon's count of handoff waits and timeouts matches what happens here.
+        will_wait = bool(job.expect) and time.monotonic() < job.deadline
+        # A reader that polls (an older daemon) is not counted: its every poll would look like a new lookup.
+        reader = self._reader if self._daemon_waits else None
+        handoff = job.expect * self._tp_size if will_wait else 0
+        ok, n = self._guard.call("lookup", lambda c, ks: c.lookup_prefix(ks, reader=reader, handoff=handoff), job.keys)
         chunks = (n or 0) // self._tp_size if ok else 0
         now = time.monotonic()
-        if ok and chunks < job.expect and now < job.deadline:
+        if ok and chunks < job.expect and will_wait:
             # The prefill that promised these chunks is still committing them.
             if self._daemon_waits:
                 with self._cv:  # the daemon answers when they commit (see _wait_loop)
@@ -170,10 +186,15 @@ class AsyncLookups:
     def _wait_once(self, jobs: list[_Job]) -> None:
         """One ``wait`` request for every pending handoff; answers the ones it completes or ends."""
         assert self._wait_guard is not None
-        slice_s = max(0.0, min(WAIT_SLICE_S, min(job.deadline for job in jobs) - time.monotonic()))
+        sent = time.monotonic()
+        slice_s = max(0.0, min(WAIT_SLICE_S, min(job.deadline for job in jobs) - sent))
+        # The waits given up after this one, whatever it finds: their deadline falls within it.
+        final = [i for i, job in enumerate(jobs) if job.deadline - sent <= slice_s]
         items = [(job.keys, job.expect * self._tp_size) for job in jobs]
         self._stats.count(common.LOOKUP_HANDOFF_WAITS)
-        ok, found = self._wait_guard.call("handoff-wait", lambda c, its: c.wait_prefixes(its, slice_s), items)
+        ok, found = self._wait_guard.call(
+            "handoff-wait", lambda c, its: c.wait_prefixes(its, slice_s, reader=self._reader, final=final), items
+        )
         if ok and found is None:
             # A daemon that predates ``wait``: back to polling, on the lookup thread, for good.
             common.log.info("maru pool daemon has no wait op (older release): handoffs are polled")
@@ -184,10 +205,11 @@ class AsyncLookups:
                     heapq.heappush(self._jobs, job)
                 self._cv.notify_all()
             return
-        now = time.monotonic()
-        for job, n in zip(jobs, found if ok and found is not None else [0] * len(jobs), strict=True):
+        last = set(final)
+        for i, (job, n) in enumerate(zip(jobs, found if ok and found is not None else [0] * len(jobs), strict=True)):
             chunks = n // self._tp_size
-            if not ok or chunks >= job.expect or now >= job.deadline:
+            # A wait past its deadline but not marked final goes once more, with no time left, marked final.
+            if not ok or chunks >= job.expect or i in last:
                 self._settle_wait(job, chunks)
 
     def _settle_wait(self, job: _Job, chunks: int) -> None:

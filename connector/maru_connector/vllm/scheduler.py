@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from maru_connector import hits
 from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.keys import KeyScheme, Namespace, PromptKeys, block_hash_sharing_problem, with_adapter
+from maru_connector.pool.readers import Reader
 from maru_connector.vllm import common
 from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
 from maru_connector.vllm.lookups import AsyncLookups
@@ -269,7 +270,9 @@ class MaruScheduler:
         if loads:
             # Handoff waits block in the daemon, so they get a connection of their own.
             waits = common.PoolGuard(cfg, "scheduler-handoffs", self.stats)
-            self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.tp_size, wait_guard=waits)
+            # A consumer is the decode of a P/D pair; an engine that also stores reads like a prefill.
+            reader = Reader("prefill" if saves else "decode", chunk_tokens=self.chunk_tokens, ranks=self.tp_size)
+            self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.tp_size, wait_guard=waits, reader=reader)
         self._handoff_log = common.RateLimitedLog()
 
         hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
