@@ -317,7 +317,8 @@ class TestGroupChildren:
             ("Deployment", "llama-prefill"), ("PodDisruptionBudget", "llama-prefill"),
             ("Deployment", "llama-decode"), ("PodDisruptionBudget", "llama-decode"),
             ("ServiceAccount", "llama-router"), ("RoleBinding", "llama-router-pods"),
-            ("Service", "llama"), ("Deployment", "llama-router"), ("PodDisruptionBudget", "llama-router")]
+            ("Service", "llama"), ("Service", "llama-prefill"), ("Service", "llama-decode"),
+            ("Deployment", "llama-router"), ("PodDisruptionBudget", "llama-router")]
 
 
 class TestRouterResources:

@@ -345,8 +345,30 @@ class ConnectorSpec(KubeModel):
         return self
 
 
+class DecodeDirect(KubeModel):
+    """Send a prompt the pool already holds to decode alone, without a prefill round trip.
+
+    The router pod then runs ``maru-router`` (from the vLLM image: it keys prompts with vLLM's own hashing)
+    in front of vllm-router: it asks the pool how much of each prompt it holds and sends a covered one to
+    the decode role; every other request goes to vllm-router unchanged.
+    """
+
+    enabled: bool = Field(
+        True,
+        description="Run maru-router in front of vllm-router. false: the router pod is vllm-router alone, and "
+                    "every request goes through prefill then decode.",
+    )
+    min_coverage: float = Field(
+        1.0, ge=0.01, le=1.0,
+        description="Share of a prompt's full chunks the pool must hold for decode alone to serve it, from 0.01 "
+                    "to 1.0. 1.0: "
+                    "all of them (decode computes only the last partial chunk). Lower values send partly "
+                    "cached prompts to decode too, which then computes the rest itself.",
+    )
+
+
 class RouterSpec(PodOptions):
-    """The router in front of the group (vllm-router in prefill/decode mode)."""
+    """The router in front of the group (vllm-router in prefill/decode mode, behind maru-router by default)."""
 
     enabled: bool = Field(True, description="Run a router Deployment and Service for this group.")
     replicas: int = Field(1, ge=1, le=64, description="Router pods.")
@@ -368,6 +390,11 @@ class RouterSpec(PodOptions):
     env: EnvList = Field(default_factory=list, max_length=64, description="Environment variables of the router.")
     disruption_budget: DisruptionBudget = Field(
         default_factory=DisruptionBudget, description="The router's PodDisruptionBudget.",
+    )
+    decode_direct: DecodeDirect = Field(
+        default_factory=DecodeDirect,
+        description="Decode-direct routing: prompts the pool already holds skip prefill. Needs the group's "
+                    "pool: the router pod then runs on the pool's nodes and mounts its socket and credential.",
     )
 
 

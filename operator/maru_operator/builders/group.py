@@ -7,6 +7,7 @@ Both mount the group's pool credential (:mod:`.credentials`), the token of the g
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,7 +57,7 @@ from maru_operator.builders.modelcache import (
 )
 from maru_operator.builders.pool import pool_endpoint
 from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
-from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, scaled, with_defaults
+from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, ResourceDefault, scaled, with_defaults
 from maru_operator.builders.scaling import desired_replicas, external_annotations
 from maru_operator.builders.scratch import scratch_env, scratch_mounts, scratch_volumes
 from maru_operator.images import DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
@@ -70,6 +71,13 @@ ROUTER_APP = "vllm-router"
 VLLM_PORT = 8000
 ROUTER_CONTAINER_PORT = 8000
 ROUTER_METRICS_PORT = 29000
+# With decode-direct, maru-router takes the router's API port and vllm-router moves behind it, in the same pod.
+UPSTREAM_PORT = 8001
+DIRECT_METRICS_PORT = 29001
+
+# maru-router imports vLLM (and torch) for its block hashing: a Python process of some hundred MiB.
+DIRECT_ROUTER = ResourceDefault(request=512 * 2**20, limit=2 * 2**30, cpu_millis=100)
+
 
 # Prefill loads what any replica stored and stores the rest, so the pool is one prefix cache for the
 # whole fleet: a document one prefill replica read is a hit on every other. Decode only loads: its
@@ -411,11 +419,16 @@ def _selector_args(flag: str, match: dict[str, str]) -> list[str]:
     return [flag, *(f"{k}={v}" for k, v in match.items())]
 
 
-def router_args(spec: InferenceGroupSpec, owner: Owner) -> list[str]:
+def decode_direct(spec: InferenceGroupSpec, pool: PoolView | None) -> bool:
+    """Whether the router pod runs maru-router in front of vllm-router: it needs the pool to ask it."""
+    return spec.router.enabled and spec.router.decode_direct.enabled and pool is not None
+
+
+def router_args(spec: InferenceGroupSpec, owner: Owner, port: int = ROUTER_CONTAINER_PORT) -> list[str]:
     """vllm-router 0.1.17 in P/D mode, finding workers by Kubernetes label selectors."""
     return [
         "--host", "0.0.0.0",
-        "--port", str(ROUTER_CONTAINER_PORT),
+        "--port", str(port),
         "--vllm-pd-disaggregation",
         "--policy", spec.router.policy,
         "--service-discovery",
@@ -428,38 +441,115 @@ def router_args(spec: InferenceGroupSpec, owner: Owner) -> list[str]:
     ]
 
 
-def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | None:
-    if not spec.router.enabled:
-        return None
-    pod_labels = _router_labels(owner)
+def _router_resources(spec: InferenceGroupSpec, default: ResourceDefault) -> dict[str, Any]:
     given = {k: v for k, v in spec.router.resources.model_dump(by_alias=True).items() if v}
-    resources = with_defaults(given, ROUTER)
+    return with_defaults(given, default)
+
+
+def vllm_router_container(spec: InferenceGroupSpec, owner: Owner, *, port: int, port_name: str) -> dict[str, Any]:
+    """vllm-router: the whole router, or (decode-direct) the prefill-then-decode path behind maru-router."""
     container: dict[str, Any] = {
-        "name": "router",
+        "name": "router" if port_name == "http" else "vllm-router",
         "image": spec.router.image or DEFAULT_ROUTER_IMAGE,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["vllm-router"],
-        "args": router_args(spec, owner),
+        "args": router_args(spec, owner, port),
         "ports": [
-            {"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"},
+            {"name": port_name, "containerPort": port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": resources,
-        "readinessProbe": _probe("/readiness", "http", failureThreshold=3),
-        "livenessProbe": _probe("/liveness", "http", failureThreshold=6),
+        "resources": _router_resources(spec, ROUTER),
+        "readinessProbe": _probe("/readiness", port_name, failureThreshold=3),
+        "livenessProbe": _probe("/liveness", port_name, failureThreshold=6),
         "securityContext": restricted_container_security(),
     }
     if spec.router.env:
         container["env"] = [e.to_k8s() for e in spec.router.env]
-    template = {
-        "metadata": {"labels": pod_labels},
-        "spec": {
-            "serviceAccountName": router_name(owner.name),
-            "enableServiceLinks": False,
-            "securityContext": restricted_pod_security(),
-            "containers": [container],
-        },
+    return container
+
+
+def role_url(owner: Owner, role: Role) -> str:
+    """A role's Service, as maru-router reaches it (the namespace's search path is not needed)."""
+    return f"http://{role_name(owner.name, role)}.{owner.namespace}.svc:{VLLM_PORT}"
+
+
+def maru_router_args(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> list[str]:
+    """maru-router in front of vllm-router (``--upstream``), with the engines' connector config to reach the
+    pool; the role Services carry its decode-direct requests and the requests that teach it the key scheme."""
+    extra = connector_config(spec, owner, pool).to_extra_config()
+    return [
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_CONTAINER_PORT),
+        "--metrics-port", str(DIRECT_METRICS_PORT),
+        "--upstream", f"http://127.0.0.1:{UPSTREAM_PORT}",
+        "--prefill", role_url(owner, "prefill"),
+        "--decode", role_url(owner, "decode"),
+        "--connector-config", json.dumps(extra, sort_keys=True, separators=(",", ":")),
+        "--min-coverage", repr(spec.router.decode_direct.min_coverage),
+    ]
+
+
+def maru_router_container(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> dict[str, Any]:
+    """maru-router, from the engines' image: it keys prompts with vLLM's own hashing and the connector's code,
+    under the engines' hash seed, and reaches the pool through the same socket and credential."""
+    env = [{"name": HASH_SEED_ENV, "value": HASH_SEED}]
+    env += [e.to_k8s() for e in spec.router.env if e.name != HASH_SEED_ENV]
+    env += scratch_env({e["name"] for e in env})
+    return {
+        "name": "router",
+        "image": spec.image or DEFAULT_VLLM_IMAGE,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["maru-router"],
+        "args": maru_router_args(spec, owner, pool),
+        "env": env,
+        "ports": [
+            {"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"},
+            {"name": "direct-metrics", "containerPort": DIRECT_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": _router_resources(spec, DIRECT_ROUTER),
+        # vLLM's import takes seconds on a busy node before the port opens.
+        "startupProbe": _probe("/health", "http", failureThreshold=30),
+        "readinessProbe": _probe("/health", "http", failureThreshold=3),
+        "livenessProbe": _probe("/health", "http", failureThreshold=6),
+        "volumeMounts": [*pool_access(spec, pool, owner.name)[1], *scratch_mounts()],
+        "securityContext": restricted_container_security(),
     }
+
+
+def pool_access(spec: InferenceGroupSpec, pool: PoolView, group: str) -> tuple[list[Object], list[Object]]:
+    """(volumes, mounts) of the pool socket and the pool credential, exactly as the decode engines have them."""
+    volumes, mounts = role_volumes(spec, spec.decode, pool, group)
+    wanted = (SOCKET_VOLUME, CREDENTIAL_VOLUME)
+    return [v for v in volumes if v["name"] in wanted], [m for m in mounts if m["name"] in wanted]
+
+
+def _router_pod_labels(owner: Owner, pool: PoolView | None) -> dict[str, str]:
+    """With decode-direct the router is a client of its pool too: the pool's label admits it there (dax)."""
+    if pool is None:
+        return _router_labels(owner)
+    return {**_router_labels(owner), LABEL_POOL: label_value(pool.name)}
+
+
+def build_router_deployment(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None = None) -> Object | None:
+    """The router pod: vllm-router alone, or (decode-direct, with a pool) maru-router in front of it."""
+    if not spec.router.enabled:
+        return None
+    direct = pool if decode_direct(spec, pool) else None
+    pod_labels = _router_pod_labels(owner, direct)
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(owner.name),
+        "enableServiceLinks": False,
+        "securityContext": restricted_pod_security(),
+    }
+    if direct is None:
+        pod_spec["containers"] = [vllm_router_container(spec, owner, port=ROUTER_CONTAINER_PORT, port_name="http")]
+    else:
+        pod_spec["containers"] = [maru_router_container(spec, owner, direct),
+                                  vllm_router_container(spec, owner, port=UPSTREAM_PORT, port_name="upstream")]
+        pod_spec["volumes"] = [*pool_access(spec, direct, owner.name)[0], *scratch_volumes()]
+        # Its lookups see the pool of its own node: decode's, where decode-direct requests are served.
+        pod_spec.update(pool_placement(direct, near=discovery_selector(owner, "decode")))
+    template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
     apply_pod_options(template, spec.router, selector(owner, app=ROUTER_APP, component="router"))
     return {
         "apiVersion": "apps/v1",
@@ -469,6 +559,24 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner) -> Object | 
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector(owner, app=ROUTER_APP, component="router")},
             "template": template,
+        },
+    }
+
+
+def build_role_service(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView | None) -> Object | None:
+    """A role's ClusterIP Service, for maru-router only (vllm-router finds pods itself): decode-direct requests
+    go to decode's, and the requests that teach maru-router the key scheme to prefill's, then decode's."""
+    if not decode_direct(spec, pool):
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, name=role_name(owner.name, role), namespace=owner.namespace,
+                             labels=labels(owner, app=VLLM_APP, component=role, role=role)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(owner, app=VLLM_APP, component=role),
+            "ports": [{"name": "http", "port": VLLM_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 
@@ -495,12 +603,15 @@ def router_endpoint(spec: InferenceGroupSpec, owner: Owner) -> str:
     return f"http://{service_name(owner.name)}.{owner.namespace}.svc:{spec.router.port}"
 
 
-def build_router_children(spec: InferenceGroupSpec, owner: Owner) -> list[Object]:
+def build_router_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None = None) -> list[Object]:
+    """The router's objects; ``pool``: the group's pool, which decode-direct needs (None: vllm-router alone)."""
     children = [
         build_router_service_account(spec, owner),
         build_router_role_binding(spec, owner),
         build_router_service(spec, owner),
-        build_router_deployment(spec, owner),
+        build_role_service(spec, "prefill", owner, pool),
+        build_role_service(spec, "decode", owner, pool),
+        build_router_deployment(spec, owner, pool),
         build_disruption_budget(owner, "router", spec.router.disruption_budget, _router_labels(owner),
                                 selector(owner, app=ROUTER_APP, component="router")) if spec.router.enabled else None,
     ]
@@ -521,4 +632,4 @@ def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
         for role in ("prefill", "decode"):
             children.append(build_role_deployment(spec, role, owner, pool, observed))
             children.append(build_role_disruption_budget(spec, role, owner, pool))
-    return [c for c in children if c is not None] + build_router_children(spec, owner)
+    return [c for c in children if c is not None] + build_router_children(spec, owner, pool)

@@ -8,9 +8,12 @@ pods                   may be reached by                               may reach
 vLLM (a group's)       its router, on the vLLM port (anyone, when the  DNS; the pool's metadata server (dax);
                        group has no router); scrapers (same port)      HTTPS anywhere (model downloads)
 router (a group's)     anyone, on its API port; scrapers (metrics)     DNS; the API server (pod discovery);
-                                                                       its group's vLLM pods
-pool metadata (dax)    the pool's agents and the vLLM pods bound to    nothing
-                       the pool (RPC); the operator, scrapers (metrics)
+                                                                       its group's vLLM pods; with
+                                                                       decode-direct, the pool's metadata
+                                                                       server (dax)
+pool metadata (dax)    the pool's agents, the vLLM pods bound to the   nothing
+                       pool and their decode-direct routers (RPC); the
+                       operator, scrapers (metrics)
 pool agent             the operator, scrapers (metrics)                dax: DNS, the pool's metadata server
 =====================  ==============================================  ======================================
 
@@ -42,12 +45,14 @@ from maru_operator.builders.common import (
     selector,
 )
 from maru_operator.builders.group import (
+    DIRECT_METRICS_PORT,
     ROUTER_APP,
     ROUTER_CONTAINER_PORT,
     ROUTER_METRICS_PORT,
     VLLM_APP,
     VLLM_PORT,
     PoolView,
+    decode_direct,
 )
 from maru_operator.builders.pool import APP as POOL_APP
 from maru_operator.builders.pool import COMPONENT_AGENT, COMPONENT_METADATA, agent_name, metadata_name
@@ -135,9 +140,10 @@ def _pool_selector(owner: Owner, component: str) -> dict[str, str]:
     return selector(owner, app=POOL_APP, component=component)
 
 
-def pool_clients(pool: str) -> dict[str, str]:
-    """Labels of the vLLM pods bound to ``pool``, in any namespace (the group builder sets them)."""
-    return {LABEL_NAME: VLLM_APP, LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY}
+def pool_clients(pool: str, app: str = VLLM_APP) -> dict[str, str]:
+    """Labels of the vLLM pods (or, ``app``, the decode-direct routers) bound to ``pool``, in any namespace
+    (the group builder sets them)."""
+    return {LABEL_NAME: app, LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY}
 
 
 def _client_namespaces(spec: MaruPoolSpec) -> dict[str, Any]:
@@ -158,13 +164,14 @@ def build_metadata_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, conf
     tenant's ops reach only its own key scope.
     """
     agents = _peer(_pool_selector(owner, COMPONENT_AGENT))
-    clients = {"namespaceSelector": _client_namespaces(spec), "podSelector": {"matchLabels": pool_clients(owner.name)}}
+    clients = [{"namespaceSelector": _client_namespaces(spec),
+                "podSelector": {"matchLabels": pool_clients(owner.name, app)}} for app in (VLLM_APP, ROUTER_APP)]
     return _policy(
         owner, name=metadata_name(owner.name), namespace=namespace,
         pod_labels=labels(owner, app=POOL_APP, component=COMPONENT_METADATA),
         select=_pool_selector(owner, COMPONENT_METADATA),
         ingress=[
-            {"from": [agents, clients], "ports": _tcp(spec.daemon.metadata_port)},
+            {"from": [agents, *clients], "ports": _tcp(spec.daemon.metadata_port)},
             {"from": [_operator(config, namespace), *_scrapers(config)], "ports": _tcp(spec.daemon.metrics_port)},
         ],
         egress=[],
@@ -217,11 +224,7 @@ def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | N
     else:
         # Without our router, whatever routes to the pods is the user's: the API port stays open.
         ingress = [{"ports": _tcp(VLLM_PORT)}]
-    egress = [dns_egress()]
-    if pool is not None and pool.spec.backend == "dax":
-        # The agent's hello names the metadata server; clients send it their lookups directly.
-        metadata_pods = _pool_selector(Owner(kind="MaruPool", name=pool.name), COMPONENT_METADATA)
-        egress.append({"to": [_peer(metadata_pods, pool_namespace)], "ports": _tcp(pool.spec.daemon.metadata_port)})
+    egress = [dns_egress(), *_metadata_egress(pool, pool_namespace)]
     # Weights and tokenizers come from the Hugging Face Hub (or a mirror) over HTTPS.
     egress.append({"ports": _tcp(HTTPS_PORT)})
     return _policy(
@@ -231,15 +234,30 @@ def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | N
     )
 
 
-def build_router_policy(owner: Owner, config: NetworkPolicyConfig) -> Object:
+def _metadata_egress(pool: PoolView | None, pool_namespace: str) -> list[Object]:
+    """To a dax pool's metadata server: the agent's hello names it, and clients send it their lookups directly."""
+    if pool is None or pool.spec.backend != "dax":
+        return []
+    metadata_pods = _pool_selector(Owner(kind="MaruPool", name=pool.name), COMPONENT_METADATA)
+    return [{"to": [_peer(metadata_pods, pool_namespace)], "ports": _tcp(pool.spec.daemon.metadata_port)}]
+
+
+def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolView | None = None,
+                        pool_namespace: str = "") -> Object:
+    """``pool``: the pool a decode-direct router asks (its own metrics port too), None for vllm-router alone.
+
+    Its vLLM peer is both roles: decode-direct requests go to decode, and prefill then decode through
+    vllm-router (or maru-router, when it learns the engines' key scheme)."""
     ingress: list[Object] = [{"ports": _tcp(ROUTER_CONTAINER_PORT)}]
     if config.scrape_namespaces:
-        ingress.append({"from": _scrapers(config), "ports": _tcp(ROUTER_METRICS_PORT)})
+        metrics = (ROUTER_METRICS_PORT, DIRECT_METRICS_PORT) if pool is not None else (ROUTER_METRICS_PORT,)
+        ingress.append({"from": _scrapers(config), "ports": _tcp(*metrics)})
     return _policy(
         owner, name=child_name(owner.name, "router"), namespace=str(owner.namespace),
         pod_labels=labels(owner, app=ROUTER_APP, component="router"), select=router_pods(owner),
         ingress=ingress,
-        egress=[dns_egress(), api_server_egress(config), {"to": [_peer(vllm_pods(owner))], "ports": _tcp(VLLM_PORT)}],
+        egress=[dns_egress(), api_server_egress(config), {"to": [_peer(vllm_pods(owner))], "ports": _tcp(VLLM_PORT)},
+                *_metadata_egress(pool, pool_namespace)],
     )
 
 
@@ -249,5 +267,6 @@ def build_group_policies(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
         return []
     policies = [build_vllm_policy(spec, owner, pool, pool_namespace, config)]
     if spec.router.enabled:
-        policies.append(build_router_policy(owner, config))
+        direct = pool if decode_direct(spec, pool) else None
+        policies.append(build_router_policy(owner, config, direct, pool_namespace))
     return policies
