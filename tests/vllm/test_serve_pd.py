@@ -45,21 +45,32 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -
 
 
 class Server:
-    def __init__(self, name: str, workdir: Path, model: str, role: str, pool_url: str) -> None:
+    """``vllm serve`` with the connector in ``role`` on the pool at ``pool_url``; role None: a plain engine.
+
+    Prefix caching is off unless asked for, so a test's second request measures the pool, not the engine's
+    own cache; the benchmarks turn it on, as vLLM and the operator leave it.
+    """
+
+    def __init__(
+        self, name: str, workdir: Path, model: str, role: str | None, pool_url: str = "", *,
+        prefix_caching: bool = False,
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.log_path = workdir / f"serve-{name}.log"
-        cfg = MaruConnectorConfig.from_extra_config(
-            {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 5000}
-        )
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "16384",
-            "--enforce-eager", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.3",
+            "--enforce-eager", "--gpu-memory-utilization", "0.3",
             "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "8",
-            "--kv-transfer-config", kv_transfer_config_json(role, cfg),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip
+        if role is not None:
+            cfg = MaruConnectorConfig.from_extra_config(
+                {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 5000}
+            )
+            args += ["--kv-transfer-config", kv_transfer_config_json(role, cfg)]
         e = env()
         e.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as in production: the engine core in its own process
         with open(self.log_path, "w") as log:
