@@ -4,6 +4,8 @@
 * ``metadata`` multi-node: the pool-wide index, allocator, eviction and leases (offsets only, no bytes).
 * ``agent``    multi-node, one per node: maps the shared device and hands it to local clients.
 * ``token``    print a tenant's token for a pool key (for pools run without the operator).
+* ``events``   republish a tenant's pool events over ZMQ in vLLM's KV event format (``publisher.py``).
+* ``flush``    drop every chunk a tenant holds in the pool (its event readers see it cleared).
 
 Each role prints one ``maru-pool ready ...`` line on stdout once it accepts connections, and exits 0
 on SIGTERM or SIGINT after removing its socket. Bad arguments exit 2 with one line naming the flag.
@@ -23,7 +25,9 @@ from typing import NoReturn
 
 from maru_connector import tenancy
 
+from .client import PoolError
 from .daemon import Daemon, UsageError, build_agent, build_metadata, build_serve
+from .events import DEFAULT_KEEP, MEDIUM
 from .gate import KeyFile, KeyFileError
 from .limits import add_flags as add_limit_flags
 from .units import parse_size
@@ -98,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
             default="lru",
             help="when full: evict the least recently used unpinned chunk, or refuse new chunks (default lru)",
         )
+        p.add_argument(
+            "--events-keep",
+            type=_count,
+            default=DEFAULT_KEEP,
+            help="keys each tenant's event log keeps for its readers; one that falls further behind is resynced "
+            "(default %(default)s)",
+        )
 
     serve = sub.add_parser("serve", help="single-node pool: index and memory in one process")
     common(serve, "unix:///path/pool.sock or tcp://host:port")
@@ -148,6 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--quota-bytes", type=_size, help="pool memory the tenant may hold, e.g. 16Gi")
     token.add_argument("--quota-pins", type=_count, help="read pins the tenant may hold at once")
     token.add_argument("--quota-leases", type=_count, help="write leases the tenant may hold at once")
+
+    def tenant_link(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--pool", required=True,
+                       help="the serve daemon's socket (unix:///path or tcp://host:port) or a metadata server's "
+                       "tcp://host:port; not a node agent's")
+        p.add_argument("--token-file", help="the tenant's pool credential (none: a pool without a key)")
+
+    events = sub.add_parser("events", help="publish a tenant's pool events over ZMQ in vLLM's KV event format")
+    tenant_link(events)
+    events.add_argument("--publish", default="tcp://*:5557",
+                        help="ZMQ PUB address to bind, as vLLM's kv-events endpoint (default %(default)s)")
+    events.add_argument("--block-size", type=_count, required=True,
+                        help="tokens per pool chunk (the group's chunk size): the block_size of the events")
+    events.add_argument("--topic", default="", help="ZMQ topic of every message (default: none, as vLLM's)")
+    events.add_argument("--medium", default=MEDIUM, help="the events' medium (default %(default)s)")
+    events.add_argument("--int-hashes", action="store_true",
+                        help="block hashes as the key's last 8 bytes, a 64-bit integer (as vLLM's "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) instead of the key's bytes")
+    events.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    flush = sub.add_parser("flush", help="drop every chunk the tenant holds in the pool")
+    tenant_link(flush)
     return parser
 
 
@@ -176,11 +209,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role == "token":
         return _print_token(args)
+    if args.role == "flush":
+        return _flush(args)
     logging.basicConfig(
         stream=sys.stderr,
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.role == "events":
+        return _publish_events(args)
     builders = {"serve": build_serve, "metadata": build_metadata, "agent": build_agent}
     try:
         daemon: Daemon = builders[args.role](args)
@@ -190,7 +227,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(daemon)
 
 
-def _run(daemon: Daemon) -> int:
+def _flush(args: argparse.Namespace) -> int:
+    from .link import TenantLink
+
+    try:
+        with TenantLink(args.pool, token_file=args.token_file) as link:
+            n = int(link.call({"op": "flush"})["chunks"])
+    except PoolError as err:
+        print(f"maru-pool flush: error: {err}", file=sys.stderr)
+        return 1
+    print(f"flushed {n} chunk(s)")
+    return 0
+
+
+def _publish_events(args: argparse.Namespace) -> int:
+    # Imported here: only this role needs ZMQ and msgspec (the `events` extra), not the daemons.
+    from . import publisher
+
+    try:
+        pub, sock, bound = publisher.build(args)
+    except ValueError as err:
+        print(f"maru-pool events: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    stop = _stop_on_signals()
+    print(f"maru-pool ready role=events pool={args.pool} publish={bound} medium={args.medium}", flush=True)
+    return publisher.run(pub, sock, stop)
+
+
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -199,6 +263,11 @@ def _run(daemon: Daemon) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _run(daemon: Daemon) -> int:
+    stop = _stop_on_signals()
     try:
         daemon.start()
         fields = daemon.ready_fields()

@@ -141,7 +141,13 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         http.close()
         raise
     epoch = memory.bump_epoch()
-    index = PoolIndex(memory.capacity, epoch=epoch, lease_seconds=args.lease_seconds, evict=args.eviction == "lru")
+    index = PoolIndex(
+        memory.capacity,
+        epoch=epoch,
+        lease_seconds=args.lease_seconds,
+        evict=args.eviction == "lru",
+        events_keep=args.events_keep,
+    )
 
     def status() -> dict[str, Any]:
         stats = index.stats()
@@ -244,7 +250,13 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
     def make_index(usable: list[int]) -> PoolIndex:
         # --size caps each device; without it the pool uses all of what the first agent reports.
         capacities = [min(u, args.size) if args.size else u for u in usable]
-        return PoolIndex(capacities, epoch=epoch, lease_seconds=args.lease_seconds, evict=args.eviction == "lru")
+        return PoolIndex(
+            capacities,
+            epoch=epoch,
+            lease_seconds=args.lease_seconds,
+            evict=args.eviction == "lru",
+            events_keep=args.events_keep,
+        )
 
     service: IndexService
     gate: AuthGate

@@ -32,7 +32,9 @@ Reply = tuple[dict[str, Any], list[int]]
 
 # What each principal may call besides hello. None: everything (anonymous, on a pool without a key).
 OPS: dict[str, frozenset[str] | None] = {
-    "tenant": frozenset({"lookup", "wait", "write", "commit", "abort", "read", "release", "renew", "stats", "status"}),
+    "tenant": frozenset(
+        {"lookup", "wait", "write", "commit", "abort", "read", "release", "renew", "stats", "status", "events", "flush"}
+    ),
     "agent": frozenset({"agent", "stats", "status"}),
     "anonymous": None,
 }

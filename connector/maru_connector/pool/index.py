@@ -40,12 +40,13 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from maru_connector.tenancy import Quota
 
 from .allocator import RegionAllocator
+from .events import DEFAULT_KEEP, EventLogs, Read
 from .quota import QUOTA, Account, Accounts
 
 FULL = "full"
@@ -71,6 +72,8 @@ class Chunk:
     # Committed chunks whose parent this is (insertion-ordered set).
     children: dict[bytes, None] = field(default_factory=dict)
     account: Account | None = None  # the tenant it is charged to (set by begin_write)
+    # The key as the tenant's client sent it, before the daemon scoped it: what the tenant's events name.
+    name: bytes = b""
     used_at: int = 0  # when it was last used, on the index's use counter (eviction compares tenants by it)
 
 
@@ -106,8 +109,10 @@ class PoolIndex:
         evict: bool = True,
         align: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        events_keep: int = DEFAULT_KEEP,
     ) -> None:
-        """``capacity``: bytes, or bytes per memory region (device); ``evict``: False refuses writes when full."""
+        """``capacity``: bytes, or bytes per memory region (device); ``evict``: False refuses writes when full;
+        ``events_keep``: keys each tenant's event log keeps (see :mod:`.events`)."""
         self.epoch = epoch
         self.lease_seconds = lease_seconds
         self.evict = evict
@@ -115,6 +120,9 @@ class PoolIndex:
         self._lock = threading.Lock()
         # Notified on every commit: readers waiting for a handoff (wait_prefixes) look again.
         self._committed = threading.Condition(self._lock)
+        # Notified whenever a tenant's event log grows: event readers (read_events) look again.
+        self._logged = threading.Condition(self._lock)
+        self.events = EventLogs(events_keep)
         self._alloc = RegionAllocator(capacity if isinstance(capacity, list) else [capacity], align)
         self._chunks: dict[bytes, Chunk] = {}  # key -> chunk, writing or committed
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed keys, least recently used first
@@ -181,16 +189,19 @@ class PoolIndex:
 
     def begin_write(
         self,
-        items: Sequence[tuple[bytes, int] | tuple[bytes, int, bytes | None]],
+        items: Sequence[
+            tuple[bytes, int] | tuple[bytes, int, bytes | None] | tuple[bytes, int, bytes | None, bytes]
+        ],
         owner: int = 0,
         *,
         tenant: str = "",
         quota: Quota | None = None,
     ) -> list[WriteGrant | str | None]:
-        """Per ``(key, nbytes[, parent])``: a grant, None (key present or being written), ``ORPHAN`` (the
+        """Per ``(key, nbytes[, parent[, name]])``: a grant, None (key present or being written), ``ORPHAN`` (the
         parent is neither stored nor being stored), ``QUOTA`` (the tenant is at its lease or byte quota,
         even after evicting its own unpinned chunks) or ``FULL`` (no room even after eviction).
 
+        ``name`` is the key as the tenant sent it, before scoping (default ``key``): its events carry it.
         ``tenant`` and ``quota``: who is charged and its token's quota (None: unlimited)."""
         with self._lock:
             now = self._clock()
@@ -198,6 +209,7 @@ class PoolIndex:
             out: list[WriteGrant | str | None] = []
             for key, nbytes, *rest in items:
                 parent = rest[0] if rest else None
+                name = rest[1] if len(rest) > 1 else key
                 if nbytes <= 0:
                     raise ValueError(f"chunk size must be positive, got {nbytes}")
                 if key in self._chunks:
@@ -216,7 +228,7 @@ class PoolIndex:
                 if offset is None:
                     out.append(FULL)
                     continue
-                chunk = Chunk(key=key, offset=offset, nbytes=nbytes, parent=parent, account=account)
+                chunk = Chunk(key=key, offset=offset, nbytes=nbytes, parent=parent, account=account, name=name)
                 account.used += self._alloc.round(nbytes)
                 account.leases += 1
                 self._chunks[key] = chunk
@@ -231,6 +243,7 @@ class PoolIndex:
         with self._lock:
             self._check_epoch(epoch)
             out = []
+            stored: dict[str, list[tuple[bytes, bytes | None]]] = {}  # tenant -> (name, parent's name) committed
             for lease_id, checksum in items:
                 lease = self._owned(lease_id, owner, write=True)
                 if lease is None:
@@ -253,9 +266,16 @@ class PoolIndex:
                 self._account(chunk).lru[chunk.key] = None
                 chunk.used_at = next(self._uses)
                 self.counters["commits"] += 1
+                stored.setdefault(self._account(chunk).name, []).append(
+                    (chunk.name, parent.name if parent is not None else None)
+                )
                 out.append(True)
             if any(out):
                 self._committed.notify_all()
+            for tenant, chunks in stored.items():
+                self.events.stored(tenant, chunks)
+            if stored:
+                self._logged.notify_all()
             return out
 
     def abort(self, epoch: int, lease_ids: Iterable[int], owner: int = 0) -> None:
@@ -323,7 +343,7 @@ class PoolIndex:
                 lease = self._owned(pin_id, owner, write=False)
                 if lease is not None:
                     self.counters["errors"] += 1
-                    self._drop(lease.chunk)
+                    self._log_removed(self._drop(lease.chunk))
             for pin_id in pin_ids:
                 lease = self._owned(pin_id, owner, write=False)
                 if lease is not None:
@@ -356,6 +376,39 @@ class PoolIndex:
                     self._unpin(lease.chunk)
             self.counters["disconnect_releases"] += len(held)
             return len(held)
+
+    # ----------------------------------------------------------------- events
+
+    def flush(self, tenant: str) -> int:
+        """Drop every chunk ``tenant`` has stored (pinned ones keep their space until unpinned) and log
+        ``cleared`` for it; returns how many. Chunks still being written commit later as new ones."""
+        with self._lock:
+            account = self._find_account(tenant)
+            dropped = 0
+            for key in list(account.lru) if account is not None else []:
+                chunk = self._chunks.get(key)
+                if chunk is not None and not chunk.dropped:
+                    dropped += len(self._drop(chunk))
+            self.events.cleared(tenant)
+            self._logged.notify_all()
+            return dropped
+
+    def read_events(
+        self, tenant: str, after: tuple[int, int] | None, *, max_keys: int, timeout_s: float = 0.0
+    ) -> Read:
+        """``tenant``'s events after ``after`` (an epoch and the last sequence number the reader saw),
+        waiting up to ``timeout_s`` for one; a resync (``cleared``, then what the tenant holds) when
+        ``after`` is None, of another epoch, or older than what the log still holds."""
+        until = time.monotonic() + timeout_s
+        seq = after[1] if after is not None and after[0] == self.epoch else None
+        with self._logged:
+            while True:
+                account = self._find_account(tenant)
+                read = self.events.read(tenant, seq, self._held_chains(account), max_keys=max_keys)
+                left = until - time.monotonic()
+                if read.resync or read.events or left <= 0:
+                    return read
+                self._logged.wait(left)
 
     # ----------------------------------------------------------------- housekeeping
 
@@ -517,6 +570,7 @@ class PoolIndex:
         self._unlink(chunk)
         self._free(chunk)
         self.counters["evictions"] += 1
+        self._log_removed([chunk])
 
     def _account(self, chunk: Chunk) -> Account:
         assert chunk.account is not None  # begin_write charges every chunk it makes
@@ -546,9 +600,11 @@ class PoolIndex:
             del self._chunks[chunk.key]
         self._free(chunk)
 
-    def _drop(self, chunk: Chunk) -> None:
-        """Take a chunk and its descendants out of the index; pinned ones keep their space until unpinned."""
+    def _drop(self, chunk: Chunk) -> list[Chunk]:
+        """Take a chunk and its descendants out of the index; pinned ones keep their space until unpinned.
+        Returns the committed chunks taken out (what readers of the tenant's events knew as stored)."""
         doomed = [chunk]
+        removed: list[Chunk] = []
         while doomed:
             chunk = doomed.pop()
             if chunk.dropped:
@@ -559,10 +615,41 @@ class PoolIndex:
                 self._lru.pop(chunk.key, None)
                 self._account(chunk).lru.pop(chunk.key, None)
                 self._unlink(chunk)
+                if chunk.committed:
+                    removed.append(chunk)
             doomed.extend(self._chunks[k] for k in chunk.children if k in self._chunks)
             chunk.children.clear()
             if chunk.pins == 0:
                 self._free(chunk)
+        return removed
+
+    def _log_removed(self, chunks: Sequence[Chunk]) -> None:
+        by_tenant: dict[str, list[bytes]] = {}
+        for chunk in chunks:
+            by_tenant.setdefault(self._account(chunk).name, []).append(chunk.name)
+        for tenant, names in by_tenant.items():
+            self.events.removed(tenant, names)
+        if by_tenant:
+            self._logged.notify_all()
+
+    def _find_account(self, tenant: str) -> Account | None:
+        return next((account for account in self.accounts if account.name == tenant), None)
+
+    def _held_chains(self, account: Account | None) -> Iterator[tuple[bytes, bytes | None]]:
+        """``(name, parent's name)`` of every chunk ``account`` holds, each after its parent (depth first,
+        so a prompt comes out as one run)."""
+        if account is None:
+            return
+        for key in account.lru:
+            root = self._chunks[key]
+            if root.parent is not None:
+                continue
+            stack = [(root, None)]
+            while stack:
+                chunk, parent = stack.pop()
+                yield chunk.name, parent
+                # Reversed, so the first child is visited next and continues the run of its parent.
+                stack.extend((self._chunks[child], chunk.name) for child in reversed(chunk.children))
 
     def _unpin(self, chunk: Chunk) -> None:
         chunk.pins -= 1

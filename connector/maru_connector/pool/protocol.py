@@ -37,6 +37,14 @@ Operations (request fields -> reply fields):
   (with ``prefix`` true: pins of the leading hits only, counted as a lookup)
 * ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
 * ``renew``   epoch, ids [lease or pin id] -> results [bool] (False: already expired or released)
+* ``events``  after (null or [epoch, seq]), timeout_ms?, max_keys? -> epoch, last, resync, events
+  [[kind, keys, parent]...]: the connection's tenant's own event log (``maru_connector.pool.events``), keys
+  as the tenant wrote them. ``kind`` is ``stored`` (keys a chain, ``parent`` the key before the first),
+  ``removed`` or ``cleared``; with ``resync`` true the reader drops all it knew first (it fell behind the
+  log, asked from another epoch, or asked after null). Answered as soon as there is an event, or after
+  ``timeout_ms`` (at most :data:`MAX_WAIT_MS`) with none; ask again after ``[epoch, last]``
+* ``flush``                               -> chunks (how many): drop all of the tenant's chunks; its log
+  says ``cleared``
 * ``stats``                               -> stats {name: int}
 * ``status``                              -> the /status document
 * ``agent``   node, backend, devices [{path, size, usable, uuid}] (agent -> metadata heartbeat)
@@ -85,6 +93,10 @@ E_HELLO_TIMEOUT = "hello_timeout"
 # Bounds of a ``wait``: its longest wait, and the most waits in one request.
 MAX_WAIT_MS = 10_000
 MAX_WAITS = 4096
+# The longest chunk key a write may carry: the daemon keeps it as the tenant sent it, for its events.
+MAX_KEY_BYTES = 64
+# The most keys one ``events`` reply carries (a resync carries all the tenant holds, whatever this says).
+MAX_EVENT_KEYS = 65_536
 # Bodies are read in pieces of at most this many bytes, so memory follows what arrived, not what was announced.
 _READ_PIECE = 64 * 1024
 
@@ -181,3 +193,11 @@ def unhex_keys(values: Any) -> list[bytes]:
     if not isinstance(values, list):
         raise ValueError("keys must be a list of hex strings")
     return [bytes.fromhex(v) for v in values]
+
+
+def unhex_key(value: Any) -> bytes:
+    """A written chunk's key: hex of 1 to :data:`MAX_KEY_BYTES` bytes."""
+    key = bytes.fromhex(value)
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a chunk key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+    return key

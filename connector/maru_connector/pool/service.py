@@ -123,6 +123,8 @@ class IndexService:
             "read": self._read,
             "release": self._release,
             "renew": self._renew,
+            "events": self._events,
+            "flush": self._flush,
             "stats": lambda _msg, _caller: {"stats": self._ix.stats()},
             "status": lambda _msg, _caller: self._status(),
             "agent": self._agent,
@@ -211,9 +213,11 @@ class IndexService:
 
     def _write(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         scoped = caller.session.scope
+        # Each chunk keeps the tenant's own key beside the scoped one: the tenant's events name it.
         items = [
-            (scoped(bytes.fromhex(k)), int(n), scoped(bytes.fromhex(rest[0])) if rest and rest[0] is not None else None)
+            (scoped(key), int(n), scoped(bytes.fromhex(rest[0])) if rest and rest[0] is not None else None, key)
             for k, n, *rest in msg["items"]
+            for key in (protocol.unhex_key(k),)
         ]
         grants = self._ix.begin_write(items, caller.owner, **caller.tenant)
         out: list[Any] = []
@@ -254,6 +258,35 @@ class IndexService:
             )
         self._ix.release(int(msg["epoch"]), [int(x) for x in msg["pins"]], corrupt, caller.owner)
         return {}
+
+    def _events(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        after, timeout_ms = msg.get("after"), msg.get("timeout_ms", 0)
+        max_keys = msg.get("max_keys", protocol.MAX_EVENT_KEYS)
+        if after is not None and not (
+            isinstance(after, list) and len(after) == 2 and all(isinstance(x, int) and x >= 0 for x in after)
+        ):
+            raise ValueError(f"after must be null or [epoch, seq] (non-negative integers), got {after!r}")
+        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= protocol.MAX_WAIT_MS:
+            raise ValueError(f"timeout_ms must be an integer from 0 to {protocol.MAX_WAIT_MS}, got {timeout_ms!r}")
+        if not isinstance(max_keys, int) or not 1 <= max_keys <= protocol.MAX_EVENT_KEYS:
+            raise ValueError(f"max_keys must be an integer from 1 to {protocol.MAX_EVENT_KEYS}, got {max_keys!r}")
+        read = self._ix.read_events(
+            caller.session.principal.scope,
+            (after[0], after[1]) if after is not None else None,
+            max_keys=max_keys,
+            timeout_s=timeout_ms / 1000,
+        )
+        return {
+            "epoch": self._ix.epoch,
+            "last": read.last,
+            "resync": read.resync,
+            "events": [[e.kind, protocol.hex_keys(e.keys), e.parent.hex() if e.parent else None] for e in read.events],
+        }
+
+    def _flush(self, _msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
+        n = self._ix.flush(caller.session.principal.scope)
+        log.info("pool: tenant %s flushed its chunks (%d dropped)", caller.session.principal, n)
+        return {"chunks": n}
 
     def _renew(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         return {"results": self._ix.renew(int(msg["epoch"]), [int(x) for x in msg["ids"]], caller.owner)}

@@ -1,0 +1,162 @@
+"""What the pool holds, as a log of events per tenant: ``stored``, ``removed``, ``cleared``.
+
+The index appends to a tenant's log under its own lock whenever that tenant's content changes: a chunk
+committed (``stored``, with the chunk before it in its prompt), evicted or dropped (``removed``), or all
+of the tenant's chunks flushed (``cleared``). Keys in the log are the tenant's **own** keys, as its client
+sent them, never the scoped keys the index files them under: a tenant reads only its own log, and the keys
+it reads are the ones it (and anyone keying prompts the same way) can compute.
+
+Each log is a ring bounded by the keys it holds (``keep``), numbered by a sequence that only grows. A
+reader names the last event it saw (the daemon's epoch and a sequence number); a reader that fell behind
+the ring, comes from another daemon epoch, or starts fresh gets a **resync** instead of a silent gap:
+``cleared``, then what the tenant holds now as ``stored`` events (parents first), then the log from there.
+
+Pure data structures: the caller holds the index lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"
+Kind = Literal["stored", "removed", "cleared"]
+# The medium the pool's events name when republished as vLLM's (which names its media in capitals: GPU, CPU,
+# STORAGE); llm-d lower-cases a medium into its device tier.
+MEDIUM = "MARU_POOL"
+
+# Keys a tenant's ring keeps by default (about 60 bytes each in memory): enough for a reader polling every
+# second to keep up with tens of thousands of chunk changes per second; one that falls behind resyncs.
+DEFAULT_KEEP = 65_536
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    kind: Kind
+    keys: tuple[bytes, ...] = ()  # stored: a chain, each key the parent of the next; removed: any keys
+    parent: bytes | None = None  # stored: the key before keys[0] in its prompt (None: the prompt's first)
+
+    @property
+    def cost(self) -> int:
+        """What the event counts against the ring's ``keep``: its keys, and one for itself."""
+        return 1 + len(self.keys)
+
+
+@dataclass(frozen=True)
+class Read:
+    """A reader's answer: ``resync`` first drops all it knew, then ``events`` apply in order; ``last`` is
+    the sequence number to ask after next time."""
+
+    events: list[Event]
+    last: int
+    resync: bool
+
+
+@dataclass
+class TenantLog:
+    """One tenant's ring of events."""
+
+    keep: int
+    seq: int = 0  # the last sequence number given out
+    held: int = 0  # keys (and events) counted against keep
+    ring: deque[Event] = field(default_factory=deque)
+
+    def append(self, kind: Kind, keys: Sequence[bytes] = (), parent: bytes | None = None) -> None:
+        self.seq += 1
+        event = Event(self.seq, kind, tuple(keys), parent)
+        self.ring.append(event)
+        self.held += event.cost
+        while self.held > self.keep and len(self.ring) > 1:
+            self.held -= self.ring.popleft().cost
+
+    @property
+    def first(self) -> int:
+        """The oldest sequence number still held (``seq + 1`` when the ring is empty)."""
+        return self.ring[0].seq if self.ring else self.seq + 1
+
+    def since(self, after: int, max_keys: int) -> list[Event]:
+        """Events after ``after`` (which the ring must still cover), at least one, then up to ``max_keys``."""
+        out: list[Event] = []
+        budget = max_keys
+        for event in self.ring:
+            if event.seq <= after:
+                continue
+            if out and event.cost > budget:
+                break
+            out.append(event)
+            budget -= event.cost
+        return out
+
+
+class EventLogs:
+    """Every tenant's log, each bounded by ``keep`` keys."""
+
+    def __init__(self, keep: int = DEFAULT_KEEP) -> None:
+        if keep < 1:
+            raise ValueError(f"events keep must be a positive number of keys, got {keep}")
+        self.keep = keep
+        self._logs: dict[str, TenantLog] = {}  # tenant scope -> its ring
+
+    def stored(self, tenant: str, chunks: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Chunks ``(key, parent)`` committed, in commit order: one event per run of a chain."""
+        for parent, keys in chains(chunks):
+            self._append(tenant, STORED, keys, parent)
+
+    def removed(self, tenant: str, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._append(tenant, REMOVED, keys)
+
+    def cleared(self, tenant: str) -> None:
+        self._append(tenant, CLEARED)
+
+    def last(self, tenant: str) -> int:
+        log = self._logs.get(tenant)
+        return log.seq if log is not None else 0
+
+    def read(
+        self,
+        tenant: str,
+        after: int | None,
+        snapshot: Iterable[tuple[bytes, bytes | None]],
+        *,
+        max_keys: int,
+    ) -> Read:
+        """The tenant's events after ``after``; a resync from ``snapshot`` (what the tenant holds, parents
+        before children) when ``after`` is None or no longer covered by the ring."""
+        log = self._logs.get(tenant)
+        last = log.seq if log is not None else 0
+        if after is not None and log is not None and log.first <= after + 1 and after <= last:
+            events = log.since(after, max_keys)
+            return Read(events, events[-1].seq if events else after, resync=False)
+        if after is not None and log is None and after == 0:
+            return Read([], 0, resync=False)  # nothing happened yet, and the reader knows it
+        # Events of a resync carry the sequence number the reader continues after: they are not in the ring.
+        replay = [Event(last, STORED, tuple(keys), parent) for parent, keys in chains(snapshot)]
+        return Read([Event(last, CLEARED), *replay], last, resync=True)
+
+    def _append(self, tenant: str, kind: Kind, keys: Sequence[bytes] = (), parent: bytes | None = None) -> None:
+        log = self._logs.get(tenant)
+        if log is None:
+            log = self._logs[tenant] = TenantLog(self.keep)
+        log.append(kind, keys, parent)
+
+
+def chains(chunks: Iterable[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes | None, list[bytes]]]:
+    """Group ``(key, parent)`` into runs where each key is the parent of the next, as vLLM's ``BlockStored``
+    carries them (one parent for the run's first block); yields ``(parent of the run, keys)``."""
+    run: list[bytes] = []
+    head: bytes | None = None
+    for key, parent in chunks:
+        if run and parent == run[-1]:
+            run.append(key)
+            continue
+        if run:
+            yield head, run
+        run, head = [key], parent
+    if run:
+        yield head, run

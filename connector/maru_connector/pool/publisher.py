@@ -1,0 +1,209 @@
+"""``maru-pool events``: republish a tenant's pool events over ZMQ in vLLM's KV event format.
+
+The daemon keeps each tenant's event log (:mod:`.events`) and serves it only to that tenant, over its
+authenticated socket (``events`` op). This process reads it with the tenant's token and publishes what it
+reads on a ZMQ PUB socket exactly as a vLLM engine publishes its own KV events (:mod:`.kv_events_wire`),
+with the pool as the medium, so llm-d's KV-cache indexer, Dynamo's router or anything else that consumes
+vLLM's events learns what the pool holds for this tenant.
+
+A stale index is worse than none, and some consumers ignore ``AllBlocksCleared`` (llm-d's indexer only logs
+it), so the publisher remembers which keys it announced as stored and turns every clear into explicit
+removals first: a tenant's flush, a daemon restart (a new epoch) and a resync after this publisher fell
+behind the daemon's log each publish ``BlockRemoved`` for what is gone, then ``AllBlocksCleared``, then what
+the pool holds now. A fresh publisher's first batch starts with ``AllBlocksCleared`` (consumers drop what an
+earlier incarnation announced).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .client import PoolAuthError, PoolError
+from .events import CLEARED, MEDIUM, REMOVED, STORED
+from .kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash, message
+from .link import TenantLink
+
+log = logging.getLogger(__name__)
+
+# How long one read may wait in the daemon for an event (a long poll), and the back-off after a failure.
+POLL_MS = 1000
+RETRY_S = (0.5, 5.0)
+
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass
+class Translator:
+    """The daemon's events in, vLLM's out; keeps the keys announced as stored, so a clear becomes removals."""
+
+    block_size: int  # tokens per chunk: what one key (block hash) stands for
+    medium: str = MEDIUM
+    int_hashes: bool = False
+    announced: dict[bytes, None] = field(default_factory=dict)  # keys published as stored, not since removed
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size (tokens per chunk) must be positive, got {self.block_size}")
+        if not self.medium:
+            raise ValueError("medium must not be empty")
+
+    def translate(self, events: Sequence[Sequence[Any]], *, resync: bool) -> list[WireEvent]:
+        """vLLM events for one ``events`` reply: ``[kind, [hex keys], parent hex | None]`` each."""
+        out: list[WireEvent] = []
+        if resync:
+            # What the consumer may still hold from before, less what is still there, goes explicitly.
+            now = {bytes.fromhex(k) for kind, keys, _ in events if kind == STORED for k in keys}
+            self._remove(out, [key for key in self.announced if key not in now])
+        for i, (kind, hex_keys, parent) in enumerate(events):
+            keys = [bytes.fromhex(k) for k in hex_keys]
+            if kind == STORED:
+                self.announced.update(dict.fromkeys(keys))
+                out.append(
+                    BlockStored(
+                        block_hashes=[self._hash(k) for k in keys],
+                        parent_block_hash=self._hash(bytes.fromhex(parent)) if parent else None,
+                        token_ids=[],
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium=self.medium,
+                        lora_name=None,
+                    )
+                )
+            elif kind == REMOVED:
+                self._remove(out, keys)
+            elif kind == CLEARED:
+                # A resync's own clear removed only what is gone (above): what is still there is stored again.
+                if not (resync and i == 0):
+                    self._remove(out, list(self.announced))
+                self.announced.clear()
+                out.append(AllBlocksCleared())
+            else:
+                log.warning("events: skipped an event of unknown kind %r (a newer daemon?)", kind)
+        return out
+
+    def _remove(self, out: list[WireEvent], keys: list[bytes]) -> None:
+        for key in keys:
+            self.announced.pop(key, None)
+        if keys:
+            out.append(BlockRemoved(block_hashes=[self._hash(k) for k in keys], medium=self.medium))
+
+    def _hash(self, key: bytes) -> bytes | int:
+        return block_hash(key, as_int=self.int_hashes)
+
+
+class Publisher:
+    """Reads the tenant's log and sends one ZMQ message per batch of events read."""
+
+    def __init__(
+        self,
+        link: TenantLink,
+        send: Callable[[tuple[bytes, bytes, bytes]], None],
+        translator: Translator,
+        *,
+        topic: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._link = link
+        self._send = send
+        self.translator = translator
+        self.topic = topic
+        self._clock = clock
+        self.cursor: tuple[int, int] | None = None  # (daemon epoch, last sequence number read)
+        self.seq = 0  # the next ZMQ sequence number
+
+    def step(self, wait_ms: int = POLL_MS) -> int:
+        """One read (waiting up to ``wait_ms`` in the daemon); returns how many vLLM events it published."""
+        reply = self._link.call(
+            {"op": "events", "after": list(self.cursor) if self.cursor else None, "timeout_ms": wait_ms},
+            wait_s=wait_ms / 1000,
+        )
+        epoch, resync = int(reply["epoch"]), bool(reply["resync"])
+        if resync and self.cursor is not None:
+            why = "the daemon restarted" if self.cursor[0] != epoch else "this publisher fell behind the daemon's log"
+            log.warning("events: resync (%s): removals, AllBlocksCleared, then what the pool holds", why)
+        wire = self.translator.translate(reply["events"], resync=resync)
+        self.cursor = (epoch, int(reply["last"]))
+        if wire:
+            self._send(message(self.topic, self.seq, KVEventBatch(ts=self._clock(), events=wire)))
+            log.debug("events: published batch %d (%d events, %d keys held)", self.seq, len(wire), self.held)
+            self.seq += 1
+        return len(wire)
+
+    def close(self) -> None:
+        self._link.close()
+
+    @property
+    def held(self) -> int:
+        return len(self.translator.announced)
+
+    def run(self, stop: threading.Event) -> None:
+        """Publish until ``stop``; a daemon that is down or restarting is retried with back-off (its events
+        are not lost: the next read resumes after the cursor, or resyncs)."""
+        delay = RETRY_S[0]
+        failing = False
+        while not stop.is_set():
+            try:
+                self.step()
+            except PoolAuthError as err:
+                log.error("events: the pool refused the token: %s; retrying in %.0f s", err, RETRY_S[1])
+                stop.wait(RETRY_S[1])
+                continue
+            except PoolError as err:
+                if not failing:
+                    log.warning("events: cannot read the pool's events: %s; retrying", err)
+                failing = True
+                stop.wait(delay)
+                delay = min(delay * 2, RETRY_S[1])
+                continue
+            if failing:
+                log.info("events: reading the pool's events again (epoch %d)", self.cursor[0] if self.cursor else 0)
+            failing, delay = False, RETRY_S[0]
+
+
+def bind(endpoint: str, *, hwm: int = 100_000) -> tuple[Any, str]:
+    """A ZMQ PUB socket bound to ``endpoint`` (``tcp://*:5557``; port 0 picks one), and where it is bound."""
+    import zmq  # only this role needs ZMQ: the pool daemon itself does not
+
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.set_hwm(hwm)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as err:
+        sock.close(linger=0)
+        raise ValueError(f"cannot bind {endpoint}: {err}") from None
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def build(args: Any) -> tuple[Publisher, Any, str]:
+    """The ``events`` role from its flags: the publisher, its bound socket and where it is bound.
+    ValueError names the flag that is wrong."""
+    try:
+        translator = Translator(args.block_size, medium=args.medium, int_hashes=args.int_hashes)
+    except ValueError as err:
+        flag = "--medium" if "medium" in str(err) else "--block-size"
+        raise ValueError(f"{flag}: {err}") from None
+    try:
+        link = TenantLink(args.pool, token_file=args.token_file)
+    except PoolError as err:
+        raise ValueError(f"--pool: {err}") from None
+    try:
+        sock, bound = bind(args.publish)
+    except ValueError as err:
+        raise ValueError(f"--publish: {err}") from None
+    return Publisher(link, sock.send_multipart, translator, topic=args.topic), sock, bound
+
+
+def run(publisher: Publisher, sock: Any, stop: threading.Event) -> int:
+    """Publish until ``stop``, then close the link and the socket."""
+    try:
+        publisher.run(stop)
+    finally:
+        publisher.close()
+        sock.close(linger=0)
+    log.info("events: stopped after %d batch(es)", publisher.seq)
+    return 0

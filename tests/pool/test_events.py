@@ -1,0 +1,282 @@
+"""The pool's event log: what a tenant holds, as stored/removed/cleared events it alone can read.
+
+First the index's rules (a real :class:`PoolIndex`), then the daemon: real ``maru-pool serve`` processes
+with a pool key, real clients committing chunks as two tenants, each reading its own events over its
+authenticated socket.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from maru_connector.pool import protocol
+from maru_connector.pool.client import PoolClient, PoolError, WriteLease
+from maru_connector.pool.events import CLEARED, REMOVED, STORED, Event, EventLogs, chains
+from maru_connector.pool.index import PoolIndex, WriteGrant
+from maru_connector.pool.link import TenantLink
+
+from .harness import Daemon, start_serve
+from .test_auth import token_file, write_key
+from .test_daemon import run_cli
+
+PAGE = 4096
+EPOCH = 3
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def name(i: int) -> bytes:
+    """What the tenant's client sent for chunk ``i`` (the index files it under another, scoped key)."""
+    return b"own" + k(i)
+
+
+def store(index: PoolIndex, i: int, parent: int | None = None, tenant: str = "t") -> None:
+    (grant,) = index.begin_write([(k(i), PAGE, k(parent) if parent is not None else None, name(i))], tenant=tenant)
+    assert isinstance(grant, WriteGrant), grant
+    assert index.commit(EPOCH, [(grant.lease_id, i)]) == [True]
+
+
+def events_of(index: PoolIndex, after: int, tenant: str = "t") -> list[tuple[str, tuple[bytes, ...], bytes | None]]:
+    read = index.read_events(tenant, (EPOCH, after), max_keys=1000)
+    assert not read.resync
+    return [(e.kind, e.keys, e.parent) for e in read.events]
+
+
+# ------------------------------------------------------------------------------------------- the index
+
+
+def test_commit_logs_the_tenants_own_keys_as_chains() -> None:
+    index = PoolIndex(8 * PAGE, epoch=EPOCH)
+    (g0, g1, g2) = index.begin_write(
+        [(k(0), PAGE, None, name(0)), (k(1), PAGE, k(0), name(1)), (k(2), PAGE, k(1), name(2))], tenant="t"
+    )
+    assert all(isinstance(g, WriteGrant) for g in (g0, g1, g2))
+    index.commit(EPOCH, [(g.lease_id, 1) for g in (g0, g1, g2)])  # type: ignore[union-attr]
+    store(index, 5, parent=1)  # a branch off chunk 1: a run of its own
+    assert events_of(index, 0) == [
+        (STORED, (name(0), name(1), name(2)), None),
+        (STORED, (name(5),), name(1)),
+    ]
+
+
+def test_eviction_logs_removed() -> None:
+    index = PoolIndex(2 * PAGE, epoch=EPOCH)
+    store(index, 0)
+    store(index, 1, parent=0)
+    index.lookup_prefix([k(0), k(1)])
+    store(index, 9)  # full: the least recently used prompt's deepest chunk goes
+    assert events_of(index, 2) == [(REMOVED, (name(1),), None), (STORED, (name(9),), None)]
+
+
+def test_a_corrupt_chunk_is_removed_with_its_descendants() -> None:
+    index = PoolIndex(8 * PAGE, epoch=EPOCH)
+    for i in range(3):
+        store(index, i, parent=i - 1 if i else None)
+    (pin,) = index.open_read([k(1)])
+    index.release(EPOCH, [pin.pin_id], corrupt=[pin.pin_id])  # type: ignore[union-attr]
+    assert events_of(index, 3) == [(REMOVED, (name(1), name(2)), None)]
+
+
+def test_flush_drops_the_tenants_chunks_and_logs_cleared() -> None:
+    index = PoolIndex(8 * PAGE, epoch=EPOCH)
+    store(index, 0)
+    store(index, 1, parent=0)
+    store(index, 7, tenant="other")
+    assert index.flush("t") == 2
+    assert index.lookup_prefix([k(0)]) == 0
+    assert index.lookup_prefix([k(7)]) == 1  # another tenant's chunks stay
+    assert events_of(index, 2) == [(CLEARED, (), None)]
+    assert events_of(index, 0, tenant="other") == [(STORED, (name(7),), None)]
+    index.check_invariants()
+
+
+def test_a_reader_behind_the_ring_resyncs_from_what_is_held() -> None:
+    index = PoolIndex(16 * PAGE, epoch=EPOCH, events_keep=6)
+    store(index, 0)
+    store(index, 1, parent=0)
+    store(index, 2, parent=1)
+    store(index, 3)
+    store(index, 4, parent=3)
+    (pin,) = index.open_read([k(4)])
+    index.release(EPOCH, [pin.pin_id], corrupt=[pin.pin_id])  # type: ignore[union-attr]
+    read = index.read_events("t", (EPOCH, 1), max_keys=1000)  # event 2 is no longer in the ring
+    assert read.resync
+    assert read.last == 6
+    # All-cleared first, then every chunk held, each prompt one run with its parents first.
+    assert [(e.kind, e.keys, e.parent) for e in read.events] == [
+        (CLEARED, (), None),
+        (STORED, (name(0), name(1), name(2)), None),
+        (STORED, (name(3),), None),
+    ]
+    assert events_of(index, read.last) == []  # and it continues from there without a gap
+
+
+def test_a_reader_of_another_epoch_or_a_new_one_resyncs() -> None:
+    index = PoolIndex(8 * PAGE, epoch=EPOCH)
+    store(index, 0)
+    for after in (None, (EPOCH - 1, 1)):
+        read = index.read_events("t", after, max_keys=1000)
+        assert read.resync and read.last == 1
+        assert [e.kind for e in read.events] == [CLEARED, STORED]
+    # A tenant that never stored anything: a fresh reader is told "nothing", then waits for news.
+    fresh = index.read_events("nobody", None, max_keys=1000)
+    assert fresh.resync and [e.kind for e in fresh.events] == [CLEARED]
+    assert index.read_events("nobody", (EPOCH, 0), max_keys=1000).events == []
+
+
+def test_a_read_waits_in_the_daemon_until_an_event_comes() -> None:
+    index = PoolIndex(8 * PAGE, epoch=EPOCH)
+    got: list[list[Event]] = []
+    reader = threading.Thread(
+        target=lambda: got.append(index.read_events("t", (EPOCH, 0), max_keys=10, timeout_s=60).events)
+    )
+    reader.start()
+    store(index, 0)
+    reader.join(timeout=60)
+    assert not reader.is_alive()
+    assert [(e.kind, e.keys) for e in got[0]] == [(STORED, (name(0),))]
+
+
+def test_reads_are_bounded_by_keys_but_never_empty() -> None:
+    logs = EventLogs(keep=100)
+    logs.stored("t", [(name(i), None) for i in range(3)])  # three roots: three events
+    logs.removed("t", [name(i) for i in range(10)])
+    first = logs.read("t", 0, (), max_keys=4)
+    assert [e.seq for e in first.events] == [1, 2]
+    rest = logs.read("t", first.last, (), max_keys=1)
+    assert [e.seq for e in rest.events] == [3]
+    big = logs.read("t", 3, (), max_keys=1)
+    assert [len(e.keys) for e in big.events] == [10]
+
+
+def test_chains_split_where_a_key_is_not_the_next_ones_parent() -> None:
+    a, b, c, d = (bytes([i]) for i in range(4))
+    assert list(chains([(a, None), (b, a), (c, None), (d, b)])) == [(None, [a, b]), (None, [c]), (b, [d])]
+
+
+def test_events_keep_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="keep"):
+        EventLogs(keep=0)
+
+
+# ------------------------------------------------------------------------------------------- the daemon
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def keyed(sock_dir: Path) -> tuple[Path, dict[str, str]]:
+    key = write_key(sock_dir / "pool.key")
+    return key, {
+        "a": token_file(sock_dir / "a.token", key, "ns-a/qwen"),
+        "b": token_file(sock_dir / "b.token", key, "ns-b/qwen"),
+    }
+
+
+def start(daemons: list[Daemon], sock_dir: Path, key: Path, *extra: str) -> Daemon:
+    return start_serve(daemons, sock_dir, "--auth-key-file", str(key), *extra, size="1Mi")
+
+
+def commit_prompt(client: PoolClient, keys: list[bytes], nbytes: int = 4096) -> None:
+    """Store a prompt's chunks as the connector does: each names the one before it."""
+    leases = client.lease_many([(key, nbytes, keys[i - 1] if i else None) for i, key in enumerate(keys)])
+    assert all(isinstance(lease, WriteLease) for lease in leases), leases
+    for lease in leases:
+        lease.fill(bytes(nbytes))  # type: ignore[union-attr]
+    assert all(client.commit_many(leases))  # type: ignore[arg-type]
+
+
+def read(link: TenantLink, after: list[int] | None, timeout_ms: int = 0) -> dict:
+    return link.call({"op": "events", "after": after, "timeout_ms": timeout_ms}, wait_s=timeout_ms / 1000)
+
+
+def test_daemon_serves_each_tenant_only_its_own_events(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, tokens = keyed
+    d = start(daemons, sock_dir, key)
+    url = d.ready["listen"]
+    prompt = [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16]
+    with PoolClient(url, timeout_s=10, token_file=tokens["a"]) as a, TenantLink(url, token_file=tokens["a"]) as la, \
+            TenantLink(url, token_file=tokens["b"]) as lb:  # fmt: skip
+        start_a, start_b = read(la, None), read(lb, None)
+        assert start_a["resync"] and start_a["events"] == [[CLEARED, [], None]]
+        commit_prompt(a, prompt)
+        got = read(la, [start_a["epoch"], start_a["last"]], timeout_ms=10_000)
+        # The keys the tenant wrote, not the scoped keys the daemon files them under.
+        assert got["events"] == [[STORED, [k.hex() for k in prompt], None]] and not got["resync"]
+        # Tenant b sees nothing of it: no event, and a resync of what it holds is empty.
+        assert read(lb, [start_b["epoch"], start_b["last"]])["events"] == []
+        assert read(lb, None)["events"] == [[CLEARED, [], None]]
+
+
+def test_daemon_flush_and_restart_clear_the_tenants_events(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, tokens = keyed
+    d = start(daemons, sock_dir, key)
+    url = d.ready["listen"]
+    with PoolClient(url, timeout_s=10, token_file=tokens["a"]) as a, TenantLink(url, token_file=tokens["a"]) as la:
+        commit_prompt(a, [b"\x01" * 16, b"\x02" * 16])
+        before = read(la, None)
+        flushed = run_cli("flush", "--pool", url, "--token-file", tokens["a"])
+        assert flushed.returncode == 0, flushed.stderr
+        assert flushed.stdout.strip() == "flushed 2 chunk(s)"
+        after = read(la, [before["epoch"], before["last"]], timeout_ms=10_000)
+        assert after["events"] == [[CLEARED, [], None]]
+        assert a.lookup_prefix([b"\x01" * 16]) == 0
+        # A restarted daemon is a new epoch: a reader of the old one resyncs (cleared, then nothing held).
+        d.stop()
+        again = start(daemons, sock_dir, key)
+        with TenantLink(again.ready["listen"], token_file=tokens["a"]) as relink:
+            restarted = read(relink, [after["epoch"], after["last"]])
+        assert restarted["resync"] and restarted["events"] == [[CLEARED, [], None]]
+        assert restarted["epoch"] != after["epoch"]
+
+
+def test_daemon_ring_overflow_resyncs_with_what_is_held(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, tokens = keyed
+    d = start(daemons, sock_dir, key, "--events-keep", "4")
+    url = d.ready["listen"]
+    prompts = [[bytes([p, c]) * 8 for c in range(2)] for p in range(4)]
+    with PoolClient(url, timeout_s=10, token_file=tokens["a"]) as a, TenantLink(url, token_file=tokens["a"]) as la:
+        first = read(la, None)
+        for prompt in prompts:
+            commit_prompt(a, prompt)
+        behind = read(la, [first["epoch"], first["last"]])
+        assert behind["resync"]
+        assert behind["events"] == [
+            [CLEARED, [], None],
+            *[[STORED, [k.hex() for k in prompt], None] for prompt in prompts],
+        ]
+        assert read(la, [behind["epoch"], behind["last"]])["events"] == []
+
+
+def test_daemon_refuses_a_malformed_events_request(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, tokens = keyed
+    d = start(daemons, sock_dir, key)
+    with TenantLink(d.ready["listen"], token_file=tokens["a"]) as la:
+        malformed = (({"after": [1]}, "after"), ({"timeout_ms": 10**9}, "timeout_ms"), ({"max_keys": 0}, "max_keys"))
+        for bad, field in malformed:
+            with pytest.raises(PoolError, match=f"{protocol.E_BAD_REQUEST}.*{field}"):
+                la.call({"op": "events", **bad})
+        with pytest.raises(PoolError, match=f"{protocol.E_BAD_REQUEST}.*chunk key must be 1 to 64 bytes"):
+            la.call({"op": "write", "items": [["00" * 65, 4096]]})
+
+
+def test_events_need_a_verified_hello(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, _ = keyed
+    d = start(daemons, sock_dir, key)
+    with TenantLink(d.ready["listen"]) as anonymous, pytest.raises(PoolError, match="unauthenticated"):
+        read(anonymous, None)
