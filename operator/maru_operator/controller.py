@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -90,12 +90,10 @@ DELETION_RETRY_SECONDS = 15.0
 _ADOPT_TRIES = 3
 # The most writes one owner has in flight at once: its children are independent of one another.
 WRITE_CONCURRENCY = 8
-# A bound group whose pool's key Secret is not there yet (it is the pool's first child) looks again soon.
-KEY_RETRY_SECONDS = 5.0
 # A group whose rollout waits for others looks again this often (their Deployments' events wake it too).
 ROLLOUT_QUEUE_SECONDS = 15.0
 # Kinds the operator never deletes: their owner's deletion does (ownerReferences), and the operator holds
-# no delete right on Secrets. A group's credential outlives an outage of its pool, as its pods do.
+# no delete right on Secrets (the pools' keys, in its own namespace).
 NEVER_PRUNED = frozenset({"Secret"})
 
 
@@ -560,16 +558,8 @@ class Controller:
             await self.write_status(body, old, invalid_group_status(errors, generation, old, self.clock()))
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         pool = binding.pool
-        key_missing = False
-        if pool is not None and pool_body is not None:
-            key = await self._current_key(pool.name, pool_body.get("metadata", {}).get("uid"))
-            pool, key_missing = replace(pool, key=key), key is None
+        # No key here: the CSI node plugin mints the group's credential at publish, from the pool's own key.
         desired = build_group_children(self.images.for_group(spec), owner, pool, self._role_replicas(owner))
-        if key_missing:
-            # Never apply a credential without its token: that would take the token from running pods.
-            log.warning("InferenceGroup %s/%s: MaruPool %s has no key yet; its credential waits for it",
-                        namespace, name, spec.pool_ref.name)
-            desired = [d for d in desired if not (d["kind"] == "Secret" and "data" not in d)]
         desired += build_group_policies(spec, owner, pool, self.pool_namespace, self.network)
         # A pod template change waits while other groups roll (see maru_operator.rollouts).
         held = self.pacer.held(("InferenceGroup", namespace, name), desired, self.store)
@@ -615,7 +605,7 @@ class Controller:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
         if held:
             again = min(again or ROLLOUT_QUEUE_SECONDS, ROLLOUT_QUEUE_SECONDS)
-        return min(KEY_RETRY_SECONDS, again or KEY_RETRY_SECONDS) if key_missing else again
+        return again
 
     def _role_replicas(self, owner: Owner) -> dict[str, int | None]:
         """Each role Deployment's spec.replicas now (None when it has none of this group's yet)."""

@@ -53,10 +53,11 @@ CHILD_RESOURCES = (
     ("networking.k8s.io", "v1", "networkpolicies"),
     ("", "v1", "persistentvolumeclaims"),
     ("policy", "v1", "poddisruptionbudgets"),
-    # The pools' keys and the groups' credentials; only the operator's (the label selector below), never a
-    # user's Secret.
-    ("", "v1", "secrets"),
 )
+# The pools' keys, in the pool namespace and nowhere else: watched there alone (:func:`watch_secrets`), not by
+# kopf, which watches every kind in every namespace it serves, so the operator needs no Secret rights beyond
+# its own namespace. Only the operator's (the label selector), never a user's Secret.
+SECRETS_WATCH_BACKOFF = 2.0
 # The router Services' EndpointSlices: the EndpointSlice controller copies a Service's labels onto them,
 # so the same server-side selector finds exactly the slices of the operator's Services.
 ENDPOINT_SLICES = ("discovery.k8s.io", "v1", "endpointslices")
@@ -113,6 +114,7 @@ class Runtime:
     queue: Any = None
     resync_task: asyncio.Task[None] | None = None
     elector_task: asyncio.Task[None] | None = None
+    secrets_task: asyncio.Task[None] | None = None
     pool_fingerprints: dict[str, Any] = field(default_factory=dict)
     # owner -> its last watch event without status (see _desired_part)
     seen: dict[Key, Any] = field(default_factory=dict)
@@ -187,6 +189,9 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         images=config.images,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
+    # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
+    STATE.secrets_task = asyncio.create_task(
+        watch_secrets(STATE.kube, config.pool_namespace, child_selector(config.instance)), name="maru-secrets-watch")
     log.info("operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
              config.instance or "(default)", config.pool_namespace, config.workers, config.resync_seconds)
     if not config.leader_election:
@@ -251,6 +256,8 @@ async def relist(kube: Kube, namespaces: list[str], *, metadata_only: bool = Fal
     for kind in PRIMED_KINDS:
         selector = owner_selector(instance) if kind in ("MaruPool", "InferenceGroup") else child_selector(instance)
         scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
+        if kind == "Secret":
+            scopes = [STATE.config.pool_namespace]  # the pools' keys; the operator reads no other namespace's
         for namespace in scopes:
             try:
                 items, version = await kube.list_with_version(kind, namespace, selector, metadata_only=metadata_only)
@@ -297,6 +304,9 @@ async def on_cleanup(**_: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await STATE.elector_task
     await _follow()
+    if STATE.secrets_task is not None:
+        STATE.secrets_task.cancel()
+        await asyncio.gather(STATE.secrets_task, return_exceptions=True)
     if STATE.kube is not None:
         await STATE.kube.close()
 
@@ -399,10 +409,43 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     owner = owner_key(obj)
     if not echo:
         _enqueue(owner)
-    if obj["kind"] == "Secret" and owner is not None and owner[0] == "MaruPool":
-        # A pool's key signs its groups' credentials: a new key means new credentials.
-        for group in STATE.store.groups_of_pool(owner[2]):
-            _enqueue(group)
+
+
+async def watch_secrets(kube: Kube, namespace: str, selector: str) -> None:
+    """Keep the pools' key Secrets of ``namespace`` in the cache, as kopf does for the other children.
+
+    List, then watch from the list's version; the watch resumes from the last version it saw, and an
+    expired one (410) lists again, forgetting what is gone. Errors are logged and retried: the resync
+    catches up meanwhile.
+    """
+    version: str | None = None
+    while True:
+        try:
+            if version is None:
+                items, version = await kube.list_with_version("Secret", namespace, selector)
+                listed = set()
+                for item in items:
+                    item["kind"] = "Secret"
+                    listed.add(key_of(item))
+                    await _child_event(type="ADDED", body=item)
+                for key in STATE.store.keys("Secret", namespace):
+                    cached = STATE.store.get(key)
+                    if key not in listed and cached is not None and not_newer(cached, version):
+                        await _child_event(type="DELETED", body=cached)
+            async for type_, obj in kube.watch("Secret", namespace, selector, version):
+                if type_ == "ERROR":
+                    log.info("watch of Secrets in %s expired (%s); listing again", namespace, obj.get("message", ""))
+                    version = None
+                    break
+                version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                if type_ != "BOOKMARK":
+                    obj["kind"] = "Secret"
+                    await _child_event(type=type_, body=obj)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the next list or watch, or the resync, catches up
+            log.warning("watch of Secrets in %s failed (%s); again in %.0fs", namespace, err, SECRETS_WATCH_BACKOFF)
+            await asyncio.sleep(SECRETS_WATCH_BACKOFF)
 
 
 for _group, _version, _plural in CHILD_RESOURCES:

@@ -16,7 +16,7 @@ import socket
 import ssl
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -274,6 +274,35 @@ class Kube:
                     raise
                 log.info("list %s in %s: its continue token expired; listing again", kind, namespace)
         raise AssertionError("unreachable")
+
+    async def watch(
+        self, kind: str, namespace: str, label_selector: str, resource_version: str | None, *,
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[tuple[str, Object]]:
+        """(type, object) of each watch event of ``kind`` in one namespace, from ``resource_version`` on, until
+        the server ends the watch (after ``timeout_seconds``). An expired version comes as an ``ERROR`` event
+        whose object is a Status with code 410: list again."""
+        params = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        url = f"{self.server}{path(kind, namespace)}?{urlencode(params)}"
+        # No total timeout: a watch is meant to stay open; a silent connection is cut by the read timeout.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout_seconds + 30)
+        try:
+            async with self.session().get(url, timeout=timeout) as resp:
+                metrics.API_REQUESTS.labels("WATCH", str(resp.status)).inc()
+                if resp.status >= 400:
+                    text = await resp.text()
+                    raise ApiError(resp.status, resp.reason or "", text[:200], f"watch {kind} in {namespace}")
+                async for line in resp.content:
+                    if line.strip():
+                        event = json.loads(line)
+                        yield event.get("type", ""), event.get("object") or {}
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            metrics.API_REQUESTS.labels("WATCH", "error").inc()
+            raise Unreachable(f"watch {kind} in {namespace}: {exc.__class__.__name__}: {exc}") from exc
 
     async def create(self, obj: Object) -> Object:
         meta = obj["metadata"]

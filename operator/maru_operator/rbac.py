@@ -10,7 +10,8 @@ Four scopes:
   every namespace unless told otherwise;
 * only with ``--namespace`` (``NAMESPACED_MODE_RULES``): kopf follows the namespaces it serves;
 * the pool namespace only (``POOL_NAMESPACE_RULES``, a Role there): writing DaemonSets, which the
-  operator creates only where pools run, and listing the pool agents' pods, which run there only;
+  operator creates only where pools run, listing the pool agents' pods, which run there only, and the
+  pools' key Secrets (the only Secrets the operator touches: the CSI node plugin mints the groups' credentials);
 * the lease namespace only (``LEASE_NAMESPACE_RULES``, a Role there; ``default`` unless
   ``--lease-namespace``): the leader Lease, kept where every release of the cluster looks for it; get and
   patch name that one Lease (``resourceNames``).
@@ -52,9 +53,6 @@ CLUSTER_RULES: list[Rule] = [
      "never written: the routers' own Roles of earlier versions are watched to be pruned on upgrade"),
     (["networking.k8s.io"], ["networkpolicies"], MANAGE,
      "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)"),
-    ([""], ["secrets"], ["get", "list", "watch", "create", "patch"],
-     "each pool's key (release namespace) and each group's pool credential, the token its vLLM pods mount; only "
-     "the operator's Secrets are watched (label selector); never deleted (ownerReferences do), never updated"),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"],
      "Ready needs the router Service's ready endpoints (only slices labelled as the operator's Services are watched)"),
     ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),
@@ -71,6 +69,10 @@ POOL_NAMESPACE_RULES: list[Rule] = [
     (["apps"], ["daemonsets"], ["create", "patch", "delete"],
      "the pool agent DaemonSets, which run in the pool namespace only"),
     ([""], ["pods"], ["list"], "the pool agents' pods, for the pool's per-node status"),
+    ([""], ["secrets"], ["get", "list", "watch", "create", "patch"],
+     "each pool's key, next to its daemons; groups' credentials are minted by the CSI node plugin, so no Secret "
+     "elsewhere; only the operator's Secrets are watched (label selector); never deleted (ownerReferences do), "
+     "never updated"),
 ]
 
 # What every router needs (vllm-router's Kubernetes service discovery); bound in its group's namespace.

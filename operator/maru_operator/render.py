@@ -4,8 +4,8 @@ The same builders as the running operator, so what a reviewer (or a GitOps diff)
 cluster gets. Without a cluster there are no UIDs, so the ownerReferences are left out; a group is
 rendered against the pool of the same name in the input (or as if its pool had the default settings).
 Objects that name no image get the operator's defaults, moved by the same --image-* flags as ``run``.
-The pools' key Secrets and the groups' credential Secrets are rendered without data: a pool's key is made
-in the cluster, and the groups' tokens derive from it.
+The pools' key Secrets are rendered without data: a pool's key is made in the cluster (and the groups'
+tokens are minted from it on the nodes, by the CSI node plugin).
 """
 
 from __future__ import annotations

@@ -43,14 +43,15 @@ NAMESPACED_RULES = {
     ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
     ("", "persistentvolumeclaims"): CHILD_VERBS,
     ("policy", "poddisruptionbudgets"): CHILD_VERBS,
-    # Pool keys and group credentials: never deleted (ownerReferences), never updated.
-    ("", "secrets"): CHILD_VERBS - {"delete"},
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
 }
 # A Role in the release namespace, where the pool daemons run.
 POOL_NAMESPACE_RULES = {
     ("apps", "daemonsets"): {"create", "patch", "delete"},
     ("", "pods"): {"list"},
+    # The pools' keys: never deleted (ownerReferences), never updated. The groups' credentials are minted by
+    # the CSI node plugin, so the operator holds no Secret right anywhere else.
+    ("", "secrets"): CHILD_VERBS - {"delete"},
 }
 # The routers' ClusterRole, which the operator binds in the groups' namespaces.
 ROUTER_RULES = {("", "pods"): {"get", "list", "watch"}}
@@ -104,6 +105,19 @@ def test_no_secret_deletes_and_no_escalation_verbs(objects: list[dict[str, Any]]
                 assert rule["resources"] == ["clusterroles"] and rule["verbs"] == ["bind"], rule
                 (router,) = rule["resourceNames"]
                 assert grants(one(objects, "ClusterRole", router)) == ROUTER_RULES
+
+
+def test_no_secret_rule_outside_the_release_namespace(objects: list[dict[str, Any]]) -> None:
+    """Secrets only through a Role of the release namespace: never a ClusterRole, which a ClusterRoleBinding (or a
+    RoleBinding in a group's namespace) would grant elsewhere."""
+    holders = []
+    for role in all_roles(objects):
+        if ("", "secrets") in grants(role):
+            holders.append((role["kind"], role["metadata"].get("namespace")))
+            bound = [b for b in find(objects, "RoleBinding") + find(objects, "ClusterRoleBinding")
+                     if b["roleRef"]["name"] == role["metadata"]["name"] and b["roleRef"]["kind"] == role["kind"]]
+            assert {(b["kind"], b["metadata"].get("namespace")) for b in bound} == {("RoleBinding", NAMESPACE)}
+    assert holders == [("Role", NAMESPACE)]
 
 
 def test_default_grants_exactly_what_the_operator_needs_cluster_wide(default_objects: list[dict[str, Any]]) -> None:
@@ -299,6 +313,9 @@ def test_every_resource_the_operator_watches_is_granted() -> None:
 
     for group, _version, plural in CHILD_RESOURCES:
         assert {"list", "watch"} <= NAMESPACED_RULES[(group, plural)], plural
+    # The pools' key Secrets: watched in the release namespace only, by the operator's own watch.
+    assert ("", "v1", "secrets") not in CHILD_RESOURCES
+    assert {"list", "watch"} <= POOL_NAMESPACE_RULES[("", "secrets")]
     for key in (("maru.io", "marupools"),):
         assert {"list", "watch"} <= CLUSTER_RULES[key]
     assert {"list", "watch"} <= NAMESPACED_RULES[("maru.io", "inferencegroups")]

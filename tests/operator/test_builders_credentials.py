@@ -1,4 +1,4 @@
-"""The pool's key Secret and the groups' credential Secrets: shape, ownership, tokens, mounts."""
+"""The pool's key Secret and the groups' credential volumes: shape, ownership, minted tokens, mounts."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import pytest
 
 from maru_connector import tenancy
 from maru_connector.config import MaruConnectorConfig
-from maru_operator.builders.common import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, Owner
+from maru_connector.csi import minting
+from maru_operator.api.inferencegroup import InferenceGroupSpec
+from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, Owner
 from maru_operator.builders.credentials import (
-    build_group_credential,
     build_pool_key_secret,
-    credential_name,
     pool_key,
     pool_key_name,
 )
 from maru_operator.builders.group import PoolView, build_group_children, build_role_deployment, cache_scope
+from maru_operator.builders.pool import build_agent_daemonset
 from maru_operator.validation import check_group
 from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, assert_valid, container, group_spec, pool_spec
 from tests.operator.test_builders_group import kv_config
@@ -26,12 +27,8 @@ KEY = os.urandom(32)
 NS = "maru-system"
 
 
-def bound_pool(key: bytes | None = KEY) -> PoolView:
-    return PoolView(name="pool", spec=pool_spec(), key=key)
-
-
-def token_of(secret: dict) -> str:
-    return base64.b64decode(secret["data"]["token"]).decode()
+def bound_pool(**fields: object) -> PoolView:
+    return PoolView(name="pool", spec=pool_spec(**fields))
 
 
 class TestPoolKeySecret:
@@ -56,33 +53,40 @@ class TestPoolKeySecret:
         assert pool_key({"data": data} if data is not None else {}) is None
 
 
-class TestGroupCredential:
-    def test_owned_by_the_group_in_its_namespace(self) -> None:
-        secret = build_group_credential(GROUP_OWNER, "pool", "llm/llama", KEY)
-        assert_valid(secret)
-        assert secret["metadata"]["name"] == credential_name("llama") == "llama-pool-credential"
-        assert secret["metadata"]["namespace"] == "llm"
-        (ref,) = secret["metadata"]["ownerReferences"]
-        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceGroup", "llama", "uid-group",
-                                                                          True)
-        assert secret["metadata"]["labels"][LABEL_POOL] == "pool"
+def minted_token(spec: InferenceGroupSpec, owner: Owner, pool: PoolView, key: bytes = KEY) -> str:
+    """The token the CSI node plugin mints for a vLLM pod of the group: from the pod's credential volume as the
+    operator renders it and the pool policy its agent's init container is given, through the plugin's code."""
+    dep = build_role_deployment(spec, "decode", owner, pool)
+    attributes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}["maru-credential"]["csi"][
+        "volumeAttributes"]
+    init = next(c for c in build_agent_daemonset(pool.spec, POOL_OWNER, NS, key)["spec"]["template"]["spec"][
+        "initContainers"] if c["name"] == "credentials")
+    default, ceiling = minting.parse_policy(init["args"][init["args"].index("--policy") + 1], "--policy")
+    assert init["args"][init["args"].index("--pool") + 1] == attributes["pool"]
+    material = minting.Material(attributes["pool"], key, default, ceiling)
+    token, _ = material.mint(owner.namespace or "", attributes["cache"],
+                             tenancy.Quota.decode(attributes.get("quota", "")))
+    return token
 
-    def test_the_token_names_the_scope_under_the_pool_key(self) -> None:
-        token = token_of(build_group_credential(GROUP_OWNER, "pool", "llm/llama", KEY))
+
+class TestGroupCredential:
+    def test_no_secret_among_a_groups_children(self) -> None:
+        """The node plugin mints the group's credential: the operator writes no Secret in the group's namespace."""
+        for pool in (bound_pool(), None):
+            assert "Secret" not in [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, pool)]
+
+    def test_the_minted_token_names_the_scope_under_the_pool_key(self) -> None:
+        token = minted_token(group_spec(), GROUP_OWNER, bound_pool())
         assert tenancy.verify(KEY, token) == tenancy.tenant("llm/llama")
         with pytest.raises(tenancy.BadToken):
             tenancy.verify(os.urandom(32), token)  # another pool's key refuses it
-        assert KEY not in base64.b64decode(build_group_credential(GROUP_OWNER, "pool", "llm/llama", KEY)[
-            "data"]["token"])  # the pool's key itself never leaves the release namespace
 
-    def test_a_group_children_start_with_its_credential(self) -> None:
-        children = build_group_children(group_spec(), GROUP_OWNER, bound_pool())
-        assert children[0]["kind"] == "Secret"
-        assert tenancy.verify(KEY, token_of(children[0])).scope == "llm/llama"
-        assert "Secret" not in [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, None)]
-
-    def test_the_key_is_not_in_the_pool_views_repr(self) -> None:
-        assert KEY.hex() not in repr(bound_pool()) and repr(KEY) not in repr(bound_pool())
+    def test_a_long_scope_is_hashed_the_same_by_operator_and_plugin(self) -> None:
+        owner = Owner(kind="InferenceGroup", name="g", namespace="n" * 63, uid="u")
+        spec = group_spec(connector={"cacheNamespace": "c" * 253})
+        scope = cache_scope(spec, owner)
+        assert len(scope) == 253
+        assert tenancy.verify(KEY, minted_token(spec, owner, bound_pool())).scope == scope
 
 
 class TestScope:
@@ -103,7 +107,7 @@ class TestScope:
         assert check_group(probe) == []  # allowed, and harmless
         a_scope = cache_scope(probe, a_owner)
         assert (b_scope, a_scope) == ("b/qwen-7b", "a/b/qwen-7b")
-        a_token = token_of(build_group_children(probe, a_owner, bound_pool())[0])
+        a_token = minted_token(probe, a_owner, bound_pool())
         assert tenancy.verify(KEY, a_token).scope == a_scope
         assert tenancy.KeyScope(a_scope)(b"k" * 32) != tenancy.KeyScope(b_scope)(b"k" * 32)
         # The connector's salt follows the scope too, so not even the client-side keys coincide.
@@ -113,19 +117,28 @@ class TestScope:
 
 class TestMountedCredential:
     def test_vllm_pods_mount_it_and_the_connector_reads_it(self) -> None:
+        spec = group_spec(poolQuota={"bytes": "1Gi", "pins": 8})
         for role in ("prefill", "decode"):
-            dep = build_role_deployment(group_spec(), role, GROUP_OWNER, bound_pool())
+            dep = build_role_deployment(spec, role, GROUP_OWNER, bound_pool())
             pod = dep["spec"]["template"]["spec"]
             volumes = {v["name"]: v for v in pod["volumes"]}
-            assert volumes["maru-credential"]["secret"] == {"secretName": "llama-pool-credential", "defaultMode": 0o444,
-                                                            "items": [{"key": "token", "path": "token"}]}
+            assert volumes["maru-credential"] == {"name": "maru-credential", "csi": {
+                "driver": "csi.maru.io", "readOnly": True,
+                # The group's request as it wrote it: the plugin caps it by the pool's maxTenantQuota.
+                "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru", "cache": "llama",
+                                     "quota": f"bytes={1 << 30},pins=8"}}}
             assert {"name": "maru-credential", "mountPath": "/var/run/secrets/maru.io/pool", "readOnly": True} in \
                 container(dep)["volumeMounts"]
             cfg = MaruConnectorConfig.from_extra_config(kv_config(dep)["kv_connector_extra_config"])
             assert cfg.pool_token_file == "/var/run/secrets/maru.io/pool/token"
-            # The token is in no argument and no environment variable of the pod.
-            token = token_of(build_group_credential(GROUP_OWNER, "pool", "llm/llama", KEY))
-            assert token not in str(dep)
+            assert_valid(dep)
+
+    def test_a_changed_pool_policy_does_not_roll_the_groups_pods(self) -> None:
+        """The pods carry the group's request, not the capped quota: the pool's policy reaches the nodes."""
+        before = build_role_deployment(group_spec(), "decode", GROUP_OWNER, bound_pool())
+        after = build_role_deployment(group_spec(), "decode", GROUP_OWNER,
+                                      bound_pool(maxTenantQuota={"pins": 4}, tenantQuota={"leases": 2}))
+        assert before["spec"]["template"] == after["spec"]["template"]
 
     def test_a_user_volume_cannot_take_its_name_or_path(self) -> None:
         with pytest.raises(ValueError, match="maru-credential"):

@@ -313,7 +313,7 @@ class TestGroupChildren:
         names = [c["metadata"]["name"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
         kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
         assert list(zip(kinds, names, strict=True)) == [
-            ("Secret", "llama-pool-credential"), ("PersistentVolumeClaim", "llama-model-cache"),
+            ("PersistentVolumeClaim", "llama-model-cache"),
             ("Deployment", "llama-prefill"), ("PodDisruptionBudget", "llama-prefill"),
             ("Deployment", "llama-decode"), ("PodDisruptionBudget", "llama-decode"),
             ("ServiceAccount", "llama-router"), ("RoleBinding", "llama-router-pods"),

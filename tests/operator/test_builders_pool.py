@@ -252,3 +252,43 @@ class TestPrivateRegistry:
     def test_a_secret_named_twice_is_refused_naming_the_field(self) -> None:
         with pytest.raises(ValidationError, match="imagePullSecrets"):
             pool_spec(daemon={"imagePullSecrets": [{"name": "a"}, {"name": "a"}]})
+
+
+class TestCredentialsInitContainer:
+    """The agent's init container brings the pool's key and quota policy to each node, for the CSI node plugin."""
+
+    @staticmethod
+    def init(ds: dict) -> dict:
+        (found,) = [c for c in ds["spec"]["template"]["spec"]["initContainers"] if c["name"] == "credentials"]
+        return found
+
+    def test_writes_the_minting_file_under_the_socket_root_from_the_key_secret(self) -> None:
+        import json
+
+        from maru_operator.builders.pool import build_agent_daemonset
+
+        spec = pool_spec(tenantQuota={"pins": 64}, maxTenantQuota={"bytes": "1Gi"})
+        ds = build_agent_daemonset(spec, POOL_OWNER, NS, b"k" * 32)
+        assert_valid(ds)
+        init = self.init(ds)
+        args = dict(zip(init["args"][::2], init["args"][1::2], strict=True))
+        assert init["command"] == ["python", "-m", "maru_connector.csi.minting"]
+        assert args["--socket-root"] == "/run/maru" and args["--pool"] == "pool"
+        assert args["--key-file"] == "/etc/maru/pool-key/key"
+        assert json.loads(args["--policy"]) == {"tenantQuota": "pins=64", "maxTenantQuota": f"bytes={1 << 30}"}
+        volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["credentials"]["hostPath"] == {"path": "/run/maru/_credentials", "type": "DirectoryOrCreate"}
+        assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {
+            "credentials": "/run/maru/_credentials", "pool-key": "/etc/maru/pool-key"}
+        assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert "k" * 32 not in str(ds), "the key travels in the Secret volume, never in the pod spec"
+
+    def test_a_new_key_rolls_the_agents_so_each_node_rewrites_its_file(self) -> None:
+        from maru_operator.builders.pool import KEY_DIGEST_ANNOTATION, build_agent_daemonset
+
+        def template(key: bytes | None) -> dict:
+            return build_agent_daemonset(pool_spec(), POOL_OWNER, NS, key)["spec"]["template"]
+
+        assert template(b"a" * 32) == template(b"a" * 32)
+        assert template(b"a" * 32) != template(b"b" * 32)
+        assert KEY_DIGEST_ANNOTATION not in template(None)["metadata"].get("annotations", {})

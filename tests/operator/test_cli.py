@@ -161,9 +161,9 @@ def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
     expected += build_group_policies(spec, owner, view, "maru-system", NetworkPolicyConfig())
     assert [o["kind"] for o in rendered[:3]] == ["Secret", "DaemonSet", "NetworkPolicy"]
     assert rendered[3:] == expected
-    # Offline there is no pool key: the key and the group's credential are rendered without data.
-    assert [o["metadata"]["name"] for o in rendered if o["kind"] == "Secret"] == ["local-shm-key",
-                                                                                  "qwen-pool-credential"]
+    # Offline there is no pool key: the key is rendered without data; the group's credential is no Secret (the
+    # CSI node plugin mints it).
+    assert [o["metadata"]["name"] for o in rendered if o["kind"] == "Secret"] == ["local-shm-key"]
     assert all("data" not in o for o in rendered if o["kind"] == "Secret")
 
 
@@ -193,7 +193,10 @@ def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role()
         ("RoleBinding", "ops"), ("RoleBinding", "default"), ("ClusterRole", None)]
     assert docs[1]["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
                                  "verbs": ["create", "patch", "delete"]},
-                                {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+                                {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                                {"apiGroups": [""], "resources": ["secrets"],
+                                 "verbs": ["get", "list", "watch", "create", "patch"]}]
+    assert not [r for r in docs[0]["rules"] if "secrets" in r["resources"]], "no Secret right across the cluster"
     # The leader Lease is where every release of the cluster looks for it, not in the release namespace.
     # Read and renewed by name; create cannot be limited by name.
     assert docs[2]["rules"] == [

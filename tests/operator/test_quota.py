@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from maru_connector import tenancy
 from maru_operator.api.inferencegroup import InferenceGroupStatus, PoolUsage
 from maru_operator.builders.credentials import effective_quota
-from maru_operator.builders.group import PoolView, build_pool_credential
+from maru_operator.builders.group import PoolView
 from maru_operator.status import group_usage_only_change, tenant_usage
 from tests.operator.helpers import GROUP_OWNER, group_spec, pool_spec
+from tests.operator.test_builders_credentials import minted_token
 
 KEY = os.urandom(32)
 Gi = 1 << 30
@@ -24,9 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def token(group_fields: dict, pool_fields: dict) -> str:
-    secret = build_pool_credential(group_spec(**group_fields), GROUP_OWNER,
-                                   PoolView(name="pool", spec=pool_spec(**pool_fields), key=KEY))
-    return base64.b64decode(secret["data"]["token"]).decode()
+    """The token the node plugin mints for the group's pods, under the pool's policy."""
+    return minted_token(group_spec(**group_fields), GROUP_OWNER, PoolView(name="pool", spec=pool_spec(**pool_fields)),
+                        KEY)
 
 
 class TestSpecFields:

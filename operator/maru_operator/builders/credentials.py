@@ -1,36 +1,40 @@
-"""The pool's key and the groups' credentials: two Secrets the operator writes, and where pods mount them.
+"""The pool's key, and where a group's pods get their pool credential.
 
 * ``<pool>-key`` (release namespace, owned by the MaruPool): random bytes the operator generates once. Only
-  the operator and the pool's daemons read it; the daemons verify every client's hello against it.
-* ``<group>-pool-credential`` (the group's namespace, owned by the group): the token of the group's cache
-  scope under its pool's key (:mod:`maru_connector.tenancy`), mounted into the group's vLLM pods; the
-  connector config names the file. A group's engines can read their own token and nothing else: the
-  pool's key never leaves the release namespace.
+  the operator and the pool's daemons read it; the daemons verify every client's hello against it, and the
+  agents' init container copies it, with the pool's quota policy, to the node for the CSI node plugin
+  (:mod:`maru_connector.csi.minting`).
+* A group's **credential** is no Secret: its vLLM pods name a credential volume of the CSI driver
+  (:func:`credential_volume`), and the node plugin mints the token of ``tenant:<pod namespace>/<cache>``
+  (:mod:`maru_connector.tenancy`) when the kubelet publishes it. The namespace comes from the kubelet, the
+  cache name and the group's ``poolQuota`` from the volume's attributes, and the pool's ``maxTenantQuota``
+  caps what they ask for. So the operator reads and writes Secrets in its own namespace only, and the pool's
+  key never leaves the release namespace and the pool nodes' root-only files.
 
-A group's **quota** in its pool travels inside its token, signed (:func:`effective_quota`: the group's
-``poolQuota``, else the pool's ``tenantQuota``, capped by the pool's ``maxTenantQuota``): the daemons learn
-it at the engines' hello, with no tenant list and no restart. A group with no quota anywhere gets the token
-it always had (``maru1``), which the daemons read as "the pool's defaults".
+Groups' credential Secrets ``<group>-pool-credential`` of earlier versions are no longer written or read;
+each stays until its group is deleted (its ownerReference), or is deleted by hand (see docs/security.md).
 
-Tokens are derived, not stored anywhere else: the operator recomputes a group's from its pool's key on every
-pass, so there is nothing to keep in sync and a new key re-issues every credential. The builders take the
-key as an argument (None when rendering offline: the Secrets then carry no data).
+A group's **quota** in its pool travels inside its token, signed (:func:`maru_connector.tenancy.effective_quota`:
+the group's ``poolQuota``, else the pool's ``tenantQuota``, capped by the pool's ``maxTenantQuota``): the
+daemons learn it at the engines' hello, with no tenant list and no restart.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+from pathlib import PurePosixPath
 from typing import Any
 
 from maru_connector import tenancy
+from maru_connector.csi.contract import DRIVER_NAME, credential_attributes
+from maru_connector.csi.contract import TOKEN_FILE as TOKEN_FIELD
 from maru_connector.poolsize import parse_size
 from maru_operator.api.marupool import MaruPoolSpec, TenantQuota
-from maru_operator.builders.common import LABEL_POOL, Object, Owner, labels, metadata
-from maru_operator.names import child_name, label_value
+from maru_operator.builders.common import Object, Owner, labels, metadata
+from maru_operator.names import child_name
 
 POOL_KEY_FIELD = "key"
-TOKEN_FIELD = "token"
 
 KEY_VOLUME = "pool-key"
 KEY_DIR = "/etc/maru/pool-key"
@@ -52,6 +56,7 @@ def pool_key_name(pool: str) -> str:
 
 
 def credential_name(group: str) -> str:
+    """The credential Secret earlier versions wrote per group (label component=pool-credential); none is written now."""
     return child_name(group, "pool-credential")
 
 
@@ -81,32 +86,22 @@ def build_pool_key_secret(owner: Owner, namespace: str, key: bytes | None) -> Ob
     return _secret(meta, POOL_KEY_FIELD, key)
 
 
+def quota_of(quota: TenantQuota | None) -> tenancy.Quota:
+    """A quota of the API (sizes as quantities) as numbers; None: nothing set."""
+    if quota is None:
+        return tenancy.DEFAULT_QUOTA
+    return tenancy.Quota(**{name: _field(quota, name) for name in tenancy.QUOTA_FIELDS})
+
+
 def effective_quota(group: TenantQuota | None, pool: MaruPoolSpec) -> tenancy.Quota:
-    """The quota signed into a group's token, field by field: the group's, else the pool's default, capped by
-    the pool's ceiling (which is also the default where neither sets one); None: the daemon's default."""
-    values: dict[str, int | None] = {}
-    for name in tenancy.QUOTA_FIELDS:
-        wanted = _field(group, name)
-        if wanted is None:
-            wanted = _field(pool.tenant_quota, name)
-        ceiling = _field(pool.max_tenant_quota, name)
-        values[name] = ceiling if wanted is None else wanted if ceiling is None else min(wanted, ceiling)
-    return tenancy.Quota(**values)
+    """The quota signed into a group's token: the one rule (:func:`maru_connector.tenancy.effective_quota`) the
+    node plugin applies at publish, over the group's ``poolQuota`` and the pool's policy."""
+    return tenancy.effective_quota(quota_of(group), quota_of(pool.tenant_quota), quota_of(pool.max_tenant_quota))
 
 
-def _field(quota: TenantQuota | None, name: str) -> int | None:
-    value = getattr(quota, name) if quota is not None else None
+def _field(quota: TenantQuota, name: str) -> int | None:
+    value = getattr(quota, name)
     return parse_size(value) if isinstance(value, str) else value
-
-
-def build_group_credential(
-    owner: Owner, pool: str, scope: str, key: bytes | None, quota: tenancy.Quota = tenancy.DEFAULT_QUOTA
-) -> Object:
-    """The group's token for ``scope`` and ``quota`` under its pool's ``key`` (None: rendered without data)."""
-    meta = metadata(owner, name=credential_name(owner.name), namespace=owner.namespace, labels={
-        **labels(owner, app="vllm", component="pool-credential"), LABEL_POOL: label_value(pool)})
-    token = tenancy.issue(key, tenancy.tenant(scope, quota)).encode() if key is not None else None
-    return _secret(meta, TOKEN_FIELD, token)
 
 
 def _secret_volume(name: str, secret: str, field: str, mode: int) -> Object:
@@ -123,8 +118,18 @@ def pool_key_mount() -> Object:
     return {"name": KEY_VOLUME, "mountPath": KEY_DIR, "readOnly": True}
 
 
-def credential_volume(group: str) -> Object:
-    return _secret_volume(CREDENTIAL_VOLUME, credential_name(group), TOKEN_FIELD, NON_ROOT_READER)
+def credential_volume(socket_dir: str, cache: str, quota: TenantQuota | None) -> Object:
+    """The pod volume holding its pool credential: a read-only tmpfs the CSI node plugin fills at publish.
+
+    ``socket_dir``: the pool's socket directory on the nodes (which pool, under which socket root);
+    ``cache``: the group's cache name (``cacheNamespace``, else its name), whose scope in the pod's namespace
+    the token names; ``quota``: the group's ``poolQuota``, as asked for (the plugin caps it by the pool's
+    ceiling, so a change of the pool's policy re-mints tokens without rolling the groups' pods).
+    """
+    directory = PurePosixPath(socket_dir)
+    attributes = credential_attributes(directory.name, str(directory.parent), cache, quota_of(quota).encode())
+    return {"name": CREDENTIAL_VOLUME, "csi": {"driver": DRIVER_NAME, "readOnly": True,
+                                               "volumeAttributes": attributes}}
 
 
 def credential_mount() -> Object:

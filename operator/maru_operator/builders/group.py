@@ -2,17 +2,19 @@
 
 Both roles get their ``--kv-transfer-config`` from :func:`maru_connector.config.kv_transfer_config_json`,
 built from one spec, so prefill and decode can never disagree on chunk size, pool or key namespace.
-Both mount the group's pool credential (:mod:`.credentials`), the token of the group's cache scope.
+Both mount the group's pool credential (:mod:`.credentials`), the token of the group's cache scope, which
+the CSI node plugin mints when the pod starts.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
+from maru_connector.tenancy import tenant_scope
 from maru_operator.api.common import Toleration
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
@@ -34,10 +36,8 @@ from maru_operator.builders.common import (
 from maru_operator.builders.credentials import (
     CREDENTIAL_VOLUME,
     TOKEN_FILE,
-    build_group_credential,
     credential_mount,
     credential_volume,
-    effective_quota,
 )
 from maru_operator.builders.disruption import build_disruption_budget
 from maru_operator.builders.lifecycle import (
@@ -55,7 +55,7 @@ from maru_operator.builders.modelcache import (
     model_cache_volume,
     replaced_by_user,
 )
-from maru_operator.builders.pool import pool_endpoint
+from maru_operator.builders.pool import pool_endpoint, socket_host_dir
 from maru_operator.builders.poolsocket import SOCKET_VOLUME, pool_socket_mount, pool_socket_volume
 from maru_operator.builders.resources import ROUTER, VLLM_PER_RANK, ResourceDefault, scaled, with_defaults
 from maru_operator.builders.scaling import desired_replicas, external_annotations
@@ -78,7 +78,6 @@ DIRECT_METRICS_PORT = 29001
 # maru-router imports vLLM (and torch) for its block hashing: a Python process of some hundred MiB.
 DIRECT_ROUTER = ResourceDefault(request=512 * 2**20, limit=2 * 2**30, cpu_millis=100)
 
-
 # Prefill loads what any replica stored and stores the rest, so the pool is one prefix cache for the
 # whole fleet: a document one prefill replica read is a hit on every other. Decode only loads: its
 # prefill has stored (or is storing, and says so in the handoff) every chunk of the prompt, so a
@@ -95,11 +94,10 @@ HASH_SEED = "0"
 
 @dataclass(frozen=True)
 class PoolView:
-    """What a group needs to know about its pool; ``key`` signs the group's credential (None offline)."""
+    """What a group needs to know about its pool."""
 
     name: str
     spec: MaruPoolSpec
-    key: bytes | None = field(default=None, repr=False)  # never in a log line
 
     @property
     def endpoint(self) -> str:
@@ -119,7 +117,9 @@ def service_name(group: str) -> str:
     return child_name(group)
 
 
-MAX_CACHE_NAMESPACE = 253
+def cache_name(spec: InferenceGroupSpec, group: str) -> str:
+    """The group's cache within its namespace: its cacheNamespace, else its name."""
+    return spec.connector.cache_namespace or group
 
 
 def cache_scope(spec: InferenceGroupSpec, owner: Owner) -> str:
@@ -128,12 +128,15 @@ def cache_scope(spec: InferenceGroupSpec, owner: Owner) -> str:
     The namespace comes from the group's own metadata and always comes first, so ``cacheNamespace: B/x``
     in namespace A is the scope ``A/B/x``, never B's: groups of one namespace share KV by naming the same
     cacheNamespace, groups of two namespaces never do. The group's token names this scope and the pool
-    keys every chunk by it; the connector's salt is the same string. Hashed down to 253 characters.
+    keys every chunk by it; the connector's salt is the same string. Hashed down to 253 characters, as the
+    CSI node plugin does when it mints the token (one function: :func:`maru_connector.tenancy.tenant_scope`).
     """
-    scope = f"{owner.namespace}/{spec.connector.cache_namespace or owner.name}"
-    if len(scope) <= MAX_CACHE_NAMESPACE:
-        return scope
-    return scope[: MAX_CACHE_NAMESPACE - 9] + "-" + short_hash(scope)
+    return tenant_scope(owner.namespace or "", cache_name(spec, owner.name))
+
+
+def pool_credential_volume(spec: InferenceGroupSpec, group: str, pool: PoolView) -> Object:
+    """The credential volume of every pod of the group that talks to its pool: its cache's token, minted at publish."""
+    return credential_volume(socket_host_dir(pool.spec, pool.name), cache_name(spec, group), spec.pool_quota)
 
 
 def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> MaruConnectorConfig:
@@ -144,12 +147,6 @@ def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
         pool_token_file=TOKEN_FILE,
         rpc_timeout_ms=spec.connector.rpc_timeout_ms,
     )
-
-
-def build_pool_credential(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> Object:
-    """The Secret holding the group's token for its pool (no data without the pool's key)."""
-    quota = effective_quota(spec.pool_quota, pool.spec)
-    return build_group_credential(owner, pool.name, cache_scope(spec, owner), pool.key, quota)
 
 
 def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView) -> list[str]:
@@ -247,7 +244,7 @@ def role_volumes(
     taken = {m.mount_path.rstrip("/") for m in role_spec.volume_mounts}
     # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
     operator = [(pool_socket_volume(pool.spec, pool.name), pool_socket_mount(pool.spec, pool.name)),
-                (credential_volume(group), credential_mount()),
+                (pool_credential_volume(spec, group, pool), credential_mount()),
                 shm_volume(role_spec),
                 *([] if replaced_by_user(role_spec) else [model_cache_volume(spec, group)]),
                 *zip(scratch_volumes(), scratch_mounts(), strict=True)]
@@ -627,7 +624,6 @@ def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
     """
     children: list[Object | None] = []
     if pool is not None:
-        children.append(build_pool_credential(spec, owner, pool))
         children.append(build_model_cache_claim(spec, owner))
         for role in ("prefill", "decode"):
             children.append(build_role_deployment(spec, role, owner, pool, observed))

@@ -11,10 +11,14 @@ Every daemon gets the pool's key (:mod:`.credentials`) and authenticates each cl
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
+from pathlib import PurePosixPath
 from typing import Any
 
 from maru_connector.csi.admission import admission_document, render
+from maru_connector.csi.contract import CREDENTIALS_DIR
+from maru_connector.csi.minting import policy_document
 from maru_connector.poolsize import format_size, parse_size, pool_memory_bytes
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
@@ -31,6 +35,7 @@ from maru_operator.builders.credentials import (
     build_pool_key_secret,
     pool_key_mount,
     pool_key_volume,
+    quota_of,
 )
 from maru_operator.builders.resources import (
     CPU,
@@ -324,12 +329,63 @@ def admission_init_container(spec: MaruPoolSpec, pool: str) -> Object:
     }
 
 
-def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> Object:
-    """The per-node daemon: ``maru-pool agent`` (dax) or a self-contained ``maru-pool serve`` (shm)."""
+CREDENTIALS_VOLUME = "credentials"
+# On the agent's pod template: a digest of the pool key (never the key), so a new key (a rotation) rolls the
+# agents and each rewrites its node's minting file; the key Secret volume alone would update only the daemon.
+KEY_DIGEST_ANNOTATION = "maru.io/pool-key-digest"
+
+
+def credentials_host_dir(spec: MaruPoolSpec) -> str:
+    """Where each pool node keeps the pools' minting material: beside the socket directories, root only."""
+    return f"{spec.daemon.socket_dir.rstrip('/')}/{CREDENTIALS_DIR}"
+
+
+def key_digest(key: bytes) -> str:
+    return hashlib.blake2b(key, digest_size=12, person=b"maru-key-digest").hexdigest()
+
+
+def credentials_init_container(spec: MaruPoolSpec, pool: str) -> Object:
+    """Writes ``<socket root>/_credentials/<pool>.json``: the pool key and quota policy the CSI node plugin
+    mints the groups' credentials from (:mod:`maru_connector.csi.minting`).
+
+    The key comes from the key Secret this pod mounts, never through the pod spec; the policy (the pool's
+    ``tenantQuota`` and ``maxTenantQuota``) is rendered into the arguments, so a changed policy rolls the
+    agents and each node's file follows. The file is 0600 in a 0700 directory, as root.
+    """
+    directory = PurePosixPath(socket_host_dir(spec, pool))
+    return {
+        "name": "credentials",
+        "image": spec.daemon.image or DEFAULT_POOL_IMAGE,
+        "imagePullPolicy": spec.daemon.image_pull_policy,
+        "command": ["python", "-m", "maru_connector.csi.minting"],
+        "args": [
+            "--socket-root", str(directory.parent),
+            "--pool", directory.name,
+            "--key-file", KEY_FILE,
+            "--policy", policy_document(quota_of(spec.tenant_quota), quota_of(spec.max_tenant_quota)),
+        ],
+        "resources": ADMISSION_RESOURCES,
+        "volumeMounts": [{"name": CREDENTIALS_VOLUME, "mountPath": credentials_host_dir(spec)}, pool_key_mount()],
+        # Root to write the root-owned directory the kubelet created (and close it to others); nothing else.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": False,
+        },
+    }
+
+
+def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str, key: bytes | None = None) -> Object:
+    """The per-node daemon: ``maru-pool agent`` (dax) or a self-contained ``maru-pool serve`` (shm).
+
+    ``key``: the pool's key, whose digest on the pod template rolls the agents when it changes (None: offline).
+    """
     pool = owner.name
     host_dir = socket_host_dir(spec, pool)
     volumes: list[dict[str, Any]] = [
         {"name": "socket", "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}},
+        {"name": CREDENTIALS_VOLUME, "hostPath": {"path": credentials_host_dir(spec), "type": "DirectoryOrCreate"}},
         pool_key_volume(pool, reader_is_root=True),
     ]
     mounts: list[dict[str, Any]] = [{"name": "socket", "mountPath": host_dir}, pool_key_mount()]
@@ -367,12 +423,15 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
         **_pull_secrets(spec),
         "securityContext": pod_security,
         "tolerations": _tolerations(spec),
-        "initContainers": [admission_init_container(spec, pool)],
+        "initContainers": [admission_init_container(spec, pool), credentials_init_container(spec, pool)],
         "containers": [container],
         "volumes": volumes,
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
+    template_meta: dict[str, Any] = {"labels": pod_labels}
+    if key is not None:
+        template_meta["annotations"] = {KEY_DIGEST_ANNOTATION: key_digest(key)}
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -381,7 +440,7 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str) -> O
             "selector": {"matchLabels": selector(owner, app=APP, component=COMPONENT_AGENT)},
             # One node at a time: a restarting agent drops that node's cache, never the whole pool's.
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
 
@@ -397,6 +456,6 @@ def build_pool_children(spec: MaruPoolSpec, owner: Owner, namespace: str, key: b
         build_pool_key_secret(owner, namespace, key),
         build_metadata_service(spec, owner, namespace),
         build_metadata_deployment(spec, owner, namespace),
-        build_agent_daemonset(spec, owner, namespace),
+        build_agent_daemonset(spec, owner, namespace, key),
     ]
     return [c for c in children if c is not None]
