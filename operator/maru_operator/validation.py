@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from maru_connector.csi.contract import MAX_CACHE, cache_error
 from maru_operator.api.common import FieldError
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
@@ -55,6 +56,12 @@ def check_group(spec: InferenceGroupSpec) -> list[FieldError]:
             ))
         errors += _pod_checks(role, f"spec.{role_name}")
     errors += _pod_labels_check(spec.router, "spec.router")
+    cache = spec.connector.cache_namespace
+    if cache is not None and cache_error(cache):
+        # The CSI node plugin mints the group's credential for this name and would refuse it at every pod start.
+        errors.append(FieldError("spec.connector.cacheNamespace", f"must be 1 to {MAX_CACHE} printable characters "
+                                 "(no newline or other control character): the group's pool credential is minted "
+                                 "for it"))
     if spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size:
         errors.append(FieldError(
             "spec.decode.tensorParallelSize",

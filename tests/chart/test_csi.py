@@ -38,6 +38,8 @@ def test_csidriver(default_objects: list[dict[str, Any]]) -> None:
     assert driver["spec"]["attachRequired"] is False
     assert driver["spec"]["podInfoOnMount"] is True
     assert driver["spec"]["fsGroupPolicy"] == "None"
+    # Credential volumes are re-minted on republish: a rotated key reaches running pods.
+    assert driver["spec"]["requiresRepublish"] is True
 
 
 def test_plugin_command_line_is_one_the_plugin_accepts(default_objects: list[dict[str, Any]]) -> None:

@@ -147,3 +147,25 @@ class TestMountedCredential:
                                   "volumeMounts": [{"name": "s", "mountPath": "/var/run/secrets"}]})
         (error,) = check_group(spec)
         assert error.field == "spec.decode.volumeMounts" and "pool credential" in str(error)
+
+    def test_a_cache_name_the_plugin_would_refuse_is_refused_here(self) -> None:
+        """The node plugin mints the token for the cache name; one it refuses would fail every pod's start."""
+        (error,) = check_group(group_spec(connector={"cacheNamespace": "team\nb"}))
+        assert error.field == "spec.connector.cacheNamespace" and "printable" in str(error)
+        assert check_group(group_spec(connector={"cacheNamespace": "b/qwen-7b"})) == []
+
+
+class TestOneRuleForOperatorAndPlugin:
+    def test_effective_quota_field_by_field(self) -> None:
+        q = tenancy.Quota
+        assert tenancy.effective_quota(q(bytes=5, pins=9), q(pins=2, leases=3), q(bytes=4)) == q(bytes=4, pins=9,
+                                                                                                 leases=3)
+        assert tenancy.effective_quota(q(), q(), q(leases=8)) == q(leases=8)  # the ceiling is also the default
+        assert tenancy.effective_quota(q()) == tenancy.DEFAULT_QUOTA
+
+    def test_tenant_scope_is_the_operators_cache_scope(self) -> None:
+        assert tenancy.tenant_scope("llm", "b/x") == "llm/b/x"
+        long = tenancy.tenant_scope("n" * 63, "c" * 253)
+        assert len(long) == tenancy.MAX_SCOPE and long != tenancy.tenant_scope("n" * 63, "c" * 252 + "d")
+        with pytest.raises(ValueError):
+            tenancy.tenant_scope("", "x")

@@ -295,7 +295,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         stacked = mounts.mounts_at(p.target)
         if stacked:
             if mounts.same_directory(p.target, p.source) and stacked[-1].read_only:
-                log.info("already published %s", p.describe())
+                log.debug("already published %s", p.describe())  # every republish: no news
                 return
             raise CsiError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -325,7 +325,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     f"not a pool credential of pool {p.pool!r}",
                 )
             if _read_token(p.target) == p.token:
-                log.info("already published %s", p.describe())
+                log.debug("already published %s", p.describe())  # every republish: no news
                 return
             mounts.remount(p.target, read_only=False)
             try:
