@@ -51,7 +51,7 @@ class MaruConnectorConfig(BaseModel):
         alias="maru_pool_token_file",
         max_length=4096,
         description="File holding this engine's pool credential, sent in every hello (the operator mounts the "
-        "group's credential Secret there); empty: send none, for a pool that does not authenticate.",
+        "group's credential volume there); empty: send none, for a pool that does not authenticate.",
     )
     rpc_timeout_ms: int = Field(
         500,

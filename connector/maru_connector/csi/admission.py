@@ -49,9 +49,9 @@ class Refused(Exception):
 class PodIdentity:
     """Who asks for the volume, from the publish context the kubelet fills (podInfoOnMount).
 
-    ``service_account`` is not checked yet. When pool credentials are minted at publish (rather than
-    issued per group as a Secret), the rule will also name each group's service account and
-    :meth:`Admission.check` will bind the publish to it: that is why it is carried here already.
+    ``service_account`` is not checked yet: pool credentials are minted at publish for any cache of an
+    admitted namespace (:mod:`.minting`). A rule naming each group's service account would bind a credential
+    to it in :meth:`Admission.check`: that is why it is carried here already.
     """
 
     namespace: str
@@ -88,7 +88,7 @@ class Admission:
                 f"namespace {pod.namespace} (pod {pod.describe()}) is not admitted by MaruPool {self.pool}: "
                 f"its {self.rule()} does not list {pod.namespace}; add it there, or use a pool that admits it"
             )
-        # The seam for minted credentials: bind pod.service_account to the group's account here.
+        # Where a rule naming each group's service account would bind pod.service_account.
 
 
 def admission_document(pool: str, allowed_namespaces: Sequence[str] | None) -> dict[str, Any]:
