@@ -13,6 +13,7 @@ from maru_operator.builders.netpol import NetworkPolicyConfig
 from maru_operator.cache import RESYNC_SECONDS
 from maru_operator.images import ImageDefaults
 from maru_operator.rollouts import DEFAULT_MAX_GROUPS
+from maru_operator.traffic import DEFAULT_WINDOW_S
 
 log = logging.getLogger("maru_operator")
 
@@ -109,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
                      help="write a pool's memory use (which changes with traffic) to its status at most this "
                           "often; condition changes are written at once")
+    run.add_argument("--disaggregation-window", type=_window_seconds, default=DEFAULT_WINDOW_S, metavar="SECONDS",
+                     help="how far back a group's DisaggregationActive condition looks at the pool daemons' decode "
+                          "counters (default: %(default).0f); it compares polls --pool-usage-interval apart, so "
+                          "make it several of them")
     run.add_argument("--standalone", action="store_true", default=True,
                      help="kopf without its peering (always; replicas elect a leader with a Lease instead)")
     run.add_argument("--instance", default="", type=_instance_name,
@@ -161,6 +166,16 @@ def _parser() -> argparse.ArgumentParser:
     rbac.add_argument("--service-account", default=None,
                       help="also print the bindings to this ServiceAccount (in the pool namespace)")
     return parser
+
+
+def _window_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 10 <= value <= 86_400:
+        raise argparse.ArgumentTypeError(f"{text!r}: the window is a number of seconds from 10 to 86400")
+    return value
 
 
 def _instance_name(text: str) -> str:
@@ -279,6 +294,7 @@ def _run(args: argparse.Namespace) -> int:
     handlers.configure(handlers.Config(
         pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
         usage_interval=args.pool_usage_interval, instance=args.instance,
+        disaggregation_window=args.disaggregation_window,
         leader_election=args.leader_election, lease_namespace=args.lease_namespace or DEFAULT_LEASE_NAMESPACE,
         lease_seconds=args.lease_seconds,
         renew_deadline=args.renew_deadline, retry_period=args.retry_period,

@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from maru_operator.api.common import Condition
+from maru_operator.traffic import MIN_TOKENS, DecodeReads
 
 READY = "Ready"
 DEGRADED = "Degraded"
 PROGRESSING = "Progressing"
 POOL_BOUND = "PoolBound"
 IN_USE = "InUse"
+DISAGGREGATION_ACTIVE = "DisaggregationActive"
 
 
 def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None) -> Condition:
@@ -106,6 +108,52 @@ def group_ready(*, conflicts: list[str], not_serving: list[str], binding: tuple[
                          "router pods' readiness and the Service's selector", gen)
     front = f"; the router Service has {router[1]} ready endpoint(s)" if router else ""
     return condition(READY, True, "Serving", summary + front, gen)
+
+
+def disaggregation_active(reads: DecodeReads | None, *, pool: str | None, reachable: bool | None, window_s: float,
+                          gen: int | None, min_tokens: int = MIN_TOKENS) -> Condition:
+    """Whether decode loads its prompts from the pool, from the pool daemons' decode counters over the window.
+
+    ``reads``: the group's decode traffic in the window (None: not judged yet, no poll to compare with);
+    ``pool``: the MaruPool the group is bound to (None: not bound); ``reachable``: whether the pool's daemons
+    answered the operator's last poll (None: never polled).
+    False when decode computed most of its prompt tokens itself (more than half, over at least
+    ``min_tokens``), or when the daemons cannot be polled; Unknown with too little decode traffic to judge.
+    """
+    window = f"the last {window_s:.0f} s"
+    if pool is None:
+        return condition(DISAGGREGATION_ACTIVE, None, "NotBound",
+                         "the group is not bound to a pool (see PoolBound): decode has no pool to load from", gen)
+    if reachable is False:
+        return condition(DISAGGREGATION_ACTIVE, False, "PoolUnreachable",
+                         f"the operator cannot read /status of MaruPool {pool}'s daemons, so it cannot tell whether "
+                         "decode loads its prompts from the pool (with the pool down, decode recomputes every "
+                         "prompt): check the pool's agent pods and that no network policy keeps the operator from "
+                         "their metrics port", gen)
+    if reads is None or reads.tokens < min_tokens:
+        return condition(DISAGGREGATION_ACTIVE, None, "NoTraffic",
+                         f"fewer than {min_tokens} decode prompt tokens (in whole chunks) looked up in MaruPool "
+                         f"{pool} over {window}: too little decode traffic to judge (pool daemons older than "
+                         "these counters report none)", gen)
+    share = 100 * reads.computed // reads.tokens
+    figures = (f"decode computed {share}% of its prompt tokens itself over {window} ({reads.computed} of "
+               f"{reads.tokens} in whole chunks; {reads.handoff_waits} handoff waits, {reads.handoff_timeouts} "
+               "timed out)")
+    if 2 * reads.computed <= reads.tokens:
+        return condition(DISAGGREGATION_ACTIVE, True, "DecodeLoadsFromPool",
+                         f"decode loads its prompts from MaruPool {pool}: {figures}", gen)
+    if reads.handoff_timeouts and 2 * reads.handoff_timeouts >= reads.handoff_waits:
+        return condition(DISAGGREGATION_ACTIVE, False, "HandoffTimeouts",
+                         f"{figures}: the chunks prefill announced did not reach MaruPool {pool} before decode's "
+                         "handoff wait ran out. Check the prefill pods' logs for pool errors (pool full, quota "
+                         "refusals), the pool's evictions (maru_pool_tenant_evictions_total), and whether the "
+                         "connector's handoff wait (maru_handoff_wait_ms) is shorter than prefill's saves take", gen)
+    return condition(DISAGGREGATION_ACTIVE, False, "DecodeRecomputing",
+                     f"{figures}: decode does not find its prompts in MaruPool {pool}. Check that prefill and "
+                     "decode key prompts alike (same model, revision, chunk size and cacheNamespace; decode logs "
+                     "'under keys this engine does not use'), that chunks are not evicted before decode reads "
+                     "them (maru_pool_tenant_evictions_total, the group's quota), and that prefill stores at "
+                     "all (its pods' logs for pool errors)", gen)
 
 
 def child_conflict(messages: list[str], gen: int | None) -> Condition:

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from maru_connector.tenancy import KEY_BYTES
 from maru_operator import conditions as cond
 from maru_operator import metrics
+from maru_operator.api.common import Condition
 from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
 from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
@@ -74,6 +75,7 @@ from maru_operator.status import (
     tenant_usage,
     usage_only_change,
 )
+from maru_operator.traffic import DEFAULT_WINDOW_S, ReaderWindow
 from maru_operator.validation import check_group, check_group_on_pool, check_pool
 
 log = logging.getLogger("maru_operator.controller")
@@ -152,6 +154,10 @@ class Controller:
     _pool_written: dict[str, float] = field(default_factory=dict)
     # pool -> each tenant's (cache scope's) use, from the daemons' /status the pool's reconcile polls anyway
     _pool_tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # How far back a group's DisaggregationActive condition looks (the operator's --disaggregation-window).
+    disaggregation_window: float = DEFAULT_WINDOW_S
+    # pool -> its decode traffic per tenant over the window, from the same polls of its daemons
+    _pool_readers: dict[str, ReaderWindow] = field(default_factory=dict)
     # group -> when a change of its pool usage alone was last written (monotonic seconds)
     _group_written: dict[Key, float] = field(default_factory=dict)
     # child -> (digest of the desired object, resourceVersion, fingerprint of the actual one) when the child
@@ -436,6 +442,7 @@ class Controller:
             conflicts=list(applied.conflicts.values()),
         )
         seen.stats = await self._pool_stats(spec, name, pods)
+        self._readers_of(name).observe(self.monotonic(), seen.stats)
         tenants = tenant_usage(seen.stats)
         if tenants is not None:  # no answer: the groups keep the last use they were told
             self._pool_tenants[name] = tenants
@@ -531,6 +538,7 @@ class Controller:
         key: Key = ("InferenceGroup", namespace, name)
         body = self.store.get(key)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            metrics.forget_group(namespace, name)
             return None  # the garbage collector removes the children through their ownerReferences
         meta = body.get("metadata", {})
         generation = meta.get("generation")
@@ -599,7 +607,8 @@ class Controller:
         new = group_status(spec, generation, binding, observed, old,
                            endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
                            conflicts=list(applied.conflicts.values()),
-                           queued=[k[2] for k in held])
+                           queued=[k[2] for k in held],
+                           disaggregation=self._disaggregation(spec, owner, binding, old, generation))
         again = await self._write_group_status(body, old, new, spec, owner, binding.pool is not None)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
@@ -631,7 +640,32 @@ class Controller:
                 return self.usage_interval - since
             self._group_written[key] = self.monotonic()
         await self.write_status(body, old, new)
-        return self.usage_interval if usage is not None else None
+        # A bound group looks again as its pool is polled: its DisaggregationActive window slides.
+        return self.usage_interval if usage is not None or bound else None
+
+    def _readers_of(self, pool: str) -> ReaderWindow:
+        if pool not in self._pool_readers:
+            self._pool_readers[pool] = ReaderWindow(self.disaggregation_window)
+        return self._pool_readers[pool]
+
+    def _disaggregation(self, spec: InferenceGroupSpec, owner: Owner, binding: Any, old: InferenceGroupStatus,
+                        generation: int | None) -> Condition:
+        """DisaggregationActive from the decode traffic of the group's tenant on its pool over the window.
+
+        Until two polls of the pool can be compared (an operator that just started), the condition the status
+        holds stays: an operator restart must not flap it to NoTraffic and back.
+        """
+        pool = binding.pool.name if binding.pool is not None else None
+        window = self._pool_readers.get(pool) if pool is not None else None
+        kept = cond.get(old.conditions, cond.DISAGGREGATION_ACTIVE)
+        unjudged = window is None or (not window.judged and window.reachable is not False)
+        if pool is not None and unjudged and kept is not None:
+            return kept.model_copy(update={"observed_generation": generation})
+        reads = window.totals(cache_scope(spec, owner), self.monotonic()) if window and window.judged else None
+        made = cond.disaggregation_active(reads, pool=pool, reachable=window.reachable if window else None,
+                                          window_s=self.disaggregation_window, gen=generation)
+        metrics.set_group_traffic(owner.namespace or "", owner.name, reads, made.status)
+        return made
 
 
 async def _together(writes: list[Awaitable[None]]) -> None:

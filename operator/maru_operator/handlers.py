@@ -39,6 +39,7 @@ from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
 from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE, lease_name
 from maru_operator.rollouts import DEFAULT_MAX_GROUPS, RolloutPacer
+from maru_operator.traffic import DEFAULT_WINDOW_S
 
 log = logging.getLogger("maru_operator.handlers")
 
@@ -89,6 +90,7 @@ class Config:
     workers: int = 8
     resync_seconds: float = RESYNC_SECONDS
     usage_interval: float = DEFAULT_USAGE_INTERVAL
+    disaggregation_window: float = DEFAULT_WINDOW_S  # how far back DisaggregationActive looks
     fetch_status: StatusFetcher = fetch_daemon_status
     connection: kopf.ConnectionInfo | None = None
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
@@ -186,7 +188,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
         fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
         pacer=RolloutPacer(config.max_rolling_groups),
-        images=config.images,
+        images=config.images, disaggregation_window=config.disaggregation_window,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
     # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_operator import conditions as cond
+from maru_operator.api.common import Condition
 from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus, PoolUsage, RoleStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus, PoolNodeStatus
 from maru_operator.builders.group import PoolView
@@ -224,12 +225,14 @@ def group_status(
     router: Router | None = None,
     conflicts: list[str] | None = None,
     queued: list[str] | None = None,
+    disaggregation: Condition | None = None,
 ) -> InferenceGroupStatus:
     """``children`` maps prefill, decode, router to their observed Deployment (None when absent).
 
     Ready means serving: each of prefill and decode has a ready pod and (with a router) the router
     Service has a ready endpoint. Fewer ready replicas than desired, and a pool outage while vLLM
-    serves (it recomputes, without pool hits), are Degraded.
+    serves (it recomputes, without pool hits), are Degraded. ``disaggregation``: the DisaggregationActive
+    condition (see :func:`conditions.disaggregation_active`), judged from the pool's traffic by the caller.
     """
     roles = {r: _role_status(children.get(r)) for r in ("prefill", "decode", "router")}
     rolling: list[str] = []
@@ -271,6 +274,7 @@ def group_status(
         ready,
         cond.group_progressing(rolling, gen, queued or []),
         cond.group_degraded(degraded, gen),
+        *([disaggregation] if disaggregation is not None else []),
     ]
     return InferenceGroupStatus(
         observed_generation=generation,
@@ -357,11 +361,18 @@ def tenant_usage(stats: dict[str, dict[str, Any] | None]) -> dict[str, PoolUsage
 
 
 def group_usage_only_change(old: InferenceGroupStatus, new: InferenceGroupStatus) -> bool:
-    """True when only the group's pool usage moved between two known values: traffic, written at a bounded
-    rate like a pool's use."""
-    if old.pool_usage is None or new.pool_usage is None or old.pool_usage == new.pool_usage:
+    """True when only traffic moved: the group's pool usage between two known values, or the figures in the
+    message of a DisaggregationActive condition whose status and reason stay. Written at a bounded rate like
+    a pool's use; usage turning known or unknown, and every condition transition, are written at once."""
+    if (old.pool_usage is None) != (new.pool_usage is None) or not changed(old, new):
         return False
-    return old.model_dump(exclude={"pool_usage"}) == new.model_dump(exclude={"pool_usage"})
+    return _without_traffic(old) == _without_traffic(new)
+
+
+def _without_traffic(status: InferenceGroupStatus) -> dict[str, Any]:
+    quiet = [c.model_copy(update={"message": ""}) if c.type == cond.DISAGGREGATION_ACTIVE else c
+             for c in status.conditions]
+    return status.model_copy(update={"conditions": quiet}).model_dump(exclude={"pool_usage"})
 
 
 def status_body(status: Any) -> dict[str, Any]:
