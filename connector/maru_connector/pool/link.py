@@ -35,18 +35,23 @@ class TenantLink:
         """One op; ``wait_s`` is how long the daemon may hold the answer back (a long poll) on top of the
         link's timeout. Raises :class:`PoolUnavailable` (and drops the connection) when the daemon cannot
         be reached or answers nothing, :class:`PoolAuthError` when it refuses the token."""
-        try:
-            if self._sock is None:
-                self._sock = self._connect()
-            self._sock.settimeout(self.timeout_s + wait_s)
-            protocol.send_msg(self._sock, msg)
-            reply, _ = protocol.recv_msg(self._sock)
-        except PoolError:
-            self.close()
-            raise
-        except (OSError, protocol.ProtocolError) as err:
-            self.close()
-            raise PoolUnavailable(f"pool at {self.url}: {msg.get('op')}: {err or type(err).__name__}") from None
+        for attempt in (0, 1):
+            fresh = self._sock is None
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._sock.settimeout(self.timeout_s + wait_s)
+                protocol.send_msg(self._sock, msg)
+                reply, _ = protocol.recv_msg(self._sock)
+                break
+            except PoolError:
+                self.close()
+                raise
+            except (OSError, protocol.ProtocolError) as err:
+                self.close()
+                if fresh or attempt:
+                    raise PoolUnavailable(f"pool at {self.url}: {msg.get('op')}: {err or type(err).__name__}") from None
+                # A connection from before a daemon restart: once more, on a new one.
         if reply is None:
             self.close()
             raise PoolUnavailable(f"pool at {self.url}: the daemon closed the connection")

@@ -1,0 +1,253 @@
+"""``maru-pool events``: a tenant's pool events, republished over ZMQ exactly as vLLM publishes its own.
+
+Everything is read back with vLLM's own decoder (``msgspec`` with ``vllm.distributed.kv_events.KVEventBatch``),
+from a real daemon that real clients write to: the format is right when vLLM (and so llm-d and Dynamo, which
+read vLLM's) can read it, not when it matches a copy of it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from maru_connector.pool.client import PoolClient, WriteLease
+from maru_connector.pool.events import MEDIUM
+from maru_connector.pool.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode
+from maru_connector.pool.link import TenantLink
+from maru_connector.pool.publisher import Publisher, Translator
+
+from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
+from .test_auth import token_file, write_key
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+vllm_decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+
+CHUNK = 256 * 1024  # four of them fill the 1 MiB pool; a tenant may hold three
+BLOCK = 256  # tokens per chunk
+
+
+def prompt(p: int, n: int) -> list[bytes]:
+    return [bytes([p, c]) * 8 for c in range(n)]
+
+
+def commit_prompt(client: PoolClient, keys: list[bytes]) -> None:
+    leases = client.lease_many([(key, CHUNK, keys[i - 1] if i else None) for i, key in enumerate(keys)])
+    assert all(isinstance(lease, WriteLease) for lease in leases), leases
+    for lease in leases:
+        lease.fill(bytes(CHUNK))  # type: ignore[union-attr]
+    assert all(client.commit_many(leases))  # type: ignore[arg-type]
+
+
+def decoded(message: tuple[bytes, bytes, bytes]) -> tuple[str, int, list[Any]]:
+    topic, seq, payload = message
+    batch = vllm_decoder.decode(payload)
+    return topic.decode(), int.from_bytes(seq, "big"), batch.events
+
+
+def shape(events: list[Any]) -> list[tuple[Any, ...]]:
+    """Events as comparable tuples: type, hashes, and for stores the parent, size, tokens and medium."""
+    out: list[tuple[Any, ...]] = []
+    for e in events:
+        if isinstance(e, kv_events.BlockStored):
+            out.append(("stored", e.block_hashes, e.parent_block_hash, e.block_size, e.token_ids, e.medium))
+        elif isinstance(e, kv_events.BlockRemoved):
+            out.append(("removed", sorted(e.block_hashes), e.medium))
+        else:
+            assert isinstance(e, kv_events.AllBlocksCleared), e
+            out.append(("cleared",))
+    return out
+
+
+@pytest.fixture
+def tenant(sock_dir: Path) -> tuple[Path, str]:
+    key = write_key(sock_dir / "pool.key")
+    return key, token_file(sock_dir / "a.token", key, "ns-a/qwen")
+
+
+def start(daemons: list[Daemon], sock_dir: Path, key: Path) -> Daemon:
+    return start_serve(daemons, sock_dir, "--auth-key-file", str(key), size="1Mi")
+
+
+def test_the_wire_format_is_vllms_byte_for_byte() -> None:
+    ours = KVEventBatch(
+        ts=12.5,
+        events=[
+            BlockStored([b"\x01" * 16, 7], None, [], BLOCK, None, MEDIUM, None),
+            BlockStored([b"\x02" * 16], b"\x01" * 16, [1, 2], BLOCK, None, MEDIUM, None),
+            BlockRemoved([b"\x01" * 16], MEDIUM),
+            AllBlocksCleared(),
+        ],
+    )
+    theirs = kv_events.KVEventBatch(
+        ts=12.5,
+        events=[
+            kv_events.BlockStored(
+                block_hashes=[b"\x01" * 16, 7], parent_block_hash=None, token_ids=[], block_size=BLOCK,
+                lora_id=None, medium=MEDIUM, lora_name=None,
+            ),
+            kv_events.BlockStored(
+                block_hashes=[b"\x02" * 16], parent_block_hash=b"\x01" * 16, token_ids=[1, 2], block_size=BLOCK,
+                lora_id=None, medium=MEDIUM, lora_name=None,
+            ),
+            kv_events.BlockRemoved(block_hashes=[b"\x01" * 16], medium=MEDIUM),
+            kv_events.AllBlocksCleared(),
+        ],
+    )  # fmt: skip
+    assert encode(ours) == msgspec.msgpack.encode(theirs)
+
+
+def test_int_hashes_are_vllms_int_block_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    key = bytes(range(16))
+    (stored,) = Translator(BLOCK, int_hashes=True).translate([["stored", [key.hex()], None]], resync=False)
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == [maybe_convert_block_hash(key)]
+
+
+def test_publisher_turns_commits_evictions_flushes_and_restarts_into_vllm_events(
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
+) -> None:
+    key, token = tenant
+    d = start(daemons, sock_dir, key)
+    url = d.ready["listen"]
+    sent: list[tuple[bytes, bytes, bytes]] = []
+    link = TenantLink(url, token_file=token)
+    publisher = Publisher(link, sent.append, Translator(BLOCK), topic="kv@maru@qwen")
+
+    def step() -> list[tuple[Any, ...]]:
+        before = len(sent)
+        assert publisher.step(wait_ms=10_000)
+        (message,) = sent[before:]
+        topic, seq, events = decoded(message)
+        assert (topic, seq) == ("kv@maru@qwen", len(sent) - 1)
+        return shape(events)
+
+    first, second = prompt(1, 2), prompt(2, 3)
+    with PoolClient(url, timeout_s=10, token_file=token) as client:
+        # A fresh publisher first tells consumers to forget what an earlier one announced.
+        assert step() == [("cleared",)]
+        commit_prompt(client, first)
+        assert step() == [("stored", first, None, BLOCK, [], MEDIUM)]
+        client.lookup_prefix(first)
+        # The tenant's byte quota (three quarters of the pool: three chunks) makes room from its own chunks,
+        # the least recently used prompt's tail first, as each lease is granted, before the commit.
+        commit_prompt(client, second)
+        got = step()
+        while got[-1][0] != "stored":
+            got += step()
+        assert got == [
+            ("removed", [first[1]], MEDIUM),
+            ("removed", [first[0]], MEDIUM),
+            ("stored", second, None, BLOCK, [], MEDIUM),
+        ]
+        # A flush: explicit removals of everything announced (some consumers ignore AllBlocksCleared), then it.
+        with TenantLink(url, token_file=token) as other:
+            assert other.call({"op": "flush"})["chunks"] == 3
+        assert step() == [("removed", sorted(second), MEDIUM), ("cleared",)]
+        commit_prompt(client, first)
+        assert step() == [("stored", first, None, BLOCK, [], MEDIUM)]
+    # A restarted daemon holds nothing: what was announced is removed, then cleared.
+    d.stop()
+    start(daemons, sock_dir, key)
+    assert step() == [("removed", sorted(first), MEDIUM), ("cleared",)]
+    link.close()
+
+
+@pytest.fixture
+def events_process(daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]) -> Iterator[tuple[str, str]]:
+    """A real ``maru-pool events`` process on a real daemon; yields (pool url, publish endpoint)."""
+    key, token = tenant
+    d = start(daemons, sock_dir, key)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "maru_connector.pool", "events", "--pool", d.ready["listen"], "--token-file", token,
+         "--publish", "tcp://127.0.0.1:0", "--block-size", str(BLOCK), "--topic", "kv@maru@qwen"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pool_env(),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("maru-pool ready role=events "), (line, proc.stderr and proc.stderr.read())
+        fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+        assert fields["medium"] == MEDIUM
+        yield d.ready["listen"], fields["publish"]
+        proc.terminate()
+        assert proc.wait(timeout=START_TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_maru_pool_events_publishes_over_zmq(events_process: tuple[str, str], tenant: tuple[Path, str]) -> None:
+    url, endpoint = events_process
+    _, token = tenant
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(endpoint)
+    try:
+        with PoolClient(url, timeout_s=10, token_file=token) as client:
+            # A subscriber misses what was published before its subscription reached the publisher (ZMQ's
+            # slow joiner): store probe prompts until one is seen, then check what follows exactly.
+            deadline = time.monotonic() + START_TIMEOUT_S
+            probe = 0
+            while True:
+                assert time.monotonic() < deadline, "the publisher sent nothing the subscriber saw"
+                probe += 1
+                commit_prompt(client, prompt(100 + probe, 1))
+                if sub.poll(1000):
+                    break
+            seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
+            while any(e[0] == "stored" and e[1] != prompt(100 + probe, 1) for e in seen):
+                seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
+            with TenantLink(url, token_file=token) as link:
+                link.call({"op": "flush"})
+            commit_prompt(client, prompt(7, 2))
+            got: list[tuple[Any, ...]] = []
+            while len(got) < 3:
+                assert sub.poll(START_TIMEOUT_S * 1000), f"no more events after {got}"
+                topic, seq, events = decoded(tuple(sub.recv_multipart()))  # type: ignore[arg-type]
+                assert topic == "kv@maru@qwen" and seq > 0
+                got += shape(events)
+        probes = sorted(key for p in range(1, probe + 1) for key in prompt(100 + p, 1))
+        assert got == [
+            ("removed", probes, MEDIUM),
+            ("cleared",),
+            ("stored", prompt(7, 2), None, BLOCK, [], MEDIUM),
+        ]
+    finally:
+        sub.close(linger=0)
+
+
+def test_bad_flags_exit_2_naming_the_flag(tenant: tuple[Path, str]) -> None:
+    _, token = tenant
+    for args, flag in (
+        (["--pool", "http://x", "--block-size", "16"], "--pool"),
+        (["--pool", "unix:///nonexistent.sock", "--block-size", "16", "--publish", "bogus://x"], "--publish"),
+        (["--pool", "unix:///nonexistent.sock", "--block-size", "0"], "--block-size"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "maru_connector.pool", "events", "--token-file", token, *args],
+            capture_output=True, text=True, env=pool_env(), timeout=START_TIMEOUT_S,
+        )  # fmt: skip
+        assert result.returncode == 2, (args, result.stderr)
+        assert flag in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_pool_daemon_runs_without_zmq() -> None:
+    """The daemons import nothing of the publisher: the pool image needs ZMQ only for ``events``."""
+    code = "import sys, maru_connector.pool.cli; sys.exit('zmq' in sys.modules or 'msgspec' in sys.modules)"
+    env = {**pool_env(), "PYTHONDONTWRITEBYTECODE": "1"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=START_TIMEOUT_S).returncode == 0
