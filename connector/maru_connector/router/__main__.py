@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import signal
 import sys
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from maru_connector.config import ConfigError, MaruConnectorConfig
+
+if TYPE_CHECKING:
+    from maru_connector.router.proxy import Router
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,6 +36,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="share of the prompt's full chunks the pool must hold for decode alone to serve it (0 < x <= 1)",
     )
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="another router (vllm-router) that serves every request not sent to decode alone, and every other "
+        "path; --prefill and --decode are then used only to learn the engines' key scheme",
+    )
+    p.add_argument(
+        "--relearn-seconds",
+        type=float,
+        default=60.0,
+        help="with --upstream: how old the learnt key scheme may get before a request goes through prefill here "
+        "again to refresh it",
+    )
+    p.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port too (default: the API port only)")
     p.add_argument(
         "--decode-direct",
         choices=("on", "off"),
@@ -58,12 +78,36 @@ def main(argv: list[str] | None = None) -> int:
             connector=connector,
             min_coverage=args.min_coverage,
             decode_direct=args.decode_direct == "on",
+            upstream=args.upstream,
+            relearn_s=args.relearn_seconds,
         )
     except ValueError as err:
         print(f"maru-router: {err}", file=sys.stderr)
         return 2
-    web.run_app(router.app(), host=args.host, port=args.port, print=None)
+    asyncio.run(serve(router, args.host, args.port, args.metrics_port))
     return 0
+
+
+async def serve(router: Router, host: str, port: int, metrics_port: int | None) -> None:
+    """The API (and the metrics port) until SIGTERM or SIGINT, then a clean stop of both."""
+    runners = [web.AppRunner(router.app())]
+    if metrics_port is not None:
+        runners.append(web.AppRunner(router.metrics_app()))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for runner, at in zip(runners, (port, metrics_port), strict=False):
+            await runner.setup()
+            await web.TCPSite(runner, host, at).start()
+        logging.getLogger("maru.router").info(
+            "serving on %s:%d (metrics port %s), upstream %s", host, port, metrics_port, router.upstream
+        )
+        await stop.wait()
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
 
 
 if __name__ == "__main__":

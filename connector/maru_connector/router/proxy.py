@@ -8,6 +8,13 @@ whose answer teaches the scheme in use.
 
 Any trouble finding the coverage (pool down or slow, tokenizer endpoint failing) sends the
 request through prefill, as without this router: never an error of its own.
+
+In front of another router (``upstream``: vllm-router, as the operator deploys it), a request that does
+not go to decode alone is passed to that router untouched, and so is every other path (its
+``/workers``, say): its pod discovery and policies keep choosing prefill and decode. Since that router
+consumes prefill's answers, the key scheme is learnt by running the prefill-then-decode path here,
+through the ``prefill`` and ``decode`` URLs, whenever no scheme is known or the one known is older than
+``relearn_s``: one request per period, so a rollout that changes the engines' keys is followed.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +95,16 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.upstream = Counter(
+            "maru_router_upstream_requests",
+            "Requests passed untouched to the upstream router (prefill then decode there, or another path).",
+            registry=self.registry,
+        )
+        self.scheme_refreshes = Counter(
+            "maru_router_scheme_refreshes",
+            "Prefill-then-decode requests run by this router to learn the engines' key scheme (upstream mode).",
+            registry=self.registry,
+        )
 
 
 class Router:
@@ -98,10 +116,17 @@ class Router:
         connector: MaruConnectorConfig,
         min_coverage: float = 1.0,
         decode_direct: bool = True,
+        upstream: str | None = None,
+        relearn_s: float = 60.0,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("router: at least one prefill and one decode URL are needed")
+        if relearn_s <= 0:
+            raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
         decide.chunks_needed(1, 1, min_coverage)  # validates min_coverage now, not on the first request
+        self.upstream = upstream.rstrip("/") if upstream else None
+        self.relearn_s = relearn_s
+        self._learnt_at = 0.0  # time.monotonic() of the last handoff that carried a key scheme
         self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
         self._decode = itertools.cycle([u.rstrip("/") for u in decode])
         self.min_coverage = min_coverage
@@ -119,7 +144,10 @@ class Router:
         app.router.add_post(CHAT, self.serve)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/v1/models", self.models)
+        if self.upstream is None:
+            app.router.add_get("/v1/models", self.models)
+        else:
+            app.router.add_route("*", "/{tail:.*}", self.pass_through)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -147,14 +175,36 @@ class Router:
     async def prometheus(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def metrics_app(self) -> web.Application:
+        """``GET /metrics`` alone, for a metrics port of its own."""
+        app = web.Application()
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
     async def models(self, request: web.Request) -> web.StreamResponse:
         return await self._relay(request, "GET", next(self._decode) + "/v1/models", None, _forwarded(request))
+
+    async def pass_through(self, request: web.Request) -> web.StreamResponse:
+        """Any other path of the upstream router, untouched (method, query, body, content type)."""
+        return await self._to_upstream(request, await request.read())
+
+    async def _to_upstream(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+        assert self.upstream is not None
+        self.metrics.upstream.inc()
+        headers = _forwarded(request)
+        if request.content_type and raw:
+            headers["Content-Type"] = request.headers.get("Content-Type", request.content_type)
+        return await self._relay(request, request.method, self.upstream + request.path_qs, None, headers, data=raw)
+
+    def _needs_scheme(self) -> bool:
+        return self.scheme is None or time.monotonic() - self._learnt_at >= self.relearn_s
 
     # ------------------------------------------------------------------ requests
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None
         if not isinstance(body, dict):
@@ -172,6 +222,10 @@ class Router:
         )
         if decision.route == DIRECT:
             return await self._relay(request, "POST", next(self._decode) + request.path, body, headers)
+        if self.upstream is not None:
+            if not (self.decode_direct and self._needs_scheme()):
+                return await self._to_upstream(request, raw)
+            self.metrics.scheme_refreshes.inc()
         return await self._prefill_then_decode(request, body, headers)
 
     async def decide(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Decision:
@@ -278,6 +332,7 @@ class Router:
         except ValueError as err:
             log.warning("ignoring a producer's handoff: %s", err)
             return
+        self._learnt_at = time.monotonic()
         if scheme != self.scheme:
             log.info(
                 "key scheme learnt from prefill: chunk_tokens=%d hash_block_size=%d hash=%s tp=%d",
@@ -289,11 +344,14 @@ class Router:
             self.scheme = scheme
 
     async def _relay(
-        self, request: web.Request, method: str, url: str, body: Any, headers: dict[str, str]
+        self, request: web.Request, method: str, url: str, body: Any, headers: dict[str, str],
+        data: bytes | None = None,
     ) -> web.StreamResponse:
-        """Send ``body`` upstream and pass the answer back as it comes (server-sent events included)."""
+        """Send ``body`` (JSON) or ``data`` (bytes as they came) upstream and pass the answer back as it comes
+        (server-sent events included)."""
+        payload: dict[str, Any] = {"data": data} if data is not None else {"json": body}
         try:
-            async with self.session.request(method, url, json=body, headers=headers) as resp:
+            async with self.session.request(method, url, headers=headers, **payload) as resp:
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
                     data = await resp.read()
                     return web.Response(body=data, status=resp.status, content_type=resp.content_type)
