@@ -76,8 +76,9 @@ LABEL org.opencontainers.image.title="maru-pool" \
       org.opencontainers.image.description="Shared KV memory pool daemon (CXL devdax or shm) and the CSI node plugin"
 # The chart's CSI node plugin (`maru-csi`, csi.maru.io) runs from this image too: add the gRPC runtime
 # of the project's `csi` extra (a test checks these pins satisfy it). The operator image stays without.
-RUN pip install grpcio==1.85.3 protobuf==7.36.2 \
-    && python -c "import maru_connector.csi.server"
+# So does `maru-pool events` (a tenant's pool events as vLLM KV events over ZMQ): the `events` extra.
+RUN pip install grpcio==1.85.3 protobuf==7.36.2 pyzmq==27.3.0 msgspec==0.23.0 \
+    && python -c "import maru_connector.csi.server, maru_connector.pool.publisher"
 USER 65532:65532
 # 7400: metadata server, 9400: /metrics, /healthz and /status.
 EXPOSE 7400 9400

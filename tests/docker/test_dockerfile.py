@@ -196,20 +196,32 @@ def stage_pins(parsed: dict[str, dict], stage: str) -> dict[str, str]:
     return {m[0].lower(): m[1] for m in re.findall(r"\s([A-Za-z0-9_.-]+)==([\w.]+)", runs(parsed, stage))}
 
 
+def assert_installs_extra(parsed: dict[str, dict], stage: str, extra: str) -> None:
+    """``stage`` installs every distribution of pyproject's ``extra``, at a pin the extra accepts."""
+    from packaging.requirements import Requirement
+
+    pins = stage_pins(parsed, stage)
+    for text in PYPROJECT["project"]["optional-dependencies"][extra]:
+        requirement = Requirement(text)
+        assert requirement.name in pins, f"the {stage} image does not install {requirement.name}"
+        assert requirement.specifier.contains(pins[requirement.name]), f"{requirement.name}=={pins[requirement.name]}"
+
+
 def test_pool_target_carries_the_csi_plugin(parsed: dict[str, dict]) -> None:
     """The chart runs `maru-csi` from the pool image: it installs the `csi` extra's runtime, at pins the
     extra accepts (the generated gRPC code refuses an older runtime), and imports the plugin."""
-    from packaging.requirements import Requirement
-
     assert PYPROJECT["project"]["scripts"]["maru-csi"] == "maru_connector.csi.server:main"
-    pins = stage_pins(parsed, "pool")
-    for text in PYPROJECT["project"]["optional-dependencies"]["csi"]:
-        requirement = Requirement(text)
-        assert requirement.name in pins, f"the pool image does not install {requirement.name}"
-        assert requirement.specifier.contains(pins[requirement.name]), f"{requirement.name}=={pins[requirement.name]}"
+    assert_installs_extra(parsed, "pool", "csi")
     assert "import maru_connector.csi.server" in runs(parsed, "pool")
     # Only the pool image: the operator's stays without gRPC.
     assert "grpc" not in runs(parsed, "operator").lower()
+
+
+def test_pool_target_carries_the_events_publisher(parsed: dict[str, dict]) -> None:
+    """`maru-pool events` runs from the pool image: the `events` extra (ZMQ, msgspec), imported at build."""
+    assert_installs_extra(parsed, "pool", "events")
+    assert re.search(r"import [\w., ]*maru_connector\.pool\.publisher", runs(parsed, "pool"))
+    assert "zmq" not in runs(parsed, "operator").lower()
 
 
 def test_vllm_target(text: str, parsed: dict[str, dict]) -> None:
