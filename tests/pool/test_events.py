@@ -21,6 +21,7 @@ from maru_connector.pool.link import TenantLink
 from .harness import Daemon, start_serve
 from .test_auth import token_file, write_key
 from .test_daemon import run_cli
+from .test_multinode import free_port, start_agent, start_metadata
 
 PAGE = 4096
 EPOCH = 3
@@ -280,3 +281,18 @@ def test_events_need_a_verified_hello(
     d = start(daemons, sock_dir, key)
     with TenantLink(d.ready["listen"]) as anonymous, pytest.raises(PoolError, match="unauthenticated"):
         read(anonymous, None)
+
+
+def test_a_multinode_pools_events_come_from_its_metadata_server(daemons: list[Daemon], sock_dir: Path) -> None:
+    device = sock_dir / "dax0.0"
+    with open(device, "wb") as fh:
+        fh.truncate(8 * MiB)
+    port = free_port()
+    start_metadata(daemons, port)
+    agent = start_agent(daemons, sock_dir, "node-a", port, device)
+    keys = [b"\x05" * 16, b"\x06" * 16]
+    with PoolClient(agent.ready["listen"], timeout_s=10) as client, TenantLink(f"tcp://127.0.0.1:{port}") as link:
+        first = read(link, None)
+        commit_prompt(client, keys)
+        got = read(link, [first["epoch"], first["last"]], timeout_ms=10_000)
+    assert got["events"] == [[STORED, [k.hex() for k in keys], None]]
