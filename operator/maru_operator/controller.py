@@ -383,7 +383,7 @@ class Controller:
                 continue
             bad = (c.type == cond.READY and c.status == "False" and c.reason in _WARN_READY) or (
                 c.type in (cond.DEGRADED, cond.IN_USE) and c.status == "True" and c.reason in _WARN_OTHER
-            )
+            ) or (c.type == cond.DISAGGREGATION_ACTIVE and c.status == "False")
             good = c.type == cond.READY and c.status == "True"
             kind, ns, name = key_of(body)
             log.log(logging.WARNING if bad else logging.INFO, "%s %s: %s=%s (%s) %s", kind,

@@ -21,6 +21,7 @@ from maru_connector.pool.readers import Reader
 from maru_localcluster.server import KubeEmulator
 from maru_operator.kube import fetch_daemon_status
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, fake_agent_pod, group, has_condition, pool
+from tests.operator.test_integration import wait_event
 from tests.pool.harness import Daemon, start_serve
 
 pytestmark = pytest.mark.emulator
@@ -94,6 +95,7 @@ def test_hits_are_active_misses_are_recomputing(cluster: KubeEmulator, pool_daem
         bad = cluster.wait_for(IG, "misses", GROUP_NS, lambda o: disaggregation(o, "False", "DecodeRecomputing"))
         message = next(c["message"] for c in bad["status"]["conditions"] if c["type"] == "DisaggregationActive")
         assert "computed 100% of its prompt tokens" in message and "cacheNamespace" in message
+        assert wait_event(cluster, GROUP_NS, "misses", "DecodeRecomputing")["type"] == "Warning"
         assert ok["status"]["conditions"][-1]["type"] == "DisaggregationActive"
         labels = {"namespace": GROUP_NS, "group": "hits"}
         assert REGISTRY.get_sample_value("maru_operator_group_decode_pool_share", labels) == 1.0
