@@ -121,7 +121,8 @@ def test_vllm_reaches_dns_and_model_downloads_only(world: World) -> None:
 def test_dax_clients_and_agents_reach_the_metadata_server(worlds: dict[str, World]) -> None:
     world = worlds["cxl-pool"]
     metadata, agent = world["cxl-pool-metadata"], world["cxl-pool-agent"]
-    for client in (world["qwen-7b-prefill"], world["qwen-7b-decode"], agent):
+    # The router too: with decode-direct it asks the pool what it holds of each prompt.
+    for client in (world["qwen-7b-prefill"], world["qwen-7b-decode"], world["qwen-7b-router"], agent):
         world.allowed(client, metadata, 7400)
         world.refused(client, metadata, 9400)
     world.allowed(agent, DNS, 53, "UDP")
@@ -135,7 +136,9 @@ def test_only_the_pools_clients_reach_its_metadata_server(worlds: dict[str, Worl
     metadata = world["cxl-pool-metadata"]
     impostor = Endpoint("impostor", "198.51.100.240", "elsewhere", world["qwen-7b-decode"].labels)
     # allowedNamespaces of the example pool is [llm]: a copy of a vLLM pod's labels elsewhere gets nothing.
-    for intruder in (impostor, STRANGER, NEIGHBOUR, world["qwen-7b-router"], world["local-shm-agent"], CLIENT):
+    router = world["qwen-7b-router"]
+    router_elsewhere = Endpoint("router-elsewhere", "198.51.100.241", "elsewhere", router.labels)
+    for intruder in (impostor, router_elsewhere, STRANGER, NEIGHBOUR, world["local-shm-agent"], CLIENT):
         world.refused(intruder, metadata, 7400)
 
 
@@ -161,7 +164,8 @@ def test_the_operator_reaches_the_api_server_and_pool_status(world: World) -> No
 
 
 def test_prometheus_scrapes_every_metrics_port(world: World) -> None:
-    for name, port in [("maru-operator", 9090), ("qwen-7b-router", 29000), ("qwen-7b-prefill", 8000),
+    for name, port in [("maru-operator", 9090), ("qwen-7b-router", 29000), ("qwen-7b-router", 29001),
+                       ("qwen-7b-prefill", 8000),
                        ("qwen-7b-decode", 8000), ("cxl-pool-metadata", 9400), ("cxl-pool-agent", 9400),
                        ("local-shm-agent", 9400)]:
         world.allowed(PROMETHEUS, world[name], port)
