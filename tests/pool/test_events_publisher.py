@@ -164,13 +164,16 @@ def test_publisher_turns_commits_evictions_flushes_and_restarts_into_vllm_events
 
 
 @pytest.fixture
-def events_process(daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]) -> Iterator[tuple[str, str]]:
-    """A real ``maru-pool events`` process on a real daemon; yields (pool url, publish endpoint)."""
+def events_process(
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
+) -> Iterator[tuple[str, str, str]]:
+    """A real ``maru-pool events`` process on a real daemon; yields (pool url, publish and replay endpoints)."""
     key, token = tenant
     d = start(daemons, sock_dir, key)
     proc = subprocess.Popen(
         [sys.executable, "-m", "maru_connector.pool", "events", "--pool", d.ready["listen"], "--token-file", token,
-         "--publish", "tcp://127.0.0.1:0", "--block-size", str(BLOCK), "--topic", "kv@maru@qwen"],
+         "--publish", "tcp://127.0.0.1:0", "--block-size", str(BLOCK), "--topic", "kv@maru@qwen",
+         "--replay", "tcp://127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pool_env(),
     )  # fmt: skip
     try:
@@ -179,7 +182,7 @@ def events_process(daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, st
         assert line.startswith("maru-pool ready role=events "), (line, proc.stderr and proc.stderr.read())
         fields = dict(kv.split("=", 1) for kv in line.split()[2:])
         assert fields["medium"] == MEDIUM
-        yield d.ready["listen"], fields["publish"]
+        yield d.ready["listen"], fields["publish"], fields["replay"]
         proc.terminate()
         assert proc.wait(timeout=START_TIMEOUT_S) == 0
     finally:
@@ -191,8 +194,10 @@ def events_process(daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, st
                 stream.close()
 
 
-def test_maru_pool_events_publishes_over_zmq(events_process: tuple[str, str], tenant: tuple[Path, str]) -> None:
-    url, endpoint = events_process
+def test_maru_pool_events_publishes_over_zmq(
+    events_process: tuple[str, str, str], tenant: tuple[Path, str]
+) -> None:
+    url, endpoint, _ = events_process
     _, token = tenant
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
@@ -251,3 +256,40 @@ def test_the_pool_daemon_runs_without_zmq() -> None:
     code = "import sys, maru_connector.pool.cli; sys.exit('zmq' in sys.modules or 'msgspec' in sys.modules)"
     env = {**pool_env(), "PYTHONDONTWRITEBYTECODE": "1"}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=START_TIMEOUT_S).returncode == 0
+
+
+def replay_from(endpoint: str, start: int) -> list[tuple[str, int, list[Any]]]:
+    """Ask the replay socket as a vLLM subscriber does; the batches it sends back, up to its end marker."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while True:
+            assert dealer.poll(START_TIMEOUT_S * 1000), "the replay socket did not answer"
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert (topic, payload) == (b"", b"")
+                return out
+            out.append(decoded((topic, seq, payload)))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_missed_batches_are_replayed_as_vllm_replays_them(
+    events_process: tuple[str, str, str], tenant: tuple[Path, str]
+) -> None:
+    url, _, replay = events_process
+    _, token = tenant
+    with PoolClient(url, timeout_s=10, token_file=token) as client:
+        commit_prompt(client, prompt(9, 2))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while len(batches := replay_from(replay, 0)) < 2:
+        assert time.monotonic() < deadline, f"the stored prompt was never published: {batches}"
+        time.sleep(0.2)
+    assert [(topic, seq, shape(events)) for topic, seq, events in batches] == [
+        ("kv@maru@qwen", 0, [("cleared",)]),
+        ("kv@maru@qwen", 1, [("stored", prompt(9, 2), None, BLOCK, [], MEDIUM)]),
+    ]
+    assert [seq for _, seq, _ in replay_from(replay, 1)] == [1]

@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--int-hashes", action="store_true",
                         help="block hashes as the key's last 8 bytes, a 64-bit integer (as vLLM's "
                         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) instead of the key's bytes")
+    events.add_argument("--replay", help="ZMQ ROUTER address to bind for replays of missed batches, as vLLM's "
+                        "replay_endpoint (default: none)")
+    events.add_argument("--replay-buffer", type=_count, default=10_000,
+                        help="batches kept for replays, as vLLM's buffer_steps (default %(default)s)")
     events.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     flush = sub.add_parser("flush", help="drop every chunk the tenant holds in the pool")
@@ -245,13 +249,13 @@ def _publish_events(args: argparse.Namespace) -> int:
     from . import publisher
 
     try:
-        pub, sock, bound = publisher.build(args)
+        role = publisher.build(args)
     except ValueError as err:
         print(f"maru-pool events: error: {err}", file=sys.stderr, flush=True)
         return 2
     stop = _stop_on_signals()
-    print(f"maru-pool ready role=events pool={args.pool} publish={bound} medium={args.medium}", flush=True)
-    return publisher.run(pub, sock, stop)
+    print("maru-pool ready " + " ".join(f"{k}={v}" for k, v in role.ready.items()), flush=True)
+    return publisher.run(role, stop)
 
 
 def _stop_on_signals() -> threading.Event:

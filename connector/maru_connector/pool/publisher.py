@@ -179,9 +179,17 @@ def bind(endpoint: str, *, hwm: int = 100_000) -> tuple[Any, str]:
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def build(args: Any) -> tuple[Publisher, Any, str]:
-    """The ``events`` role from its flags: the publisher, its bound socket and where it is bound.
-    ValueError names the flag that is wrong."""
+@dataclass
+class Role:
+    """The ``events`` role, built from its flags: what to run, what to print when ready, what to close."""
+
+    publisher: Publisher
+    ready: dict[str, str]
+    closers: list[Callable[[], None]]
+
+
+def build(args: Any) -> Role:
+    """ValueError names the flag that is wrong."""
     try:
         translator = Translator(args.block_size, medium=args.medium, int_hashes=args.int_hashes)
     except ValueError as err:
@@ -195,15 +203,34 @@ def build(args: Any) -> tuple[Publisher, Any, str]:
         sock, bound = bind(args.publish)
     except ValueError as err:
         raise ValueError(f"--publish: {err}") from None
-    return Publisher(link, sock.send_multipart, translator, topic=args.topic), sock, bound
+    closers: list[Callable[[], None]] = [lambda: sock.close(linger=0)]
+    ready = {"role": "events", "pool": args.pool, "publish": bound, "medium": args.medium}
+    send: Callable[[tuple[bytes, bytes, bytes]], None] = sock.send_multipart
+    if args.replay:
+        from .replay import ReplayServer
+
+        try:
+            replay = ReplayServer(args.replay, buffer=args.replay_buffer)
+        except ValueError as err:
+            sock.close(linger=0)
+            raise ValueError(f"--replay: {err}") from None
+        closers.append(replay.close)
+        ready["replay"] = replay.endpoint
+
+        def send(message: tuple[bytes, bytes, bytes]) -> None:
+            sock.send_multipart(message)
+            replay.record(message)
+
+    return Role(Publisher(link, send, translator, topic=args.topic), ready, closers)
 
 
-def run(publisher: Publisher, sock: Any, stop: threading.Event) -> int:
-    """Publish until ``stop``, then close the link and the socket."""
+def run(role: Role, stop: threading.Event) -> int:
+    """Publish until ``stop``, then close the link and the sockets."""
     try:
-        publisher.run(stop)
+        role.publisher.run(stop)
     finally:
-        publisher.close()
-        sock.close(linger=0)
-    log.info("events: stopped after %d batch(es)", publisher.seq)
+        role.publisher.close()
+        for close in role.closers:
+            close()
+    log.info("events: stopped after %d batch(es)", role.publisher.seq)
     return 0
