@@ -86,6 +86,30 @@ def test_prefill_with_one_token_then_decode(producer: Engine, consumer: Engine) 
     assert got == producer.generate([p])[0]
 
 
+def decode_tokens(pool: PoolDaemon) -> dict[str, int]:
+    """The pool daemon's count of decode prompt tokens found in it and computed (its /status, one tenant)."""
+    from maru_connector.pool import PoolClient
+
+    with PoolClient(pool.url, timeout_s=5) as c:
+        tenants = {t["tenant"]: t for t in c.status()["tenants"]}
+    readers = tenants.get("", {}).get("readers", {})
+    return readers.get("prompt_tokens", {}).get("decode", {"pool": 0, "computed": 0})
+
+
+def test_the_pool_counts_decode_prompt_tokens_as_loaded_after_a_prefill(
+    producer: Engine, consumer: Engine, pool: PoolDaemon
+) -> None:
+    p = prompt(10 * CHUNK + 3, seed=16)
+    producer.generate([p], max_tokens=1)
+    before = decode_tokens(pool)
+    consumer.generate([p])
+    after = decode_tokens(pool)
+    assert (after["pool"] - before["pool"], after["computed"] - before["computed"]) == (10 * CHUNK, 0)
+    # A prompt no prefill stored: decode computes it, and the pool says so.
+    consumer.generate([prompt(4 * CHUNK + 3, seed=17)])
+    assert decode_tokens(pool)["computed"] - after["computed"] == 4 * CHUNK
+
+
 def test_decode_sent_the_moment_prefill_answers_finds_every_chunk(producer: Engine, consumer: Engine) -> None:
     """Prefill answers before its saves commit (they run on its save lane); the router sends decode
     about a millisecond later with prefill's kv_transfer_params. Commits are held back here, so a
