@@ -156,6 +156,10 @@ def test_install_then_run_the_operator_within_its_rbac(
     assert not denied, "the operator needs rights the chart does not grant:\n" + "\n".join(denied)
     # And the enforcement is not vacuous: it refuses what the chart does not grant.
     assert not cluster.allowed(token, "delete", "secrets", NAMESPACE)  # pool keys go with their pool, by GC
+    # Secrets in the release namespace only (the pools' keys): the CSI node plugin mints the groups' credentials.
+    assert cluster.allowed(token, "watch", "secrets", NAMESPACE)
+    assert not cluster.allowed(token, "get", "secrets", GROUP_NAMESPACE)
+    assert not cluster.allowed(token, "list", "secrets", None)
     assert not cluster.allowed(token, "update", "deployments.apps", GROUP_NAMESPACE)
     assert not cluster.allowed(token, "create", "daemonsets.apps", GROUP_NAMESPACE)  # only where pools run
     assert cluster.allowed(token, "create", "daemonsets.apps", NAMESPACE)
