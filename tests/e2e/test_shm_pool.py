@@ -23,7 +23,7 @@ from maru_localcluster.cluster import processes_in
 from maru_localcluster.product import POOL_NAMESPACE, wait_ready
 
 from .conftest import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
-from .traffic import complete, from_pool, health, prompt
+from .traffic import complete, counter, from_pool, health, prompt
 
 skip_unless_local_cluster_runs()
 
@@ -131,6 +131,26 @@ def test_exact_multiple_prompt_leaves_decode_alive(shm: Deployment) -> None:
     assert complete(shm.router_url, exact) == first
     assert health(decode) == 200
     assert complete(shm.router_url, prompt(100, seed=13))
+
+
+def test_a_repeated_long_prompt_goes_to_decode_alone_through_the_group_router(shm: Deployment) -> None:
+    """The operator's router pod runs maru-router in front of vllm-router: once the pool holds a prompt,
+    the prompt skips prefill, decode loads it from the pool, and the answer is the first one."""
+    (router,) = shm.pods("router", ready_only=True)
+    assert [c["name"] for c in router["spec"]["containers"]] == ["router", "vllm-router"]
+    decisions = shm.cluster.pod_url(GROUP_NS, router["metadata"]["name"], 29001)
+    prefill, decode = shm.engine_url("prefill"), shm.engine_url("decode")
+    long_prompt = prompt(3 * CHUNK + 30, seed=14)
+    first = complete(shm.router_url, long_prompt)  # cold: prefill then decode (prefill stores it)
+
+    direct = counter(decisions, "maru_router_requests_total", route="direct", reason="covered")
+    prefilled = counter(prefill, "vllm:request_success_total")
+    loaded = from_pool(decode)
+    assert complete(shm.router_url, long_prompt) == first
+    assert counter(decisions, "maru_router_requests_total", route="direct", reason="covered") == direct + 1
+    assert counter(prefill, "vllm:request_success_total") == prefilled  # prefill never saw the repeat
+    # Decode took the three whole chunks from the pool and computed the tail itself.
+    assert wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load from the pool") - loaded == 3 * CHUNK
 
 
 def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) -> None:
