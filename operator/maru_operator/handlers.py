@@ -35,7 +35,7 @@ from maru_operator.builders.netpol import NetworkPolicyConfig
 from maru_operator.cache import RESYNC_SECONDS, SERVICE_NAME_LABEL, Key, Store, key_of, not_newer, owner_key
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
-from maru_operator.kube import Kube, StatusFetcher, fetch_daemon_status, login
+from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
 from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE, lease_name
 from maru_operator.rollouts import DEFAULT_MAX_GROUPS, RolloutPacer
@@ -446,6 +446,8 @@ async def watch_secrets(kube: Kube, namespace: str, selector: str) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the next list or watch, or the resync, catches up
+            if isinstance(err, ApiError) and err.status == 410:
+                version = None  # expired: list again (some servers answer so rather than with an ERROR event)
             log.warning("watch of Secrets in %s failed (%s); again in %.0fs", namespace, err, SECRETS_WATCH_BACKOFF)
             await asyncio.sleep(SECRETS_WATCH_BACKOFF)
 

@@ -133,3 +133,25 @@ def test_a_secret_of_the_old_credential_name_is_left_alone(
     assert "ChildConflict" not in str(ig["status"]["conditions"])
     secret = cluster.get("secrets", "qwen-pool-credential", GROUP_NS)
     assert secret is not None and secret["data"] == mine["data"] and "ownerReferences" not in secret["metadata"]
+
+
+def test_the_key_watch_lists_again_after_a_gap(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    """The operator's own watch of its namespace's Secrets: a dropped stream resumed from a compacted version
+    (410) lists again, and a key deleted meanwhile is still noticed and made anew."""
+    old_key = key_of(cluster)
+    cluster.wait_until(lambda e: any(f"/namespaces/{POOL_NS}/secrets" in p for p in e.open_watches()),
+                       message="the Secrets watch")
+    # Just before the operator watches again: the key goes and the history with it, so no DELETED event is left
+    # to resume from; only a list shows the key is gone.
+    gap = cluster.on_request(f"/namespaces/{POOL_NS}/secrets$", lambda e: (
+        e.delete_object("", "secrets", POOL_NS, "local-shm-key"), e.compact()), method="GET")
+    assert cluster.drop_watches(f"/namespaces/{POOL_NS}/secrets") >= 1
+    fresh = cluster.wait_until(
+        lambda e: (s := e.get_object("", "secrets", POOL_NS, "local-shm-key")) and s.get("data")
+        and base64.b64decode(s["data"]["key"]) != old_key and s, message="a new pool key")
+    agent_key_digest(cluster, base64.b64decode(fresh["data"]["key"]))
+    assert cluster.call(lambda: gap.hits) == 1
+    cluster.wait_until(lambda e: any(f"/namespaces/{POOL_NS}/secrets" in p for p in e.open_watches()),
+                       message="the Secrets watch, again")
