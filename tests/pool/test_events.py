@@ -11,6 +11,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
 
 from maru_connector.pool import protocol
 from maru_connector.pool.client import PoolClient, PoolError, WriteLease
@@ -21,6 +24,9 @@ from maru_connector.pool.link import TenantLink
 from .harness import Daemon, start_serve
 from .test_auth import token_file, write_key
 from .test_daemon import run_cli
+from .test_index import EPOCH as INDEX_EPOCH
+from .test_index import PAGE as INDEX_PAGE
+from .test_index import Clock, IndexMachine
 from .test_multinode import free_port, start_agent, start_metadata
 
 PAGE = 4096
@@ -163,6 +169,62 @@ def test_chains_split_where_a_key_is_not_the_next_ones_parent() -> None:
 def test_events_keep_must_be_positive() -> None:
     with pytest.raises(ValueError, match="keep"):
         EventLogs(keep=0)
+
+
+class EventsMachine(IndexMachine):
+    """Random writes, commits, aborts, reads, corrupt releases, evictions, expiries and flushes, with a reader
+    that reads now and then: what it rebuilds from the events is always exactly what the index holds. A stale
+    index is worse than none."""
+
+    keep = 10_000  # the reader never falls behind: every change must be in the log
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.index = PoolIndex(16 * INDEX_PAGE, epoch=INDEX_EPOCH, lease_seconds=10, align=INDEX_PAGE,
+                               clock=self.clock, events_keep=self.keep)  # fmt: skip
+        self.replica: set[bytes] = set()
+        self.cursor: tuple[int, int] | None = None
+
+    @rule(i=st.integers(31, 40), pages=st.integers(3, 8))
+    def store_big(self, i: int, pages: int) -> None:
+        # Written and committed at once: keeps the pool near full, so writes evict.
+        (grant,) = self.index.begin_write([(k(i), pages * INDEX_PAGE)])
+        if isinstance(grant, WriteGrant):
+            self.index.commit(INDEX_EPOCH, [(grant.lease_id, i)])
+
+    @rule()
+    def flush(self) -> None:
+        self.index.flush("")
+        self.pins = {p: v for p, v in self.pins.items() if self.index._chunks.get(v[0]) is not None}
+
+    @rule(max_keys=st.integers(1, 5))
+    def reader_catches_up(self, max_keys: int) -> None:
+        while True:
+            read = self.index.read_events("", self.cursor, max_keys=max_keys)
+            if read.resync:
+                self.replica.clear()
+            for event in read.events:
+                if event.kind == STORED:
+                    self.replica.update(event.keys)
+                elif event.kind == REMOVED:
+                    self.replica.difference_update(event.keys)
+                else:
+                    self.replica.clear()
+            self.cursor = (INDEX_EPOCH, read.last)
+            if not read.events:
+                break
+        assert self.replica == {key for key, chunk in self.index._chunks.items() if chunk.committed}
+
+
+class BehindEventsMachine(EventsMachine):
+    keep = 8  # the reader falls behind the ring again and again: its resyncs must rebuild the same
+
+
+TestEventsMachine = EventsMachine.TestCase
+TestEventsMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestBehindEventsMachine = BehindEventsMachine.TestCase
+TestBehindEventsMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 # ------------------------------------------------------------------------------------------- the daemon
