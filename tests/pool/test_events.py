@@ -19,7 +19,9 @@ from maru_connector.pool import protocol
 from maru_connector.pool.client import PoolClient, PoolError, WriteLease
 from maru_connector.pool.events import CLEARED, REMOVED, STORED, Event, EventLogs, chains
 from maru_connector.pool.index import PoolIndex, WriteGrant
+from maru_connector.pool.kv_events_wire import BlockRemoved, BlockStored
 from maru_connector.pool.link import TenantLink
+from maru_connector.pool.publisher import Translator
 
 from .harness import Daemon, start_serve
 from .test_auth import token_file, write_key
@@ -185,6 +187,10 @@ class EventsMachine(IndexMachine):
                                clock=self.clock, events_keep=self.keep)  # fmt: skip
         self.replica: set[bytes] = set()
         self.cursor: tuple[int, int] | None = None
+        # The same reads through the publisher's translation, applied by two consumers of vLLM's events: one
+        # that honours AllBlocksCleared and one that ignores it (llm-d's indexer): both must end up right.
+        self.translator = Translator(block_size=16)
+        self.consumers: tuple[set[bytes], set[bytes]] = (set(), set())
 
     @rule(i=st.integers(31, 40), pages=st.integers(3, 8))
     def store_big(self, i: int, pages: int) -> None:
@@ -212,9 +218,20 @@ class EventsMachine(IndexMachine):
                 else:
                     self.replica.clear()
             self.cursor = (INDEX_EPOCH, read.last)
+            wire = [[e.kind, [key.hex() for key in e.keys], e.parent.hex() if e.parent else None] for e in read.events]
+            for event in self.translator.translate(wire, resync=read.resync):
+                for honours, consumer in zip((True, False), self.consumers, strict=True):
+                    if isinstance(event, BlockStored):
+                        consumer.update(event.block_hashes)  # type: ignore[arg-type]
+                    elif isinstance(event, BlockRemoved):
+                        consumer.difference_update(event.block_hashes)  # type: ignore[arg-type]
+                    elif honours:
+                        consumer.clear()
             if not read.events:
                 break
-        assert self.replica == {key for key, chunk in self.index._chunks.items() if chunk.committed}
+        held = {key for key, chunk in self.index._chunks.items() if chunk.committed}
+        assert self.replica == held
+        assert self.consumers == (held, held)
 
 
 class BehindEventsMachine(EventsMachine):
