@@ -33,6 +33,8 @@ OPS: list[dict[str, Any]] = [
     {"op": "read", "keys": [K.hex()]},
     {"op": "release", "epoch": 1, "pins": [1]},
     {"op": "renew", "epoch": 1, "ids": [1]},
+    {"op": "events", "after": None},
+    {"op": "flush"},
     {"op": "stats"},
     {"op": "status"},
     {"op": "agent", "node": "n", "backend": "dax", "devices": []},

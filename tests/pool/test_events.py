@@ -353,15 +353,6 @@ def test_daemon_refuses_a_malformed_events_request(
             la.call({"op": "write", "items": [["00" * 65, 4096]]})
 
 
-def test_events_need_a_verified_hello(
-    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
-) -> None:
-    key, _ = keyed
-    d = start(daemons, sock_dir, key)
-    with TenantLink(d.ready["listen"]) as anonymous, pytest.raises(PoolError, match="unauthenticated"):
-        read(anonymous, None)
-
-
 def test_a_multinode_pools_events_come_from_its_metadata_server(daemons: list[Daemon], sock_dir: Path) -> None:
     device = sock_dir / "dax0.0"
     with open(device, "wb") as fh:
