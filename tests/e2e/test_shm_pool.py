@@ -7,9 +7,11 @@ finding them through the API. The tests then change, break and remove what runs.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +52,18 @@ def agent_pod(d: Deployment) -> dict[str, Any]:
     return pod
 
 
+def in_container(pid: int, path: str) -> Path:
+    """``path`` as process ``pid`` sees it: below its root, with absolute links (``/var/run`` -> ``/run``) taken
+    inside that root rather than this process's."""
+    root = current = Path(f"/proc/{pid}/root")
+    for part in Path(path).parts[1:]:
+        current = current / part
+        if current.is_symlink():
+            target = os.readlink(current)
+            current = root / target.lstrip("/") if target.startswith("/") else current.parent / target
+    return current
+
+
 def wait_for_more(d: Deployment, read: Any, before: float, what: str) -> float:
     """vLLM counts a request's prompt sources a scheduler step after answering: wait for the count."""
     return float(wait(what, lambda: read() > before and read(), d))
@@ -64,15 +78,24 @@ def test_kubectl_shows_pool_and_group_ready(shm: Deployment) -> None:
 
 
 def test_the_pool_serves_only_holders_of_the_group_credential(shm: Deployment, tmp_path: Path) -> None:
-    """The agent runs with the pool key the operator made; the group's pods carry its credential; a client on
-    the node without one gets nothing (prefill and decode sharing KV, below, shows the credential works)."""
-    group = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)
-    secret = shm.get("secrets", "tiny-pool-credential", GROUP_NS)
-    assert secret["metadata"]["ownerReferences"][0]["uid"] == group["metadata"]["uid"]
+    """The agent runs with the pool key the operator made; its init container left the key for the CSI node plugin,
+    which minted each vLLM pod's token at publish (no Secret in the group's namespace); a client on the node
+    without one gets nothing (prefill and decode sharing KV, below, shows the credential works)."""
+    assert shm.cluster.kube.list("secrets", GROUP_NS) == []
+    key = base64.b64decode(shm.get("secrets", "local-shm-key", POOL_NAMESPACE)["data"]["key"])
     for role in ("prefill", "decode"):
         (pod,) = shm.pods(role)
-        assert {"name": "maru-credential", "secret": {"secretName": "tiny-pool-credential", "defaultMode": 0o444,
-                "items": [{"key": "token", "path": "token"}]}} in pod["spec"]["volumes"]
+        volume = {v["name"]: v for v in pod["spec"]["volumes"]}["maru-credential"]
+        assert volume["csi"]["driver"] == "csi.maru.io" and volume["csi"]["volumeAttributes"]["cache"] == "tiny"
+        # The token as the vLLM container sees it (the kubelet's mounts are in its own mount namespace).
+        seen = [in_container(pid, "/var/run/secrets/maru.io/pool/token")
+                for pid in processes_in(shm.cluster.pid_namespaces(pod))]
+        (token, *_) = [t for t in seen if t.exists()] or seen
+        assert stat.S_IMODE(token.stat().st_mode) == 0o444
+        assert tenancy.verify(key, token.read_text()) == tenancy.tenant(f"{GROUP_NS}/tiny")
+    minting_file = shm.cluster.node_root(pod["spec"]["nodeName"]) / "run" / "maru" / "_credentials" / "local-shm.json"
+    assert stat.S_IMODE(minting_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(minting_file.parent.stat().st_mode) == 0o700
     agent = agent_pod(shm)
     assert "auth=on" in shm.cluster.pod_log(POOL_NAMESPACE, agent["metadata"]["name"], "agent")
     # The socket's host path can exceed a Unix socket path's 107 bytes: reach it through a short link.
