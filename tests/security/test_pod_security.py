@@ -79,8 +79,11 @@ def test_the_socket_reaches_serving_pods_through_a_csi_volume(rendered: dict[str
             if _app(obj) != "vllm":
                 continue
             _, spec = pod_template(obj)  # type: ignore[misc]
-            csi = [v for v in spec["volumes"] if "csi" in v]
-            assert len(csi) == 1 and csi[0]["csi"]["readOnly"] is True, spec["volumes"]
+            csi = {v["name"]: v["csi"] for v in spec["volumes"] if "csi" in v}
+            # The pool's socket directory, and the pool credential the node plugin mints: both read-only.
+            assert set(csi) == {"maru-socket", "maru-credential"}, spec["volumes"]
+            assert all(v["driver"] == "csi.maru.io" and v["readOnly"] is True for v in csi.values()), csi
+            assert not [v for v in spec["volumes"] if "secret" in v], "no Secret volume: nothing in the namespace"
 
 
 def test_only_pool_infrastructure_needs_more_than_restricted(rendered: dict[str, list[dict[str, Any]]]) -> None:
