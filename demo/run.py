@@ -165,8 +165,8 @@ class Demo:
     router_url: str = ""
     pool_http: str = ""
 
-    def kubectl(self, *args: str, check: bool = True) -> str:
-        out = self.cluster.kubectl(*args, check=False)
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
+        out = self.cluster.kubectl(*args, check=False, input=input)
         if check and out.returncode != 0:
             raise StepFailed(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return str(out.stdout)
@@ -267,8 +267,15 @@ def apply_crds(d: Demo) -> str:
 
 
 def apply_examples(d: Demo) -> str:
-    out = d.kubectl("apply", "--validate=false", "-f", str(EXAMPLES / "pool-shm.yaml"),
-                    "-f", str(EXAMPLES / "inferencegroup-tiny.yaml"))
+    import yaml
+
+    out = d.kubectl("apply", "--validate=false", "-f", str(EXAMPLES / "pool-shm.yaml"))
+    # The demo shows prefill replicas sharing the pool: every repeat goes through prefill, on the replica
+    # that never saw it. With decode-direct (on by default) a repeat would skip prefill and go to decode
+    # alone, so the demo's group runs vllm-router alone (tests/e2e shows decode-direct on the same group).
+    group = yaml.safe_load((EXAMPLES / "inferencegroup-tiny.yaml").read_text())
+    group["spec"]["router"]["decodeDirect"] = {"enabled": False}
+    out += d.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(group))
     return ", ".join(line.split()[0] for line in out.splitlines() if line.strip())
 
 
