@@ -158,6 +158,10 @@ class Controller:
     disaggregation_window: float = DEFAULT_WINDOW_S
     # pool -> its decode traffic per tenant over the window, from the same polls of its daemons
     _pool_readers: dict[str, ReaderWindow] = field(default_factory=dict)
+    # group -> (its pool, its cache scope there), as its last reconcile saw them
+    _group_scopes: dict[Key, tuple[str, str]] = field(default_factory=dict)
+    # Puts an owner on the work queue (the handlers' queue); a pool's poll wakes the groups it has news for.
+    wake: Callable[[Key], None] | None = None
     # group -> when a change of its pool usage alone was last written (monotonic seconds)
     _group_written: dict[Key, float] = field(default_factory=dict)
     # child -> (digest of the desired object, resourceVersion, fingerprint of the actual one) when the child
@@ -442,10 +446,13 @@ class Controller:
             conflicts=list(applied.conflicts.values()),
         )
         seen.stats = await self._pool_stats(spec, name, pods)
-        self._readers_of(name).observe(self.monotonic(), seen.stats)
+        readers = self._readers_of(name)
+        was_reachable, known = readers.reachable, set(self._pool_tenants.get(name, {}))
+        readers.observe(self.monotonic(), seen.stats)
         tenants = tenant_usage(seen.stats)
         if tenants is not None:  # no answer: the groups keep the last use they were told
             self._pool_tenants[name] = tenants
+        self._wake_groups(name, set(tenants or {}) - known, readers.reachable != was_reachable)
         new = pool_status(name, spec, meta.get("generation"), seen, old, self.clock())
         return await self._write_pool_status(body, old, new)
 
@@ -539,6 +546,7 @@ class Controller:
         body = self.store.get(key)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             metrics.forget_group(namespace, name)
+            self._group_scopes.pop(key, None)
             return None  # the garbage collector removes the children through their ownerReferences
         meta = body.get("metadata", {})
         generation = meta.get("generation")
@@ -640,8 +648,18 @@ class Controller:
                 return self.usage_interval - since
             self._group_written[key] = self.monotonic()
         await self.write_status(body, old, new)
-        # A bound group looks again as its pool is polled: its DisaggregationActive window slides.
-        return self.usage_interval if usage is not None or bound else None
+        # A group the pool reports on looks again as the pool is polled: its use moves and its
+        # DisaggregationActive window slides (a tenant with any traffic, decode lookups too, is reported).
+        return self.usage_interval if usage is not None else None
+
+    def _wake_groups(self, pool: str, new_tenants: set[str], reachability_changed: bool) -> None:
+        """Groups whose tenant the pool reports for the first time (they look again at its interval from then
+        on), or all of the pool's when its daemons stopped or started answering, are reconciled now."""
+        if self.wake is None or not (new_tenants or reachability_changed):
+            return
+        for key, (of_pool, scope) in list(self._group_scopes.items()):
+            if of_pool == pool and (reachability_changed or scope in new_tenants):
+                self.wake(key)
 
     def _readers_of(self, pool: str) -> ReaderWindow:
         if pool not in self._pool_readers:
@@ -657,6 +675,11 @@ class Controller:
         """
         pool = binding.pool.name if binding.pool is not None else None
         window = self._pool_readers.get(pool) if pool is not None else None
+        group_key: Key = ("InferenceGroup", owner.namespace or "", owner.name)
+        if pool is not None:
+            self._group_scopes[group_key] = (pool, cache_scope(spec, owner))
+        else:
+            self._group_scopes.pop(group_key, None)
         kept = cond.get(old.conditions, cond.DISAGGREGATION_ACTIVE)
         unjudged = window is None or (not window.judged and window.reachable is not False)
         if pool is not None and unjudged and kept is not None:

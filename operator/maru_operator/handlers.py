@@ -188,7 +188,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
         fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
         pacer=RolloutPacer(config.max_rolling_groups),
-        images=config.images, disaggregation_window=config.disaggregation_window,
+        images=config.images, disaggregation_window=config.disaggregation_window, wake=_enqueue,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
     # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
