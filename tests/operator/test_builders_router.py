@@ -97,9 +97,23 @@ class TestDecodeDirectRouter:
             assert {v["name"]: v for v in router_pod["volumes"]}[name] == engine_volumes[name]
             assert mounts[name] == engine_mounts[name]
         # vllm-router touches neither.
-        assert "volumeMounts" not in {c["name"]: c for c in router_pod["containers"]}["vllm-router"]
+        upstream_mounts = {m["name"] for m in {c["name"]: c for c in router_pod["containers"]}["vllm-router"]
+                           ["volumeMounts"]}
+        assert not upstream_mounts & {"maru-socket", "maru-credential"}
         # Read-only root: vLLM's import writes its caches to the scratch directories.
         assert {"home", "tmp"} <= set(mounts)
+
+    def test_only_vllm_router_holds_an_api_token(self) -> None:
+        router_pod = pod(build_router_deployment(group_spec(), GROUP_OWNER, pool_view()))
+        assert router_pod["automountServiceAccountToken"] is False
+        assert router_pod["serviceAccountName"] == "llama-router"
+        c = {c["name"]: c for c in router_pod["containers"]}
+        token_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
+        assert not any(m["mountPath"] == token_dir for m in c["router"]["volumeMounts"])
+        (mount,) = [m for m in c["vllm-router"]["volumeMounts"] if m["mountPath"] == token_dir]
+        (volume,) = [v for v in router_pod["volumes"] if v["name"] == mount["name"]]
+        sources = {next(iter(s)) for s in volume["projected"]["sources"]}
+        assert sources == {"serviceAccountToken", "configMap", "downwardAPI"}
 
     def test_runs_on_the_pool_nodes_beside_decode(self) -> None:
         spec = group_spec()

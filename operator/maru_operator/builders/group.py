@@ -520,6 +520,21 @@ def pool_access(spec: InferenceGroupSpec, pool: PoolView, group: str) -> tuple[l
     return [v for v in volumes if v["name"] in wanted], [m for m in mounts if m["name"] in wanted]
 
 
+API_ACCESS_VOLUME = "kube-api-access"
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def api_access_volume() -> Object:
+    """The volume Kubernetes' ServiceAccount admission adds to every container when a pod does not opt out:
+    a bound token, the cluster's CA and the namespace, for one container alone."""
+    return {"name": API_ACCESS_VOLUME, "projected": {"defaultMode": 0o644, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+                                    "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+    ]}}
+
+
 def _router_pod_labels(owner: Owner, pool: PoolView | None) -> dict[str, str]:
     """With decode-direct the router is a client of its pool too: the pool's label admits it there (dax)."""
     if pool is None:
@@ -541,9 +556,13 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner, pool: PoolVi
     if direct is None:
         pod_spec["containers"] = [vllm_router_container(spec, owner, port=ROUTER_CONTAINER_PORT, port_name="http")]
     else:
-        pod_spec["containers"] = [maru_router_container(spec, owner, direct),
-                                  vllm_router_container(spec, owner, port=UPSTREAM_PORT, port_name="upstream")]
-        pod_spec["volumes"] = [*pool_access(spec, direct, owner.name)[0], *scratch_volumes()]
+        # Only vllm-router reads the API (pod discovery): maru-router, which parses every client's request,
+        # gets no token.
+        upstream = vllm_router_container(spec, owner, port=UPSTREAM_PORT, port_name="upstream")
+        upstream["volumeMounts"] = [{"name": API_ACCESS_VOLUME, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}]
+        pod_spec["automountServiceAccountToken"] = False
+        pod_spec["containers"] = [maru_router_container(spec, owner, direct), upstream]
+        pod_spec["volumes"] = [*pool_access(spec, direct, owner.name)[0], *scratch_volumes(), api_access_volume()]
         # Its lookups see the pool of its own node: decode's, where decode-direct requests are served.
         pod_spec.update(pool_placement(direct, near=discovery_selector(owner, "decode")))
     template = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
