@@ -352,7 +352,8 @@ def tenant_usage(stats: dict[str, dict[str, Any] | None]) -> dict[str, PoolUsage
     return {
         scope: PoolUsage(
             used=format_bytes(row["used_bytes"]), used_bytes=row["used_bytes"],
-            quota=format_bytes(row["quota_bytes"]), quota_bytes=row["quota_bytes"],
+            # A tenant that only looked up has no account, so no quota the daemons told: unknown, not zero.
+            quota=format_bytes(row["quota_bytes"]) if row["quota_bytes"] else "", quota_bytes=row["quota_bytes"],
             chunks=row["chunks"], pins=row["pins"], leases=row["leases"],
             evictions_by_others=row["evictions_by_others"], quota_refusals=row["refused"],
         )

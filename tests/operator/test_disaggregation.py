@@ -6,7 +6,7 @@ from typing import Any
 
 from maru_operator import conditions as cond
 from maru_operator.api.inferencegroup import InferenceGroupStatus, PoolUsage
-from maru_operator.status import group_usage_only_change
+from maru_operator.status import group_usage_only_change, tenant_usage
 from maru_operator.traffic import MIN_TOKENS, DecodeReads, ReaderWindow, decode_reads
 
 SCOPE = "llm/qwen"
@@ -57,6 +57,10 @@ class TestWindow:
         assert w.reachable is False
         w.observe(20, {"n1": answer()})
         assert w.reachable is True
+
+    def test_a_tenant_that_only_looked_up_has_no_quota_to_show(self) -> None:
+        usage = tenant_usage({"n1": {"tenants": [{"tenant": SCOPE, "readers": answer()["tenants"][0]["readers"]}]}})
+        assert usage is not None and (usage[SCOPE].quota, usage[SCOPE].used) == ("", "0")
 
     def test_daemons_without_reader_counters_report_nothing(self) -> None:
         assert decode_reads({"capacity_bytes": 1, "tenants": [{"tenant": SCOPE, "used_bytes": 1}]}) == {}
