@@ -14,7 +14,8 @@ not go to decode alone is passed to that router untouched, and so is every other
 ``/workers``, say): its pod discovery and policies keep choosing prefill and decode. Since that router
 consumes prefill's answers, the key scheme is learnt by running the prefill-then-decode path here,
 through the ``prefill`` and ``decode`` URLs, whenever no scheme is known or the one known is older than
-``relearn_s``: one request per period, so a rollout that changes the engines' keys is followed.
+``relearn_s``: about one request per period (those arriving while a refresh is under way take that
+path too), so a rollout that changes the engines' keys is followed.
 """
 
 from __future__ import annotations
