@@ -93,6 +93,23 @@ class Store:
         return a.get("resourceVersion") is not None and a.get("resourceVersion") == b.get("resourceVersion") \
             and a.get("uid") == b.get("uid")
 
+    def holds_since(self, obj: Object) -> bool:
+        """Whether the cache holds ``obj``'s version or a later one of the same object (same uid).
+
+        A watch event of a version older than the cached one tells nothing new: the event of the cached
+        version, or whoever cached it (a write's answer), brought everything it changed.
+        """
+        cached = self.objects.get(key_of(obj))
+        if cached is None:
+            return False
+        a, b = cached.get("metadata") or {}, obj.get("metadata") or {}
+        if a.get("uid") != b.get("uid"):
+            return False
+        have, seen = _version(cached), _version(obj)
+        if have is None or seen is None:
+            return self.holds_version(obj)
+        return have >= seen
+
     def _index(self, key: Key, obj: Object | None) -> None:
         """Move ``key`` in the indexes from its cached object to ``obj`` (None: out of them)."""
         old = self.objects.get(key)

@@ -50,6 +50,7 @@ from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_statu
 from maru_operator.reconcile import (
     FIELD_MANAGER,
     adopted_ownership,
+    adoption_patch,
     controlled_by,
     describe_controller,
     key_of,
@@ -290,14 +291,20 @@ class Controller:
         for _ in range(_ADOPT_TRIES):
             if current is None or current["metadata"].get("uid") != uid:
                 return None  # gone or replaced already: the next pass looks at the name afresh
+            desired = obj if only_desired else None
             try:
+                ops = adoption_patch(current, desired=desired)
+                if ops is not None:
+                    # Our entry alone, as read: a status write since the create does not fail it.
+                    return await self.kube.json_patch(kind, ns or None, name, ops)
                 # With the resourceVersion: the whole list is replaced, so it must be the one just read (a
                 # controller writing status right after the create adds an entry of its own).
                 return await self.kube.patch(kind, ns or None, name, {"metadata": {
-                    "managedFields": adopted_ownership(current, desired=obj if only_desired else None),
+                    "managedFields": adopted_ownership(current, desired=desired),
                     "resourceVersion": current["metadata"].get("resourceVersion")}})
             except ApiError as err:
-                if err.status not in (404, 409):
+                # 422: a test of the JSON patch failed (our entry or the uid is no longer as read).
+                if err.status not in (404, 409, 422):
                     raise
             current = await self.kube.get(kind, ns or None, name)
         return None

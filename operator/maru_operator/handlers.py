@@ -401,9 +401,10 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     obj = dict(body)
     if "kind" not in obj:
         return
-    # The echo of our own write (its answer is cached already), or an object a relist put here: whoever
-    # cached it has looked at this very version, so it wakes nobody.
-    echo = type != "DELETED" and STATE.store.holds_version(obj)
+    # The echo of our own write (its answer is cached already), an object a relist put here, or a version
+    # older than one of those (a create's event arriving after the answer of the write that followed it):
+    # whoever cached the newer version has looked at it, so it wakes nobody.
+    echo = type != "DELETED" and STATE.store.holds_since(obj)
     if type == "DELETED":
         STATE.store.remove(obj)
     elif not echo:

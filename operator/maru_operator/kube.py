@@ -32,6 +32,7 @@ log = logging.getLogger("maru_operator.kube")
 Object = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 # Lists of metadata only: what a check for objects gone needs, a fraction of the objects' size.
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 # Items per list request: kube-apiserver answers a page in one etcd range read instead of one big one.
@@ -333,6 +334,13 @@ class Kube:
     async def patch(self, kind: str, namespace: str | None, name: str, patch: Object) -> Object:
         return await self.request(
             "PATCH", path(kind, namespace, name), body=patch, content_type=MERGE_PATCH, params=WRITE_PARAMS,
+            what=f"patch {kind} {namespace}/{name}",
+        )
+
+    async def json_patch(self, kind: str, namespace: str | None, name: str, ops: list[Object]) -> Object:
+        """A JSON patch (RFC 6902): its ``test`` operations make it conditional on what they name."""
+        return await self.request(
+            "PATCH", path(kind, namespace, name), body=ops, content_type=JSON_PATCH, params=WRITE_PARAMS,
             what=f"patch {kind} {namespace}/{name}",
         )
 

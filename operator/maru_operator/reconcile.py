@@ -285,6 +285,25 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
     return [e for e in entries if e not in mine] + [adopted]
 
 
+def adoption_patch(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None
+                   ) -> list[dict[str, Any]] | None:
+    """A JSON patch making ``manager``'s one update entry the apply entry :func:`adopted_ownership` makes; None
+    unless ``actual`` holds exactly one entry of the manager, an update's.
+
+    Only that entry is replaced, and only while it and the uid are as read (``test`` operations): an entry
+    that another writer added since (a controller's status write right after a create) stays, where a whole
+    list written back would need the resourceVersion read and fail on every such write.
+    """
+    entries = actual.get("metadata", {}).get("managedFields") or []
+    mine = [i for i, e in enumerate(entries) if e.get("manager") == manager and not e.get("subresource")]
+    if len(mine) != 1 or entries[mine[0]].get("operation") == "Apply":
+        return None
+    at = f"/metadata/managedFields/{mine[0]}"
+    return [{"op": "test", "path": "/metadata/uid", "value": actual["metadata"].get("uid")},
+            {"op": "test", "path": at, "value": entries[mine[0]]},
+            {"op": "replace", "path": at, "value": adopted_ownership(actual, manager, desired)[-1]}]
+
+
 def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MANAGER
                        ) -> list[dict[str, Any]] | None:
     """``actual``'s managedFields with the fields ``manager`` applied but ``desired`` no longer sets owned by

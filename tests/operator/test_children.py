@@ -281,7 +281,8 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
     kinds = {(r.method, r.content_type.split(";")[0]) for r in writes}
     assert ("POST", "application/json") in kinds and kinds <= {
         ("POST", "application/json"), ("PATCH", "application/merge-patch+json"),
-        ("PATCH", "application/apply-patch+yaml")}, [(r.method, r.path, r.content_type) for r in writes]
+        ("PATCH", "application/json-patch+json"), ("PATCH", "application/apply-patch+yaml")}, [
+        (r.method, r.path, r.content_type) for r in writes]
     policy = cluster.get(NETPOL, "qwen-vllm", GROUP_NS)
     assert policy is not None
     assert {(e["manager"], e["operation"]) for e in policy["metadata"]["managedFields"]} == {("maru-operator", "Apply")}
