@@ -1305,7 +1305,9 @@ class Emulator(kmock.KubernetesEmulator):
                 self._commit_internal(self._types[(key[0], key[1])], key, {**obj, 'metadata': meta})
 
     def _emit(self, type_: str, rt: ResourceType, obj: JsonObj, old: JsonObj | None) -> None:
-        event = _LoggedEvent(self._rv, type_, rt.key, _clone(obj), _clone(old))
+        # ``old`` is a version no longer stored, and nothing changes a stored version in place once it is
+        # replaced: the log keeps it as it is. ``obj`` is stored, so the log keeps a copy.
+        event = _LoggedEvent(self._rv, type_, rt.key, _clone(obj), old)
         self._log.append(event)
         while len(self._log) > self.event_log_size:
             self._log_floor = self._log.popleft().rv
@@ -1799,8 +1801,8 @@ def _watch_event(w: _Watcher, event: _LoggedEvent) -> JsonObj | None:
         type_ = event.type
     else:
         return None
-    rt = w.rt
-    return {'type': type_, 'object': _at_version(_clone(event.obj), rt, w.version)}
+    # The logged copy is never changed and the stream only serializes it: a shallow copy takes the version.
+    return {'type': type_, 'object': {**event.obj, 'apiVersion': w.rt.api_version(w.version)}}
 
 
 def _scale_of(obj: JsonObj, paths: JsonObj) -> JsonObj:
