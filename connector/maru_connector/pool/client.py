@@ -722,7 +722,8 @@ class PoolClient:
         except (OSError, UnicodeDecodeError) as err:
             raise PoolAuthError(
                 f"pool at {self.url}: cannot read the pool credential {self.token_file} "
-                f"({getattr(err, 'strerror', None) or err}); the operator mounts the group's credential Secret there"
+                f"({getattr(err, 'strerror', None) or err}); in a group's pod the CSI node plugin mints it there "
+                "at start (the pod's FailedMount events say why it did not)"
             ) from None
 
     def _refused(self, reply: dict[str, Any]) -> PoolError:
