@@ -415,6 +415,21 @@ def _to_jsonschema(schema: Any) -> Any:
     return out
 
 
+_BODY_SCHEMAS: dict[int, tuple[JsonObj, Any]] = {}  # id(a CRD version's schema) -> (it, its body's JSON Schema)
+
+
+def _body_jsonschema(schema: JsonObj) -> Any:
+    """The JSON Schema of a custom resource's body (all but metadata), translated once per stored schema."""
+    cached = _BODY_SCHEMAS.get(id(schema))
+    if cached is None or cached[0] is not schema:
+        body = {**schema, 'properties': {k: v for k, v in (schema.get('properties') or {}).items()
+                                         if k != 'metadata'}}
+        if len(_BODY_SCHEMAS) >= 64:  # the schemas of emulators long gone (a test session starts many)
+            _BODY_SCHEMAS.clear()
+        cached = _BODY_SCHEMAS[id(schema)] = (schema, _to_jsonschema(body))
+    return cached[1]
+
+
 def prune(obj: Any, schema: JsonObj | None) -> Any:
     """Drop the fields the structural schema does not know, as kube-apiserver does."""
     if not schema or (schema.get('x-kubernetes-preserve-unknown-fields') and 'properties' not in schema):
@@ -471,10 +486,13 @@ def _cel_program(rule: str) -> Any:
     return _CEL_PROGRAMS[rule]
 
 
-def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str = '') -> list[JsonObj]:
+def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str = '', *,
+                    skip_unchanged: bool = False) -> list[JsonObj]:
     """Evaluate ``x-kubernetes-validations`` (CEL) rules; returns Status causes for the failures.
 
     Transition rules (those using ``oldSelf``) are checked only on updates, as in Kubernetes.
+    ``skip_unchanged``: the rules under a field of ``obj`` equal to the old one are not evaluated (an update's
+    ratcheting drops their failures anyway); ``obj``'s own rules always are.
     """
     if not schema or obj is None:
         return []
@@ -484,6 +502,8 @@ def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str
     if isinstance(obj, dict):
         props = schema.get('properties') or {}
         for key, value in obj.items():
+            if skip_unchanged and isinstance(old, dict) and old.get(key, _ABSENT) == value:
+                continue
             sub = props.get(key) or (schema.get('additionalProperties')
                                      if isinstance(schema.get('additionalProperties'), dict) else None)
             old_value = old.get(key) if isinstance(old, dict) else None
@@ -1126,16 +1146,17 @@ class Emulator(kmock.KubernetesEmulator):
                 checked = {k: v for k, v in obj.items() if k != 'metadata'}
                 apply_defaults(checked, body_schema)
                 obj = {**checked, 'metadata': obj.get('metadata', {})}
-                validator = jsonschema.Draft202012Validator(_to_jsonschema(body_schema))
+                validator = jsonschema.Draft202012Validator(_body_jsonschema(schema))
                 causes = [{'reason': 'FieldValueInvalid', 'message': e.message,
                            'field': _json_path(e.absolute_path) or '<root>'}
                           for e in sorted(validator.iter_errors(checked), key=lambda e: list(e.absolute_path))]
                 old_body = None if old is None else {k: v for k, v in old.items() if k != 'metadata'}
-                causes += check_cel_rules(checked, body_schema, old_body)
+                causes += check_cel_rules(checked, body_schema, old_body, skip_unchanged=old_body is not None)
                 if old_body is not None:
                     # Validation ratcheting (GA in 1.33), coarsely: an update may keep a top-level field
                     # (spec, status) that no longer validates as long as it does not change it, so a
-                    # status write never fails on a spec stored before a stricter schema.
+                    # status write never fails on a spec stored before a stricter schema. (The CEL rules under
+                    # such a field are not even evaluated: a status write costs its status' rules alone.)
                     causes = [c for c in causes if checked.get(top := re.split(r'[.\[]', c['field'])[0], _ABSENT)
                               != old_body.get(top, _ABSENT)]
                 if causes:
