@@ -398,6 +398,60 @@ class RouterSpec(PodOptions):
     )
 
 
+class EndpointPickerPort(KubeModel):
+    """A port of the endpoint picker's Service."""
+
+    number: int = Field(ge=1, le=65535, description="Port number.")
+
+
+class EndpointPicker(KubeModel):
+    """The endpoint picker (an ext-proc Service, e.g. llm-d's inference scheduler) the gateway asks which pod
+    serves each request: the InferencePool's ``spec.endpointPickerRef``."""
+
+    name: str = Field(
+        min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        description="Name of the endpoint picker's Service, in the group's namespace.",
+    )
+    port: EndpointPickerPort = Field(description="The Service's port the gateway reaches the picker on (gRPC).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose",
+        description="What the gateway does when the picker does not answer: FailClose refuses the request, "
+                    "FailOpen sends it to a pod of the pool the picker did not choose (which, for a P/D group, "
+                    "may be a prefill pod serving the whole request itself).",
+    )
+
+
+class InferencePoolSpec(KubeModel):
+    """An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) for the group.
+
+    It selects both roles' vLLM pods, so a gateway with an endpoint picker (llm-d's, which pairs prefill and
+    decode by the pods' llm-d.ai/role label) can front the group instead of the group's router. Written only
+    where the InferencePool CRD is installed; elsewhere the InferencePoolReady condition says so.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [{
+                "rule": "!self.enabled || has(self.endpointPicker)",
+                "message": "endpointPicker is required when enabled is true",
+                "fieldPath": ".endpointPicker",
+                "reason": "FieldValueRequired",
+            }]
+        }
+    )
+
+    enabled: bool = Field(False, description="Write an InferencePool named after the group.")
+    endpoint_picker: EndpointPicker | None = Field(
+        None, description="The endpoint picker the InferencePool names; required when enabled.",
+    )
+
+    @model_validator(mode="after")
+    def _picker_when_enabled(self) -> InferencePoolSpec:
+        if self.enabled and self.endpoint_picker is None:
+            raise ValueError("inferencePool.endpointPicker: required when inferencePool.enabled is true")
+        return self
+
+
 class ReplicaRatio(KubeModel):
     """Prefill:decode pods to keep when an autoscaler scales one role: the other follows."""
 
@@ -435,6 +489,11 @@ class InferenceGroupSpec(KubeModel):
                     "ceil(scaled role's replicas x its share), at least 1.",
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the group.")
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=InferencePoolSpec,
+        description="An InferencePool for a gateway with an endpoint picker to front the group (off by default; "
+                    "needs the Gateway API Inference Extension's CRDs).",
+    )
     pool_quota: TenantQuota | None = Field(
         None,
         description=(
