@@ -14,27 +14,30 @@ not go to decode alone is passed to that router untouched, and so is every other
 ``/workers``, say): its pod discovery and policies keep choosing prefill and decode. Since that router
 consumes prefill's answers, the key scheme is learnt by running the prefill-then-decode path here,
 through the ``prefill`` and ``decode`` URLs, whenever no scheme is known or the one known is older than
-``relearn_s``: about one request per period (those arriving while a refresh is under way take that
-path too), so a rollout that changes the engines' keys is followed.
+``relearn_s``: one request at a time, about one per period, so a rollout that changes the engines' keys
+is followed.
+
+Each request this router sends goes to the engine of its role with the fewest of its requests in
+flight (:mod:`.balance`); a covered prompt may go to a prefill engine when decode is busier.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.keys import KeyScheme
 from maru_connector.router import decide
+from maru_connector.router.balance import Endpoints, direct_target
 from maru_connector.router.prompt_keys import chunk_lookup_keys
 from maru_connector.vllm import common
 from maru_connector.vllm.scheduler import HANDOFF_KEY_SCHEME
@@ -106,6 +109,19 @@ class Metrics:
             "Prefill-then-decode requests run by this router to learn the engines' key scheme (upstream mode).",
             registry=self.registry,
         )
+        self.direct_targets = Counter(
+            "maru_router_direct_targets",
+            "Requests served by one engine alone (route direct), by the role of that engine: decode, or a prefill "
+            "engine less busy than every decode engine.",
+            ["role"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "maru_router_in_flight_requests",
+            "Requests this router has in flight on each engine URL (what it balances by).",
+            ["role", "endpoint"],
+            registry=self.registry,
+        )
 
 
 class Router:
@@ -117,23 +133,24 @@ class Router:
         connector: MaruConnectorConfig,
         min_coverage: float = 1.0,
         decode_direct: bool = True,
+        direct_to_prefill: bool = True,
         upstream: str | None = None,
         relearn_s: float = 60.0,
     ) -> None:
-        if not prefill or not decode:
-            raise ValueError("router: at least one prefill and one decode URL are needed")
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
         decide.chunks_needed(1, 1, min_coverage)  # validates min_coverage now, not on the first request
         self.upstream = upstream.rstrip("/") if upstream else None
         self.relearn_s = relearn_s
         self._learnt_at = 0.0  # time.monotonic() of the last handoff that carried a key scheme
-        self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
-        self._decode = itertools.cycle([u.rstrip("/") for u in decode])
+        self._refreshing = False  # a request is learning the scheme through prefill here (upstream mode)
         self.min_coverage = min_coverage
         self.decode_direct = decode_direct
+        self.direct_to_prefill = direct_to_prefill
         self.scheme: KeyScheme | None = None
         self.metrics = Metrics()
+        self.prefill = Endpoints("prefill", prefill, self._gauge("prefill"))
+        self.decode = Endpoints("decode", decode, self._gauge("decode"))
         self._pool = common.PoolGuard(connector, "router", common.Counters())
         self._session: ClientSession | None = None
 
@@ -165,6 +182,9 @@ class Router:
             await self._session.close()
         self._pool.close()
 
+    def _gauge(self, role: str) -> Callable[[str, int], None]:
+        return lambda url, n: self.metrics.in_flight.labels(role, url).set(n)
+
     @property
     def session(self) -> ClientSession:
         assert self._session is not None, "the app is not started"
@@ -183,7 +203,8 @@ class Router:
         return app
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return await self._relay(request, "GET", next(self._decode) + "/v1/models", None, _forwarded(request))
+        url = self.decode.urls[self.decode.pick()]
+        return await self._relay(request, "GET", url + "/v1/models", None, _forwarded(request))
 
     async def pass_through(self, request: web.Request) -> web.StreamResponse:
         """Any other path of the upstream router, untouched (method, query, body, content type)."""
@@ -200,6 +221,14 @@ class Router:
     def _needs_scheme(self) -> bool:
         return self.scheme is None or time.monotonic() - self._learnt_at >= self.relearn_s
 
+    def claim_refresh(self) -> bool:
+        """Whether this request should learn the key scheme through prefill here (upstream mode): one at a
+        time, so requests arriving meanwhile keep the upstream router's choice of engines."""
+        if self._refreshing or not self._needs_scheme():
+            return False
+        self._refreshing = True
+        return True
+
     # ------------------------------------------------------------------ requests
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
@@ -213,20 +242,25 @@ class Router:
         headers = _forwarded(request)
         decision = await self.decide(request.path, body, headers)
         self.metrics.requests.labels(decision.route, decision.reason).inc()
-        log.info(
-            "route=%s reason=%s path=%s prompt_tokens=%d chunks_hit=%d",
-            decision.route,
-            decision.reason,
-            request.path,
-            decision.prompt_tokens,
-            decision.chunks_hit,
-        )
         if decision.route == DIRECT:
-            return await self._relay(request, "POST", next(self._decode) + request.path, body, headers)
+            # Chosen here, after the lookup: the loads are read just before this request is counted.
+            role, i = direct_target(
+                self.decode.loads, self.prefill.loads, to_prefill=self.direct_to_prefill, turn=self.decode.turn()
+            )
+            engines = self.prefill if role == "prefill" else self.decode
+            self.metrics.direct_targets.labels(role).inc()
+            _log(request, decision, role, engines.urls[i])
+            with engines.hold(i) as url:
+                return await self._relay(request, "POST", url + request.path, body, headers)
+        _log(request, decision, "pd", self.upstream or "-")
         if self.upstream is not None:
-            if not (self.decode_direct and self._needs_scheme()):
+            if not (self.decode_direct and self.claim_refresh()):
                 return await self._to_upstream(request, raw)
             self.metrics.scheme_refreshes.inc()
+            try:
+                return await self._prefill_then_decode(request, body, headers)
+            finally:
+                self._refreshing = False
         return await self._prefill_then_decode(request, body, headers)
 
     async def decide(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Decision:
@@ -287,7 +321,7 @@ class Router:
 
     async def _tokenize(self, query: dict[str, Any], headers: dict[str, str]) -> list[int]:
         """The engine's own tokenizer and chat template, through its ``/tokenize`` endpoint."""
-        url = next(self._decode) + "/tokenize"
+        url = self.decode.urls[self.decode.pick()] + "/tokenize"
         try:
             async with self.session.post(url, json=query, headers=headers, timeout=ClientTimeout(total=10)) as resp:
                 data = await resp.json(content_type=None)
@@ -303,26 +337,29 @@ class Router:
     async def _prefill_then_decode(
         self, request: web.Request, body: dict[str, Any], headers: dict[str, str]
     ) -> web.StreamResponse:
-        url = next(self._prefill) + request.path
         first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TRANSFER}
         first.pop("stream_options", None)  # vLLM refuses stream_options on a request that does not stream
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        try:
-            async with self.session.post(url, json=first, headers=headers) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    return web.Response(body=data, status=resp.status, content_type=resp.content_type)
-        except (ClientError, TimeoutError) as err:
-            log.warning("prefill %s failed: %s: %s", url, type(err).__name__, err)
-            return _error(502, f"prefill {url} failed: {type(err).__name__}")
+        with self.prefill.hold(self.prefill.pick()) as engine:
+            url = engine + request.path
+            try:
+                async with self.session.post(url, json=first, headers=headers) as resp:
+                    data = await resp.read()
+                    if resp.status != 200:
+                        return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+            except (ClientError, TimeoutError) as err:
+                log.warning("prefill %s failed: %s: %s", url, type(err).__name__, err)
+                return _error(502, f"prefill {url} failed: {type(err).__name__}")
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
         self._learn(params)
         then = {**body, "kv_transfer_params": params}
-        return await self._relay(request, "POST", next(self._decode) + request.path, then, headers)
+        # Decode is chosen once prefill answered: its load then is what the generation meets.
+        with self.decode.hold(self.decode.pick()) as engine:
+            return await self._relay(request, "POST", engine + request.path, then, headers)
 
     def _learn(self, params: object) -> None:
         """Take the key scheme a producer announced with its handoff, if it changed."""
@@ -369,6 +406,20 @@ class Router:
 
 class _TokenizeError(Exception):
     pass
+
+
+def _log(request: web.Request, decision: Decision, target: str, endpoint: str) -> None:
+    """One line per request; ``target``: the role of the engine serving it alone, or pd."""
+    log.info(
+        "route=%s reason=%s target=%s endpoint=%s path=%s prompt_tokens=%d chunks_hit=%d",
+        decision.route,
+        decision.reason,
+        target,
+        endpoint,
+        request.path,
+        decision.prompt_tokens,
+        decision.chunks_hit,
+    )
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
