@@ -16,6 +16,7 @@ PROGRESSING = "Progressing"
 POOL_BOUND = "PoolBound"
 IN_USE = "InUse"
 DISAGGREGATION_ACTIVE = "DisaggregationActive"
+INFERENCE_POOL_READY = "InferencePoolReady"
 
 
 def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None) -> Condition:
@@ -154,6 +155,24 @@ def disaggregation_active(reads: DecodeReads | None, *, pool: str | None, reacha
                      "'under keys this engine does not use'), that chunks are not evicted before decode reads "
                      "them (maru_pool_tenant_evictions_total, the group's quota), and that prefill stores at "
                      "all (its pods' logs for pool errors)", gen)
+
+
+def inference_pool_ready(served: bool | None, pool: str, conflict: str | None, gen: int | None) -> Condition:
+    """Whether the InferencePool the group asks for (``pool``: namespace/name) is written; ``served``: whether the
+    API server serves the kind (None: discovery has not answered); ``conflict``: why its name is not ours."""
+    if conflict:
+        return condition(INFERENCE_POOL_READY, False, "ChildConflict", conflict, gen)
+    if served is None:
+        return condition(INFERENCE_POOL_READY, None, "DiscoveryFailed",
+                         "the operator could not ask the API server whether it serves inference.networking.k8s.io/v1 "
+                         "InferencePool; it asks again, and an InferencePool already written stays meanwhile", gen)
+    if not served:
+        return condition(INFERENCE_POOL_READY, False, "CRDNotInstalled",
+                         "InferencePool requested but the CRD inference.networking.k8s.io/v1 InferencePool is not "
+                         "installed: install the Gateway API Inference Extension (the group is served through its "
+                         "router meanwhile)", gen)
+    return condition(INFERENCE_POOL_READY, True, "Written",
+                     f"InferencePool {pool} selects the group's prefill and decode pods for its endpoint picker", gen)
 
 
 def child_conflict(messages: list[str], gen: int | None) -> Condition:

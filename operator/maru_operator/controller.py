@@ -36,6 +36,7 @@ from maru_operator.builders.group import (
     router_name,
     service_name,
 )
+from maru_operator.builders.inferencepool import build_inference_pool
 from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies, build_pool_policies
 from maru_operator.builders.pool import (
     COMPONENT_AGENT,
@@ -47,6 +48,7 @@ from maru_operator.builders.scaling import create_replicas, scaled_externally
 from maru_operator.cache import Key, Store
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
+from maru_operator.optionalkinds import OptionalKind
 from maru_operator.reconcile import (
     FIELD_MANAGER,
     adopted_ownership,
@@ -169,6 +171,8 @@ class Controller:
     # was last found in sync or applied: no diff is run again, and an apply the server took as is is not
     # repeated, while the desired object and the child's fingerprint stay the same.
     _synced: dict[Key, tuple[bytes, Any, bytes]] = field(default_factory=dict)
+    # Whether the API serves InferencePools (the Gateway API Inference Extension's CRD), for groups asking one.
+    inference_pools: OptionalKind = field(default_factory=lambda: OptionalKind("InferencePool"))
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -394,7 +398,7 @@ class Controller:
                 continue
             bad = (c.type == cond.READY and c.status == "False" and c.reason in _WARN_READY) or (
                 c.type in (cond.DEGRADED, cond.IN_USE) and c.status == "True" and c.reason in _WARN_OTHER
-            ) or (c.type == cond.DISAGGREGATION_ACTIVE and c.status == "False")
+            ) or (c.type in (cond.DISAGGREGATION_ACTIVE, cond.INFERENCE_POOL_READY) and c.status == "False")
             good = c.type == cond.READY and c.status == "True"
             kind, ns, name = key_of(body)
             log.log(logging.WARNING if bad else logging.INFO, "%s %s: %s=%s (%s) %s", kind,
@@ -584,6 +588,10 @@ class Controller:
         # No key here: the CSI node plugin mints the group's credential at publish, from the pool's own key.
         desired = build_group_children(self.images.for_group(spec), owner, pool, self._role_replicas(owner))
         desired += build_group_policies(spec, owner, pool, self.pool_namespace, self.network)
+        gateway = build_inference_pool(spec, owner)
+        served = await self.inference_pools.served(self.kube) if gateway is not None else None
+        if gateway is not None and served:
+            desired.append(gateway)
         # A pod template change waits while other groups roll (see maru_operator.rollouts).
         held = self.pacer.held(("InferenceGroup", namespace, name), desired, self.store)
         if held:
@@ -592,6 +600,8 @@ class Controller:
                      self.pacer.max_groups, self.pacer.max_groups)
             desired = [d for d in desired if key_of(d) not in held]
         keep: set[Key] = set(held)
+        if gateway is not None and served is None:
+            keep.add(key_of(gateway))  # discovery did not answer: an InferencePool written before stays
         if not binding.ok:
             # Running vLLM pods keep serving through a pool outage (the connector degrades to "no hit");
             # only revoked access stops them. New ones are not created until the pool is usable.
@@ -624,12 +634,27 @@ class Controller:
                            conflicts=list(applied.conflicts.values()),
                            queued=[k[2] for k in held],
                            disaggregation=self._disaggregation(spec, owner, binding, old, generation))
+        if gateway is not None:
+            new = self._with_inference_pool(new, old, gateway, served, applied)
         again = await self._write_group_status(body, old, new, spec, owner, binding.pool is not None)
         if not binding.ok:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
         if held:
             again = min(again or ROLLOUT_QUEUE_SECONDS, ROLLOUT_QUEUE_SECONDS)
+        if gateway is not None and not served:
+            # Nothing wakes a group when the CRD is installed: it looks again at discovery's own interval.
+            recheck = self.inference_pools.recheck_seconds
+            again = min(again or recheck, recheck)
         return again
+
+    def _with_inference_pool(self, new: InferenceGroupStatus, old: InferenceGroupStatus, gateway: Object,
+                             served: bool | None, applied: Applied) -> InferenceGroupStatus:
+        """``new`` with InferencePoolReady (a group that does not ask for an InferencePool has none)."""
+        key = key_of(gateway)
+        made = cond.inference_pool_ready(served, f"{key[1]}/{key[2]}", applied.conflicts.get(key),
+                                         new.observed_generation)
+        return new.model_copy(update={"conditions": [*new.conditions,
+                                                     *cond.merge(old.conditions, [made], self.clock())]})
 
     def _role_replicas(self, owner: Owner) -> dict[str, int | None]:
         """Each role Deployment's spec.replicas now (None when it has none of this group's yet)."""

@@ -54,6 +54,9 @@ CHILD_RESOURCES = (
     ("networking.k8s.io", "v1", "networkpolicies"),
     ("", "v1", "persistentvolumeclaims"),
     ("policy", "v1", "poddisruptionbudgets"),
+    # Optional (groups' spec.inferencePool): where its CRD is missing kopf warns once and watches it from the
+    # moment the CRD is installed; the controller writes none until discovery serves it (maru_operator.optionalkinds).
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
 )
 # The pools' keys, in the pool namespace and nowhere else: watched there alone (:func:`watch_secrets`), not by
 # kopf, which watches every kind in every namespace it serves, so the operator needs no Secret rights beyond

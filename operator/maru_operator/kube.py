@@ -66,6 +66,8 @@ KINDS: dict[str, Kind] = {
     "EndpointSlice": Kind("apis/discovery.k8s.io/v1", "endpointslices"),
     "MaruPool": Kind("apis/maru.io/v1alpha1", "marupools", namespaced=False),
     "InferenceGroup": Kind("apis/maru.io/v1alpha1", "inferencegroups"),
+    # Optional: written only where the Gateway API Inference Extension's CRD is installed (:meth:`Kube.serves`).
+    "InferencePool": Kind("apis/inference.networking.k8s.io/v1", "inferencepools"),
 }
 
 
@@ -393,6 +395,18 @@ class Kube:
         except (ApiError, Unreachable) as err:
             # An event is a courtesy to the reader; failing to post one must not fail the reconcile.
             log.warning("could not post event %s on %s %s: %s", reason, involved.get("kind"), meta.get("name"), err)
+
+    async def serves(self, kind: str) -> bool:
+        """Whether the API server serves ``kind`` now (its group/version's discovery lists it); False on a 404,
+        which is what a group/version without any installed CRD answers. Other failures raise."""
+        k = KINDS[kind]
+        try:
+            found = await self.request("GET", "/" + k.prefix, what=f"discover {k.prefix}") or {}
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+        return any(r.get("name") == k.plural for r in found.get("resources") or [])
 
     # --- start-up checks -------------------------------------------------------------------------
 

@@ -53,6 +53,9 @@ CLUSTER_RULES: list[Rule] = [
      "never written: the routers' own Roles of earlier versions are watched to be pruned on upgrade"),
     (["networking.k8s.io"], ["networkpolicies"], MANAGE,
      "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)"),
+    (["inference.networking.k8s.io"], ["inferencepools"], MANAGE,
+     "the InferencePool of a group with spec.inferencePool.enabled, where the Gateway API Inference Extension's "
+     "CRD is installed"),
     (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"],
      "Ready needs the router Service's ready endpoints (only slices labelled as the operator's Services are watched)"),
     ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),

@@ -44,6 +44,8 @@ NAMESPACED_RULES = {
     ("", "persistentvolumeclaims"): CHILD_VERBS,
     ("policy", "poddisruptionbudgets"): CHILD_VERBS,
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
+    # A group's InferencePool, where the Gateway API Inference Extension's CRD is installed.
+    ("inference.networking.k8s.io", "inferencepools"): CHILD_VERBS,
 }
 # A Role in the release namespace, where the pool daemons run.
 POOL_NAMESPACE_RULES = {
