@@ -258,7 +258,7 @@ async def relist(kube: Kube, namespaces: list[str], *, metadata_only: bool = Fal
     finding the gone needs; the few objects the cache lacks or holds older than listed are read whole.
     """
     instance = STATE.config.instance
-    for kind in PRIMED_KINDS:
+    for kind in (*PRIMED_KINDS, *_served_optional_kinds()):
         selector = owner_selector(instance) if kind in ("MaruPool", "InferenceGroup") else child_selector(instance)
         scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
         if kind == "Secret":
@@ -284,6 +284,13 @@ async def relist(kube: Kube, namespaces: list[str], *, metadata_only: bool = Fal
                 if key not in listed and cached is not None and not_newer(cached, version):
                     log.info("%s %s is gone (not in a fresh list); forgetting it", kind, "/".join(key[1:]))
                     await _GONE[kind](type="DELETED", body=cached)
+
+
+def _served_optional_kinds() -> tuple[str, ...]:
+    """The optional child kinds discovery last said the API serves: listed like the others (never listed where
+    their CRD is missing, which would only fail)."""
+    controller = STATE.controller
+    return ("InferencePool",) if controller is not None and controller.inference_pools.known_served else ()
 
 
 async def _refresh(kube: Kube, key: Key, listed: dict[str, Any]) -> None:
@@ -477,4 +484,5 @@ async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
 
 # What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
 _GONE = {"MaruPool": pool_event, "InferenceGroup": group_event, "EndpointSlice": slice_event,
+         "InferencePool": _child_event,
          **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup", "EndpointSlice")}}

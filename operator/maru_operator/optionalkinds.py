@@ -34,6 +34,11 @@ class OptionalKind:
     _served: bool | None = None  # None: never answered
     _checked: float = field(default=float("-inf"))
 
+    @property
+    def known_served(self) -> bool:
+        """Whether discovery's last answer was that the kind is served (no request)."""
+        return self._served is True
+
     async def served(self, kube: Kube) -> bool | None:
         """True or False as discovery last said; None while it has never answered (unknown, not absent)."""
         now = self.monotonic()

@@ -158,3 +158,70 @@ def test_a_group_without_the_field_never_asks_discovery(cluster: KubeEmulator, s
     # kopf reads no group /apis does not list: a discovery request would be the controller's.
     assert not [r.path for r in cluster.requests if r.path.startswith("/apis/inference.networking.k8s.io")]
     assert not _pool_requests(cluster)
+
+
+def _served_group(cluster: KubeEmulator, stats: StubStats) -> tuple[RunningOperator, dict[str, Any]]:
+    """The CRD installed, the operator running (discovery asked again every half second), the group's pool made."""
+    cluster.create(INFERENCE_POOL_CRD)
+    op = RunningOperator(cluster, stats, resync_seconds=3600, workers=2).start()
+    _controller(op).inference_pools.recheck_seconds = 0.5
+    cluster.create(pool())
+    cluster.create(_gateway_group())
+    made = cluster.wait_for(POOLS, "qwen", GROUP_NS)
+    cluster.wait_for(GROUPS, "qwen", GROUP_NS, lambda o: has_condition(o, "InferencePoolReady", "True"))
+    settle(op)
+    return op, made
+
+
+def test_a_failed_discovery_is_not_a_missing_crd(cluster: KubeEmulator, stats: StubStats) -> None:
+    """An operator that has never been told whether the kind is served (as after a restart) while discovery answers
+    500: the InferencePool it watches stays as it is (Unknown, never pruned) until discovery answers. (One that
+    was told keeps the last answer through a failure.)"""
+    from maru_operator.optionalkinds import OptionalKind
+
+    op, made = _served_group(cluster, stats)
+    try:
+        mark = len(cluster.requests)
+        cluster.inject_fault(r"^/apis/inference\.networking\.k8s\.io/v1/?$", 500, method="GET", times=10_000)
+        op.call(lambda: setattr(op.runtime.controller, "inference_pools",
+                                OptionalKind("InferencePool", recheck_seconds=0.5)))
+        cluster.patch(GROUPS, "qwen", {"metadata": {"annotations": {"touched": "1"}}}, GROUP_NS)
+        body = cluster.wait_for(GROUPS, "qwen", GROUP_NS,
+                                lambda o: has_condition(o, "InferencePoolReady", "Unknown", "DiscoveryFailed"))
+        assert has_condition(body, "Ready", "True")
+        time.sleep(1.2)  # a few more looks at discovery, each failing
+        settle(op)
+        assert cluster.get(POOLS, "qwen", GROUP_NS)["metadata"]["uid"] == made["metadata"]["uid"]  # type: ignore[index]
+        cluster.clear_faults()
+        cluster.wait_for(GROUPS, "qwen", GROUP_NS, lambda o: has_condition(o, "InferencePoolReady", "True"))
+    finally:
+        op.stop()
+    deletes = [r.path for r in cluster.requests_since(mark) if r.method == "DELETE" and "/inferencepools" in r.path]
+    assert not deletes, deletes
+    assert cluster.get(POOLS, "qwen", GROUP_NS)["metadata"]["uid"] == made["metadata"]["uid"]  # type: ignore[index]
+
+
+def test_an_inference_pool_deleted_in_a_watch_gap_is_made_again_at_the_resync(
+    cluster: KubeEmulator, stats: StubStats
+) -> None:
+    """kopf's watch resumed after a 410 lists again but tells nothing of what went meanwhile: the resync's lists
+    cover the kind (once discovery serves it), and the group writes its pool again."""
+    from maru_operator import handlers
+    from tests.operator.test_resync import on_loop
+
+    op, made = _served_group(cluster, stats)
+    try:
+        def watch_gap(emulator: Any) -> None:
+            emulator.drop_watches(r"/inferencepools")
+            emulator.delete_object("inference.networking.k8s.io", "inferencepools", GROUP_NS, "qwen")
+            emulator.compact()
+
+        cluster.call(watch_gap, cluster.emulator)
+        cluster.wait_until(lambda e: any("/inferencepools" in p for p in e.open_watches()),
+                           message="the InferencePool watch, again")
+        settle(op, resync=False)
+        on_loop(op, handlers.relist(op.runtime.kube, [], metadata_only=True))
+        again = cluster.wait_for(POOLS, "qwen", GROUP_NS)
+        assert again["metadata"]["uid"] != made["metadata"]["uid"]
+    finally:
+        op.stop()
