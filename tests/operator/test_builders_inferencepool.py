@@ -110,3 +110,16 @@ def test_a_wrong_picker_is_refused_naming_the_field(picker: dict[str, Any], fiel
 def test_disabled_needs_no_picker() -> None:
     assert Validator.from_models().validate(_with({"enabled": False})) == []
     assert group_spec(inferencePool={"enabled": False}).inference_pool.endpoint_picker is None
+
+
+def test_the_gateway_can_reach_the_pods() -> None:
+    """With the router alone in front, only router pods may reach vLLM's port; a gateway's proxy and its endpoint
+    picker (which reads the pods' /metrics) run in namespaces of their own installation: the port is open."""
+    from maru_operator.builders.netpol import DEFAULT_NETWORK, build_vllm_policy
+
+    def ingress(spec: Any) -> list[dict[str, Any]]:
+        return build_vllm_policy(spec, GROUP_OWNER, pool_view(), "maru-system", DEFAULT_NETWORK)["spec"]["ingress"]
+
+    assert all("from" in rule for rule in ingress(group_spec()))
+    opened = ingress(group_spec(inferencePool={"enabled": True, "endpointPicker": PICKER}))
+    assert opened == [{"ports": [{"protocol": "TCP", "port": VLLM_PORT}]}]

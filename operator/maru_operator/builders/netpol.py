@@ -217,12 +217,14 @@ def router_pods(owner: Owner) -> dict[str, str]:
 def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str,
                       config: NetworkPolicyConfig) -> Object:
     """Kept while the group is unbound too: its running pods stay isolated (without a pool to reach)."""
-    if spec.router.enabled:
+    if spec.router.enabled and not spec.inference_pool.enabled:
         ingress = [{"from": [_peer(router_pods(owner))], "ports": _tcp(VLLM_PORT)}]
         if config.scrape_namespaces:
             ingress.append({"from": _scrapers(config), "ports": _tcp(VLLM_PORT)})
     else:
-        # Without our router, whatever routes to the pods is the user's: the API port stays open.
+        # Without our router, or with a gateway fronting the group through its InferencePool (the gateway's
+        # proxy and its endpoint picker, which reads the pods' /metrics, run wherever their installation put
+        # them), whatever routes to the pods is the user's: the API port stays open.
         ingress = [{"ports": _tcp(VLLM_PORT)}]
     egress = [dns_egress(), *_metadata_egress(pool, pool_namespace)]
     # Weights and tokenizers come from the Hugging Face Hub (or a mirror) over HTTPS.
