@@ -76,6 +76,13 @@ class RouterProcess:
     def routed(self, route: str, reason: str) -> float:
         return self.metrics().get(f'maru_router_requests_total{{reason="{reason}",route="{route}"}}', 0.0)
 
+    def direct_to(self, role: str) -> float:
+        """Requests served by one engine alone, of ``role``."""
+        return self.metrics().get(f'maru_router_direct_targets_total{{role="{role}"}}', 0.0)
+
+    def in_flight(self, role: str, url: str) -> float:
+        return self.metrics()[f'maru_router_in_flight_requests{{endpoint="{url}",role="{role}"}}']
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

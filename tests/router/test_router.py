@@ -1,13 +1,17 @@
 """The decode-direct router in front of real engines and a real pool daemon.
 
-Two ``vllm serve`` engines (prefill ``kv_producer``, decode ``kv_consumer``, float32 tiny Llama)
-share one ``maru-pool serve``; the router runs as its own process. The producer never loads, so
-asking it for a whole answer is a full recompute: the reference for token equality.
+Two ``vllm serve`` engines (prefill ``kv_both`` as the operator renders it, decode ``kv_consumer``,
+float32 tiny Llama) share one ``maru-pool serve``; the router runs as its own process. The reference
+for token equality is decode asked for the whole answer under a cache salt of its own: keys nothing
+stored, so every token is computed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,7 @@ def chat_model(workdir: Path) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(chat_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Server, Server]]:
-    prefill = Server("prefill", workdir, chat_model, "kv_producer", pool.url)
+    prefill = Server("prefill", workdir, chat_model, "kv_both", pool.url)
     decode = Server("decode", workdir, chat_model, "kv_consumer", pool.url)
     router = None
     try:
@@ -64,8 +68,14 @@ def body(model: str, p: Any, max_tokens: int = 16) -> dict[str, Any]:
     return {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def recompute(prefill: Server, ids: list[int]) -> str:
-    return prefill.complete(ids, 16)["choices"][0]["text"]
+SALTS = itertools.count()
+
+
+def recompute(engine: Server, ids: list[int]) -> str:
+    loaded = engine.metric(LOADED)
+    text = engine.complete(ids, 16, cache_salt=f"recompute-{next(SALTS)}")["choices"][0]["text"]
+    assert engine.metric(LOADED) == loaded, "the reference loaded from the pool: it is no recompute"
+    return text
 
 
 def test_a_cold_prompt_goes_prefill_then_decode(fleet: tuple[RouterProcess, Server, Server]) -> None:
@@ -79,8 +89,8 @@ def test_a_cold_prompt_goes_prefill_then_decode(fleet: tuple[RouterProcess, Serv
     assert prefill.metric(REQUESTS) - before == 2
     assert router.routed("pd", "no_key_scheme") + router.routed("pd", "cold") == 2
     assert router.routed("pd", "cold") >= 1
-    assert first["choices"][0]["text"] == recompute(prefill, ids)
-    assert second["choices"][0]["text"] == recompute(prefill, other)
+    assert first["choices"][0]["text"] == recompute(decode, ids)
+    assert second["choices"][0]["text"] == recompute(decode, other)
 
 
 def test_a_repeated_prompt_goes_to_decode_alone_with_the_recompute_tokens(
@@ -97,7 +107,7 @@ def test_a_repeated_prompt_goes_to_decode_alone_with_the_recompute_tokens(
     assert router.routed("direct", "covered") - direct == 2
     assert prefill.metric(REQUESTS) == prefills  # prefill never saw the repeats
     assert decode.metric(LOADED) - loaded == 2 * 8  # decode loaded every full chunk, twice
-    reference = recompute(prefill, ids)
+    reference = recompute(decode, ids)
     assert again["choices"][0]["text"] == reference
     assert "".join(e["choices"][0]["text"] for e in streamed if e.get("choices")) == reference
 
@@ -115,7 +125,7 @@ def test_router_keys_a_text_prompt_as_the_engine_does(fleet: tuple[RouterProcess
 
 def test_a_repeated_chat_goes_to_decode_alone_streamed_or_not(fleet: tuple[RouterProcess, Server, Server]) -> None:
     # Chat goes through the engine's /tokenize with the same messages: its chat template, its tokens.
-    router, prefill, decode = fleet
+    router, _, decode = fleet
     ids = prompt(PROMPT, seed=51)
     chat = {
         "model": decode.model,
@@ -130,9 +140,49 @@ def test_a_repeated_chat_goes_to_decode_alone_streamed_or_not(fleet: tuple[Route
     streamed = router.stream(chat, path="/v1/chat/completions")
     assert router.routed("direct", "covered") - direct == 2
     text = first["choices"][0]["message"]["content"]
-    assert text == recompute(prefill, ids)  # the template renders the words back into the same ids
+    assert text == recompute(decode, ids)  # the template renders the words back into the same ids
     assert again["choices"][0]["message"]["content"] == text
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e.get("choices")) == text
+
+
+def test_a_covered_prompt_goes_to_prefill_while_decode_is_busy(fleet: tuple[RouterProcess, Server, Server]) -> None:
+    # The pool is a tier both engines read: with decode generating for someone else, the idle prefill
+    # engine (kv_both) loads the prompt from the pool and answers it alone, with the recompute's tokens.
+    router, prefill, decode = fleet
+    ids = prompt(PROMPT, seed=81)
+    first = router.complete(body(decode.model, ids))  # stores the prompt through prefill
+    assert router.in_flight("decode", decode.url) == 0 and router.in_flight("prefill", prefill.url) == 0
+
+    # A short prompt goes prefill then decode; decode then streams a long answer the test reads no further.
+    busy = urllib.request.urlopen(
+        urllib.request.Request(
+            f"{router.url}/v1/completions",
+            data=json.dumps({**body(decode.model, prompt(100, seed=82), max_tokens=6000), "stream": True}).encode(),
+            headers={"content-type": "application/json"},
+        ),
+        timeout=120,
+    )
+    try:
+        assert busy.readline().startswith(b"data: ")  # decode is generating
+        assert router.in_flight("decode", decode.url) == 1
+        requests, loaded, to_prefill = prefill.metric(REQUESTS), prefill.metric(LOADED), router.direct_to("prefill")
+        answer = router.complete(body(decode.model, ids))
+        assert router.in_flight("decode", decode.url) == 1, "decode finished too soon: the choice proves nothing"
+    finally:
+        busy.close()
+    assert router.direct_to("prefill") - to_prefill == 1
+    assert prefill.metric(REQUESTS) - requests == 1
+    assert prefill.metric(LOADED) - loaded == 8  # every full chunk from the pool, none recomputed
+    assert answer["choices"][0]["text"] == first["choices"][0]["text"] == recompute(decode, ids)
+
+    # The client that went away is no longer counted: decode is the first choice again.
+    deadline = time.monotonic() + 120
+    while router.in_flight("decode", decode.url) != 0:
+        assert time.monotonic() < deadline, "the abandoned stream is still counted in flight"
+        time.sleep(0.5)
+    to_decode = router.direct_to("decode")
+    router.complete(body(decode.model, ids))
+    assert router.direct_to("decode") - to_decode == 1
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +215,7 @@ def test_in_front_of_vllm_router_a_covered_prompt_goes_to_decode_and_the_rest_to
         # No key scheme yet: the first request goes through prefill here, and teaches it.
         first = prompt(PROMPT, seed=61)
         prefills = prefill.metric(REQUESTS)
-        assert front.complete(body(decode.model, first))["choices"][0]["text"] == recompute(prefill, first)
+        assert front.complete(body(decode.model, first))["choices"][0]["text"] == recompute(decode, first)
         assert count("maru_router_scheme_refreshes_total") == 1 and count("maru_router_upstream_requests_total") == 0
 
         # A cold prompt: untouched to vllm-router, which runs prefill then decode.
@@ -176,7 +226,7 @@ def test_in_front_of_vllm_router_a_covered_prompt_goes_to_decode_and_the_rest_to
         assert count("maru_router_upstream_requests_total") == 1
         assert count("maru_router_scheme_refreshes_total") == 1
         assert prefill.metric(REQUESTS) - prefills == 1  # vllm-router's prefill
-        assert answer["choices"][0]["text"] == recompute(prefill, cold)
+        assert answer["choices"][0]["text"] == recompute(decode, cold)
 
         # The same prompt again: the pool holds it, decode alone serves it, with the recompute's tokens.
         prefills, loaded = prefill.metric(REQUESTS), decode.metric(LOADED)
@@ -198,12 +248,12 @@ def test_in_front_of_vllm_router_a_stale_key_scheme_is_learnt_again_through_pref
     fleet: tuple[RouterProcess, Server, Server], upstream: VllmRouterProcess, pool: PoolDaemon, workdir: Path,
 ) -> None:
     # Every scheme is stale at once here: each request that decode cannot serve alone refreshes it.
-    _, prefill, decode = fleet
+    _, _, decode = fleet
     front = front_of("relearn", upstream, fleet, pool, workdir, relearn_seconds="0.001")
     try:
         for seed in (71, 72):
             ids = prompt(PROMPT, seed=seed)
-            assert front.complete(body(decode.model, ids))["choices"][0]["text"] == recompute(prefill, ids)
+            assert front.complete(body(decode.model, ids))["choices"][0]["text"] == recompute(decode, ids)
         metrics = front.metrics()
         assert metrics["maru_router_scheme_refreshes_total"] == 2
         assert metrics.get("maru_router_upstream_requests_total", 0.0) == 0
@@ -224,6 +274,6 @@ def test_a_dead_pool_sends_requests_through_prefill(
         assert router.routed("pd", "pool_error") - fallbacks == 1
         assert router.metrics()['maru_router_fallbacks_total{reason="pool_error"}'] >= 1
         assert prefill.metric(REQUESTS) - before == 1
-        assert out["choices"][0]["text"] == recompute(prefill, ids)
+        assert out["choices"][0]["text"] == recompute(decode, ids)
     finally:
         pool.start()

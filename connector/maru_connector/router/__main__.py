@@ -22,8 +22,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="maru-router", description=__doc__)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (OpenAI-compatible API)")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill engine (repeat)")
-    p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode engine (repeat)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a prefill engine (repeat); each request goes to the one with the fewest of this router's requests "
+        "in flight, round robin among equals",
+    )
+    p.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="a decode engine (repeat), chosen likewise"
+    )
     p.add_argument(
         "--connector-config",
         required=True,
@@ -56,6 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="off: always prefill then decode (as vllm-router does)",
     )
+    p.add_argument(
+        "--direct-to-prefill",
+        choices=("on", "off"),
+        default="on",
+        help="on: a prompt the pool covers goes to the least busy prefill engine instead of decode when it has "
+        "fewer of this router's requests in flight than every decode engine (ties go to decode). The prefill "
+        "engines must then load from the pool: kv_role kv_both, as the operator renders them (a kv_producer "
+        "would compute the whole prompt again). off: covered prompts go to decode engines only",
+    )
     return p.parse_args(argv)
 
 
@@ -78,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             connector=connector,
             min_coverage=args.min_coverage,
             decode_direct=args.decode_direct == "on",
+            direct_to_prefill=args.direct_to_prefill == "on",
             upstream=args.upstream,
             relearn_s=args.relearn_seconds,
         )
