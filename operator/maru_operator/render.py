@@ -22,6 +22,7 @@ from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import Owner
 from maru_operator.builders.group import PoolView, build_group_children
+from maru_operator.builders.inferencepool import build_inference_pool
 from maru_operator.builders.netpol import (
     DEFAULT_NETWORK,
     NetworkPolicyConfig,
@@ -82,6 +83,9 @@ def render_objects(
             pool = PoolView(pool_name, pool_spec)
             yield from build_group_children(images.for_group(spec), owner, pool)
             yield from build_group_policies(spec, owner, pool, pool_namespace, network)
+            # The cluster gets it only where the InferencePool CRD is installed; rendered as if it were.
+            if (inference_pool := build_inference_pool(spec, owner)) is not None:
+                yield inference_pool
 
 
 def render(paths: Iterable[str | Path], pool_namespace: str,

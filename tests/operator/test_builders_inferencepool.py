@@ -123,3 +123,27 @@ def test_the_gateway_can_reach_the_pods() -> None:
     assert all("from" in rule for rule in ingress(group_spec()))
     opened = ingress(group_spec(inferencePool={"enabled": True, "endpointPicker": PICKER}))
     assert opened == [{"ports": [{"protocol": "TCP", "port": VLLM_PORT}]}]
+
+
+def test_render_shows_the_inference_pool(tmp_path: Any) -> None:
+    """``maru-operator render`` uses the same builder: a reviewer sees the InferencePool the cluster gets."""
+    import yaml
+
+    from maru_operator.render import render
+
+    doc = _with({"enabled": True, "endpointPicker": PICKER})
+    path = tmp_path / "group.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rendered = [d for d in yaml.safe_load_all(render([path], "maru-system")) if d]
+    (pool,) = [d for d in rendered if d["kind"] == "InferencePool"]
+    assert (pool["metadata"]["name"], pool["spec"]["endpointPickerRef"]["name"]) == ("g", "qwen-epp")
+    assert not [d for d in yaml.safe_load_all(render([_write(tmp_path, GROUP)], "maru-system"))
+                if d and d["kind"] == "InferencePool"]
+
+
+def _write(tmp_path: Any, doc: dict[str, Any]) -> Any:
+    import yaml
+
+    path = tmp_path / "plain.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
