@@ -550,7 +550,9 @@ class InferenceGroupStatus(KubeModel):
 
     observed_generation: int | None = Field(None, description="Generation the status was computed from.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="PoolBound, Ready, Progressing, Degraded, DisaggregationActive."
+        default_factory=list,
+        description="PoolBound, Ready, Progressing, Degraded, DisaggregationActive; InferencePoolReady with "
+                    "spec.inferencePool.enabled."
     )
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
