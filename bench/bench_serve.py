@@ -7,14 +7,17 @@ operator leave it), one ``maru-pool serve``, and three ways to serve the same wo
   front of a prefill (``kv_both``) and a decode (``kv_consumer``) engine: every request goes
   prefill, then decode (what vllm-router does).
 * ``pd_direct``: the same engines behind ``maru-router`` with decode-direct on: a prompt whose full
-  chunks the pool holds goes to decode alone.
+  chunks the pool holds goes to one engine alone, decode or, when decode has more of the router's
+  requests in flight, prefill (``kv_both``: it loads from the pool too).
+* ``pd_direct_decode_only``: the same with ``--direct-to-prefill off``: covered prompts go to decode
+  only, as before the router weighed the engines' load (what ``pd_direct`` gains from that choice).
 * ``replicas``: what a user runs without us: two plain engines (no connector) behind vllm-router's
   round robin, each with its own prefix cache.
 
 The client is vLLM's own (``vllm bench serve``, dataset ``prefix_repetition``: ``--prefixes``
 prefixes of ``--prefix-len`` tokens, each followed by ``--suffix-len`` fresh tokens). Each way gets
 its own prompts (another seed, the same shape), so each starts with its prefixes uncached, as a
-fresh deployment would; the two P/D ways share engines and pool, which hold nothing of the other's
+fresh deployment would; the P/D ways share engines and pool, which hold nothing of the others'
 prefixes. Afterwards a few prompts whose prefix the pool holds go through ``pd_direct`` and through a
 plain engine with prefix caching off, and their answers are compared (tokens equal to a recompute).
 
@@ -168,14 +171,20 @@ def main() -> int:
             prefill, decode = engines["prefill"].url, engines["decode"].url
             pd = RouterProcess("pd", workdir, prefill=prefill, decode=decode, pool_url=pool.url, decode_direct="off")
             direct = RouterProcess("pd-direct", workdir, prefill=prefill, decode=decode, pool_url=pool.url)
+            decode_only = RouterProcess(
+                "pd-direct-decode-only", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
+                direct_to_prefill="off",
+            )  # fmt: skip
             replicas = RoundRobin(workdir, [engines["replica-a"].url, engines["replica-b"].url])
-            routers += [pd, direct, replicas]
-            ways = {"pd": pd.url, "pd_direct": direct.url, "replicas": replicas.url}
+            routers += [pd, direct, decode_only, replicas]
+            ways = {"pd": pd.url, "pd_direct": direct.url, "pd_direct_decode_only": decode_only.url,
+                    "replicas": replicas.url}  # fmt: skip
             for seed, (name, url) in enumerate(ways.items(), start=1):
                 print(f"{name}: vllm bench serve, {args.requests} requests at {args.rate}/s ...", flush=True)
                 results[name] = figures_of(bench_serve(name, url, model, workdir, args, seed))
                 print(f"  {results[name]}", flush=True)
             results["pd_direct"]["routed_direct"] = int(direct.routed("direct", "covered"))
+            results["pd_direct"]["direct_to_prefill"] = int(direct.direct_to("prefill"))
             engines["replica-a"].close()
             recompute = Server("recompute", workdir, model, None)  # prefix caching off: every token computed
             engines["recompute"] = recompute
@@ -199,6 +208,9 @@ def main() -> int:
         "pd_direct_over_replicas_ttft_p50": p50,
         "pd_direct_over_replicas_ttft_p99": p99,
         "pd_direct_over_pd_ttft_p50": round(ours["ttft_p50_ms"] / results["pd"]["ttft_p50_ms"], 3),
+        "pd_direct_over_decode_only_ttft_p99": round(
+            ours["ttft_p99_ms"] / results["pd_direct_decode_only"]["ttft_p99_ms"], 3
+        ),
         "answers_equal_recompute": f"{equal}/{checks} (decode-direct {int(routed)})",
         "targets": {"ttft_p50": TARGET_P50, "ttft_p99": TARGET_P99},
         "meets_targets": p50 <= TARGET_P50 and p99 <= TARGET_P99 and failed == 0 and equal == checks,
