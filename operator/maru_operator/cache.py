@@ -6,10 +6,12 @@ not act on a stale copy). Nothing here does I/O.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict, defaultdict
 from typing import Any
 
 from maru_operator.api.common import GROUP
+from maru_operator.reconcile import FIELD_MANAGER
 
 Object = dict[str, Any]
 Key = tuple[str, str, str]  # (kind, namespace or "", name)
@@ -24,6 +26,10 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 RESYNC_SECONDS = 600.0
 # Deleted objects' last versions, kept only as long as a reconcile's write could still be answering.
 TOMBSTONES = 4096
+# Distinct parts of the operator's own managedFields trees shared between cached objects. Every group's prefill
+# Deployment owns the same spec fields (the keys name containers and labels, not the group), so a fleet has a few
+# dozen and one ownerReferences part per owner; the bound only keeps the table from growing without end.
+SHARED_FIELD_SETS = 1024
 
 
 def key_of(obj: Object) -> Key:
@@ -67,6 +73,53 @@ def not_newer(obj: Object, version: str | None) -> bool:
         return int(obj.get("metadata", {}).get("resourceVersion")) <= int(version)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return True
+
+
+# canonical JSON of a FieldsV1 subtree -> the one parsed copy the cache's objects share (read-only)
+_field_sets: OrderedDict[str, Any] = OrderedDict()
+
+
+def _one(fields: Any) -> Any:
+    text = json.dumps(fields, separators=(",", ":"))
+    shared = _field_sets.get(text)
+    if shared is None:
+        _field_sets[text] = shared = fields
+        while len(_field_sets) > SHARED_FIELD_SETS:
+            _field_sets.popitem(last=False)
+    else:
+        _field_sets.move_to_end(text)
+    return shared
+
+
+def _shared(tree: dict[str, Any]) -> dict[str, Any]:
+    """A FieldsV1 tree rebuilt from subtrees shared with the other cached objects that own the same fields.
+
+    Shared two levels down (``f:spec`` / ``f:template``, ``f:metadata`` / ``f:labels``): the trees of two
+    groups' prefill Deployments differ only under ``f:ownerReferences``, whose keys name the owner's uid.
+    Nothing in the cache mutates a tree.
+    """
+    return {part: {p: _one(sub) for p, sub in node.items()} if isinstance(node, dict) else node
+            for part, node in tree.items()}
+
+
+def trimmed(obj: Object) -> Object:
+    """``obj`` as the cache keeps it: of its managedFields only the operator's own entries, each tree of fields
+    shared with the other objects that own the same.
+
+    The diff needs no other manager's entries (it asks only which fields the operator applied), and those
+    entries were half of what the cache held. The rare writes that must send managedFields whole (adopting
+    fields, releasing replicas to an autoscaler) read the object afresh first. ``obj`` itself is not changed.
+    """
+    meta = obj.get("metadata")
+    entries = meta.get("managedFields") if isinstance(meta, dict) else None
+    if not entries:
+        return obj
+    ours = [{**e, "fieldsV1": _shared(e["fieldsV1"])} if isinstance(e.get("fieldsV1"), dict) else e
+            for e in entries if e.get("manager") == FIELD_MANAGER and not e.get("subresource")]
+    kept = {k: v for k, v in meta.items() if k != "managedFields"}
+    if ours:
+        kept["managedFields"] = ours
+    return {**obj, "metadata": kept}
 
 
 def _pool_of(obj: Object) -> str | None:
@@ -127,6 +180,7 @@ class Store:
             self._by_kind[key[0]].add(key)
 
     def put(self, obj: Object) -> None:
+        """Cache ``obj`` (:func:`trimmed`) unless the cache holds a newer version or saw it deleted."""
         key = key_of(obj)
         old = self.objects.get(key)
         if old is not None and not _newer_or_equal(obj, old):
@@ -139,6 +193,7 @@ class Store:
                 # reconcile that found it here would believe it in sync and never make it again.
                 return
             del self._gone[key]
+        obj = trimmed(obj)
         self._index(key, obj)
         self.objects[key] = obj
         owner = owner_key(obj)

@@ -318,20 +318,25 @@ class Controller:
         kind, ns, name = key_of(obj)
         uid = have["metadata"].get("uid")
         try:
+            # The cache keeps only the operator's own managedFields (maru_operator.cache.trimmed): the two writes
+            # below send the list whole, so they start from the object as the API has it.
             if legacy_owner(have):
                 # Written by a version of the operator before server-side apply (or just created): its
                 # fields become applied ones, so this apply removes those the spec no longer has. A status
                 # write between the look and the patch is no failure: the patch is tried again on a fresh copy.
-                adopted = await self._adopt(obj, have, only_desired=False)
+                adopted = await self._adopt(obj, await self._whole(have), only_desired=False)
                 if adopted is None:
                     raise Replaced(f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were "
                                    "adopted")
-            elif scaled_externally(obj) and (released := released_ownership(have, obj)) is not None:
+            elif scaled_externally(obj) and released_ownership(have, obj) is not None:
                 # A role handed to an autoscaler: its replicas stay as they are, owned by nobody, instead
                 # of being removed by the apply (and reset to 1) for no longer being the operator's.
-                await self.kube.patch(kind, ns or None, name, {"metadata": {
-                    "managedFields": released,
-                    "resourceVersion": have["metadata"].get("resourceVersion")}})
+                whole = await self._whole(have)
+                released = released_ownership(whole, obj)
+                if released is not None:
+                    await self.kube.patch(kind, ns or None, name, {"metadata": {
+                        "managedFields": released,
+                        "resourceVersion": whole["metadata"].get("resourceVersion")}})
             applied = await self.kube.apply(obj, uid=uid)
         except ApiError as err:
             # 404/409: gone or changed; 422: another object has the name. Which one, a fresh look tells.
@@ -348,6 +353,16 @@ class Controller:
         self._synced_as(obj, applied)
         self.store.put(applied)
         return applied
+
+    async def _whole(self, have: Object) -> Object:
+        """The child ``have`` as the API has it now, every manager's managedFields included."""
+        kind, ns, name = key_of(have)
+        uid = have["metadata"].get("uid")
+        now = await self.kube.get(kind, ns or None, name)
+        if now is None or now["metadata"].get("uid") != uid:
+            raise Replaced(f"{kind} {ns}/{name} (uid {uid}) is gone" if now is None else
+                           f"{kind} {ns}/{name} is another object now (uid {now['metadata'].get('uid')}, not {uid})")
+        return now
 
     def _synced_as(self, obj: Object, actual: Object) -> None:
         """``actual`` is what applying ``obj`` made: in sync with it until either changes."""
