@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -121,7 +123,7 @@ class Runtime:
     elector_task: asyncio.Task[None] | None = None
     secrets_task: asyncio.Task[None] | None = None
     pool_fingerprints: dict[str, Any] = field(default_factory=dict)
-    # owner -> its last watch event without status (see _desired_part)
+    # owner -> digest of its last watch event without status (see _desired_part)
     seen: dict[Key, Any] = field(default_factory=dict)
 
 
@@ -352,7 +354,9 @@ def _changed_beyond_status(key: Key, body: dict[str, Any]) -> bool:
     every status write trigger the next. Compared with the previous *event*, not the cache, which
     the operator's own reads and writes also fill.
     """
-    part = _desired_part(body)
+    # A digest, not the part itself: a copy of every owner's spec held for this alone was several KB per group.
+    part = hashlib.blake2b(json.dumps(_desired_part(body), sort_keys=True, default=str).encode(),
+                           digest_size=16).digest()
     if STATE.seen.get(key) == part:
         return False
     STATE.seen[key] = part
