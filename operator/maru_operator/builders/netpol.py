@@ -248,7 +248,8 @@ def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolVie
                         pool_namespace: str = "") -> Object:
     """``pool``: the pool a decode-direct router asks (its own metrics port too), None for vllm-router alone.
 
-    Its vLLM peer is both roles: decode-direct requests go to decode, and prefill then decode through
+    Its vLLM peer is both roles: decode-direct requests go to decode (or to a less busy prefill,
+    which loads from the pool too), and prefill then decode through
     vllm-router (or maru-router, when it learns the engines' key scheme)."""
     ingress: list[Object] = [{"ports": _tcp(ROUTER_CONTAINER_PORT)}]
     if config.scrape_namespaces:
