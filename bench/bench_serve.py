@@ -6,11 +6,11 @@ operator leave it), one ``maru-pool serve``, and three ways to serve the same wo
 * ``pd``: the product as it routes without decode-direct: ``maru-router --decode-direct off`` in
   front of a prefill (``kv_both``) and a decode (``kv_consumer``) engine: every request goes
   prefill, then decode (what vllm-router does).
-* ``pd_direct``: the same engines behind ``maru-router`` with decode-direct on: a prompt whose full
-  chunks the pool holds goes to one engine alone, decode or, when decode has more of the router's
-  requests in flight, prefill (``kv_both``: it loads from the pool too).
-* ``pd_direct_decode_only``: the same with ``--direct-to-prefill off``: covered prompts go to decode
-  only, as before the router weighed the engines' load (what ``pd_direct`` gains from that choice).
+* ``pd_direct``: the same engines behind ``maru-router`` with decode-direct and ``--direct-to-prefill
+  on``: a prompt whose full chunks the pool holds goes to one engine alone, decode or, when decode has
+  more of the router's requests in flight, prefill (``kv_both``: it loads from the pool too).
+* ``pd_direct_decode_only``: the router's default (``--direct-to-prefill off``): covered prompts go to
+  decode only (what ``pd_direct`` gains or loses by weighing the engines' load).
 * ``replicas``: what a user runs without us: two plain engines (no connector) behind vllm-router's
   round robin, each with its own prefix cache.
 
@@ -140,7 +140,8 @@ def main() -> int:
                 engine.wait_ready()
             prefill, decode = engines["prefill"].url, engines["decode"].url
             pd = RouterProcess("pd", workdir, prefill=prefill, decode=decode, pool_url=pool.url, decode_direct="off")
-            direct = RouterProcess("pd-direct", workdir, prefill=prefill, decode=decode, pool_url=pool.url)
+            direct = RouterProcess("pd-direct", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
+                                   direct_to_prefill="on")
             decode_only = RouterProcess(
                 "pd-direct-decode-only", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
                 direct_to_prefill="off",

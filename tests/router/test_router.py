@@ -55,7 +55,8 @@ def fleet(chat_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Ro
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        router = RouterProcess("on", workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url)
+        router = RouterProcess("on", workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
+                               direct_to_prefill="on")
         yield router, prefill, decode
     finally:
         if router is not None:

@@ -68,11 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--direct-to-prefill",
         choices=("on", "off"),
-        default="on",
-        help="on: a prompt the pool covers goes to the least busy prefill engine instead of decode when it has "
-        "fewer of this router's requests in flight than every decode engine (ties go to decode). The prefill "
-        "engines must then load from the pool: kv_role kv_both, as the operator renders them (a kv_producer "
-        "would compute the whole prompt again). off: covered prompts go to decode engines only",
+        default="off",
+        help="off (the default): a prompt the pool covers goes to the least busy decode engine, so prefill "
+        "engines stay free for the prompts the pool lacks and decoding never shares a step with a long prefill. "
+        "on: it goes to the least busy prefill engine instead when that has fewer of this router's requests in "
+        "flight than every decode engine (ties go to decode); the prefill engines must then load from the pool "
+        "(kv_role kv_both, as the operator renders them; a kv_producer would compute the whole prompt again)",
     )
     return p.parse_args(argv)
 
