@@ -19,17 +19,22 @@ START_TIMEOUT_S = 300.0
 
 
 class RouterProcess:
-    def __init__(self, name: str, workdir: Path, *, prefill: str, decode: str, pool_url: str, **flags: str) -> None:
+    def __init__(
+        self, name: str, workdir: Path, *, prefill: str | list[str], decode: str, pool_url: str,
+        **flags: str | list[str],
+    ) -> None:  # fmt: skip
+        """``prefill`` and any flag's value: one, or a list to repeat the flag with."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"router-{name}.log"
         connector = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 2000}
         args = [
             sys.executable, "-m", "maru_connector.router", "--host", "127.0.0.1", "--port", str(self.port),
-            "--prefill", prefill, "--decode", decode, "--connector-config", json.dumps(connector),
+            "--decode", decode, "--connector-config", json.dumps(connector),
         ]  # fmt: skip
-        for flag, value in flags.items():
-            args += [f"--{flag.replace('_', '-')}", value]
+        for flag, value in {"prefill": prefill, **flags}.items():
+            for one in [value] if isinstance(value, str) else value:
+                args += [f"--{flag.replace('_', '-')}", one]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env())
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -79,6 +84,9 @@ class RouterProcess:
     def direct_to(self, role: str) -> float:
         """Requests served by one engine alone, of ``role``."""
         return self.metrics().get(f'maru_router_direct_targets_total{{role="{role}"}}', 0.0)
+
+    def engine_requests(self, role: str, url: str) -> float:
+        return self.metrics().get(f'maru_router_engine_requests_total{{endpoint="{url}",role="{role}"}}', 0.0)
 
     def in_flight(self, role: str, url: str) -> float:
         return self.metrics()[f'maru_router_in_flight_requests{{endpoint="{url}",role="{role}"}}']

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from maru_connector.router.__main__ import parse_args
-from maru_connector.router.balance import Endpoints, direct_target, least_loaded
+from maru_connector.router.balance import Endpoints, direct_target, least_loaded, local_first
 
 
 def test_least_loaded_picks_the_smallest_load() -> None:
@@ -72,3 +72,40 @@ def test_direct_to_prefill_is_off_unless_turned_on() -> None:
     base = ["--prefill", "http://p", "--decode", "http://d", "--connector-config", "{}"]
     assert parse_args(base).direct_to_prefill == "off"
     assert parse_args([*base, "--direct-to-prefill", "on"]).direct_to_prefill == "on"
+
+
+@pytest.mark.parametrize(
+    ("loads", "local", "shared", "slack", "chosen"),
+    [
+        ([0, 0], [0, 0], 0, 1, 0),  # nothing held anywhere: by load
+        ([0, 0], [0, 512], 0, 1, 1),  # one engine holds the prompt: it computes less
+        ([0, 1], [0, 512], 0, 1, 1),  # worth one more request in flight (the slack)
+        ([0, 2], [0, 512], 0, 1, 0),  # but not two
+        ([0, 1], [0, 512], 0, 0, 0),  # slack 0: only among the least busy
+        ([0, 1], [0, 512], 512, 1, 0),  # the pool gives every engine as much: no reason to queue
+        ([0, 1], [256, 768], 512, 1, 1),  # the gain beyond the pool counts, not the whole hit
+        ([1, 1, 0], [512, 768, 0], 0, 1, 1),  # the most beyond the pool among those near the least busy
+        ([1, 0], [512, 512], 0, 1, 1),  # equal gains: the less busy
+    ],
+)
+def test_local_first_weighs_only_what_the_pool_does_not_give_and_only_near_the_least_busy(
+    loads: list[int], local: list[int], shared: int, slack: int, chosen: int
+) -> None:
+    assert local_first(loads, local, shared, slack=slack) == chosen
+
+
+def test_endpoints_pick_by_what_an_engine_holds_when_its_events_are_read() -> None:
+    from maru_connector.router.balance import Prompt
+    from maru_connector.router.locality import EngineCache
+
+    held = EngineCache(blocks={b"a", b"b"}, block_size=16)
+    engines = Endpoints("prefill", ["http://a", "http://b"], lambda url, n: None, caches={"http://b": held})
+    prompt = Prompt(hashes=[b"a", b"b", b"c"], block_size=16, pool_tokens=0)
+    assert [engines.pick(prompt) for _ in range(3)] == [1, 1, 1]
+    assert [engines.pick() for _ in range(2)] != [1, 1]  # without the prompt: round robin
+    assert engines.pick(Prompt(hashes=[b"a"], block_size=16, pool_tokens=16)) in (0, 1)
+
+
+def test_a_negative_locality_slack_is_refused() -> None:
+    with pytest.raises(ValueError, match="locality slack must be >= 0"):
+        Endpoints("prefill", ["http://a"], lambda url, n: None, slack=-1)

@@ -53,7 +53,7 @@ class Server:
 
     def __init__(
         self, name: str, workdir: Path, model: str, role: str | None, pool_url: str = "", *,
-        prefix_caching: bool = False,
+        prefix_caching: bool = False, kv_events: str | None = None, kv_cache_bytes: int = 256 << 20,
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -63,9 +63,12 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "16384",
             "--enforce-eager", "--gpu-memory-utilization", "0.3",
-            "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "8",
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "8",
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip
+        if kv_events is not None:  # the engine publishes its prefix cache's stores and evictions there (ZMQ PUB)
+            args += ["--kv-events-config", json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events})]  # fmt: skip
         if role is not None:
             cfg = MaruConnectorConfig.from_extra_config(
                 {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 5000}

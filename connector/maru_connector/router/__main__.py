@@ -75,6 +75,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "flight than every decode engine (ties go to decode); the prefill engines must then load from the pool "
         "(kv_role kv_both, as the operator renders them; a kv_producer would compute the whole prompt again)",
     )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="ENGINE_URL=ENDPOINT",
+        help="read an engine's KV events (repeat; the ZMQ endpoint its --kv-events-config publishes on), so a "
+        "request may go to the engine whose own prefix cache holds more of the prompt than the pool does",
+    )
+    p.add_argument(
+        "--locality-slack",
+        type=int,
+        default=1,
+        help="how many more of this router's requests in flight an engine may have than the least busy one of "
+        "its role and still be chosen for what its own cache holds beyond the pool (default 1; 0: only among "
+        "the least busy)",
+    )
     return p.parse_args(argv)
 
 
@@ -88,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"maru-router: --connector-config: {err}", file=sys.stderr)
         return 2
     # Imported after the arguments are checked: vLLM's import takes seconds.
+    from maru_connector.router.locality import parse_endpoints
     from maru_connector.router.proxy import Router
 
     try:
@@ -100,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             direct_to_prefill=args.direct_to_prefill == "on",
             upstream=args.upstream,
             relearn_s=args.relearn_seconds,
+            kv_events=parse_endpoints(args.kv_events),
+            locality_slack=args.locality_slack,
         )
     except ValueError as err:
         print(f"maru-router: {err}", file=sys.stderr)

@@ -6,6 +6,11 @@ chunks. The only thing left to choose by is load. A covered prompt goes to the l
 engine, or to the least busy prefill engine when that one has fewer requests in flight (decode
 wins ties: it is there to generate, and prefill stays free for the prompts the pool lacks).
 
+Locality beyond the pool: an engine whose own prefix cache (read from its KV events,
+:mod:`.locality`) holds more of the prompt than the pool gives every engine computes less. That gain, and
+only that gain, may take a request to an engine at most ``slack`` requests busier than the least busy
+(:func:`local_first`): a prefix the pool already holds is no reason to queue behind a busy engine.
+
 The counts are the requests this router sends itself; another router in front of the same engines
 (vllm-router behind ``--upstream``) is not seen.
 """
@@ -13,9 +18,13 @@ The counts are the requests this router sends itself; another router in front of
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from maru_connector.router.locality import EngineCache
 
 Role = Literal["prefill", "decode"]
 
@@ -30,28 +39,73 @@ def least_loaded(loads: Sequence[int], turn: int = 0) -> int:
     return next(i for i in ((turn + k) % n for k in range(n)) if loads[i] == low)
 
 
+def local_first(
+    loads: Sequence[int], local_tokens: Sequence[int], shared_tokens: int, *, slack: int, turn: int = 0
+) -> int:
+    """The engine to send a prompt to, given each engine's in-flight ``loads``, the tokens of the prompt its own
+    cache holds (``local_tokens``) and those the pool gives any engine (``shared_tokens``).
+
+    The least busy engine (round robin among equals), unless an engine at most ``slack`` requests busier holds
+    more of the prompt locally than the pool gives: then the one of those that holds the most beyond the pool,
+    the less busy first among equals.
+    """
+    best = least_loaded(loads, turn)
+    gains = [max(0, t - shared_tokens) for t in local_tokens]
+    near = [i for i in range(len(loads)) if gains[i] > 0 and loads[i] <= loads[best] + slack]
+    if not near:
+        return best
+    return max(near, key=lambda i: (gains[i], -loads[i], i == best))
+
+
 def direct_target(
-    decode: Sequence[int], prefill: Sequence[int], *, to_prefill: bool, turn: int = 0
+    decode: Sequence[int],
+    prefill: Sequence[int],
+    *,
+    to_prefill: bool,
+    turn: int = 0,
+    picks: tuple[int, int] | None = None,
 ) -> tuple[Role, int]:
     """Where a prompt the pool covers goes: ``(role, index)`` among the engines whose in-flight counts
-    are ``decode`` and ``prefill``. A prefill engine only when ``to_prefill`` and strictly less busy."""
-    d = least_loaded(decode, turn)
-    if to_prefill and prefill:
-        p = least_loaded(prefill, turn)
-        if prefill[p] < decode[d]:
-            return "prefill", p
+    are ``decode`` and ``prefill``. A prefill engine only when ``to_prefill`` and strictly less busy.
+
+    ``picks``: the decode and prefill engine each role would take (by locality, :func:`local_first`);
+    by default the least busy of each.
+    """
+    d, p = picks if picks is not None else (least_loaded(decode, turn), least_loaded(prefill, turn) if prefill else -1)
+    if to_prefill and prefill and prefill[p] < decode[d]:
+        return "prefill", p
     return "decode", d
 
 
-class Endpoints:
-    """One role's engines and the requests this router has in flight on each (asyncio: one thread)."""
+@dataclass(frozen=True)
+class Prompt:
+    """What locality is judged by: the prompt's vLLM block hashes (of ``block_size`` tokens each) and the
+    tokens of it the pool holds."""
 
-    def __init__(self, role: Role, urls: Sequence[str], on_change: Callable[[str, int], None]) -> None:
+    hashes: Sequence[bytes]
+    block_size: int
+    pool_tokens: int
+
+
+class Endpoints:
+    """One role's engines and the requests this router has in flight on each (asyncio: one thread).
+
+    ``caches``: what the engines' own prefix caches hold, by URL, for those whose KV events are read.
+    """
+
+    def __init__(
+        self, role: Role, urls: Sequence[str], on_change: Callable[[str, int], None], *,
+        caches: Mapping[str, EngineCache] | None = None, slack: int = 1,
+    ) -> None:  # fmt: skip
         if not urls:
             raise ValueError(f"router: at least one {role} URL is needed")
+        if slack < 0:
+            raise ValueError(f"router: the locality slack must be >= 0, got {slack}")
         self.role = role
         self.urls = [u.rstrip("/") for u in urls]
         self.loads = [0] * len(self.urls)
+        self.caches = [(caches or {}).get(u) for u in self.urls]
+        self.slack = slack
         self._turn = itertools.count()
         self._on_change = on_change  # (url, in flight) after every change: the gauge
         for url in self.urls:
@@ -61,8 +115,14 @@ class Endpoints:
         """The next tie-break offset: advancing it on each pick is what makes ties round robin."""
         return next(self._turn)
 
-    def pick(self) -> int:
-        return least_loaded(self.loads, self.turn())
+    def pick(self, prompt: Prompt | None = None) -> int:
+        """The engine for the next request: by load, and by what the engines hold of ``prompt`` beyond the pool
+        when their events are read."""
+        turn = self.turn()
+        if prompt is None or not any(self.caches):
+            return least_loaded(self.loads, turn)
+        local = [c.prefix_tokens(prompt.hashes, prompt.block_size) if c else 0 for c in self.caches]
+        return local_first(self.loads, local, prompt.pool_tokens, slack=self.slack, turn=turn)
 
     @contextmanager
     def hold(self, i: int) -> Iterator[str]:

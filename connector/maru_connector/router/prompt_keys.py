@@ -52,8 +52,13 @@ def block_hashes(token_ids: Sequence[int], scheme: KeyScheme, cache_salt: str | 
     return [bytes(h) for h in request.block_hashes]
 
 
-def chunk_lookup_keys(token_ids: Sequence[int], scheme: KeyScheme, cache_salt: str | None = None) -> list[bytes]:
-    """The prompt's full-chunk keys in the order the engine looks them up (chunk-major, rank-minor)."""
+def chunk_lookup_keys(
+    token_ids: Sequence[int], scheme: KeyScheme, cache_salt: str | None = None, hashes: Sequence[bytes] | None = None
+) -> list[bytes]:
+    """The prompt's full-chunk keys in the order the engine looks them up (chunk-major, rank-minor);
+    ``hashes``: its :func:`block_hashes`, when already computed."""
     keys = PromptKeys(scheme.fingerprints, hash_block_size=scheme.hash_block_size, chunk_tokens=scheme.chunk_tokens)
-    keys.update(block_hashes(token_ids, scheme, cache_salt), len(token_ids))
+    if hashes is None:
+        hashes = block_hashes(token_ids, scheme, cache_salt)
+    keys.update(list(hashes), len(token_ids))
     return keys.lookup_order()

@@ -18,7 +18,9 @@ through the ``prefill`` and ``decode`` URLs, whenever no scheme is known or the 
 is followed.
 
 Each request this router sends goes to the engine of its role with the fewest of its requests in
-flight (:mod:`.balance`); a covered prompt may go to a prefill engine when decode is busier.
+flight (:mod:`.balance`); a covered prompt may go to a prefill engine when decode is busier. For engines
+whose KV events the router reads (``kv_events``, :mod:`.locality`), an engine whose own cache holds more of
+the prompt than the pool may take it while at most ``locality_slack`` requests busier than the least busy.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +39,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.keys import KeyScheme
 from maru_connector.router import decide
-from maru_connector.router.balance import Endpoints, direct_target
-from maru_connector.router.prompt_keys import chunk_lookup_keys
+from maru_connector.router.balance import Endpoints, Prompt, direct_target
+from maru_connector.router.locality import EngineCache, Subscriber
+from maru_connector.router.prompt_keys import block_hashes, chunk_lookup_keys
 from maru_connector.vllm import common
 from maru_connector.vllm.scheduler import HANDOFF_KEY_SCHEME
 
@@ -77,6 +80,7 @@ class Decision:
     reason: str
     prompt_tokens: int = 0
     chunks_hit: int = 0
+    prompt: Prompt | None = None  # for the choice of engine by locality, when the prompt was hashed
 
 
 class Metrics:
@@ -116,6 +120,25 @@ class Metrics:
             ["role"],
             registry=self.registry,
         )
+        self.engine_requests = Counter(
+            "maru_router_engine_requests",
+            "Requests this router sent to each engine URL, by role (prefill, decode, or a covered prompt's direct).",
+            ["role", "endpoint"],
+            registry=self.registry,
+        )
+        self.cached_blocks = Gauge(
+            "maru_router_engine_cached_blocks",
+            "Blocks an engine's own prefix cache holds, as its KV events said (engines whose events are read).",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.event_resets = Gauge(
+            "maru_router_kv_event_resets",
+            "Times the router dropped what it knew of an engine's cache: a gap in its KV events (a lost batch, "
+            "an engine restart) or an unreadable batch.",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "maru_router_in_flight_requests",
             "Requests this router has in flight on each engine URL (what it balances by).",
@@ -136,6 +159,8 @@ class Router:
         direct_to_prefill: bool = True,
         upstream: str | None = None,
         relearn_s: float = 60.0,
+        kv_events: Mapping[str, str] | None = None,
+        locality_slack: int = 1,
     ) -> None:
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
@@ -149,8 +174,19 @@ class Router:
         self.direct_to_prefill = direct_to_prefill
         self.scheme: KeyScheme | None = None
         self.metrics = Metrics()
-        self.prefill = Endpoints("prefill", prefill, self._gauge("prefill"))
-        self.decode = Endpoints("decode", decode, self._gauge("decode"))
+        known = {u.rstrip("/") for u in (*prefill, *decode)}
+        unknown = sorted(set(kv_events or {}) - known)
+        if unknown:
+            raise ValueError(f"router: --kv-events names {unknown[0]}, which is neither a --prefill nor a --decode URL")
+        self.caches = {url: EngineCache() for url in kv_events or {}}
+        self._subscribers = [
+            Subscriber(url, endpoint, self.caches[url], self._cache_gauge(url))
+            for url, endpoint in (kv_events or {}).items()
+        ]
+        self.prefill = Endpoints(
+            "prefill", prefill, self._gauge("prefill"), caches=self.caches, slack=locality_slack
+        )
+        self.decode = Endpoints("decode", decode, self._gauge("decode"), caches=self.caches, slack=locality_slack)
         self._pool = common.PoolGuard(connector, "router", common.Counters())
         self._session: ClientSession | None = None
 
@@ -176,14 +212,27 @@ class Router:
         self._session = ClientSession(
             timeout=ClientTimeout(total=None, sock_connect=10), connector=TCPConnector(limit=0)
         )
+        for subscriber in self._subscribers:
+            subscriber.start()
 
     async def _close(self, _: web.Application) -> None:
+        for subscriber in self._subscribers:
+            await subscriber.close()
         if self._session is not None:
             await self._session.close()
         self._pool.close()
 
     def _gauge(self, role: str) -> Callable[[str, int], None]:
         return lambda url, n: self.metrics.in_flight.labels(role, url).set(n)
+
+    def _cache_gauge(self, url: str) -> Callable[[], None]:
+        cache = self.caches[url]
+
+        def update() -> None:
+            self.metrics.cached_blocks.labels(url).set(len(cache.blocks))
+            self.metrics.event_resets.labels(url).set(cache.resets)
+
+        return update
 
     @property
     def session(self) -> ClientSession:
@@ -244,11 +293,13 @@ class Router:
         self.metrics.requests.labels(decision.route, decision.reason).inc()
         if decision.route == DIRECT:
             # Chosen here, after the lookup: the loads are read just before this request is counted.
+            picks = (self.decode.pick(decision.prompt), self.prefill.pick(decision.prompt))
             role, i = direct_target(
-                self.decode.loads, self.prefill.loads, to_prefill=self.direct_to_prefill, turn=self.decode.turn()
+                self.decode.loads, self.prefill.loads, to_prefill=self.direct_to_prefill, picks=picks
             )
             engines = self.prefill if role == "prefill" else self.decode
             self.metrics.direct_targets.labels(role).inc()
+            self.metrics.engine_requests.labels(role, engines.urls[i]).inc()
             _log(request, decision, role, engines.urls[i])
             with engines.hold(i) as url:
                 return await self._relay(request, "POST", url + request.path, body, headers)
@@ -258,15 +309,19 @@ class Router:
                 return await self._to_upstream(request, raw)
             self.metrics.scheme_refreshes.inc()
             try:
-                return await self._prefill_then_decode(request, body, headers)
+                return await self._prefill_then_decode(request, body, headers, decision.prompt)
             finally:
                 self._refreshing = False
-        return await self._prefill_then_decode(request, body, headers)
+        return await self._prefill_then_decode(request, body, headers, decision.prompt)
 
     async def decide(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Decision:
-        """Decode alone when the pool holds enough of the prompt; anything unknown means prefill."""
+        """Decode alone when the pool holds enough of the prompt; anything unknown means prefill.
+
+        With engines' KV events read, the prompt is hashed even when it cannot skip prefill (decode-direct
+        off, too short for a chunk): the choice of engine within a role weighs what each holds of it.
+        """
         scheme = self.scheme
-        if not self.decode_direct:
+        if not self.decode_direct and not self.caches:
             return Decision(PD, "disabled")
         if scheme is None:
             return Decision(PD, "no_key_scheme")
@@ -279,27 +334,41 @@ class Router:
         if ids is None:
             return Decision(PD, "unsupported")
         need = decide.chunks_needed(len(ids), scheme.chunk_tokens, self.min_coverage)
-        if need is None:
-            return Decision(PD, "short", len(ids))
-        self.metrics.lookups.inc()
         salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        if need is None or not self.decode_direct:
+            # Nothing to ask the pool for a skip; the engines' own caches may still hold the prompt.
+            hashes = await asyncio.to_thread(self._hashes, ids, scheme, salt) if self.caches else None
+            prompt = Prompt(hashes, scheme.hash_block_size, 0) if hashes else None
+            return Decision(PD, "short" if need is None else "disabled", len(ids), prompt=prompt)
+        self.metrics.lookups.inc()
         try:
-            ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt if isinstance(salt, str) else None)
+            hashes, ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt)
         except Exception:  # a prompt the hashing could not key must still be served, through prefill
             log.exception("coverage unknown, prefill path: keying the prompt failed")
             self.metrics.fallbacks.labels("keying_error").inc()
             return Decision(PD, "keying_error", len(ids))
         if not ok or n is None:
             self.metrics.fallbacks.labels("pool_error").inc()
-            return Decision(PD, "pool_error", len(ids))
+            return Decision(PD, "pool_error", len(ids), prompt=Prompt(hashes, scheme.hash_block_size, 0))
         chunks = n // len(scheme.fingerprints)
+        prompt = Prompt(hashes, scheme.hash_block_size, chunks * scheme.chunk_tokens)
         if chunks >= need:
-            return Decision(DIRECT, "covered", len(ids), chunks)
-        return Decision(PD, "cold", len(ids), chunks)
+            return Decision(DIRECT, "covered", len(ids), chunks, prompt)
+        return Decision(PD, "cold", len(ids), chunks, prompt)
 
-    def _coverage(self, ids: list[int], scheme: KeyScheme, salt: str | None) -> tuple[bool, int | None]:
-        keys = chunk_lookup_keys(ids, scheme, salt)
-        return self._pool.call("lookup", lambda client, k: client.lookup_prefix(k), keys)
+    def _hashes(self, ids: list[int], scheme: KeyScheme, salt: str | None) -> list[bytes] | None:
+        try:
+            return block_hashes(ids, scheme, salt)
+        except Exception:  # locality is a preference: a prompt that cannot be hashed is chosen for by load
+            log.exception("hashing the prompt for locality failed; choosing its engine by load")
+            return None
+
+    def _coverage(self, ids: list[int], scheme: KeyScheme, salt: str | None) -> tuple[list[bytes], bool, int | None]:
+        hashes = block_hashes(ids, scheme, salt)
+        keys = chunk_lookup_keys(ids, scheme, salt, hashes)
+        ok, n = self._pool.call("lookup", lambda client, k: client.lookup_prefix(k), keys)
+        return hashes, ok, n
 
     async def _prompt_ids(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
         """The prompt's token ids as the engine will see them; None for what the router cannot key."""
@@ -335,13 +404,15 @@ class Router:
         return tokens
 
     async def _prefill_then_decode(
-        self, request: web.Request, body: dict[str, Any], headers: dict[str, str]
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], prompt: Prompt | None = None
     ) -> web.StreamResponse:
         first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TRANSFER}
         first.pop("stream_options", None)  # vLLM refuses stream_options on a request that does not stream
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        with self.prefill.hold(self.prefill.pick()) as engine:
+        i = self.prefill.pick(prompt)
+        self.metrics.engine_requests.labels("prefill", self.prefill.urls[i]).inc()
+        with self.prefill.hold(i) as engine:
             url = engine + request.path
             try:
                 async with self.session.post(url, json=first, headers=headers) as resp:
@@ -357,8 +428,11 @@ class Router:
             params = None
         self._learn(params)
         then = {**body, "kv_transfer_params": params}
-        # Decode is chosen once prefill answered: its load then is what the generation meets.
-        with self.decode.hold(self.decode.pick()) as engine:
+        # Decode is chosen once prefill answered: its load then is what the generation meets. By load alone: the
+        # pool now holds every full chunk prefill computed, so no decode engine holds much more of it.
+        i = self.decode.pick()
+        self.metrics.engine_requests.labels("decode", self.decode.urls[i]).inc()
+        with self.decode.hold(i) as engine:
             return await self._relay(request, "POST", engine + request.path, then, headers)
 
     def _learn(self, params: object) -> None:

@@ -1,0 +1,147 @@
+"""What each engine's own prefix cache holds, read from the KV events the engine publishes.
+
+vLLM publishes every block its prefix cache stores or evicts (``--kv-events-config``, a ZMQ PUB socket:
+multipart ``(topic, sequence, msgpack batch)``). The router subscribes to each engine it was given an
+endpoint for and keeps the set of block hashes the engine holds, in the engine's own hashing, which the
+router reproduces for a prompt (:mod:`.prompt_keys`). The longest run of a prompt's leading blocks in that
+set is what the engine would not recompute.
+
+A stale index is worse than none: a sequence gap (a batch lost on the socket, an engine restarted and
+counting from 0 again) or a batch that cannot be read drops everything known of that engine. Until its
+next stores it then looks cold, so requests go by load alone: slower at worst, never wrong.
+
+Only the medium vLLM names for its device cache (``GPU``, or none) counts: a block only in a slower tier
+(vLLM's CPU offloading) or in the pool is not what makes one engine faster than another here; the pool is
+a tier every engine reads, counted apart (:func:`maru_connector.router.balance.local_first`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+log = logging.getLogger("maru.router.locality")
+
+DEVICE_MEDIA = (None, "GPU")
+_decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+@dataclass
+class EngineCache:
+    """The blocks one engine's prefix cache holds, as its events said."""
+
+    blocks: set[bytes | int] = field(default_factory=set)
+    int_hashes: bool = False  # the engine sends hashes as integers (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    block_size: int | None = None  # tokens per block, from the engine's stores
+    next_seq: int | None = None  # the sequence number the next batch should carry
+    resets: int = 0  # times everything was dropped (gaps, restarts, unreadable batches)
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        if self.next_seq is not None and seq != self.next_seq:
+            self.forget()
+        self.next_seq = seq + 1
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if event.medium in DEVICE_MEDIA:
+                    self.block_size = event.block_size
+                    if event.block_hashes:
+                        self.int_hashes = isinstance(event.block_hashes[0], int)
+                    self.blocks.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                if event.medium in DEVICE_MEDIA:
+                    self.blocks.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.blocks.clear()
+
+    def forget(self) -> None:
+        self.blocks.clear()
+        self.next_seq = None
+        self.resets += 1
+
+    def prefix_tokens(self, hashes: Sequence[bytes], hash_block_size: int) -> int:
+        """Tokens of the prompt's leading blocks (``hashes``: vLLM's, of ``hash_block_size`` tokens) held here;
+        0 when the engine's blocks are of another size (its hashes are then not these)."""
+        if self.block_size != hash_block_size or not self.blocks:
+            return 0
+        n = 0
+        for h in hashes:
+            if (_as_int(h) if self.int_hashes else h) not in self.blocks:
+                break
+            n += 1
+        return n * hash_block_size
+
+
+def _as_int(block_hash: bytes) -> int:
+    # What vLLM sends for a block hash under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: its last 8 bytes, big-endian.
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def parse_endpoints(pairs: Sequence[str]) -> dict[str, str]:
+    """``ENGINE_URL=ZMQ_ENDPOINT`` flags as a map of engine URL (no trailing slash) to endpoint."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        url, sep, endpoint = pair.rpartition("=")
+        if not sep or not url or not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(
+                f"--kv-events {pair!r}: must be ENGINE_URL=ENDPOINT, the endpoint tcp://host:port or ipc://path "
+                "(where the engine's --kv-events-config publishes)"
+            )
+        out[url.rstrip("/")] = endpoint
+    return out
+
+
+class Subscriber:
+    """One engine's event stream into its :class:`EngineCache`, until :meth:`close`."""
+
+    def __init__(self, url: str, endpoint: str, cache: EngineCache, on_batch: Callable[[], None]) -> None:
+        self.url, self.endpoint, self.cache = url, endpoint, cache
+        self._on_batch = on_batch  # after each batch: the gauges
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.url}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: one engine per socket
+        sock.connect(self.endpoint)  # ZMQ reconnects by itself while the engine is away
+        log.info("reading the KV events of %s from %s", self.url, self.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                self._take(frames)
+                self._on_batch()
+        finally:
+            sock.close(linger=0)
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            _topic, seq, payload = frames
+            batch = _decoder.decode(payload)
+        except (ValueError, msgspec.DecodeError) as err:
+            log.warning("KV events of %s: unreadable batch (%s); forgetting what it held", self.url, err)
+            self.cache.forget()
+            return
+        before = self.cache.resets
+        self.cache.apply(int.from_bytes(seq, "big"), batch)
+        if self.cache.resets != before:
+            log.warning(
+                "KV events of %s: sequence gap (a lost batch or an engine restart); forgetting what it "
+                "held until its next stores",
+                self.url,
+            )

