@@ -54,6 +54,7 @@ from maru_operator.reconcile import (
     adopted_ownership,
     adoption_patch,
     controlled_by,
+    created_body,
     describe_controller,
     key_of,
     legacy_owner,
@@ -91,7 +92,7 @@ POOL_FINALIZER = "maru.io/in-use-protection"
 DEFAULT_USAGE_INTERVAL = 30.0
 UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
-# A just created child's fields are made applied ones with a compare-and-swap: tries before the next pass.
+# A child's fields are made applied ones with a compare-and-swap: tries before the next pass.
 _ADOPT_TRIES = 3
 # The most writes one owner has in flight at once: its children are independent of one another.
 WRITE_CONCURRENCY = 8
@@ -231,7 +232,7 @@ class Controller:
         # Create first: a create never writes into an existing object, and most names are free (a look
         # before every create was one more request per child).
         try:
-            created = await self.kube.create(create_replicas(obj))
+            created = await self.kube.create(create_replicas(created_body(obj)))
         except ApiError as err:
             if err.status != 409:
                 raise
@@ -267,28 +268,21 @@ class Controller:
         return None
 
     async def _created(self, obj: Object, created: Object) -> Object:
-        """After a create: the operator's fields, recorded as an update's, become applied ones.
-
-        An apply removes only the fields its manager applied: without this, a field the spec drops later
-        would stay on the child.
-        """
+        """After a create: the child is in sync as created. Its fields stay the create's (an update entry) until
+        the first apply it needs adopts them (see :mod:`maru_operator.reconcile`): most children are never
+        written again, and an adoption right after every create was half of all writes at fleet scale."""
         kind, ns, name = key_of(obj)
         metrics.WRITES.labels(kind, "create").inc()
         log.info("created %s %s/%s", kind, ns, name)
-        adopted = await self._adopt(obj, created)
-        if adopted is None:
-            log.info("%s %s/%s changed right after its create; its fields are adopted on the next pass",
-                     kind, ns, name)
-            self.store.put(created)
-            return created
-        self._synced_as(obj, adopted)
-        self.store.put(adopted)
-        return adopted
+        self._synced_as(obj, created)
+        self.store.put(created)
+        return created
 
     async def _adopt(self, obj: Object, created: Object, *, only_desired: bool = True) -> Object | None:
-        """Make the operator's fields of the just created ``obj`` applied ones; None when it keeps changing or
-        went. ``only_desired``: only the fields ``obj`` sets (after a create), else all (an upgrade: those the
-        spec no longer has must be applied ones for the apply to remove them)."""
+        """Make the operator's fields of ``created`` (a child it created, or an earlier version wrote with plain
+        updates) applied ones; None when it keeps changing or went. ``only_desired``: only the fields ``obj``
+        sets (the others are handed over, owned by nobody), else all (those the spec no longer has must be
+        applied ones for the apply to remove them)."""
         kind, ns, name = key_of(obj)
         uid = created.get("metadata", {}).get("uid")
         current: Object | None = created
@@ -321,10 +315,12 @@ class Controller:
             # The cache keeps only the operator's own managedFields (maru_operator.cache.trimmed): the two writes
             # below send the list whole, so they start from the object as the API has it.
             if legacy_owner(have):
-                # Written by a version of the operator before server-side apply (or just created): its
-                # fields become applied ones, so this apply removes those the spec no longer has. A status
-                # write between the look and the patch is no failure: the patch is tried again on a fresh copy.
-                adopted = await self._adopt(obj, await self._whole(have), only_desired=False)
+                # Created and never applied to (or written by a version of the operator before server-side
+                # apply): its fields become applied ones, so this apply removes those the spec no longer has.
+                # A role handed to an autoscaler adopts only what it still sets: its replicas (the create's)
+                # stay as they are, owned by nobody. A status write between the look and the patch is no
+                # failure: the patch is tried again on a fresh copy.
+                adopted = await self._adopt(obj, await self._whole(have), only_desired=scaled_externally(obj))
                 if adopted is None:
                     raise Replaced(f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were "
                                    "adopted")

@@ -12,11 +12,18 @@ apply is needed, so a converged object is never written:
 * the manager owns a list or map *whole* (an atomic one: a NetworkPolicy's rules, a nodeSelector) and
   it holds more than the desired value: an atomic value is replaced as a whole, so a rule that lost a
   part is a change, where for other lists the subset test is right.
+
+A child is made with a plain create, so its fields start out owned by an update entry of the manager, which
+no apply ever removes. They become applied ones (are *adopted*) lazily, right before the first apply the
+child needs: until then the create's annotation :data:`CREATED_FIELDS_ANNOTATION` says which fields the
+operator set, and a desired object that sets other ones (a field the spec dropped) is the change that
+adopts them and applies.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +31,10 @@ from typing import Any
 from maru_operator.quantity import same_quantity
 
 FIELD_MANAGER = "maru-operator"
+# On a child the operator created and has not applied to since: a digest of which fields the create set (not
+# their values). kube-apiserver records the server's defaults as the creator's fields too, so the create's
+# managedFields entry alone cannot tell a field the spec dropped from a default; the first apply removes it.
+CREATED_FIELDS_ANNOTATION = "maru.io/created-fields"
 
 Object = dict[str, Any]
 Key = tuple[str, str, str]
@@ -118,10 +129,10 @@ def _dotted(path: tuple[str, ...]) -> str:
     return "." + ".".join(p[2:] if p.startswith("f:") else p for p in path)
 
 
-def _owned_tree(actual: Object, manager: str) -> dict[str, Any] | None:
-    """The FieldsV1 tree ``manager`` applied to ``actual``; None when it never applied."""
+def _owned_tree(actual: Object, manager: str, operation: str = "Apply") -> dict[str, Any] | None:
+    """The FieldsV1 tree ``manager`` wrote to ``actual`` by ``operation``; None when it never did."""
     for entry in actual.get("metadata", {}).get("managedFields") or []:
-        if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
+        if entry.get("manager") == manager and entry.get("operation") == operation and not entry.get("subresource"):
             return entry.get("fieldsV1") or {}
     return None
 
@@ -205,9 +216,11 @@ def _atomic_changed(path: tuple[str, ...], want: Any, have: Any) -> str | None:
     return dotted if is_subset(have, want, dotted) is not None else None
 
 
-def changed_atomic(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
-    """The first list or map ``manager`` owns whole whose actual value holds more than the desired one."""
-    for path, want, have in _walk(_owned_tree(actual, manager) or {}, desired, actual, ()):
+def changed_atomic(desired: Object, actual: Object, manager: str = FIELD_MANAGER, operation: str = "Apply"
+                   ) -> str | None:
+    """The first list or map ``manager`` owns whole (by ``operation``) whose actual value holds more than the
+    desired one."""
+    for path, want, have in _walk(_owned_tree(actual, manager, operation) or {}, desired, actual, ()):
         found = _atomic_changed(path, want, have)
         if found:
             return found
@@ -323,10 +336,47 @@ def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MAN
     return None
 
 
+def field_set_digest(desired: Object) -> str:
+    """A digest of which fields ``desired`` sets, whatever their values (lists by position)."""
+    def shape(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: shape(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [shape(v) for v in value]
+        return None
+
+    text = json.dumps(shape(desired), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def created_body(desired: Object) -> Object:
+    """``desired`` as the operator creates it: annotated with the digest of the fields it sets."""
+    meta = desired.get("metadata") or {}
+    annotations = {**(meta.get("annotations") or {}), CREATED_FIELDS_ANNOTATION: field_set_digest(desired)}
+    return {**desired, "metadata": {**meta, "annotations": annotations}}
+
+
+def created_with(desired: Object, actual: Object) -> bool:
+    """Whether ``actual`` was created with the fields ``desired`` sets (so nothing the create set is dropped)."""
+    annotations = actual.get("metadata", {}).get("annotations") or {}
+    return annotations.get(CREATED_FIELDS_ANNOTATION) == field_set_digest(desired)
+
+
 def out_of_sync(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -> str | None:
-    """Why ``desired`` must be applied to ``actual`` (a field path, for the log); None when it is in sync."""
-    return (is_subset(desired, actual) or _stale_or_atomic(desired, actual, manager)
-            or ("metadata.managedFields" if legacy_owner(actual, manager) else None))
+    """Why ``desired`` must be applied to ``actual`` (a field path, for the log); None when it is in sync.
+
+    A child the manager only created (:func:`legacy_owner`) is in sync while the desired object sets the fields
+    the create set: a field dropped since would stay, the update entry owning it, unless the fields are adopted
+    and applied (the controller's ``_update``), which this answer asks for.
+    """
+    found = is_subset(desired, actual)
+    if found:
+        return found
+    if legacy_owner(actual, manager):
+        if not created_with(desired, actual):
+            return "metadata.managedFields"
+        return changed_atomic(desired, actual, manager, operation="Update")
+    return _stale_or_atomic(desired, actual, manager)
 
 
 # --- ownership ----------------------------------------------------------------------------------------

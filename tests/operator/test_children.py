@@ -64,6 +64,39 @@ def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, 
     assert dep is not None and dep["metadata"]["annotations"]["team"] == "search"
 
 
+def test_a_field_dropped_before_any_apply_leaves_the_child(cluster: KubeEmulator, operator: RunningOperator,
+                                                          stats: StubStats, ready_pool: dict[str, Any]) -> None:
+    """Children are created, not applied, and their fields adopted by the first apply they need. A spec that only
+    drops a field (or a part of a policy rule) leaves a child that is still a superset of the desired one: the field
+    must go nonetheless, also when the operator restarted in between and remembers nothing of what it created."""
+    selector = {"replicas": 1, "nodeSelector": {"gpu": "a100"}}
+    cluster.create(group(prefill=selector, decode={**selector, "replicas": 2}))
+    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+    settle(operator)
+    dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
+    assert dep is not None
+    assert {e["operation"] for e in dep["metadata"]["managedFields"] if e["manager"] == "maru-operator"} == {"Update"}
+    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": None}}}, GROUP_NS)
+    settle(operator)
+    assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
+    assert pod_spec(cluster, "qwen-decode")["nodeSelector"] == {"gpu": "a100"}
+
+    operator.stop()
+    # Without the router, the vLLM pods' ingress rule keeps its ports and loses its peers (a list owned whole).
+    cluster.patch(IG, "qwen", {"spec": {"decode": {"nodeSelector": None}, "router": {"enabled": False}}}, GROUP_NS)
+    restarted = RunningOperator(cluster, stats, resync_seconds=3600, workers=2).start()
+    try:
+        settle(restarted)
+        assert "nodeSelector" not in pod_spec(cluster, "qwen-decode")
+        policy = cluster.get(NETPOL, "qwen-vllm", GROUP_NS)
+        assert policy is not None and policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+        mark = cluster.mark()
+        settle(restarted)
+        assert cluster.writes_since(mark) == []  # adopted and applied once: in sync from then on
+    finally:
+        restarted.stop()
+
+
 def test_children_written_before_server_side_apply_lose_removed_fields(
         cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]) -> None:
     """After an upgrade from a version that wrote children with plain creates and merge patches."""
@@ -277,7 +310,7 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
     cluster.wait_for(NETPOL, "qwen-router", GROUP_NS)
     settle(operator)
     writes = [r for r in cluster.requests if "/networkpolicies" in r.path and r.is_write]
-    # Created (a create fails on a namesake), its fields then made applied ones; updated by apply.
+    # Created (a create fails on a namesake); its fields made applied ones before it is first updated, by apply.
     kinds = {(r.method, r.content_type.split(";")[0]) for r in writes}
     assert ("POST", "application/json") in kinds and kinds <= {
         ("POST", "application/json"), ("PATCH", "application/merge-patch+json"),
@@ -285,7 +318,8 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
         (r.method, r.path, r.content_type) for r in writes]
     policy = cluster.get(NETPOL, "qwen-vllm", GROUP_NS)
     assert policy is not None
-    assert {(e["manager"], e["operation"]) for e in policy["metadata"]["managedFields"]} == {("maru-operator", "Apply")}
+    managers = {(e["manager"], e["operation"]) for e in policy["metadata"]["managedFields"]}
+    assert managers == {("maru-operator", "Update")}
     rules = policy["spec"]["ingress"]
 
     # A hand edit of the rules is put back; someone else's label stays.
@@ -293,6 +327,8 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
                   GROUP_NS, field_manager="kubectl-edit")
     restored = cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS, lambda o: o["spec"].get("ingress") == rules)
     assert restored["metadata"]["labels"]["team"] == "search"
+    ours = {e["operation"] for e in restored["metadata"]["managedFields"] if e["manager"] == "maru-operator"}
+    assert ours == {"Apply"}
 
     # Without the router its policy goes, and the vLLM pods' ingress opens to whatever routes to them.
     cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)

@@ -150,6 +150,10 @@ def test_every_request_is_allowed_in_namespaced_mode(cluster: KubeEmulator, stat
         cluster.create(group())
         cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
         settle(op)
+        # A hand edit the operator puts back: its fields adopted, then applied (children are created, not patched).
+        cluster.patch(NETPOL, "qwen-vllm", {"spec": {"ingress": []}}, GROUP_NS, field_manager="kubectl-edit")
+        cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS, lambda p: p["spec"].get("ingress"))
+        settle(op)
     finally:
         op.stop()
     used = check_requests(cluster, namespaced=True)

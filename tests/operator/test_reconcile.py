@@ -11,6 +11,7 @@ from maru_operator.builders.group import build_role_deployment
 from maru_operator.reconcile import (
     adopted_ownership,
     controlled_by,
+    created_body,
     is_subset,
     legacy_owner,
     out_of_sync,
@@ -176,6 +177,27 @@ def test_objects_written_before_server_side_apply_are_taken_over(desired: dict) 
     assert adopted[1]["fieldsV1"] == {"f:spec": {"f:template": {"f:spec": {"f:nodeSelector": {}}}},
                                       "f:metadata": {"f:labels": {"f:x": {}}}}
     assert not legacy_owner({"metadata": {"managedFields": adopted}})  # adopted: an apply removes them now
+
+
+def test_a_created_child_is_in_sync_until_the_spec_drops_a_field_the_create_set(desired: dict) -> None:
+    """Created, never applied to: the create's entry owns its fields and the server's defaults alike."""
+    with_selector = copy.deepcopy(desired)
+    with_selector["spec"]["template"]["spec"]["nodeSelector"] = {"gpu": "a100"}
+    created = applied(server_version(created_body(with_selector)), (*POD, "f:nodeSelector"),
+                      (*POD, "f:restartPolicy"), ("f:spec", "f:revisionHistoryLimit"), operation="Update")
+    assert legacy_owner(created)
+    # Defaults the spec never set are no reason to write: a converged fleet stays unwritten across restarts.
+    assert out_of_sync(with_selector, created) is None
+    # The spec dropped the selector: a subset still, but the create's entry would keep it for ever.
+    assert is_subset(desired, created) is None
+    assert out_of_sync(desired, created) == "metadata.managedFields"
+    # A value changed: applied, after its fields are adopted (the same answer, by the first difference).
+    changed = copy.deepcopy(with_selector)
+    changed["spec"]["template"]["spec"]["nodeSelector"] = {"gpu": "h100"}
+    assert out_of_sync(changed, created) == ".spec.template.spec.nodeSelector.gpu"
+    # Created by a version that did not annotate: taken over as before.
+    unmarked = applied(server_version(with_selector), (*POD, "f:nodeSelector"), operation="Update")
+    assert out_of_sync(with_selector, unmarked) == "metadata.managedFields"
 
 
 def test_controlled_by_needs_the_owners_uid() -> None:
