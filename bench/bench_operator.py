@@ -167,6 +167,50 @@ class FastControllers(KubeControllers):
         return members
 
 
+class Convergence:
+    """Whether every group is Ready and has its Deployments, looking only at what changed since the last look.
+
+    Runs on the emulator's loop (its CPU time is counted as the emulator's): counting the whole store ten
+    times a second was over a tenth of that time at 1,000 groups. The changes are read from the emulator's
+    change log; the store is counted whole only when the log no longer reaches back to the last look.
+    """
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+        self._rv = 0  # the newest change looked at
+        self._ready: set[str] = set()
+        self._deployments: set[str] = set()
+
+    def converged(self, emulator: Any) -> bool:
+        # Ready includes the router Service's endpoints; the role Services vary with the spec.
+        if self._rv == 0 or emulator._log_floor > self._rv:
+            self._ready = {o["metadata"]["name"] for o in self._objects(emulator, "maru.io", "inferencegroups")
+                           if is_ready(o)}
+            self._deployments = {o["metadata"]["name"] for o in self._objects(emulator, "apps", "deployments")}
+        else:
+            news = []
+            for event in reversed(emulator._log):
+                if event.rv <= self._rv:
+                    break
+                news.append(event)
+            for event in reversed(news):
+                if event.obj["metadata"].get("namespace") != NS:
+                    continue
+                name = event.obj["metadata"]["name"]
+                gone = event.type == "DELETED"
+                if event.rt_key == ("maru.io", "inferencegroups"):
+                    (self._ready.add if is_ready(event.obj) and not gone else self._ready.discard)(name)
+                elif event.rt_key == DEPLOYMENTS:
+                    (self._deployments.discard if gone else self._deployments.add)(name)
+        self._rv = emulator._rv
+        return len(self._ready) == self.groups and len(self._deployments) == 3 * self.groups
+
+    @staticmethod
+    def _objects(emulator: Any, group: str, plural: str) -> Any:
+        # Read in place: listing (deep copies) would cost more than everything the operator does.
+        return emulator._iter(emulator.resource_type(group, plural), NS)
+
+
 def rss_kb(pid: int, field: str) -> int:
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -249,19 +293,9 @@ def run(groups: int, workers: int, profile: pathlib.Path | None = None) -> dict[
                 kube.create(group(i))
             created = time.monotonic() - started
 
-            def converged(emulator: Any) -> bool:
-                # Read the store in place: listing (deep copies) after every change would cost more
-                # than everything the operator does.
-                def count(group: str, plural: str, pred: Any = None) -> int:
-                    rt = emulator.resource_type(group, plural)
-                    return sum(1 for o in emulator._iter(rt, NS) if pred is None or pred(o))
-
-                # Ready includes the router Service's endpoints; the role Services vary with the spec.
-                return (count("maru.io", "inferencegroups", is_ready) == groups
-                        and count("apps", "deployments") == 3 * groups)
-
+            progress = Convergence(groups)
             deadline, done = time.monotonic() + CONVERGE_DEADLINE, True
-            while not kube.call(converged, kube.emulator):
+            while not kube.call(progress.converged, kube.emulator):
                 if proc.poll() is not None:
                     raise RuntimeError("the operator exited")
                 if time.monotonic() > deadline:
