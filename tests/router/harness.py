@@ -23,7 +23,7 @@ class RouterProcess:
         self, name: str, workdir: Path, *, prefill: str | list[str], decode: str, pool_url: str,
         **flags: str | list[str],
     ) -> None:  # fmt: skip
-        """``prefill`` and any flag's value: one, or a list to repeat the flag with."""
+        """``prefill`` and any flag's value: one, or a list to repeat the flag with (empty: the flag alone)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"router-{name}.log"
@@ -33,6 +33,8 @@ class RouterProcess:
             "--decode", decode, "--connector-config", json.dumps(connector),
         ]  # fmt: skip
         for flag, value in {"prefill": prefill, **flags}.items():
+            if not value:  # an empty list: a flag without a value
+                args.append(f"--{flag.replace('_', '-')}")
             for one in [value] if isinstance(value, str) else value:
                 args += [f"--{flag.replace('_', '-')}", one]
         with open(self.log_path, "w") as log:

@@ -88,3 +88,17 @@ def test_prompts_no_engine_holds_go_round_robin(routed: tuple[RouterProcess, Ser
 
     assert router.engine_requests("prefill", engine.url) - by_events == 2
     assert router.engine_requests("prefill", alias) - by_alias == 2
+
+
+def test_engines_are_asked_where_they_publish_their_events(
+    routed: tuple[RouterProcess, Server, str], pool: PoolDaemon, workdir: Path
+) -> None:
+    # No endpoint given: the router asks the engine (GET /kv_event_sources) and follows what it says.
+    _, engine, _ = routed
+    router = RouterProcess("discovering", workdir, prefill=engine.url, decode=engine.url, pool_url=pool.url,
+                           discover_kv_events=[])  # fmt: skip
+    try:
+        engine.complete(prompt(SHORT, seed=200), 2)  # a store while the router is subscribed
+        wait_for_blocks(router, engine.url, 0)
+    finally:
+        router.close()

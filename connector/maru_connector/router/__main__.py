@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "request may go to the engine whose own prefix cache holds more of the prompt than the pool does",
     )
     p.add_argument(
+        "--discover-kv-events",
+        action="store_true",
+        help="ask every --prefill and --decode engine not named by --kv-events where it publishes its KV events "
+        "(vLLM's GET /kv_event_sources) and read them",
+    )
+    p.add_argument(
         "--locality-slack",
         type=int,
         default=1,
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             upstream=args.upstream,
             relearn_s=args.relearn_seconds,
             kv_events=parse_endpoints(args.kv_events),
+            discover_kv_events=args.discover_kv_events,
             locality_slack=args.locality_slack,
         )
     except ValueError as err:

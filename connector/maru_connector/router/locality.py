@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -80,6 +81,29 @@ class EngineCache:
 def _as_int(block_hash: bytes) -> int:
     # What vLLM sends for a block hash under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: its last 8 bytes, big-endian.
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def announced_endpoint(engine_url: str, sources: object) -> str | None:
+    """Where to read an engine's events, from its ``GET /kv_event_sources`` answer (vLLM's publisher config per
+    data-parallel rank); None when it publishes none over ZMQ, or one stream per rank (several engine cores
+    behind one URL: no one cache to follow).
+
+    vLLM binds its publisher only to a wildcard address, which is reached at the engine's own host.
+    """
+    if not isinstance(sources, dict) or len(sources) != 1:
+        return None
+    (config,) = sources.values()
+    if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher") != "zmq":
+        return None
+    endpoint = config.get("endpoint")
+    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
+        return None
+    scheme, _, address = endpoint.partition("://")
+    host, sep, port = address.rpartition(":")
+    if scheme == "tcp" and sep and host in ("*", "0.0.0.0", "[::]", "::"):
+        engine_host = urlsplit(engine_url).hostname or "127.0.0.1"
+        return f"tcp://{f'[{engine_host}]' if ':' in engine_host else engine_host}:{port}"
+    return endpoint
 
 
 def parse_endpoints(pairs: Sequence[str]) -> dict[str, str]:

@@ -40,7 +40,7 @@ from maru_connector.config import MaruConnectorConfig
 from maru_connector.keys import KeyScheme
 from maru_connector.router import decide
 from maru_connector.router.balance import Endpoints, Prompt, direct_target
-from maru_connector.router.locality import EngineCache, Subscriber
+from maru_connector.router.locality import EngineCache, Subscriber, announced_endpoint
 from maru_connector.router.prompt_keys import block_hashes, chunk_lookup_keys
 from maru_connector.vllm import common
 from maru_connector.vllm.scheduler import HANDOFF_KEY_SCHEME
@@ -69,6 +69,7 @@ CHAT_TEMPLATE_FIELDS = (
     "documents",
 )
 DIRECT, PD = "direct", "pd"
+DISCOVERY_RETRY_S = 5.0  # how often to ask an engine not yet answering where it publishes its KV events
 # Client headers the engines may need (an --api-key, request ids, tracing); nothing else is passed on.
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
 
@@ -160,6 +161,7 @@ class Router:
         upstream: str | None = None,
         relearn_s: float = 60.0,
         kv_events: Mapping[str, str] | None = None,
+        discover_kv_events: bool = False,
         locality_slack: int = 1,
     ) -> None:
         if relearn_s <= 0:
@@ -178,7 +180,11 @@ class Router:
         unknown = sorted(set(kv_events or {}) - known)
         if unknown:
             raise ValueError(f"router: --kv-events names {unknown[0]}, which is neither a --prefill nor a --decode URL")
-        self.caches = {url: EngineCache() for url in kv_events or {}}
+        # Discovering: every engine may turn out to publish, so each has a cache from the start (empty: by load).
+        followed = known if discover_kv_events else set(kv_events or {})
+        self.caches = {url: EngineCache() for url in followed}
+        self._undiscovered = sorted(followed - set(kv_events or {}))
+        self._discoveries: list[asyncio.Task[None]] = []
         self._subscribers = [
             Subscriber(url, endpoint, self.caches[url], self._cache_gauge(url))
             for url, endpoint in (kv_events or {}).items()
@@ -214,8 +220,13 @@ class Router:
         )
         for subscriber in self._subscribers:
             subscriber.start()
+        loop = asyncio.get_running_loop()
+        self._discoveries = [loop.create_task(self._discover(url)) for url in self._undiscovered]
 
     async def _close(self, _: web.Application) -> None:
+        for task in self._discoveries:
+            task.cancel()
+        await asyncio.gather(*self._discoveries, return_exceptions=True)
         for subscriber in self._subscribers:
             await subscriber.close()
         if self._session is not None:
@@ -224,6 +235,26 @@ class Router:
 
     def _gauge(self, role: str) -> Callable[[str, int], None]:
         return lambda url, n: self.metrics.in_flight.labels(role, url).set(n)
+
+    async def _discover(self, url: str) -> None:
+        """Ask the engine at ``url`` where it publishes its KV events (``GET /kv_event_sources``) until it
+        answers, then follow them; an engine that publishes none is chosen for by load."""
+        while True:
+            try:
+                async with self.session.get(url + "/kv_event_sources", timeout=ClientTimeout(total=5)) as resp:
+                    sources = await resp.json(content_type=None) if resp.status == 200 else None
+                if resp.status in (200, 404):
+                    break
+            except (ClientError, TimeoutError, ValueError):
+                pass  # not up yet
+            await asyncio.sleep(DISCOVERY_RETRY_S)
+        endpoint = announced_endpoint(url, sources)
+        if endpoint is None:
+            log.info("engine %s publishes no KV events over ZMQ (one engine core): chosen for by load", url)
+            return
+        subscriber = Subscriber(url, endpoint, self.caches[url], self._cache_gauge(url))
+        self._subscribers.append(subscriber)
+        subscriber.start()
 
     def _cache_gauge(self, url: str) -> Callable[[], None]:
         cache = self.caches[url]
