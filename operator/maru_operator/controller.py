@@ -63,6 +63,7 @@ from maru_operator.reconcile import (
     released_ownership,
 )
 from maru_operator.rollouts import RolloutPacer
+from maru_operator.rollouts import summary as rollout_summary
 from maru_operator.status import (
     PoolObservation,
     Router,
@@ -174,6 +175,9 @@ class Controller:
     _synced: dict[Key, tuple[bytes, Any, bytes]] = field(default_factory=dict)
     # Whether the API serves InferencePools (the Gateway API Inference Extension's CRD), for groups asking one.
     inference_pools: OptionalKind = field(default_factory=lambda: OptionalKind("InferencePool"))
+
+    def __post_init__(self) -> None:
+        self.store.summarize("Deployment", rollout_summary)
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)

@@ -41,18 +41,36 @@ def rolling(deployment: Object) -> bool:
     return int(deployment.get("metadata", {}).get("generation") or 1) > 1 and not rollout_done(deployment)
 
 
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """What pacing reads of a role Deployment, kept by the cache beside the packed object."""
+
+    owner: Key | None
+    template_hash: str | None
+    rolling: bool
+
+
+def summary(deployment: Object) -> Rollout | None:
+    """The cache's summary of a Deployment (:meth:`maru_operator.cache.Store.summarize`); None unless paced."""
+    if not paced(deployment):
+        return None
+    return Rollout(owner_key(deployment), _hash(deployment), rolling(deployment))
+
+
 @dataclass
 class RolloutPacer:
     max_groups: int = DEFAULT_MAX_GROUPS  # 0: no bound
 
     def held(self, group: Key, desired: Iterable[Object], store: Store) -> list[Key]:
-        """The role Deployments of ``group`` whose template change must wait (their keys)."""
+        """The role Deployments of ``group`` whose template change must wait (their keys).
+
+        Reads the cache's summaries of Deployments (``store.summarize("Deployment", summary)``)."""
         changes = []
         for obj in desired:
             if not paced(obj):
                 continue
-            have = store.get(key_of(obj))
-            if have is not None and _hash(have) != _hash(obj):
+            have = store.summary(key_of(obj))
+            if have is not None and have.template_hash != _hash(obj):
                 changes.append(key_of(obj))
         if not changes or self.max_groups <= 0:
             return []
@@ -63,9 +81,5 @@ class RolloutPacer:
 
     @staticmethod
     def rolling_groups(store: Store) -> set[Key]:
-        groups = set()
-        for key in store.keys("Deployment"):
-            dep = store.get(key)
-            if dep is not None and paced(dep) and rolling(dep) and (owner := owner_key(dep)) is not None:
-                groups.add(owner)
-        return groups
+        return {s.owner for s in store.summaries("Deployment").values()
+                if s is not None and s.rolling and s.owner is not None}

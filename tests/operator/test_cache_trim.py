@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from maru_operator.cache import trimmed
+from maru_operator.cache import Store, trimmed
 from tests.operator.conftest import GROUP_NS, RunningOperator, group, settle
 
 pytestmark = pytest.mark.emulator
@@ -59,22 +59,32 @@ def test_releasing_replicas_to_an_autoscaler_keeps_other_managers_fields(
     assert "f:team" in owned[0]["fieldsV1"]["f:metadata"]["f:annotations"]
 
 
-def test_trimming_shares_field_sets_and_leaves_the_object_as_it_was() -> None:
+def test_the_cache_keeps_its_own_entries_packed_and_hands_out_copies() -> None:
     def child(owner_uid: str) -> dict[str, Any]:
         fields = {"f:metadata": {"f:ownerReferences": {f'k:{{"uid":"{owner_uid}"}}': {}}},
                   "f:spec": {"f:replicas": {}, "f:template": {"f:spec": {"f:containers": {}}}}}
-        return {"kind": "Deployment", "metadata": {"name": owner_uid, "managedFields": [
+        return {"kind": "Deployment", "metadata": {"name": owner_uid, "namespace": "ns", "resourceVersion": "5",
+                                                   "managedFields": [
             {"manager": "maru-operator", "operation": "Apply", "fieldsV1": fields},
             {"manager": "maru-operator", "operation": "Update", "subresource": "status", "fieldsV1": {"f:status": {}}},
             {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}}]}}
 
-    a, b = child("uid-a"), child("uid-b")
-    ta, tb = trimmed(a), trimmed(b)
+    a = child("uid-a")
+    ta = trimmed(a)
     assert [e["manager"] for e in ta["metadata"]["managedFields"]] == ["maru-operator"]
     assert ta["metadata"]["managedFields"][0] == a["metadata"]["managedFields"][0]
     assert len(a["metadata"]["managedFields"]) == 3  # the object handed in is not changed
-    # The same spec fields are one object in the cache; the owner references (the owner's uid) are each its own.
-    fa, fb = ta["metadata"]["managedFields"][0]["fieldsV1"], tb["metadata"]["managedFields"][0]["fieldsV1"]
-    assert fa["f:spec"]["f:template"] is fb["f:spec"]["f:template"]
-    assert fa["f:metadata"]["f:ownerReferences"] != fb["f:metadata"]["f:ownerReferences"]
     assert trimmed({"kind": "Secret", "metadata": {"name": "x"}}) == {"kind": "Secret", "metadata": {"name": "x"}}
+
+    store = Store()
+    store.summarize("Deployment", lambda d: d["metadata"]["name"].upper())
+    store.put(a)
+    key = ("Deployment", "ns", "uid-a")
+    got = store.get(key)
+    assert got == ta and store.version(key) == "5" and store.summary(key) == "UID-A"
+    got["metadata"]["name"] = "changed"  # a reader's copy: the cache is not changed through it
+    assert store.get(key) == ta and store.summaries("Deployment") == {key: "UID-A"}
+    store.put({**a, "metadata": {**a["metadata"], "resourceVersion": "4"}})  # older: ignored
+    assert store.version(key) == "5"
+    store.remove(key)
+    assert store.get(key) is None and store.summaries("Deployment") == {}
