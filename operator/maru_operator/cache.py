@@ -6,7 +6,7 @@ not act on a stale copy). Nothing here does I/O.
 
 from __future__ import annotations
 
-import json
+import pickle
 import zlib
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -29,7 +29,7 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 RESYNC_SECONDS = 600.0
 # Deleted objects' last versions, kept only as long as a reconcile's write could still be answering.
 TOMBSTONES = 4096
-# Cached objects are kept as compressed compact JSON: a Deployment is ~3 KB so, against ~40 KB as Python dicts,
+# Cached objects are kept compressed (pickled, zlib): a Deployment is ~3 KB so, against ~40 KB as Python dicts,
 # and bytes are nothing for the garbage collector to walk (at a thousand groups its passes over the cache's
 # dicts were a fifth of the operator's CPU time). The fastest level: a reconcile unpacks its owner's children.
 PACK_LEVEL = 1
@@ -87,11 +87,12 @@ def trimmed(obj: Object) -> Object:
 
 
 def _pack(obj: Object) -> bytes:
-    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode(), PACK_LEVEL)
+    # Pickle, not JSON: several times cheaper both ways, and nothing but this cache ever reads it back.
+    return zlib.compress(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), PACK_LEVEL)
 
 
 def _unpack(packed: bytes) -> Object:
-    return json.loads(zlib.decompress(packed))
+    return pickle.loads(zlib.decompress(packed))  # our own bytes (_pack): never anyone else's
 
 
 @dataclass(slots=True)
