@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +61,17 @@ CHILD_RESOURCES = (
     # moment the CRD is installed; the controller writes none until discovery serves it (maru_operator.optionalkinds).
     ("inference.networking.k8s.io", "v1", "inferencepools"),
 )
-# The pools' keys, in the pool namespace and nowhere else: watched there alone (:func:`watch_secrets`), not by
+# The pools' keys, in the pool namespace and nowhere else: watched there alone (:func:`watch_kind`), not by
 # kopf, which watches every kind in every namespace it serves, so the operator needs no Secret rights beyond
 # its own namespace. Only the operator's (the label selector), never a user's Secret.
-SECRETS_WATCH_BACKOFF = 2.0
+WATCH_BACKOFF = 2.0
+# The children (and router Services' EndpointSlices) the operator watches itself (:func:`watch_kind`), as
+# client-go's informers do, instead of through kopf: kopf runs each event through its handler machinery (a
+# worker task per object, causes, loggers), several times what the event costs the cache, and a fleet's
+# children send most of the events (at a thousand groups that machinery was a third of the operator's CPU
+# time). The InferencePools stay kopf's: their CRD may be missing, and kopf watches them from when it appears.
+WATCHED_KINDS = ("Deployment", "DaemonSet", "Service", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy",
+                 "PersistentVolumeClaim", "PodDisruptionBudget", "EndpointSlice")
 # The router Services' EndpointSlices: the EndpointSlice controller copies a Service's labels onto them,
 # so the same server-side selector finds exactly the slices of the operator's Services.
 ENDPOINT_SLICES = ("discovery.k8s.io", "v1", "endpointslices")
@@ -121,7 +129,7 @@ class Runtime:
     queue: Any = None
     resync_task: asyncio.Task[None] | None = None
     elector_task: asyncio.Task[None] | None = None
-    secrets_task: asyncio.Task[None] | None = None
+    watch_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     pool_fingerprints: dict[str, Any] = field(default_factory=dict)
     # owner -> digest of its last watch event without status (see _desired_part)
     seen: dict[Key, Any] = field(default_factory=dict)
@@ -197,8 +205,11 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
     # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
-    STATE.secrets_task = asyncio.create_task(
-        watch_secrets(STATE.kube, config.pool_namespace, child_selector(config.instance)), name="maru-secrets-watch")
+    selector = child_selector(config.instance)
+    watches = [("Secret", config.pool_namespace)] + [(kind, ns) for kind in WATCHED_KINDS
+                                                     for ns in (config.namespaces or [None])]
+    STATE.watch_tasks = [asyncio.create_task(watch_kind(STATE.kube, kind, ns, selector, _GONE[kind]),
+                                             name=f"maru-watch-{kind}-{ns or 'all'}") for kind, ns in watches]
     log.info("operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
              config.instance or "(default)", config.pool_namespace, config.workers, config.resync_seconds)
     if not config.leader_election:
@@ -318,9 +329,10 @@ async def on_cleanup(**_: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await STATE.elector_task
     await _follow()
-    if STATE.secrets_task is not None:
-        STATE.secrets_task.cancel()
-        await asyncio.gather(STATE.secrets_task, return_exceptions=True)
+    for task in STATE.watch_tasks:
+        task.cancel()
+    await asyncio.gather(*STATE.watch_tasks, return_exceptions=True)
+    STATE.watch_tasks = []
     if STATE.kube is not None:
         await STATE.kube.close()
 
@@ -428,50 +440,52 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         _enqueue(owner)
 
 
-async def watch_secrets(kube: Kube, namespace: str, selector: str) -> None:
-    """Keep the pools' key Secrets of ``namespace`` in the cache, as kopf does for the other children.
+async def watch_kind(kube: Kube, kind: str, namespace: str | None, selector: str,
+                     on_event: Callable[..., Awaitable[None]]) -> None:
+    """Keep the cache's objects of ``kind`` (in ``namespace``, None: all) current, as an informer does.
 
     List, then watch from the list's version; the watch resumes from the last version it saw, and an
-    expired one (410) lists again, forgetting what is gone. Errors are logged and retried: the resync
-    catches up meanwhile.
+    expired one (410) lists again, forgetting what is gone. Each object goes to ``on_event`` as kopf would
+    pass it (``type``, ``body``). Errors are logged and retried: the resync catches up meanwhile.
     """
+    where = namespace or "all namespaces"
     version: str | None = None
     while True:
         try:
             if version is None:
-                items, version = await kube.list_with_version("Secret", namespace, selector)
+                items, version = await kube.list_with_version(kind, namespace, selector)
                 listed = set()
                 for item in items:
-                    item["kind"] = "Secret"
+                    item["kind"] = kind
                     listed.add(key_of(item))
-                    await _child_event(type="ADDED", body=item)
-                for key in STATE.store.keys("Secret", namespace):
+                    await on_event(type="ADDED", body=item)
+                for key in STATE.store.keys(kind, namespace):
                     cached = STATE.store.get(key)
                     if key not in listed and cached is not None and not_newer(cached, version):
-                        await _child_event(type="DELETED", body=cached)
-            async for type_, obj in kube.watch("Secret", namespace, selector, version):
+                        await on_event(type="DELETED", body=cached)
+            async for type_, obj in kube.watch(kind, namespace, selector, version):
                 if type_ == "ERROR":
-                    log.info("watch of Secrets in %s expired (%s); listing again", namespace, obj.get("message", ""))
+                    log.info("watch of %ss in %s expired (%s); listing again", kind, where, obj.get("message", ""))
                     version = None
                     break
                 version = (obj.get("metadata") or {}).get("resourceVersion") or version
                 if type_ != "BOOKMARK":
-                    obj["kind"] = "Secret"
-                    await _child_event(type=type_, body=obj)
+                    obj["kind"] = kind
+                    await on_event(type=type_, body=obj)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the next list or watch, or the resync, catches up
             if isinstance(err, ApiError) and err.status == 410:
                 version = None  # expired: list again (some servers answer so rather than with an ERROR event)
-            log.warning("watch of Secrets in %s failed (%s); again in %.0fs", namespace, err, SECRETS_WATCH_BACKOFF)
-            await asyncio.sleep(SECRETS_WATCH_BACKOFF)
+            log.warning("watch of %ss in %s failed (%s); again in %.0fs", kind, where, err, WATCH_BACKOFF)
+            await asyncio.sleep(WATCH_BACKOFF)
 
 
-for _group, _version, _plural in CHILD_RESOURCES:
-    kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(_child_event)
+# Kopf watches only the children the operator does not watch itself (see WATCHED_KINDS).
+kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=OURS, id="child-inferencepools")(
+    _child_event)
 
 
-@kopf.on.event(*ENDPOINT_SLICES, labels=OURS)
 async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     """A router Service's endpoints changed: its group's Ready depends on them."""
     obj = dict(body)

@@ -279,12 +279,12 @@ class Kube:
         raise AssertionError("unreachable")
 
     async def watch(
-        self, kind: str, namespace: str, label_selector: str, resource_version: str | None, *,
+        self, kind: str, namespace: str | None, label_selector: str, resource_version: str | None, *,
         timeout_seconds: int = 300,
     ) -> AsyncIterator[tuple[str, Object]]:
-        """(type, object) of each watch event of ``kind`` in one namespace, from ``resource_version`` on, until
-        the server ends the watch (after ``timeout_seconds``). An expired version comes as an ``ERROR`` event
-        whose object is a Status with code 410: list again."""
+        """(type, object) of each watch event of ``kind`` in one namespace (None: all), from ``resource_version``
+        on, until the server ends the watch (after ``timeout_seconds``). An expired version comes as an ``ERROR``
+        event whose object is a Status with code 410: list again."""
         params = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
         if label_selector:
             params["labelSelector"] = label_selector
