@@ -430,6 +430,24 @@ def _body_jsonschema(schema: JsonObj) -> Any:
     return cached[1]
 
 
+def _schema_errors(body: JsonObj, schema: JsonObj, old_body: JsonObj | None) -> list[tuple[list[Any], str]]:
+    """(path, message) of each error of a custom resource's ``body`` against its version's ``schema``, by path.
+
+    On an update (``old_body``) only the top-level fields it changes are validated: ratcheting drops the errors
+    under the others (and at the root) anyway, and a status write need not walk the whole spec's schema.
+    """
+    translated = _body_jsonschema(schema)
+    if old_body is None:
+        found = [(list(e.absolute_path), e.message)
+                 for e in jsonschema.Draft202012Validator(translated).iter_errors(body)]
+    else:
+        props = translated.get('properties') or {}
+        found = [([key, *e.absolute_path], e.message) for key, value in body.items()
+                 if key in props and old_body.get(key, _ABSENT) != value
+                 for e in jsonschema.Draft202012Validator(props[key]).iter_errors(value)]
+    return sorted(found, key=lambda f: f[0])
+
+
 def prune(obj: Any, schema: JsonObj | None) -> Any:
     """Drop the fields the structural schema does not know, as kube-apiserver does."""
     if not schema or (schema.get('x-kubernetes-preserve-unknown-fields') and 'properties' not in schema):
@@ -1146,11 +1164,9 @@ class Emulator(kmock.KubernetesEmulator):
                 checked = {k: v for k, v in obj.items() if k != 'metadata'}
                 apply_defaults(checked, body_schema)
                 obj = {**checked, 'metadata': obj.get('metadata', {})}
-                validator = jsonschema.Draft202012Validator(_body_jsonschema(schema))
-                causes = [{'reason': 'FieldValueInvalid', 'message': e.message,
-                           'field': _json_path(e.absolute_path) or '<root>'}
-                          for e in sorted(validator.iter_errors(checked), key=lambda e: list(e.absolute_path))]
                 old_body = None if old is None else {k: v for k, v in old.items() if k != 'metadata'}
+                causes = [{'reason': 'FieldValueInvalid', 'message': message, 'field': _json_path(at) or '<root>'}
+                          for at, message in _schema_errors(checked, schema, old_body)]
                 causes += check_cel_rules(checked, body_schema, old_body, skip_unchanged=old_body is not None)
                 if old_body is not None:
                     # Validation ratcheting (GA in 1.33), coarsely: an update may keep a top-level field
