@@ -176,6 +176,20 @@ def test_a_repeated_long_prompt_goes_to_decode_alone_through_the_group_router(sh
     assert wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load from the pool") - loaded == 3 * CHUNK
 
 
+def test_the_group_router_reads_what_each_prefill_pod_caches(shm: Deployment) -> None:
+    """maru-router takes the pods vllm-router found (its worker list) as its engines and reads each one's KV
+    events, which the operator has every engine publish: what a prefill pod's own cache holds beyond the pool
+    can then choose its prefill."""
+    (router,) = shm.pods("router", ready_only=True)
+    decisions = shm.cluster.pod_url(GROUP_NS, router["metadata"]["name"], 29001)
+    (pod,) = shm.pods("prefill", ready_only=True)
+    as_listed = f"http://{pod['status']['podIP']}:8000"  # the pod as vllm-router lists it, not a door to it
+    before = counter(decisions, "maru_router_engine_cached_blocks", endpoint=as_listed)
+    complete(shm.engine_url("prefill"), prompt(2 * CHUNK + 20, seed=15))  # stored in the pod's own cache
+    wait("the router to read the prefill pod's KV events",
+         lambda: counter(decisions, "maru_router_engine_cached_blocks", endpoint=as_listed) > before, shm)
+
+
 def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) -> None:
     pod = agent_pod(shm)
     name = pod["metadata"]["name"]

@@ -178,7 +178,23 @@ class TestRoleDeployment:
         assert "privileged" not in c["securityContext"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-        assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+        # With decode-direct (the default) the engine publishes its KV events for maru-router too.
+        assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                              {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}]
+
+    def test_engines_publish_their_kv_events_only_for_a_decode_direct_router(self) -> None:
+        for enabled in (True, False):
+            spec = group_spec(router={"decodeDirect": {"enabled": enabled}})
+            for role in ("prefill", "decode"):
+                c = container(build_role_deployment(spec, role, GROUP_OWNER, pool_view()))
+                args = c["args"]
+                if enabled:
+                    events = json.loads(args[args.index("--kv-events-config") + 1])
+                    # A wildcard bind: vLLM connects instead of binding to any other address.
+                    assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+                else:
+                    assert "--kv-events-config" not in args
+                    assert [p["name"] for p in c["ports"]] == ["http"]
 
     def test_gpus_from_resources(self) -> None:
         spec = group_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}})

@@ -122,7 +122,9 @@ def test_the_gateway_can_reach_the_pods() -> None:
 
     assert all("from" in rule for rule in ingress(group_spec()))
     opened = ingress(group_spec(inferencePool={"enabled": True, "endpointPicker": PICKER}))
-    assert opened == [{"ports": [{"protocol": "TCP", "port": VLLM_PORT}]}]
+    assert opened[0] == {"ports": [{"protocol": "TCP", "port": VLLM_PORT}]}
+    # The KV events stay the group's router's (decode-direct): only the API port is opened.
+    assert all("from" in rule for rule in opened[1:])
 
 
 def test_render_shows_the_inference_pool(tmp_path: Any) -> None:

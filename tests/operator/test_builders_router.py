@@ -59,6 +59,9 @@ class TestDecodeDirectRouter:
         assert flag(args, "--prefill") == "http://llama-prefill.llm.svc:8000"
         assert flag(args, "--decode") == "http://llama-decode.llm.svc:8000"
         assert flag(args, "--min-coverage") == "1.0"
+        # It takes the pods vllm-router found as its engines and asks each where it publishes its KV events.
+        assert flag(args, "--follow-upstream-workers") == "5"
+        assert "--discover-kv-events" in args
         # vllm-router behind it: the same P/D router as without decode-direct, on the upstream port.
         assert pd["command"] == ["vllm-router"]
         assert flag(pd["args"], "--port") == "8001"
@@ -184,7 +187,8 @@ class TestDecodeDirectPolicies:
         policies = {p["metadata"]["name"]: p["spec"] for p in
                     build_group_policies(group_spec(), GROUP_OWNER, pool_view(), "maru-system", config)}
         router = policies["llama-router"]
-        (to_vllm,) = [e for e in router["egress"] if e.get("ports") == [{"protocol": "TCP", "port": 8000}]]
+        (to_vllm,) = [e for e in router["egress"] if {"protocol": "TCP", "port": 8000} in e.get("ports", [])]
+        assert to_vllm["ports"] == [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": 5557}]
         # Both roles (no role label in the peer): decode-direct to decode, the scheme-learning path to prefill.
         assert to_vllm["to"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "vllm",
                                                                   "app.kubernetes.io/instance": "llama"}

@@ -91,6 +91,7 @@ def test_the_router_reaches_prefill_and_decode_and_the_api_server(world: World) 
     router = world["qwen-7b-router"]
     for role in ("qwen-7b-prefill", "qwen-7b-decode"):
         world.allowed(router, world[role], 8000)
+        world.allowed(router, world[role], 5557)  # maru-router reads the engines' KV events (decode-direct)
         world.refused(router, world[role], 9999)
     world.allowed(router, API_SERVER, 6443)
     world.allowed(router, API_SERVER, 443)
@@ -103,6 +104,7 @@ def test_nobody_else_reaches_vllm(world: World) -> None:
     for role in ("qwen-7b-prefill", "qwen-7b-decode"):
         for intruder in (CLIENT, STRANGER, NEIGHBOUR):
             world.refused(intruder, world[role], 8000)
+            world.refused(intruder, world[role], 5557)
 
 
 def test_vllm_reaches_dns_and_model_downloads_only(world: World) -> None:

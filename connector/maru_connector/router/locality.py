@@ -18,8 +18,8 @@ a tier every engine reads, counted apart (:func:`maru_connector.router.balance.l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 log = logging.getLogger("maru.router.locality")
 
 DEVICE_MEDIA = (None, "GPU")
+POLL_MS = 250  # how long the reading thread waits for a batch before it looks whether it should stop
 _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
@@ -121,37 +122,50 @@ def parse_endpoints(pairs: Sequence[str]) -> dict[str, str]:
 
 
 class Subscriber:
-    """One engine's event stream into its :class:`EngineCache`, until :meth:`close`."""
+    """One engine's event stream into its :class:`EngineCache`, until :meth:`close`.
+
+    The socket is read by a thread of its own with a blocking poll, and each batch is applied on the event
+    loop (the only thread that reads the cache). An asyncio ZMQ socket was seen to miss its wake-ups inside
+    the router pod, leaving batches unread until the next one arrived.
+    """
 
     def __init__(self, url: str, endpoint: str, cache: EngineCache, on_batch: Callable[[], None]) -> None:
         self.url, self.endpoint, self.cache = url, endpoint, cache
         self._on_batch = on_batch  # after each batch: the gauges
-        self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.url}")
+        loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, args=(loop,), name=f"kv-events {self.url}", daemon=True)
+        self._thread.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, POLL_MS / 1000 * 4)
 
-    async def _run(self) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         import zmq
-        import zmq.asyncio
 
-        sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: one engine per socket
         sock.connect(self.endpoint)  # ZMQ reconnects by itself while the engine is away
         log.info("reading the KV events of %s from %s", self.url, self.endpoint)
         try:
-            while True:
-                frames = await sock.recv_multipart()
-                self._take(frames)
-                self._on_batch()
+            while not self._stop.is_set():
+                if sock.poll(POLL_MS):
+                    frames = sock.recv_multipart()
+                    try:
+                        loop.call_soon_threadsafe(self._deliver, frames)
+                    except RuntimeError:
+                        return  # the loop is closed: the router is stopping
         finally:
             sock.close(linger=0)
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        self._take(frames)
+        self._on_batch()
 
     def _take(self, frames: list[bytes]) -> None:
         try:

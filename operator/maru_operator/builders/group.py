@@ -74,6 +74,12 @@ ROUTER_METRICS_PORT = 29000
 # With decode-direct, maru-router takes the router's API port and vllm-router moves behind it, in the same pod.
 UPSTREAM_PORT = 8001
 DIRECT_METRICS_PORT = 29001
+# With decode-direct, every engine publishes its prefix cache's stores and evictions (vLLM's KV events) here, for
+# maru-router to send a prompt to the pod whose own cache holds more of it than the pool. vLLM binds only a
+# wildcard address; the router reads it at the pod's address.
+KV_EVENTS_PORT = 5557
+# How often maru-router takes the pods vllm-router found as its own engines.
+FOLLOW_WORKERS_SECONDS = 5
 
 # maru-router imports vLLM (and torch) for its block hashing: a Python process of some hundred MiB.
 DIRECT_ROUTER = ResourceDefault(request=512 * 2**20, limit=2 * 2**30, cpu_millis=100)
@@ -165,6 +171,9 @@ def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView
     if model.max_model_len:
         args += ["--max-model-len", str(model.max_model_len)]
     args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool))]
+    if decode_direct(spec, pool):
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}"}
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     return args + list(role_spec.extra_args)
 
 
@@ -322,7 +331,9 @@ def build_role_deployment(
         "command": ["vllm", "serve"],
         "args": vllm_args(spec, role, owner, pool),
         "env": role_env(role_spec),
-        "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"},
+                  *([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+                    if decode_direct(spec, pool) else [])],
         "resources": _resources(spec, role_spec),
         "volumeMounts": mounts,
         # Loading weights can take many minutes; liveness only starts once the server answered once.
@@ -483,6 +494,10 @@ def maru_router_args(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
         "--decode", role_url(owner, "decode"),
         "--connector-config", json.dumps(extra, sort_keys=True, separators=(",", ":")),
         "--min-coverage", repr(spec.router.decode_direct.min_coverage),
+        # The pods vllm-router found, each asked where it publishes its KV events: a prompt a prefill pod holds
+        # beyond the pool gets its prefill there (the rest stays vllm-router's).
+        "--follow-upstream-workers", str(FOLLOW_WORKERS_SECONDS),
+        "--discover-kv-events",
     ]
 
 

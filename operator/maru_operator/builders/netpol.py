@@ -46,6 +46,7 @@ from maru_operator.builders.common import (
 )
 from maru_operator.builders.group import (
     DIRECT_METRICS_PORT,
+    KV_EVENTS_PORT,
     ROUTER_APP,
     ROUTER_CONTAINER_PORT,
     ROUTER_METRICS_PORT,
@@ -218,7 +219,7 @@ def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | N
                       config: NetworkPolicyConfig) -> Object:
     """Kept while the group is unbound too: its running pods stay isolated (without a pool to reach)."""
     if spec.router.enabled and not spec.inference_pool.enabled:
-        ingress = [{"from": [_peer(router_pods(owner))], "ports": _tcp(VLLM_PORT)}]
+        ingress = [{"from": [_peer(router_pods(owner))], "ports": _tcp(*_router_to_vllm_ports(spec, pool))}]
         if config.scrape_namespaces:
             ingress.append({"from": _scrapers(config), "ports": _tcp(VLLM_PORT)})
     else:
@@ -226,6 +227,8 @@ def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | N
         # proxy and its endpoint picker, which reads the pods' /metrics, run wherever their installation put
         # them), whatever routes to the pods is the user's: the API port stays open.
         ingress = [{"ports": _tcp(VLLM_PORT)}]
+        if decode_direct(spec, pool):
+            ingress.append({"from": [_peer(router_pods(owner))], "ports": _tcp(KV_EVENTS_PORT)})
     egress = [dns_egress(), *_metadata_egress(pool, pool_namespace)]
     # Weights and tokenizers come from the Hugging Face Hub (or a mirror) over HTTPS.
     egress.append({"ports": _tcp(HTTPS_PORT)})
@@ -234,6 +237,11 @@ def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | N
         pod_labels=labels(owner, app=VLLM_APP, component="vllm"), select=vllm_pods(owner),
         ingress=ingress, egress=egress,
     )
+
+
+def _router_to_vllm_ports(spec: InferenceGroupSpec, pool: PoolView | None) -> tuple[int, ...]:
+    """The API, and with decode-direct the engines' KV events, which maru-router reads."""
+    return (VLLM_PORT, KV_EVENTS_PORT) if decode_direct(spec, pool) else (VLLM_PORT,)
 
 
 def _metadata_egress(pool: PoolView | None, pool_namespace: str) -> list[Object]:
@@ -250,7 +258,8 @@ def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolVie
 
     Its vLLM peer is both roles: decode-direct requests go to decode (or to a less busy prefill,
     which loads from the pool too), and prefill then decode through
-    vllm-router (or maru-router, when it learns the engines' key scheme)."""
+    vllm-router (or maru-router, when it learns the engines' key scheme or a pod's own cache holds a prompt
+    beyond the pool); with ``pool``, maru-router also reads the engines' KV events."""
     ingress: list[Object] = [{"ports": _tcp(ROUTER_CONTAINER_PORT)}]
     if config.scrape_namespaces:
         metrics = (ROUTER_METRICS_PORT, DIRECT_METRICS_PORT) if pool is not None else (ROUTER_METRICS_PORT,)
@@ -259,7 +268,9 @@ def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolVie
         owner, name=child_name(owner.name, "router"), namespace=str(owner.namespace),
         pod_labels=labels(owner, app=ROUTER_APP, component="router"), select=router_pods(owner),
         ingress=ingress,
-        egress=[dns_egress(), api_server_egress(config), {"to": [_peer(vllm_pods(owner))], "ports": _tcp(VLLM_PORT)},
+        egress=[dns_egress(), api_server_egress(config),
+                {"to": [_peer(vllm_pods(owner))],
+                 "ports": _tcp(*((VLLM_PORT, KV_EVENTS_PORT) if pool is not None else (VLLM_PORT,)))},
                 *_metadata_egress(pool, pool_namespace)],
     )
 
