@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -187,6 +188,21 @@ def _instance_name(text: str) -> str:
     return text
 
 
+# The young generation's threshold: a watch event parses into hundreds of dicts, so at the default (700) a
+# collection ran on nearly every event; most objects die young either way.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Before the operator's loop starts: what was imported (kopf, pydantic, the clients) is never garbage, so it is
+    moved out of the collector's sight (gc.freeze), and young collections run less often. At a thousand groups
+    the collector's passes were a tenth of the operator's CPU time."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "render":
@@ -311,6 +327,7 @@ def _run(args: argparse.Namespace) -> int:
     images = image_defaults(args)
     log.info("default images (for objects that name none): pool %s, vllm %s, router %s",
              images.pool_image, images.vllm_image, images.router_image)
+    tune_gc()
     asyncio.run(kopf.operator(
         standalone=True,
         clusterwide=not namespaces,

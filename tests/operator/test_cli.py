@@ -238,3 +238,18 @@ def test_namespaced_preflight_stays_in_its_namespace(k8s_emulator: KubeEmulator)
     paths = [r.path for r in k8s_emulator.requests_since(mark)]
     assert "/apis/maru.io/v1alpha1/namespaces/llm/inferencegroups" in paths
     assert "/apis/maru.io/v1alpha1/inferencegroups" not in paths
+
+
+def test_the_collector_is_tuned_before_the_loop_starts() -> None:
+    import gc
+
+    from maru_operator.cli import GC_YOUNG_THRESHOLD, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 0  # what was imported is out of the collector's sight
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
