@@ -215,16 +215,22 @@ class Entry:
     time: str
     paths: set[Path]
     subresource: str = ''
+    # The FieldsV1 tree the entry was parsed from (read-only): rendered again as it was while its paths stay.
+    fields_v1: JsonObj | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, raw: JsonObj) -> Entry:
+        tree = raw.get('fieldsV1')
         return cls(manager=raw.get('manager', ''), operation=raw.get('operation', 'Update'),
                    api_version=raw.get('apiVersion', ''), time=raw.get('time', ''),
-                   paths=from_fields_v1(raw.get('fieldsV1')), subresource=raw.get('subresource', ''))
+                   paths=from_fields_v1(tree), subresource=raw.get('subresource', ''),
+                   fields_v1=tree if isinstance(tree, dict) else None)
 
-    def render(self) -> JsonObj:
+    def render(self, tree: JsonObj | None = None) -> JsonObj:
+        """The managedFields entry; ``tree``: its FieldsV1, when known to hold exactly its paths."""
         raw: JsonObj = {'manager': self.manager, 'operation': self.operation, 'apiVersion': self.api_version,
-                        'time': self.time, 'fieldsType': 'FieldsV1', 'fieldsV1': to_fields_v1(sorted(self.paths))}
+                        'time': self.time, 'fieldsType': 'FieldsV1',
+                        'fieldsV1': tree if tree is not None else to_fields_v1(sorted(self.paths))}
         if self.subresource:
             raw['subresource'] = self.subresource
         return raw
@@ -244,7 +250,10 @@ def render_entries(entries: list[Entry], before: list[Entry], now: str) -> list[
         old = previous.get((entry.manager, entry.operation, entry.subresource))
         unchanged = old is not None and old.paths == entry.paths and old.api_version == entry.api_version
         entry.time = old.time if unchanged and old is not None else now
-        out.append(entry.render())
+        # Most writes leave most entries as they were: their stored tree is kept, not built again (the stored
+        # objects' trees are never changed in place; clients get copies).
+        same = old is not None and old.paths == entry.paths
+        out.append(entry.render(old.fields_v1 if same and old is not None else None))
     return out
 
 
