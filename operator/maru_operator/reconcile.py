@@ -336,17 +336,28 @@ def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MAN
     return None
 
 
+def _shape(value: Any, out: list[str]) -> None:
+    """``value``'s keys (sorted) and list positions, without its values, as tokens appended to ``out``."""
+    if isinstance(value, dict):
+        out.append("{")
+        for key in sorted(value):
+            out.append(key)
+            _shape(value[key], out)
+        out.append("}")
+    elif isinstance(value, list):
+        out.append("[")
+        for item in value:
+            _shape(item, out)
+        out.append("]")
+    else:
+        out.append(".")
+
+
 def field_set_digest(desired: Object) -> str:
     """A digest of which fields ``desired`` sets, whatever their values (lists by position)."""
-    def shape(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: shape(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [shape(v) for v in value]
-        return None
-
-    text = json.dumps(shape(desired), sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    tokens: list[str] = []
+    _shape(desired, tokens)
+    return hashlib.blake2b("\0".join(tokens).encode(), digest_size=8).hexdigest()
 
 
 def created_body(desired: Object) -> Object:
