@@ -230,6 +230,11 @@ class Store:
         entry = self._entries.get(key)
         return _unpack(entry.packed) if entry is not None else None
 
+    def owner(self, key: Key) -> Key | None:
+        """The owner controlling the cached ``key`` (None: not cached, or no owner of ours), without unpacking it."""
+        entry = self._entries.get(key)
+        return entry.owner if entry is not None else None
+
     def version(self, key: Key) -> str | None:
         """The cached resourceVersion of ``key`` (None: not cached), without unpacking it."""
         entry = self._entries.get(key)

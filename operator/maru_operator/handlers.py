@@ -495,10 +495,8 @@ async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     else:
         STATE.store.put(obj)
     meta = obj.get("metadata", {})
-    service = STATE.store.get(("Service", meta.get("namespace") or "",
-                               (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, "")))
-    if service is not None:
-        _enqueue(owner_key(service))
+    _enqueue(STATE.store.owner(("Service", meta.get("namespace") or "",
+                                (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))))
 
 # What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
 _GONE = {"MaruPool": pool_event, "InferenceGroup": group_event, "EndpointSlice": slice_event,
