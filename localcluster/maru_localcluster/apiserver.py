@@ -504,6 +504,34 @@ def _cel_program(rule: str) -> Any:
     return _CEL_PROGRAMS[rule]
 
 
+# (rule, JSON of the value it judged) -> whether it held. A rule is a pure function of its value: the many objects
+# of one kind that share a part (every group's role with the same options) have it judged once. Transition rules
+# (oldSelf) are not remembered. Cleared when full.
+_CEL_OUTCOMES: dict[tuple[str, str], bool] = {}
+CEL_OUTCOMES_MAX = 8192
+
+
+def _cel_passes(rule: str, value: Any, old: Any) -> bool:
+    import celpy
+
+    key = None if 'oldSelf' in rule else (rule, json.dumps(value, sort_keys=True, separators=(',', ':')))
+    if key is not None and key in _CEL_OUTCOMES:
+        return _CEL_OUTCOMES[key]
+    activation = {'self': celpy.json_to_cel(value)}
+    if key is None:
+        activation['oldSelf'] = celpy.json_to_cel(old)
+    try:
+        result = _cel_program(rule).evaluate(activation)
+    except Exception as e:  # a rule that cannot be evaluated fails, as in Kubernetes
+        result = e
+    passed = result is True or (isinstance(result, celpy.celtypes.BoolType) and bool(result))
+    if key is not None:
+        if len(_CEL_OUTCOMES) >= CEL_OUTCOMES_MAX:
+            _CEL_OUTCOMES.clear()
+        _CEL_OUTCOMES[key] = passed
+    return passed
+
+
 def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str = '', *,
                     skip_unchanged: bool = False) -> list[JsonObj]:
     """Evaluate ``x-kubernetes-validations`` (CEL) rules; returns Status causes for the failures.
@@ -514,7 +542,6 @@ def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str
     """
     if not schema or obj is None:
         return []
-    import celpy
 
     causes: list[JsonObj] = []
     if isinstance(obj, dict):
@@ -533,14 +560,7 @@ def check_cel_rules(obj: Any, schema: JsonObj | None, old: Any = None, path: str
         text = rule['rule']
         if 'oldSelf' in text and old is None:
             continue
-        activation = {'self': celpy.json_to_cel(obj)}
-        if 'oldSelf' in text:
-            activation['oldSelf'] = celpy.json_to_cel(old)
-        try:
-            result = _cel_program(text).evaluate(activation)
-        except Exception as e:  # a rule that cannot be evaluated fails, as in Kubernetes
-            result = e
-        if result is not True and not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
+        if not _cel_passes(text, obj, old):
             field = path + (rule.get('fieldPath') or '')
             causes.append({'reason': rule.get('reason', 'FieldValueInvalid'),
                            'message': rule.get('message') or f'failed rule: {text}',
