@@ -67,6 +67,14 @@ class Processes:
     def logs(self) -> str:
         return "\n".join(f"--- {n}\n{log.read_text()[-3000:]}" for n, (_, log) in self.running.items())
 
+    def identity(self, name: str, timeout: float = 60.0) -> str:
+        """The replica's identity in the Lease, once its log names it (a loaded machine starts one late)."""
+        deadline = time.monotonic() + timeout
+        while (found := re.search(r"identity (\S+)", self.log(name))) is None:
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.1)
+        return found.group(1)
+
 
 @pytest.fixture
 def processes(cluster: KubeEmulator, tmp_path: pathlib.Path) -> Iterator[Processes]:
@@ -124,7 +132,7 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
         cluster.create(pool())
         cluster.create(group())
         cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60)
-        replica_of = {re.search(r"identity (\S+)", processes.log(r)).group(1): r for r in accounts}  # type: ignore[union-attr]
+        replica_of = {processes.identity(r): r for r in accounts}
 
         def stepped_down(emulator: Any) -> list[dict[str, Any]]:
             return [e for e in emulator.list_objects("", "events", LEASE_NS) if e.get("reason") == "LeaderElection"
