@@ -33,7 +33,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import (
+    ClientConnectorError,
+    ClientError,
+    ClientSession,
+    ClientTimeout,
+    ConnectionTimeoutError,
+    TCPConnector,
+    web,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from maru_connector.config import MaruConnectorConfig
@@ -390,19 +398,27 @@ class Router:
             self.metrics.direct_targets.labels(role).inc()
             self.metrics.engine_requests.labels(role, engines.urls[i]).inc()
             _log(request, decision, role, engines.urls[i])
-            with engines.hold(i) as url:
-                return await self._relay(request, "POST", url + request.path, body, headers)
+            try:
+                with engines.hold(i) as url:
+                    return await self._relay(request, "POST", url + request.path, body, headers)
+            except _Unreachable as gone:
+                return await self._around(gone, request, raw)
         _log(request, decision, "pd", self.upstream or "-")
         if self.upstream is not None:
             local = self._local_prefill(decision.prompt)
             if local is not None:
                 self.metrics.local_prefills.inc()
-                return await self._prefill_then_decode(request, body, headers, decision.prompt, local)
+                try:
+                    return await self._prefill_then_decode(request, body, headers, decision.prompt, local)
+                except _Unreachable as gone:
+                    return await self._around(gone, request, raw)
             if not (self.decode_direct and self.claim_refresh()):
                 return await self._to_upstream(request, raw)
             self.metrics.scheme_refreshes.inc()
             try:
                 return await self._prefill_then_decode(request, body, headers, decision.prompt)
+            except _Unreachable as gone:
+                return await self._around(gone, request, raw)
             finally:
                 self._refreshing = False
         return await self._prefill_then_decode(request, body, headers, decision.prompt)
@@ -449,6 +465,15 @@ class Router:
         if chunks >= need:
             return Decision(DIRECT, "covered", len(ids), chunks, prompt)
         return Decision(PD, "cold", len(ids), chunks, prompt)
+
+    async def _around(self, gone: _Unreachable, request: web.Request, raw: bytes) -> web.StreamResponse:
+        """A pod taken from the upstream's list could not be reached (gone in a rollout, before the next look at
+        the list): forget it and let the upstream router, whose discovery saw it go, serve the request."""
+        log.warning("engine %s unreachable (%s); forgetting it until the upstream lists it again, request passed "
+                    "to the upstream", gone.url, gone.why)
+        self.prefill.replace([u for u in self.prefill.urls if u != gone.url])
+        self.decode.replace([u for u in self.decode.urls if u != gone.url])
+        return await self._to_upstream(request, raw)
 
     def _local_prefill(self, prompt: Prompt | None) -> int | None:
         """In front of another router: the prefill engine to run this prompt on here, because its own cache holds
@@ -522,6 +547,7 @@ class Router:
                     if resp.status != 200:
                         return web.Response(body=data, status=resp.status, content_type=resp.content_type)
             except (ClientError, TimeoutError) as err:
+                self._raise_if_gone(engine, err)
                 log.warning("prefill %s failed: %s: %s", url, type(err).__name__, err)
                 return _error(502, f"prefill {url} failed: {type(err).__name__}")
         try:
@@ -576,12 +602,27 @@ class Router:
                 await out.write_eof()
                 return out
         except (ClientError, TimeoutError) as err:
+            engine = next((u for u in (*self.prefill.urls, *self.decode.urls) if url.startswith(u + "/")), None)
+            if engine is not None:
+                self._raise_if_gone(engine, err)
             log.warning("upstream %s failed: %s: %s", url, type(err).__name__, err)
             return _error(502, f"upstream {url} failed: {type(err).__name__}")
+
+    def _raise_if_gone(self, engine: str, err: BaseException) -> None:
+        """Following the upstream's pods, a connection that could not be made means the pod may be gone: the caller
+        hands the request to the upstream instead of answering 502. Nothing was sent, so nothing runs twice."""
+        if self.follow_workers_s is not None and isinstance(err, (ClientConnectorError, ConnectionTimeoutError)):
+            raise _Unreachable(engine, f"{type(err).__name__}: {err}")
 
 
 class _TokenizeError(Exception):
     pass
+
+
+class _Unreachable(Exception):
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(url)
+        self.url, self.why = url, why
 
 
 def _log(request: web.Request, decision: Decision, target: str, endpoint: str) -> None:
