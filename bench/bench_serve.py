@@ -177,9 +177,11 @@ def warm_check(warmed: list[list[int]], prefixes: list[list[int]], measured: lis
 def slowest(run: dict[str, Any], prompts: list[list[int]], prefix_len: int) -> list[dict[str, Any]]:
     """The requests with the longest TTFT (those make the p99), each with its prefix and send order.
 
-    ``first_of_prefix``: no earlier request of the run had its prefix."""
+    ``first_of_prefix``: no earlier request of the run had its prefix; ``in_flight``: the run's other requests
+    sent before it and not yet answered when it was sent (queueing behind them is part of its TTFT)."""
     _, prefix_index = prefixes_of(prompts, prefix_len)
     ttfts, starts = run["ttfts"], run["start_times"]
+    ends = [start + ttft + sum(itls) for start, ttft, itls in zip(starts, ttfts, run["itls"], strict=True)]
     order = sorted(range(len(ttfts)), key=lambda i: starts[i])
     rank = {i: n for n, i in enumerate(order)}
     first: dict[int, int] = {}  # prefix -> the request that sent it first
@@ -187,7 +189,9 @@ def slowest(run: dict[str, Any], prompts: list[list[int]], prefix_len: int) -> l
         first.setdefault(prefix_index[i], i)
     top = sorted((i for i in range(len(ttfts)) if ttfts[i] > 0), key=lambda i: -ttfts[i])[:SLOWEST]
     return [{"ttft_ms": round(ttfts[i] * 1000, 1), "sent": rank[i], "sent_at_s": round(starts[i] - starts[order[0]], 2),
-             "prefix": prefix_index[i], "first_of_prefix": first[prefix_index[i]] == i} for i in top]  # fmt: skip
+             "prefix": prefix_index[i], "first_of_prefix": first[prefix_index[i]] == i,
+             "in_flight": sum(starts[j] <= starts[i] < ends[j] for j in range(len(starts)) if j != i)}
+            for i in top]  # fmt: skip
 
 
 def figures_of(run: dict[str, Any]) -> dict[str, Any]:
