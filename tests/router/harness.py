@@ -108,7 +108,7 @@ class VllmRouterProcess:
     operator puts behind maru-router; over plain ``workers``, how two replicas are usually run without us."""
 
     def __init__(
-        self, workdir: Path, *, prefill: str = "", decode: str = "", workers: tuple[str, ...] = (),
+        self, workdir: Path, *, prefill: str = "", decode: str | tuple[str, ...] = "", workers: tuple[str, ...] = (),
         name: str = "vllm-router",
     ) -> None:  # fmt: skip
         beside = Path(sys.executable).parent / "vllm-router"
@@ -118,8 +118,9 @@ class VllmRouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{name}.log"
+        decodes = (decode,) if isinstance(decode, str) else decode
         mode = ["--worker-urls", *workers] if workers else [
-            "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode]
+            "--vllm-pd-disaggregation", "--prefill", prefill, *(a for d in decodes for a in ("--decode", d))]
         argv = [binary, *mode, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port()), "--policy", "round_robin",
                 "--worker-startup-check-interval", "1"]  # fmt: skip

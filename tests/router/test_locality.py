@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_connector.router.revisions import events_topic
 from tests.vllm.harness import PoolDaemon, prompt
 from tests.vllm.test_serve_pd import Server, free_port
 
@@ -32,7 +33,7 @@ def routed(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[R
     port = free_port()
     # vLLM binds its publisher only to a wildcard address (a host address makes it connect instead).
     engine = Server("cached", workdir, tiny_model, "kv_both", pool.url, prefix_caching=True,
-                    kv_events=f"tcp://*:{port}")  # fmt: skip
+                    kv_events=f"tcp://*:{port}", kv_events_topic=events_topic("new"))  # fmt: skip
     router = None
     try:
         engine.wait_ready()
@@ -100,6 +101,8 @@ def test_engines_are_asked_where_they_publish_their_events(
     try:
         engine.complete(prompt(SHORT, seed=200), 2)  # a store while the router is subscribed
         wait_for_blocks(router, engine.url, 0)
+        # And its key revision, which the engine announces as its events' topic.
+        assert router.metrics()[f'maru_router_engine_revision{{endpoint="{engine.url}",revision="new"}}'] == 1
     finally:
         router.close()
 
@@ -139,5 +142,57 @@ def test_in_front_of_vllm_router_a_pod_holding_the_prompt_gets_its_prefill(
         assert counts() == (local + 1, passed + 1)  # held by nobody: vllm-router's choice, as before
     finally:
         if router is not None:
+            router.close()
+        upstream.close()
+
+
+def test_mid_rollout_prefill_and_decode_are_paired_within_one_key_revision(
+    routed: tuple[RouterProcess, Server, str], pool: PoolDaemon, workdir: Path
+) -> None:
+    # A rollout caught half way: the prefill pod is new, one decode pod is old and one is new (one engine under
+    # three addresses; it announces revision "new" as its events' topic, and the router is told that one address
+    # is "old"). vllm-router pairs any prefill with any decode; maru-router runs those requests itself with a
+    # decode of the prefill's revision.
+    _, engine, alias = routed
+    other = engine.url.replace("127.0.0.1", "0.0.0.0")  # loopback too, under a third address
+    upstream = VllmRouterProcess(workdir, prefill=engine.url, decode=(alias, other), name="vllm-router-revisions")
+    routers: list[RouterProcess] = []
+
+    def following(name: str, revision: str) -> RouterProcess:
+        routers.append(RouterProcess(
+            name, workdir, prefill=engine.url, decode=engine.url, pool_url=pool.url, upstream=upstream.url,
+            follow_upstream_workers="0.5", discover_kv_events=[], engine_revision=revision, relearn_seconds="3600",
+        ))  # fmt: skip
+        router = routers[-1]
+        deadline = time.monotonic() + 60
+        while len([k for k in router.metrics() if k.startswith("maru_router_engine_revision{")]) < 3:
+            assert time.monotonic() < deadline, f"the router never learnt the revisions: {router.metrics()}"
+            time.sleep(0.2)
+        return router
+
+    def counts(router: RouterProcess) -> tuple[float, ...]:
+        m = router.metrics()
+        return (router.engine_requests("decode", other), router.engine_requests("decode", alias),
+                m.get('maru_router_revision_requests_total{path="paired"}', 0.0),
+                m.get('maru_router_revision_requests_total{path="single"}', 0.0),
+                m["maru_router_upstream_requests_total"])  # fmt: skip
+
+    try:
+        router = following("revisions-mixed", f"{alias}=old")
+        before = counts(router)
+        for seed in range(400, 404):  # the first, a chunk long, teaches the key scheme (kept: --relearn-seconds)
+            router.complete(body(engine.model, prompt(CHUNK + 8 if seed == 400 else SHORT, seed=seed)))
+        # Every decode on the new pod, none on the old one, none through vllm-router (which would alternate).
+        assert counts(router) == (before[0] + 4, before[1], before[2] + 4, before[3], before[4])
+        router.close()
+
+        # The prefill is newer still and has no decode of its revision: one engine serves each request alone.
+        router = following("revisions-single", f"{engine.url}=newer")
+        before = counts(router)
+        out = router.complete(body(engine.model, prompt(SHORT, seed=420)))
+        assert out["choices"][0]["text"] == engine.complete(prompt(SHORT, seed=420), 2)["choices"][0]["text"]
+        assert counts(router)[2:] == (before[2], before[3] + 1, before[4])
+    finally:
+        for router in routers:
             router.close()
         upstream.close()

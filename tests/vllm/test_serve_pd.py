@@ -54,6 +54,7 @@ class Server:
     def __init__(
         self, name: str, workdir: Path, model: str, role: str | None, pool_url: str = "", *,
         prefix_caching: bool = False, kv_events: str | None = None, kv_cache_bytes: int = 256 << 20,
+        kv_events_topic: str = "",
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -68,7 +69,8 @@ class Server:
         ]  # fmt: skip
         if kv_events is not None:  # the engine publishes its prefix cache's stores and evictions there (ZMQ PUB)
             args += ["--kv-events-config", json.dumps(
-                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events})]  # fmt: skip
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events,
+                 "topic": kv_events_topic})]  # fmt: skip
         if role is not None:
             cfg = MaruConnectorConfig.from_extra_config(
                 {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 5000}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from maru_connector.config import ConfigError, MaruConnectorConfig
+from maru_connector.router.revisions import parse_revisions
 
 if TYPE_CHECKING:
     from maru_connector.router.proxy import Router
@@ -98,6 +99,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "own cache holds more of a prompt than the pool (with --discover-kv-events)",
     )
     p.add_argument(
+        "--engine-revision",
+        action="append",
+        default=[],
+        metavar="ENGINE_URL=REVISION",
+        help="an engine's key revision (repeat), for engines that do not announce it as their KV events' topic "
+        "(maru.io/kv-revision=REVISION, read with --discover-kv-events); while the engines span more than one, "
+        "prefill then decode runs here with a decode of the prefill's own revision",
+    )
+    p.add_argument(
         "--locality-slack",
         type=int,
         default=1,
@@ -135,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             discover_kv_events=args.discover_kv_events,
             follow_workers_s=args.follow_upstream_workers,
             locality_slack=args.locality_slack,
+            engine_revisions=parse_revisions(args.engine_revision),
         )
     except ValueError as err:
         print(f"maru-router: {err}", file=sys.stderr)

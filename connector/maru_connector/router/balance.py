@@ -116,14 +116,18 @@ class Endpoints:
         """The next tie-break offset: advancing it on each pick is what makes ties round robin."""
         return next(self._turn)
 
-    def pick(self, prompt: Prompt | None = None) -> int:
+    def pick(self, prompt: Prompt | None = None, among: Sequence[int] | None = None) -> int:
         """The engine for the next request: by load, and by what the engines hold of ``prompt`` beyond the pool
-        when their events are read."""
+        when their events are read; only among the indices ``among`` when given (engines of one key revision)."""
         turn = self.turn()
-        if prompt is None or not any(u in self.caches for u in self.urls):
-            return least_loaded(self.loads, turn)
-        local = [self.local_tokens(i, prompt) for i in range(len(self.urls))]
-        return local_first(self.loads, local, prompt.pool_tokens, slack=self.slack, turn=turn)
+        within = list(range(len(self.urls))) if among is None else list(among)
+        if not within:
+            raise ValueError(f"router: no {self.role} engine to choose among")
+        loads = [self.loads[i] for i in within]
+        if prompt is None or not any(self.urls[i] in self.caches for i in within):
+            return within[least_loaded(loads, turn)]
+        local = [self.local_tokens(i, prompt) for i in within]
+        return within[local_first(loads, local, prompt.pool_tokens, slack=self.slack, turn=turn)]
 
     def local_tokens(self, i: int, prompt: Prompt) -> int:
         """Tokens of ``prompt`` engine ``i``'s own cache holds (0 when its events are not read)."""

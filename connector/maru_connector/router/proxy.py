@@ -21,6 +21,12 @@ Each request this router sends goes to the engine of its role with the fewest of
 flight (:mod:`.balance`); a covered prompt may go to a prefill engine when decode is busier. For engines
 whose KV events the router reads (``kv_events``, :mod:`.locality`), an engine whose own cache holds more of
 the prompt than the pool may take it while at most ``locality_slack`` requests busier than the least busy.
+
+Engines whose key revision is known (announced as their KV events' topic, or given, :mod:`.revisions`) are
+paired coherently through a rollout that changes their keys: while they span more than one revision, every
+request not served by one engine alone runs prefill then decode here, even in front of another router, with a
+decode of the prefill's own revision (or, when no revision has engines of both roles, on one engine alone), and
+a covered prompt goes to an engine of the revision whose keys found it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from maru_connector.router import decide
 from maru_connector.router.balance import Endpoints, Prompt, direct_target
 from maru_connector.router.locality import EngineCache, Subscriber, announced_endpoint
 from maru_connector.router.prompt_keys import block_hashes, chunk_lookup_keys
+from maru_connector.router.revisions import Pairing, pairable, revision_of
 from maru_connector.vllm import common
 from maru_connector.vllm.scheduler import HANDOFF_KEY_SCHEME
 
@@ -154,6 +161,19 @@ class Metrics:
             "prefill engine's own cache held more of the prompt than the pool.",
             registry=self.registry,
         )
+        self.revision_requests = Counter(
+            "maru_router_revision_requests",
+            "Requests run here because the engines span more than one key revision (a rollout): prefill then "
+            "decode within one revision (paired), or on one engine alone when no revision has both roles (single).",
+            ["path"],
+            registry=self.registry,
+        )
+        self.engine_revision = Gauge(
+            "maru_router_engine_revision",
+            "1 for each engine URL and the key revision it announced (its KV events' topic) or was given.",
+            ["endpoint", "revision"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "maru_router_in_flight_requests",
             "Requests this router has in flight on each engine URL (what it balances by).",
@@ -178,12 +198,16 @@ class Router:
         discover_kv_events: bool = False,
         locality_slack: int = 1,
         follow_workers_s: float | None = None,
+        engine_revisions: Mapping[str, str] | None = None,
     ) -> None:
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
         if follow_workers_s is not None and (follow_workers_s <= 0 or not upstream):
             raise ValueError("router: following the upstream's workers needs --upstream and a period > 0")
         self.follow_workers_s = follow_workers_s
+        self._given_revisions = {u.rstrip("/"): r for u, r in (engine_revisions or {}).items()}
+        self.revisions: dict[str, str] = dict(self._given_revisions)  # engine URL -> key revision
+        self._scheme_revision: str | None = None  # the revision of the prefill that taught the key scheme
         self.discover_kv_events = discover_kv_events
         decide.chunks_needed(1, 1, min_coverage)  # validates min_coverage now, not on the first request
         self.upstream = upstream.rstrip("/") if upstream else None
@@ -242,6 +266,7 @@ class Router:
         )
         for subscriber in self._subscribers.values():
             subscriber.start()
+        self._revision_gauges()
         for url in self._undiscovered:
             self._start_discovery(url)
         if self.follow_workers_s is not None:
@@ -273,6 +298,11 @@ class Router:
             except (ClientError, TimeoutError, ValueError):
                 pass  # not up yet
             await asyncio.sleep(DISCOVERY_RETRY_S)
+        revision = revision_of(sources)
+        if revision is not None and url not in self._given_revisions:
+            self.revisions[url] = revision
+            log.info("engine %s runs key revision %s", url, revision)
+            self._revision_gauges()
         endpoint = announced_endpoint(url, sources)
         if endpoint is None:
             log.info("engine %s publishes no KV events over ZMQ (one engine core): chosen for by load", url)
@@ -298,6 +328,12 @@ class Router:
                 log.debug("upstream worker list unavailable: %s", err)
             await asyncio.sleep(self.follow_workers_s)
 
+    def _revision_gauges(self) -> None:
+        self.metrics.engine_revision.clear()
+        for url in {*self.prefill.urls, *self.decode.urls}:
+            if url in self.revisions:
+                self.metrics.engine_revision.labels(url, self.revisions[url]).set(1)
+
     async def _take_workers(self, data: object) -> None:
         workers = data.get("workers") if isinstance(data, dict) else None
         if not isinstance(workers, list):
@@ -311,6 +347,9 @@ class Router:
             return
         log.info("following the upstream's workers: prefill %s, decode %s", self.prefill.urls, self.decode.urls)
         now = {*self.prefill.urls, *self.decode.urls}
+        for url in [u for u in self.revisions if u not in now and u not in self._given_revisions]:
+            self.revisions.pop(url)
+        self._revision_gauges()
         for url in [u for u in self.caches if u not in now]:
             self.caches.pop(url)
             if url in self._discoveries:
@@ -388,9 +427,13 @@ class Router:
         headers = _forwarded(request)
         decision = await self.decide(request.path, body, headers)
         self.metrics.requests.labels(decision.route, decision.reason).inc()
+        pairing = self._pairing()
         if decision.route == DIRECT:
-            # Chosen here, after the lookup: the loads are read just before this request is counted.
-            picks = (self.decode.pick(decision.prompt), self.prefill.pick(decision.prompt))
+            # Chosen here, after the lookup: the loads are read just before this request is counted. Mid-rollout,
+            # among the engines of the revision whose keys the pool found the prompt under.
+            among_d = self._of_revision(self.decode, self._scheme_revision)
+            among_p = self._of_revision(self.prefill, self._scheme_revision)
+            picks = (self.decode.pick(decision.prompt, among_d), self.prefill.pick(decision.prompt, among_p))
             role, i = direct_target(
                 self.decode.loads, self.prefill.loads, to_prefill=self.direct_to_prefill, picks=picks
             )
@@ -404,6 +447,11 @@ class Router:
             except _Unreachable as gone:
                 return await self._around(gone, request, raw)
         _log(request, decision, "pd", self.upstream or "-")
+        if pairing is not None:
+            try:
+                return await self._coherent(request, body, headers, decision.prompt, pairing)
+            except _Unreachable as gone:
+                return await self._around(gone, request, raw)
         if self.upstream is not None:
             local = self._local_prefill(decision.prompt)
             if local is not None:
@@ -474,6 +522,38 @@ class Router:
         self.prefill.replace([u for u in self.prefill.urls if u != gone.url])
         self.decode.replace([u for u in self.decode.urls if u != gone.url])
         return await self._to_upstream(request, raw)
+
+    def _pairing(self) -> Pairing | None:
+        """The coherent pairs while the engines of known key revision span more than one (None: any pair)."""
+        if not self.revisions:
+            return None
+        return pairable(self.prefill.urls, self.decode.urls, self.revisions)
+
+    def _of_revision(self, engines: Endpoints, revision: str | None) -> list[int] | None:
+        """Mid-rollout, the engines of key ``revision`` (None: any engine, as when the engines share one
+        revision; a role with none of it gets None too, and its engine misses and computes: slower, never
+        wrong)."""
+        if revision is None or self._pairing() is None:
+            return None
+        of = [i for i, u in enumerate(engines.urls) if self.revisions.get(u) == revision]
+        return of or None
+
+    async def _coherent(
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], prompt: Prompt | None,
+        pairing: Pairing,
+    ) -> web.StreamResponse:
+        """A request not served by one engine alone while the engines span key revisions: prefill then decode
+        here within one revision, or, when no revision has engines of both roles, one engine computes it all."""
+        if pairing.prefill:
+            self.metrics.revision_requests.labels("paired").inc()
+            i = self.prefill.pick(prompt, pairing.prefill)
+            return await self._prefill_then_decode(request, body, headers, prompt, i)
+        self.metrics.revision_requests.labels("single").inc()
+        role, i = direct_target(self.decode.loads, self.prefill.loads, to_prefill=True)
+        engines = self.prefill if role == "prefill" else self.decode
+        self.metrics.engine_requests.labels(role, engines.urls[i]).inc()
+        with engines.hold(i) as url:
+            return await self._relay(request, "POST", url + request.path, body, headers)
 
     def _local_prefill(self, prompt: Prompt | None) -> int | None:
         """In front of another router: the prefill engine to run this prompt on here, because its own cache holds
@@ -554,17 +634,19 @@ class Router:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
-        self._learn(params)
+        revision = self.revisions.get(engine)
+        self._learn(params, revision)
         then = {**body, "kv_transfer_params": params}
         # Decode is chosen once prefill answered: its load then is what the generation meets. By load alone: the
-        # pool now holds every full chunk prefill computed, so no decode engine holds much more of it.
-        i = self.decode.pick()
+        # pool now holds every full chunk prefill computed, so no decode engine holds much more of it. Mid-rollout,
+        # among the prefill's own key revision: another's decode would look the prompt up under other keys.
+        i = self.decode.pick(among=self._of_revision(self.decode, revision))
         self.metrics.engine_requests.labels("decode", self.decode.urls[i]).inc()
         with self.decode.hold(i) as engine:
             return await self._relay(request, "POST", engine + request.path, then, headers)
 
-    def _learn(self, params: object) -> None:
-        """Take the key scheme a producer announced with its handoff, if it changed."""
+    def _learn(self, params: object, revision: str | None = None) -> None:
+        """Take the key scheme a producer (of key ``revision``, when known) announced with its handoff."""
         if not isinstance(params, dict) or HANDOFF_KEY_SCHEME not in params:
             return
         try:
@@ -573,6 +655,7 @@ class Router:
             log.warning("ignoring a producer's handoff: %s", err)
             return
         self._learnt_at = time.monotonic()
+        self._scheme_revision = revision
         if scheme != self.scheme:
             log.info(
                 "key scheme learnt from prefill: chunk_tokens=%d hash_block_size=%d hash=%s tp=%d",
