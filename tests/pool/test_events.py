@@ -7,7 +7,9 @@ authenticated socket.
 
 from __future__ import annotations
 
+import sys
 import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from hypothesis.stateful import rule
 
 from maru_connector.pool import protocol
 from maru_connector.pool.client import PoolClient, PoolError, WriteLease
-from maru_connector.pool.events import CLEARED, REMOVED, STORED, Event, EventLogs, chains
+from maru_connector.pool.events import CLEARED, KEY_COST_BYTES, REMOVED, STORED, Event, EventLogs, chains
 from maru_connector.pool.index import PoolIndex, WriteGrant
 from maru_connector.pool.kv_events_wire import BlockRemoved, BlockStored
 from maru_connector.pool.link import TenantLink
@@ -44,8 +46,18 @@ def name(i: int) -> bytes:
     return b"own" + k(i)
 
 
-def store(index: PoolIndex, i: int, parent: int | None = None, tenant: str = "t") -> None:
-    (grant,) = index.begin_write([(k(i), PAGE, k(parent) if parent is not None else None, name(i))], tenant=tenant)
+def tokens(i: int, n: int = 4) -> bytes:
+    """Chunk ``i``'s token ids as its writer packs them (``n`` of them)."""
+    packed = protocol.pack_tokens([1000 * i + t for t in range(n)])
+    assert packed is not None
+    return packed
+
+
+def store(
+    index: PoolIndex, i: int, parent: int | None = None, tenant: str = "t", token_ids: bytes | None = None
+) -> None:
+    item = (k(i), PAGE, k(parent) if parent is not None else None, name(i), token_ids)
+    (grant,) = index.begin_write([item], tenant=tenant)
     assert isinstance(grant, WriteGrant), grant
     assert index.commit(EPOCH, [(grant.lease_id, i)]) == [True]
 
@@ -163,6 +175,93 @@ def test_reads_are_bounded_by_keys_but_never_empty() -> None:
     assert [len(e.keys) for e in big.events] == [10]
 
 
+def test_a_commit_logs_each_chunks_token_ids_in_its_stored_event() -> None:
+    index = PoolIndex(8 * PAGE, epoch=EPOCH)
+    (g0, g1, g2) = index.begin_write(
+        [
+            (k(0), PAGE, None, name(0), tokens(0)),
+            (k(1), PAGE, k(0), name(1), tokens(1)),
+            (k(2), PAGE, k(1), name(2)),  # an older writer: no tokens
+        ],
+        tenant="t",
+    )
+    index.commit(EPOCH, [(g.lease_id, 1) for g in (g0, g1, g2)])  # type: ignore[union-attr]
+    store(index, 5)  # no chunk of the event has tokens: the event carries none
+    read = index.read_events("t", (EPOCH, 0), max_keys=1000)
+    assert [(e.keys, e.tokens) for e in read.events] == [
+        ((name(0), name(1), name(2)), (tokens(0), tokens(1), None)),
+        ((name(5),), None),
+    ]
+    # The index itself holds no tokens: the lease carried them to the commit, and the lease is gone.
+    assert not any(hasattr(chunk, "tokens") for chunk in index._chunks.values())
+
+
+def test_an_aborted_or_expired_writes_tokens_are_never_logged() -> None:
+    clock = Clock()
+    index = PoolIndex(8 * PAGE, epoch=EPOCH, lease_seconds=10, clock=clock)
+    (aborted, expired) = index.begin_write(
+        [(k(0), PAGE, None, name(0), tokens(0)), (k(1), PAGE, None, name(1), tokens(1))], tenant="t"
+    )
+    index.abort(EPOCH, [aborted.lease_id])  # type: ignore[union-attr]
+    clock.now += 11
+    index.expire()
+    store(index, 0, token_ids=tokens(7))  # the same key written again, with what that writer sent
+    assert [(e.keys, e.tokens) for e in index.read_events("t", (EPOCH, 0), max_keys=1000).events] == [
+        ((name(0),), (tokens(7),))
+    ]
+    del expired
+
+
+def test_a_resync_replays_the_tokens_still_in_the_ring() -> None:
+    index = PoolIndex(16 * PAGE, epoch=EPOCH, events_keep=10_000)
+    store(index, 0, token_ids=tokens(0))
+    store(index, 1, parent=0, token_ids=tokens(1))
+    store(index, 2, parent=1)
+    read = index.read_events("t", None, max_keys=1000)
+    assert read.resync
+    assert [(e.kind, e.keys, e.tokens) for e in read.events] == [
+        (CLEARED, (), None),
+        (STORED, (name(0), name(1), name(2)), (tokens(0), tokens(1), None)),
+    ]
+
+
+def test_token_ids_count_against_keep_as_the_memory_they_hold() -> None:
+    chunk = tokens(1, n=256)  # a chunk of the default 256 tokens
+    logs = EventLogs(keep=100)
+    logs.stored("t", [(name(1), None, chunk)])
+    (event,) = logs.read("t", 0, (), max_keys=1000).events
+    held = sys.getsizeof(chunk) + sys.getsizeof((chunk,))
+    assert event.cost == 1 + 1 + -(-held // KEY_COST_BYTES) == 20
+    # The ring drops the oldest events to stay within keep, tokens counted.
+    for i in range(2, 12):
+        logs.stored("t", [(name(i), None, tokens(i, n=256))])
+    log = logs._logs["t"]
+    assert log.held <= 100
+    assert [e.keys for e in log.ring] == [(name(i),) for i in range(7, 12)]
+    # A reader's batch is bounded the same way: it carries what it costs.
+    assert len(logs.read("t", 6, (), max_keys=40).events) == 2
+
+
+def ring_bytes(chunk_tokens: int, keep: int = 4_000) -> float:
+    """Memory a tenant's ring holds per unit of keep once full of one-chunk stored events."""
+    logs = EventLogs(keep=keep)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(keep):  # a one-key event costs 2 or more: the ring is full before the end
+            logs.stored("t", [(i.to_bytes(16, "big"), None, tokens(i, n=chunk_tokens) if chunk_tokens else None)])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return held / keep
+
+
+def test_a_ring_of_tokenized_chunks_holds_no_more_memory_than_one_of_bare_keys() -> None:
+    bare, tokenized = ring_bytes(0), ring_bytes(256)
+    # Measured: 125 bytes per unit of keep bare (a one-key event holds 241), 68 with 256 tokens a chunk.
+    assert tokenized <= bare * 1.25, (bare, tokenized)
+
+
 def test_chains_split_where_a_key_is_not_the_next_ones_parent() -> None:
     a, b, c, d = (bytes([i]) for i in range(4))
     assert list(chains([(a, None), (b, a), (c, None), (d, b)])) == [(None, [a, b]), (None, [c]), (b, [d])]
@@ -262,17 +361,22 @@ def start(daemons: list[Daemon], sock_dir: Path, key: Path, *extra: str) -> Daem
     return start_serve(daemons, sock_dir, "--auth-key-file", str(key), *extra, size="1Mi")
 
 
-def commit_prompt(client: PoolClient, keys: list[bytes], nbytes: int = 4096) -> None:
-    """Store a prompt's chunks as the connector does: each names the one before it."""
-    leases = client.lease_many([(key, nbytes, keys[i - 1] if i else None) for i, key in enumerate(keys)])
+def commit_prompt(
+    client: PoolClient, keys: list[bytes], nbytes: int = 4096, token_ids: list[bytes | None] | None = None
+) -> None:
+    """Store a prompt's chunks as the connector does: each names the one before it (and carries its tokens)."""
+    items = [(key, nbytes, keys[i - 1] if i else None) for i, key in enumerate(keys)]
+    if token_ids is not None:
+        items = [(*item, t) for item, t in zip(items, token_ids, strict=True)]  # type: ignore[misc]
+    leases = client.lease_many(items)
     assert all(isinstance(lease, WriteLease) for lease in leases), leases
     for lease in leases:
         lease.fill(bytes(nbytes))  # type: ignore[union-attr]
     assert all(client.commit_many(leases))  # type: ignore[arg-type]
 
 
-def read(link: TenantLink, after: list[int] | None, timeout_ms: int = 0) -> dict:
-    return link.call({"op": "events", "after": after, "timeout_ms": timeout_ms}, wait_s=timeout_ms / 1000)
+def read(link: TenantLink, after: list[int] | None, timeout_ms: int = 0, **extra: object) -> dict:
+    return link.call({"op": "events", "after": after, "timeout_ms": timeout_ms, **extra}, wait_s=timeout_ms / 1000)
 
 
 def test_daemon_serves_each_tenant_only_its_own_events(
@@ -293,6 +397,46 @@ def test_daemon_serves_each_tenant_only_its_own_events(
         # Tenant b sees nothing of it: no event, and a resync of what it holds is empty.
         assert read(lb, [start_b["epoch"], start_b["last"]])["events"] == []
         assert read(lb, None)["events"] == [[CLEARED, [], None]]
+
+
+def test_daemon_keeps_the_tokens_each_chunk_was_written_with_for_its_events(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, tokens_of = keyed
+    d = start(daemons, sock_dir, key)
+    url = d.ready["listen"]
+    new, old = [b"\x01" * 16, b"\x02" * 16], [b"\x03" * 16]
+    with PoolClient(url, timeout_s=10, token_file=tokens_of["a"]) as a, \
+            TenantLink(url, token_file=tokens_of["a"]) as la:  # fmt: skip
+        first = read(la, None)
+        commit_prompt(a, new, token_ids=[tokens(1), tokens(2)])  # [key, n, null, tokens], [key, n, parent, tokens]
+        commit_prompt(a, old)  # an older client's items: [key, n] (and [key, n, parent])
+        after = [first["epoch"], first["last"]]  # both commits are logged before the read: one reply has both
+        assert read(la, after, tokens=True)["events"] == [
+            [STORED, [k.hex() for k in new], None, [tokens(1).hex(), tokens(2).hex()]],
+            [STORED, [k.hex() for k in old], None, None],
+        ]
+        # A reader that does not ask for tokens (one that predates them) gets the three elements it unpacks.
+        assert read(la, after)["events"] == [
+            [STORED, [k.hex() for k in new], None],
+            [STORED, [k.hex() for k in old], None],
+        ]
+        # Items grow at the end: an element after the tokens (a newer client's) is ignored, not refused.
+        (grant,) = la.call({"op": "write", "items": [["04" * 16, 4096, None, tokens(4).hex(), "newer"]]})["grants"]
+        assert isinstance(grant, list)
+
+
+def test_daemon_refuses_malformed_tokens_naming_them(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]]
+) -> None:
+    key, tokens_of = keyed
+    d = start(daemons, sock_dir, key)
+    with TenantLink(d.ready["listen"], token_file=tokens_of["a"]) as la:
+        for bad, rule in (("00" * 6, "4 bytes each"), ("", "4 bytes each"), (7, "hex string"), ("zz", "fromhex")):
+            with pytest.raises(PoolError, match=f"{protocol.E_BAD_REQUEST}.*{rule}"):
+                la.call({"op": "write", "items": [["05" * 16, 4096, None, bad]]})
+        with pytest.raises(PoolError, match=f"{protocol.E_BAD_REQUEST}.*tokens must be true or false"):
+            la.call({"op": "events", "after": None, "tokens": "yes"})
 
 
 def test_daemon_flush_and_restart_clear_the_tenants_events(

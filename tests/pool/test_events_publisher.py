@@ -22,6 +22,7 @@ from maru_connector.pool.client import PoolClient, WriteLease
 from maru_connector.pool.events import MEDIUM
 from maru_connector.pool.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode
 from maru_connector.pool.link import TenantLink
+from maru_connector.pool.protocol import pack_tokens
 from maru_connector.pool.publisher import Publisher, Translator
 
 from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
@@ -38,8 +39,18 @@ def prompt(p: int, n: int) -> list[bytes]:
     return [bytes([p, c]) * 8 for c in range(n)]
 
 
-def commit_prompt(client: PoolClient, keys: list[bytes]) -> None:
-    leases = client.lease_many([(key, CHUNK, keys[i - 1] if i else None) for i, key in enumerate(keys)])
+def prompt_tokens(p: int, n: int) -> list[int]:
+    """The token ids of prompt ``p``'s first ``n`` chunks (as an engine keys and writes them)."""
+    return [(p * 7919 + t) % 150_000 for t in range(n * BLOCK)]
+
+
+def commit_prompt(client: PoolClient, keys: list[bytes], token_ids: list[int] | None = None) -> None:
+    """As the connector stores a prompt: each chunk names the one before it and, given ``token_ids``, carries its
+    own ``BLOCK`` of them."""
+    items: list[Any] = [(key, CHUNK, keys[i - 1] if i else None) for i, key in enumerate(keys)]
+    if token_ids is not None:
+        items = [(*item, pack_tokens(token_ids[i * BLOCK : (i + 1) * BLOCK])) for i, item in enumerate(items)]
+    leases = client.lease_many(items)
     assert all(isinstance(lease, WriteLease) for lease in leases), leases
     for lease in leases:
         lease.fill(bytes(CHUNK))  # type: ignore[union-attr]
@@ -163,6 +174,57 @@ def test_publisher_turns_commits_evictions_flushes_and_restarts_into_vllm_events
     link.close()
 
 
+def test_stored_events_carry_the_prompt_tokens_of_their_chunks_as_vllm_does(
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
+) -> None:
+    key, token = tenant
+    d = start(daemons, sock_dir, key)
+    url = d.ready["listen"]
+    sent: list[tuple[bytes, bytes, bytes]] = []
+
+    def publish(publisher: Publisher) -> list[tuple[Any, ...]]:
+        """One step, read back with vLLM's decoder."""
+        before = len(sent)
+        assert publisher.step(wait_ms=10_000)
+        return [e for message in sent[before:] for e in shape(decoded(message)[2])]
+
+    tokenized, bare = prompt(1, 2), prompt(2, 1)
+    with PoolClient(url, timeout_s=10, token_file=token) as client, TenantLink(url, token_file=token) as link:
+        live = Publisher(link, sent.append, Translator(BLOCK))
+        assert publish(live) == [("cleared",)]
+        commit_prompt(client, tokenized, prompt_tokens(1, 2))
+        # vLLM's own BlockStored carries the tokens of its blocks, concatenated in block order: so does ours.
+        assert publish(live) == [("stored", tokenized, None, BLOCK, prompt_tokens(1, 2), MEDIUM)]
+        commit_prompt(client, bare)  # an older connector: no tokens, an event without them, as before
+        assert publish(live) == [("stored", bare, None, BLOCK, [], MEDIUM)]
+        # A publisher that starts now resyncs: the tokens come from the stored events still in the daemon's log.
+        with TenantLink(url, token_file=token) as link2:
+            fresh = publish(Publisher(link2, sent.append, Translator(BLOCK)))
+        assert fresh[0] == ("cleared",)
+        assert sorted(fresh[1:]) == sorted(
+            [("stored", tokenized, None, BLOCK, prompt_tokens(1, 2), MEDIUM), ("stored", bare, None, BLOCK, [], MEDIUM)]
+        )
+        # A --block-size that is not the chunks' size would make consumers split the tokens wrong: none are sent.
+        with TenantLink(url, token_file=token) as link3:
+            wrong = publish(Publisher(link3, sent.append, Translator(BLOCK // 2)))
+        assert all(e[4] == [] for e in wrong if e[0] == "stored") and len(wrong) == 3
+
+
+def test_a_chain_is_published_with_tokens_only_when_every_chunk_has_them() -> None:
+    translator = Translator(4)
+    one, two = pack_tokens([1, 2, 3, 4]), pack_tokens([5, 6, 7, 8])
+    assert one is not None and two is not None
+    keys = [(b"\x01" * 16).hex(), (b"\x02" * 16).hex()]
+    events = [
+        ["stored", keys, None, [one.hex(), two.hex()]],
+        ["stored", keys, None, [one.hex(), None]],
+        ["stored", keys, None, None],
+        ["stored", keys, None],  # a daemon that predates tokens
+    ]
+    out = translator.translate(events, resync=False)
+    assert [e.token_ids for e in out if isinstance(e, BlockStored)] == [[1, 2, 3, 4, 5, 6, 7, 8], [], [], []]
+
+
 @pytest.fixture
 def events_process(
     daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
@@ -215,11 +277,14 @@ def test_maru_pool_events_publishes_over_zmq(
                 if sub.poll(1000):
                     break
             seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
-            while any(e[0] == "stored" and e[1] != prompt(100 + probe, 1) for e in seen):
+            # What the poll saw may be an earlier batch (the publisher's first AllBlocksCleared, a late probe):
+            # read on to the last probe's own event, so that what follows is exactly the flush and the prompt.
+            while not any(e[0] == "stored" and e[1] == prompt(100 + probe, 1) for e in seen):
+                assert sub.poll(START_TIMEOUT_S * 1000), f"the last probe was never published after {seen}"
                 seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
             with TenantLink(url, token_file=token) as link:
                 link.call({"op": "flush"})
-            commit_prompt(client, prompt(7, 2))
+            commit_prompt(client, prompt(7, 2), prompt_tokens(7, 2))
             got: list[tuple[Any, ...]] = []
             while len(got) < 3:
                 assert sub.poll(START_TIMEOUT_S * 1000), f"no more events after {got}"
@@ -230,7 +295,7 @@ def test_maru_pool_events_publishes_over_zmq(
         assert got == [
             ("removed", probes, MEDIUM),
             ("cleared",),
-            ("stored", prompt(7, 2), None, BLOCK, [], MEDIUM),
+            ("stored", prompt(7, 2), None, BLOCK, prompt_tokens(7, 2), MEDIUM),
         ]
     finally:
         sub.close(linger=0)
@@ -282,6 +347,11 @@ def test_missed_batches_are_replayed_as_vllm_replays_them(
 ) -> None:
     url, _, replay = events_process
     _, token = tenant
+    # The publisher's first batch (AllBlocksCleared) goes out before the prompt is stored, or both share it.
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not replay_from(replay, 0):
+        assert time.monotonic() < deadline, "the publisher never published its first batch"
+        time.sleep(0.2)
     with PoolClient(url, timeout_s=10, token_file=token) as client:
         commit_prompt(client, prompt(9, 2))
     deadline = time.monotonic() + START_TIMEOUT_S

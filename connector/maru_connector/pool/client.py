@@ -57,6 +57,9 @@ MAX_REGIONS = 64
 # Share of the daemon's lease period the client allows itself: its clock started before the daemon's.
 _DEADLINE_SHARE = 0.8
 
+# Token ids one write request carries at most (hex: twice this in the frame), well under the daemon's default
+# --max-frame (16 MiB): a batch over it must not cost its chunks, only their events' tokens.
+WRITE_TOKEN_BYTES = 2 << 20
 # Why a write was not granted (lease_many): stored or being stored already, no room, parent missing,
 # the tenant at its quota (bytes or write leases; see the pool README's Quotas).
 PRESENT = "present"
@@ -446,9 +449,15 @@ class PoolClient:
         return [lease if isinstance(lease, WriteLease) else None for lease in out]
 
     def lease_many(
-        self, items: Sequence[tuple[bytes, int] | tuple[bytes, int, bytes | None]]
+        self,
+        items: Sequence[
+            tuple[bytes, int] | tuple[bytes, int, bytes | None] | tuple[bytes, int, bytes | None, bytes | None]
+        ],
     ) -> list[WriteLease | str]:
-        """Leases for ``(key, nbytes[, parent])`` items in one round trip; never raises for a full pool.
+        """Leases for ``(key, nbytes[, parent[, tokens]])`` items in one round trip; never raises for a full pool.
+
+        ``tokens``: the chunk's token ids (:func:`~.protocol.pack_tokens`), for the tenant's ``stored`` event
+        only; a batch sends at most :data:`WRITE_TOKEN_BYTES` of them, the items after that go without.
 
         Per item a :class:`WriteLease`, or why not: :data:`PRESENT` (stored or being stored already),
         :data:`FULL` (no room even after eviction), :data:`ORPHAN` (``parent``, the chunk before this
@@ -459,11 +468,24 @@ class PoolClient:
         if not items:
             return []
         wire = []
+        token_budget, tokenless = WRITE_TOKEN_BYTES, 0
         for key, nbytes, *rest in items:
             parent = rest[0] if rest else None
+            tokens = rest[1] if len(rest) > 1 else None
             if not isinstance(key, bytes) or nbytes <= 0:
                 raise PoolError(f"begin_write: need a bytes key and a positive size, got {key!r}, {nbytes}")
-            wire.append([key.hex(), int(nbytes)] + ([parent.hex()] if parent is not None else []))
+            item: list[Any] = [key.hex(), int(nbytes), parent.hex() if parent is not None else None]
+            if tokens and len(tokens) <= token_budget:
+                token_budget -= len(tokens)
+                item.append(tokens.hex())
+            else:
+                tokenless += bool(tokens)
+                if parent is None:
+                    item.pop()  # as short as it can be: the daemon reads a missing parent as none
+            wire.append(item)
+        if tokenless:
+            log.debug("pool: %d chunk(s) of a write batch sent without their token ids (batch over %d bytes of them)",
+                      tokenless, WRITE_TOKEN_BYTES)  # fmt: skip
         asked_at = time.monotonic()
         with self._lock:
             reply = self._call({"op": "write", "items": wire})

@@ -83,6 +83,8 @@ class _Lease:
     deadline: float
     write: bool
     owner: int
+    # A write's token ids, for the chunk's stored event: held by the lease, never by the committed chunk.
+    tokens: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -190,18 +192,22 @@ class PoolIndex:
     def begin_write(
         self,
         items: Sequence[
-            tuple[bytes, int] | tuple[bytes, int, bytes | None] | tuple[bytes, int, bytes | None, bytes]
+            tuple[bytes, int]
+            | tuple[bytes, int, bytes | None]
+            | tuple[bytes, int, bytes | None, bytes]
+            | tuple[bytes, int, bytes | None, bytes, bytes | None]
         ],
         owner: int = 0,
         *,
         tenant: str = "",
         quota: Quota | None = None,
     ) -> list[WriteGrant | str | None]:
-        """Per ``(key, nbytes[, parent[, name]])``: a grant, None (key present or being written), ``ORPHAN`` (the
-        parent is neither stored nor being stored), ``QUOTA`` (the tenant is at its lease or byte quota,
-        even after evicting its own unpinned chunks) or ``FULL`` (no room even after eviction).
+        """Per ``(key, nbytes[, parent[, name[, tokens]]])``: a grant, None (key present or being written),
+        ``ORPHAN`` (the parent is neither stored nor being stored), ``QUOTA`` (the tenant is at its lease or
+        byte quota, even after evicting its own unpinned chunks) or ``FULL`` (no room even after eviction).
 
-        ``name`` is the key as the tenant sent it, before scoping (default ``key``): its events carry it.
+        ``name`` is the key as the tenant sent it, before scoping (default ``key``): its events carry it, with
+        ``tokens`` (the chunk's token ids, kept by the lease until the commit logs them).
         ``tenant`` and ``quota``: who is charged and its token's quota (None: unlimited)."""
         with self._lock:
             now = self._clock()
@@ -210,6 +216,7 @@ class PoolIndex:
             for key, nbytes, *rest in items:
                 parent = rest[0] if rest else None
                 name = rest[1] if len(rest) > 1 else key
+                tokens = rest[2] if len(rest) > 2 else None
                 if nbytes <= 0:
                     raise ValueError(f"chunk size must be positive, got {nbytes}")
                 if key in self._chunks:
@@ -233,7 +240,7 @@ class PoolIndex:
                 account.leases += 1
                 self._chunks[key] = chunk
                 lease_id = self._new_id()
-                self._leases[lease_id] = _Lease(chunk, now + self.lease_seconds, write=True, owner=owner)
+                self._leases[lease_id] = _Lease(chunk, now + self.lease_seconds, write=True, owner=owner, tokens=tokens)
                 out.append(WriteGrant(lease_id, offset))
             return out
 
@@ -243,7 +250,8 @@ class PoolIndex:
         with self._lock:
             self._check_epoch(epoch)
             out = []
-            stored: dict[str, list[tuple[bytes, bytes | None]]] = {}  # tenant -> (name, parent's name) committed
+            # tenant -> (name, parent's name, tokens) committed
+            stored: dict[str, list[tuple[bytes, bytes | None, bytes | None]]] = {}
             for lease_id, checksum in items:
                 lease = self._owned(lease_id, owner, write=True)
                 if lease is None:
@@ -267,7 +275,7 @@ class PoolIndex:
                 chunk.used_at = next(self._uses)
                 self.counters["commits"] += 1
                 stored.setdefault(self._account(chunk).name, []).append(
-                    (chunk.name, parent.name if parent is not None else None)
+                    (chunk.name, parent.name if parent is not None else None, lease.tokens)
                 )
                 out.append(True)
             if any(out):

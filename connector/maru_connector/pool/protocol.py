@@ -29,20 +29,30 @@ Operations (request fields -> reply fields):
   ``final``: indexes of the waits whose reader gives up after this one (their deadline falls within it), so
   the daemon counts a handoff timeout once. A daemon that predates the op answers ``bad_request`` (unknown
   op); clients then poll
-* ``write``   items [[key, nbytes, parent?]...] -> epoch, lease_ms, grants [[lease_id, offset] | null
+* ``write``   items [[key, nbytes, parent?, tokens?]...] -> epoch, lease_ms, grants [[lease_id, offset] | null
   (present) | "full" | "orphan" (parent not stored)]
+  ``tokens``: the token ids the chunk holds, as hex of little-endian uint32s (:func:`pack_tokens`), at most
+  :data:`MAX_ITEM_TOKENS`; the daemon keeps them in the chunk's ``stored`` event only, never in the index.
+  **Items grow at the end.** A daemon reads the elements of an item it knows and ignores any after them
+  (every daemon since items carried a parent does), so a client may send a newer element to any daemon,
+  which then simply lacks what it does not know (a daemon without tokens publishes events without them);
+  an element a client has no value for, but that comes before one it sends, is null (``[key, n, null,
+  tokens]``: a prompt's first chunk with its tokens). An item of two or three elements is as valid as ever
 * ``commit``  epoch, items [[lease_id, checksum]...] -> results [bool]
 * ``abort``   epoch, leases [lease_id]    -> {}
 * ``read``    keys, prefix?               -> epoch, lease_ms, pins [[pin_id, offset, nbytes, checksum] | null]
   (with ``prefix`` true: pins of the leading hits only, counted as a lookup)
 * ``release`` epoch, pins [pin_id], corrupt [pin_id] -> {}
 * ``renew``   epoch, ids [lease or pin id] -> results [bool] (False: already expired or released)
-* ``events``  after (null or [epoch, seq]), timeout_ms?, max_keys? -> epoch, last, resync, events
-  [[kind, keys, parent]...]: the connection's tenant's own event log (``maru_connector.pool.events``), keys
-  as the tenant wrote them. ``kind`` is ``stored`` (keys a chain, ``parent`` the key before the first),
+* ``events``  after (null or [epoch, seq]), timeout_ms?, max_keys?, tokens? -> epoch, last, resync, events
+  [[kind, keys, parent, tokens?]...]: the connection's tenant's own event log (``maru_connector.pool.events``),
+  keys as the tenant wrote them. ``kind`` is ``stored`` (keys a chain, ``parent`` the key before the first),
   ``removed`` or ``cleared``; with ``resync`` true the reader drops all it knew first (it fell behind the
   log, asked from another epoch, or asked after null). Answered as soon as there is an event, or after
-  ``timeout_ms`` (at most :data:`MAX_WAIT_MS`) with none; ask again after ``[epoch, last]``
+  ``timeout_ms`` (at most :data:`MAX_WAIT_MS`) with none; ask again after ``[epoch, last]``.
+  With ``tokens`` true every event has a fourth element: null, or per key the hex of the token ids its
+  writer sent (null for a key written without them). Without it events keep three elements, as readers
+  that unpack three expect; a daemon that predates it ignores the field, so a reader accepts both shapes
 * ``flush``                               -> chunks (how many): drop all of the tenant's chunks; its log
   says ``cleared``
 * ``stats``                               -> stats {name: int}
@@ -97,6 +107,9 @@ MAX_WAITS = 4096
 MAX_KEY_BYTES = 64
 # The most keys one ``events`` reply carries (a resync carries all the tenant holds, whatever this says).
 MAX_EVENT_KEYS = 65_536
+# The most token ids one write item may carry (4 bytes each): far above any chunk size in use.
+MAX_ITEM_TOKENS = 1 << 20
+_TOKEN = struct.Struct("<I")
 # Bodies are read in pieces of at most this many bytes, so memory follows what arrived, not what was announced.
 _READ_PIECE = 64 * 1024
 
@@ -201,3 +214,30 @@ def unhex_key(value: Any) -> bytes:
     if not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"a chunk key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
     return key
+
+
+def pack_tokens(token_ids: Any) -> bytes | None:
+    """Token ids as little-endian uint32s (what a write item's ``tokens`` carries, hex-encoded); None when
+    there are none or one is not an integer from 0 to 2**32 - 1."""
+    try:
+        n = len(token_ids)
+        return struct.pack(f"<{n}I", *token_ids) if 0 < n <= MAX_ITEM_TOKENS else None
+    except (struct.error, TypeError):
+        return None
+
+
+def unpack_tokens(packed: bytes) -> list[int]:
+    return [t for (t,) in _TOKEN.iter_unpack(packed)]
+
+
+def unhex_tokens(value: Any) -> bytes:
+    """A write item's ``tokens``: hex of 1 to :data:`MAX_ITEM_TOKENS` little-endian uint32s."""
+    if not isinstance(value, str):
+        raise ValueError(f"a chunk's tokens must be a hex string, got {type(value).__name__}")
+    packed = bytes.fromhex(value)
+    if not packed or len(packed) % _TOKEN.size or len(packed) > MAX_ITEM_TOKENS * _TOKEN.size:
+        raise ValueError(
+            f"a chunk's tokens must be 1 to {MAX_ITEM_TOKENS} token ids of {_TOKEN.size} bytes each, "
+            f"got {len(packed)} bytes"
+        )
+    return packed

@@ -12,6 +12,12 @@ removals first: a tenant's flush, a daemon restart (a new epoch) and a resync af
 behind the daemon's log each publish ``BlockRemoved`` for what is gone, then ``AllBlocksCleared``, then what
 the pool holds now. A fresh publisher's first batch starts with ``AllBlocksCleared`` (consumers drop what an
 earlier incarnation announced).
+
+``BlockStored.token_ids`` carries the prompt tokens of the event's chunks, concatenated in the order of its
+block hashes (as vLLM's own events carry a block run's tokens), taken from what the engines sent with their
+writes; it is empty, as vLLM allows, when any chunk of the event came without them (an older connector, a
+prompt whose tokens alone do not say what its chunks hold, a resync of a chunk whose event left the log),
+or when a chunk's token count is not ``--block-size``: a consumer splits token_ids by block_size.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .client import PoolAuthError, PoolError
 from .events import CLEARED, MEDIUM, REMOVED, STORED
 from .kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash, message
 from .link import TenantLink
+from .protocol import unpack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class Translator:
     medium: str = MEDIUM
     int_hashes: bool = False
     announced: dict[bytes, None] = field(default_factory=dict)  # keys published as stored, not since removed
+    mismatched: int = 0  # stored events published without tokens because a chunk's count was not block_size
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -53,13 +61,14 @@ class Translator:
             raise ValueError("medium must not be empty")
 
     def translate(self, events: Sequence[Sequence[Any]], *, resync: bool) -> list[WireEvent]:
-        """vLLM events for one ``events`` reply: ``[kind, [hex keys], parent hex | None]`` each."""
+        """vLLM events for one ``events`` reply: ``[kind, [hex keys], parent hex | None, tokens?]`` each, where
+        ``tokens`` (from a daemon asked for them) is None or per key its token ids' hex or None."""
         out: list[WireEvent] = []
         if resync:
             # What the consumer may still hold from before, less what is still there, goes explicitly.
-            now = {bytes.fromhex(k) for kind, keys, _ in events if kind == STORED for k in keys}
+            now = {bytes.fromhex(k) for kind, keys, *_ in events if kind == STORED for k in keys}
             self._remove(out, [key for key in self.announced if key not in now])
-        for i, (kind, hex_keys, parent) in enumerate(events):
+        for i, (kind, hex_keys, parent, *rest) in enumerate(events):
             keys = [bytes.fromhex(k) for k in hex_keys]
             if kind == STORED:
                 self.announced.update(dict.fromkeys(keys))
@@ -67,7 +76,7 @@ class Translator:
                     BlockStored(
                         block_hashes=[self._hash(k) for k in keys],
                         parent_block_hash=self._hash(bytes.fromhex(parent)) if parent else None,
-                        token_ids=[],
+                        token_ids=self._token_ids(rest[0] if rest else None, len(keys)),
                         block_size=self.block_size,
                         lora_id=None,
                         medium=self.medium,
@@ -85,6 +94,22 @@ class Translator:
             else:
                 log.warning("events: skipped an event of unknown kind %r (a newer daemon?)", kind)
         return out
+
+    def _token_ids(self, tokens: Sequence[str | None] | None, n_keys: int) -> list[int]:
+        """The event's token ids, block after block; empty unless every block has exactly block_size."""
+        if not tokens or len(tokens) != n_keys or any(t is None for t in tokens):
+            return []
+        per_block = [unpack_tokens(bytes.fromhex(t)) for t in tokens if t is not None]
+        if any(len(ids) != self.block_size for ids in per_block):
+            if not self.mismatched:
+                log.warning(
+                    "events: chunks of %s token(s) but --block-size %d; publishing them without token ids "
+                    "(set --block-size to the group's chunk size)",
+                    sorted({len(ids) for ids in per_block}), self.block_size,
+                )  # fmt: skip
+            self.mismatched += 1
+            return []
+        return [t for ids in per_block for t in ids]
 
     def _remove(self, out: list[WireEvent], keys: list[bytes]) -> None:
         for key in keys:
@@ -118,10 +143,10 @@ class Publisher:
 
     def step(self, wait_ms: int = POLL_MS) -> int:
         """One read (waiting up to ``wait_ms`` in the daemon); returns how many vLLM events it published."""
-        reply = self._link.call(
-            {"op": "events", "after": list(self.cursor) if self.cursor else None, "timeout_ms": wait_ms},
-            wait_s=wait_ms / 1000,
-        )
+        after = list(self.cursor) if self.cursor else None
+        # tokens: each event's token ids too (a daemon that predates them ignores the field; see protocol.py).
+        request = {"op": "events", "after": after, "timeout_ms": wait_ms, "tokens": True}
+        reply = self._link.call(request, wait_s=wait_ms / 1000)
         epoch, resync = int(reply["epoch"]), bool(reply["resync"])
         if resync and self.cursor is not None:
             why = "the daemon restarted" if self.cursor[0] != epoch else "this publisher fell behind the daemon's log"

@@ -213,9 +213,16 @@ class IndexService:
 
     def _write(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         scoped = caller.session.scope
-        # Each chunk keeps the tenant's own key beside the scoped one: the tenant's events name it.
+        # Each chunk keeps the tenant's own key beside the scoped one, and its token ids: the tenant's events
+        # name them. Elements after the tokens are a newer client's: ignored (protocol.py, "items grow at the end").
         items = [
-            (scoped(key), int(n), scoped(bytes.fromhex(rest[0])) if rest and rest[0] is not None else None, key)
+            (
+                scoped(key),
+                int(n),
+                scoped(bytes.fromhex(rest[0])) if rest and rest[0] is not None else None,
+                key,
+                protocol.unhex_tokens(rest[1]) if len(rest) > 1 and rest[1] is not None else None,
+            )
             for k, n, *rest in msg["items"]
             for key in (protocol.unhex_key(k),)
         ]
@@ -261,7 +268,7 @@ class IndexService:
 
     def _events(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         after, timeout_ms = msg.get("after"), msg.get("timeout_ms", 0)
-        max_keys = msg.get("max_keys", protocol.MAX_EVENT_KEYS)
+        max_keys, tokens = msg.get("max_keys", protocol.MAX_EVENT_KEYS), msg.get("tokens", False)
         if after is not None and not (
             isinstance(after, list) and len(after) == 2 and all(isinstance(x, int) and x >= 0 for x in after)
         ):
@@ -270,18 +277,20 @@ class IndexService:
             raise ValueError(f"timeout_ms must be an integer from 0 to {protocol.MAX_WAIT_MS}, got {timeout_ms!r}")
         if not isinstance(max_keys, int) or not 1 <= max_keys <= protocol.MAX_EVENT_KEYS:
             raise ValueError(f"max_keys must be an integer from 1 to {protocol.MAX_EVENT_KEYS}, got {max_keys!r}")
+        if not isinstance(tokens, bool):
+            raise ValueError(f"tokens must be true or false, got {tokens!r}")
         read = self._ix.read_events(
             caller.session.principal.scope,
             (after[0], after[1]) if after is not None else None,
             max_keys=max_keys,
             timeout_s=timeout_ms / 1000,
         )
-        return {
-            "epoch": self._ix.epoch,
-            "last": read.last,
-            "resync": read.resync,
-            "events": [[e.kind, protocol.hex_keys(e.keys), e.parent.hex() if e.parent else None] for e in read.events],
-        }
+        events = [[e.kind, protocol.hex_keys(e.keys), e.parent.hex() if e.parent else None] for e in read.events]
+        if tokens:
+            # Only for a reader that asked: one that predates tokens unpacks three elements.
+            for out, e in zip(events, read.events, strict=True):
+                out.append([t.hex() if t is not None else None for t in e.tokens] if e.tokens is not None else None)
+        return {"epoch": self._ix.epoch, "last": read.last, "resync": read.resync, "events": events}
 
     def _flush(self, _msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         n = self._ix.flush(caller.session.principal.scope)
