@@ -312,6 +312,12 @@ PATTERNS: dict[str, PatternRule] = {
         "an environment variable name",
         "an environment variable name is letters, digits, '_', '-' and '.', not starting with a digit, e.g. HF_TOKEN",
     ),
+    r"^[A-Z][A-Z0-9_]*$": PatternRule(
+        "a KV event medium",
+        "a KV event medium is upper-case letters, digits and '_', starting with a letter, as vLLM names its media, "
+        "e.g. MARU_POOL or CPU",
+        _hints((r"[a-z]", "write it in capitals, as vLLM names its media")),
+    ),
     r"^([0-9]+%?)$": PatternRule(
         "a count or a percentage", "a count or a percentage is a whole number or a whole percentage, e.g. 1 or 25%",
     ),

@@ -62,6 +62,7 @@ WRONG = [
     (GROUP, "spec/prefill", {"replicas": -1}, "spec.prefill.replicas"),
     (GROUP, "spec/decode", {"tensorParallelSize": 0}, "spec.decode.tensorParallelSize"),
     (GROUP, "spec/connector", {"chunkTokens": 100}, "spec.connector.chunkTokens"),
+    (GROUP, "spec/poolEvents", {"enabled": True, "medium": "maru pool"}, "spec.poolEvents.medium"),
     (GROUP, "spec/connector", {"chunkTokens": 0}, "spec.connector.chunkTokens"),
     (GROUP, "spec/connector", {"blockSize": 24}, "spec.connector.blockSize"),
     (GROUP, "spec/decode", {"extraArgs": ["--kv-transfer-config={}"]}, "spec.decode.extraArgs"),

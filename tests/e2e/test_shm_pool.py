@@ -13,10 +13,12 @@ import os
 import signal
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from maru_connector import tenancy
@@ -40,6 +42,7 @@ def shm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     # One engine per role: these tests change, break and address each role's pod (the demo shows two
     # prefill replicas sharing the pool).
     group["spec"]["prefill"]["replicas"] = 1
+    group["spec"]["poolEvents"] = {"enabled": True}  # what the pool holds, as vLLM KV events (off by default)
     with deployed(tiny_model, tmp_path_factory.mktemp("e2e-shm"), [("node-1", {}, {})], [pool, group]) as d:
         wait_ready(d.cluster, "marupools.maru.io", "local-shm")
         wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
@@ -184,10 +187,59 @@ def test_the_group_router_reads_what_each_prefill_pod_caches(shm: Deployment) ->
     decisions = shm.cluster.pod_url(GROUP_NS, router["metadata"]["name"], 29001)
     (pod,) = shm.pods("prefill", ready_only=True)
     as_listed = f"http://{pod['status']['podIP']}:8000"  # the pod as vllm-router lists it, not a door to it
+    # The pod announces its key revision (its pod label's) where it says it publishes: once the router shows it,
+    # it has asked the pod and subscribes. That revision is what it pairs prefill and decode by in a rollout.
+    revision = pod["metadata"]["labels"]["maru.io/kv-revision"]
+    wait("the router to learn the prefill pod's key revision",
+         lambda: counter(decisions, "maru_router_engine_revision", endpoint=as_listed, revision=revision) == 1, shm)
     before = counter(decisions, "maru_router_engine_cached_blocks", endpoint=as_listed)
-    complete(shm.engine_url("prefill"), prompt(2 * CHUNK + 20, seed=15))  # stored in the pod's own cache
-    wait("the router to read the prefill pod's KV events",
-         lambda: counter(decisions, "maru_router_engine_cached_blocks", endpoint=as_listed) > before, shm)
+    seeds = iter(range(150, 10_000))
+
+    def stored_and_seen() -> bool:
+        # A store published before the subscription took hold is not seen: store again until one is.
+        complete(shm.engine_url("prefill"), prompt(2 * CHUNK + 20, seed=next(seeds)))  # in the pod's own cache
+        time.sleep(0.5)
+        return counter(decisions, "maru_router_engine_cached_blocks", endpoint=as_listed) > before
+
+    wait("the router to read the prefill pod's KV events", stored_and_seen, shm)
+
+
+def test_the_group_publishes_what_the_pool_holds_as_vllm_kv_events(shm: Deployment) -> None:
+    """The operator's pool events publisher streams the group's pool events in vLLM's own format: a consumer of
+    vLLM's KV events (llm-d's indexer, Dynamo's router) decodes them with vLLM's classes."""
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    def publisher_ready() -> dict[str, Any] | None:
+        pods = shm.cluster.kube.list("pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny,"
+                                                              "app.kubernetes.io/component=pool-events")
+        ready = [p for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                        for c in (p.get("status") or {}).get("conditions") or [])]
+        return ready[0] if ready else None
+
+    pod = wait("the pool events publisher to be ready", publisher_ready, shm)
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(shm.cluster.pod_url(GROUP_NS, pod["metadata"]["name"], 5557, scheme="tcp"))
+    seeds = iter(range(500, 10_000))
+    stored: list[BlockStored] = []
+
+    def a_store_seen() -> bool:
+        # Stores made before the subscription took hold are not sent to it: store again until one is seen.
+        complete(shm.router_url, prompt(2 * CHUNK + 9, seed=next(seeds)))
+        while sock.poll(1000):
+            _topic, _seq, payload = sock.recv_multipart()
+            batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+            stored.extend(e for e in batch.events if isinstance(e, BlockStored))
+        return bool(stored)
+
+    try:
+        wait("a BlockStored from the pool events publisher", a_store_seen, shm)
+    finally:
+        sock.close(linger=0)
+    for event in stored:
+        assert event.medium == "MARU_POOL" and event.block_size == CHUNK, event
+        assert event.block_hashes and all(isinstance(h, bytes) and len(h) == 16 for h in event.block_hashes)
 
 
 def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) -> None:

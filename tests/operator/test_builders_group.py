@@ -191,6 +191,7 @@ class TestRoleDeployment:
                 if enabled:
                     events = json.loads(args[args.index("--kv-events-config") + 1])
                     # A wildcard bind: vLLM connects instead of binding to any other address.
+                    assert events.pop("topic").startswith("maru.io/kv-revision=")
                     assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
                 else:
                     assert "--kv-events-config" not in args

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.router.__main__ import parse_args
+from maru_connector.router.revisions import revision_of
 from maru_localcluster.podsecurity import check
 from maru_operator.builders.group import (
     PoolView,
@@ -62,6 +63,12 @@ class TestDecodeDirectRouter:
         # It takes the pods vllm-router found as its engines and asks each where it publishes its KV events.
         assert flag(args, "--follow-upstream-workers") == "5"
         assert "--discover-kv-events" in args
+        # Each engine announces its key revision (its pod's maru.io/kv-revision) as its events' topic, which the
+        # router reads where it learns where the engine publishes: what it pairs prefill and decode by mid-rollout.
+        for role in ("prefill", "decode"):
+            template = build_role_deployment(group_spec(), role, GROUP_OWNER, pool_view())["spec"]["template"]
+            events = json.loads(flag(template["spec"]["containers"][0]["args"], "--kv-events-config"))
+            assert revision_of({"0": events}) == template["metadata"]["labels"]["maru.io/kv-revision"]
         # vllm-router behind it: the same P/D router as without decode-direct, on the upstream port.
         assert pd["command"] == ["vllm-router"]
         assert flag(pd["args"], "--port") == "8001"

@@ -214,6 +214,36 @@ spec:
     world.refused(STRANGER, world["solo-prefill"], 9000)
 
 
+def test_the_pool_events_publisher_serves_any_consumer_and_reaches_only_its_pool(tmp_path: Path) -> None:
+    from tests.security.renders import EXAMPLES, operator_render
+
+    (tmp_path / "g.yaml").write_text("""
+apiVersion: maru.io/v1alpha1
+kind: InferenceGroup
+metadata: {name: pub, namespace: llm}
+spec:
+  model: {name: m}
+  poolRef: {name: cxl-pool}
+  poolEvents: {enabled: true}
+""")
+    world = World(operator_render([EXAMPLES / "pool-cxl.yaml", tmp_path / "g.yaml"], "--api-server-cidr",
+                                  "192.0.2.0/24"))  # fmt: skip
+    publisher = world["pub-pool-events"]
+    assert world.net.isolated(publisher) == (True, True)
+    # A KV-aware router (llm-d's indexer, Dynamo's router) runs wherever its installation put it.
+    for consumer in (STRANGER, NEIGHBOUR, CLIENT):
+        world.allowed(consumer, publisher, 5557)
+        world.allowed(consumer, publisher, 5558)
+        world.refused(consumer, publisher, 8000)
+    # Out: the pool's metadata server (its lookups and event reads) and DNS, nothing else.
+    world.allowed(publisher, world["cxl-pool-metadata"], 7400)
+    world.allowed(publisher, DNS, 53, "UDP")
+    for elsewhere, port in ((INTERNET, 443), (API_SERVER, 6443), (world["pub-decode"], 8000), (NEIGHBOUR, 8000)):
+        world.refused(publisher, elsewhere, port)
+    copycat = Endpoint("copycat", "198.51.100.242", "elsewhere", publisher.labels)  # outside allowedNamespaces
+    world.refused(copycat, world["cxl-pool-metadata"], 7400)
+
+
 def test_policies_can_be_turned_off(tmp_path: Path, helm: Path) -> None:
     from tests.security.renders import EXAMPLES, operator_render
 

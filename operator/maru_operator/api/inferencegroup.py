@@ -452,6 +452,24 @@ class InferencePoolSpec(KubeModel):
         return self
 
 
+class PoolEventsSpec(KubeModel):
+    """Publish what the pool holds for this group as vLLM KV events, for a KV-aware router of your own.
+
+    A Deployment ``<group>-pool-events`` runs ``maru-pool events`` with the group's pool credential and publishes
+    the group's pool events (stored on commit, removed on eviction, cleared on flush) over ZMQ in vLLM's KV
+    event format, behind a Service of the same name: ``tcp://<group>-pool-events.<namespace>.svc:5557`` (and a
+    replay socket on 5558), so llm-d's KV cache indexer, Dynamo's KV router or any consumer of vLLM's events can
+    treat the pool as one more tier.
+    """
+
+    enabled: bool = Field(False, description="Run the group's pool events publisher and its Service.")
+    medium: str = Field(
+        "MARU_POOL", min_length=1, max_length=32, pattern=r"^[A-Z][A-Z0-9_]*$",
+        description="The events' medium: MARU_POOL names the pool as a tier of its own; CPU makes a consumer "
+                    "configured only for vLLM's media count it as a CPU tier.",
+    )
+
+
 class ReplicaRatio(KubeModel):
     """Prefill:decode pods to keep when an autoscaler scales one role: the other follows."""
 
@@ -493,6 +511,11 @@ class InferenceGroupSpec(KubeModel):
         default_factory=InferencePoolSpec,
         description="An InferencePool for a gateway with an endpoint picker to front the group (off by default; "
                     "needs the Gateway API Inference Extension's CRDs).",
+    )
+    pool_events: PoolEventsSpec = Field(
+        default_factory=PoolEventsSpec,
+        description="Publish what the pool holds for this group as vLLM KV events (off by default), for a "
+                    "KV-aware router such as llm-d's or Dynamo's.",
     )
     pool_quota: TenantQuota | None = Field(
         None,

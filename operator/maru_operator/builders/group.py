@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
+from maru_connector.router.revisions import events_topic
 from maru_connector.tenancy import tenant_scope
 from maru_operator.api.common import Toleration
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
@@ -172,7 +173,10 @@ def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView
         args += ["--max-model-len", str(model.max_model_len)]
     args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool))]
     if decode_direct(spec, pool):
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}"}
+        # The topic names the engine's key revision: maru-router, reading where the engine publishes, pairs
+        # prefill and decode by it during a rollout that changes the keys.
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                  "topic": events_topic(kv_revision(spec, owner, pool))}
         args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     return args + list(role_spec.extra_args)
 
@@ -308,6 +312,12 @@ def kv_revision(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> str:
     parts = [model.name, model.revision or "", model.dtype, str(spec.connector.block_size),
              connector_config(spec, owner, pool).model_dump_json()]
     return short_hash("\0".join(parts))
+
+
+def vllm_pods(owner: Owner) -> dict[str, str]:
+    """The group's vLLM pods of both roles (not the router's): what their NetworkPolicy selects, and what an
+    InferencePool's endpoint picker chooses among."""
+    return {LABEL_NAME: VLLM_APP, LABEL_INSTANCE: owner.instance}
 
 
 def discovery_selector(owner: Owner, role: str) -> dict[str, str]:
@@ -656,10 +666,14 @@ def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
     ``observed``: each role Deployment's ``spec.replicas`` as it is now, which a role following the other
     through ``replicaRatio`` is computed from.
     """
+    # Imported here: the publisher's builder reads this module's (pool access, placement, connector config).
+    from maru_operator.builders.poolevents import build_pool_events_children
+
     children: list[Object | None] = []
     if pool is not None:
         children.append(build_model_cache_claim(spec, owner))
         for role in ("prefill", "decode"):
             children.append(build_role_deployment(spec, role, owner, pool, observed))
             children.append(build_role_disruption_budget(spec, role, owner, pool))
-    return [c for c in children if c is not None] + build_router_children(spec, owner, pool)
+    return ([c for c in children if c is not None] + build_router_children(spec, owner, pool)
+            + build_pool_events_children(spec, owner, pool))  # fmt: skip

@@ -19,8 +19,8 @@ Pure: no I/O. Written only where the CRD is installed (the controller asks disco
 from __future__ import annotations
 
 from maru_operator.api.inferencegroup import InferenceGroupSpec
-from maru_operator.builders.common import LABEL_INSTANCE, LABEL_NAME, Object, Owner, labels, metadata
-from maru_operator.builders.group import VLLM_APP, VLLM_PORT
+from maru_operator.builders.common import Object, Owner, labels, metadata
+from maru_operator.builders.group import VLLM_APP, VLLM_PORT, vllm_pods
 from maru_operator.names import child_name
 
 GROUP = "inference.networking.k8s.io"
@@ -37,7 +37,7 @@ def inference_pool_name(group: str) -> str:
 
 def pool_selector(owner: Owner) -> dict[str, str]:
     """The group's vLLM pods of both roles (not the router's): what the endpoint picker chooses among."""
-    return {LABEL_NAME: VLLM_APP, LABEL_INSTANCE: owner.instance}
+    return vllm_pods(owner)
 
 
 def build_inference_pool(spec: InferenceGroupSpec, owner: Owner) -> Object | None:

@@ -31,7 +31,6 @@ from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
     LABEL_COMPONENT,
-    LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     LABEL_NAME,
     LABEL_PART_OF,
@@ -54,9 +53,14 @@ from maru_operator.builders.group import (
     VLLM_PORT,
     PoolView,
     decode_direct,
+    vllm_pods,
 )
 from maru_operator.builders.pool import APP as POOL_APP
 from maru_operator.builders.pool import COMPONENT_AGENT, COMPONENT_METADATA, agent_name, metadata_name
+from maru_operator.builders.poolevents import COMPONENT as COMPONENT_POOL_EVENTS
+from maru_operator.builders.poolevents import EVENTS_PORT as POOL_EVENTS_PORT
+from maru_operator.builders.poolevents import POOL_EVENTS_APP, pool_events_name, pool_events_pods
+from maru_operator.builders.poolevents import REPLAY_PORT as POOL_EVENTS_REPLAY_PORT
 from maru_operator.names import child_name, label_value
 
 # Set on every namespace by the API server (since Kubernetes 1.22): selects a namespace by its name.
@@ -142,8 +146,8 @@ def _pool_selector(owner: Owner, component: str) -> dict[str, str]:
 
 
 def pool_clients(pool: str, app: str = VLLM_APP) -> dict[str, str]:
-    """Labels of the vLLM pods (or, ``app``, the decode-direct routers) bound to ``pool``, in any namespace
-    (the group builder sets them)."""
+    """Labels of the vLLM pods (or, ``app``, the decode-direct routers and the pool events publishers) bound to
+    ``pool``, in any namespace (the group builders set them)."""
     return {LABEL_NAME: app, LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY}
 
 
@@ -166,7 +170,8 @@ def build_metadata_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, conf
     """
     agents = _peer(_pool_selector(owner, COMPONENT_AGENT))
     clients = [{"namespaceSelector": _client_namespaces(spec),
-                "podSelector": {"matchLabels": pool_clients(owner.name, app)}} for app in (VLLM_APP, ROUTER_APP)]
+                "podSelector": {"matchLabels": pool_clients(owner.name, app)}}
+               for app in (VLLM_APP, ROUTER_APP, POOL_EVENTS_APP)]
     return _policy(
         owner, name=metadata_name(owner.name), namespace=namespace,
         pod_labels=labels(owner, app=POOL_APP, component=COMPONENT_METADATA),
@@ -204,11 +209,6 @@ def build_pool_policies(spec: MaruPoolSpec, owner: Owner, namespace: str, config
 
 
 # --- InferenceGroup -------------------------------------------------------------------------------
-
-
-def vllm_pods(owner: Owner) -> dict[str, str]:
-    """Both roles' vLLM pods of one group."""
-    return {LABEL_NAME: VLLM_APP, LABEL_INSTANCE: owner.instance}
 
 
 def router_pods(owner: Owner) -> dict[str, str]:
@@ -275,6 +275,19 @@ def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolVie
     )
 
 
+def build_pool_events_policy(owner: Owner, pool: PoolView, pool_namespace: str) -> Object:
+    """The pool events publisher: its stream open to any consumer (a KV-aware router runs wherever its own
+    installation put it, as an InferencePool's picker does), and out only to DNS and a dax pool's metadata
+    server; an shm pool is a unix socket, which no NetworkPolicy covers."""
+    return _policy(
+        owner, name=pool_events_name(owner.name), namespace=str(owner.namespace),
+        pod_labels=labels(owner, app=POOL_EVENTS_APP, component=COMPONENT_POOL_EVENTS),
+        select=pool_events_pods(owner),
+        ingress=[{"ports": _tcp(POOL_EVENTS_PORT, POOL_EVENTS_REPLAY_PORT)}],
+        egress=[dns_egress(), *_metadata_egress(pool, pool_namespace)],
+    )
+
+
 def build_group_policies(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str,
                          config: NetworkPolicyConfig) -> list[Object]:
     if not config.enabled:
@@ -283,4 +296,6 @@ def build_group_policies(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
     if spec.router.enabled:
         direct = pool if decode_direct(spec, pool) else None
         policies.append(build_router_policy(owner, config, direct, pool_namespace))
+    if spec.pool_events.enabled and pool is not None:
+        policies.append(build_pool_events_policy(owner, pool, pool_namespace))
     return policies
