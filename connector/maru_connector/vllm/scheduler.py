@@ -63,6 +63,7 @@ from maru_connector.vllm.metadata import (
     MaruWorkerInfo,
     MaruWorkerReport,
     SavePlan,
+    chunk_token_ids,
 )
 from maru_connector.vllm.namespace import engine_identity
 from maru_connector.weights import adapter_identity, remote_weights_problem
@@ -643,9 +644,9 @@ class MaruScheduler:
                 ids = block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
                 if len(ids) < self.blocks_per_chunk:
                     break  # no block table for it (never expected): try again next step
-                chunks.append(
-                    ChunkSave(index=i, keys=state.keys[i], parents=state.keys.parents(i), block_ids=tuple(ids))
-                )
+                keys, parents = state.keys[i], state.keys.parents(i)
+                tokens = chunk_token_ids(state.request, i, self.chunk_tokens)
+                chunks.append(ChunkSave(index=i, keys=keys, parents=parents, block_ids=tuple(ids), token_ids=tokens))
             if not chunks:
                 continue
             self.stats.count(common.SAVE_RETRIES, sum(1 for c in chunks if c.index in state.retry_at))

@@ -417,7 +417,7 @@ class MaruWorker:
         if paged is None:
             return self._skip(todo)
         nbytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
-        items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank]) for _, _, c in todo]
+        items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank], c.token_ids) for _, _, c in todo]
         ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
             return self._skip(todo, SKIPPED)
