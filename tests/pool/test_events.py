@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
+from maru_connector.pool import client as client_module
 from maru_connector.pool import protocol
 from maru_connector.pool.client import PoolClient, PoolError, WriteLease
 from maru_connector.pool.events import CLEARED, KEY_COST_BYTES, REMOVED, STORED, Event, EventLogs, chains
@@ -424,6 +425,24 @@ def test_daemon_keeps_the_tokens_each_chunk_was_written_with_for_its_events(
         # Items grow at the end: an element after the tokens (a newer client's) is ignored, not refused.
         (grant,) = la.call({"op": "write", "items": [["04" * 16, 4096, None, tokens(4).hex(), "newer"]]})["grants"]
         assert isinstance(grant, list)
+
+
+def test_a_write_batch_over_the_token_budget_sends_the_rest_without_tokens(
+    daemons: list[Daemon], sock_dir: Path, keyed: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch stays under the daemon's frame limit: its chunks are stored, only their events lose tokens."""
+    key, tokens_of = keyed
+    d = start(daemons, sock_dir, key)
+    url = d.ready["listen"]
+    monkeypatch.setattr(client_module, "WRITE_TOKEN_BYTES", 2 * len(tokens(0)))
+    keys = [bytes([9, i]) * 8 for i in range(3)]
+    with PoolClient(url, timeout_s=10, token_file=tokens_of["a"]) as a, \
+            TenantLink(url, token_file=tokens_of["a"]) as la:  # fmt: skip
+        first = read(la, None)
+        commit_prompt(a, keys, token_ids=[tokens(0), tokens(1), tokens(2)])
+        assert read(la, [first["epoch"], first["last"]], tokens=True)["events"] == [
+            [STORED, [k.hex() for k in keys], None, [tokens(0).hex(), tokens(1).hex(), None]]
+        ]
 
 
 def test_daemon_refuses_malformed_tokens_naming_them(
