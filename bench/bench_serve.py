@@ -11,6 +11,9 @@ same workload:
   engines' KV events: a prompt whose full chunks the pool holds goes to decode alone; engines are
   chosen by load and by what their own caches hold beyond the pool (with one engine per role the
   choice is the engine of that role: locality is exercised by ``tests/router/test_locality.py``).
+* ``pd_direct_spread`` (with ``--spread``): as ``pd_direct``, with ``--direct-to-prefill on``
+  (``spec.router.decodeDirect.toPrefill``): a covered prompt may go to the prefill engine when decode is
+  busier, so both engines serve pool hits.
 * ``replicas``: what a user runs without us: two plain engines (no connector) behind vllm-router's
   round robin, each with its own prefix cache.
 
@@ -245,6 +248,9 @@ def main() -> int:
     parser.add_argument("--results-key", default="serve", help="key in bench/results.json (default serve)")
     parser.add_argument("--warm", action="store_true",
                         help="steady state: each engine of a way sees each prefix once before the run")  # fmt: skip
+    parser.add_argument("--spread", action="store_true",
+                        help="a fourth way, pd_direct_spread: maru-router with --direct-to-prefill on, so a covered "
+                             "prompt may go to the prefill engine when decode is busier (both engines serve hits)")
     args = parser.parse_args()
     from maru_connector.tinymodel import make_tiny_llama
     from tests.vllm.test_serve_pd import free_port
@@ -276,8 +282,13 @@ def main() -> int:
             replicas = VllmRouterProcess(workdir, workers=(engines["replica-a"].url, engines["replica-b"].url),
                                          name="router-round-robin")
             routers += [pd, direct, replicas]
-            ways = {"pd": (pd.url, [pd.url]), "pd_direct": (direct.url, [direct.url]),
-                    "replicas": (replicas.url, [engines[r].url for r in REPLICAS])}  # fmt: skip
+            ways = {"pd": (pd.url, [pd.url]), "pd_direct": (direct.url, [direct.url])}
+            if args.spread:
+                spread = RouterProcess("pd-direct-spread", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
+                                       kv_events=kv_events, direct_to_prefill="on")  # fmt: skip
+                routers.append(spread)
+                ways["pd_direct_spread"] = (spread.url, [spread.url])
+            ways["replicas"] = (replicas.url, [engines[r].url for r in REPLICAS])
             for seed, (name, (url, warm_urls)) in enumerate(ways.items(), start=1):
                 if args.warm:
                     print(f"{name}: warming {args.prefixes} prefixes on {len(warm_urls)} URL(s) ...", flush=True)
@@ -293,6 +304,8 @@ def main() -> int:
                     warm[name] = warm_check(warmed, prefixes, sent) | {"warm_up_requests": len(warmed) * len(warm_urls)}
                 if name == "pd_direct":
                     results[name]["routed_direct"] = int(during["routed_direct"])
+                if name == "pd_direct_spread":
+                    results[name]["served_by_prefill"] = int(spread.direct_to("prefill"))
                 if name == "replicas":
                     results[name]["prefix_cache_hit_rate"] = round(during["hits"] / max(1.0, during["queries"]), 3)
                 print(f"  {results[name]}" + (f" warm-up {warm[name]}" if args.warm else ""), flush=True)
@@ -320,6 +333,9 @@ def main() -> int:
         "pd_direct_over_replicas_ttft_p50": p50,
         "pd_direct_over_replicas_ttft_p99": p99,
         "pd_direct_over_pd_ttft_p50": round(ours["ttft_p50_ms"] / results["pd"]["ttft_p50_ms"], 3),
+        **({"pd_direct_spread_over_replicas_ttft_p50_p99": [
+            round(results["pd_direct_spread"][f"ttft_{q}_ms"] / base[f"ttft_{q}_ms"], 3) for q in ("p50", "p99")]}
+           if "pd_direct_spread" in results else {}),
         "answers_equal_recompute": f"{equal}/{checks} (decode-direct {int(routed)})",
         "warm": {"how": WARM_HOW, **warm} if args.warm else False,
         "targets": {"ttft_p50": TARGET_P50, "ttft_p99": TARGET_P99},
