@@ -60,6 +60,10 @@ class TestDecodeDirectRouter:
         assert flag(args, "--prefill") == "http://llama-prefill.llm.svc:8000"
         assert flag(args, "--decode") == "http://llama-decode.llm.svc:8000"
         assert flag(args, "--min-coverage") == "1.0"
+        assert "--direct-to-prefill" not in args  # off: prefill stays free for the prompts the pool lacks
+        spread = containers(build_router_deployment(group_spec(router={"decodeDirect": {"toPrefill": True}}),
+                                                    GROUP_OWNER, pool_view()))["router"]["args"]  # fmt: skip
+        assert flag(spread, "--direct-to-prefill") == "on"
         # It takes the pods vllm-router found as its engines and asks each where it publishes its KV events.
         assert flag(args, "--follow-upstream-workers") == "5"
         assert "--discover-kv-events" in args

@@ -365,6 +365,13 @@ class DecodeDirect(KubeModel):
                     "all of them (decode computes only the last partial chunk). Lower values send partly "
                     "cached prompts to decode too, which then computes the rest itself.",
     )
+    to_prefill: bool = Field(
+        False,
+        description="Let a prefill pod serve a covered prompt alone when it has fewer of the router's requests in "
+                    "flight than every decode pod (prefill pods load from the pool as decode does), so both roles "
+                    "serve pool hits. Off: prefill stays free for prompts the pool lacks, and decoding never shares "
+                    "a step with a long prefill; the router does not see the prefills vllm-router sends.",
+    )
 
 
 class RouterSpec(PodOptions):

@@ -508,6 +508,7 @@ def maru_router_args(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
         # beyond the pool gets its prefill there (the rest stays vllm-router's).
         "--follow-upstream-workers", str(FOLLOW_WORKERS_SECONDS),
         "--discover-kv-events",
+        *(["--direct-to-prefill", "on"] if spec.router.decode_direct.to_prefill else []),
     ]
 
 
