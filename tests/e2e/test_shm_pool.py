@@ -223,23 +223,32 @@ def test_the_group_publishes_what_the_pool_holds_as_vllm_kv_events(shm: Deployme
     sock.connect(shm.cluster.pod_url(GROUP_NS, pod["metadata"]["name"], 5557, scheme="tcp"))
     seeds = iter(range(500, 10_000))
     stored: list[BlockStored] = []
+    sent: list[list[int]] = []
 
     def a_store_seen() -> bool:
         # Stores made before the subscription took hold are not sent to it: store again until one is seen.
-        complete(shm.router_url, prompt(2 * CHUNK + 9, seed=next(seeds)))
+        sent.append(prompt(2 * CHUNK + 9, seed=next(seeds)))
+        complete(shm.router_url, sent[-1])
         while sock.poll(1000):
             _topic, _seq, payload = sock.recv_multipart()
             batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
             stored.extend(e for e in batch.events if isinstance(e, BlockStored))
-        return bool(stored)
+        return any(e.token_ids for e in stored)
 
     try:
-        wait("a BlockStored from the pool events publisher", a_store_seen, shm)
+        wait("a BlockStored with token ids from the pool events publisher", a_store_seen, shm)
     finally:
         sock.close(linger=0)
     for event in stored:
         assert event.medium == "MARU_POOL" and event.block_size == CHUNK, event
         assert event.block_hashes and all(isinstance(h, bytes) and len(h) == 16 for h in event.block_hashes)
+        # What llm-d's and Dynamo's indexers key blocks by: each chunk's prompt tokens, or none at all.
+        assert len(event.token_ids) in (0, CHUNK * len(event.block_hashes)), event
+    # The chunks of a prompt sent here come with exactly that prompt's tokens (others may be earlier tests').
+    ours = {tuple(p[i:i + CHUNK]) for p in sent for i in range(0, len(p) - CHUNK + 1, CHUNK)}
+    tokenized = [[tuple(e.token_ids[i:i + CHUNK]) for i in range(0, len(e.token_ids), CHUNK)]
+                 for e in stored if e.token_ids]
+    assert any(all(c in ours for c in chunks) for chunks in tokenized), (sent, tokenized)
 
 
 def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) -> None:
