@@ -168,7 +168,12 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Strict: only what :func:`_b64` writes. Lenient decoding drops stray characters and ignores trailing
+    bits, so many texts would be one token (a token would not be its own identity in logs and caches)."""
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
 
 
 def issue(key: bytes, principal: Principal) -> str:
@@ -197,7 +202,7 @@ def verify(key: bytes, token: str) -> Principal:
     try:
         fields = [_unb64(p) for p in parts[1:]]
     except (binascii.Error, ValueError):
-        raise BadToken("not a pool token (its parts are not base64url)") from None
+        raise BadToken("not a pool token (its parts are not canonical unpadded base64url)") from None
     body, mac = fields[0], fields[-1]
     # The quota is signed with the principal: a token whose quota was changed is a forgery.
     expected = _mac(key, body) if len(fields) == 2 else _mac(key, body + b"\n" + fields[1], _MAC_CONTEXT_V2)

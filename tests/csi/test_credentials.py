@@ -228,3 +228,43 @@ def test_the_init_container_refuses_bad_input_naming_the_flag(tmp_path: Path, ar
     done = run_minting(*[x for kv in given.items() for x in kv])
     assert done.returncode == 2 and word in done.stderr, done.stderr
     assert not (tmp_path / CREDENTIALS_DIR).exists()
+
+
+def test_credentials_swapped_for_a_link_after_the_check_are_not_followed(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check and the read are one directory: ``_credentials`` replaced by a link to another directory (its
+    owner's key and policy) right after the plugin checked it is not what the plugin mints from."""
+    root = tmp_path / "run-maru"
+    minting.write(str(root), POOL, KEY, tenancy.Quota(pins=8), tenancy.Quota(pins=8))
+    planted = tmp_path / "planted"
+    minting.write(str(planted), POOL, secrets.token_bytes(32), tenancy.DEFAULT_QUOTA, tenancy.DEFAULT_QUOTA)
+    directory = root / CREDENTIALS_DIR
+    real_lstat, real_fstat = os.lstat, os.fstat
+    swapped: list[bool] = []
+
+    def swap() -> None:  # what a racing writer of the socket root would do between check and use
+        if not swapped:
+            swapped.append(True)
+            directory.rename(root / "moved")
+            directory.symlink_to(planted / CREDENTIALS_DIR)
+
+    def lstat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        result = real_lstat(path, *args, **kwargs)  # type: ignore[arg-type]
+        if os.fspath(path) == str(directory):  # type: ignore[arg-type]
+            swap()
+        return result
+
+    def fstat(fd: int) -> os.stat_result:
+        result = real_fstat(fd)
+        if stat.S_ISDIR(result.st_mode):
+            swap()
+        return result
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    monkeypatch.setattr(os, "fstat", fstat)
+    got = minting.read(str(root), POOL)
+    assert swapped, "the check did not run"
+    assert (got.key, got.default) == (KEY, tenancy.Quota(pins=8)), "the plugin read the planted material"
+    monkeypatch.undo()
+    with pytest.raises(minting.MintingError, match="not a link"):  # a link found there is refused outright
+        minting.read(str(root), POOL)

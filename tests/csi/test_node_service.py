@@ -197,6 +197,9 @@ NO_RULE = [
     ("world-writable", _corrupt('{"version": 1, "pool": "pool-x", "admit": "AllNamespaces"}', 0o666),
      ["no other user may write"]),
     ("symlink", _symlink, ["cannot be opened"]),
+    # A root-owned copy of another pool's laxer rule (pool-open admits every namespace) is not this pool's.
+    ("another-pools-rule", _corrupt('{"version": 1, "pool": "pool-open", "admit": "AllNamespaces"}'),
+     ["pool 'pool-open'", "not of 'pool-x'"]),
 ]
 
 

@@ -140,7 +140,8 @@ def read(pool_dir: str) -> Admission:
     """The admission rule of the pool whose socket directory is ``pool_dir``, as its agent wrote it.
 
     Only a regular file (not a link) owned by root or by this process's user, and writable by its owner
-    alone, is read: anything else could have been written by someone other than the pool's agent.
+    alone, is read: anything else could have been written by someone other than the pool's agent. The
+    file must name the pool whose directory holds it: a copy of another pool's (laxer) rule is refused.
     """
     path = os.path.join(pool_dir, ADMISSION_FILE)
     try:
@@ -162,7 +163,12 @@ def read(pool_dir: str) -> Admission:
         data = os.read(fd, MAX_BYTES + 1)
     finally:
         os.close(fd)
-    return parse(data, path)
+    rule = parse(data, path)
+    directory = os.path.basename(os.path.normpath(pool_dir))
+    if rule.pool != directory:
+        raise AdmissionError(f"{path} is the rule of pool {rule.pool!r}, not of {directory!r} whose directory "
+                             "holds it: each pool's agent writes its own")
+    return rule
 
 
 def write(pool_dir: str, document: dict[str, Any]) -> str:

@@ -133,24 +133,37 @@ def _trusted(st: os.stat_result) -> bool:
 
 
 def read(socket_root: str, pool: str) -> Material:
-    """The minting material of ``pool`` on this node; :class:`MintingError` when it is missing or unsafe."""
+    """The minting material of ``pool`` on this node; :class:`MintingError` when it is missing or unsafe.
+
+    The directory is opened (never followed if it is a link) and checked through that descriptor, and the file
+    is opened relative to it: what was checked is what is read, even if ``_credentials`` is swapped for a link
+    in between.
+    """
     directory = os.path.join(socket_root, CREDENTIALS_DIR)
     path = material_path(socket_root, pool)
     try:
-        dst = os.lstat(directory)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise MintingError(f"{directory} is missing: the pool's agent on this node writes it before it starts "
                            "(an agent rendered by an older operator does not)") from None
-    if not stat.S_ISDIR(dst.st_mode) or not _trusted(dst):
-        raise MintingError(f"{directory} is owned by uid {dst.st_uid} with mode {stat.filemode(dst.st_mode)}: only "
-                           "a root-owned directory closed to group and others is trusted")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise MintingError(f"{path} is missing: the pool's agent on this node writes it before it starts "
-                           "(an agent rendered by an older operator does not)") from None
     except OSError as err:
-        raise MintingError(f"{path} cannot be opened ({os.strerror(err.errno or 0)})") from None
+        raise MintingError(f"{directory} cannot be opened as a directory ({os.strerror(err.errno or 0)}): only a "
+                           "root-owned directory closed to group and others, not a link, is trusted") from None
+    try:
+        dst = os.fstat(dir_fd)
+        if not stat.S_ISDIR(dst.st_mode) or not _trusted(dst):
+            raise MintingError(f"{directory} is owned by uid {dst.st_uid} with mode {stat.filemode(dst.st_mode)}: "
+                               "only a root-owned directory closed to group and others is trusted")
+        try:
+            fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise MintingError(f"{path} is missing: the pool's agent on this node writes it before it starts "
+                               "(an agent rendered by an older operator does not)") from None
+        except OSError as err:
+            raise MintingError(f"{path} cannot be opened ({os.strerror(err.errno or 0)})") from None
+    finally:
+        os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
