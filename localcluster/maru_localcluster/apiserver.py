@@ -53,7 +53,7 @@ import kmock
 import yaml
 from typing_extensions import override
 
-from maru_localcluster import authz, defaults, fieldmanager, protobuf
+from maru_localcluster import authz, defaults, fieldmanager, protobuf, validation
 
 try:
     import orjson as _orjson
@@ -211,6 +211,7 @@ BUILTIN_RESOURCES: list[ResourceType] = [
     _builtin('discovery.k8s.io', 'v1', 'endpointslices', 'EndpointSlice'),
     _builtin('scheduling.k8s.io', 'v1', 'priorityclasses', 'PriorityClass', False, short=['pc']),
     _builtin('storage.k8s.io', 'v1', 'csidrivers', 'CSIDriver', False),
+    _builtin('storage.k8s.io', 'v1', 'storageclasses', 'StorageClass', False, short=['sc']),
 ]
 
 # Strategic-merge-patch keys of lists merged element-wise (the rest are replaced, as in k8s).
@@ -891,12 +892,16 @@ class Emulator(kmock.KubernetesEmulator):
             if not ref.get('uid'):
                 raise _invalid(rt, name, 'metadata.ownerReferences.uid', 'Invalid value: "": uid must not be '
                                                                          'empty')
-        if managed is None:
-            managed = fieldmanager.track_update(None, obj, self._shape(rt, obj), manager or _FIELD_MANAGER.get(),
-                                                obj['apiVersion'])
         self._admit_requester(rt, obj, None)
         obj = self._admit(rt, obj, None, name)
         meta = obj['metadata']
+        if managed is None:
+            # After defaulting, as kube-apiserver: its decoder defaults the body before the create handler's
+            # field manager sees it (k8s.io/apiserver pkg/endpoints/handlers create.go createHandler:
+            # scope.FieldManager.UpdateNoErrors on the decoded, defaulted object), so the server's defaults
+            # (a Deployment's strategy, a container's terminationMessagePath) are owned by the creator.
+            managed = fieldmanager.track_update(None, obj, self._shape(rt, obj), manager or _FIELD_MANAGER.get(),
+                                                obj['apiVersion'])
         self._set_managed(meta, managed, [])
         meta['uid'] = str(uuid.uuid4())
         meta['creationTimestamp'] = _now()
@@ -1164,6 +1169,7 @@ class Emulator(kmock.KubernetesEmulator):
             if rt.key == ('', 'services') and self.service_ip_allocator is not None:
                 _allocate_cluster_ip(obj, old, self.service_ip_allocator)
             defaults.apply(rt.group, rt.plural, obj, old)
+            self._validate_builtin(rt, obj, old, name)
         for step in self.admission:
             obj = step(rt, obj, old)
         if rt.custom and self.validate_schemas:
@@ -1201,6 +1207,25 @@ class Emulator(kmock.KubernetesEmulator):
                                    {'name': name, 'group': rt.group, 'kind': rt.kind, 'causes': causes})
         return obj
 
+    def _validate_builtin(self, rt: ResourceType, obj: JsonObj, old: JsonObj | None, name: str) -> None:
+        """kube-apiserver's validation (422), then its validating admission (403), of a built-in kind's write."""
+        causes: list[validation.Cause] = []
+        if rt.key == ('apps', 'deployments'):
+            causes = validation.deployment_strategy(obj.get('spec') or {})
+        elif rt.key == ('', 'persistentvolumeclaims') and old is not None:
+            causes = validation.pvc_update(obj, old)
+        if causes:
+            what = f'{rt.kind}.{rt.group}' if rt.group else rt.kind
+            raise ApiError(422, 'Invalid', f'{what} "{name}" is invalid: ' + '; '.join(f'{f}: {m}' for f, m in causes),
+                           {'name': name, 'group': rt.group, 'kind': rt.kind,
+                            'causes': [{'reason': 'FieldValue' + m.split(':', 1)[0], 'field': f, 'message': m}
+                                       for f, m in causes]})
+        if rt.key == ('', 'persistentvolumeclaims') and old is not None:
+            denied = validation.pvc_resize(obj, old, lambda g, p, ns, n: self._store.get((g, p, ns, n)))
+            if denied:
+                raise ApiError(403, 'Forbidden', f'persistentvolumeclaims "{name}" is forbidden: {denied}',
+                               {'name': name, 'kind': 'persistentvolumeclaims'})
+
     def _commit(self, rt: ResourceType, key: tuple[str, str, str | None, str], old: JsonObj, body: JsonObj,
                 subresource: str | None, dry_run: bool, manager: str | None = None,
                 managed: list[fieldmanager.Entry] | None = None) -> JsonObj:
@@ -1215,7 +1240,7 @@ class Emulator(kmock.KubernetesEmulator):
                 new['status'] = body['status']
             else:
                 new.pop('status', None)
-        elif subresource is not None:
+        elif subresource not in (None, 'scale'):
             raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
                                             f'({rt.plural}/{subresource})')
         else:
@@ -1255,7 +1280,11 @@ class Emulator(kmock.KubernetesEmulator):
     def _commit_internal(self, rt: ResourceType, key: tuple[str, str, str | None, str],
                          new: JsonObj) -> JsonObj:
         old = self._store[key]
-        if _strip_volatile(new, rt) != _strip_volatile(old, rt):
+        if _strip_volatile(new, rt) != _strip_volatile(old, rt) or (
+                # k8s.io/kubernetes pkg/registry/apps/deployment/strategy.go PrepareForUpdate: a Deployment's
+                # generation also moves when only its annotations change.
+                rt.key == ('apps', 'deployments')
+                and new['metadata'].get('annotations') != old['metadata'].get('annotations')):
             new['metadata']['generation'] = old['metadata'].get('generation', 1) + 1
         if new == old:
             return _clone(old)  # a no-op write changes nothing and notifies nobody
@@ -1635,7 +1664,11 @@ class Emulator(kmock.KubernetesEmulator):
         for part in parts[:-1]:
             cur = cur.setdefault(part, {})
         cur[parts[-1]] = replicas
-        updated = self.patch_object(rt.group, rt.plural, namespace, name, patch, dry_run=dry_run)
+        # As kube-apiserver's scale handler (k8s.io/kubernetes pkg/registry/apps/deployment/storage
+        # ScaleREST.Update, with k8s.io/apiserver pkg/endpoints/handlers/fieldmanager ScaleHandler): the write's
+        # managedFields entry names the subresource, and takes spec.replicas from whoever owned it.
+        updated = self.patch_object(rt.group, rt.plural, namespace, name, patch, dry_run=dry_run,
+                                    subresource='scale')
         return _scale_of(updated, rt.scale)
 
     def _parse_path(self, segs: list[str]) -> tuple[ResourceType, str, str | None, str | None,

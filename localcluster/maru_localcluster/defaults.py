@@ -15,6 +15,8 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
+from maru_localcluster.validation import default_deployment_strategy
+
 JsonObj = dict[str, Any]
 
 _cluster_ips: Iterator[int] = itertools.count(10)
@@ -99,8 +101,8 @@ def apply(group: str, plural: str, obj: JsonObj, old: JsonObj | None = None) -> 
         return
     if (group, plural) == ('apps', 'deployments'):
         _set(spec, 'replicas', 1)
-        _set(spec, 'strategy', {'type': 'RollingUpdate',
-                                'rollingUpdate': {'maxUnavailable': '25%', 'maxSurge': '25%'}})
+        _set(spec, 'strategy', {})
+        default_deployment_strategy(spec)
         _set(spec, 'revisionHistoryLimit', 10)
         _set(spec, 'progressDeadlineSeconds', 600)
         _template(spec)

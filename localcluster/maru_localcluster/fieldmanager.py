@@ -306,10 +306,12 @@ def track_update(old: JsonObj | None, new: JsonObj, shape: Shape, manager: str, 
     entries = entries_of(old)
     mine = None
     for entry in entries:
-        if entry.subresource != subresource:
+        # The scale subresource writes the main object's fields (spec.replicas): its entries and the main
+        # resource's own them together, as structured-merge-diff keeps one field set per object.
+        if (entry.subresource == 'status') != status:
             continue
         entry.paths -= removed
-        if entry.manager == manager and entry.operation == 'Update':
+        if entry.manager == manager and entry.operation == 'Update' and entry.subresource == subresource:
             mine = entry
         else:
             entry.paths -= changed
@@ -343,8 +345,8 @@ def apply(live: JsonObj | None, config: JsonObj, shape: Shape, manager: str, api
     own_before: set[Path] = set()
     others: list[Entry] = []
     for entry in entries:
-        if entry.subresource:
-            continue
+        if entry.subresource == 'status':
+            continue  # the status' fields: never an apply's to the main resource (a scale write's are)
         # A manager is a (name, operation) pair: the same name's Update entry is another manager, whose
         # fields this apply conflicts with and never removes, as in kube-apiserver.
         if entry.manager == manager and entry.operation == 'Apply':
