@@ -272,7 +272,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from maru_operator import handlers
+    from maru_operator import handlers, metrics
     from maru_operator.kube import Kube, login
     from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE
 
@@ -301,9 +301,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
     if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port)
+        metrics.serve(args.metrics_port)
     if namespaces and pool_namespace not in namespaces:
         # The pools' daemons live there; without watching it the operator could not see them.
         namespaces.append(pool_namespace)

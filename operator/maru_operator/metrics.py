@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
 
+from maru_connector.boundedhttp import BoundedHttpServer
 from maru_operator.traffic import DecodeReads
 
 RECONCILES = Counter("maru_operator_reconciles_total", "Reconciles run, by kind and result.", ["kind", "result"])
@@ -70,3 +72,14 @@ def forget_group(namespace: str, group: str) -> None:
     for source in ("pool", "computed"):
         with contextlib.suppress(KeyError):
             GROUP_DECODE_TOKENS.remove(namespace, group, source)
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> BoundedHttpServer:
+    """Serve ``/metrics`` on ``addr:port`` (0: a free port) until the process ends, from a fixed pool of threads.
+
+    Not prometheus_client's ``start_http_server``: it starts a thread per connection and waits on it with no
+    deadline, so idle connections from any pod the NetworkPolicy lets in would exhaust the operator's pids.
+    """
+    server = BoundedHttpServer(addr, port, MetricsHandler, name="maru-operator-metrics")
+    server.start()
+    return server

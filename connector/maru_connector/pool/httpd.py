@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from maru_connector.boundedhttp import BoundedHttpServer
 
 from .units import join_host_port, split_host_port
 
@@ -142,12 +142,12 @@ class _StatsCollector:
                 yield GaugeMetricFamily(f"maru_pool_{name}", GAUGES[name], value=value)
 
 
-class _Http6Server(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
-
-
 class HttpEndpoint:
-    """Serve metrics and status on ``host:port`` from a background thread; port 0 picks a free port."""
+    """Serve metrics and status on ``host:port`` from a few background threads; port 0 picks a free port.
+
+    The threads are a fixed pool with deadlines (:mod:`maru_connector.boundedhttp`): idle or slow connections
+    to this port cannot take the threads the daemon needs for its tenants.
+    """
 
     def __init__(
         self,
@@ -185,18 +185,12 @@ class HttpEndpoint:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("http: " + format, *args)
 
-        server_cls = _Http6Server if ":" in host else ThreadingHTTPServer
-        self._server = server_cls((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = BoundedHttpServer(host, port, Handler, name="maru-pool-http")
         bound_host, bound_port = self._server.server_address[:2]
         self.address = join_host_port(str(bound_host), int(bound_port))
-        self._thread = threading.Thread(target=self._server.serve_forever, name="maru-pool-http", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._server.start()
 
     def close(self) -> None:
-        # shutdown() waits for serve_forever to notice, so it would hang if that never started.
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
