@@ -223,7 +223,7 @@ def test_an_idle_connection_is_closed_and_the_client_reconnects(
 @pytest.mark.parametrize(
     ("flag", "value"),
     [("--max-connections", "0"), ("--max-connections-per-peer", "x"), ("--hello-timeout-seconds", "0"),
-     ("--max-frame", "1Ki"), ("--max-hello-frame", "1")],
+     ("--max-frame", "1Ki"), ("--max-hello-frame", "1"), ("--max-tenant-pins", "0"), ("--max-tenant-leases", "x")],
 )  # fmt: skip
 def test_bad_limit_flags_exit_2_naming_the_flag(sock_dir: Path, flag: str, value: str) -> None:
     result = run_cli("serve", "--listen", f"unix://{sock_dir}/x.sock", "--size", "1Mi",

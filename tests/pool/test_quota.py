@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from maru_connector import tenancy
-from maru_connector.pool import PoolAuthError, PoolClient, PoolFull
+from maru_connector.pool import PoolAuthError, PoolClient, PoolFull, quota
 from maru_connector.pool.client import QUOTA, WriteLease
 from maru_connector.pool.index import FULL, PoolIndex
 from maru_connector.pool.quota import QUOTA as INDEX_QUOTA
@@ -194,6 +194,37 @@ def test_the_token_carries_the_quota_and_a_forged_quota_is_refused(served: Daemo
     assert tenants(served)[B_SCOPE]["quota_bytes"] == MiB
     assert client(served, str(sock_dir / "p.token")).put(key("b", 2), b"x" * CHUNK)
     assert tenants(served)[B_SCOPE]["quota_bytes"] == 6 * MiB
+
+
+def test_a_token_asking_for_more_pins_and_leases_than_the_daemon_allows_is_held_to_its_ceiling(
+        daemons: list[Daemon], sock_dir: Path, pool_key: Path) -> None:
+    """Reported: a self-raised token (pins=500000) took 500,000 pins and grew the daemon toward its memory limit.
+    Whatever a token carries, the daemon's --max-tenant-pins and --max-tenant-leases (the defaults unless set)
+    bound what one tenant holds; a token asking for less keeps its own quota."""
+    served = start_serve(daemons, sock_dir, "--auth-key-file", str(pool_key), "--max-tenant-leases", "300")
+    b = b_client(served, sock_dir, pool_key, "--quota-pins", "500000", "--quota-leases", "500000")
+    assert b.put(key("b", 0), b"B" * CHUNK)
+    granted = 0
+    for _ in range(7):  # 70,000 pins asked for, in frames well under --max-frame
+        granted += sum(p is not None for p in b.open_read_many([key("b", 0)] * 10_000))
+    assert granted == quota.DEFAULT_PINS
+    leases = b.lease_many([(key("b", 100 + i), 1) for i in range(400)])
+    assert sum(isinstance(g, WriteLease) for g in leases) == 300
+    seen = tenants(served)[B_SCOPE]
+    assert (seen["pins"], seen["quota_pins"], seen["leases"], seen["quota_leases"]) == (
+        quota.DEFAULT_PINS, quota.DEFAULT_PINS, 300, 300)
+    # Under the ceiling a token's own quota holds, as before.
+    a = client(served, make_token(sock_dir / "a.token", pool_key, A_SCOPE, "--quota-pins", "8"))
+    assert a.put(key("a", 0), b"A" * CHUNK)
+    assert sum(p is not None for p in a.open_read_many([key("a", 0)] * 20)) == 8
+    assert "over this daemon's ceiling" in "".join(_stderr_so_far(served))
+
+
+def _stderr_so_far(d: Daemon) -> list[str]:
+    """What the daemon logged: stop it (the test is done with it) and read its stderr."""
+    d.stop()
+    assert d.proc.stderr is not None
+    return d.proc.stderr.readlines()
 
 
 def test_quota_text_round_trips_and_refuses_what_it_would_not_write() -> None:

@@ -147,6 +147,7 @@ def build_serve(args: argparse.Namespace) -> Daemon:
         lease_seconds=args.lease_seconds,
         evict=args.eviction == "lru",
         events_keep=args.events_keep,
+        tenant_ceiling=_limits(args).tenant_ceiling,
     )
 
     def status() -> dict[str, Any]:
@@ -256,6 +257,7 @@ def build_metadata(args: argparse.Namespace) -> Daemon:
             lease_seconds=args.lease_seconds,
             evict=args.eviction == "lru",
             events_keep=args.events_keep,
+            tenant_ceiling=limits.tenant_ceiling,
         )
 
     service: IndexService

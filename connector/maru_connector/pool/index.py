@@ -47,7 +47,7 @@ from maru_connector.tenancy import Quota
 
 from .allocator import RegionAllocator
 from .events import DEFAULT_KEEP, EventLogs, Read
-from .quota import QUOTA, Account, Accounts
+from .quota import CEILING, QUOTA, Account, Accounts, Limits
 
 FULL = "full"
 # Refused because the chunk's parent is neither stored nor being stored: it could never be hit.
@@ -112,9 +112,11 @@ class PoolIndex:
         align: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         events_keep: int = DEFAULT_KEEP,
+        tenant_ceiling: Limits = CEILING,
     ) -> None:
         """``capacity``: bytes, or bytes per memory region (device); ``evict``: False refuses writes when full;
-        ``events_keep``: keys each tenant's event log keeps (see :mod:`.events`)."""
+        ``events_keep``: keys each tenant's event log keeps (see :mod:`.events`); ``tenant_ceiling``: the most
+        pins and leases any tenant holds, whatever its token says (see :mod:`.quota`)."""
         self.epoch = epoch
         self.lease_seconds = lease_seconds
         self.evict = evict
@@ -129,7 +131,7 @@ class PoolIndex:
         self._chunks: dict[bytes, Chunk] = {}  # key -> chunk, writing or committed
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed keys, least recently used first
         self._leases: dict[int, _Lease] = {}  # lease or pin id -> its chunk, deadline and owner
-        self.accounts = Accounts(self._alloc.capacity)
+        self.accounts = Accounts(self._alloc.capacity, tenant_ceiling)
         self._uses = itertools.count(1)
         self.counters = {
             "evictions": 0,

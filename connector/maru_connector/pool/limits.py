@@ -14,6 +14,9 @@ a client announces is allocated up front, and what it can hold is bounded:
   slowly its bytes trickle in; a verified one idle for ``--idle-timeout-seconds`` is closed (its leases
   and pins expired long before; the client reconnects on its next call).
 
+* **Pins and leases.** No tenant holds more than ``--max-tenant-pins`` read pins and ``--max-tenant-leases``
+  write leases at once, whatever quota its token carries (see :mod:`.quota`): each is daemon memory.
+
 A daemon without a pool key authenticates nobody, so every connection counts as verified from the start:
 only the after-hello bounds and the connection caps apply.
 """
@@ -29,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import quota
 from .units import parse_size
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,13 @@ class Limits:
     connections_per_peer: int = 256
     hello_timeout_s: float = 5.0
     idle_timeout_s: float | None = 3600.0  # None: never
+    # ~250 bytes of daemon memory each: 65,536 pins are ~16 MiB, and a token's quota cannot go past them.
+    tenant_pins: int = quota.DEFAULT_PINS
+    tenant_leases: int = quota.DEFAULT_LEASES
+
+    @property
+    def tenant_ceiling(self) -> quota.Limits:
+        return quota.Limits(None, self.tenant_pins, self.tenant_leases)
 
 
 DEFAULT = Limits()
@@ -87,6 +98,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--max-frame", type=_size, default=DEFAULT.frame_bytes,
         help="largest frame after hello, e.g. 16Mi (default %(default)s bytes; at least --max-hello-frame)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-tenant-pins", type=_count, default=DEFAULT.tenant_pins,
+        help="read pins one tenant may hold at once, whatever quota its token carries (serve, metadata; "
+        "default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-tenant-leases", type=_count, default=DEFAULT.tenant_leases,
+        help="write leases one tenant may hold at once, whatever quota its token carries (serve, metadata; "
+        "default %(default)s)",
+    )  # fmt: skip
 
 
 def from_args(args: argparse.Namespace) -> Limits:
@@ -98,6 +119,8 @@ def from_args(args: argparse.Namespace) -> Limits:
         connections_per_peer=getattr(args, "max_connections_per_peer", DEFAULT.connections_per_peer),
         hello_timeout_s=getattr(args, "hello_timeout_seconds", DEFAULT.hello_timeout_s),
         idle_timeout_s=getattr(args, "idle_timeout_seconds", DEFAULT.idle_timeout_s),
+        tenant_pins=getattr(args, "max_tenant_pins", DEFAULT.tenant_pins),
+        tenant_leases=getattr(args, "max_tenant_leases", DEFAULT.tenant_leases),
     )
     if limits.hello_frame_bytes < MIN_HELLO_FRAME:
         raise ValueError(

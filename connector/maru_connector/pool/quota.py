@@ -28,10 +28,17 @@ others; a pool with a single tenant gives up that quarter, which ``tenantQuota.b
 size gives back. Pins and leases: :data:`DEFAULT_PINS` and :data:`DEFAULT_LEASES`, far above what a fleet
 of engines holds at once (a scheduler pins the hits of its queued requests) and low enough that a tenant
 cannot grow the index's tables without bound.
+
+**The daemon's hard ceiling** (``--max-tenant-pins``, ``--max-tenant-leases``; by default the defaults above):
+whatever a token carries, no tenant holds more pins or leases than this. A token's quota is only as trusted as
+whoever asked for it, and each pin or lease is daemon memory (a few hundred bytes): without a ceiling, one
+tenant whose token carries a huge quota grows the daemon until the kernel kills it, and every tenant's chunks
+go with it. Clients without a token (a pool run without a key) are held to it too.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +46,7 @@ from typing import Any
 
 from maru_connector.tenancy import Quota
 
+log = logging.getLogger(__name__)
 # Refused because the tenant is at its quota (write grants; read pins are answered as misses).
 QUOTA = "quota"
 # A tenant's default byte quota, as a fraction of the pool: see the module's docstring.
@@ -58,17 +66,24 @@ class Limits:
 
 
 UNLIMITED = Limits(None, None, None)
+# The daemon's hard ceiling on any tenant's pins and leases (bytes: the pool); see the module's docstring.
+CEILING = Limits(None, DEFAULT_PINS, DEFAULT_LEASES)
 
 
-def resolve(quota: Quota | None, capacity: int) -> Limits:
-    """The limits of a token's quota on a pool of ``capacity`` bytes; ``quota`` None: unlimited (no auth)."""
+def _capped(value: int | None, cap: int | None) -> int | None:
+    return value if cap is None else cap if value is None else min(value, cap)
+
+
+def resolve(quota: Quota | None, capacity: int, ceiling: Limits = CEILING) -> Limits:
+    """The limits of a token's quota on a pool of ``capacity`` bytes, held to the daemon's ``ceiling``;
+    ``quota`` None (no authentication): only the ceiling."""
     if quota is None:
-        return UNLIMITED
+        return Limits(None, ceiling.pins, ceiling.leases)
     default_bytes = capacity * DEFAULT_BYTES_NUM // DEFAULT_BYTES_DEN
     return Limits(
         bytes=quota.bytes if quota.bytes is not None else default_bytes,
-        pins=quota.pins if quota.pins is not None else DEFAULT_PINS,
-        leases=quota.leases if quota.leases is not None else DEFAULT_LEASES,
+        pins=_capped(quota.pins if quota.pins is not None else DEFAULT_PINS, ceiling.pins),
+        leases=_capped(quota.leases if quota.leases is not None else DEFAULT_LEASES, ceiling.leases),
     )
 
 
@@ -98,19 +113,33 @@ class Account:
 class Accounts:
     """Every tenant the index has seen, by scope (the anonymous tenant is "")."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, ceiling: Limits = CEILING) -> None:
         self.capacity = capacity
+        self.ceiling = ceiling
         self._by_name: dict[str, Account] = {}
 
     def get(self, name: str, quota: Quota | None) -> Account:
         """The tenant's account, with the limits of ``quota`` (the last request's token wins)."""
-        limits = resolve(quota, self.capacity)
+        limits = resolve(quota, self.capacity, self.ceiling)
         account = self._by_name.get(name)
         if account is None:
             account = self._by_name[name] = Account(name, limits)
         elif account.limits != limits:
             account.limits = limits
+        else:
+            return account
+        self._report_capped(name, quota, limits)
         return account
+
+    def _report_capped(self, name: str, quota: Quota | None, limits: Limits) -> None:
+        """Once per change of a tenant's limits: say when its token asked for more than the ceiling allows."""
+        if quota is None:
+            return
+        capped = [f"{kind} {getattr(quota, kind)} -> {getattr(limits, kind)}" for kind in ("pins", "leases")
+                  if getattr(quota, kind) is not None and getattr(quota, kind) > getattr(limits, kind)]
+        if capped:
+            log.warning("tenant %s: its token's quota is over this daemon's ceiling (--max-tenant-pins, "
+                        "--max-tenant-leases), held to it: %s", name or "(anonymous)", ", ".join(capped))
 
     def __iter__(self) -> Iterator[Account]:
         return iter(self._by_name.values())
