@@ -70,6 +70,13 @@ def pod_spec(spec: JsonObj) -> None:
                 _set(volume[kind], 'defaultMode', 420)
         if isinstance(volume.get('hostPath'), dict):
             _set(volume['hostPath'], 'type', '')
+        # k8s.io/kubernetes pkg/apis/core/v1 defaults.go SetDefaults_ObjectFieldSelector: every fieldRef, a
+        # downwardAPI volume item's (plain or projected) as an env var's.
+        projected = (volume.get('projected') or {}).get('sources') or []
+        for api in [volume.get('downwardAPI')] + [s.get('downwardAPI') for s in projected if isinstance(s, dict)]:
+            for item in (api or {}).get('items') or []:
+                if isinstance(item.get('fieldRef'), dict):
+                    _set(item['fieldRef'], 'apiVersion', 'v1')
 
 
 def _template(spec: JsonObj) -> None:

@@ -50,6 +50,7 @@ from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_statu
 from maru_operator.optionalkinds import OptionalKind
 from maru_operator.reconcile import (
     FIELD_MANAGER,
+    REPLICAS_PATH,
     adopted_ownership,
     adoption_patch,
     controlled_by,
@@ -92,6 +93,8 @@ POOL_FINALIZER = "maru.io/in-use-protection"
 DEFAULT_USAGE_INTERVAL = 30.0
 UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
+# On an autoscaled role's Deployment while its group's pool access is revoked: its replicas before (set to 0).
+REVOKED_REPLICAS_ANNOTATION = "maru.io/replicas-before-revoke"
 # A child's fields are made applied ones with a compare-and-swap: tries before the next pass.
 _ADOPT_TRIES = 3
 # The most writes one owner has in flight at once: its children are independent of one another.
@@ -142,6 +145,9 @@ class Applied:
 
     children: dict[Key, Object]
     conflicts: dict[Key, str] = field(default_factory=dict)
+    # Children the API server refused to write as desired (422: invalid, 403: an admission plugin), key -> why:
+    # the child stays as it is and the owner's status says so, while its other children are written.
+    refused: dict[Key, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -216,8 +222,21 @@ class Controller:
                 result.children.pop(key, None)
                 await self._take(obj, owner, result)
 
-        await _together([self._take(obj, owner, result) for obj in creates]
-                        + [update(obj, why) for obj, why in updates])
+        async def refusable(obj: Object, write: Awaitable[None]) -> None:
+            try:
+                await write
+            except ApiError as err:
+                # Retrying changes nothing until the spec does: it is reported, not raised (a raise stopped the
+                # reconcile before its status write, and the queue retried it for ever).
+                if err.status not in (403, 422):
+                    raise
+                kind, ns, name = key_of(obj)
+                result.refused[key_of(obj)] = (f"{kind} {f'{ns}/{name}' if ns else name} was not written: "
+                                               f"{err.reason} ({err.status}): {err.message}")
+                log.warning("%s %s: the API server refused %s", owner.kind, owner.name, result.refused[key_of(obj)])
+
+        await _together([refusable(obj, self._take(obj, owner, result)) for obj in creates]
+                        + [refusable(obj, update(obj, why)) for obj, why in updates])
         for obj in deletes:
             key = key_of(obj)
             if key in keep or key[0] in NEVER_PRUNED:
@@ -283,27 +302,27 @@ class Controller:
         self.store.put(created)
         return created
 
-    async def _adopt(self, obj: Object, created: Object, *, only_desired: bool = True) -> Object | None:
+    async def _adopt(self, obj: Object, created: Object) -> Object | None:
         """Make the operator's fields of ``created`` (a child it created, or an earlier version wrote with plain
-        updates) applied ones; None when it keeps changing or went. ``only_desired``: only the fields ``obj``
-        sets (the others are handed over, owned by nobody), else all (those the spec no longer has must be
-        applied ones for the apply to remove them)."""
+        updates) applied ones; None when it keeps changing or went. All of them, those the spec no longer has
+        too (for the apply to remove them), but an externally scaled role's replicas: those are handed over,
+        owned by nobody, and the apply keeps them."""
         kind, ns, name = key_of(obj)
         uid = created.get("metadata", {}).get("uid")
         current: Object | None = created
         for _ in range(_ADOPT_TRIES):
             if current is None or current["metadata"].get("uid") != uid:
                 return None  # gone or replaced already: the next pass looks at the name afresh
-            desired = obj if only_desired else None
+            release = REPLICAS_PATH if scaled_externally(obj) else None
             try:
-                ops = adoption_patch(current, desired=desired)
+                ops = adoption_patch(current, release=release)
                 if ops is not None:
                     # Our entry alone, as read: a status write since the create does not fail it.
                     return await self.kube.json_patch(kind, ns or None, name, ops)
                 # With the resourceVersion: the whole list is replaced, so it must be the one just read (a
                 # controller writing status right after the create adds an entry of its own).
                 return await self.kube.patch(kind, ns or None, name, {"metadata": {
-                    "managedFields": adopted_ownership(current, desired=desired),
+                    "managedFields": adopted_ownership(current, release=release),
                     "resourceVersion": current["metadata"].get("resourceVersion")}})
             except ApiError as err:
                 # 422: a test of the JSON patch failed (our entry or the uid is no longer as read).
@@ -322,10 +341,10 @@ class Controller:
             if legacy_owner(have):
                 # Created and never applied to (or written by a version of the operator before server-side
                 # apply): its fields become applied ones, so this apply removes those the spec no longer has.
-                # A role handed to an autoscaler adopts only what it still sets: its replicas (the create's)
-                # stay as they are, owned by nobody. A status write between the look and the patch is no
-                # failure: the patch is tried again on a fresh copy.
-                adopted = await self._adopt(obj, await self._whole(have), only_desired=scaled_externally(obj))
+                # A role handed to an autoscaler adopts all but its replicas (the create's), which stay as they
+                # are, owned by nobody. A status write between the look and the patch is no failure: the patch
+                # is tried again on a fresh copy.
+                adopted = await self._adopt(obj, await self._whole(have))
                 if adopted is None:
                     raise Replaced(f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were "
                                    "adopted")
@@ -393,7 +412,7 @@ class Controller:
             return
         kind, ns, name = key_of(body)
         try:
-            updated = await self.kube.patch_status(kind, ns or None, name, status_body(new))
+            updated = await self.kube.patch_status(kind, ns or None, name, status_body(new, old))
         except ApiError as err:
             if err.status != 404:
                 raise
@@ -629,11 +648,17 @@ class Controller:
                 keep.add(dep_key)
                 if binding.revoke and have.get("spec", {}).get("replicas"):
                     log.warning("InferenceGroup %s/%s: %s; scaling %s to 0", namespace, name, binding.message, role)
-                    # The uid: this very Deployment, never a namesake that replaced it since it was seen.
+                    # The uid: this very Deployment, never a namesake that replaced it since it was seen. The
+                    # count is remembered on it: an autoscaled role's desired object has none to put back, and
+                    # an HPA leaves a target at 0 alone (ScalingDisabled).
                     scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {
-                        "metadata": {"uid": have["metadata"].get("uid")}, "spec": {"replicas": 0}})
+                        "metadata": {"uid": have["metadata"].get("uid"), "annotations": {
+                            REVOKED_REPLICAS_ANNOTATION: str(have["spec"]["replicas"])}},
+                        "spec": {"replicas": 0}})
                     self.store.put(scaled)
                     metrics.WRITES.labels("Deployment", "patch").inc()
+        else:
+            await self._restore_revoked(owner, desired)
         applied = await self.apply(owner, desired, keep)
         children = applied.children
         observed = {
@@ -648,6 +673,7 @@ class Controller:
         new = group_status(spec, generation, binding, observed, old,
                            endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
                            conflicts=list(applied.conflicts.values()),
+                           refused=list(applied.refused.values()),
                            queued=[k[2] for k in held],
                            disaggregation=self._disaggregation(spec, owner, binding, old, generation))
         if gateway is not None:
@@ -662,6 +688,28 @@ class Controller:
             recheck = self.inference_pools.recheck_seconds
             again = min(again or recheck, recheck)
         return again
+
+    async def _restore_revoked(self, owner: Owner, desired: list[Object]) -> None:
+        """Give the autoscaled roles that revoked access scaled to 0 their count from before, once access is back
+        (an Operator-scaled role gets its own from the apply); the remembered count goes with the same write."""
+        for obj in desired:
+            have = self.store.get(key_of(obj))
+            if obj.get("kind") != "Deployment" or not scaled_externally(obj) or have is None \
+                    or not controlled_by(have, owner.uid):
+                continue
+            before = (have["metadata"].get("annotations") or {}).get(REVOKED_REPLICAS_ANNOTATION)
+            if before is None:
+                continue
+            kind, ns, name = key_of(obj)
+            count = int(before) if before.isdigit() and not have.get("spec", {}).get("replicas") else None
+            log.info("InferenceGroup %s/%s: pool access is back; %s", owner.namespace, owner.name,
+                     f"scaling {name} back to {count}" if count is not None else f"{name} was scaled since")
+            patch: Object = {"metadata": {"uid": have["metadata"].get("uid"),
+                                          "annotations": {REVOKED_REPLICAS_ANNOTATION: None}}}
+            if count is not None:
+                patch["spec"] = {"replicas": count}
+            self.store.put(await self.kube.patch(kind, ns or None, name, patch))
+            metrics.WRITES.labels(kind, "patch").inc()
 
     def _with_inference_pool(self, new: InferenceGroupStatus, old: InferenceGroupStatus, gateway: Object,
                              served: bool | None, applied: Applied) -> InferenceGroupStatus:
@@ -756,6 +804,6 @@ async def _together(writes: list[Awaitable[None]]) -> None:
 
 _WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
                "NoNodesSelected", "ChildConflict", "NoReadyEndpoints"}
-_WARN_OTHER = {"DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable", "MetadataServerUnavailable",
-               "PoolDegraded", "PoolUnavailable"}
+_WARN_OTHER = {"ChildRefused", "DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable",
+               "MetadataServerUnavailable", "PoolDegraded", "PoolUnavailable"}
 

@@ -200,9 +200,21 @@ def _value_at(obj: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
-# Fields the API server defaults inside structs that are owned whole (+structType=atomic): an env var's
-# fieldRef comes back with its apiVersion. Not a difference of the owner's.
-_ATOMIC_DEFAULTS: dict[str, dict[str, Any]] = {"f:fieldRef": {"apiVersion": "v1"}}
+# Fields the API server defaults inside values that are owned whole (+structType=atomic, atomic lists): every
+# ObjectFieldSelector (an env var's fieldRef, a downwardAPI volume item's, at any depth of an atomic list such
+# as a downwardAPI volume's items) comes back with its apiVersion (SetDefaults_ObjectFieldSelector). Not a
+# difference of the owner's.
+_ATOMIC_DEFAULTS: dict[str, dict[str, Any]] = {"fieldRef": {"apiVersion": "v1"}}
+
+
+def _with_atomic_defaults(value: Any, name: str = "") -> Any:
+    """``value`` with the server's defaults of :data:`_ATOMIC_DEFAULTS` filled in, wherever they sit in it."""
+    if isinstance(value, dict):
+        out = {k: _with_atomic_defaults(v, k) for k, v in value.items()}
+        return {**_ATOMIC_DEFAULTS[name], **out} if name in _ATOMIC_DEFAULTS else out
+    if isinstance(value, list):
+        return [_with_atomic_defaults(v) for v in value]
+    return value
 
 
 def _atomic_changed(path: tuple[str, ...], want: Any, have: Any) -> str | None:
@@ -210,8 +222,7 @@ def _atomic_changed(path: tuple[str, ...], want: Any, have: Any) -> str | None:
         return None  # an empty value is owned whole for being empty, not for being atomic
     if not path[-1].startswith(("f:", "k:")):
         return None  # an item's own path, or a set member: never a value owned whole
-    if isinstance(want, dict) and path[-1] in _ATOMIC_DEFAULTS:
-        want = {**_ATOMIC_DEFAULTS[path[-1]], **want}
+    want = _with_atomic_defaults(want, path[-1][2:] if path[-1].startswith("f:") else "")
     dotted = _dotted(path)
     return dotted if is_subset(have, want, dotted) is not None else None
 
@@ -275,8 +286,27 @@ def _only_set(tree: dict[str, Any], desired: Any) -> dict[str, Any]:
     return out
 
 
-def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None
-                      ) -> list[dict[str, Any]]:
+# The one field an externally scaled role's Deployment hands over: its replicas (the autoscaler's from the create on).
+REPLICAS_PATH = ("f:spec", "f:replicas")
+
+
+def _without(tree: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    """The FieldsV1 ``tree`` without the field ``path`` names (and the maps it leaves empty)."""
+    if not path or path[0] not in tree:
+        return tree
+    head, rest = path[0], path[1:]
+    out = dict(tree)
+    if rest and tree[head]:
+        sub = _without(tree[head], rest)
+        if sub:
+            out[head] = sub
+            return out
+    del out[head]
+    return out
+
+
+def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None,
+                      release: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """``actual``'s managedFields with ``manager``'s update entries made one apply entry.
 
     The same upgrade kubectl does from client-side to server-side apply: the next apply then removes
@@ -285,6 +315,10 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
     ``desired``: keep only the fields it sets. Right after a create, kube-apiserver records the server's
     defaults (a Deployment's strategy, a container's terminationMessagePath) as the creator's fields: owned
     by an apply they would look stale and cost one more write.
+
+    ``release``: a field (FieldsV1 path) left to nobody, kept as it is by the next apply: an autoscaled role's
+    replicas. Everything else is adopted, so the apply removes a field the spec dropped (structured-merge-diff
+    prunes only the applier's own previous set: a field owned by nobody would stay for ever).
     """
     entries = actual.get("metadata", {}).get("managedFields") or []
     mine = [e for e in _mine(actual, manager) if e.get("operation") != "Apply"]
@@ -294,12 +328,14 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
         tree = _merge_trees(tree, entry.get("fieldsV1") or {}) if tree else (entry.get("fieldsV1") or {})
     if desired is not None:
         tree = _only_set(tree, desired)
+    if release is not None:
+        tree = _without(tree, release)
     adopted = {**(mine[0] if mine else {}), "manager": manager, "operation": "Apply", "fieldsV1": tree}
     return [e for e in entries if e not in mine] + [adopted]
 
 
-def adoption_patch(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None
-                   ) -> list[dict[str, Any]] | None:
+def adoption_patch(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None,
+                   release: tuple[str, ...] | None = None) -> list[dict[str, Any]] | None:
     """A JSON patch making ``manager``'s one update entry the apply entry :func:`adopted_ownership` makes; None
     unless ``actual`` holds exactly one entry of the manager, an update's.
 
@@ -314,22 +350,25 @@ def adoption_patch(actual: Object, manager: str = FIELD_MANAGER, desired: Object
     at = f"/metadata/managedFields/{mine[0]}"
     return [{"op": "test", "path": "/metadata/uid", "value": actual["metadata"].get("uid")},
             {"op": "test", "path": at, "value": entries[mine[0]]},
-            {"op": "replace", "path": at, "value": adopted_ownership(actual, manager, desired)[-1]}]
+            {"op": "replace", "path": at, "value": adopted_ownership(actual, manager, desired, release)[-1]}]
 
 
-def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MANAGER
-                       ) -> list[dict[str, Any]] | None:
-    """``actual``'s managedFields with the fields ``manager`` applied but ``desired`` no longer sets owned by
-    nobody; None when there are none.
+def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MANAGER,
+                       path: tuple[str, ...] = REPLICAS_PATH) -> list[dict[str, Any]] | None:
+    """``actual``'s managedFields with the field ``path`` names (an externally scaled role's replicas) owned by
+    nobody, when ``manager`` applied it and ``desired`` no longer sets it; None when there is nothing to release.
 
-    An apply removes a field its manager alone owned and no longer applies; a field handed over this way
-    (an externally scaled Deployment's replicas) keeps its value instead, for whoever writes it next.
+    An apply removes a field its manager alone owned and no longer applies; the field handed over this way
+    keeps its value instead, for whoever writes it next. Only that field: every other one the spec dropped
+    stays the manager's, for the apply to remove.
     """
+    if sets_field(desired, path):
+        return None
     entries = actual.get("metadata", {}).get("managedFields") or []
     for i, entry in enumerate(entries):
         if entry.get("manager") == manager and entry.get("operation") == "Apply" and not entry.get("subresource"):
             tree = entry.get("fieldsV1") or {}
-            kept = _only_set(tree, desired)
+            kept = _without(tree, path)
             if kept == tree:
                 return None
             return [*entries[:i], {**entry, "fieldsV1": kept}, *entries[i + 1:]]

@@ -224,6 +224,7 @@ def group_status(
     now: str,
     router: Router | None = None,
     conflicts: list[str] | None = None,
+    refused: list[str] | None = None,
     queued: list[str] | None = None,
     disaggregation: Condition | None = None,
 ) -> InferenceGroupStatus:
@@ -258,7 +259,9 @@ def group_status(
             short.append(f"{role} {st.summary} ready")
     serving = not not_serving
     # Revoked access stops the group on purpose (its vLLM pods are scaled to zero): Ready=False says why.
-    degraded = [] if binding.revoke else [("ReplicasUnavailable", p) for p in short]
+    # A child the API server refused keeps its last version: the group serves, but not as its spec says.
+    degraded = [("ChildRefused", m) for m in refused or []]
+    degraded += [] if binding.revoke else [("ReplicasUnavailable", p) for p in short]
     if not binding.ok and not binding.revoke and serving:
         degraded.append(("PoolUnavailable", f"{binding.message}; vLLM serves without pool hits meanwhile"))
     if binding.pool_problem:
@@ -376,5 +379,16 @@ def _without_traffic(status: InferenceGroupStatus) -> dict[str, Any]:
     return status.model_copy(update={"conditions": quiet}).model_dump(exclude={"pool_usage"})
 
 
-def status_body(status: Any) -> dict[str, Any]:
-    return status.model_dump(by_alias=True, exclude_none=True)
+def _cleared(old: Any, new: Any) -> Any:
+    """``new`` as a merge patch over ``old``: an explicit null for each field ``old`` has and ``new`` no longer
+    (a merge patch deletes only what it names null, RFC 7386)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    return {**{k: None for k in old if k not in new}, **{k: _cleared(old.get(k), v) for k, v in new.items()}}
+
+
+def status_body(status: Any, old: Any = None) -> dict[str, Any]:
+    """The merge patch writing ``status``; ``old``: the status written before, whose fields ``status`` no longer
+    has are cleared (without it they stayed: a group unbound since kept its pool usage)."""
+    new = status.model_dump(by_alias=True, exclude_none=True)
+    return new if old is None else _cleared(old.model_dump(by_alias=True, exclude_none=True), new)
