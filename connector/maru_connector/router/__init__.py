@@ -12,6 +12,7 @@ The decision only affects speed, never the answer: decode computes whatever it c
 
 * :mod:`.prompt_keys`: a prompt's chunk keys, from vLLM's own block hasher;
 * :mod:`.decide`: the threshold rule (pure);
+* :mod:`.limits`: what one client may make the router hold or compute (body size, deadlines, prompt length);
 * :mod:`.proxy`: the HTTP server, the coverage lookup and the two routes;
 * :mod:`.__main__`: the ``maru-router`` command.
 """

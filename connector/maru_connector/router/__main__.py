@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from maru_connector.config import ConfigError, MaruConnectorConfig
+from maru_connector.router import limits
 from maru_connector.router.revisions import parse_revisions
 
 if TYPE_CHECKING:
@@ -59,7 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --upstream: how old the learnt key scheme may get before a request goes through prefill here "
         "again to refresh it",
     )
-    p.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port too (default: the API port only)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve GET /metrics on this port, and not on the API port (default: on the API port): its counters "
+        "name the engines and tell whether anyone sent a prompt",
+    )
     p.add_argument(
         "--decode-direct",
         choices=("on", "off"),
@@ -115,6 +121,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "its role and still be chosen for what its own cache holds beyond the pool (default 1; 0: only among "
         "the least busy)",
     )
+    # What one client may make the router hold or compute; the defaults are far above a legitimate request's.
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits.MAX_BODY_BYTES,
+        help="largest request body taken, in bytes (413 beyond; default %(default)s: 16 MiB)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=limits.MAX_PROMPT_TOKENS,
+        help="longest completion prompt given as token ids (400 beyond: the router hashes them itself; "
+        "default %(default)s); a longer text prompt is not looked up, and goes through prefill",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection must send a request's headers within this time of opening or of its last answer, and "
+        "is closed after this long idle (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request's body must be all in within this time of its headers (408 beyond; default %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -146,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             follow_workers_s=args.follow_upstream_workers,
             locality_slack=args.locality_slack,
             engine_revisions=parse_revisions(args.engine_revision),
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
         )
     except ValueError as err:
         print(f"maru-router: {err}", file=sys.stderr)
@@ -156,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(router: Router, host: str, port: int, metrics_port: int | None) -> None:
     """The API (and the metrics port) until SIGTERM or SIGINT, then a clean stop of both."""
-    runners = [web.AppRunner(router.app())]
+    # aiohttp's keep-alive deadline runs from a connection's start or last answer until a whole request's headers
+    # are in: it is the header deadline too (a client trickling headers is closed at it).
+    timeouts = {"keepalive_timeout": router.header_timeout_s}
+    runners = [web.AppRunner(router.app(metrics=metrics_port is None), **timeouts)]
     if metrics_port is not None:
-        runners.append(web.AppRunner(router.metrics_app()))
+        runners.append(web.AppRunner(router.metrics_app(), **timeouts))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,11 +27,18 @@ paired coherently through a rollout that changes their keys: while they span mor
 request not served by one engine alone runs prefill then decode here, even in front of another router, with a
 decode of the prefill's own revision (or, when no revision has engines of both roles, on one engine alone), and
 a covered prompt goes to an engine of the revision whose keys found it.
+
+Clients are not trusted (the API port is open to anyone the group serves): in front of another router only the
+serving paths in :data:`UPSTREAM_PATHS` are passed on, never its admin API; bodies are bounded in size and in the
+time they take to arrive, and freed at once when a client aborts; a prompt of token ids longer than
+``max_prompt_tokens`` is refused, and long prompts are keyed one at a time, off the event loop; a lookup is cut
+into batches well under the pool daemon's frame limit; error bodies name no internal URL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -52,7 +59,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.keys import KeyScheme
-from maru_connector.router import decide
+from maru_connector.router import decide, limits
 from maru_connector.router.balance import Endpoints, Prompt, direct_target
 from maru_connector.router.locality import EngineCache, Subscriber, announced_endpoint
 from maru_connector.router.prompt_keys import block_hashes, chunk_lookup_keys
@@ -87,6 +94,19 @@ DIRECT, PD = "direct", "pd"
 DISCOVERY_RETRY_S = 5.0  # how often to ask an engine not yet answering where it publishes its KV events
 # Client headers the engines may need (an --api-key, request ids, tracing); nothing else is passed on.
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
+# In front of another router, the only paths passed to it besides completions and chat: its serving API. Never its
+# admin API (vllm-router's /add_worker, /remove_worker, /workers, /flush_cache, /get_loads...: a client could take
+# every engine out of rotation), nor its stateful ones (/v1/responses/{id} would hand out another client's answer).
+UPSTREAM_PATHS: dict[str, frozenset[str]] = {
+    "GET": frozenset({"/v1/models", "/version", "/readiness", "/liveness", "/get_model_info"}),
+    "POST": frozenset({"/v1/embeddings", "/v1/rerank"}),
+}
+# Prompts longer than this are keyed one at a time: a few of them cannot take every core from the short ones.
+LONG_PROMPT_TOKENS = 32 << 10
+# Keys per pool lookup: ~270 KiB frames, far under the daemon's --max-frame (16 MiB by default), so a long prompt
+# is looked up in several round trips rather than in one frame the daemon refuses (and the pool client then backs
+# off, sending every client's prompts through prefill).
+LOOKUP_BATCH_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -199,9 +219,22 @@ class Router:
         locality_slack: int = 1,
         follow_workers_s: float | None = None,
         engine_revisions: Mapping[str, str] | None = None,
+        max_body_bytes: int = limits.MAX_BODY_BYTES,
+        max_prompt_tokens: int = limits.MAX_PROMPT_TOKENS,
+        header_timeout_s: float = limits.HEADER_TIMEOUT_S,
+        body_timeout_s: float = limits.BODY_TIMEOUT_S,
     ) -> None:
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
+        for name, value in (("--max-body-bytes", max_body_bytes), ("--max-prompt-tokens", max_prompt_tokens),
+                            ("--header-timeout", header_timeout_s), ("--body-timeout", body_timeout_s)):
+            if value <= 0:
+                raise ValueError(f"router: {name} must be > 0, got {value}")
+        self.max_body_bytes = max_body_bytes
+        self.max_prompt_tokens = max_prompt_tokens
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self._long_lane = asyncio.Semaphore(1)
         if follow_workers_s is not None and (follow_workers_s <= 0 or not upstream):
             raise ValueError("router: following the upstream's workers needs --upstream and a period > 0")
         self.follow_workers_s = follow_workers_s
@@ -244,12 +277,15 @@ class Router:
 
     # ------------------------------------------------------------------ app
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+    def app(self, *, metrics: bool = True) -> web.Application:
+        """The API; ``metrics``: ``GET /metrics`` here too (off when it has a port of its own: its counters would
+        tell any client whether someone sent a prompt, and they name the engines' pods)."""
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post(COMPLETIONS, self.serve)
         app.router.add_post(CHAT, self.serve)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
+        if metrics:
+            app.router.add_get("/metrics", self.prometheus)
         if self.upstream is None:
             app.router.add_get("/v1/models", self.models)
         else:
@@ -392,8 +428,15 @@ class Router:
         return await self._relay(request, "GET", url + "/v1/models", None, _forwarded(request))
 
     async def pass_through(self, request: web.Request) -> web.StreamResponse:
-        """Any other path of the upstream router, untouched (method, query, body, content type)."""
-        return await self._to_upstream(request, await request.read())
+        """A serving path of the upstream router (:data:`UPSTREAM_PATHS`), untouched (method, query, body, content
+        type); any other path is refused here and never reaches it."""
+        if request.path not in UPSTREAM_PATHS.get(request.method, ()):
+            log.warning("refused %s %s: not a path served to clients", request.method, request.path)
+            return _error(404, f"{request.method} {request.path}: not served by this router")
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        return await self._to_upstream(request, raw)
 
     async def _to_upstream(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         assert self.upstream is not None
@@ -401,7 +444,35 @@ class Router:
         headers = _forwarded(request)
         if request.content_type and raw:
             headers["Content-Type"] = request.headers.get("Content-Type", request.content_type)
-        return await self._relay(request, request.method, self.upstream + request.path_qs, None, headers, data=raw)
+        # The path as matched (decoded), not as sent: what was checked is what the upstream gets.
+        url = self.upstream + request.path + (f"?{request.query_string}" if request.query_string else "")
+        return await self._relay(request, request.method, url, None, headers, data=raw)
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request's body, at most ``max_body_bytes``, all in within ``body_timeout_s``; else the 413 or 408
+        to answer."""
+        limit = self.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return _error(413, f"request body: {request.content_length} bytes, more than --max-body-bytes {limit}")
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while chunk := await request.content.readany():
+                    body += chunk
+                    if len(body) > limit:
+                        body.clear()
+                        return _error(413, f"request body: more than --max-body-bytes {limit}")
+        except TimeoutError:
+            body.clear()
+            return _error(408, f"request body: not all in within --body-timeout {self.body_timeout_s:g} s")
+        except BaseException as err:
+            # A client that went away: the error sits on the request's stream and its traceback holds this frame
+            # (a cycle only the collector frees, which large buffers and few objects rarely wake). Each aborted
+            # upload kept its bytes until then: free them now, and cut the traceback.
+            body.clear()
+            err.__traceback__ = None
+            raise
+        return bytes(body)
 
     def _needs_scheme(self) -> bool:
         return self.scheme is None or time.monotonic() - self._learnt_at >= self.relearn_s
@@ -417,13 +488,27 @@ class Router:
     # ------------------------------------------------------------------ requests
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None
+        except RecursionError:
+            return _error(400, "request body: JSON nested too deeply")
+        except ValueError as err:  # an integer of more digits than Python converts
+            return _error(400, f"request body: {err}")
         if not isinstance(body, dict):
             return _error(400, "request body: must be a JSON object")
+        ids = _token_ids(request.path, body)
+        if ids is not None and len(ids) > self.max_prompt_tokens:
+            return _error(400, f"prompt: {len(ids)} token ids, more than the router's --max-prompt-tokens "
+                               f"{self.max_prompt_tokens}")
+        if "kv_transfer_params" in body:
+            # Only the router sets them: a client's would steer the engine's KV transfer (NIXL acts on them).
+            del body["kv_transfer_params"]
+            raw = json.dumps(body).encode()
         headers = _forwarded(request)
         decision = await self.decide(request.path, body, headers)
         self.metrics.requests.labels(decision.route, decision.reason).inc()
@@ -490,17 +575,23 @@ class Router:
             return Decision(PD, "tokenize_error")
         if ids is None:
             return Decision(PD, "unsupported")
+        if len(ids) > self.max_prompt_tokens:  # a text prompt the engine tokenized (its own length limit decides)
+            return Decision(PD, "long", len(ids))
         need = decide.chunks_needed(len(ids), scheme.chunk_tokens, self.min_coverage)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
+        # Keying runs off the event loop; long prompts take turns, so they leave cores to everyone else's.
+        lane = self._long_lane if len(ids) > LONG_PROMPT_TOKENS else contextlib.nullcontext()
         if need is None or not self.decode_direct:
             # Nothing to ask the pool for a skip; the engines' own caches may still hold the prompt.
-            hashes = await asyncio.to_thread(self._hashes, ids, scheme, salt) if self.caches else None
+            async with lane:
+                hashes = await asyncio.to_thread(self._hashes, ids, scheme, salt) if self.caches else None
             prompt = Prompt(hashes, scheme.hash_block_size, 0) if hashes else None
             return Decision(PD, "short" if need is None else "disabled", len(ids), prompt=prompt)
         self.metrics.lookups.inc()
         try:
-            hashes, ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt)
+            async with lane:
+                hashes, ok, n = await asyncio.to_thread(self._coverage, ids, scheme, salt)
         except Exception:  # a prompt the hashing could not key must still be served, through prefill
             log.exception("coverage unknown, prefill path: keying the prompt failed")
             self.metrics.fallbacks.labels("keying_error").inc()
@@ -573,17 +664,24 @@ class Router:
     def _coverage(self, ids: list[int], scheme: KeyScheme, salt: str | None) -> tuple[list[bytes], bool, int | None]:
         hashes = block_hashes(ids, scheme, salt)
         keys = chunk_lookup_keys(ids, scheme, salt, hashes)
-        ok, n = self._pool.call("lookup", lambda client, k: client.lookup_prefix(k), keys)
-        return hashes, ok, n
+        n = 0
+        for start in range(0, len(keys), LOOKUP_BATCH_KEYS):
+            batch = keys[start : start + LOOKUP_BATCH_KEYS]
+            ok, hit = self._pool.call("lookup", lambda client, k: client.lookup_prefix(k), batch)
+            if not ok or hit is None:
+                return hashes, False, None
+            n += hit
+            if hit < len(batch):
+                break
+        return hashes, True, n
 
     async def _prompt_ids(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
         """The prompt's token ids as the engine will see them; None for what the router cannot key."""
         if path == COMPLETIONS:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return prompt
+            ids = _token_ids(path, body)
+            if ids is not None:
+                return ids
+            prompt = _one_prompt(body)
             if isinstance(prompt, str) and "prompt_embeds" not in body:
                 query = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
                 return await self._tokenize({"model": body.get("model"), **query}, headers)
@@ -629,10 +727,10 @@ class Router:
             except (ClientError, TimeoutError) as err:
                 self._raise_if_gone(engine, err)
                 log.warning("prefill %s failed: %s: %s", url, type(err).__name__, err)
-                return _error(502, f"prefill {url} failed: {type(err).__name__}")
+                return _error(502, f"prefill failed: {type(err).__name__}")
         try:
             params = json.loads(data).get("kv_transfer_params")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             params = None
         revision = self.revisions.get(engine)
         self._learn(params, revision)
@@ -689,7 +787,8 @@ class Router:
             if engine is not None:
                 self._raise_if_gone(engine, err)
             log.warning("upstream %s failed: %s: %s", url, type(err).__name__, err)
-            return _error(502, f"upstream {url} failed: {type(err).__name__}")
+            # The URL stays in the log: a client is not told where the engines are.
+            return _error(502, f"upstream failed: {type(err).__name__}")
 
     def _raise_if_gone(self, engine: str, err: BaseException) -> None:
         """Following the upstream's pods, a connection that could not be made means the pod may be gone: the caller
@@ -720,6 +819,23 @@ def _log(request: web.Request, decision: Decision, target: str, endpoint: str) -
         decision.prompt_tokens,
         decision.chunks_hit,
     )
+
+
+def _one_prompt(body: dict[str, Any]) -> object:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]  # a batch of one
+    return prompt
+
+
+def _token_ids(path: str, body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt when given as token ids (the router keys these itself); None otherwise."""
+    if path != COMPLETIONS:
+        return None
+    prompt = _one_prompt(body)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return None
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
