@@ -48,6 +48,9 @@ KEY_BYTES = 32  # what the operator generates
 _MAC_CONTEXT = b"maru-pool-token/v1\n"
 _MAC_CONTEXT_V2 = b"maru-pool-token/v2\n"
 QUOTA_FIELDS = ("bytes", "pins", "leases")
+# The pool daemons' defaults for a token that sets no pins or leases (and their default hard ceiling): see
+# maru_connector.pool.quota. Bytes default to three quarters of the pool, which only the daemon knows.
+DAEMON_DEFAULTS: dict[str, int] = {"pins": 65536, "leases": 16384}
 # Bounds of a quota field: positive, and no absurd numbers (2**63 bytes is far beyond any memory).
 MAX_QUOTA_VALUE = 2**63 - 1
 _SCOPE_PERSON = b"maru-scope-v1"
@@ -242,16 +245,25 @@ def effective_quota(requested: Quota, default: Quota = DEFAULT_QUOTA, ceiling: Q
     default, capped by the pool's ceiling (which is also the value where neither sets one); None: the
     daemon's default.
 
+    Where the pool sets no ceiling for a field, the pool's default is the ceiling (for pins and leases without
+    one, the daemon's default): a tenant may ask for less than the pool gives it, never for more. Whoever
+    writes a pod's volume attributes writes the request, so without this a pod would raise its own quota;
+    raising one is the pool owner's call (``maxTenantQuota``). Bytes without a pool default or ceiling are as
+    asked: the daemon holds them to the pool, and its memory does not grow with them.
+
     One rule for whoever signs tokens: the operator (which renders a group's request) and the CSI node
-    plugin (which mints the token at publish and must hold any pod to its pool's ceiling).
+    plugin (which mints the token at publish and must hold any pod to its pool's policy).
     """
     values: dict[str, int | None] = {}
     for name in QUOTA_FIELDS:
-        wanted = getattr(requested, name)
+        asked, pool_default, cap = getattr(requested, name), getattr(default, name), getattr(ceiling, name)
+        wanted = pool_default if asked is None else asked
         if wanted is None:
-            wanted = getattr(default, name)
-        cap = getattr(ceiling, name)
-        values[name] = cap if wanted is None else wanted if cap is None else min(wanted, cap)
+            values[name] = cap
+            continue
+        if cap is None:
+            cap = pool_default if pool_default is not None else DAEMON_DEFAULTS.get(name)
+        values[name] = wanted if cap is None else min(wanted, cap)
     return Quota(**values)
 
 

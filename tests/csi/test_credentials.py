@@ -95,6 +95,31 @@ def test_publish_mints_the_pods_token_in_a_read_only_tmpfs(node: csi_pb2_grpc.No
     unpublish(node, target)  # already gone is fine
 
 
+# (the pool's tenantQuota, its maxTenantQuota, what the pod's volume asks for, the quota minted)
+SELF_RAISED = [
+    ("", "", "pins=500000,leases=500000", "pins=65536,leases=16384"),  # the reported attack: the daemon's defaults
+    ("pins=64", "", "pins=500000", "pins=64"),  # the pool's default is the ceiling where it sets none
+    ("", "", "pins=10,leases=7", "pins=10,leases=7"),  # asking for less is always granted
+    ("", "pins=1000000", "pins=500000", "pins=500000"),  # the pool owner allows more
+    ("", "", "bytes=5000000", "bytes=5000000"),  # bytes: bounded by the pool in the daemon, as asked here
+]
+
+
+@needs_root
+@pytest.mark.parametrize(("default", "ceiling", "asked", "minted"), SELF_RAISED)
+def test_a_pod_cannot_raise_its_own_quota(node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path, default: str,
+                                          ceiling: str, asked: str, minted: str) -> None:
+    """Whoever writes pods in an admitted namespace writes the volume's ``quota``: without a maxTenantQuota it
+    was minted as asked, and a token of 500,000 pins grew the pool daemon toward its memory limit."""
+    material(layout, default=default, ceiling=ceiling)
+    target = layout.target("cred-raise")
+    node.NodePublishVolume(credential_request(target, quota=asked), timeout=10)
+    try:
+        assert tenancy.verify(KEY, Path(target, "token").read_text()).quota == tenancy.Quota.decode(minted)
+    finally:
+        unpublish(node, target)
+
+
 @needs_root
 def test_the_namespace_comes_from_the_kubelet_not_the_attributes(node: csi_pb2_grpc.NodeStub, layout: Layout,
                                                                  pool: Path) -> None:

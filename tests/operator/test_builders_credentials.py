@@ -158,8 +158,11 @@ class TestMountedCredential:
 class TestOneRuleForOperatorAndPlugin:
     def test_effective_quota_field_by_field(self) -> None:
         q = tenancy.Quota
-        assert tenancy.effective_quota(q(bytes=5, pins=9), q(pins=2, leases=3), q(bytes=4)) == q(bytes=4, pins=9,
-                                                                                                 leases=3)
+        assert tenancy.effective_quota(q(bytes=5, pins=9), q(pins=2, leases=3), q(bytes=4, pins=20)) == q(
+            bytes=4, pins=9, leases=3)
+        # Without a ceiling a request is held to the pool's default, then the daemon's: never raised by the tenant.
+        assert tenancy.effective_quota(q(pins=9, leases=5), q(pins=2)) == q(pins=2, leases=5)
+        assert tenancy.effective_quota(q(pins=500000, leases=500000)) == q(pins=65536, leases=16384)
         assert tenancy.effective_quota(q(), q(), q(leases=8)) == q(leases=8)  # the ceiling is also the default
         assert tenancy.effective_quota(q()) == tenancy.DEFAULT_QUOTA
 

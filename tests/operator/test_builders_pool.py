@@ -128,6 +128,20 @@ class TestAgentDaemonSet:
         assert flag(args, "--metrics-addr") == "0.0.0.0:9400"
         assert flag(args, "--auth-key-file") == "/etc/maru/pool-key/key"
 
+    def test_the_daemons_ceiling_follows_the_pools_quota_policy(self) -> None:
+        """The daemons hold every tenant to --max-tenant-pins/--max-tenant-leases whatever its token says; a pool
+        whose policy grants more raises them, so its own tokens are never held below what they carry."""
+        for spec in (pool_spec(), pool_spec(tenantQuota={"pins": 100}), dax_spec(maxTenantQuota={"leases": 8})):
+            for obj in (build_agent_daemonset(spec, POOL_OWNER, NS), build_metadata_deployment(spec, POOL_OWNER, NS)):
+                if obj is not None:
+                    assert not {"--max-tenant-pins", "--max-tenant-leases"} & set(container(obj)["args"])
+        raised = {"tenantQuota": {"pins": 100_000}, "maxTenantQuota": {"pins": 200_000, "leases": 20_000}}
+        args = container(build_agent_daemonset(pool_spec(**raised), POOL_OWNER, NS))["args"]
+        assert (flag(args, "--max-tenant-pins"), flag(args, "--max-tenant-leases")) == ("200000", "20000")
+        dep = build_metadata_deployment(dax_spec(tenantQuota={"leases": 30_000}), POOL_OWNER, NS)
+        assert dep is not None and flag(container(dep)["args"], "--max-tenant-leases") == "30000"
+        assert "--max-tenant-pins" not in container(dep)["args"]
+
     def test_the_agents_read_the_pool_key_as_root_only(self) -> None:
         for spec in (pool_spec(), dax_spec()):
             ds = build_agent_daemonset(spec, POOL_OWNER, NS)

@@ -65,7 +65,8 @@ class TestTokenCarriesTheQuota:
             {"tenantQuota": {"pins": 50, "leases": 64}, "maxTenantQuota": {"bytes": "2Gi"}},
         ))
         assert got == tenancy.tenant("llm/llama")
-        assert got.quota == tenancy.Quota(bytes=2 * Gi, pins=100, leases=64)
+        # pins: the group asked for 100, over the pool's default of 50 with no ceiling for pins: held to 50.
+        assert got.quota == tenancy.Quota(bytes=2 * Gi, pins=50, leases=64)
         # A ceiling alone is also the default.
         assert effective_quota(None, pool_spec(maxTenantQuota={"leases": 8})) == tenancy.Quota(leases=8)
 

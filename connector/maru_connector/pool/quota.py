@@ -44,15 +44,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from maru_connector.tenancy import Quota
+from maru_connector.tenancy import DAEMON_DEFAULTS, Quota
 
 log = logging.getLogger(__name__)
 # Refused because the tenant is at its quota (write grants; read pins are answered as misses).
 QUOTA = "quota"
 # A tenant's default byte quota, as a fraction of the pool: see the module's docstring.
 DEFAULT_BYTES_NUM, DEFAULT_BYTES_DEN = 3, 4
-DEFAULT_PINS = 65536
-DEFAULT_LEASES = 16384
+DEFAULT_PINS = DAEMON_DEFAULTS["pins"]
+DEFAULT_LEASES = DAEMON_DEFAULTS["leases"]
 KINDS = ("bytes", "pins", "leases")
 
 

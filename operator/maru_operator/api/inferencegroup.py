@@ -530,7 +530,8 @@ class InferenceGroupSpec(KubeModel):
             "This group's quota in its pool (bytes, pins, write leases), enforced by the pool daemons: another "
             "group's flood cannot evict this one's chunks while it stays within its share, and this group cannot "
             "take the whole pool. Fields not set: the MaruPool's tenantQuota, then the daemon's defaults. Capped "
-            "by the MaruPool's maxTenantQuota. Groups sharing a cacheNamespace share one quota: set the same value."
+            "by the MaruPool's maxTenantQuota (unset: by those defaults, so raising a quota is the pool owner's "
+            "call). Groups sharing a cacheNamespace share one quota: set the same value."
         ),
     )
 

@@ -232,7 +232,9 @@ class MaruPoolSpec(KubeModel):
         description=(
             "Ceiling of any group's quota, whatever its spec.poolQuota asks (a group's namespace owner writes "
             "that field; the pool's owner writes this one). A field set here and in no default is also the "
-            "default. Unset: no ceiling but the pool."
+            "default. Unset fields: the tenantQuota, then the daemon's defaults for pins and leases, so a group "
+            "may lower its quota but not raise it; bytes without either: the pool. The daemons' hard ceiling on "
+            "pins and leases is raised to what this policy grants."
         ),
     )
 

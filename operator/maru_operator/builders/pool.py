@@ -20,6 +20,7 @@ from maru_connector.csi.admission import admission_document, render
 from maru_connector.csi.contract import CREDENTIALS_DIR
 from maru_connector.csi.minting import policy_document
 from maru_connector.poolsize import format_size, parse_size, pool_memory_bytes
+from maru_connector.tenancy import DAEMON_DEFAULTS
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
     Object,
@@ -87,6 +88,18 @@ def metadata_url(spec: MaruPoolSpec, pool: str, namespace: str) -> str:
 
 def _eviction_args(spec: MaruPoolSpec) -> list[str]:
     return ["--lease-seconds", str(spec.eviction.lease_seconds), "--eviction", spec.eviction.policy.lower()]
+
+
+def _ceiling_args(spec: MaruPoolSpec) -> list[str]:
+    """The daemons' hard ceiling on one tenant's pins and leases (their defaults unless the pool's quota policy
+    grants more): a token minted under the policy is never held below what it says."""
+    policy = (quota_of(spec.tenant_quota), quota_of(spec.max_tenant_quota))
+    args = []
+    for name, floor in DAEMON_DEFAULTS.items():
+        granted = max([floor, *(getattr(q, name) for q in policy if getattr(q, name) is not None)])
+        if granted > floor:
+            args += [f"--max-tenant-{name}", str(granted)]
+    return args
 
 
 # Every daemon verifies hellos against the pool key: clients, agents' heartbeats, the metadata server's peers.
@@ -183,6 +196,7 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
         "--listen", f"tcp://0.0.0.0:{spec.daemon.metadata_port}",
         "--metrics-addr", f"0.0.0.0:{spec.daemon.metrics_port}",
         *_eviction_args(spec),
+        *_ceiling_args(spec),
         *AUTH_ARGS,
     ]
     if spec.size:
@@ -265,6 +279,7 @@ def _agent_args(spec: MaruPoolSpec, pool: str, namespace: str) -> list[str]:
             "--shm-path", SHM_FILE,
             "--metrics-addr", metrics,
             *_eviction_args(spec),
+            *_ceiling_args(spec),
             *AUTH_ARGS,
         ]
     args = ["agent", "--listen", listen, "--metadata", metadata_url(spec, pool, namespace), "--metrics-addr", metrics,
