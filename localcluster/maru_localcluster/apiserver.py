@@ -1240,6 +1240,15 @@ class Emulator(kmock.KubernetesEmulator):
                 new['status'] = body['status']
             else:
                 new.pop('status', None)
+            if rt.key == ('apps', 'deployments'):
+                # k8s.io/kubernetes pkg/registry/apps/deployment/strategy.go deploymentStatusStrategy
+                # PrepareForUpdate resets only the spec and labels: the deployment controller's UpdateStatus sets
+                # deployment.kubernetes.io/revision this way, without a new generation.
+                annotations = (body.get('metadata') or {}).get('annotations')
+                if annotations:
+                    new['metadata']['annotations'] = annotations
+                else:
+                    new['metadata'].pop('annotations', None)
         elif subresource not in (None, 'scale'):
             raise ApiError(404, 'NotFound', f'the server could not find the requested resource '
                                             f'({rt.plural}/{subresource})')
@@ -1275,15 +1284,15 @@ class Emulator(kmock.KubernetesEmulator):
         self._set_managed(new['metadata'], managed, fieldmanager.entries_of(old))
         if dry_run:
             return new
-        return self._commit_internal(rt, key, new)
+        return self._commit_internal(rt, key, new, status_write=subresource == 'status')
 
     def _commit_internal(self, rt: ResourceType, key: tuple[str, str, str | None, str],
-                         new: JsonObj) -> JsonObj:
+                         new: JsonObj, *, status_write: bool = False) -> JsonObj:
         old = self._store[key]
         if _strip_volatile(new, rt) != _strip_volatile(old, rt) or (
                 # k8s.io/kubernetes pkg/registry/apps/deployment/strategy.go PrepareForUpdate: a Deployment's
                 # generation also moves when only its annotations change.
-                rt.key == ('apps', 'deployments')
+                rt.key == ('apps', 'deployments') and not status_write
                 and new['metadata'].get('annotations') != old['metadata'].get('annotations')):
             new['metadata']['generation'] = old['metadata'].get('generation', 1) + 1
         if new == old:

@@ -320,8 +320,10 @@ class ControllerManager:
             rss.append(new)
             if d["metadata"].get("annotations", {}).get(REVISION) != str(revision):
                 with contextlib.suppress(ApiError):
+                    # Through the status, as the deployment controller's UpdateStatus: no new generation.
                     emulator.patch_object("apps", "deployments", ns, name,
-                                          {"metadata": {"annotations": {REVISION: str(revision)}}})
+                                          {"metadata": {"annotations": {REVISION: str(revision)}}},
+                                          subresource="status")
         olds = [rs for rs in rss if rs is not new and rs["metadata"]["uid"] != new["metadata"]["uid"]]
         if (spec.get("strategy") or {}).get("type") == "Recreate":
             self._recreate(emulator, d, new, olds, replicas)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 # The field manager the real controllers write status as.
 MANAGER = 'kube-controller-manager'
+REVISION = 'deployment.kubernetes.io/revision'
 SLICE_MANAGER = 'endpointslice-controller.k8s.io'
 
 
@@ -103,6 +104,7 @@ class KubeControllers:
         # (no ReplicaSets) and are replaced when the pod template changes.
         self.pods = pods
         self._pod_ips = itertools.count(2)
+        self._templates: dict[str, tuple[str, int]] = {}  # Deployment uid -> (its pod template, its revision)
         self._readiness: Readiness = lambda obj: True
         self._held = False
         self._paused = False
@@ -319,11 +321,27 @@ class KubeControllers:
                                         subresource='status', manager='kubelet')
 
     def _write(self, emulator: Emulator, plural: str, obj: JsonObj, status: JsonObj) -> None:
-        if obj.get('status') != status and not obj['metadata'].get('deletionTimestamp'):
-            # A replace, not a merge patch: counts that dropped to zero must disappear.
-            meta = obj['metadata']
+        meta = obj['metadata']
+        annotations = meta.get('annotations') or {}
+        if plural == 'deployments':
+            annotations = {**annotations, REVISION: self._revision(obj)}
+        if (obj.get('status') != status or annotations != (meta.get('annotations') or {})) \
+                and not meta.get('deletionTimestamp'):
+            # A replace, not a merge patch: counts that dropped to zero must disappear. A Deployment's revision
+            # goes with its status, as the deployment controller writes it (UpdateStatus: no new generation).
             emulator.replace_object('apps', plural, meta.get('namespace'), meta['name'],
-                                    {**obj, 'status': status}, subresource='status', manager=MANAGER)
+                                    {**obj, 'metadata': {**meta, 'annotations': annotations}, 'status': status},
+                                    subresource='status', manager=MANAGER)
+
+    def _revision(self, deploy: JsonObj) -> str:
+        """The Deployment's revision (deployment.kubernetes.io/revision): one more for each new pod template."""
+        template = json.dumps((deploy.get('spec') or {}).get('template'), sort_keys=True)
+        uid = deploy['metadata']['uid']
+        last, revision = self._templates.get(uid, (template, 1))
+        if last != template:
+            revision += 1  # a rollback to an older template is a new revision too, as in Kubernetes
+        self._templates[uid] = (template, revision)
+        return str(revision)
 
     def _deployment_status(self, deploy: JsonObj, schedulable: int | None = None) -> JsonObj:
         spec = deploy.get('spec') or {}

@@ -36,9 +36,16 @@ def _hash(obj: Object) -> str | None:
     return (obj.get("metadata", {}).get("annotations") or {}).get(TEMPLATE_HASH)
 
 
+# What the deployment controller numbers each new pod template (ReplicaSet) of a Deployment with.
+REVISION = "deployment.kubernetes.io/revision"
+
+
 def rolling(deployment: Object) -> bool:
-    """Updated since its create and not done yet (the first rollout of a new group is not pacing's)."""
-    return int(deployment.get("metadata", {}).get("generation") or 1) > 1 and not rollout_done(deployment)
+    """Rolling a pod template newer than its first, and not done yet (the first rollout of a new group is not
+    pacing's). By revision, not generation: a Deployment's generation also moves when only its annotations or
+    its replicas change (the first apply after a create removes the create's annotation), which rolls nothing."""
+    revision = (deployment.get("metadata", {}).get("annotations") or {}).get(REVISION) or "1"
+    return (int(revision) if revision.isdigit() else 1) > 1 and not rollout_done(deployment)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import pytest
 from maru_localcluster.server import KubeEmulator
 from maru_operator.kube import Kube
 from maru_operator.reconcile import CREATED_FIELDS_ANNOTATION, FIELD_MANAGER, created_body, out_of_sync
-from tests.operator.conftest import GROUP_NS, RunningOperator, condition_of, group, has_condition, settle
+from tests.operator.conftest import GROUP_NS, RunningOperator, condition_of, group, has_condition, pool, settle
 
 pytestmark = pytest.mark.emulator
 
@@ -144,3 +144,32 @@ def test_a_downward_api_item_without_its_api_version_is_in_sync(cluster: KubeEmu
             assert out_of_sync(body, applied) is None
 
     asyncio.run(main())
+
+
+@pytest.fixture
+def paced_operator(cluster: KubeEmulator, stats: Any) -> Any:
+    running = RunningOperator(cluster, stats, resync_seconds=3600, workers=4, max_rolling_groups=1).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_first_rollout_with_a_new_generation_does_not_hold_other_groups(
+        cluster: KubeEmulator, kube_controllers: Any, paced_operator: RunningOperator) -> None:
+    """A Deployment's generation moves with its annotations too: a group still in its first rollout whose
+    Deployment got an annotation change is not rolling a new template, and holds no other group's change."""
+    cluster.create(pool())
+    cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
+    kube_controllers.set_readiness(lambda obj: not obj["metadata"]["name"].startswith("a-"))
+    cluster.create(group("a", decode={"replicas": 2, "scaler": "External"}))
+    cluster.create(group("b"))
+    cluster.wait_for(IG, "b", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
+    settle(paced_operator)
+    # Only the Deployment's annotations change (its initial count): a new generation, the same template.
+    cluster.patch(IG, "a", {"spec": {"decode": {"replicas": 3}}}, GROUP_NS)
+    a = cluster.wait_for(DEPLOY, "a-decode", GROUP_NS, lambda d: d["metadata"]["generation"] > 1)
+    assert a["metadata"]["annotations"].get("deployment.kubernetes.io/revision") == "1"
+    cluster.patch(IG, "b", {"spec": {"decode": {"env": [{"name": "NEW", "value": "1"}]}}}, GROUP_NS)
+    cluster.wait_for(DEPLOY, "b-decode", GROUP_NS, lambda d: any(
+        e["name"] == "NEW" for e in _vllm(d).get("env") or []))
