@@ -6,16 +6,23 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from maru_connector.keys import KeyScheme
 from tests.vllm.harness import env
 from tests.vllm.test_serve_pd import free_port, http
 
 START_TIMEOUT_S = 300.0
+# Eight TP ranks and one block a chunk: a long prompt makes many keys (a lookup over the pool's frame), a short
+# one a few.
+SCHEME = KeyScheme(tuple(bytes([i]) * 32 for i in range(1, 9)), hash_block_size=16, chunk_tokens=16,
+                   hash_algo="sha256")  # fmt: skip
 
 
 class RouterProcess:
@@ -145,3 +152,43 @@ class VllmRouterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class RecordingEngine:
+    """A fake vLLM server that records every request; the prefill one hands off with :data:`SCHEME`, so a router
+    in front keys prompts and asks the pool; ``record`` False keeps no request (a benchmark's huge prompts)."""
+
+    def __init__(self, role: str, *, record: bool = True) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        engine = self
+        handoff = {"maru_key_scheme": SCHEME.to_params()} if role == "prefill" else None
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._send(200, {"object": "list", "data": []})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if record:
+                    engine.requests.append((self.path, body))
+                self._send(200, {"choices": [{"index": 0, "text": " t9", "finish_reason": "length"}],
+                                 "kv_transfer_params": handoff})  # fmt: skip
+
+            def _send(self, status: int, answer: dict[str, Any]) -> None:
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

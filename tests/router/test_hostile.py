@@ -17,69 +17,27 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from maru_connector.keys import KeyScheme
 from tests.vllm.harness import PoolDaemon, env
 from tests.vllm.test_serve_pd import free_port, http
 
-from .harness import RouterProcess, VllmRouterProcess
+from .harness import SCHEME, RecordingEngine, RouterProcess, VllmRouterProcess
 
 pytest.importorskip("vllm", reason="maru-router keys prompts with vLLM's hashing (pip install -e '.[vllm]')")
 
-# Eight TP ranks and one block a chunk: a long prompt makes many keys (the lookup-frame attack), a short one a few.
-SCHEME = KeyScheme(tuple(bytes([i]) * 32 for i in range(1, 9)), hash_block_size=16, chunk_tokens=16,
-                   hash_algo="sha256")  # fmt: skip
 HASH_SEED = "0"  # the engines' and the router's PYTHONHASHSEED (vLLM seeds its block hashes with it)
 # Short deadlines, so the tests that wait for them end soon; the defaults are 15 s and 60 s.
 LIMITS = {"header_timeout": "2", "body_timeout": "2"}
 MiB = 1 << 20
 
 
-class Engine:
-    """A fake vLLM server: records every request; the prefill one hands off with the key scheme."""
-
-    def __init__(self, role: str) -> None:
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        engine = self
-        handoff = {"maru_key_scheme": SCHEME.to_params()} if role == "prefill" else None
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self._send(200, {"object": "list", "data": []})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                engine.requests.append((self.path, body))
-                self._send(200, {"choices": [{"index": 0, "text": " t9", "finish_reason": "length"}],
-                                 "kv_transfer_params": handoff})  # fmt: skip
-
-            def _send(self, status: int, answer: dict[str, Any]) -> None:
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 class Fleet:
-    def __init__(self, router: RouterProcess, metrics_port: int, prefill: Engine, decode: Engine) -> None:
+    def __init__(
+        self, router: RouterProcess, metrics_port: int, prefill: RecordingEngine, decode: RecordingEngine
+    ) -> None:
         self.router, self.metrics_port, self.prefill, self.decode = router, metrics_port, prefill, decode
 
     def metric(self, name: str) -> float:
@@ -106,7 +64,7 @@ def hash_seed() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def fleet(pool: PoolDaemon, workdir: Path, hash_seed: None) -> Iterator[Fleet]:
-    prefill, decode = Engine("prefill"), Engine("decode")
+    prefill, decode = RecordingEngine("prefill"), RecordingEngine("decode")
     metrics_port = free_port()
     router = RouterProcess("hostile", workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
                            metrics_port=str(metrics_port), **LIMITS)  # fmt: skip
@@ -301,7 +259,7 @@ ADMIN = [("POST", "/remove_worker?url={decode}"), ("DELETE", "/workers/{decode}"
 def test_in_front_of_vllm_router_its_admin_api_is_never_passed(
     pool: PoolDaemon, workdir: Path, hash_seed: None
 ) -> None:
-    prefill, decode = Engine("prefill"), Engine("decode")
+    prefill, decode = RecordingEngine("prefill"), RecordingEngine("decode")
     upstream = front = None
     try:
         upstream = VllmRouterProcess(workdir, prefill=prefill.url, decode=decode.url, name="vllm-router-hostile")

@@ -113,6 +113,7 @@ LOOKUP_BATCH_KEYS = 4096
 class Decision:
     route: str  # DIRECT or PD
     # covered | no_key_scheme | short | unsupported | cold | pool_error | tokenize_error | keying_error | disabled
+    # | long (a tokenized prompt over max_prompt_tokens: not keyed)
     reason: str
     prompt_tokens: int = 0
     chunks_hit: int = 0
