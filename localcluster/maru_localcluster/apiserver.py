@@ -496,12 +496,38 @@ def apply_defaults(obj: Any, schema: JsonObj | None) -> None:
 _CEL_PROGRAMS: dict[str, Any] = {}
 
 
+def _cel_quantity_library() -> dict[str, Any]:
+    """Kubernetes' CEL quantity library (k8s.io/apiserver pkg/cel/library/quantity.go, in CRD rules since 1.29):
+    ``quantity(s)`` and the comparisons of two quantities; a string that is no quantity fails the rule."""
+    from celpy import celtypes
+
+    from maru_operator.quantity import parse_quantity
+
+    class Quantity(celtypes.StringType):
+        """A parsed quantity (its value kept exactly, as a Decimal)."""
+
+        value: Any
+
+    def quantity(text: Any) -> Quantity:
+        q = Quantity(str(text))
+        q.value = parse_quantity(str(text))
+        return q
+
+    def compare(a: Quantity, b: Quantity) -> int:
+        return (a.value > b.value) - (a.value < b.value)
+
+    return {'quantity': quantity,
+            'compareTo': lambda a, b: celtypes.IntType(compare(a, b)),
+            'isLessThan': lambda a, b: celtypes.BoolType(compare(a, b) < 0),
+            'isGreaterThan': lambda a, b: celtypes.BoolType(compare(a, b) > 0)}
+
+
 def _cel_program(rule: str) -> Any:
     import celpy  # imported lazily: only CRDs with x-kubernetes-validations need it
 
     if rule not in _CEL_PROGRAMS:
         env = celpy.Environment()
-        _CEL_PROGRAMS[rule] = env.program(env.compile(rule))
+        _CEL_PROGRAMS[rule] = env.program(env.compile(rule), functions=_cel_quantity_library())
     return _CEL_PROGRAMS[rule]
 
 

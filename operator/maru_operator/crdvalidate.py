@@ -179,6 +179,8 @@ def _cel_errors(schema: dict[str, Any], value: Any, path: str) -> Iterator[Field
         env = celpy.Environment()
         activation = {"self": celpy.json_to_cel(value)}
         for rule in rules:
+            if "oldSelf" in rule["rule"]:
+                continue  # a transition rule: judged on updates alone, against the stored object, as in Kubernetes
             field = path + rule.get("fieldPath", "")
             try:
                 result = env.program(env.compile(rule["rule"])).evaluate(activation)

@@ -173,3 +173,25 @@ def test_a_first_rollout_with_a_new_generation_does_not_hold_other_groups(
     cluster.patch(IG, "b", {"spec": {"decode": {"env": [{"name": "NEW", "value": "1"}]}}}, GROUP_NS)
     cluster.wait_for(DEPLOY, "b-decode", GROUP_NS, lambda d: any(
         e["name"] == "NEW" for e in _vllm(d).get("env") or []))
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"accessMode": "ReadWriteOnce"}, "accessMode"),
+    ({"storageClassName": "other"}, "storageClassName"),
+    ({"size": "100Gi"}, "size"),
+])
+def test_the_groups_claim_only_grows(cluster: KubeEmulator, change: dict[str, Any], field: str) -> None:
+    """The CRD refuses what kube-apiserver would refuse on the claim, naming the group's field."""
+    from maru_localcluster.apiserver import ApiError
+
+    cluster.create(group(modelCache={"persistentVolumeClaim": {"size": "200Gi"}}))
+    with pytest.raises(ApiError) as refused:
+        cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": change}}}, GROUP_NS)
+    assert refused.value.code == 422
+    assert f"spec.modelCache.persistentVolumeClaim.{field}: {field} of the group's model cache claim" \
+        in refused.value.message, refused.value.message
+    grown = cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": {"size": "1Ti"}}}}, GROUP_NS)
+    assert grown["spec"]["modelCache"]["persistentVolumeClaim"]["size"] == "1Ti"
+    # Another claim by name: the operator's own is no longer the group's, nothing to keep.
+    cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": {
+        "claimName": "shared", "accessMode": "ReadOnlyMany", "size": "1Gi"}}}}, GROUP_NS)

@@ -73,8 +73,32 @@ DEFAULT_MODEL_CACHE_SIZE = "200Gi"
 MODEL_CACHE_PATH = "/var/cache/maru/models"
 
 
+# The claim the operator created only grows: kube-apiserver refuses any other change of a claim's spec (422,
+# ValidatePersistentVolumeClaimUpdate), so the group's spec refuses it up front, naming the field. Growth still
+# needs a bound claim and a StorageClass that expands (else the group's status says the claim was refused).
+_OWN_CLAIM = "has(self.claimName) || has(oldSelf.claimName) || "
+_CLAIM_RULES = [
+    {"rule": _OWN_CLAIM + "(has(self.accessMode) ? self.accessMode : '') == "
+                          "(has(oldSelf.accessMode) ? oldSelf.accessMode : '')",
+     "message": "accessMode of the group's model cache claim cannot change once it exists (a claim's access modes "
+                "are immutable): delete the claim <group>-model-cache, or use another claim (claimName)",
+     "fieldPath": ".accessMode", "reason": "FieldValueForbidden"},
+    {"rule": _OWN_CLAIM + "(has(self.storageClassName) ? self.storageClassName : '') == "
+                          "(has(oldSelf.storageClassName) ? oldSelf.storageClassName : '')",
+     "message": "storageClassName of the group's model cache claim cannot change once it exists (a claim's class is "
+                "immutable): delete the claim <group>-model-cache, or use another claim (claimName)",
+     "fieldPath": ".storageClassName", "reason": "FieldValueForbidden"},
+    {"rule": _OWN_CLAIM + "!has(self.size) || !has(oldSelf.size) || "
+                          "!quantity(string(self.size)).isLessThan(quantity(string(oldSelf.size)))",
+     "message": "size of the group's model cache claim can only grow (a claim never shrinks)",
+     "fieldPath": ".size", "reason": "FieldValueForbidden"},
+]
+
+
 class ModelCacheClaim(KubeModel):
     """A PersistentVolumeClaim holding the Hugging Face hub cache, shared by every vLLM pod of the group."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _CLAIM_RULES})
 
     claim_name: str | None = Field(
         None, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
