@@ -7,6 +7,7 @@ read vLLM's) can read it, not when it matches a copy of it.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -190,7 +191,7 @@ def test_stored_events_carry_the_prompt_tokens_of_their_chunks_as_vllm_does(
 
     tokenized, bare = prompt(1, 2), prompt(2, 1)
     with PoolClient(url, timeout_s=10, token_file=token) as client, TenantLink(url, token_file=token) as link:
-        live = Publisher(link, sent.append, Translator(BLOCK))
+        live = Publisher(link, sent.append, Translator(BLOCK), tokens=True)
         assert publish(live) == [("cleared",)]
         commit_prompt(client, tokenized, prompt_tokens(1, 2))
         # vLLM's own BlockStored carries the tokens of its blocks, concatenated in block order: so does ours.
@@ -199,15 +200,21 @@ def test_stored_events_carry_the_prompt_tokens_of_their_chunks_as_vllm_does(
         assert publish(live) == [("stored", bare, None, BLOCK, [], MEDIUM)]
         # A publisher that starts now resyncs: the tokens come from the stored events still in the daemon's log.
         with TenantLink(url, token_file=token) as link2:
-            fresh = publish(Publisher(link2, sent.append, Translator(BLOCK)))
+            fresh = publish(Publisher(link2, sent.append, Translator(BLOCK), tokens=True))
         assert fresh[0] == ("cleared",)
         assert sorted(fresh[1:]) == sorted(
             [("stored", tokenized, None, BLOCK, prompt_tokens(1, 2), MEDIUM), ("stored", bare, None, BLOCK, [], MEDIUM)]
         )
         # A --block-size that is not the chunks' size would make consumers split the tokens wrong: none are sent.
         with TenantLink(url, token_file=token) as link3:
-            wrong = publish(Publisher(link3, sent.append, Translator(BLOCK // 2)))
+            wrong = publish(Publisher(link3, sent.append, Translator(BLOCK // 2), tokens=True))
         assert all(e[4] == [] for e in wrong if e[0] == "stored") and len(wrong) == 3
+        # Not asked for (the default): the daemon sends none, and none are published.
+        with TenantLink(url, token_file=token) as link4:
+            default = publish(Publisher(link4, sent.append, Translator(BLOCK)))
+        assert sorted(default[1:]) == sorted(
+            [("stored", tokenized, None, BLOCK, [], MEDIUM), ("stored", bare, None, BLOCK, [], MEDIUM)]
+        )
 
 
 def test_a_chain_is_published_with_tokens_only_when_every_chunk_has_them() -> None:
@@ -225,80 +232,101 @@ def test_a_chain_is_published_with_tokens_only_when_every_chunk_has_them() -> No
     assert [e.token_ids for e in out if isinstance(e, BlockStored)] == [[1, 2, 3, 4, 5, 6, 7, 8], [], [], []]
 
 
-@pytest.fixture
-def events_process(
-    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
-) -> Iterator[tuple[str, str, str]]:
-    """A real ``maru-pool events`` process on a real daemon; yields (pool url, publish and replay endpoints)."""
+@contextlib.contextmanager
+def run_events(
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str], *extra: str
+) -> Iterator[tuple[str, dict[str, str], subprocess.Popen[str]]]:
+    """A real ``maru-pool events`` process on a real daemon; yields the pool url, its ready line's fields and the
+    process."""
     key, token = tenant
-    d = start(daemons, sock_dir, key)
+    d = daemons[-1] if daemons else start(daemons, sock_dir, key)
+    log = (sock_dir / "events.log").open("w")  # a file, not a pipe: a pipe nobody reads would block its logging
     proc = subprocess.Popen(
         [sys.executable, "-m", "maru_connector.pool", "events", "--pool", d.ready["listen"], "--token-file", token,
          "--publish", "tcp://127.0.0.1:0", "--block-size", str(BLOCK), "--topic", "kv@maru@qwen",
-         "--replay", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pool_env(),
+         "--replay", "tcp://127.0.0.1:0", *extra],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=pool_env(),
     )  # fmt: skip
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith("maru-pool ready role=events "), (line, proc.stderr and proc.stderr.read())
+        assert line.startswith("maru-pool ready role=events "), (line, (sock_dir / "events.log").read_text())
         fields = dict(kv.split("=", 1) for kv in line.split()[2:])
         assert fields["medium"] == MEDIUM
-        yield d.ready["listen"], fields["publish"], fields["replay"]
+        yield d.ready["listen"], fields, proc
         proc.terminate()
         assert proc.wait(timeout=START_TIMEOUT_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        log.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
+@pytest.fixture
+def events_process(
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
+) -> Iterator[tuple[str, str, str]]:
+    """Pool url, publish and replay endpoints of a ``maru-pool events`` with its default flags."""
+    with run_events(daemons, sock_dir, tenant) as (url, fields, _):
+        yield url, fields["publish"], fields["replay"]
+
+
+def first_seen(sub: zmq.Socket[bytes], client: PoolClient, base: int = 100) -> int:
+    """Store probe prompts until ``sub`` sees one (ZMQ's slow joiner: a subscriber misses what was published
+    before its subscription reached the publisher), then read on to the last probe's own event, so that what
+    follows is exactly what the caller does next; returns how many probes (prompts ``base + 1``...) were
+    stored."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    probe = 0
+    while True:
+        assert time.monotonic() < deadline, "the publisher sent nothing the subscriber saw"
+        probe += 1
+        commit_prompt(client, prompt(base + probe, 1))
+        if sub.poll(1000):
+            break
+    seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
+    # What the poll saw may be an earlier batch (the publisher's first AllBlocksCleared, a late probe).
+    while not any(e[0] == "stored" and e[1] == prompt(base + probe, 1) for e in seen):
+        assert sub.poll(START_TIMEOUT_S * 1000), f"the last probe was never published after {seen}"
+        seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
+    return probe
+
+
+@pytest.mark.parametrize("token_ids", [False, True], ids=["default", "token-ids"])
 def test_maru_pool_events_publishes_over_zmq(
-    events_process: tuple[str, str, str], tenant: tuple[Path, str]
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str], token_ids: bool
 ) -> None:
-    url, endpoint, _ = events_process
+    """The prompt's tokens are the tenant's prompt: a subscriber gets them only where the publisher was asked to
+    publish them (``--token-ids``); by default BlockStored carries none, as vLLM allows."""
     _, token = tenant
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.connect(endpoint)
-    try:
-        with PoolClient(url, timeout_s=10, token_file=token) as client:
-            # A subscriber misses what was published before its subscription reached the publisher (ZMQ's
-            # slow joiner): store probe prompts until one is seen, then check what follows exactly.
-            deadline = time.monotonic() + START_TIMEOUT_S
-            probe = 0
-            while True:
-                assert time.monotonic() < deadline, "the publisher sent nothing the subscriber saw"
-                probe += 1
-                commit_prompt(client, prompt(100 + probe, 1))
-                if sub.poll(1000):
-                    break
-            seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
-            # What the poll saw may be an earlier batch (the publisher's first AllBlocksCleared, a late probe):
-            # read on to the last probe's own event, so that what follows is exactly the flush and the prompt.
-            while not any(e[0] == "stored" and e[1] == prompt(100 + probe, 1) for e in seen):
-                assert sub.poll(START_TIMEOUT_S * 1000), f"the last probe was never published after {seen}"
-                seen = shape(decoded(tuple(sub.recv_multipart()))[2])  # type: ignore[arg-type]
-            with TenantLink(url, token_file=token) as link:
-                link.call({"op": "flush"})
-            commit_prompt(client, prompt(7, 2), prompt_tokens(7, 2))
-            got: list[tuple[Any, ...]] = []
-            while len(got) < 3:
-                assert sub.poll(START_TIMEOUT_S * 1000), f"no more events after {got}"
-                topic, seq, events = decoded(tuple(sub.recv_multipart()))  # type: ignore[arg-type]
-                assert topic == "kv@maru@qwen" and seq > 0
-                got += shape(events)
-        probes = sorted(key for p in range(1, probe + 1) for key in prompt(100 + p, 1))
-        assert got == [
-            ("removed", probes, MEDIUM),
-            ("cleared",),
-            ("stored", prompt(7, 2), None, BLOCK, prompt_tokens(7, 2), MEDIUM),
-        ]
-    finally:
-        sub.close(linger=0)
+    with run_events(daemons, sock_dir, tenant, *(["--token-ids"] if token_ids else [])) as (url, fields, _):
+        assert fields["token_ids"] == ("on" if token_ids else "off")
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        sub.connect(fields["publish"])
+        try:
+            with PoolClient(url, timeout_s=10, token_file=token) as client:
+                probe = first_seen(sub, client)
+                with TenantLink(url, token_file=token) as link:
+                    link.call({"op": "flush"})
+                commit_prompt(client, prompt(7, 2), prompt_tokens(7, 2))
+                got: list[tuple[Any, ...]] = []
+                while len(got) < 3:
+                    assert sub.poll(START_TIMEOUT_S * 1000), f"no more events after {got}"
+                    topic, seq, events = decoded(tuple(sub.recv_multipart()))  # type: ignore[arg-type]
+                    assert topic == "kv@maru@qwen" and seq > 0
+                    got += shape(events)
+            probes = sorted(key for p in range(1, probe + 1) for key in prompt(100 + p, 1))
+            assert got == [
+                ("removed", probes, MEDIUM),
+                ("cleared",),
+                ("stored", prompt(7, 2), None, BLOCK, prompt_tokens(7, 2) if token_ids else [], MEDIUM),
+            ]
+        finally:
+            sub.close(linger=0)
 
 
 def test_bad_flags_exit_2_naming_the_flag(tenant: tuple[Path, str]) -> None:

@@ -25,6 +25,7 @@ from typing import NoReturn
 
 from maru_connector import tenancy
 
+from . import replay
 from .client import PoolError
 from .daemon import Daemon, UsageError, build_agent, build_metadata, build_serve
 from .events import DEFAULT_KEEP, MEDIUM
@@ -179,8 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) instead of the key's bytes")
     events.add_argument("--replay", help="ZMQ ROUTER address to bind for replays of missed batches, as vLLM's "
                         "replay_endpoint (default: none)")
-    events.add_argument("--replay-buffer", type=_count, default=10_000,
+    events.add_argument("--replay-buffer", type=_count, default=replay.DEFAULT_BUFFER,
                         help="batches kept for replays, as vLLM's buffer_steps (default %(default)s)")
+    events.add_argument("--replay-max-batches", type=_count, default=replay.DEFAULT_MAX_BATCHES,
+                        help="batches in one replay reply; a consumer asks again for the rest (default %(default)s)")
+    events.add_argument("--replay-rate", type=_count, default=replay.DEFAULT_RATE,
+                        help="replay requests a second per peer address; more are dropped (default %(default)s)")
+    events.add_argument("--replay-burst", type=_count, default=replay.DEFAULT_BURST,
+                        help="replay requests a peer may send at once (default %(default)s)")
+    events.add_argument("--send-hwm", type=_count, default=1_000,
+                        help="messages queued per subscriber; past it that subscriber misses them and replays "
+                        "(default %(default)s)")
+    events.add_argument("--token-ids", action="store_true",
+                        help="publish each chunk's prompt tokens in BlockStored.token_ids (off: they are the "
+                        "tenants' prompts; the daemon is not asked for them)")
+    events.add_argument("--curve-secret-key-file",
+                        help="the publisher's ZMQ CURVE secret key (Z85): both sockets admit only the subscribers "
+                        "--curve-clients-file lists (default: no authentication)")
+    events.add_argument("--curve-clients-file",
+                        help="the admitted subscribers' CURVE public keys (Z85), one a line (a name may follow "
+                        "the key); read again when it changes")
     events.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     flush = sub.add_parser("flush", help="drop every chunk the tenant holds in the pool")

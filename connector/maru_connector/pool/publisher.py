@@ -13,16 +13,26 @@ behind the daemon's log each publish ``BlockRemoved`` for what is gone, then ``A
 the pool holds now. A fresh publisher's first batch starts with ``AllBlocksCleared`` (consumers drop what an
 earlier incarnation announced).
 
+With ``--token-ids`` (off by default: they are the tenants' prompts, and vLLM allows an empty list),
 ``BlockStored.token_ids`` carries the prompt tokens of the event's chunks, concatenated in the order of its
 block hashes (as vLLM's own events carry a block run's tokens), taken from what the engines sent with their
-writes; it is empty, as vLLM allows, when any chunk of the event came without them (an older connector, a
-prompt whose tokens alone do not say what its chunks hold, a resync of a chunk whose event left the log),
-or when a chunk's token count is not ``--block-size``: a consumer splits token_ids by block_size.
+writes; without it the daemon is not even asked for them. It is empty, too, when any chunk of the event came
+without them (an older connector, a prompt whose tokens alone do not say what its chunks hold, a resync of a
+chunk whose event left the log), or when a chunk's token count is not ``--block-size``: a consumer splits
+token_ids by block_size.
+
+Who may read the stream: with ``--curve-secret-key-file`` both sockets are ZMQ CURVE servers and admit only
+the subscribers whose public keys ``--curve-clients-file`` lists (read again when it changes, as a mounted
+Secret does); without it, anyone who reaches the ports (the operator's NetworkPolicy decides who does).
+What a subscriber can make this process hold is bounded: ``--send-hwm`` messages queued per subscriber
+(ZMQ drops the rest for that subscriber, which sees the gap and replays), subscription messages of at most
+``MAX_SUBSCRIPTION_BYTES``, and the replay socket's own limits (:mod:`.replay`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +50,10 @@ log = logging.getLogger(__name__)
 # How long one read may wait in the daemon for an event (a long poll), and the back-off after a failure.
 POLL_MS = 1000
 RETRY_S = (0.5, 5.0)
+# Messages queued for one subscriber that does not read (vLLM's publisher queues 100,000: with 200 such
+# subscribers that was hundreds of MiB); past it ZMQ drops that subscriber's messages, and it replays the gap.
+DEFAULT_SEND_HWM = 1_000
+MAX_SUBSCRIPTION_BYTES = 1024  # what a subscriber sends is its subscriptions (topic prefixes): nothing long
 
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
@@ -131,9 +145,12 @@ class Publisher:
         translator: Translator,
         *,
         topic: str = "",
+        tokens: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``tokens``: ask the daemon for each chunk's token ids and publish them in ``BlockStored``."""
         self._link = link
+        self.tokens = tokens
         self._send = send
         self.translator = translator
         self.topic = topic
@@ -145,7 +162,7 @@ class Publisher:
         """One read (waiting up to ``wait_ms`` in the daemon); returns how many vLLM events it published."""
         after = list(self.cursor) if self.cursor else None
         # tokens: each event's token ids too (a daemon that predates them ignores the field; see protocol.py).
-        request = {"op": "events", "after": after, "timeout_ms": wait_ms, "tokens": True}
+        request = {"op": "events", "after": after, "timeout_ms": wait_ms, "tokens": self.tokens}
         reply = self._link.call(request, wait_s=wait_ms / 1000)
         epoch, resync = int(reply["epoch"]), bool(reply["resync"])
         if resync and self.cursor is not None:
@@ -190,18 +207,100 @@ class Publisher:
             failing, delay = False, RETRY_S[0]
 
 
-def bind(endpoint: str, *, hwm: int = 100_000) -> tuple[Any, str]:
-    """A ZMQ PUB socket bound to ``endpoint`` (``tcp://*:5557``; port 0 picks one), and where it is bound."""
+def bind(endpoint: str, *, hwm: int = DEFAULT_SEND_HWM, secure: Callable[[Any], None] | None = None) -> tuple[Any, str]:
+    """A ZMQ PUB socket bound to ``endpoint`` (``tcp://*:5557``; port 0 picks one), and where it is bound.
+    ``secure``: called with the socket before it binds (CURVE)."""
     import zmq  # only this role needs ZMQ: the pool daemon itself does not
 
     sock = zmq.Context.instance().socket(zmq.PUB)
     sock.set_hwm(hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
     try:
+        if secure is not None:
+            secure(sock)
         sock.bind(endpoint)
     except zmq.ZMQError as err:
         sock.close(linger=0)
         raise ValueError(f"cannot bind {endpoint}: {err}") from None
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class CurveClients:
+    """The subscribers' public keys (Z85, one a line, optionally followed by a name), read again whenever the file
+    changes: a mounted Secret is updated in place, so a key is added or revoked without a restart."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self.keys: frozenset[bytes] = frozenset()
+        self.reload()
+        if not self.keys:
+            raise ValueError(f"{path}: lists no public key (Z85, 40 characters a line)")
+        log.info("events: subscribers authenticated by CURVE, %d key(s) admitted", len(self.keys))
+
+    def reload(self) -> None:
+        st = os.stat(self.path)
+        if (st.st_mtime_ns, st.st_ino) == self._stamp:
+            return
+        with open(self.path, encoding="ascii") as f:
+            # Z85 has '#' in its alphabet and no blanks: what follows a key on its line names its holder.
+            keys = [line.split()[0] for line in f if line.strip()]
+        bad = [k for k in keys if len(k) != 40]
+        if bad:
+            raise ValueError(f"{self.path}: {bad[0][:12]!r}... is not a Z85 public key (40 characters)")
+        changed = self._stamp is not None
+        self.keys, self._stamp = frozenset(k.encode() for k in keys), (st.st_mtime_ns, st.st_ino)
+        if changed:
+            log.info("events: subscriber keys changed, %d admitted", len(self.keys))
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """zmq.auth's credentials provider: is this client's public key (Z85) admitted?"""
+        try:
+            self.reload()
+        except (OSError, ValueError) as err:  # a half-written update: keep the keys read last
+            log.warning("events: cannot read the subscriber keys again, keeping %d: %s", len(self.keys), err)
+        admitted = key in self.keys
+        if not admitted:
+            log.warning("events: refused a subscriber whose public key is not listed: %s", key.decode(errors="replace"))
+        return admitted
+
+
+@dataclass
+class Curve:
+    """The sockets' CURVE server keys and the admitted subscribers, checked by a ZAP handler thread."""
+
+    public: bytes
+    secret: bytes
+    clients: CurveClients
+    authenticator: Any = None
+
+    @classmethod
+    def load(cls, secret_key_file: str, clients_file: str) -> Curve:
+        import zmq
+        import zmq.auth.thread
+
+        if not zmq.has("curve"):
+            raise ValueError("this ZMQ has no CURVE support")
+        with open(secret_key_file, encoding="ascii") as f:
+            secret = f.read().strip().encode()
+        try:
+            public = zmq.curve_public(secret)
+        except (ValueError, zmq.ZMQError):
+            raise ValueError(f"{secret_key_file}: not a Z85 CURVE secret key (40 characters)") from None
+        curve = cls(public, secret, CurveClients(clients_file))
+        curve.authenticator = zmq.auth.thread.ThreadAuthenticator(zmq.Context.instance(), log=log)
+        curve.authenticator.start()
+        curve.authenticator.configure_curve_callback(domain="*", credentials_provider=curve.clients)
+        return curve
+
+    def secure(self, sock: Any) -> None:
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+
+    def close(self) -> None:
+        if self.authenticator is not None:
+            self.authenticator.stop()
 
 
 @dataclass
@@ -220,33 +319,64 @@ def build(args: Any) -> Role:
     except ValueError as err:
         flag = "--medium" if "medium" in str(err) else "--block-size"
         raise ValueError(f"{flag}: {err}") from None
+    curve = _curve(args)
+    closers: list[Callable[[], None]] = [curve.close] if curve else []
+    secure = curve.secure if curve else None
     try:
         link = TenantLink(args.pool, token_file=args.token_file)
     except PoolError as err:
+        _close(closers)
         raise ValueError(f"--pool: {err}") from None
     try:
-        sock, bound = bind(args.publish)
+        sock, bound = bind(args.publish, hwm=args.send_hwm, secure=secure)
     except ValueError as err:
+        _close(closers)
         raise ValueError(f"--publish: {err}") from None
-    closers: list[Callable[[], None]] = [lambda: sock.close(linger=0)]
-    ready = {"role": "events", "pool": args.pool, "publish": bound, "medium": args.medium}
+    closers.insert(0, lambda: sock.close(linger=0))
+    ready = {"role": "events", "pool": args.pool, "publish": bound, "medium": args.medium,
+             "token_ids": "on" if args.token_ids else "off"}  # fmt: skip
+    if curve:
+        ready["curve_public_key"] = curve.public.decode()
     send: Callable[[tuple[bytes, bytes, bytes]], None] = sock.send_multipart
     if args.replay:
         from .replay import ReplayServer
 
         try:
-            replay = ReplayServer(args.replay, buffer=args.replay_buffer)
+            replay = ReplayServer(args.replay, buffer=args.replay_buffer, max_batches=args.replay_max_batches,
+                                  rate=args.replay_rate, burst=args.replay_burst, secure=secure)  # fmt: skip
         except ValueError as err:
-            sock.close(linger=0)
+            _close(closers)
             raise ValueError(f"--replay: {err}") from None
-        closers.append(replay.close)
+        closers.insert(1, replay.close)
         ready["replay"] = replay.endpoint
 
         def send(message: tuple[bytes, bytes, bytes]) -> None:
             sock.send_multipart(message)
             replay.record(message)
 
-    return Role(Publisher(link, send, translator, topic=args.topic), ready, closers)
+    return Role(Publisher(link, send, translator, topic=args.topic, tokens=args.token_ids), ready, closers)
+
+
+def _curve(args: Any) -> Curve | None:
+    secret, clients = args.curve_secret_key_file, args.curve_clients_file
+    if bool(secret) != bool(clients):
+        given, missing = ("--curve-secret-key-file", "--curve-clients-file")[:: 1 if secret else -1]
+        raise ValueError(f"{missing}: required with {given}")
+    if not secret:
+        return None
+    try:
+        return Curve.load(secret, clients)
+    except OSError as err:
+        flag = "--curve-secret-key-file" if err.filename == secret else "--curve-clients-file"
+        raise ValueError(f"{flag}: {err}") from None
+    except ValueError as err:
+        flag = "--curve-clients-file" if str(err).startswith(clients) else "--curve-secret-key-file"
+        raise ValueError(f"{flag}: {err}") from None
+
+
+def _close(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        close()
 
 
 def run(role: Role, stop: threading.Event) -> int:
@@ -255,7 +385,6 @@ def run(role: Role, stop: threading.Event) -> int:
         role.publisher.run(stop)
     finally:
         role.publisher.close()
-        for close in role.closers:
-            close()
+        _close(role.closers)
     log.info("events: stopped after %d batch(es)", role.publisher.seq)
     return 0
