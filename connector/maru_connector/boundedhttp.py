@@ -175,6 +175,7 @@ class BoundedHttpServer:
                 return
             except OSError as err:  # out of descriptors: the backlog holds them until some close
                 self._warn("accept", "%s: cannot accept a connection: %s", self.name, err)
+                time.sleep(_TICK_S)  # the listener stays readable: without a pause this loop would spin
                 return
             peer = str(address[0]) if isinstance(address, tuple) else str(address)
             why = self._admit(peer)

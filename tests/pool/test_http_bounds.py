@@ -7,6 +7,7 @@ answers, idle connections cost no thread, one address holds a few at most, and h
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from maru_connector.pool import PoolClient
@@ -39,7 +40,14 @@ def test_idle_connections_take_no_threads_and_the_scraper_and_tenants_are_served
         assert get(host, port, "/healthz")[0] == 200
     finally:
         close_all(flood)
-    assert get(host, port, "/status", source="127.0.0.1")[0] == 200  # the flood's address is served again
+    # The flood's address is served again once the daemon has seen its connections close (a bounded wait).
+    statuses = []
+    for _ in range(100):
+        statuses.append(get(host, port, "/status", source="127.0.0.1")[0])
+        if statuses[-1] == 200:
+            break
+        time.sleep(0.1)
+    assert statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses
 
 
 def test_a_slowloris_is_closed_at_the_header_deadline(serve: Daemon) -> None:
