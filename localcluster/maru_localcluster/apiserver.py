@@ -212,6 +212,8 @@ BUILTIN_RESOURCES: list[ResourceType] = [
     _builtin('scheduling.k8s.io', 'v1', 'priorityclasses', 'PriorityClass', False, short=['pc']),
     _builtin('storage.k8s.io', 'v1', 'csidrivers', 'CSIDriver', False),
     _builtin('storage.k8s.io', 'v1', 'storageclasses', 'StorageClass', False, short=['sc']),
+    _builtin('autoscaling', 'v2', 'horizontalpodautoscalers', 'HorizontalPodAutoscaler', short=['hpa'],
+             cats=['all'], status=True),
 ]
 
 # Strategic-merge-patch keys of lists merged element-wise (the rest are replaced, as in k8s).

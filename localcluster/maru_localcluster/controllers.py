@@ -18,6 +18,9 @@ level-triggered, as the real controllers do from their informers:
   Service's labels copied onto its slices and kept in step, beside ``kubernetes.io/service-name``);
   **ServiceAccount** ``default`` and ConfigMap ``kube-root-ca.crt`` in every namespace; **pod GC**
   removes the pods of nodes that are gone (owner-reference GC is the API server's, ``apiserver.py``).
+* **HorizontalPodAutoscaler** (autoscaling/v2): no metrics server here, so a target's count is only kept within
+  ``minReplicas``/``maxReplicas`` (through its scale subresource); a target at 0 is left there
+  (ScalingActive=False, ScalingDisabled), as kube-controller-manager's HPA controller does.
 * **PersistentVolumeClaim**: a provisioner of one shared filesystem (as an NFS class is) binds every claim
   at once, whatever its access mode and class, with the capacity it asked for; the kubelets mount
   ``<cluster>/persistent-volumes/<namespace>/<claim>-<uid>`` (``volumes.py``).
@@ -249,6 +252,66 @@ class ControllerManager:
             self.deployment_status(emulator, d)
         self.endpoint_slices(emulator, pods)
         self.claims(emulator)
+        for hpa in emulator.list_objects("autoscaling", "horizontalpodautoscalers"):
+            self.autoscaler(emulator, hpa)
+
+    # --- HorizontalPodAutoscalers: no metrics here, so only the bounds and the zero rule
+
+    def autoscaler(self, emulator: Emulator, hpa: JsonObj) -> None:
+        """k8s.io/kubernetes pkg/controller/podautoscaler/horizontal.go reconcileAutoscaler, without metrics (the
+        local cluster has no metrics server: the metrics' proposal is the current count). A target at 0 replicas is
+        left alone (ScalingActive=False ScalingDisabled: a target scaled to zero by someone else stays so), else its
+        count is kept within [minReplicas, maxReplicas] through the scale subresource."""
+        spec, ns = hpa.get("spec") or {}, hpa["metadata"]["namespace"]
+        ref = spec.get("scaleTargetRef") or {}
+        plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "ReplicaSet": "replicasets"}.get(
+            ref.get("kind", ""))
+        target = emulator.get_object("apps", plural, ns, ref.get("name", "")) if plural else None
+        old = hpa.get("status") or {}
+        if target is None:
+            conditions = [("AbleToScale", False, "FailedGetScale",
+                           f"the HPA controller was unable to get the target's current scale: "
+                           f"{ref.get('kind', '').lower()}s \"{ref.get('name')}\" not found")]
+            status = {**old, "currentReplicas": old.get("currentReplicas", 0),
+                      "desiredReplicas": old.get("desiredReplicas", 0)}
+        else:
+            current = int((target.get("spec") or {}).get("replicas", 1))
+            low, high = int(spec.get("minReplicas", 1)), int(spec.get("maxReplicas", 1))
+            if current == 0 and low != 0:
+                desired = 0
+                conditions = [("AbleToScale", True, "SucceededGetScale",
+                               "the HPA controller was able to get the target's current scale"),
+                              ("ScalingActive", False, "ScalingDisabled",
+                               "scaling is disabled since the replica count of the target is zero")]
+            else:
+                desired = min(max(current, low), high)
+                limited = desired != current
+                conditions = [("AbleToScale", True, "SucceededRescale" if limited else "ReadyForNewScale",
+                               f"the HPA controller was able to update the target scale to {desired}" if limited
+                               else "recommended size matches current size"),
+                              ("ScalingActive", True, "ValidMetricFound",
+                               "the HPA was able to successfully calculate a replica count"),
+                              ("ScalingLimited", limited, "TooFewReplicas" if desired > current else
+                               "TooManyReplicas" if limited else "DesiredWithinRange",
+                               "the desired replica count is outside the allowed range" if limited
+                               else "the desired count is within the acceptable range")]
+                if limited:
+                    with contextlib.suppress(ApiError):
+                        emulator.patch_object("apps", plural, ns, ref["name"], {"spec": {"replicas": desired}},
+                                              subresource="scale")
+                    self._record(emulator, hpa, "SuccessfulRescale",
+                                 f"New size: {desired}; reason: All metrics below target" if desired < current
+                                 else f"New size: {desired}; reason: Current number of replicas below Spec.MinReplicas")
+                    old = {**old, "lastScaleTime": _now()}
+            status = {**old, "currentReplicas": current, "desiredReplicas": desired}
+        now = _now()
+        before = {c.get("type"): c for c in old.get("conditions") or []}
+        status["conditions"] = [
+            {"type": t, "status": "True" if ok else "False", "reason": reason, "message": message,
+             "lastTransitionTime": before[t]["lastTransitionTime"] if t in before and before[t].get("status") ==
+             ("True" if ok else "False") else now}
+            for t, ok, reason, message in conditions]
+        self._write_status(emulator, "autoscaling", "horizontalpodautoscalers", hpa, status)
 
     # --- PersistentVolumeClaims: bound at once to the shared filesystem
 

@@ -131,6 +131,34 @@ def test_deployment_rolls_to_a_new_replicaset_keeping_availability(cluster: Loca
     assert condition(deploy, "Progressing")["reason"] == "NewReplicaSetAvailable"
 
 
+def test_an_autoscaler_keeps_its_bounds_and_leaves_a_target_at_zero(cluster: LocalCluster) -> None:
+    body = pod("x", "sleep 3600")
+    apply(cluster, {"apiVersion": "apps/v1", "kind": "Deployment",
+                    "metadata": {"name": "scaled", "namespace": "default"},
+                    "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "scaled"}},
+                             "template": {"metadata": {"labels": {"app": "scaled"}}, "spec": body["spec"]}}},
+          {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": "scaled", "namespace": "default"},
+           "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "scaled"},
+                    "minReplicas": 2, "maxReplicas": 3}})
+
+    def replicas() -> int:
+        return int(cluster.kube.get("deployments.apps", "scaled", "default")["spec"]["replicas"])
+
+    wait(lambda: replicas() == 2, "the autoscaler to raise the target to its minimum")
+    dep = cluster.kube.get("deployments.apps", "scaled", "default")
+    assert [e.get("subresource") for e in dep["metadata"]["managedFields"]
+            if "f:replicas" in (e.get("fieldsV1") or {}).get("f:spec", {})] == ["scale"]
+    cluster.kubectl("scale", "deployment/scaled", "--replicas=0", "-n", "default")
+    hpa = wait(lambda: next((h for h in [cluster.kube.get("horizontalpodautoscalers.autoscaling", "scaled", "default")]
+                             if any(c["reason"] == "ScalingDisabled" for c in h.get("status", {}).get("conditions")
+                                    or [])), None), "ScalingDisabled")
+    assert hpa["status"]["desiredReplicas"] == 0 and replicas() == 0
+    cluster.kubectl("scale", "deployment/scaled", "--replicas=1", "-n", "default")
+    wait(lambda: replicas() == 2, "the autoscaler to scale the target again once it is not at zero")
+    cluster.kubectl("delete", "deployment/scaled", "hpa/scaled", "-n", "default")
+
+
 def test_service_clusterip_and_dns_reach_ready_endpoints(cluster: LocalCluster) -> None:
     slices = wait(lambda: [s for s in cluster.kube.list("endpointslices.discovery.k8s.io", "default")
                            if s["metadata"]["labels"].get("kubernetes.io/service-name") == "web"
