@@ -220,7 +220,8 @@ def _mint(context: dict[str, str], socket_root: Path, pool: str, pod: admission.
 
     The namespace comes from the kubelet (podInfoOnMount), never from the attributes: whoever writes pods
     in a namespace may name any of its caches (as they may write a group's poolQuota), never another
-    namespace's; the pool's maxTenantQuota binds whatever the pod asks for.
+    namespace's; the pool's maxTenantQuota (unset: its tenantQuota, then the daemon's defaults) binds whatever
+    the pod asks for, so a pod cannot raise its own quota.
     """
     cache = context.get(ATTR_CACHE, "")
     error = cache_error(cache)
