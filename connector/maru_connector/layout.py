@@ -26,8 +26,11 @@ reads each head's ``[N, 2*D]`` as ``[2*N, D]`` (all K rows, then all V rows). So
 identity (:attr:`PagedKV.format`) names the backend, the page order and the dtype, and goes into every
 chunk key: engines that would read each other's bytes differently never share a key.
 
-MLA caches (``[blocks, 1, tokens, latent]``) and other shapes are refused at registration with a
-message naming them, instead of producing wrong bytes later. Only ``torch`` is imported here.
+MLA caches (``latent=True``) hold one latent vector per token and layer, ``[blocks, 1, tokens, latent]``
+(DeepSeek-V2/V3: 512 compressed KV + 64 rope key = 576 wide); their pages are copied the same way, and the
+format says ``latent<width>`` instead of a head count, so an MLA chunk never shares a key with a paged K/V
+chunk. The latent is the same on every TP rank. Other shapes are refused at registration with a message
+naming them, instead of producing wrong bytes later. Only ``torch`` is imported here.
 """
 
 from __future__ import annotations
@@ -227,11 +230,13 @@ def describe_kv_caches(
     num_kv_heads: int,
     head_size: int,
     backend: str,
+    latent: bool = False,
 ) -> PagedKV:
     """Recognise the pages of the engine's KV cache from the registered views, or raise :class:`KVLayoutError`.
 
     ``num_blocks`` is the KV cache manager's block count, ``block_size`` its tokens per block,
     ``num_kv_heads`` per TP rank, ``backend`` the name of the attention backend reading the cache.
+    ``latent``: an MLA cache, one ``head_size``-wide latent per token (``num_kv_heads`` 1), no separate V.
     All layers must share one shape, stride pattern and dtype.
     """
     if not kv_caches:
@@ -245,17 +250,18 @@ def describe_kv_caches(
                 f"layer {layer_name} has shape {tuple(t.shape)} stride {t.stride()} {t.dtype}, unlike "
                 f"{names[0]} {tuple(first.shape)} {first.stride()} {first.dtype}: mixed layouts are not supported"
             )
-    dims, page_order = _page_dims(first, num_blocks, block_size, num_kv_heads, head_size)
+    dims, page_order = _page_dims(first, num_blocks, block_size, num_kv_heads, head_size, latent=latent)
     views = [_page_view(kv_caches[name], num_blocks, dims) for name in names]
     block_bytes = 1
     for size, _ in dims:
         block_bytes *= size
-    fmt = f"{backend}:{page_order}:{str(first.dtype).removeprefix('torch.')}"
+    kind = f"latent{head_size}:" if latent else ""
+    fmt = f"{backend}:{kind}{page_order}:{str(first.dtype).removeprefix('torch.')}"
     return PagedKV(fmt, names, views, block_bytes, num_blocks)
 
 
 def _page_dims(
-    t: torch.Tensor, num_blocks: int, block_size: int, heads: int, head_size: int
+    t: torch.Tensor, num_blocks: int, block_size: int, heads: int, head_size: int, *, latent: bool = False
 ) -> tuple[list[tuple[int, int]], str]:
     """The page of one block as ``(size, byte stride)`` runs, outermost first, and its dim order."""
     shape, stride = tuple(t.shape), t.stride()
@@ -263,12 +269,18 @@ def _page_dims(
     if t.dim() != 4:
         raise KVLayoutError(f"unsupported {where}: expected vLLM's 4-D [blocks, heads, tokens, content] view")
     kernel_blocks, h, kernel_tokens, content = shape
-    if h == 1 and content == head_size:
+    if latent:
+        if h != 1 or heads != 1 or content != head_size:
+            raise KVLayoutError(
+                f"unsupported {where}: expected an MLA latent cache [blocks, 1, tokens, {head_size}] "
+                f"(one latent of {head_size} per token)"
+            )
+    elif h == 1 and content == head_size:
         raise KVLayoutError(
-            f"unsupported {where}: this is an MLA latent cache [blocks, 1, tokens, {content}]; "
-            "MLA models are not supported by the Maru connector yet"
+            f"unsupported {where}: this looks like an MLA latent cache [blocks, 1, tokens, {content}], "
+            "but vLLM's KV cache spec for these layers is not MLA"
         )
-    if h != heads or content != 2 * head_size:
+    elif h != heads or content != 2 * head_size:
         raise KVLayoutError(
             f"unsupported {where}: expected [blocks, {heads}, tokens, {2 * head_size}] "
             f"(K and V of {heads} KV heads of size {head_size})"

@@ -1,5 +1,6 @@
 """A random-weight 2-layer Llama made offline, for tests, the benchmark and the local demo (and, for the
-tests of which models the connector refuses, a tiny Mamba2 and a tiny Granite 4 hybrid).
+tests of which models the connector refuses, a tiny Mamba2 and a tiny Granite 4 hybrid; for MLA, a tiny
+DeepSeek-V2).
 
 Nothing is downloaded: the weights come from a seeded ``torch`` generator and the tokenizer is a
 ``tokenizers`` WordLevel vocabulary of ``t4 .. t{N-1}``. Special tokens are ``<s> </s> <pad> <unk>`` (ids 0-3), so text
@@ -148,6 +149,45 @@ def make_tiny_mamba2(path: str | Path) -> Path:
         return Mamba2ForCausalLM(config).to(torch.float32)
 
     return _write(path, {"kind": "mamba2"}, build)
+
+
+def make_tiny_deepseek_v2(path: str | Path) -> Path:
+    """A random-weight 2-layer DeepSeek-V2 (``DeepseekV2ForCausalLM``): MLA attention, MoE after the first layer.
+
+    The latent is ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 wide, the one latent size vLLM's
+    CPU MLA kernel runs; the other sizes are as small as that allows. Written like :func:`make_tiny_llama`.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    def build() -> Any:
+        config = DeepseekV2Config(
+            **_common_config(),
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            rms_norm_eps=1e-5,
+        )
+        # Wider than the default init, as for the Llama: greedy tokens then survive float32 reuse noise.
+        config.initializer_range = 0.2
+        return DeepseekV2ForCausalLM(config).to(torch.float32)
+
+    return _write(path, {"kind": "deepseek-v2"}, build)
 
 
 def _common_config() -> dict[str, Any]:

@@ -372,13 +372,54 @@ def test_plain_round_trip_alone_would_miss_a_shared_wrong_convention() -> None:
 # ---------------------------------------------------------------- rejection at start
 
 
-def test_mla_cache_is_refused_with_the_mla_message() -> None:
+def describe_latent(views: dict[str, torch.Tensor], shape: CacheShape = SHAPE) -> PagedKV:
+    return describe_kv_caches(
+        views, num_blocks=shape.num_blocks, block_size=shape.block_size, num_kv_heads=1, head_size=576,
+        backend="CPU_MLA", latent=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+def test_an_mla_latent_cache_round_trips_one_latent_per_token(layout: str) -> None:
+    """vLLM's own MLA allocation in every layout: a chunk holds, per layer and block, each token's 576-wide
+    latent in token order, and loads into other blocks of another cache exactly."""
+    _, src = vllm_allocate(layout, SHAPE, torch.float32, mla=True)
+    _, dst = vllm_allocate(layout, SHAPE, torch.float32, mla=True)
+    assert next(iter(src.values())).shape[1:] == (1, SHAPE.block_size, 576)
+    g = torch.Generator().manual_seed(7)
+    for view in src.values():
+        view.copy_(torch.randn(view.shape, generator=g))
+    paged = describe_latent(src)
+    assert paged.format.startswith("CPU_MLA:latent576:") and paged.format.endswith(":float32")
+    assert paged.block_bytes == SHAPE.block_size * 576 * 4
+    blocks = [3, 7]
+    chunk = bytearray(paged.geometry(2).chunk_bytes)
+    paged.gather(blocks, paged.chunk_view(chunk, 2))
+    # The independent reader: chunk[layer][block][token][latent], nothing else in between.
+    packed = torch.frombuffer(bytes(chunk), dtype=torch.float32).view(SHAPE.num_layers, 2, SHAPE.block_size, 576)
+    for layer, view in enumerate(src.values()):
+        for j, b in enumerate(blocks):
+            assert torch.equal(packed[layer, j], view[b, 0])
+    into = describe_latent(dst)
+    into.scatter(into.chunk_view(chunk, 2), [(0, 5), (1, 9)])
+    for (name, view), other in zip(src.items(), dst.values(), strict=True):
+        assert torch.equal(other[5], view[3]) and torch.equal(other[9], view[7]), name
+        assert not other[3].any() and not other[7].any()  # nothing else written
+
+
+def test_a_latent_cache_is_refused_unless_vllm_says_it_is_one() -> None:
+    """The tensor alone could be one K/V head read wrongly: the MLA spec (``latent``) decides, both ways."""
     _, views = vllm_allocate("LBHNC", SHAPE, torch.bfloat16, mla=True)
-    assert next(iter(views.values())).shape[1:] == (1, SHAPE.block_size, 576)
-    with pytest.raises(KVLayoutError, match="MLA latent cache"):
+    with pytest.raises(KVLayoutError, match="looks like an MLA latent cache"):
         describe_kv_caches(
             views, num_blocks=SHAPE.num_blocks, block_size=SHAPE.block_size, num_kv_heads=1, head_size=576, backend="X"
         )
+    _, kv = vllm_allocate("LBHNC", SHAPE, torch.bfloat16)
+    with pytest.raises(KVLayoutError, match="expected an MLA latent cache"):
+        describe_kv_caches(
+            kv, num_blocks=SHAPE.num_blocks, block_size=SHAPE.block_size, num_kv_heads=1, head_size=576,
+            backend="X", latent=True,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

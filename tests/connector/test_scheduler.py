@@ -426,7 +426,6 @@ UNCOPYABLE = {
         r"it is a hybrid model \(1 attention and 1 Mamba/linear-attention layers\)",
     ),
     "attention-free": (lambda: kv_cache(), r"it keeps no KV cache at all"),
-    "mla": (lambda: kv_cache(attention_layer("attn0", "mla")), r"its KV cache is an MLA latent cache"),
     "two-groups": (
         lambda: kv_cache(attention_layer("attn0"), attention_layer("attn1", "window")),
         r"its KV cache has 2 groups \(vLLM's hybrid KV cache manager",

@@ -14,7 +14,8 @@ connector's "off until restart" after a reset, for the next test), ``exit``.
 
 Option ``async_scheduling``: vLLM's CPU platform turns asynchronous scheduling off (it gains nothing
 on a CPU), but it is the default on GPUs, where step N+1 is planned before step N's output is known;
-the option turns it back on so that path runs here too.
+the option turns it back on so that path runs here too. Option ``keep_prefix_caching`` does the same
+for prefix caching, which vLLM's CPU platform turns off for MLA models.
 """
 
 from __future__ import annotations
@@ -44,6 +45,21 @@ def keep_async_scheduling() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def keep_prefix_caching() -> None:
+    """Undo vLLM-CPU's override of prefix caching for MLA models, so an MLA engine shows its own reuse of a
+    prompt's KV (the path a load from the pool takes: the prompt's tail computed over cached context)."""
+    from vllm.platforms import cpu
+
+    original = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        wanted = vllm_config.cache_config.enable_prefix_caching
+        original(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = wanted
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def build(opts: dict[str, Any]):
     from vllm import LLM
 
@@ -67,6 +83,8 @@ def build(opts: dict[str, Any]):
     if opts.get("long_prefill_token_threshold"):
         # Caps each prefill's share of a step, so several prefills run side by side.
         kwargs["long_prefill_token_threshold"] = opts["long_prefill_token_threshold"]
+    if opts.get("keep_prefix_caching"):
+        keep_prefix_caching()
     if opts.get("async_scheduling"):
         keep_async_scheduling()
         kwargs["async_scheduling"] = True
@@ -245,7 +263,14 @@ def handshake(llm) -> dict[str, Any]:
             if worker_dict is not None:
                 content.update(worker_dict)
         connector.set_xfer_handshake_metadata_pp_aware(content)
-    return {"ok": True, "ranks": sorted(tp for _, tp in content), "active": connector._scheduler.active}
+    namespace = getattr(connector._scheduler, "namespace", None)
+    return {
+        "ok": True,
+        "ranks": sorted(tp for _, tp in content),
+        "active": connector._scheduler.active,
+        "kv_format": getattr(namespace, "kv_format", None),
+        "key_tp": [getattr(namespace, "tp_rank", None), getattr(namespace, "tp_size", None)],
+    }
 
 
 def unretire(llm) -> dict[str, Any]:

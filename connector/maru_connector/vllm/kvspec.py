@@ -12,6 +12,11 @@ half would promise tokens that no load can deliver, and every store would be was
 switching the connector off quietly: a pod that asks for prefill/decode through the pool would
 otherwise run with decode recomputing every prompt, and the only trace would be a line in its log.
 Pool trouble at run time stays a miss; this is a configuration that can never serve.
+
+MLA models (DeepSeek-V2/V3/R1, Kimi K2) keep one latent vector per token and layer instead of K and V per
+head, and that latent is the same on every TP rank (vLLM replicates it): :func:`is_latent_cache` tells the
+halves so, and they store it once (rank 0) under keys that no rank or TP degree changes, and load it on
+every rank, as vLLM's own NIXL and offloading connectors do.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ WHAT_TO_DO = "serve this model without the Maru connector (no --kv-transfer-conf
 
 def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     """Why the connector cannot copy this engine's KV cache, or None when it can."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
@@ -55,8 +60,6 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     foreign = sorted({type(s).__name__ for s in layers if not isinstance(s, AttentionSpec)})
     if foreign:
         return f"its KV cache holds {', '.join(foreign)}, which is not paged attention KV (KV cache: {kinds})"
-    if any(isinstance(s, MLAAttentionSpec) for s in layers):
-        return f"its KV cache is an MLA latent cache ({kinds}); MLA models are not supported by the Maru connector yet"
     if len(groups) > 1:
         return (
             f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
@@ -68,6 +71,18 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
         if len(shapes) > 1:
             return f"its attention layers have different KV shapes (heads, head size, dtype: {sorted(shapes)})"
     return None
+
+
+def is_latent_cache(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether the engine's (one group of) KV cache is an MLA latent cache: one latent per token, no heads.
+
+    Only meaningful for a cache :func:`kv_cache_problem` accepts; vLLM puts MLA layers in a group of
+    their own (``MLAAttentionSpec.merge`` refuses any other spec), so one layer tells for all.
+    """
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    layers = [spec for group in kv_cache_config.kv_cache_groups for spec in _layer_specs(group)]
+    return bool(layers) and all(isinstance(s, MLAAttentionSpec) for s in layers)
 
 
 def refuse_unsupported_kv_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:

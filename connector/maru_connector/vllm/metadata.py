@@ -36,7 +36,7 @@ _SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, SKIPPED: 1, ORPHAN: 2, TAINTED: 3}
 class ChunkLoad:
     """Copy one pool chunk into the engine's blocks."""
 
-    # One key per TP rank; a worker reads keys[tp_rank].
+    # One key per TP rank; a worker reads keys[tp_rank] (an MLA latent, the same on every rank: one key).
     keys: tuple[bytes, ...]
     # (block index within the chunk, destination block id): only the blocks the engine will not
     # compute itself or hold already (local prefix-cache hits stay untouched).

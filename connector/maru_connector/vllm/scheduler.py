@@ -47,7 +47,7 @@ from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.keys import KeyScheme, Namespace, PromptKeys, block_hash_sharing_problem, with_adapter
 from maru_connector.pool.readers import Reader
 from maru_connector.vllm import common
-from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
+from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache
 from maru_connector.vllm.lookups import AsyncLookups
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -255,6 +255,10 @@ class MaruScheduler:
         self.chunk_tokens = cfg.chunk_tokens
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # An MLA latent is the same on every TP rank: one key per chunk, stored by rank 0, loaded by all.
+        # Every other cache holds each rank's own heads: one key per chunk and rank.
+        self.latent = is_latent_cache(kv_cache_config)
+        self.key_ranks = 1 if self.latent else self.tp_size
         self.fingerprints: list[bytes] | None = None
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
@@ -272,8 +276,8 @@ class MaruScheduler:
             # Handoff waits block in the daemon, so they get a connection of their own.
             waits = common.PoolGuard(cfg, "scheduler-handoffs", self.stats)
             # A consumer is the decode of a P/D pair; an engine that also stores reads like a prefill.
-            reader = Reader("prefill" if saves else "decode", chunk_tokens=self.chunk_tokens, ranks=self.tp_size)
-            self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.tp_size, wait_guard=waits, reader=reader)
+            reader = Reader("prefill" if saves else "decode", chunk_tokens=self.chunk_tokens, ranks=self.key_ranks)
+            self.lookups = AsyncLookups(self.guard, self.stats, tp_size=self.key_ranks, wait_guard=waits, reader=reader)
         self._handoff_log = common.RateLimitedLog()
 
         hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
@@ -281,7 +285,8 @@ class MaruScheduler:
             engine_identity(vllm_config),
             block_size=self.block_size,
             chunk_tokens=self.chunk_tokens,
-            tp_size=self.tp_size,
+            # A latent does not depend on the TP degree either: engines of any TP size share its chunks.
+            tp_size=self.key_ranks,
             salt=cfg.cache_namespace,
             hash_algo=hash_algo,
         )
@@ -319,10 +324,10 @@ class MaruScheduler:
         self.namespace = Namespace(
             **self._ns_base, kv_format=kv_format, kv_layers=kv_layers, num_layers=num_layers, tp_rank=0
         )
-        self.fingerprints = [self.namespace.for_rank(r).fingerprint() for r in range(self.tp_size)]
+        self.fingerprints = [self.namespace.for_rank(r).fingerprint() for r in range(self.key_ranks)]
         common.log.info(
             "maru connector ready: pool %s, chunk %d tokens (%d blocks, %d bytes per rank), KV %s, "
-            "%d layers, TP %d, weights %s, loads %s, saves %s",
+            "%d layers, TP %d (%s), weights %s, loads %s, saves %s",
             self.cfg.pool_url,
             self.chunk_tokens,
             self.blocks_per_chunk,
@@ -330,6 +335,7 @@ class MaruScheduler:
             kv_format,
             num_layers,
             self.tp_size,
+            "one MLA latent, stored by rank 0, loaded by every rank" if self.latent else "a shard per rank",
             self.namespace.weights,
             self.loads_enabled,
             self.saves_enabled,

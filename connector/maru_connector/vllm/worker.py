@@ -43,7 +43,7 @@ from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.pool.client import fill_segments_many, read_segments_many
 from maru_connector.staging import StagedCopier
 from maru_connector.vllm import common
-from maru_connector.vllm.kvspec import refuse_unsupported_kv_cache
+from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache
 from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -115,6 +115,11 @@ class MaruWorker:
         self.tp_rank = tp_rank
         self._tp_group = tp_group
         refuse_unsupported_kv_cache(vllm_config, kv_cache_config)  # before the block size: see kvspec
+        # An MLA latent is the same on every rank: every rank loads the one copy (key 0), rank 0 alone
+        # stores it (the others would write the same bytes again under the same key).
+        self.latent = is_latent_cache(kv_cache_config)
+        self.key_rank = 0 if self.latent else tp_rank
+        self.stores = not self.latent or tp_rank == 0
         self.block_size = vllm_config.cache_config.block_size
         cfg.check_block_size(self.block_size)
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
@@ -158,6 +163,7 @@ class MaruWorker:
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             backend=attention_backend(self._vllm_config, list(kv_caches)),
+            latent=self.latent,
         )
         chunk_bytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
         if not paged.direct:  # direct copies (CPU, dense pages) need no staging
@@ -245,7 +251,7 @@ class MaruWorker:
         pins: list = [None] * len(chunks)
         pool_ok = True
         if chunks and self.paged is not None:
-            keys = [chunk.keys[self.tp_rank] for chunk in chunks]
+            keys = [chunk.keys[self.key_rank] for chunk in chunks]
             pool_ok, got = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
             pins = got if pool_ok and got is not None else pins
         outcomes = []
@@ -343,7 +349,7 @@ class MaruWorker:
         self.guard.log.warning(
             f"load-{why}",
             "maru pool: chunk %s unusable (%s%s); recomputing it",
-            chunk.keys[self.tp_rank].hex()[:16],
+            chunk.keys[self.key_rank].hex()[:16],
             why,
             f": {err}" if err else "",
         )
@@ -382,8 +388,8 @@ class MaruWorker:
                 self.stats.count(common.SAVE_TAINTED_CHUNKS, len(plan.chunks))
                 continue
             todo += [(req_id, c.index, c) for c in plan.chunks]
-        if not todo:
-            return
+        if not todo or not self.stores:
+            return  # another rank stores this rank's (identical) latent and reports on it
         paged = self.paged
         if paged is None or self.guard.backing_off():
             # Nothing to try: a dead pool is not asked again before its back-off ends.
@@ -417,7 +423,7 @@ class MaruWorker:
         if paged is None:
             return self._skip(todo)
         nbytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
-        items = [(c.keys[self.tp_rank], nbytes, c.parents[self.tp_rank], c.token_ids) for _, _, c in todo]
+        items = [(c.keys[self.key_rank], nbytes, c.parents[self.key_rank], c.token_ids) for _, _, c in todo]
         ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
             return self._skip(todo, SKIPPED)
