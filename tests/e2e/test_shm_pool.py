@@ -42,7 +42,9 @@ def shm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     # One engine per role: these tests change, break and address each role's pod (the demo shows two
     # prefill replicas sharing the pool).
     group["spec"]["prefill"]["replicas"] = 1
-    group["spec"]["poolEvents"] = {"enabled": True}  # what the pool holds, as vLLM KV events (off by default)
+    # What the pool holds, as vLLM KV events (off by default), with the prompts' tokens (opt-in: they are the
+    # tenants' prompts).
+    group["spec"]["poolEvents"] = {"enabled": True, "tokenIds": True}
     with deployed(tiny_model, tmp_path_factory.mktemp("e2e-shm"), [("node-1", {}, {})], [pool, group]) as d:
         wait_ready(d.cluster, "marupools.maru.io", "local-shm")
         wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
@@ -305,6 +307,50 @@ def test_chunk_tokens_change_rolls_both_roles(shm: Deployment) -> None:
     loaded = from_pool(decode)
     assert complete(shm.router_url, long_prompt) == recomputed
     assert wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load 128-token chunks") - loaded == 3 * 128
+
+
+def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked_access(shm: Deployment) -> None:
+    """decode handed to an HPA (scaler: External): a pod annotation set then dropped is gone from its Deployment,
+    a switch to Recreate leaves a strategy the API server takes, and after the pool's access is revoked (0 pods)
+    and restored its replicas come back, although the HPA leaves a target at 0 alone (ScalingDisabled)."""
+    def patch_group(spec: dict[str, Any]) -> None:
+        shm.cluster.kubectl("-n", GROUP_NS, "patch", "ig", "tiny", "--type", "merge", "-p", json.dumps({"spec": spec}))
+
+    def decode() -> dict[str, Any]:
+        return shm.get("deployments.apps", "tiny-decode", GROUP_NS)
+
+    def annotations() -> dict[str, str]:
+        return decode()["spec"]["template"]["metadata"].get("annotations") or {}
+
+    patch_group({"decode": {"scaler": "External", "podAnnotations": {"e2e.maru.io/extra": "1"}}})
+    wait("decode's template to carry the annotation", lambda: "e2e.maru.io/extra" in annotations(), shm)
+    shm.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "tiny-decode", "namespace": GROUP_NS},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tiny-decode"},
+                 "minReplicas": 1, "maxReplicas": 1}}))
+    generation = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)["metadata"]["generation"]
+    patch_group({"decode": {"podAnnotations": None, "strategy": {"type": "Recreate"}}})
+    wait("decode to switch to Recreate", lambda: decode()["spec"]["strategy"]["type"] == "Recreate", shm)
+    wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, generation=generation + 1)
+    assert decode()["spec"]["strategy"] == {"type": "Recreate"}
+    assert "e2e.maru.io/extra" not in annotations()
+    assert "maru.io/created-fields" not in (decode()["metadata"].get("annotations") or {})
+
+    shm.cluster.kubectl("-n", POOL_NAMESPACE, "patch", "mpool", "local-shm", "--type", "merge",
+                        "-p", json.dumps({"spec": {"allowedNamespaces": ["elsewhere"]}}))
+    wait("decode to be scaled to 0", lambda: decode()["spec"]["replicas"] == 0 and not shm.pods("decode"), shm)
+    wait("the autoscaler to stand aside", lambda: any(
+        c.get("reason") == "ScalingDisabled" for c in (shm.get("horizontalpodautoscalers.autoscaling", "tiny-decode",
+                                                                GROUP_NS).get("status") or {}).get("conditions") or []),
+         shm)
+    shm.cluster.kubectl("-n", POOL_NAMESPACE, "patch", "mpool", "local-shm", "--type", "merge",
+                        "-p", json.dumps({"spec": {"allowedNamespaces": None}}))
+    wait("decode's replicas to come back", lambda: decode()["spec"]["replicas"] == 1, shm)
+    group = wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
+    assert not any(c["type"] == "Degraded" and c["reason"] == "ChildRefused" for c in group["status"]["conditions"])
+    assert len(shm.pods("decode", ready_only=True)) == 1
+    assert complete(shm.router_url, prompt(40, seed=7))
 
 
 def test_deleting_the_group_stops_its_processes(shm: Deployment) -> None:

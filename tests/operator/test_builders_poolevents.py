@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from maru_connector.pool.cli import build_parser
 from maru_localcluster.podsecurity import check
 from maru_operator.builders.group import PoolView, build_group_children, build_role_deployment, connector_config
@@ -69,6 +72,53 @@ def test_its_network_policy_opens_the_stream_and_reaches_only_the_pool() -> None
     assert_valid(policy)
     assert policy["metadata"]["name"] == "llama-pool-events"
     ports = [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}]
-    assert policy["spec"]["ingress"] == [{"ports": ports}]  # any consumer: it runs where its installation put it
+    # The stream says which prompts the group's tenants sent: by default only the group's namespace reads it.
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": ports}]
+    named = group_spec(poolEvents={"enabled": True, "consumers": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm-d"}},
+         "podSelector": {"matchLabels": {"app": "indexer"}}},
+        {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["router"]}]}},
+    ]})  # fmt: skip
+    policy = build_group_policies(named, GROUP_OWNER, dax, "ns", config)[-1]
+    assert_valid(policy)
+    assert policy["spec"]["ingress"] == [{"from": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm-d"}},
+         "podSelector": {"matchLabels": {"app": "indexer"}}},
+        {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["router"]}]}},
+    ], "ports": ports}]  # fmt: skip
     [to_pool] = [rule for rule in policy["spec"]["egress"] if "to" in rule]
     assert to_pool["ports"] == [{"protocol": "TCP", "port": dax.spec.daemon.metadata_port}]
+
+
+def test_token_ids_are_opt_in() -> None:
+    def args(**events: object) -> list[str]:
+        spec = group_spec(poolEvents={"enabled": True, **events})
+        return container(build_pool_events_children(spec, GROUP_OWNER, pool_view())[0])["args"]
+
+    assert "--token-ids" not in args()
+    assert build_parser().parse_args(args()).token_ids is False
+    assert build_parser().parse_args(args(tokenIds=True)).token_ids is True
+
+
+def test_curve_mounts_the_named_secret_as_a_directory_and_passes_its_keys() -> None:
+    spec = group_spec(poolEvents={"enabled": True, "curve": {"secretName": "events-keys"}})
+    deployment, _ = build_pool_events_children(spec, GROUP_OWNER, pool_view())
+    assert_valid(deployment)
+    c, pod = container(deployment), deployment["spec"]["template"]["spec"]
+    args = build_parser().parse_args(c["args"])
+    [volume] = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "events-keys"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    assert "subPath" not in mount and mount["readOnly"] is True  # a subPath file is never updated by the kubelet
+    paths = {i["key"]: f"{mount['mountPath']}/{i['path']}" for i in volume["secret"]["items"]}
+    assert (args.curve_secret_key_file, args.curve_clients_file) == (
+        paths["server-secret-key"], paths["client-public-keys"])
+    assert check(deployment, "restricted") == []
+    plain = container(build_pool_events_children(group_spec(**ON), GROUP_OWNER, pool_view())[0])
+    assert not any(a.startswith("--curve") for a in plain["args"])
+
+
+def test_a_consumer_without_a_selector_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match=r"poolEvents\.consumers: set podSelector, namespaceSelector or both"):
+        group_spec(poolEvents={"enabled": True, "consumers": [{}]})
+    with pytest.raises(ValidationError, match="secretName"):
+        group_spec(poolEvents={"enabled": True, "curve": {"secretName": "Not_A_Name"}})

@@ -214,27 +214,32 @@ spec:
     world.refused(STRANGER, world["solo-prefill"], 9000)
 
 
-def test_the_pool_events_publisher_serves_any_consumer_and_reaches_only_its_pool(tmp_path: Path) -> None:
+def test_the_pool_events_publisher_serves_only_its_consumers_and_reaches_only_its_pool(tmp_path: Path) -> None:
     from tests.security.renders import EXAMPLES, operator_render
 
-    (tmp_path / "g.yaml").write_text("""
+    def render(events: str) -> World:
+        (tmp_path / "g.yaml").write_text(f"""
 apiVersion: maru.io/v1alpha1
 kind: InferenceGroup
-metadata: {name: pub, namespace: llm}
+metadata: {{name: pub, namespace: llm}}
 spec:
-  model: {name: m}
-  poolRef: {name: cxl-pool}
-  poolEvents: {enabled: true}
+  model: {{name: m}}
+  poolRef: {{name: cxl-pool}}
+  poolEvents: {events}
 """)
-    world = World(operator_render([EXAMPLES / "pool-cxl.yaml", tmp_path / "g.yaml"], "--api-server-cidr",
-                                  "192.0.2.0/24"))  # fmt: skip
+        return World(operator_render([EXAMPLES / "pool-cxl.yaml", tmp_path / "g.yaml"], "--api-server-cidr",
+                                     "192.0.2.0/24"))  # fmt: skip
+
+    world = render("{enabled: true}")
     publisher = world["pub-pool-events"]
     assert world.net.isolated(publisher) == (True, True)
-    # A KV-aware router (llm-d's indexer, Dynamo's router) runs wherever its installation put it.
-    for consumer in (STRANGER, NEIGHBOUR, CLIENT):
-        world.allowed(consumer, publisher, 5557)
-        world.allowed(consumer, publisher, 5558)
-        world.refused(consumer, publisher, 8000)
+    # The stream tells which prompts the group's tenants sent: by default only its own namespace reads it.
+    world.allowed(NEIGHBOUR, publisher, 5557)
+    world.allowed(NEIGHBOUR, publisher, 5558)
+    for outsider in (STRANGER, CLIENT, PROMETHEUS):
+        world.refused(outsider, publisher, 5557)
+        world.refused(outsider, publisher, 5558)
+    world.refused(NEIGHBOUR, publisher, 8000)
     # Out: the pool's metadata server (its lookups and event reads) and DNS, nothing else.
     world.allowed(publisher, world["cxl-pool-metadata"], 7400)
     world.allowed(publisher, DNS, 53, "UDP")
@@ -242,6 +247,15 @@ spec:
         world.refused(publisher, elsewhere, port)
     copycat = Endpoint("copycat", "198.51.100.242", "elsewhere", publisher.labels)  # outside allowedNamespaces
     world.refused(copycat, world["cxl-pool-metadata"], 7400)
+    # A KV-aware router installed elsewhere is named in the spec: it, and only it, gets in.
+    world = render("{enabled: true, consumers: [{namespaceSelector: {matchLabels: "
+                   "{kubernetes.io/metadata.name: elsewhere}}, podSelector: {matchLabels: {app: curl}}}]}")
+    publisher = world["pub-pool-events"]
+    world.allowed(STRANGER, publisher, 5557)
+    world.allowed(STRANGER, publisher, 5558)
+    other = Endpoint("other-in-elsewhere", "198.51.100.243", "elsewhere", {"app": "debug"})
+    for outsider in (NEIGHBOUR, other, CLIENT):
+        world.refused(outsider, publisher, 5557)
 
 
 def test_policies_can_be_turned_off(tmp_path: Path, helm: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -17,7 +17,16 @@ from maru_operator.api.common import (
     Toleration,
 )
 from maru_operator.api.marupool import TenantQuota
-from maru_operator.api.pod import EnvList, IntOrPercent, PodOptions, RolloutStrategy, Volume, VolumeMount
+from maru_operator.api.pod import (
+    EnvList,
+    IntOrPercent,
+    LabelSelector,
+    PodOptions,
+    ResourceName,
+    RolloutStrategy,
+    Volume,
+    VolumeMount,
+)
 from maru_operator.images import DEFAULT_ROUTER_IMAGE as DEFAULT_ROUTER_IMAGE
 from maru_operator.images import DEFAULT_VLLM_IMAGE as DEFAULT_VLLM_IMAGE
 from maru_operator.vllmflags import cel_owned_flags_rule, settings
@@ -483,6 +492,47 @@ class InferencePoolSpec(KubeModel):
         return self
 
 
+class PoolEventsConsumer(KubeModel):
+    """Who may connect to the stream, as a NetworkPolicy ``from`` peer: pods by their labels (in the group's
+    namespace), every pod of the namespaces a namespaceSelector selects, or both (those pods in those
+    namespaces). An empty selector selects everything of its kind."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [{
+                "rule": "has(self.podSelector) || has(self.namespaceSelector)",
+                "message": "set podSelector, namespaceSelector or both",
+                "reason": "FieldValueRequired",
+            }]
+        }
+    )
+
+    pod_selector: LabelSelector | None = Field(None, description="The consumer's pods, by label.")
+    namespace_selector: LabelSelector | None = Field(
+        None, description="The consumer's namespaces, by label (kubernetes.io/metadata.name selects one by name).",
+    )
+
+    @model_validator(mode="after")
+    def _a_selector(self) -> PoolEventsConsumer:
+        if self.pod_selector is None and self.namespace_selector is None:
+            raise ValueError("poolEvents.consumers: set podSelector, namespaceSelector or both")
+        return self
+
+    def to_peer(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+
+
+class PoolEventsCurve(KubeModel):
+    """ZMQ CURVE for the stream: both ports admit only the consumers whose public keys the Secret lists."""
+
+    secret_name: ResourceName = Field(
+        description="A Secret in the group's namespace with server-secret-key (the publisher's CURVE secret key, "
+                    "Z85, 40 characters) and client-public-keys (the admitted consumers' public keys, one a line, "
+                    "optionally followed by a name). Edits reach the running publisher within the kubelet's sync "
+                    "period; a consumer whose key is removed cannot connect again.",
+    )
+
+
 class PoolEventsSpec(KubeModel):
     """Publish what the pool holds for this group as vLLM KV events, for a KV-aware router of your own.
 
@@ -498,6 +548,21 @@ class PoolEventsSpec(KubeModel):
         "MARU_POOL", min_length=1, max_length=32, pattern=r"^[A-Z][A-Z0-9_]*$",
         description="The events' medium: MARU_POOL names the pool as a tier of its own; CPU makes a consumer "
                     "configured only for vLLM's media count it as a CPU tier.",
+    )
+    consumers: list[PoolEventsConsumer] = Field(
+        default_factory=list, max_length=32,
+        description="Who may connect to the stream and its replay socket (the NetworkPolicy's ingress). Empty: "
+                    "only pods in the group's namespace.",
+    )
+    token_ids: bool = Field(
+        False,
+        description="Publish each stored chunk's prompt tokens in BlockStored.token_ids. Off: they are the "
+                    "tenants' prompts; every consumer reads the same stream, so turn this on only where each "
+                    "consumer may read every prompt (llm-d's and Dynamo's indexers key by block hash and need "
+                    "none).",
+    )
+    curve: PoolEventsCurve | None = Field(
+        None, description="Authenticate consumers with ZMQ CURVE. Unset: any pod the consumers admit may read.",
     )
 
 

@@ -15,6 +15,8 @@ pool metadata (dax)    the pool's agents, the vLLM pods bound to the   nothing
                        pool and their decode-direct routers (RPC); the
                        operator, scrapers (metrics)
 pool agent             the operator, scrapers (metrics)                dax: DNS, the pool's metadata server
+pool events (a         the consumers spec.poolEvents.consumers names   DNS; the pool's metadata server (dax)
+group's publisher)     (default: its namespace's pods), on 5557/5558
 =====================  ==============================================  ======================================
 
 Policies only add permissions, so a user can allow more with a policy of their own (weights from an
@@ -275,15 +277,16 @@ def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolVie
     )
 
 
-def build_pool_events_policy(owner: Owner, pool: PoolView, pool_namespace: str) -> Object:
-    """The pool events publisher: its stream open to any consumer (a KV-aware router runs wherever its own
-    installation put it, as an InferencePool's picker does), and out only to DNS and a dax pool's metadata
-    server; an shm pool is a unix socket, which no NetworkPolicy covers."""
+def build_pool_events_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView, pool_namespace: str) -> Object:
+    """The pool events publisher: its stream open only to the consumers the spec names (the group's own
+    namespace by default: the stream says which prompts the group's tenants sent), and out only to DNS and a
+    dax pool's metadata server; an shm pool is a unix socket, which no NetworkPolicy covers."""
+    consumers = [c.to_peer() for c in spec.pool_events.consumers] or [{"podSelector": {}}]
     return _policy(
         owner, name=pool_events_name(owner.name), namespace=str(owner.namespace),
         pod_labels=labels(owner, app=POOL_EVENTS_APP, component=COMPONENT_POOL_EVENTS),
         select=pool_events_pods(owner),
-        ingress=[{"ports": _tcp(POOL_EVENTS_PORT, POOL_EVENTS_REPLAY_PORT)}],
+        ingress=[{"from": consumers, "ports": _tcp(POOL_EVENTS_PORT, POOL_EVENTS_REPLAY_PORT)}],
         egress=[dns_egress(), *_metadata_egress(pool, pool_namespace)],
     )
 
@@ -297,5 +300,5 @@ def build_group_policies(spec: InferenceGroupSpec, owner: Owner, pool: PoolView 
         direct = pool if decode_direct(spec, pool) else None
         policies.append(build_router_policy(owner, config, direct, pool_namespace))
     if spec.pool_events.enabled and pool is not None:
-        policies.append(build_pool_events_policy(owner, pool, pool_namespace))
+        policies.append(build_pool_events_policy(spec, owner, pool, pool_namespace))
     return policies

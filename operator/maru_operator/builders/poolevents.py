@@ -43,6 +43,11 @@ POOL_EVENTS_APP = "maru-pool-events"
 COMPONENT = "pool-events"
 EVENTS_PORT = 5557  # where vLLM engines publish theirs too: what a consumer of vLLM's events expects
 REPLAY_PORT = 5558  # vLLM's replay socket convention: a consumer that missed batches asks for them here
+# spec.poolEvents.curve: the Secret's keys, and where the publisher reads them.
+CURVE_SECRET_KEY = "server-secret-key"
+CURVE_CLIENTS = "client-public-keys"
+CURVE_VOLUME = "events-curve"
+CURVE_DIR = "/etc/maru/events-curve"
 
 
 def pool_events_name(group: str) -> str:
@@ -65,9 +70,26 @@ def pool_events_args(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
     args = ["events", "--pool", cfg.pool_url]
     if cfg.pool_token_file:
         args += ["--token-file", cfg.pool_token_file]
-    return [*args, "--block-size", str(cfg.chunk_tokens), "--medium", spec.pool_events.medium,
-            "--topic", events_topic(spec, owner),
-            "--publish", f"tcp://*:{EVENTS_PORT}", "--replay", f"tcp://*:{REPLAY_PORT}"]  # fmt: skip
+    args += ["--block-size", str(cfg.chunk_tokens), "--medium", spec.pool_events.medium,
+             "--topic", events_topic(spec, owner),
+             "--publish", f"tcp://*:{EVENTS_PORT}", "--replay", f"tcp://*:{REPLAY_PORT}"]  # fmt: skip
+    if spec.pool_events.token_ids:
+        args.append("--token-ids")
+    if spec.pool_events.curve is not None:
+        args += ["--curve-secret-key-file", f"{CURVE_DIR}/{CURVE_SECRET_KEY}",
+                 "--curve-clients-file", f"{CURVE_DIR}/{CURVE_CLIENTS}"]  # fmt: skip
+    return args
+
+
+def _curve_volumes(spec: InferenceGroupSpec) -> tuple[list[Object], list[Object]]:
+    """The CURVE Secret as a whole directory, not subPath files: the kubelet updates a directory in place, so an
+    added or revoked consumer key reaches the running publisher."""
+    if spec.pool_events.curve is None:
+        return [], []
+    volume = {"name": CURVE_VOLUME, "secret": {"secretName": spec.pool_events.curve.secret_name, "defaultMode": 0o440,
+                                               "items": [{"key": CURVE_SECRET_KEY, "path": CURVE_SECRET_KEY},
+                                                         {"key": CURVE_CLIENTS, "path": CURVE_CLIENTS}]}}
+    return [volume], [{"name": CURVE_VOLUME, "mountPath": CURVE_DIR, "readOnly": True}]
 
 
 def events_topic(spec: InferenceGroupSpec, owner: Owner) -> str:
@@ -84,6 +106,7 @@ def build_pool_events_deployment(spec: InferenceGroupSpec, owner: Owner, pool: P
     if not spec.pool_events.enabled or pool is None:
         return None
     volumes, mounts = pool_access(spec, pool, owner.name)
+    curve_volumes, curve_mounts = _curve_volumes(spec)
     pod_labels = pool_events_labels(owner, pool)
     container = {
         "name": "events",
@@ -101,7 +124,7 @@ def build_pool_events_deployment(spec: InferenceGroupSpec, owner: Owner, pool: P
         "startupProbe": _tcp_probe(failureThreshold=30),
         "readinessProbe": _tcp_probe(failureThreshold=3),
         "livenessProbe": _tcp_probe(failureThreshold=6),
-        "volumeMounts": [*mounts, *scratch_mounts()],
+        "volumeMounts": [*mounts, *curve_mounts, *scratch_mounts()],
         "securityContext": restricted_container_security(),
     }
     pod_spec: dict[str, Any] = {
@@ -109,7 +132,7 @@ def build_pool_events_deployment(spec: InferenceGroupSpec, owner: Owner, pool: P
         "enableServiceLinks": False,
         "securityContext": restricted_pod_security(),
         "containers": [container],
-        "volumes": [*volumes, *scratch_volumes()],
+        "volumes": [*volumes, *curve_volumes, *scratch_volumes()],
         **pool_placement(pool, near=discovery_selector(owner, "decode")),
     }
     return {
