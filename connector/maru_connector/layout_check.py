@@ -19,7 +19,8 @@ copy on another stream, a non-blocking copy without a sync) packs the sentinel a
 check proves it can tell: it also runs broken save paths (mutants) that must fail, a copy taken
 before the kernel on every device and, on a GPU, a gather on a side stream that waits for nothing.
 It prints one table row per case; exit status 0 when every round trip is exact and every mutant
-is caught.
+is caught. The last rows round-trip an MLA latent cache (DeepSeek-V2/V3: one 576-wide latent per token and
+layer, 64-token blocks) in every layout, bf16 on a GPU.
 
 Then it measures the connector's staged copy path (``staging.StagedCopier``, what a GPU worker's
 lanes run) for a cache of a Llama-3-8B rank on a GPU (32 layers, 8 KV heads of 128, bf16, 16-token
@@ -320,6 +321,46 @@ def cases(device: torch.device) -> Iterator[tuple[str, CacheShape, torch.dtype]]
             yield layout, CacheShape(block_size=64, kernel_block_size=16), dtype
 
 
+# An MLA latent cache (DeepSeek-V2/V3: 512 compressed KV + 64 rope key per token and layer, one "head") has
+# the bytes of a one-head K/V cache of head size 288, so ``allocate`` makes it; 64-token blocks as FlashMLA's.
+LATENT_WIDTH = 576
+LATENT_SHAPE = CacheShape(num_layers=3, num_blocks=12, heads=1, block_size=64, head_size=LATENT_WIDTH // 2)
+
+
+def latent_cases(device: torch.device) -> Iterator[tuple[str, torch.dtype]]:
+    for dtype in [torch.bfloat16] if device.type == "cuda" else [torch.float32]:
+        for layout in LAYOUTS:
+            yield layout, dtype
+
+
+def check_latent(layout: str, dtype: torch.dtype, device: torch.device | str) -> PagedKV:
+    """Save two blocks of an MLA latent cache through pinned host memory, load them into other blocks of
+    another; each token's latent must arrive exact. Raises :class:`CheckFailed`."""
+    device = torch.device(device)
+    shape = LATENT_SHAPE
+    describe = dict(
+        num_blocks=shape.num_blocks, block_size=shape.block_size, num_kv_heads=1, head_size=LATENT_WIDTH,
+        backend=BACKEND, latent=True,
+    )  # fmt: skip
+    _, src_views = allocate(layout, shape, dtype, device)
+    for layer, view in enumerate(src_views.values()):
+        values = torch.arange(view.numel(), device=device, dtype=torch.float32) % 251 + 1000 * layer
+        view.copy_(values.view(view.shape).to(dtype))
+    src = describe_kv_caches(src_views, **describe)
+    staging = torch.empty(src.geometry(2).chunk_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    src.gather([7, 3], src.chunk_view(staging, 2))
+    _, dst_views = allocate(layout, shape, dtype, device)
+    dst = describe_kv_caches(dst_views, **describe)
+    dst.scatter(dst.chunk_view(staging, 2), [(0, 10), (1, 2)])
+    for (name, want), got in zip(src_views.items(), dst_views.values(), strict=True):
+        for saved, landed in ((7, 10), (3, 2)):
+            if not torch.equal(got[landed], want[saved]):
+                raise CheckFailed(
+                    f"MLA latent {layout} {dtype} on {device}: block {saved} of {name} changed on its way"
+                )
+    return src
+
+
 def run(
     device: torch.device | str,
     *,
@@ -365,6 +406,15 @@ def run(
                 )
             cells.append("FAIL")
         rows.append([layout, name, block, *cells])
+    for layout, dtype in latent_cases(device):
+        name = str(dtype).removeprefix("torch.")
+        try:
+            cells = [check_latent(layout, dtype, device).format, "PASS"]
+        except CheckFailed as err:
+            cells = ["?", "FAIL"]
+            details.append(f"FAIL round trip: {err}")
+        # The copy code and its ordering are the K/V cases'; only the page shape differs here.
+        rows.append([layout, name, str(LATENT_SHAPE.block_size), *cells, *["-"] * len(mutants)])
     widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
     for row in [columns, *rows]:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)

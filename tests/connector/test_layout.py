@@ -144,9 +144,11 @@ def test_the_gpu_check_passes_on_this_cpu() -> None:
     header, *rows, verdict = out.lines
     columns = ["layout", "dtype", "block", "format", "round trip", *layout_check.MUTANTS]
     assert header.split() == " ".join(columns).split()
-    assert len(rows) == 16 and verdict.startswith("PASS: 16 cases on cpu")
+    assert len(rows) == 16 + 6 and verdict.startswith("PASS: 22 cases on cpu")
     # Round trip and the copy made before the kernel pass everywhere; no side stream on a CPU.
-    assert all(row.split()[-3:] == ["PASS", "PASS", "-"] for row in rows), out.text
+    assert all(row.split()[-3:] == ["PASS", "PASS", "-"] for row in rows[:16]), out.text
+    # Then an MLA latent cache in every layout (one 576-wide latent per token): its round trip.
+    assert all("latent576" in row and row.split()[-3:] == ["PASS", "-", "-"] for row in rows[16:]), out.text
 
 
 @pytest.mark.parametrize(
