@@ -209,7 +209,7 @@ def test_a_client_trickling_its_body_gets_408(fleet: Fleet) -> None:
     ("data", "why"),
     [
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-        (b'{"model": "m", "prompt": [' + b"7" * 5000 + b"]}", "digits"),
+        (b'{"model": "m", "prompt": [' + b"7" * 5000 + b"]}", "an integer of more than 4300 digits"),
     ],
     ids=["100k-deep", "5000-digit-int"],
 )

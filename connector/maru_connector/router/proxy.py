@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -498,8 +499,8 @@ class Router:
             body = None
         except RecursionError:
             return _error(400, "request body: JSON nested too deeply")
-        except ValueError as err:  # an integer of more digits than Python converts
-            return _error(400, f"request body: {err}")
+        except ValueError:  # an integer of more digits than Python converts
+            return _error(400, f"request body: an integer of more than {sys.get_int_max_str_digits()} digits")
         if not isinstance(body, dict):
             return _error(400, "request body: must be a JSON object")
         ids = _token_ids(request.path, body)
