@@ -238,3 +238,40 @@ def test_curve_flags_are_checked_naming_the_flag(sock_dir: Path, tenant: tuple[P
         )  # fmt: skip
         assert result.returncode == 2, (args, result.stderr)
         assert flag in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_one_batch_carries_a_bounded_number_of_keys(
+    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
+) -> None:
+    """Many chunks stored at once are published in batches of at most READ_MAX_KEYS keys: a queued message's
+    size stays bounded (the daemon would answer one read with up to 65,536 keys)."""
+    from maru_connector.pool.client import WriteLease
+    from maru_connector.pool.link import TenantLink
+    from maru_connector.pool.publisher import READ_MAX_KEYS, Publisher, Translator
+
+    from .harness import start_serve
+
+    key, token = tenant
+    url = start_serve(daemons, sock_dir, "--auth-key-file", str(key), size="64Mi").ready["listen"]
+    sent: list[tuple[bytes, bytes, bytes]] = []
+    n = READ_MAX_KEYS + 500
+    with PoolClient(url, timeout_s=30, token_file=token) as client, TenantLink(url, token_file=token) as link:
+        publisher = Publisher(link, sent.append, Translator(BLOCK))
+        assert publisher.step(wait_ms=10_000)  # the first batch: AllBlocksCleared
+        keys = [i.to_bytes(16, "big") for i in range(n)]
+        for first in range(0, n, 1000):
+            leases = client.lease_many([(k, 64) for k in keys[first : first + 1000]])
+            assert all(isinstance(lease, WriteLease) for lease in leases), {str(x) for x in leases}
+            for lease in leases:
+                lease.fill(bytes(64))  # type: ignore[union-attr]
+            assert all(client.commit_many(leases))  # type: ignore[arg-type]
+        published = 0
+        while published < n:
+            before = len(sent)
+            assert publisher.step(wait_ms=10_000)
+            for message in sent[before:]:
+                stored = [e for e in shape(decoded(message)[2]) if e[0] == "stored"]
+                size = sum(len(e[1]) for e in stored)
+                assert size <= READ_MAX_KEYS, size
+                published += size
+        assert published == n

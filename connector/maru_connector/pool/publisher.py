@@ -53,6 +53,9 @@ RETRY_S = (0.5, 5.0)
 # Messages queued for one subscriber that does not read (vLLM's publisher queues 100,000: with 200 such
 # subscribers that was hundreds of MiB); past it ZMQ drops that subscriber's messages, and it replays the gap.
 DEFAULT_SEND_HWM = 1_000
+# Keys one read (and so one batch) may carry, but a resync's: what bounds a queued message, with the HWMs above
+# (the daemon's own limit, 65,536 keys, made a batch of up to ~70 MiB with token ids).
+READ_MAX_KEYS = 4_096
 MAX_SUBSCRIPTION_BYTES = 1024  # what a subscriber sends is its subscriptions (topic prefixes): nothing long
 
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -162,7 +165,8 @@ class Publisher:
         """One read (waiting up to ``wait_ms`` in the daemon); returns how many vLLM events it published."""
         after = list(self.cursor) if self.cursor else None
         # tokens: each event's token ids too (a daemon that predates them ignores the field; see protocol.py).
-        request = {"op": "events", "after": after, "timeout_ms": wait_ms, "tokens": self.tokens}
+        request = {"op": "events", "after": after, "timeout_ms": wait_ms, "max_keys": READ_MAX_KEYS,
+                   "tokens": self.tokens}  # fmt: skip
         reply = self._link.call(request, wait_s=wait_ms / 1000)
         epoch, resync = int(reply["epoch"]), bool(reply["resync"])
         if resync and self.cursor is not None:
