@@ -56,6 +56,7 @@ DEFAULT_SEND_HWM = 1_000
 # Keys one read (and so one batch) may carry, but a resync's: what bounds a queued message, with the HWMs above
 # (the daemon's own limit, 65,536 keys, made a batch of up to ~70 MiB with token ids).
 READ_MAX_KEYS = 4_096
+MAX_REFUSED_LOGGED = 1024  # distinct refused CURVE keys logged, then no more
 MAX_SUBSCRIPTION_BYTES = 1024  # what a subscriber sends is its subscriptions (topic prefixes): nothing long
 
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -236,6 +237,7 @@ class CurveClients:
     def __init__(self, path: str) -> None:
         self.path = path
         self._stamp: tuple[int, int] | None = None
+        self._refused: set[bytes] = set()
         self.keys: frozenset[bytes] = frozenset()
         self.reload()
         if not self.keys:
@@ -264,7 +266,9 @@ class CurveClients:
         except (OSError, ValueError) as err:  # a half-written update: keep the keys read last
             log.warning("events: cannot read the subscriber keys again, keeping %d: %s", len(self.keys), err)
         admitted = key in self.keys
-        if not admitted:
+        # A refused ZMQ peer reconnects every few hundred ms: say so once per key, not once per attempt.
+        if not admitted and key not in self._refused and len(self._refused) < MAX_REFUSED_LOGGED:
+            self._refused.add(key)
             log.warning("events: refused a subscriber whose public key is not listed: %s", key.decode(errors="replace"))
         return admitted
 
