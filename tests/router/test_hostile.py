@@ -188,6 +188,42 @@ def test_aborted_uploads_do_not_grow_the_router(fleet: Fleet) -> None:
     assert peak - baseline < 2 * size / MiB, f"RSS {baseline:.0f} -> {peak:.0f} MiB over 10 aborted uploads"
 
 
+def test_many_large_bodies_at_once_are_bounded_together(fleet: Fleet) -> None:
+    # Each body within the limit, but together past the pod's memory (parsed, token ids take several times their
+    # size): bodies in flight are bounded, 64 MiB by default, and the rest answered 503 until they are done.
+    gauge = "maru_router_buffered_request_bytes"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (15 * MiB))  # fmt: skip
+    held: list[socket.socket] = []
+    try:
+        for i in range(1, 5):
+            sock = socket.create_connection(("127.0.0.1", fleet.router.port))
+            held.append(sock)
+            sock.sendall(head + b" " * (14 * MiB))
+            for _ in range(600):  # until the router read it all
+                if fleet.metric(gauge) >= i * 14 * MiB:
+                    break
+                time.sleep(0.1)
+            assert fleet.metric(gauge) == i * 14 * MiB
+        with socket.create_connection(("127.0.0.1", fleet.router.port)) as sock:
+            sock.sendall(head + b" " * (10 * MiB))
+            sock.settimeout(60)
+            answer = sock.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 503"), answer[:200]
+        assert "--max-buffered-bytes 67108864" in answer
+        # What is left of the budget still serves ordinary requests.
+        assert post(fleet.router.url, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1})[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+    for _ in range(600):  # the aborted bodies are given back
+        if fleet.metric(gauge) == 0:
+            break
+        time.sleep(0.1)
+    assert fleet.metric(gauge) == 0
+    assert post(fleet.router.url, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1})[0] == 200
+
+
 def test_a_client_trickling_its_headers_is_cut_off(fleet: Fleet) -> None:
     with socket.create_connection(("127.0.0.1", fleet.router.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n")

@@ -129,6 +129,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="largest request body taken, in bytes (413 beyond; default %(default)s: 16 MiB)",
     )
     p.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=limits.MAX_BUFFERED_BYTES,
+        help="request bodies being read, parsed or keyed at once, all clients together, in bytes (503 beyond: "
+        "many large bodies at once would add up past the pod's memory; default %(default)s: 64 MiB)",
+    )
+    p.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=limits.MAX_PROMPT_TOKENS,
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
+            max_buffered_bytes=args.max_buffered_bytes,
         )
     except ValueError as err:
         print(f"maru-router: {err}", file=sys.stderr)

@@ -196,6 +196,11 @@ class Metrics:
             ["endpoint", "revision"],
             registry=self.registry,
         )
+        self.buffered = Gauge(
+            "maru_router_buffered_request_bytes",
+            "Bytes of request bodies being read, parsed or keyed now (at most --max-buffered-bytes; 503 beyond).",
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "maru_router_in_flight_requests",
             "Requests this router has in flight on each engine URL (what it balances by).",
@@ -225,17 +230,24 @@ class Router:
         max_prompt_tokens: int = limits.MAX_PROMPT_TOKENS,
         header_timeout_s: float = limits.HEADER_TIMEOUT_S,
         body_timeout_s: float = limits.BODY_TIMEOUT_S,
+        max_buffered_bytes: int = limits.MAX_BUFFERED_BYTES,
     ) -> None:
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
         for name, value in (("--max-body-bytes", max_body_bytes), ("--max-prompt-tokens", max_prompt_tokens),
-                            ("--header-timeout", header_timeout_s), ("--body-timeout", body_timeout_s)):
+                            ("--header-timeout", header_timeout_s), ("--body-timeout", body_timeout_s),
+                            ("--max-buffered-bytes", max_buffered_bytes)):
             if value <= 0:
                 raise ValueError(f"router: {name} must be > 0, got {value}")
         self.max_body_bytes = max_body_bytes
         self.max_prompt_tokens = max_prompt_tokens
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
+        if max_buffered_bytes < max_body_bytes:
+            raise ValueError(f"router: --max-buffered-bytes {max_buffered_bytes} is under --max-body-bytes "
+                             f"{max_body_bytes}: no body at the limit could be read")
+        self.max_buffered_bytes = max_buffered_bytes
+        self._buffered = 0  # bytes of the bodies being read, parsed or keyed now
         self._long_lane = asyncio.Semaphore(1)
         if follow_workers_s is not None and (follow_workers_s <= 0 or not upstream):
             raise ValueError("router: following the upstream's workers needs --upstream and a period > 0")
@@ -438,7 +450,10 @@ class Router:
         raw = await self._read_body(request)
         if isinstance(raw, web.Response):
             return raw
-        return await self._to_upstream(request, raw)
+        try:
+            return await self._to_upstream(request, raw)
+        finally:
+            self._unbuffer(len(raw))
 
     async def _to_upstream(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         assert self.upstream is not None
@@ -451,30 +466,46 @@ class Router:
         return await self._relay(request, request.method, url, None, headers, data=raw)
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        """The request's body, at most ``max_body_bytes``, all in within ``body_timeout_s``; else the 413 or 408
+        """The request's body, at most ``max_body_bytes``, all in within ``body_timeout_s``, and counted against
+        ``max_buffered_bytes`` (the caller gives its length back with :meth:`_unbuffer`); else the 413, 408 or 503
         to answer."""
         limit = self.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return _error(413, f"request body: {request.content_length} bytes, more than --max-body-bytes {limit}")
-        body = bytearray()
+        body, taken = bytearray(), False
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 while chunk := await request.content.readany():
+                    if self._buffered + len(chunk) > self.max_buffered_bytes:
+                        # Many large bodies at once (each within the limit) would add up past the pod's memory.
+                        log.warning("refused a request body: %d bytes of bodies in flight", self._buffered)
+                        return _error(503, f"router busy: request bodies in flight over --max-buffered-bytes "
+                                           f"{self.max_buffered_bytes}; retry")
+                    self._buffer(len(chunk))
                     body += chunk
                     if len(body) > limit:
-                        body.clear()
                         return _error(413, f"request body: more than --max-body-bytes {limit}")
+            taken = True
+            return bytes(body)
         except TimeoutError:
-            body.clear()
             return _error(408, f"request body: not all in within --body-timeout {self.body_timeout_s:g} s")
         except BaseException as err:
             # A client that went away: the error sits on the request's stream and its traceback holds this frame
             # (a cycle only the collector frees, which large buffers and few objects rarely wake). Each aborted
-            # upload kept its bytes until then: free them now, and cut the traceback.
-            body.clear()
+            # upload kept its bytes until then: free them now (the finally below), and cut the traceback.
             err.__traceback__ = None
             raise
-        return bytes(body)
+        finally:
+            if not taken:
+                self._unbuffer(len(body))
+            body.clear()
+
+    def _buffer(self, n: int) -> None:
+        self._buffered += n
+        self.metrics.buffered.set(self._buffered)
+
+    def _unbuffer(self, n: int) -> None:
+        self._buffer(-n)
 
     def _needs_scheme(self) -> bool:
         return self.scheme is None or time.monotonic() - self._learnt_at >= self.relearn_s
@@ -493,26 +524,16 @@ class Router:
         raw = await self._read_body(request)
         if isinstance(raw, web.Response):
             return raw
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
-        except RecursionError:
-            return _error(400, "request body: JSON nested too deeply")
-        except ValueError:  # an integer of more digits than Python converts
-            return _error(400, f"request body: an integer of more than {sys.get_int_max_str_digits()} digits")
-        if not isinstance(body, dict):
-            return _error(400, "request body: must be a JSON object")
-        ids = _token_ids(request.path, body)
-        if ids is not None and len(ids) > self.max_prompt_tokens:
-            return _error(400, f"prompt: {len(ids)} token ids, more than the router's --max-prompt-tokens "
-                               f"{self.max_prompt_tokens}")
-        if "kv_transfer_params" in body:
-            # Only the router sets them: a client's would steer the engine's KV transfer (NIXL acts on them).
-            del body["kv_transfer_params"]
-            raw = json.dumps(body).encode()
         headers = _forwarded(request)
-        decision = await self.decide(request.path, body, headers)
+        # The body counts against --max-buffered-bytes until the decision: parsed and keyed, it takes several
+        # times its size. What is relayed then is the engines' load, which they bound.
+        try:
+            admitted = await self._admit(request, raw, headers)
+        finally:
+            self._unbuffer(len(raw))
+        if isinstance(admitted, web.Response):
+            return admitted
+        body, raw, decision = admitted
         self.metrics.requests.labels(decision.route, decision.reason).inc()
         pairing = self._pairing()
         if decision.route == DIRECT:
@@ -557,6 +578,30 @@ class Router:
             finally:
                 self._refreshing = False
         return await self._prefill_then_decode(request, body, headers, decision.prompt)
+
+    async def _admit(
+        self, request: web.Request, raw: bytes, headers: dict[str, str]
+    ) -> tuple[dict[str, Any], bytes, Decision] | web.Response:
+        """The request's body checked and parsed, with the raw bytes to pass on and the route; or the 400."""
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        except RecursionError:
+            return _error(400, "request body: JSON nested too deeply")
+        except ValueError:  # an integer of more digits than Python converts
+            return _error(400, f"request body: an integer of more than {sys.get_int_max_str_digits()} digits")
+        if not isinstance(body, dict):
+            return _error(400, "request body: must be a JSON object")
+        ids = _token_ids(request.path, body)
+        if ids is not None and len(ids) > self.max_prompt_tokens:
+            return _error(400, f"prompt: {len(ids)} token ids, more than the router's --max-prompt-tokens "
+                               f"{self.max_prompt_tokens}")
+        if "kv_transfer_params" in body:
+            # Only the router sets them: a client's would steer the engine's KV transfer (NIXL acts on them).
+            del body["kv_transfer_params"]
+            raw = json.dumps(body).encode()
+        return body, raw, await self.decide(request.path, body, headers)
 
     async def decide(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Decision:
         """Decode alone when the pool holds enough of the prompt; anything unknown means prefill.
