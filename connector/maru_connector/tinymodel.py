@@ -1,6 +1,6 @@
 """A random-weight 2-layer Llama made offline, for tests, the benchmark and the local demo (and, for the
 tests of which models the connector refuses, a tiny Mamba2 and a tiny Granite 4 hybrid; for MLA, a tiny
-DeepSeek-V2).
+DeepSeek-V2; for sliding-window attention, a tiny Gemma 3).
 
 Nothing is downloaded: the weights come from a seeded ``torch`` generator and the tokenizer is a
 ``tokenizers`` WordLevel vocabulary of ``t4 .. t{N-1}``. Special tokens are ``<s> </s> <pad> <unk>`` (ids 0-3), so text
@@ -188,6 +188,32 @@ def make_tiny_deepseek_v2(path: str | Path) -> Path:
         return DeepseekV2ForCausalLM(config).to(torch.float32)
 
     return _write(path, {"kind": "deepseek-v2"}, build)
+
+
+def make_tiny_gemma3(path: str | Path) -> Path:
+    """A random-weight 4-layer Gemma 3 (``Gemma3ForCausalLM``): sliding-window (256 tokens) and full attention
+    layers alternating, written like :func:`make_tiny_llama`."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def build() -> Any:
+        config = Gemma3TextConfig(
+            **_common_config(),
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=256,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=64,
+            rms_norm_eps=1e-5,
+        )
+        config.initializer_range = 0.2  # as for the Llama: greedy tokens survive float32 reuse noise
+        return Gemma3ForCausalLM(config).to(torch.float32)
+
+    return _write(path, {"kind": "gemma3"}, build)
 
 
 def _common_config() -> dict[str, Any]:

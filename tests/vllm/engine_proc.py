@@ -270,6 +270,7 @@ def handshake(llm) -> dict[str, Any]:
         "active": connector._scheduler.active,
         "kv_format": getattr(namespace, "kv_format", None),
         "key_tp": [getattr(namespace, "tp_rank", None), getattr(namespace, "tp_size", None)],
+        "kv_cache_groups": len(core.scheduler.kv_cache_config.kv_cache_groups),
     }
 
 

