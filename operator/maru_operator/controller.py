@@ -93,6 +93,8 @@ POOL_FINALIZER = "maru.io/in-use-protection"
 DEFAULT_USAGE_INTERVAL = 30.0
 UNBOUND_RETRY_SECONDS = 30.0
 DELETION_RETRY_SECONDS = 15.0
+# A group whose child the API server refused (422/403) looks again this often.
+REFUSED_RETRY_SECONDS = 60.0
 # On an autoscaled role's Deployment while its group's pool access is revoked: its replicas before (set to 0).
 REVOKED_REPLICAS_ANNOTATION = "maru.io/replicas-before-revoke"
 # A child's fields are made applied ones with a compare-and-swap: tries before the next pass.
@@ -683,6 +685,10 @@ class Controller:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
         if held:
             again = min(again or ROLLOUT_QUEUE_SECONDS, ROLLOUT_QUEUE_SECONDS)
+        if applied.refused:
+            # What the server refused may pass later (a quota freed, a StorageClass made expandable): looked at
+            # again at a slow pace, never in the queue's fast retries.
+            again = min(again or REFUSED_RETRY_SECONDS, REFUSED_RETRY_SECONDS)
         if gateway is not None and not served:
             # Nothing wakes a group when the CRD is installed: it looks again at discovery's own interval.
             recheck = self.inference_pools.recheck_seconds

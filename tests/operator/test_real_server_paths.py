@@ -6,6 +6,7 @@ fields after defaulting and refuses what kube-apiserver refuses (see tests/k8s/t
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -65,6 +66,19 @@ def test_an_autoscaled_role_drops_fields_and_switches_to_recreate(cluster: KubeE
     settle(operator)
     assert [r for r in _deployment_writes(cluster, mark, "decode") if "/scale" not in r.path] == []
     assert _deployment(cluster, "decode")["spec"]["replicas"] == 4
+    # Nor does an operator that starts afresh (nothing remembered of what it wrote).
+    operator.stop()
+    mark = cluster.mark()
+    restarted = RunningOperator(cluster, operator.stats, resync_seconds=3600, workers=4).start()
+    try:
+        for _ in range(500):  # its caches list first: settle only once it knows the group
+            if restarted.call(lambda: restarted.runtime.store.owners("InferenceGroup")):
+                break
+            time.sleep(0.02)
+        settle(restarted)
+    finally:
+        restarted.stop()
+    assert _deployment_writes(cluster, mark, "decode") == []
 
 
 def test_an_autoscaled_role_gets_its_replicas_back_when_pool_access_returns(
