@@ -322,7 +322,9 @@ def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked
     def annotations() -> dict[str, str]:
         return decode()["spec"]["template"]["metadata"].get("annotations") or {}
 
-    patch_group({"decode": {"scaler": "External", "podAnnotations": {"e2e.maru.io/extra": "1"}}})
+    # A short grace: Recreate and the revocation wait for the old pods to be gone.
+    patch_group({"decode": {"scaler": "External", "podAnnotations": {"e2e.maru.io/extra": "1"},
+                            "termination": {"gracePeriodSeconds": 30, "drainSeconds": 10}}})
     wait("decode's template to carry the annotation", lambda: "e2e.maru.io/extra" in annotations(), shm)
     shm.cluster.kubectl("apply", "-f", "-", input=json.dumps({
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
