@@ -68,6 +68,7 @@ class Admission:
 
     pool: str
     namespaces: tuple[str, ...] | None  # None: every namespace (the rule says so explicitly)
+    directory: str  # the pool's socket directory name: its own, or the short form of a long one
 
     def rule(self) -> str:
         if self.namespaces is None:
@@ -91,14 +92,21 @@ class Admission:
         # Where a rule naming each group's service account would bind pod.service_account.
 
 
-def admission_document(pool: str, allowed_namespaces: Sequence[str] | None) -> dict[str, Any]:
-    """The admission file's content for a MaruPool's name and ``spec.allowedNamespaces``."""
+def admission_document(pool: str, allowed_namespaces: Sequence[str] | None, directory: str = "") -> dict[str, Any]:
+    """The admission file's content for a MaruPool's name and its ``spec.allowedNamespaces``.
+
+    ``directory``: the pool's socket directory name when it is not the pool's name (a long name's short
+    form); the plugin checks the file against the directory that holds it.
+    """
+    document: dict[str, Any] = {"version": VERSION, "pool": pool}
+    if directory and directory != pool:
+        document["directory"] = directory
     if allowed_namespaces is None:
-        return {"version": VERSION, "pool": pool, "admit": ADMIT_ALL}
+        return {**document, "admit": ADMIT_ALL}
     if not allowed_namespaces:
         # The CRD requires at least one: an empty list would admit nobody, which is no pool at all.
         raise ValueError("allowedNamespaces, when set, lists at least one namespace")
-    return {"version": VERSION, "pool": pool, "admit": ADMIT_LISTED, "namespaces": sorted(set(allowed_namespaces))}
+    return {**document, "admit": ADMIT_LISTED, "namespaces": sorted(set(allowed_namespaces))}
 
 
 def render(document: dict[str, Any]) -> str:
@@ -119,11 +127,14 @@ def parse(text: str | bytes, where: str) -> Admission:
     pool = doc.get("pool")
     if not isinstance(pool, str) or not pool:
         raise AdmissionError(f"{where} names no pool")
+    directory = doc.get("directory", pool)
+    if not isinstance(directory, str) or not directory:
+        raise AdmissionError(f"{where}: directory, when present, is the pool's socket directory name")
     admit = doc.get("admit")
     if admit == ADMIT_ALL:
-        if set(doc) != {"version", "pool", "admit"}:
+        if set(doc) - {"directory"} != {"version", "pool", "admit"}:
             raise AdmissionError(f"{where}: admit {ADMIT_ALL} takes no other field")
-        return Admission(pool, None)
+        return Admission(pool, None, directory)
     if admit != ADMIT_LISTED:
         raise AdmissionError(f"{where}: admit is {admit!r}, not {ADMIT_ALL!r} or {ADMIT_LISTED!r}")
     namespaces = doc.get("namespaces")
@@ -131,9 +142,9 @@ def parse(text: str | bytes, where: str) -> Admission:
             or not all(isinstance(n, str) and n for n in namespaces)):
         raise AdmissionError(f"{where}: admit {ADMIT_LISTED} needs a non-empty list of namespace names")
     known = {"version", "pool", "admit", "namespaces"}
-    if set(doc) != known:
-        raise AdmissionError(f"{where} has unknown fields {sorted(set(doc) - known)}")
-    return Admission(pool, tuple(namespaces))
+    if set(doc) - {"directory"} != known:
+        raise AdmissionError(f"{where} has unknown fields {sorted(set(doc) - known - {'directory'})}")
+    return Admission(pool, tuple(namespaces), directory)
 
 
 def read(pool_dir: str) -> Admission:
@@ -165,7 +176,7 @@ def read(pool_dir: str) -> Admission:
         os.close(fd)
     rule = parse(data, path)
     directory = os.path.basename(os.path.normpath(pool_dir))
-    if rule.pool != directory:
+    if rule.directory != directory:
         raise AdmissionError(f"{path} is the rule of pool {rule.pool!r}, not of {directory!r} whose directory "
                              "holds it: each pool's agent writes its own")
     return rule

@@ -74,7 +74,15 @@ def socket_host_dir(spec: MaruPoolSpec, pool: str) -> str:
 
     Long pool names are shortened: a Unix socket path must fit in 107 bytes (``sun_path``).
     """
-    return f"{spec.daemon.socket_dir.rstrip('/')}/{pool if len(pool) <= MAX_NAME else child_name(pool)}"
+    return f"{spec.daemon.socket_dir.rstrip('/')}/{pool_dir_name(pool)}"
+
+
+def pool_dir_name(pool: str) -> str:
+    """The pool's socket directory under the socket root: its name, or the short form of a long one.
+
+    The admission rule names it too: the CSI plugin checks the rule against the directory that holds it.
+    """
+    return pool if len(pool) <= MAX_NAME else child_name(pool)
 
 
 def pool_endpoint(spec: MaruPoolSpec, pool: str) -> str:
@@ -330,7 +338,7 @@ def admission_init_container(spec: MaruPoolSpec, pool: str) -> Object:
         "command": ["python", "-m", "maru_connector.csi.admission"],
         "args": [
             "--dir", socket_host_dir(spec, pool),
-            "--document", render(admission_document(pool, spec.allowed_namespaces)),
+            "--document", render(admission_document(pool, spec.allowed_namespaces, pool_dir_name(pool))),
         ],
         "resources": ADMISSION_RESOURCES,
         "volumeMounts": [{"name": "socket", "mountPath": socket_host_dir(spec, pool)}],
