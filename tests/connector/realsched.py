@@ -9,6 +9,7 @@ forward runs: the KV bytes are whatever the worker's tensors hold, which these t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from . import fakes
 
 BS, HEADS, HD = 32, 2, 32  # the CPU layout needs block sizes that are multiples of 32
 CHUNK = 2 * BS
+HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 LAYERS = ["layer0", "layer1"]  # the names fakes.vllm_config gives the worker's attention layers
 
 
@@ -110,9 +112,11 @@ class Engine:
         for req_id in ids:
             request = self.sched.requests[req_id]
             sampled.append([7] if request.num_computed_tokens >= request.num_tokens else [])
+        # vLLM 0.34 dropped req_id_to_index (the order of req_ids says it); 0.32 and 0.33 require it.
+        by_index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if HAS_REQ_ID_TO_INDEX else {}
         output = ModelRunnerOutput(
             req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
+            **by_index,
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=freed or None,

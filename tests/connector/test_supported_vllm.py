@@ -32,21 +32,25 @@ def import_connector_as(version: str, **env: str) -> subprocess.CompletedProcess
                           cwd=REPO_ROOT, timeout=300)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.3+cu129", "0.32.1rc1.dev12+g0123abc"])
+@pytest.mark.parametrize(
+    "version",
+    ["0.32.0", "0.32.0+cpu", "0.32.3+cu129", "0.32.1rc1.dev12+g0123abc", "0.33.0", "0.33.1+cu130", "0.34.0",
+     "0.34.0rc1"],
+)
 def test_supported_releases(version: str) -> None:
     assert is_supported(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.33.0rc1", "1.0.0", "", "unknown", "0.32-cpu-build"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "0.35.0rc1", "1.0.0", "", "unknown", "0.32-cpu-build"])
 def test_unsupported_releases(version: str) -> None:
     assert not is_supported(version)
 
 
 def test_an_unsupported_vllm_is_refused_at_import() -> None:
-    done = import_connector_as("0.33.1")
+    done = import_connector_as("0.35.1")
     assert done.returncode != 0, done.stdout
     assert "UnsupportedVllmVersion" in done.stderr
-    assert f"vLLM 0.33.1 is not supported; the connector supports vLLM {SUPPORTED_VLLM}" in done.stderr
+    assert f"vLLM 0.35.1 is not supported; the connector supports vLLM {SUPPORTED_VLLM}" in done.stderr
     assert ALLOW_ENV in done.stderr
 
 
@@ -76,3 +80,13 @@ def test_the_pins_and_the_image_name_a_supported_release() -> None:
     assert f"ARG VLLM_VERSION={version}\n" in dockerfile
     assert f"ARG VLLM_IMAGE=vllm/vllm-openai:v{version}\n" in dockerfile
     assert f"vLLM {SUPPORTED_VLLM}" in (REPO_ROOT / "README.md").read_text()
+
+
+def test_each_supported_minor_release_has_a_scheduler_test_environment() -> None:
+    """tests/vllm-versions.txt (what `make vllm-venvs` builds) covers every minor release in the range
+    besides .venv's, and nothing outside it."""
+    listed = [line.strip() for line in (REPO_ROOT / "tests/vllm-versions.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert all(is_supported(v) for v in listed), listed
+    minors = {tuple(int(p) for p in v.split(".")[:2]) for v in listed} | {(0, 32)}
+    assert minors == {(0, m) for m in range(32, 35)}, minors

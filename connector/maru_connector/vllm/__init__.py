@@ -1,4 +1,4 @@
-"""The Maru KV connector for vLLM 0.32 (``KVConnectorBase_V1``).
+"""The Maru KV connector for vLLM 0.32, 0.33 and 0.34 (``KVConnectorBase_V1``; ``supported.py``).
 
 Load it with the ``--kv-transfer-config`` that ``maru_connector.config.kv_transfer_config`` builds::
 
@@ -48,7 +48,7 @@ from maru_connector.vllm.worker import MaruWorker
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HOOKS", "MaruConnector", "MaruConnectorMetadata", "counters", "reset_counters"]
 
-# Every hook of KVConnectorBase_V1 (0.32, and the ones 0.33 adds), and why the connector answers it
+# Every hook of KVConnectorBase_V1 (0.32, and the ones 0.33 and 0.34 add), and why the connector answers it
 # the way it does. A test fails when vLLM's base class grows a hook that is not listed here.
 HOOKS: dict[str, str] = {
     # ---- implemented here
@@ -94,12 +94,18 @@ HOOKS: dict[str, str] = {
     "requires_kv_delivery": "implemented: False, a best-effort cache: a dropped save is a later miss",
     "reset_cache": "implemented: vLLM resets caches when it sleeps or updates weights; the shared pool is "
     "never cleared, but this engine's keys may no longer name its weights: it stops using the pool until restart",
-    # Sleep hooks as the 0.33 base class was expected to have them; their signatures could not be
-    # checked against vLLM's source, so the facade accepts any arguments.
-    "supports_sleep_mode": "implemented (vLLM 0.33): True, sleeping is safe: the connector lets go of the KV "
-    "cache and, once awake, stays off the pool (the weights may have been reloaded)",
-    "unregister_kv_caches": "implemented (vLLM 0.33): stop touching the KV cache while it sleeps",
-    "restore_kv_caches": "implemented (vLLM 0.33): stay off the pool until restart, the weights may be new",
+    # vLLM 0.33: a classmethod taking the kv_transfer_config; 0.32 never calls it.
+    "supports_sleep_mode": "implemented (vLLM 0.33, 0.34): True, sleeping is safe: the connector lets go of the "
+    "KV cache and, once awake, stays off the pool (the weights may have been reloaded)",
+    "unregister_kv_caches": "implemented (vLLM 0.33, 0.34): stop touching the KV cache while it sleeps, or while "
+    "0.34's extensible cache lends its memory to a weight update",
+    "restore_kv_caches": "implemented (vLLM 0.33, 0.34): stay off the pool until restart, the weights may be new",
+    "may_load_async": "implemented (vLLM 0.34): True for a prompt the pool could serve, so with "
+    "--max-num-inflight-kv-loads its load starts while the running batch is full, within that cap",
+    "supports_lookahead_block_hashes": "implemented (vLLM 0.34): False, keys are built on plain block hashes; "
+    "with EAGLE block drop vLLM then hashes without lookahead",
+    "kv_cache_access": "implemented (vLLM 0.34): IN_PROCESS, chunks are copied by this process from the mapped "
+    "cache, so any allocation of the extensible KV cache works",
     # ---- vLLM's default is right for this connector
     "role": "base: set by the constructor",
     "bind_connector_metadata": "base: stores the step's metadata",
@@ -174,11 +180,25 @@ class MaruConnector(KVConnectorBase_V1):
         return False
 
     @classmethod
-    def supports_sleep_mode(cls) -> bool:
-        """vLLM 0.33: sleeping is safe; the connector lets go of the KV cache, and after waking it stays
-        off the pool until restart, because sleep is mostly used to reload weights (RL) and the chunk
-        keys name the weights the engine started with (see :meth:`restore_kv_caches`)."""
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig | None = None) -> bool:
+        """vLLM 0.33+ asks ``supports_sleep_mode(kv_transfer_config)`` when ``--enable-sleep-mode`` is set.
+
+        Sleeping is safe: the connector lets go of the KV cache, and after waking it stays off the pool
+        until restart, because sleep is mostly used to reload weights (RL) and the chunk keys name the
+        weights the engine started with (see :meth:`restore_kv_caches`)."""
         return True
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig | None = None) -> bool:
+        """vLLM 0.34: keys are chained from vLLM's plain block hashes; lookahead hashing stays off."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig | None = None) -> Any:
+        """vLLM 0.34: the workers copy chunks in this process (never register or export the cache)."""
+        from vllm.config.kv_transfer import KVCacheAccess  # vLLM 0.34+; 0.32 and 0.33 never call this
+
+        return KVCacheAccess.IN_PROCESS
 
     def _failed(self, hook: str, err: BaseException, degraded: str) -> None:
         common.hook_failed(self._stats, self._hook_log, hook, err, degraded)
@@ -190,9 +210,7 @@ class MaruConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
-    # The two sleep hooks take any arguments: their signatures in vLLM 0.33 are not verified, and a
-    # call that does not match must not raise into vLLM.
-    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+    def unregister_kv_caches(self) -> None:
         """Worker (vLLM 0.33), before the KV cache sleeps: stop touching it; loads and saves degrade."""
         if self._worker is not None:
             try:
@@ -200,7 +218,7 @@ class MaruConnector(KVConnectorBase_V1):
             except Exception as err:
                 self._failed("unregister_kv_caches", err, "the pool stays unused until the next restart")
 
-    def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+    def restore_kv_caches(self) -> None:
         """Worker (vLLM 0.33), after wake-up: the weights may have been reloaded while the engine slept,
         and the keys name the ones it started with, so the worker stays off the pool until restart."""
         if self._worker is not None:
@@ -395,6 +413,16 @@ class MaruConnector(KVConnectorBase_V1):
             self._sched.track(request)
         except Exception as err:
             self._failed("on_new_request", err, "the request is followed from its first step instead")
+
+    def may_load_async(self, request: Request) -> bool:
+        """Scheduler (vLLM 0.34), when a request enters the waiting queues: whether it may load
+        asynchronously, so that with ``--max-num-inflight-kv-loads`` its load starts while the running
+        batch is full (within that cap). Cheap: no pool lookup, a prompt that could hold a chunk."""
+        try:
+            return self._sched.may_load_async(request)
+        except Exception as err:
+            self._failed("may_load_async", err, "the request waits for a running slot before its load")
+            return False
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler, when a waiting request is considered: loadable tokens beyond the local hit."""

@@ -405,6 +405,28 @@ class MaruScheduler:
         )
         return hit, hit > 0 and self.cfg.load_async
 
+    def may_load_async(self, request: Request) -> bool:
+        """Whether :meth:`get_num_new_matched_tokens` may answer an asynchronous load for ``request``.
+
+        vLLM 0.34 asks when the request enters the waiting queues, before any lookup, so this must not
+        ask the pool: any prompt with a full chunk the capped rule could give counts, and one whose
+        lookup already found nothing beyond what the engine holds does not. A false positive only makes
+        other asynchronous loads wait for a running slot once.
+        """
+        if not (self.loads_enabled and self.active and self.cfg.load_async) or self.lookups is None:
+            return False
+        state = self._states.get(request.request_id)
+        chunks = request.num_prompt_tokens // self.chunk_tokens  # the most a lookup could find
+        if state is not None and state.answered:
+            chunks = state.chunks_hit
+        return self._hit_rule(
+            chunks_hit=chunks,
+            chunk_tokens=self.chunk_tokens,
+            prompt_len=request.num_prompt_tokens,
+            block_size=self.block_size,
+            num_computed_tokens=request.num_computed_tokens,
+        ) > 0
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` into the blocks just allocated.
 

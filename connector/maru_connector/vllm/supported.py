@@ -2,9 +2,12 @@
 
 Importing this module checks the running vLLM (the connector package imports it before anything of vLLM).
 
-The connector implements ``KVConnectorBase_V1`` of one vLLM minor release and leans on its scheduler's
-behaviour (asynchronous scheduling, block hashes, the load-failure policy). Another release may import
-cleanly and then misbehave at run time, so the engine is refused at start with one clear error instead.
+The connector implements ``KVConnectorBase_V1`` as vLLM 0.32, 0.33 and 0.34 declare it (one class for the
+three: the hooks 0.33 and 0.34 add are implemented, and 0.32 never calls them) and leans on their schedulers'
+behaviour (asynchronous scheduling, block hashes, the load-failure policy, the capped hit). Another release
+may import cleanly and then misbehave at run time, so the engine is refused at start with one clear error
+instead. This range is the only place the supported releases are declared; tests run vLLM's real
+``Scheduler`` with the connector under each minor release of it (``make vllm-venvs``).
 ``MARU_ALLOW_UNSUPPORTED_VLLM=1`` lets it start anyway, for trying a new release, with a loud warning.
 """
 
@@ -16,8 +19,9 @@ import os
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-# Keep in step with the Dockerfile's VLLM_IMAGE and pyproject's `vllm` and `vllm-gpu` extras (a test checks).
-SUPPORTED_VLLM = ">=0.32,<0.33"
+# Pins (the Dockerfile's VLLM_IMAGE, pyproject's `vllm` and `vllm-gpu` extras) must lie inside it, the README
+# names it, and tests/vllm-versions.txt lists one release of each minor version in it (tests check all three).
+SUPPORTED_VLLM = ">=0.32,<0.35"
 ALLOW_ENV = "MARU_ALLOW_UNSUPPORTED_VLLM"
 
 log = logging.getLogger("maru_connector")
