@@ -55,6 +55,17 @@ class TestRoleDeployment:
         assert flag(args, "--max-model-len") == "4096"
         assert args[-1] == "--max-num-seqs=8"
 
+    def test_lora_adapters_render_for_both_roles(self) -> None:
+        adapters = [{"name": "sql", "source": "/var/cache/maru/models/sql-lora"}, {"name": "chat", "source": "o/chat"}]
+        spec = group_spec(model={"name": "m/x", "adapters": adapters})
+        for role in ("prefill", "decode"):
+            args = container(build_role_deployment(spec, role, GROUP_OWNER, pool_view()))["args"]
+            assert "--enable-lora" in args and flag(args, "--max-loras") == "2"
+            at = args.index("--lora-modules")
+            assert args[at + 1:at + 3] == ["sql=/var/cache/maru/models/sql-lora", "chat=o/chat"]
+        plain = container(build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view()))["args"]
+        assert "--enable-lora" not in plain and "--lora-modules" not in plain
+
     def test_optional_flags_absent(self) -> None:
         args = container(build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view()))["args"]
         assert "--revision" not in args and "--max-model-len" not in args

@@ -132,3 +132,19 @@ def test_a_volume_over_the_pool_socket_is_refused() -> None:
     ok = group_spec(prefill={"volumes": [{"name": "v", "emptyDir": {}}],
                              "volumeMounts": [{"name": "v", "mountPath": "/run/maru-cache"}]})
     assert check_group_on_pool(ok, pool_view()) == []
+
+
+@pytest.mark.parametrize(
+    ("adapters", "says"),
+    [
+        ([{"name": "a", "source": "p"}, {"name": "a", "source": "q"}], "the name 'a' is used twice"),
+        ([{"name": "x", "source": "p"}], "the served model's name"),
+        ([{"name": "a=b", "source": "p"}], "adapters.0.name"),
+        ([{"name": "a", "source": "two words"}], "adapters.0.source"),
+        ([{"name": "a"}], "adapters.0.source"),
+    ],
+)
+def test_bad_lora_adapters_are_refused_naming_the_field(adapters: list[dict[str, str]], says: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        group_spec(model={"name": "m/x", "servedModelName": "x", "adapters": adapters})
+    assert says in str(err.value)

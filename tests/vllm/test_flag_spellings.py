@@ -60,3 +60,17 @@ def test_the_abbreviation_table_is_vllms(parser: Any) -> None:
                         if [o for o in options if o.startswith(flag.name[:n])] == [flag.name]
                         or flag.name[:n] == flag.name)
         assert flag.shortest == shortest, flag.name
+
+
+def test_rendered_lora_adapters_are_what_vllm_reads(parser: Any) -> None:
+    """spec.model.adapters, rendered for a role, parse with vLLM's own parser into its LoRA settings."""
+    from maru_operator.builders.group import build_role_deployment
+    from tests.operator.helpers import GROUP_OWNER, container, group_spec, pool_view
+
+    adapters = [{"name": "sql", "source": "/var/cache/maru/models/sql-lora"}, {"name": "chat", "source": "o/chat"}]
+    spec = group_spec(model={"name": "m/x", "adapters": adapters})
+    args = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["args"]
+    parsed = parser.parse_args(args)
+    assert parsed.enable_lora is True and parsed.max_loras == 2
+    assert [(m.name, m.path) for m in parsed.lora_modules] == [("sql", "/var/cache/maru/models/sql-lora"),
+                                                              ("chat", "o/chat")]

@@ -50,6 +50,24 @@ OPERATOR_OWNED_FLAGS = (
 _EXTRA_ARGS_RULE = cel_owned_flags_rule(OPERATOR_OWNED_FLAGS)
 
 
+class LoRAAdapter(KubeModel):
+    """A LoRA adapter both roles serve beside the base model (vLLM's ``--lora-modules name=source``)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Name clients send as the model to use this adapter; letters, digits, '.', '_', '-'.",
+    )
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=r"^\S+$",
+        description="Hugging Face id (org/name) or a path the engine reads, e.g. one inside the model cache "
+        "volume. Part of every KV cache key of the requests served through it.",
+    )
+
+
 class ModelSpec(KubeModel):
     """The model both roles serve."""
 
@@ -68,6 +86,24 @@ class ModelSpec(KubeModel):
         "auto", description="Weights and KV dtype passed to vLLM. Part of the cache key."
     )
     max_model_len: int | None = Field(None, ge=1, description="Context length limit passed to vLLM.")
+    adapters: list[LoRAAdapter] = Field(
+        default_factory=list,
+        max_length=64,
+        description="LoRA adapters served beside the model (vLLM --enable-lora --lora-modules). The pool never "
+        "shares KV between two adapters, nor between an adapter and the base model.",
+    )
+
+    @model_validator(mode="after")
+    def _adapter_names_are_distinct(self) -> ModelSpec:
+        names = [a.name for a in self.adapters]
+        served = self.served_model_name or self.name
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"adapters: the name {name!r} is used twice; each adapter needs its own name")
+            if name == served:
+                raise ValueError(f"adapters: the name {name!r} is the served model's name; clients could not "
+                                 "ask for the base model")
+        return self
 
 
 class PoolRef(KubeModel):

@@ -171,6 +171,10 @@ def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView
         args += ["--revision", model.revision]
     if model.max_model_len:
         args += ["--max-model-len", str(model.max_model_len)]
+    if model.adapters:
+        # Both roles load the same adapters: decode reads what prefill stored under each adapter's keys.
+        args += ["--enable-lora", "--max-loras", str(len(model.adapters)),
+                 "--lora-modules", *(f"{a.name}={a.source}" for a in model.adapters)]
     args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool))]
     if decode_direct(spec, pool):
         # The topic names the engine's key revision: maru-router, reading where the engine publishes, pairs
