@@ -78,6 +78,8 @@ def build(opts: dict[str, Any]):
     )
     if opts.get("log_stats"):
         kwargs["disable_log_stats"] = False
+    if opts.get("max_loras"):
+        kwargs |= {"enable_lora": True, "max_loras": opts["max_loras"], "max_lora_rank": 8}
     if opts.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
     if opts.get("long_prefill_token_threshold"):
@@ -111,6 +113,7 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
     background saves to land afterwards, so the next engine asked finds them without a handoff."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     handoffs = req.get("handoffs") or [None] * len(req["prompts"])
     params = [
@@ -122,8 +125,11 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
         )
         for h in handoffs
     ]
+    # One [name, id, path] per prompt (or null: the base model), as vLLM's LoRARequest takes them.
+    loras = [LoRARequest(*a) if a else None for a in req.get("loras") or [None] * len(req["prompts"])]
     start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False,
+                        lora_request=loras if any(loras) else None)
     elapsed = time.perf_counter() - start
     if req.get("flush", True):
         flush(llm)
