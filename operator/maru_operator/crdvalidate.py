@@ -28,6 +28,7 @@ from maru_operator.api.common import (
     QUANTITY_PATTERN,
     FieldError,
 )
+from maru_operator.api.inferencegroup import ADAPTER_NAME_PATTERN, NO_WHITESPACE_PATTERN
 from maru_operator.api.pod import LABEL_VALUE_PATTERN
 from maru_operator.crdgen import KINDS, build_crd
 from maru_operator.quantity import parse_quantity
@@ -303,6 +304,14 @@ PATTERNS: dict[str, PatternRule] = {
         "a condition reason",
         "a condition reason is CamelCase: a letter, then letters, digits, '_', ',' and ':', not ending with ',' "
         "or ':', e.g. PoolNotReady",
+    ),
+    ADAPTER_NAME_PATTERN: PatternRule(
+        "a LoRA adapter name",
+        "an adapter name is letters, digits, '.', '_' and '-', starting with a letter or digit, e.g. sql-lora",
+    ),
+    NO_WHITESPACE_PATTERN: PatternRule(
+        "an adapter source", "an adapter source is a Hugging Face id or a path with no spaces, e.g. org/sql-lora",
+        _hints((r"\s", "remove the spaces")),
     ),
     r"^/dev/[A-Za-z0-9._/-]+$": PatternRule(
         "a device path", "a device path is a path under /dev of letters, digits, '.', '_', '-' and '/', e.g. "

@@ -50,19 +50,24 @@ OPERATOR_OWNED_FLAGS = (
 _EXTRA_ARGS_RULE = cel_owned_flags_rule(OPERATOR_OWNED_FLAGS)
 
 
+# The adapter's fields: words for both are in crdvalidate.PATTERNS.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NO_WHITESPACE_PATTERN = r"^\S+$"
+
+
 class LoRAAdapter(KubeModel):
     """A LoRA adapter both roles serve beside the base model (vLLM's ``--lora-modules name=source``)."""
 
     name: str = Field(
         min_length=1,
         max_length=128,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        pattern=ADAPTER_NAME_PATTERN,
         description="Name clients send as the model to use this adapter; letters, digits, '.', '_', '-'.",
     )
     source: str = Field(
         min_length=1,
         max_length=512,
-        pattern=r"^\S+$",
+        pattern=NO_WHITESPACE_PATTERN,
         description="Hugging Face id (org/name) or a path the engine reads, e.g. one inside the model cache "
         "volume. Part of every KV cache key of the requests served through it.",
     )
