@@ -818,6 +818,9 @@ class Router:
         """Send ``body`` (JSON) or ``data`` (bytes as they came) upstream and pass the answer back as it comes
         (server-sent events included)."""
         payload: dict[str, Any] = {"data": data} if data is not None else {"json": body}
+        # Which engine this is, looked up before sending: a connect that times out takes 10 s, long enough for the
+        # next look at the upstream's workers to drop a pod gone in a rollout from the lists.
+        engine = next((u for u in (*self.prefill.urls, *self.decode.urls) if url.startswith(u + "/")), None)
         try:
             async with self.session.request(method, url, headers=headers, **payload) as resp:
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
@@ -830,7 +833,6 @@ class Router:
                 await out.write_eof()
                 return out
         except (ClientError, TimeoutError) as err:
-            engine = next((u for u in (*self.prefill.urls, *self.decode.urls) if url.startswith(u + "/")), None)
             if engine is not None:
                 self._raise_if_gone(engine, err)
             log.warning("upstream %s failed: %s: %s", url, type(err).__name__, err)
