@@ -45,8 +45,15 @@ def dax(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     pool["spec"]["size"] = "64Mi"  # the example's 256Gi cap, scaled to this machine
     group = example("examples/local/inferencegroup-tiny.yaml")
     group["spec"]["poolRef"]["name"] = pool["metadata"]["name"]
-    # One engine per role, on different nodes: the test is about KV crossing nodes, not the fleet.
+    # One engine per role, on different nodes: the test is about KV crossing nodes, not the fleet. Each engine
+    # asks for over half a node's CPUs (the nodes report this machine's), so no node fits both, whichever
+    # order the scheduler sees them in.
     group["spec"]["prefill"]["replicas"] = 1
+    over_half = f"{(os.cpu_count() or 1) * 550}m"
+    for role in ("prefill", "decode"):
+        group["spec"][role]["resources"] = {**group["spec"][role]["resources"],
+                                             "requests": {**group["spec"][role]["resources"]["requests"],
+                                                          "cpu": over_half}}
     nodes = [(f"cxl-node-{i}", {"maru.io/cxl": "true"}, {"/dev/dax0.0": device}) for i in (1, 2)]
     with deployed(tiny_model, workdir, nodes, [pool, group]) as d:
         wait_ready(d.cluster, "marupools.maru.io", "cxl-pool")
