@@ -9,7 +9,8 @@ import pytest
 
 from maru_connector.csi.contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
 from maru_connector.csi.server import build_parser
-from maru_operator.api.marupool import DEFAULT_POOL_IMAGE, MaruPoolSpec
+from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.images import DEFAULT_POOL_IMAGE
 from tests.chart.conftest import NAMESPACE, RELEASE, find, one
 
 pytestmark = pytest.mark.tools

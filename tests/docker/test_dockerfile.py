@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from maru_operator.api.inferencegroup import DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
-from maru_operator.api.marupool import DEFAULT_POOL_IMAGE
+from maru_operator.images import DEFAULT_POOL_IMAGE, DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO_ROOT / "Dockerfile"

@@ -34,6 +34,18 @@ def test_the_default_tag_is_the_charts_app_version() -> None:
     assert DEFAULT_IMAGES.router_image == "ghcr.io/maru-pd/vllm-router:0.1.17"
 
 
+def test_the_crds_name_each_default_image_without_a_registry_or_version() -> None:
+    """The CRD text changes with the API, not with each release: it names the image, never its tag, so a
+    version bump leaves the CRDs alone (and the API models need nothing from this module)."""
+    from maru_operator.crdgen import rendered_files
+    from maru_operator.images import DEFAULT_REGISTRY, POOL_NAME, ROUTER_NAME, ROUTER_VERSION, VLLM_NAME
+
+    text = "".join(rendered_files().values())
+    assert DEFAULT_REGISTRY not in text and ROUTER_VERSION not in text and f":{__version__}" not in text
+    for name in (POOL_NAME, VLLM_NAME, ROUTER_NAME):
+        assert f"<registry>/{name}:" in text, name
+
+
 def test_one_registry_moves_every_default_and_a_whole_reference_wins() -> None:
     images = ImageDefaults(registry=MIRROR, tag="9.9.9", router="other.example.com/router:1")
     assert (images.pool_image, images.vllm_image, images.router_image) == (

@@ -27,8 +27,6 @@ from maru_operator.api.pod import (
     Volume,
     VolumeMount,
 )
-from maru_operator.images import DEFAULT_ROUTER_IMAGE as DEFAULT_ROUTER_IMAGE
-from maru_operator.images import DEFAULT_VLLM_IMAGE as DEFAULT_VLLM_IMAGE
 from maru_operator.vllmflags import cel_owned_flags_rule, settings
 
 # Flags the operator derives from the spec; letting extraArgs set them again would let
@@ -455,8 +453,9 @@ class RouterSpec(PodOptions):
     replicas: int = Field(1, ge=1, le=64, description="Router pods.")
     image: str | None = Field(
         None, min_length=1,
-        description=f"Router image. Unset: the operator's default ({DEFAULT_ROUTER_IMAGE} unless the operator's "
-                    "--router-image or --image-registry, the chart's images values, say otherwise).",
+        description="Router image. Unset: the operator's default, <registry>/vllm-router:<the vllm-router "
+                    "release it was built for> (the chart's images values, or the operator's --router-image and "
+                    "--image-registry, choose the registry or the whole reference).",
     )
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
         "round_robin", description="How the router picks a decode pod."
@@ -621,9 +620,9 @@ class InferenceGroupSpec(KubeModel):
     pool_ref: PoolRef = Field(description="The MaruPool that carries KV cache from prefill to decode.")
     image: str | None = Field(
         None, min_length=1,
-        description=f"vLLM image with the Maru connector installed. Unset: the operator's default "
-                    f"({DEFAULT_VLLM_IMAGE} unless the operator's --vllm-image or --image-registry, the chart's "
-                    "images values, say otherwise).",
+        description="vLLM image with the Maru connector installed. Unset: the operator's default, "
+                    "<registry>/vllm-maru:<the operator's version> (the chart's images values, or the operator's "
+                    "--vllm-image and --image-registry, choose the registry or the whole reference).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the vLLM image."

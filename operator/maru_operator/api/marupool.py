@@ -21,7 +21,6 @@ from maru_operator.api.common import (
 )
 from maru_operator.api.common import Condition as Condition
 from maru_operator.api.pod import LocalObjectReference, check_unique, unique_by
-from maru_operator.images import DEFAULT_POOL_IMAGE as DEFAULT_POOL_IMAGE
 
 DevicePath = Annotated[str, Field(pattern=r"^/dev/[A-Za-z0-9._/-]+$", max_length=255)]
 NamespaceName = Annotated[str, Field(pattern=DNS1123_LABEL_PATTERN, max_length=63)]
@@ -116,8 +115,9 @@ class PoolDaemonSpec(KubeModel):
 
     image: str | None = Field(
         None, min_length=1,
-        description=f"Pool daemon image. Unset: the operator's default ({DEFAULT_POOL_IMAGE} unless the "
-                    "operator's --pool-image or --image-registry, the chart's images values, say otherwise).",
+        description="Pool daemon image. Unset: the operator's default, <registry>/maru-pool:<the operator's "
+                    "version> (the chart's images values, or the operator's --pool-image and --image-registry, "
+                    "choose the registry or the whole reference).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the pool daemon image."
