@@ -19,12 +19,18 @@ from maru_operator.traffic import DEFAULT_WINDOW_S
 log = logging.getLogger("maru_operator")
 
 
+# What every LogRecord carries; anything else on a record came from a call's ``extra`` (the object, the reason).
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         import json
 
         entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
                  "message": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in _RECORD_ATTRIBUTES and k not in entry
+                      and isinstance(v, str | int | float | bool)})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -273,6 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from maru_operator import handlers, metrics
+    from maru_operator.crdcheck import check_crds
     from maru_operator.kube import Kube, login
     from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE
 
@@ -293,6 +300,8 @@ def _run(args: argparse.Namespace) -> int:
     async def preflight() -> None:
         async with Kube(connection, timeout=10) as kube:
             await kube.preflight(namespaces[0] if namespaces else None)
+            # A stale CRD is reported, not fatal: the objects it still describes keep being served.
+            await check_crds(kube)
 
     try:
         asyncio.run(preflight())

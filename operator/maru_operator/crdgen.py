@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -117,37 +119,56 @@ def openapi_schema(kind: type[CustomResource]) -> dict[str, Any]:
     }
 
 
+# On each generated CRD: a digest of its spec, which the operator compares with its own at start to tell a
+# CRD left behind by an upgrade (or ahead of it after a downgrade) from the one it was built with.
+SCHEMA_HASH_ANNOTATION = f"{GROUP}/schema-hash"
+
+
+def schema_hash(crd_spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(crd_spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 def build_crd(kind: type[CustomResource]) -> dict[str, Any]:
-    columns = [dict(c, priority=int(c["priority"])) if "priority" in c else c for c in kind.printer_columns]
+    spec = crd_spec(kind)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{kind.plural}.{GROUP}",
+            "name": crd_name(kind),
             "labels": {"app.kubernetes.io/name": "maru-operator", "app.kubernetes.io/part-of": "maru"},
+            "annotations": {SCHEMA_HASH_ANNOTATION: schema_hash(spec)},
         },
-        "spec": {
-            "group": GROUP,
-            "scope": kind.scope,
-            "names": {
-                "kind": kind.kind,
-                "listKind": f"{kind.kind}List",
-                "plural": kind.plural,
-                "singular": kind.kind.lower(),
-                "shortNames": list(kind.short_names),
-                "categories": list(kind.categories),
-            },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": openapi_schema(kind)},
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": columns,
-                }
-            ],
+        "spec": spec,
+    }
+
+
+def crd_name(kind: type[CustomResource]) -> str:
+    return f"{kind.plural}.{GROUP}"
+
+
+def crd_spec(kind: type[CustomResource]) -> dict[str, Any]:
+    columns = [dict(c, priority=int(c["priority"])) if "priority" in c else c for c in kind.printer_columns]
+    return {
+        "group": GROUP,
+        "scope": kind.scope,
+        "names": {
+            "kind": kind.kind,
+            "listKind": f"{kind.kind}List",
+            "plural": kind.plural,
+            "singular": kind.kind.lower(),
+            "shortNames": list(kind.short_names),
+            "categories": list(kind.categories),
         },
+        "versions": [
+            {
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": openapi_schema(kind)},
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": columns,
+            }
+        ],
     }
 
 

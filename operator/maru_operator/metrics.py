@@ -24,6 +24,8 @@ API_LATENCY = Histogram("maru_operator_api_request_duration_seconds", "Kubernete
                         ["method"])
 QUEUE_DEPTH = Gauge("maru_operator_workqueue_depth", "Objects waiting to be reconciled.")
 LEADER = Gauge("maru_operator_leader", "1 while this replica holds the leader Lease and reconciles, else 0.")
+CRD_STALE = Gauge("maru_operator_crd_stale", "1 while the CRD on the cluster differs from the one this operator "
+                  "was built from (checked at start), else 0.", ["crd"])
 
 # Per group, over the operator's --disaggregation-window (from the pool daemons' decode counters).
 GROUP_DECODE_TOKENS = Gauge(
