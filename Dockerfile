@@ -90,6 +90,10 @@ FROM runtime AS router
 LABEL org.opencontainers.image.title="vllm-router" \
       org.opencontainers.image.description="vllm-router for Maru InferenceGroups"
 RUN pip install vllm-router==0.1.17 && vllm-router --help > /dev/null
+# Only the drain hook (standard library alone): a stopping router pod's vllm-router waits in it until
+# maru-router beside it has finished the requests it relays.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-deps /wheels/*.whl && python -m maru_connector.drain --help > /dev/null
 USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["vllm-router"]

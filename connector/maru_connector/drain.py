@@ -1,4 +1,4 @@
-"""Drain a vLLM server before it stops: the preStop hook of the operator's vLLM pods.
+"""Drain a server before it stops: the preStop hook of the operator's vLLM pods and of maru-router.
 
 When a pod is deleted (a rollout, a scale-down, a node drain) the kubelet runs this first and sends
 SIGTERM only once it returns. Meanwhile the pod is terminating, so its endpoints are gone and no new
@@ -8,6 +8,7 @@ trouble reading the metrics (vLLM already gone, no metrics) ends the wait: a hoo
 cannot be drained.
 
     python3 -m maru_connector.drain --port 8000 --timeout 570
+    python3 -m maru_connector.drain --port 9103 --metric maru_router_requests_in_progress --timeout 570
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ QUIET_LOOKS = 2
 READ_TIMEOUT_SECONDS = 5.0
 
 
-def in_flight(metrics_text: str) -> int | None:
-    """Requests running or waiting, summed over every engine the exposition lists; None when it lists none."""
+def in_flight(metrics_text: str, names: tuple[str, ...] = IN_FLIGHT_METRICS) -> int | None:
+    """The ``names`` series (vLLM's requests running or waiting) summed over every engine the exposition lists;
+    None when it lists none."""
     total, seen = 0.0, False
     for line in metrics_text.splitlines():
         if line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in IN_FLIGHT_METRICS:
+        if name in names:
             try:
                 total += float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
@@ -49,14 +51,15 @@ def read_metrics(url: str) -> str:
         return answer.read().decode("utf-8", "replace")
 
 
-def drain(url: str, timeout: float, *, read: Callable[[str], str] = read_metrics,
-          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
-    """Wait until the server at ``url`` has nothing in flight; returns why the wait ended."""
+def drain(url: str, timeout: float, *, names: tuple[str, ...] = IN_FLIGHT_METRICS,
+          read: Callable[[str], str] = read_metrics, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> str:
+    """Wait until the server at ``url`` has nothing in flight (``names`` at 0); returns why the wait ended."""
     deadline = clock() + timeout
     quiet = 0
     while True:
         try:
-            count = in_flight(read(url))
+            count = in_flight(read(url), names)
         except (OSError, urllib.error.URLError, ValueError) as err:
             return f"metrics unreadable ({err}); not waiting"
         if count is None:
@@ -71,12 +74,16 @@ def drain(url: str, timeout: float, *, read: Callable[[str], str] = read_metrics
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maru_connector.drain", description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, default=8000, help="vLLM's HTTP port (on this pod's loopback)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the port serving /metrics on this pod's loopback (vLLM's HTTP port)")
+    parser.add_argument("--metric", action="append", default=[], metavar="NAME",
+                        help="a gauge of requests in flight (repeatable; summed); default: vLLM's "
+                             + " and ".join(IN_FLIGHT_METRICS))
     parser.add_argument("--timeout", type=float, default=570.0, help="seconds to wait at most")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     started = time.monotonic()
-    why = drain(f"http://127.0.0.1:{args.port}/metrics", args.timeout)
+    why = drain(f"http://127.0.0.1:{args.port}/metrics", args.timeout, names=tuple(args.metric) or IN_FLIGHT_METRICS)
     log.info("maru drain: %s after %.1fs", why, time.monotonic() - started)
     return 0
 

@@ -67,3 +67,10 @@ def test_a_server_already_gone_is_not_waited_for(trouble: Exception) -> None:
 def test_main_never_fails_the_hook() -> None:
     # Nothing listens on port 9 of loopback: the hook still exits 0, so the kubelet goes on to SIGTERM.
     assert main(["--port", "9", "--timeout", "5"]) == 0
+
+
+def test_another_servers_gauge_is_read_by_name() -> None:
+    """maru-router's hook names its own gauge; vLLM's series then count for nothing."""
+    router = "# TYPE maru_router_requests_in_progress gauge\nmaru_router_requests_in_progress 2.0\n"
+    assert in_flight(router + EXPOSITION, ("maru_router_requests_in_progress",)) == 2
+    assert in_flight(EXPOSITION, ("maru_router_requests_in_progress",)) is None

@@ -108,6 +108,10 @@ LONG_PROMPT_TOKENS = 32 << 10
 # is looked up in several round trips rather than in one frame the daemon refuses (and the pool client then backs
 # off, sending every client's prompts through prefill).
 LOOKUP_BATCH_KEYS = 4096
+# Client requests being served (the drain hook's gauge; the operator renders the hook with this name).
+IN_PROGRESS_METRIC = "maru_router_requests_in_progress"
+UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
+Handler = Callable[[web.Request], Any]
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,12 @@ class Metrics:
         self.buffered = Gauge(
             "maru_router_buffered_request_bytes",
             "Bytes of request bodies being read, parsed or keyed now (at most --max-buffered-bytes; 503 beyond).",
+            registry=self.registry,
+        )
+        self.in_progress = Gauge(
+            IN_PROGRESS_METRIC,
+            "Client requests being served now, the probes and /metrics aside (a stopping pod's preStop hook "
+            "waits for 0).",
             registry=self.registry,
         )
         self.in_flight = Gauge(
@@ -294,7 +304,7 @@ class Router:
     def app(self, *, metrics: bool = True) -> web.Application:
         """The API; ``metrics``: ``GET /metrics`` here too (off when it has a port of its own: its counters would
         tell any client whether someone sent a prompt, and they name the engines' pods)."""
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._count_in_progress])
         app.router.add_post(COMPLETIONS, self.serve)
         app.router.add_post(CHAT, self.serve)
         app.router.add_get("/health", self.health)
@@ -307,6 +317,16 @@ class Router:
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
+
+    @web.middleware
+    async def _count_in_progress(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in UNCOUNTED_PATHS:
+            return await handler(request)
+        self.metrics.in_progress.inc()
+        try:
+            return await handler(request)
+        finally:
+            self.metrics.in_progress.dec()
 
     async def _open(self, _: web.Application) -> None:
         # No total deadline: a long generation streams for as long as it takes. No cap on connections

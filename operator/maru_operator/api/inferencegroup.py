@@ -216,7 +216,7 @@ class ModelCacheSpec(KubeModel):
 
 
 class Termination(KubeModel):
-    """How a vLLM pod stops: it first drains, then gets SIGTERM."""
+    """How a vLLM or router pod stops: it first drains (the requests it serves finish), then gets SIGTERM."""
 
     grace_period_seconds: int = Field(
         600, ge=1, le=86400,
@@ -225,9 +225,10 @@ class Termination(KubeModel):
     )
     drain_seconds: int = Field(
         570, ge=0, le=86400,
-        description="How long the preStop hook waits for the generations in flight to finish (vLLM's "
-                    "num_requests_running and num_requests_waiting at 0) before vLLM gets SIGTERM; 0: no drain. "
-                    "At most gracePeriodSeconds; keep ~30 s for vLLM's own shutdown.",
+        description="How long the preStop hook waits for the requests in flight to finish (vLLM's "
+                    "num_requests_running and num_requests_waiting at 0; maru-router's requests in progress) "
+                    "before the server gets SIGTERM; 0: no drain. At most gracePeriodSeconds; keep ~30 s for the "
+                    "server's own shutdown.",
     )
 
     @model_validator(mode="after")
@@ -468,6 +469,11 @@ class RouterSpec(PodOptions):
         default_factory=ResourceRequirements, description="Resources of each router container."
     )
     env: EnvList = Field(default_factory=list, max_length=64, description="Environment variables of the router.")
+    termination: Termination = Field(
+        default_factory=Termination,
+        description="Draining and the grace period of a stopping router pod: as long as the generations it "
+                    "relays may take, so a rollout or a node drain cuts no stream.",
+    )
     disruption_budget: DisruptionBudget = Field(
         default_factory=DisruptionBudget, description="The router's PodDisruptionBudget.",
     )

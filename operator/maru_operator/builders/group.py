@@ -8,6 +8,7 @@ the CSI node plugin mints when the pod starts.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -75,6 +76,9 @@ ROUTER_METRICS_PORT = 29000
 # With decode-direct, maru-router takes the router's API port and vllm-router moves behind it, in the same pod.
 UPSTREAM_PORT = 8001
 DIRECT_METRICS_PORT = 29001
+# maru-router's gauge of client requests being served (maru_connector.router.proxy.IN_PROGRESS_METRIC): a stopping
+# router pod drains until it reads 0.
+ROUTER_IN_PROGRESS_METRIC = "maru_router_requests_in_progress"
 # With decode-direct, every engine publishes its prefix cache's stores and evictions (vLLM's KV events) here, for
 # maru-router to send a prompt to the pod whose own cache holds more of it than the pool. vLLM binds only a
 # wildcard address; the router reads it at the pod's address.
@@ -358,7 +362,7 @@ def build_role_deployment(
         # vLLM's caches and temporary files go to emptyDirs (scratch_env points them there).
         "securityContext": restricted_container_security(),
     }
-    if lifecycle := pre_stop(role_spec, VLLM_PORT):
+    if lifecycle := pre_stop(role_spec.termination, VLLM_PORT):
         container["lifecycle"] = lifecycle
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -580,6 +584,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner, pool: PoolVi
     pod_labels = _router_pod_labels(owner, direct)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(owner.name),
+        "terminationGracePeriodSeconds": spec.router.termination.grace_period_seconds,
         "enableServiceLinks": False,
         "securityContext": restricted_pod_security(),
     }
@@ -591,7 +596,13 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner, pool: PoolVi
         upstream = vllm_router_container(spec, owner, port=UPSTREAM_PORT, port_name="upstream")
         upstream["volumeMounts"] = [{"name": API_ACCESS_VOLUME, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}]
         pod_spec["automountServiceAccountToken"] = False
-        pod_spec["containers"] = [maru_router_container(spec, owner, direct), upstream]
+        front = maru_router_container(spec, owner, direct)
+        # Both containers wait for maru-router's requests to finish: maru-router, so none is cut; vllm-router, so
+        # the ones maru-router relays through it still find it listening. vllm-router alone (no maru-router)
+        # finishes its own requests after SIGTERM, within the grace period.
+        if lifecycle := pre_stop(spec.router.termination, DIRECT_METRICS_PORT, ROUTER_IN_PROGRESS_METRIC):
+            front["lifecycle"], upstream["lifecycle"] = lifecycle, copy.deepcopy(lifecycle)
+        pod_spec["containers"] = [front, upstream]
         pod_spec["volumes"] = [*pool_access(spec, direct, owner.name)[0], *scratch_volumes(), api_access_volume()]
         # Its lookups see the pool of its own node: decode's, where decode-direct requests are served.
         pod_spec.update(pool_placement(direct, near=discovery_selector(owner, "decode")))

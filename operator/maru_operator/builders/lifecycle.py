@@ -19,7 +19,7 @@ import hashlib
 import json
 from typing import Any
 
-from maru_operator.api.inferencegroup import RoleSpec
+from maru_operator.api.inferencegroup import RoleSpec, Termination
 from maru_operator.quantity import format_bytes
 
 Gi = 2**30
@@ -67,10 +67,12 @@ def rolling_update(role: RoleSpec, replicas: int) -> dict[str, Any]:
     return {"maxSurge": surge, "maxUnavailable": unavailable}
 
 
-def pre_stop(role: RoleSpec, port: int) -> dict[str, Any] | None:
-    """The vLLM container's lifecycle: drain before SIGTERM (None when the role drains for 0 s)."""
-    drain = role.termination.drain_seconds
+def pre_stop(termination: Termination, port: int, metric: str | None = None) -> dict[str, Any] | None:
+    """A server container's lifecycle: drain before SIGTERM, until the server's in-flight gauge (vLLM's own
+    unless ``metric`` names another) on ``port`` reads 0; None when the pod drains for 0 s."""
+    drain = termination.drain_seconds
     if drain <= 0:
         return None
+    gauge = ["--metric", metric] if metric else []
     return {"preStop": {"exec": {"command": [
-        "python3", "-m", DRAIN_MODULE, "--port", str(port), "--timeout", str(drain)]}}}
+        "python3", "-m", DRAIN_MODULE, "--port", str(port), *gauge, "--timeout", str(drain)]}}}
