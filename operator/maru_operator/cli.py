@@ -114,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-rolling-groups", type=int, default=DEFAULT_MAX_GROUPS,
                      help="groups whose vLLM pods roll out at once; a pod template change of another waits "
                           "(an operator upgrade then restarts the fleet a few groups at a time); 0: no bound")
+    run.add_argument("--data-plane-updates", choices=("manual", "auto"), default="manual",
+                     help="manual (default): a pool or group keeps the default images it runs when this operator's "
+                          "defaults change (an upgrade), until annotated maru.io/data-plane-updates=auto; auto: "
+                          "every one moves (groups paced by --max-rolling-groups)")
     run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
                      help="write a pool's memory use (which changes with traffic) to its status at most this "
                           "often; condition changes are written at once")
@@ -324,7 +328,7 @@ def _run(args: argparse.Namespace) -> int:
         connection=connection, namespaces=namespaces,
         network=network_policy_config(args, handlers.operator_namespace()),
         images=image_defaults(args),
-        max_rolling_groups=args.max_rolling_groups,
+        max_rolling_groups=args.max_rolling_groups, data_plane_updates=args.data_plane_updates,
     ))
     if args.renew_deadline >= args.lease_seconds or args.retry_period >= args.renew_deadline:
         print("maru-operator: need --retry-period < --renew-deadline < --lease-seconds", file=sys.stderr)

@@ -45,6 +45,7 @@ from maru_operator.builders.pool import (
 )
 from maru_operator.builders.scaling import create_replicas, scaled_externally
 from maru_operator.cache import Key, Store
+from maru_operator.dataplane import DataPlane, Updates, container_image
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
 from maru_operator.optionalkinds import OptionalKind
@@ -162,6 +163,8 @@ class Controller:
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
     pacer: RolloutPacer = field(default_factory=RolloutPacer)
     images: ImageDefaults = DEFAULT_IMAGES  # what pools and groups that name no image get
+    # Whether a default image change (an operator upgrade) moves running data planes (see maru_operator.dataplane).
+    data_plane_updates: Updates = "manual"
     usage_interval: float = DEFAULT_USAGE_INTERVAL
     monotonic: Callable[[], float] = time.monotonic
     # pool -> when its status was last written (monotonic seconds)
@@ -187,6 +190,7 @@ class Controller:
 
     def __post_init__(self) -> None:
         self.store.summarize("Deployment", rollout_summary)
+        self.data_plane = DataPlane(self.images, self.data_plane_updates)
 
     async def reconcile(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -479,7 +483,9 @@ class Controller:
 
         ns = self.pool_namespace
         key = await self._pool_key(owner)
-        desired = build_pool_children(self.images.for_pool(spec), owner, ns, key)
+        images = self.data_plane.images_for(("MaruPool", "", name), meta, {
+            "pool": container_image(self.store.get(("DaemonSet", ns, agent_name(name))), name="agent")})
+        desired = build_pool_children(images.for_pool(spec), owner, ns, key)
         desired += build_pool_policies(spec, owner, ns, self.network)
         applied = await self.apply(owner, desired)
         children = applied.children
@@ -623,7 +629,12 @@ class Controller:
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         pool = binding.pool
         # No key here: the CSI node plugin mints the group's credential at publish, from the pool's own key.
-        desired = build_group_children(self.images.for_group(spec), owner, pool, self._role_replicas(owner))
+        images = self.data_plane.images_for(("InferenceGroup", namespace, name), body.get("metadata", {}), {
+            "vllm": container_image(self.store.get(("Deployment", namespace, role_name(name, "prefill"))), name="vllm"),
+            "router": container_image(self.store.get(("Deployment", namespace, router_name(name))),
+                                      command="vllm-router"),
+        })
+        desired = build_group_children(images.for_group(spec), owner, pool, self._role_replicas(owner))
         desired += build_group_policies(spec, owner, pool, self.pool_namespace, self.network)
         gateway = build_inference_pool(spec, owner)
         served = await self.inference_pools.served(self.kube) if gateway is not None else None

@@ -37,6 +37,7 @@ from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, instance
 from maru_operator.builders.netpol import NetworkPolicyConfig
 from maru_operator.cache import RESYNC_SECONDS, SERVICE_NAME_LABEL, Key, Store, key_of, not_newer, owner_key
 from maru_operator.controller import DEFAULT_USAGE_INTERVAL, Controller
+from maru_operator.dataplane import Updates
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status, login
 from maru_operator.leader import LeaderElector, LeaseSettings
@@ -110,6 +111,7 @@ class Config:
     network: NetworkPolicyConfig = field(default_factory=NetworkPolicyConfig)
     images: ImageDefaults = DEFAULT_IMAGES
     max_rolling_groups: int = DEFAULT_MAX_GROUPS  # groups rolling their vLLM pods at once (0: no bound)
+    data_plane_updates: Updates = "manual"  # whether new default images move running data planes
     instance: str = ""  # which objects this operator serves (see the module docstring)
     leader_election: bool = True
     lease_namespace: str = DEFAULT_LEASE_NAMESPACE
@@ -201,7 +203,8 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
         fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
         pacer=RolloutPacer(config.max_rolling_groups),
-        images=config.images, disaggregation_window=config.disaggregation_window, wake=_enqueue,
+        images=config.images, data_plane_updates=config.data_plane_updates,
+        disaggregation_window=config.disaggregation_window, wake=_enqueue,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
     # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
