@@ -80,6 +80,18 @@ class MaruConnectorConfig(BaseModel):
         ),
     )
 
+    writer_tp: int | None = Field(
+        None,
+        alias="maru_kv_writer_tp",
+        gt=0,
+        le=1024,
+        description=(
+            "Tensor-parallel size of the engines that store the chunks this engine loads (a decode's prefill), "
+            "when it differs from this engine's own: each rank then reads the stored head ranges that overlap "
+            "its own heads and copies those heads in. Unset: the same as this engine's."
+        ),
+    )
+
     @field_validator("pool_url")
     @classmethod
     def _pool_url_scheme(cls, value: str) -> str:

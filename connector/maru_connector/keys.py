@@ -5,8 +5,8 @@ the hash of block *j* covers every token of blocks ``0..j`` (plus LoRA, multimod
 request's ``cache_salt``). The key of chunk *i* is therefore the block hash at the chunk's last
 block, keyed with a fingerprint of everything that changes the bytes of the KV (:class:`Namespace`):
 the weights themselves and how they are loaded, the modelling code, quantization, config overrides,
-dtypes, the KV cache's byte format and layers, the vLLM version, block and chunk size, tensor-parallel
-rank and size, and the tenant salt.
+dtypes, the KV cache's byte format and layers, the vLLM version, block and chunk size, the range of
+KV heads the chunk holds (:func:`head_range`), and the tenant salt.
 Nothing re-reads token ids, so a 128k-token prompt costs one small hash per chunk.
 
 A request served through a LoRA adapter gets keys of its own adapter's weights (:func:`with_adapter`):
@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 # 3: the load format, the loader's config, the modelling code (model_impl, custom *.py files) are
 # in the fingerprint; chunks of version 2 were keyed without them (an engine with dummy weights
 # stored under the real model's key), so none of them may ever be hit again.
-FORMAT_VERSION = 3
+# 4: chunks are keyed by the KV-head range they hold, not by TP rank and size, so engines of
+# different TP sizes find each other's heads.
+FORMAT_VERSION = 4
 
 KEY_BYTES = 16
 
@@ -64,8 +66,7 @@ class Namespace:
     block_size: int
     chunk_tokens: int
     num_layers: int
-    tp_rank: int
-    tp_size: int
+    kv_heads: str  # heads_label(): the KV heads the chunk holds, of how many (LATENT_HEADS for an MLA latent)
     salt: str = ""
     hash_algo: str = "sha256"
     format_version: int = FORMAT_VERSION
@@ -75,8 +76,108 @@ class Namespace:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=32, person=b"maru-ns").digest()
 
-    def for_rank(self, tp_rank: int) -> Namespace:
-        return Namespace(**{**asdict(self), "tp_rank": tp_rank})
+    def for_heads(self, kv_heads: str) -> Namespace:
+        return Namespace(**{**asdict(self), "kv_heads": kv_heads})
+
+
+# The kv_heads of an MLA latent: one vector per token, the same on every TP rank.
+LATENT_HEADS = "latent"
+
+HeadRange = tuple[int, int]  # KV heads [start, end) of the model's total
+
+
+def head_range(total_heads: int, tp_size: int, tp_rank: int) -> HeadRange:
+    """The KV heads rank ``tp_rank`` of a ``tp_size``-way engine holds, as vLLM shards them.
+
+    vLLM 0.32's ``QKVParallelLinear``: with fewer ranks than KV heads each rank holds
+    ``total_heads / tp_size`` consecutive heads; with as many or more, each holds one head, replicated on
+    ``tp_size / total_heads`` consecutive ranks. Any other pair vLLM refuses, and so does this.
+    """
+    if total_heads <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"no KV heads for rank {tp_rank} of TP {tp_size} over {total_heads} heads")
+    if tp_size >= total_heads:
+        if tp_size % total_heads:
+            raise ValueError(f"TP {tp_size} is not a multiple of the model's {total_heads} KV heads")
+        head = tp_rank // (tp_size // total_heads)
+        return head, head + 1
+    if total_heads % tp_size:
+        raise ValueError(f"the model's {total_heads} KV heads do not split over TP {tp_size}")
+    per_rank = total_heads // tp_size
+    return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+def head_ranges(total_heads: int, tp_size: int) -> list[HeadRange]:
+    """The distinct head ranges of a ``tp_size``-way engine, in head order: one stored chunk each.
+
+    Replicas of one range hold the same bytes, so it is stored once (by its first rank).
+    """
+    return sorted({head_range(total_heads, tp_size, r) for r in range(tp_size)})
+
+
+def heads_label(heads: HeadRange, total_heads: int) -> str:
+    """``Namespace.kv_heads`` of a chunk holding ``heads``: ranges that differ never share a key."""
+    return f"{heads[0]}-{heads[1]}/{total_heads}"
+
+
+def overlap(a: HeadRange, b: HeadRange) -> HeadRange | None:
+    """The heads both ranges hold, or None."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+@dataclass(frozen=True)
+class HeadKeys:
+    """Which head ranges an engine keys a prompt chunk by: the ones it stores and the ones it loads.
+
+    A chunk gets one key per label (:meth:`Namespace.for_heads`); the engine stores under
+    ``labels[i] for i in store`` (its own distinct ranges, in head order) and loads from
+    ``labels[i] for i in load`` (its writer's: the same indexes when the TP sizes match).
+    """
+
+    labels: tuple[str, ...]
+    store: tuple[int, ...]
+    load: tuple[int, ...]
+
+
+def head_keys(total_heads: int | None, tp_size: int, writer_tp: int | None = None) -> HeadKeys:
+    """The :class:`HeadKeys` of a ``tp_size``-way engine loading what ``writer_tp``-way engines stored.
+
+    ``total_heads`` None: an MLA latent, one key whatever either TP size. ValueError when a TP size
+    does not shard the model's KV heads (see :func:`head_range`).
+    """
+    if total_heads is None:
+        return HeadKeys((LATENT_HEADS,), (0,), (0,))
+    own = [heads_label(r, total_heads) for r in head_ranges(total_heads, tp_size)]
+    writer = [heads_label(r, total_heads) for r in head_ranges(total_heads, writer_tp or tp_size)]
+    labels = own + [label for label in writer if label not in own]
+    return HeadKeys(tuple(labels), tuple(range(len(own))), tuple(labels.index(label) for label in writer))
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """One TP rank's part in :class:`HeadKeys`: where its keys sit in a chunk's ``keys`` tuples."""
+
+    heads: HeadRange | None  # the KV heads this rank holds (None: an MLA latent)
+    store_key: int  # index of its own range in a ChunkSave's keys
+    stores: bool  # the first rank holding its range: replicas hold the same bytes and store nothing
+    # (index in a ChunkLoad's keys, the writer's range) of every stored range holding some of its heads
+    reads: tuple[tuple[int, HeadRange | None], ...]
+
+    @property
+    def whole(self) -> bool:
+        """It loads one stored chunk, as is: the writer held exactly its heads (always so at equal TP)."""
+        return len(self.reads) == 1 and self.reads[0][1] == self.heads
+
+
+def rank_heads(total_heads: int | None, tp_size: int, tp_rank: int, writer_tp: int | None = None) -> RankHeads:
+    """Rank ``tp_rank``'s :class:`RankHeads`; ``total_heads`` None for an MLA latent (rank 0 stores)."""
+    if total_heads is None:
+        return RankHeads(None, 0, tp_rank == 0, ((0, None),))
+    own = head_range(total_heads, tp_size, tp_rank)
+    stores = tp_rank == 0 or head_range(total_heads, tp_size, tp_rank - 1) != own
+    writer = head_ranges(total_heads, writer_tp or tp_size)
+    reads = tuple((i, r) for i, r in enumerate(writer) if overlap(r, own))
+    return RankHeads(own, head_ranges(total_heads, tp_size).index(own), stores, reads)
 
 
 def with_adapter(fingerprints: Sequence[bytes], adapter: str) -> list[bytes]:
@@ -167,10 +268,15 @@ class PromptKeys:
         """Per rank, the key of the chunk before ``chunk`` in the prompt (None for the first chunk)."""
         return self._keys[chunk - 1] if chunk else (None,) * len(self._fingerprints)
 
-    def lookup_order(self, n: int | None = None) -> list[bytes]:
-        """The first ``n`` chunks' keys, chunk-major and rank-minor (see :func:`interleave_ranks`)."""
+    def lookup_order(self, n: int | None = None, ranks: Sequence[int] | None = None) -> list[bytes]:
+        """The first ``n`` chunks' keys, chunk-major and rank-minor (see :func:`interleave_ranks`).
+
+        ``ranks``: only the keys of these fingerprints (the head ranges a loader reads), in that order.
+        """
         chunks = self._keys[:n]
-        return [key for keys in chunks for key in keys]
+        if ranks is None:
+            return [key for keys in chunks for key in keys]
+        return [keys[r] for keys in chunks for r in ranks]
 
 
 def interleave_ranks(per_rank: Sequence[Sequence[bytes]]) -> list[bytes]:
@@ -211,7 +317,7 @@ class KeyScheme:
     the engine's namespace (half of it is only known once the workers registered their KV caches).
     """
 
-    fingerprints: tuple[bytes, ...]  # per TP rank, Namespace.fingerprint()
+    fingerprints: tuple[bytes, ...]  # per stored head range (one per TP rank, bar replicas), Namespace.fingerprint()
     hash_block_size: int
     chunk_tokens: int
     hash_algo: str

@@ -74,6 +74,7 @@ class PagedKV:
         views: list[torch.Tensor],
         block_bytes: int,
         num_blocks: int,
+        heads: tuple[int, int, int] = (1, 1, 0),
     ) -> None:
         self.format = format
         self.layer_names = layer_names
@@ -81,6 +82,9 @@ class PagedKV:
         self._page_shape = tuple(views[0].shape[1:])
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
+        # A page as [outer, heads, inner] bytes: outer units before the head dim, the head count,
+        # bytes of one head after it (the dims around the heads do not depend on the TP size).
+        self.page_outer, self.heads, self.head_inner = heads
         self.device = views[0].device
         # On a GPU, every layer as one [layers, blocks, *page] view when vLLM's one buffer spaces them
         # evenly (it does for every KVCacheLayout): one gather or scatter kernel per chunk, not one per
@@ -148,16 +152,45 @@ class PagedKV:
     def chunk_view(self, buf: memoryview | bytearray | torch.Tensor, blocks_per_chunk: int) -> torch.Tensor:
         """A ``[layers, blocks_per_chunk, block_bytes]`` uint8 tensor over ``buf`` (no copy)."""
         geo = self.geometry(blocks_per_chunk)
-        if isinstance(buf, torch.Tensor):
-            flat = buf.view(torch.uint8).reshape(-1)
-        else:
-            with warnings.catch_warnings():
-                # Read-only buffers come back as read-only memoryviews; scatter only reads them.
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(buf, dtype=torch.uint8)
+        flat = buf.view(torch.uint8).reshape(-1) if isinstance(buf, torch.Tensor) else _frombuffer(buf)
         if flat.numel() != geo.chunk_bytes:
             raise ValueError(f"chunk buffer holds {flat.numel()} bytes, layout needs {geo.chunk_bytes}")
         return flat.view(geo.num_layers, blocks_per_chunk, geo.block_bytes)
+
+    def reshard(
+        self,
+        pieces: Sequence[tuple[tuple[int, int], memoryview | bytearray | torch.Tensor]],
+        heads: tuple[int, int],
+        blocks_per_chunk: int,
+    ) -> torch.Tensor:
+        """This engine's chunk of KV heads ``heads`` cut and joined from chunks of other head ranges.
+
+        ``pieces`` are ``((start, end), packed chunk)`` of an engine with another TP size: the same
+        format, so the same page order, with ``end - start`` heads. Each page's head dim is sliced and
+        the slices laid side by side in head order; the result (``[layers, blocks, block_bytes]``, host
+        memory) is what this engine would have stored itself, ready for :meth:`scatter`. Raises
+        ``ValueError`` when the pieces do not cover ``heads`` or a piece is not the size its heads make.
+        """
+        lo, hi = heads
+        if hi - lo != self.heads:
+            raise ValueError(f"heads {lo}-{hi} are not this engine's {self.heads} per page")
+        shape = (self.num_layers, blocks_per_chunk, self.page_outer)
+        out = torch.empty((*shape, self.heads, self.head_inner), dtype=torch.uint8)
+        covered = 0
+        for (start, end), buf in pieces:
+            a, b = max(lo, start), min(hi, end)
+            if a >= b:
+                continue
+            flat = buf.view(torch.uint8).reshape(-1) if isinstance(buf, torch.Tensor) else _frombuffer(buf)
+            want = self.num_layers * blocks_per_chunk * self.page_outer * (end - start) * self.head_inner
+            if flat.numel() != want:
+                raise ValueError(f"the chunk of heads {start}-{end} holds {flat.numel()} bytes, not {want}")
+            src = flat.view(*shape, end - start, self.head_inner)
+            out[:, :, :, a - lo : b - lo] = src[:, :, :, a - start : b - start]
+            covered += b - a
+        if covered != self.heads:
+            raise ValueError(f"the chunks cover {covered} of heads {lo}-{hi}")
+        return out.view(self.num_layers, blocks_per_chunk, self.block_bytes)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out`` (``[layers, len(ids), block_bytes]``).
@@ -222,6 +255,13 @@ def _no_wait() -> None:
     pass
 
 
+def _frombuffer(buf: memoryview | bytearray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # Read-only buffers come back as read-only memoryviews; the callers only read them.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
 def describe_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     *,
@@ -250,20 +290,22 @@ def describe_kv_caches(
                 f"layer {layer_name} has shape {tuple(t.shape)} stride {t.stride()} {t.dtype}, unlike "
                 f"{names[0]} {tuple(first.shape)} {first.stride()} {first.dtype}: mixed layouts are not supported"
             )
-    dims, page_order = _page_dims(first, num_blocks, block_size, num_kv_heads, head_size, latent=latent)
+    dims, page_order, outer = _page_dims(first, num_blocks, block_size, num_kv_heads, head_size, latent=latent)
     views = [_page_view(kv_caches[name], num_blocks, dims) for name in names]
     block_bytes = 1
     for size, _ in dims:
         block_bytes *= size
     kind = f"latent{head_size}:" if latent else ""
     fmt = f"{backend}:{kind}{page_order}:{str(first.dtype).removeprefix('torch.')}"
-    return PagedKV(fmt, names, views, block_bytes, num_blocks)
+    heads = first.shape[1]
+    return PagedKV(fmt, names, views, block_bytes, num_blocks, (outer, heads, block_bytes // (outer * heads)))
 
 
 def _page_dims(
     t: torch.Tensor, num_blocks: int, block_size: int, heads: int, head_size: int, *, latent: bool = False
-) -> tuple[list[tuple[int, int]], str]:
-    """The page of one block as ``(size, byte stride)`` runs, outermost first, and its dim order."""
+) -> tuple[list[tuple[int, int]], str, int]:
+    """The page of one block as ``(size, byte stride)`` runs, outermost first, its dim order, and how many
+    units of the dims before the head dim the page holds (the head dim's place, for :meth:`PagedKV.reshard`)."""
     shape, stride = tuple(t.shape), t.stride()
     where = f"KV cache tensor of shape {shape}, stride {stride}, dtype {t.dtype}"
     if t.dim() != 4:
@@ -298,8 +340,15 @@ def _page_dims(
     # Sorting by stride gives their order in memory (stable, so size-1 dims keep logical order).
     dims = [("K", ratio, stride[0] * elt), ("H", h, stride[1] * elt), ("N", kernel_tokens, stride[2] * elt)]
     dims.append(("C", content * elt, 1))
-    in_memory = sorted(dims, key=lambda d: -d[2])
+    # A single head's stride ties with the token stride of a token-major page: the larger dim goes
+    # first, so one head per rank (high TP) gives the same order, hence the same format, as many.
+    in_memory = sorted(dims, key=lambda d: (-d[2], d[1] == 1))
     page_order = "".join(name for name, size, _ in in_memory if name != "K" or size > 1)
+    outer = 1
+    for name, size, _ in in_memory:
+        if name == "H":
+            break
+        outer *= size
     # Merge dims that continue each other in memory; a dense page collapses into one run.
     runs: list[tuple[int, int]] = []
     for _, size, step in reversed(in_memory):
@@ -316,7 +365,7 @@ def _page_dims(
         extent = (size - 1) * step + extent
     if len(runs) == 1 and stride[0] * elt * ratio < extent:
         raise KVLayoutError(f"unsupported {where}: consecutive blocks overlap in memory")
-    return runs, page_order
+    return runs, page_order, outer
 
 
 def _page_view(t: torch.Tensor, num_blocks: int, runs: list[tuple[int, int]]) -> torch.Tensor:

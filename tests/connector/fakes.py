@@ -11,9 +11,19 @@ CHUNK = 256
 
 
 def vllm_config(
-    *, block_size: int = BLOCK, hash_algo: str = "sha256", tp: int = 1, dcp: int = 1, backend: str = "CPU_ATTN"
+    *,
+    block_size: int = BLOCK,
+    hash_algo: str = "sha256",
+    tp: int = 1,
+    dcp: int = 1,
+    backend: str = "CPU_ATTN",
+    kv_heads: int | None = None,
 ) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads; the model is a name, so its weights are unresolved."""
+    """The parts of a VllmConfig the connector reads; the model is a name, so its weights are unresolved.
+
+    ``kv_heads``: the model's KV heads, by default 2 per TP rank (``kv_cache_config``'s default).
+    """
+    total_kv_heads = kv_heads or 2 * tp
     layers = {f"layer{i}": SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend)) for i in range(2)}
     return SimpleNamespace(
         cache_config=SimpleNamespace(
@@ -29,6 +39,7 @@ def vllm_config(
             hf_overrides={},
             model_impl="auto",
             get_num_layers=lambda _pc: 2,
+            get_total_num_kv_heads=lambda: total_kv_heads,
         ),
         load_config=SimpleNamespace(download_dir=None, load_format="auto", model_loader_extra_config={}),
         compilation_config=SimpleNamespace(static_forward_context=layers),

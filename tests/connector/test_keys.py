@@ -12,11 +12,19 @@ from pathlib import Path
 import pytest
 
 from maru_connector.keys import (
+    LATENT_HEADS,
+    HeadKeys,
     Namespace,
     PromptKeys,
+    RankHeads,
     block_hash_sharing_problem,
     chunk_keys,
+    head_keys,
+    head_range,
+    head_ranges,
     interleave_ranks,
+    overlap,
+    rank_heads,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +46,7 @@ NS = Namespace(
     block_size=128,
     chunk_tokens=256,
     num_layers=2,
-    tp_rank=0,
-    tp_size=1,
+    kv_heads="0-2/2",
     salt="",
 )
 
@@ -99,8 +106,9 @@ def test_max_tokens_limits_to_prompt_chunks() -> None:
         {"block_size": 64},
         {"chunk_tokens": 512},
         {"num_layers": 3},
-        {"tp_rank": 1},
-        {"tp_size": 2},
+        {"kv_heads": "0-1/2"},
+        {"kv_heads": "0-2/4"},
+        {"kv_heads": "latent"},
         {"salt": "tenant-b"},
         {"hash_algo": "sha256_cbor"},
         {"format_version": 99},
@@ -153,7 +161,7 @@ def test_random_seeded_block_hashes_are_detected() -> None:
 
 
 def test_prompt_keys_equal_chunk_keys_and_follow_a_growing_prompt() -> None:
-    fps = [NS.fingerprint(), NS.for_rank(1).fingerprint()]
+    fps = [NS.fingerprint(), NS.for_heads("2-4/4").fingerprint()]
     hashes = fake_block_hashes(9)
     pk = PromptKeys(fps, hash_block_size=128, chunk_tokens=256)
     assert pk.update(hashes[:5], 5 * 128) == 0
@@ -172,3 +180,52 @@ def test_prompt_keys_equal_chunk_keys_and_follow_a_growing_prompt() -> None:
     regrown = hashes[:3] + fake_block_hashes(6, seed=b"q")[3:]
     assert pk.update(regrown, 6 * 128) == 1
     assert pk[0] == old[0] and pk[1] != old[1]
+
+
+def test_head_ranges_follow_vllms_sharding_and_replication() -> None:
+    assert [head_range(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
+    assert [head_range(8, 1, 0)] == [(0, 8)]
+    # More ranks than KV heads: vLLM replicates each head on consecutive ranks (shard_rank = rank // replicas).
+    assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert head_ranges(2, 4) == [(0, 1), (1, 2)]
+    for total, tp in ((8, 3), (2, 3), (4, 6)):
+        with pytest.raises(ValueError):
+            head_range(total, tp, 0)
+    assert overlap((0, 4), (2, 6)) == (2, 4) and overlap((0, 2), (2, 4)) is None
+
+
+def test_head_keys_at_equal_tp_are_one_key_per_rank_used_both_ways() -> None:
+    keys = head_keys(4, 2)
+    assert keys == HeadKeys(("0-2/4", "2-4/4"), (0, 1), (0, 1))
+    assert head_keys(4, 2, 2) == keys
+    assert head_keys(None, 4, 2) == HeadKeys((LATENT_HEADS,), (0,), (0,))  # an MLA latent: one key, any TP
+
+
+def test_head_keys_at_other_tp_load_the_writers_ranges() -> None:
+    assert head_keys(4, 1, 2) == HeadKeys(("0-4/4", "0-2/4", "2-4/4"), (0,), (1, 2))
+    assert head_keys(4, 2, 1) == HeadKeys(("0-2/4", "2-4/4", "0-4/4"), (0, 1), (2,))
+    # Replicated heads are stored once per range: a TP=4 writer over 2 heads stores 2 keys a chunk.
+    assert head_keys(2, 1, 4) == HeadKeys(("0-2/2", "0-1/2", "1-2/2"), (0,), (1, 2))
+
+
+def test_rank_heads_say_what_each_rank_stores_and_reads() -> None:
+    # Equal TP: one whole chunk per rank, as before.
+    assert rank_heads(4, 2, 1) == RankHeads((2, 4), 1, True, ((1, (2, 4)),))
+    assert rank_heads(4, 2, 1).whole
+    # TP=1 loading a TP=2 writer's chunks: both halves, re-sharded.
+    one = rank_heads(4, 1, 0, 2)
+    assert one.reads == ((0, (0, 2)), (1, (2, 4))) and not one.whole
+    # TP=2 loading a TP=1 writer's chunk: its half of the one chunk.
+    half = rank_heads(4, 2, 1, 1)
+    assert half.reads == ((0, (0, 4)),) and not half.whole
+    # Replicas: only the first rank of a range stores; a writer whose range is exactly the rank's is whole.
+    assert [rank_heads(2, 4, r).stores for r in range(4)] == [True, False, True, False]
+    assert [rank_heads(2, 4, r).store_key for r in range(4)] == [0, 0, 1, 1]
+    assert rank_heads(2, 4, 3, 2).whole
+    assert rank_heads(None, 4, 2).whole and not rank_heads(None, 4, 2).stores
+
+
+def test_keys_of_different_head_ranges_never_collide() -> None:
+    labels = {*head_keys(8, 1, 2).labels, *head_keys(8, 4, 8).labels, *head_keys(8, 2, 4).labels, LATENT_HEADS}
+    fps = {NS.for_heads(label).fingerprint() for label in labels}
+    assert len(fps) == len(labels)

@@ -68,8 +68,7 @@ def expected_keys(req: fakes.Request) -> list[bytes]:
         block_size=BLOCK,
         chunk_tokens=CHUNK,
         num_layers=2,
-        tp_rank=0,
-        tp_size=1,
+        kv_heads="0-2/2",
     )
     return chunk_keys(
         req.block_hashes, hash_block_size=BLOCK, chunk_tokens=CHUNK, fingerprint=ns.fingerprint(),
@@ -364,6 +363,36 @@ def test_tensor_parallel_hit_needs_every_rank(pool) -> None:
         for i in range(2):
             c.put(keys[i][1], b"x")  # rank 1 stored only two chunks
     assert matched(sched, req, 0) == (2 * CHUNK, True)
+
+
+def test_a_tp1_decode_looks_up_and_loads_the_head_ranges_a_tp2_prefill_stored(pool) -> None:
+    extra = {"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
+    prefill = MaruScheduler(
+        fakes.vllm_config(tp=2), fakes.kv_cache_config(), MaruConnectorConfig.from_extra_config(extra),
+        loads=True, saves=True,
+    )  # fmt: skip
+    prefill.set_worker_info({r: MaruWorkerInfo(tp_rank=r, **INFO) for r in (0, 1)})
+    decode = MaruScheduler(
+        fakes.vllm_config(tp=1, kv_heads=4), fakes.kv_cache_config(heads=4),
+        MaruConnectorConfig.from_extra_config({**extra, "maru_kv_writer_tp": 2}), loads=True, saves=False,
+    )  # fmt: skip
+    decode.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **INFO)})
+    req = fakes.request("r", 4 * CHUNK + 1, seed=3)
+    stored = prefill._state(req).keys
+    with PoolClient(pool.url, timeout_s=5) as c:
+        for i in range(3):
+            c.put(stored[i][0], b"x")
+        for i in range(2):
+            c.put(stored[i][1], b"x")  # heads 2-3 of chunk 2 are missing: the decode can load two chunks
+    mine = fakes.request("r", 4 * CHUNK + 1, seed=3)
+    assert matched(decode, mine, 0) == (2 * CHUNK, True)
+    decode.update_state_after_alloc(mine, fakes.Blocks(list(range(8))), 2 * CHUNK)
+    plan = decode._states["r"].load
+    assert [c.keys for c in plan.chunks] == [stored[0], stored[1]]  # both halves, in head order
+    # The prefill's handoff names its first head range's key: the decode's first range to load.
+    announced = fakes.request("a", 4 * CHUNK + 1, seed=3)
+    announced.kv_transfer_params = {"maru_chunks": 2, "maru_last_key": stored[1][0].hex()}
+    assert decode._handoff_expected(announced, decode._state(announced)) == 2
 
 
 def test_chunk_must_hold_whole_blocks() -> None:

@@ -317,7 +317,7 @@ def test_hung_pool_costs_one_timeout_then_backs_off(pool, monkeypatch: pytest.Mo
 def test_unknown_layout_is_refused_at_registration(pool) -> None:
     cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool.url, "maru_kv_chunk_tokens": CHUNK})
     worker = MaruWorker(
-        fakes.vllm_config(block_size=BS),
+        fakes.vllm_config(block_size=BS, kv_heads=1),
         fakes.kv_cache_config(block_size=BS, heads=1, head_size=576, num_blocks=NUM_BLOCKS),
         cfg,
         loads=True,

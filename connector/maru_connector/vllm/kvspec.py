@@ -25,6 +25,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from maru_connector.config import ConfigError
+from maru_connector.keys import head_ranges
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,3 +112,21 @@ def _model_name(vllm_config: VllmConfig) -> str:
     except Exception:  # only decorates the message; a config without it still gets the error
         arch = None
     return f"{name} ({arch})" if arch else name
+
+
+def total_kv_heads(vllm_config: VllmConfig, writer_tp: int | None, *, latent: bool) -> int | None:
+    """The model's KV heads, which chunk keys name ranges of; None for an MLA latent (no heads to shard).
+
+    Raises ConfigError when this engine's TP size, or the writer's (``maru_kv_writer_tp``), does not
+    shard them the way vLLM does (see ``keys.head_range``): no rank could say which heads it holds.
+    """
+    if latent:
+        return None
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    for field, size in (("--tensor-parallel-size", tp_size), ("maru_kv_writer_tp", writer_tp or tp_size)):
+        try:
+            head_ranges(total, size)
+        except ValueError as err:
+            raise ConfigError(f"{field} {size}: {err}") from None
+    return total

@@ -44,10 +44,17 @@ from typing import TYPE_CHECKING, Any
 
 from maru_connector import hits
 from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.keys import KeyScheme, Namespace, PromptKeys, block_hash_sharing_problem, with_adapter
+from maru_connector.keys import (
+    KeyScheme,
+    Namespace,
+    PromptKeys,
+    block_hash_sharing_problem,
+    head_keys,
+    with_adapter,
+)
 from maru_connector.pool.readers import Reader
 from maru_connector.vllm import common
-from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache
+from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache, total_kv_heads
 from maru_connector.vllm.lookups import AsyncLookups
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -256,9 +263,16 @@ class MaruScheduler:
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         # An MLA latent is the same on every TP rank: one key per chunk, stored by rank 0, loaded by all.
-        # Every other cache holds each rank's own heads: one key per chunk and rank.
+        # Every other cache holds each rank's own KV heads: one key per chunk and distinct head range,
+        # loaded from the writer's ranges (maru_kv_writer_tp) when that engine's TP size is another.
         self.latent = is_latent_cache(kv_cache_config)
-        self.key_ranks = 1 if self.latent else self.tp_size
+        total_heads = total_kv_heads(vllm_config, cfg.writer_tp, latent=self.latent)
+        self.head_keys = head_keys(total_heads, self.tp_size, cfg.writer_tp)
+        every = tuple(range(len(self.head_keys.labels)))
+        # None where a chunk's keys are used as they are (always at equal TP): no per-chunk selection.
+        self._store_ix = None if self.head_keys.store == every else self.head_keys.store
+        self._load_ix = None if self.head_keys.load == every else self.head_keys.load
+        self.key_ranks = len(self.head_keys.load)  # keys a lookup reads per chunk
         self.fingerprints: list[bytes] | None = None
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
@@ -285,8 +299,6 @@ class MaruScheduler:
             engine_identity(vllm_config),
             block_size=self.block_size,
             chunk_tokens=self.chunk_tokens,
-            # A latent does not depend on the TP degree either: engines of any TP size share its chunks.
-            tp_size=self.key_ranks,
             salt=cfg.cache_namespace,
             hash_algo=hash_algo,
         )
@@ -322,9 +334,13 @@ class MaruScheduler:
             return
         kv_format, block_bytes, num_layers, kv_layers = seen.pop()
         self.namespace = Namespace(
-            **self._ns_base, kv_format=kv_format, kv_layers=kv_layers, num_layers=num_layers, tp_rank=0
+            **self._ns_base,
+            kv_format=kv_format,
+            kv_layers=kv_layers,
+            num_layers=num_layers,
+            kv_heads=self.head_keys.labels[0],
         )
-        self.fingerprints = [self.namespace.for_rank(r).fingerprint() for r in range(self.key_ranks)]
+        self.fingerprints = [self.namespace.for_heads(label).fingerprint() for label in self.head_keys.labels]
         common.log.info(
             "maru connector ready: pool %s, chunk %d tokens (%d blocks, %d bytes per rank), KV %s, "
             "%d layers, TP %d (%s), weights %s, loads %s, saves %s",
@@ -335,11 +351,17 @@ class MaruScheduler:
             kv_format,
             num_layers,
             self.tp_size,
-            "one MLA latent, stored by rank 0, loaded by every rank" if self.latent else "a shard per rank",
+            "one MLA latent, stored by rank 0, loaded by every rank"
+            if self.latent
+            else f"stores KV heads {', '.join(self._labels(self.head_keys.store))}, "
+            f"loads {', '.join(self._labels(self.head_keys.load))}",
             self.namespace.weights,
             self.loads_enabled,
             self.saves_enabled,
         )
+
+    def _labels(self, ix: tuple[int, ...]) -> list[str]:
+        return [self.head_keys.labels[i] for i in ix]
 
     @property
     def active(self) -> bool:
@@ -379,7 +401,7 @@ class MaruScheduler:
             state.looked_up_keys, state.answered = len(state.keys), False
             self.lookups.submit(
                 request.request_id,
-                state.keys.lookup_order(),
+                state.keys.lookup_order(ranks=self._load_ix),
                 expect=self._handoff_expected(request, state),
                 wait_s=self.cfg.handoff_wait_ms / 1000,
             )
@@ -448,7 +470,7 @@ class MaruScheduler:
             slots = tuple(
                 (j, block_ids[base + j]) for j in range(self.blocks_per_chunk) if first_block <= base + j < end_block
             )
-            plan.append(ChunkLoad(keys=state.keys[chunk], slots=slots))
+            plan.append(ChunkLoad(keys=_pick(state.keys[chunk], self._load_ix), slots=slots))
         state.load = LoadPlan(
             load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk, asynchronous=self.cfg.load_async
         )
@@ -672,7 +694,7 @@ class MaruScheduler:
                 ids = block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
                 if len(ids) < self.blocks_per_chunk:
                     break  # no block table for it (never expected): try again next step
-                keys, parents = state.keys[i], state.keys.parents(i)
+                keys, parents = _pick(state.keys[i], self._store_ix), _pick(state.keys.parents(i), self._store_ix)
                 tokens = chunk_token_ids(state.request, i, self.chunk_tokens)
                 chunks.append(ChunkSave(index=i, keys=keys, parents=parents, block_ids=tuple(ids), token_ids=tokens))
             if not chunks:
@@ -697,8 +719,11 @@ class MaruScheduler:
             return None
         assert self.fingerprints is not None  # active
         algo = self._ns_base["hash_algo"]
-        scheme = KeyScheme(tuple(self.fingerprints), self.hash_block_size, self.chunk_tokens, algo)
-        return {HANDOFF_CHUNKS: n, HANDOFF_LAST_KEY: state.keys[n - 1][0].hex(), HANDOFF_KEY_SCHEME: scheme.to_params()}
+        # What this engine stores: its own head ranges' keys (the first of them names the chunk).
+        stored = tuple(self.fingerprints[i] for i in self.head_keys.store)
+        scheme = KeyScheme(stored, self.hash_block_size, self.chunk_tokens, algo)
+        last = state.keys[n - 1][self.head_keys.store[0]].hex()
+        return {HANDOFF_CHUNKS: n, HANDOFF_LAST_KEY: last, HANDOFF_KEY_SCHEME: scheme.to_params()}
 
     def _handoff_expected(self, request: Request, state: RequestState) -> int:
         """Leading chunks a request's producer announced, if they are chunks of this prompt under our keys."""
@@ -708,7 +733,8 @@ class MaruScheduler:
         n, last = params.get(HANDOFF_CHUNKS), params.get(HANDOFF_LAST_KEY)
         if not isinstance(n, int) or n <= 0 or not isinstance(last, str):
             return 0
-        if n > len(state.keys) or state.keys[n - 1][0].hex() != last:
+        # The producer named its first head range's key: this engine's first range to load.
+        if n > len(state.keys) or state.keys[n - 1][self.head_keys.load[0]].hex() != last:
             # Its producer keys this prompt differently (another model, chunk size or namespace): its
             # chunks will never show up under our keys, so waiting for them would only add latency.
             self._handoff_log.warning(
@@ -748,6 +774,10 @@ class MaruScheduler:
                 del self._pending_loads[load_id]
         for state in self._states.values():
             state.forget_unreported(now)
+
+
+def _pick(keys: tuple, ix: tuple[int, ...] | None) -> tuple:
+    return keys if ix is None else tuple(keys[i] for i in ix)
 
 
 def refuse_unsupported_parallelism(vllm_config: VllmConfig) -> None:

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from maru_connector.config import MaruConnectorConfig
+from maru_connector.keys import RankHeads, rank_heads
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.pool.client import fill_segments_many, read_segments_many
 from maru_connector.staging import StagedCopier
 from maru_connector.vllm import common
-from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache
+from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache, total_kv_heads
 from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -116,10 +117,13 @@ class MaruWorker:
         self._tp_group = tp_group
         refuse_unsupported_kv_cache(vllm_config, kv_cache_config)  # before the block size: see kvspec
         # An MLA latent is the same on every rank: every rank loads the one copy (key 0), rank 0 alone
-        # stores it (the others would write the same bytes again under the same key).
+        # stores it (the others would write the same bytes again under the same key). Paged K/V is keyed
+        # by the KV heads a rank holds: replicas of a range store it once, and a rank of another TP size
+        # than the writer's reads the stored ranges overlapping its heads and copies those in.
         self.latent = is_latent_cache(kv_cache_config)
-        self.key_rank = 0 if self.latent else tp_rank
-        self.stores = not self.latent or tp_rank == 0
+        self.heads = worker_heads(vllm_config, kv_cache_config, cfg, tp_rank, latent=self.latent)
+        self.key_rank = self.heads.store_key
+        self.stores = self.heads.stores
         self.block_size = vllm_config.cache_config.block_size
         cfg.check_block_size(self.block_size)
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
@@ -209,7 +213,8 @@ class MaruWorker:
             tp_rank=self.tp_rank,
             block_bytes=self.paged.block_bytes,
             num_layers=self.paged.num_layers,
-            kv_layers=kv_layers_digest(self.paged.layer_names, self.paged.block_bytes),
+            # Per head: engines of another TP size hold other head counts of the same layers.
+            kv_layers=kv_layers_digest(self.paged.layer_names, self.paged.block_bytes // self.paged.heads),
         )
 
     # ------------------------------------------------------------------ loads
@@ -248,15 +253,16 @@ class MaruWorker:
     def _copy_in(self, plans: list[tuple[str, LoadPlan]]) -> list[LoadOutcome]:
         """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one."""
         chunks = [chunk for _, plan in plans for chunk in plan.chunks]
-        pins: list = [None] * len(chunks)
+        # Each chunk's stored pieces: the one whole chunk at equal TP, else every overlapping head range.
+        keys = [chunk.keys[i] for chunk in chunks for i, _ in self.heads.reads]
+        pins: list = [None] * len(keys)
         pool_ok = True
         if chunks and self.paged is not None:
-            keys = [chunk.keys[self.key_rank] for chunk in chunks]
             pool_ok, got = self.guard.call("load", lambda c, ks: c.open_read_many(ks), keys)
             pins = got if pool_ok and got is not None else pins
         outcomes = []
         try:
-            copied = self._copy_chunks(chunks, pins)
+            copied = self._copy_chunks(chunks, pins) if self.heads.whole else self._reshard_chunks(chunks, pins)
             at = 0
             for req_id, plan in plans:
                 outcomes.append(self._load_plan(req_id, plan, copied[at : at + len(plan.chunks)], pool_ok=pool_ok))
@@ -319,6 +325,38 @@ class MaruWorker:
             self._unusable(chunks[todo[0]], type(err).__name__, err)
         return copied
 
+    def _reshard_chunks(self, chunks: list[ChunkLoad], pins: list) -> list[bool]:
+        """Copy in every chunk whose head ranges are all pinned, re-sharded to this rank's heads.
+
+        Each stored piece is read into host memory and verified there, the pieces' overlap with this
+        rank's heads is joined into this rank's chunk (``PagedKV.reshard``), and that is scattered into
+        the blocks: the engine only ever sees verified bytes.
+        """
+        paged = self.paged
+        per = len(self.heads.reads)
+        copied = [False] * len(chunks)
+        held = [p for p in pins if p is not None]
+        if paged is None or not held:
+            return copied
+        assert self.heads.heads is not None  # a latent is always whole
+        for i, chunk in enumerate(chunks):
+            mine = pins[i * per : (i + 1) * per]
+            if any(pin is None for pin in mine):
+                continue  # a missing piece: this chunk and those after it are recomputed
+            try:
+                pieces = []
+                for pin, (_, heads) in zip(mine, self.heads.reads, strict=True):
+                    self._keep_alive(pin, held)
+                    buf = bytearray(pin.nbytes)
+                    pin.read_into(buf)  # verified: a changed piece raises ChecksumMismatch
+                    pieces.append((heads, buf))
+                paged.scatter(paged.reshard(pieces, self.heads.heads, self.blocks_per_chunk), chunk.slots)
+                copied[i] = True
+            except Exception as err:  # a corrupt or odd-sized piece is a failed load, not an engine error
+                self._unusable(chunk, type(err).__name__, err)
+        paged.finish_copies()
+        return copied
+
     def _targets(self, chunk: ChunkLoad) -> list[int | None]:
         """The chunk's destination block per block in the chunk (None: not wanted, hashed only)."""
         targets: list[int | None] = [None] * self.blocks_per_chunk
@@ -349,7 +387,7 @@ class MaruWorker:
         self.guard.log.warning(
             f"load-{why}",
             "maru pool: chunk %s unusable (%s%s); recomputing it",
-            chunk.keys[self.key_rank].hex()[:16],
+            chunk.keys[self.heads.reads[0][0]].hex()[:16],
             why,
             f": {err}" if err else "",
         )
@@ -592,6 +630,22 @@ def _groups(items: list, item_bytes: int) -> list[list]:
 def _failed_load(req_id: str, plan: LoadPlan) -> LoadOutcome:
     lost = frozenset(plan.fail_blocks) | frozenset(d for chunk in plan.chunks for _, d in chunk.slots)
     return LoadOutcome(req_id, plan.load_id, 0, lost, plan.asynchronous)
+
+
+def worker_heads(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: MaruConnectorConfig, tp_rank: int, *, latent: bool
+) -> RankHeads:
+    """This rank's KV heads and keys, checked against the heads its KV cache holds."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    total = total_kv_heads(vllm_config, cfg.writer_tp, latent=latent)
+    heads = rank_heads(total, tp_size, tp_rank, cfg.writer_tp)
+    local = kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+    if heads.heads is not None and heads.heads[1] - heads.heads[0] != local:
+        raise KVLayoutError(
+            f"rank {tp_rank} of TP {tp_size} should hold KV heads {heads.heads} of {total}, but its KV cache "
+            f"has {local}: the chunk keys would name the wrong heads"
+        )
+    return heads
 
 
 def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:
