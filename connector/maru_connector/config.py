@@ -123,7 +123,8 @@ class MaruConnectorConfig(BaseModel):
             raise ConfigError(_describe(err)) from None
 
     def to_extra_config(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
+        # Unset optional keys stay out: a config renders as it did before they existed (no rollout).
+        return self.model_dump(by_alias=True, exclude_none=True)
 
     def check_block_size(self, block_size: int) -> None:
         """Raise when the chunk does not hold a whole number of the engine's KV blocks."""

@@ -26,6 +26,11 @@ reads each head's ``[N, 2*D]`` as ``[2*N, D]`` (all K rows, then all V rows). So
 identity (:attr:`PagedKV.format`) names the backend, the page order and the dtype, and goes into every
 chunk key: engines that would read each other's bytes differently never share a key.
 
+A chunk holds the KV heads of the rank that stored it. An engine of another TP size loads it through
+:meth:`PagedKV.reshard`: the page is ``[units before the head dim, heads, bytes after it]`` in the page
+order (the same for any head count: it is in the format, hence in the key), so the heads a loader holds are
+sliced out of each stored piece and laid side by side into the chunk that loader would have stored.
+
 MLA caches (``latent=True``) hold one latent vector per token and layer, ``[blocks, 1, tokens, latent]``
 (DeepSeek-V2/V3: 512 compressed KV + 64 rope key = 576 wide); their pages are copied the same way, and the
 format says ``latent<width>`` instead of a head count, so an MLA chunk never shares a key with a paged K/V

@@ -62,13 +62,11 @@ def check_group(spec: InferenceGroupSpec) -> list[FieldError]:
         errors.append(FieldError("spec.connector.cacheNamespace", f"must be 1 to {MAX_CACHE} printable characters "
                                  "(no newline or other control character): the group's pool credential is minted "
                                  "for it"))
-    if spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size:
-        errors.append(FieldError(
-            "spec.decode.tensorParallelSize",
-            f"{spec.decode.tensor_parallel_size} differs from prefill's {spec.prefill.tensor_parallel_size}: "
-            "KV chunks are stored per tensor-parallel rank, so decode would never find prefill's KV; "
-            "use the same tensorParallelSize for both roles",
-        ))
+    # Prefill and decode may differ in tensorParallelSize: chunks are keyed by the KV heads they hold and a
+    # decode rank reads the prefill's ranges that overlap its own (the builders pass it prefill's size).
+    # Any two sizes that vLLM itself starts with (each divides the model's KV heads or is a multiple of
+    # them) line up that way; the model's head count is not in the spec, so vLLM and the connector check
+    # that at engine start, naming --tensor-parallel-size or maru_kv_writer_tp.
     for flag in KV_LAYOUT_FLAGS:
         prefill = values_of(spec.prefill.extra_args, flag)
         decode = values_of(spec.decode.extra_args, flag)

@@ -84,6 +84,19 @@ class TestRoleDeployment:
         assert parsed.chunk_tokens == 512
         assert parsed.cache_namespace == "llm/llama"
 
+    def test_decode_at_another_tp_size_than_prefill_is_told_prefills(self) -> None:
+        spec = group_spec(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 1})
+        prefill = kv_config(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
+        decode = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
+        assert decode["kv_connector_extra_config"]["maru_kv_writer_tp"] == 2
+        assert MaruConnectorConfig.from_extra_config(decode["kv_connector_extra_config"]).writer_tp == 2
+        assert "maru_kv_writer_tp" not in prefill["kv_connector_extra_config"]  # it loads its own chunks
+        # Equal sizes render as before the key existed: no rollout for existing groups.
+        same = group_spec(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 2})
+        for role in ("prefill", "decode"):
+            extra = kv_config(build_role_deployment(same, role, GROUP_OWNER, pool_view()))["kv_connector_extra_config"]
+            assert "maru_kv_writer_tp" not in extra
+
     def test_cache_namespace_override_stays_in_the_group_namespace(self) -> None:
         spec = group_spec(connector={"cacheNamespace": "tenant-a"})
         extra = kv_config(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["kv_connector_extra_config"]

@@ -178,10 +178,10 @@ def test_render_warns_about_a_missing_pool(tmp_path: pathlib.Path) -> None:
 
 def test_render_reports_an_invalid_group(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(group(prefill={"tensorParallelSize": 2})))
+    path.write_text(yaml.safe_dump(group(decode={"env": [{"name": "PYTHONHASHSEED", "value": "7"}]})))
     result = run_cli("render", "-f", str(path))
     assert result.returncode == 1
-    assert "spec.decode.tensorParallelSize" in result.stderr
+    assert "spec.decode.env" in result.stderr
 
 
 def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role() -> None:

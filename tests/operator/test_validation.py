@@ -33,8 +33,11 @@ def test_hash_seed_override() -> None:
     assert check_group(group_spec(decode={"env": [{"name": "PYTHONHASHSEED", "value": "0"}]})) == []
 
 
-def test_tensor_parallel_mismatch() -> None:
-    assert fields(group_spec(prefill={"tensorParallelSize": 2})) == ["spec.decode.tensorParallelSize"]
+def test_prefill_and_decode_may_differ_in_tensor_parallel_size() -> None:
+    """Chunks are keyed by KV-head range and re-sharded on load: any two sizes vLLM starts with work."""
+    for prefill, decode in ((2, 1), (1, 2), (4, 2), (2, 8), (2, 3)):
+        spec = group_spec(prefill={"tensorParallelSize": prefill}, decode={"tensorParallelSize": decode})
+        assert check_group(spec) == [], (prefill, decode)
 
 
 def test_kv_cache_dtype_on_one_role_only() -> None:

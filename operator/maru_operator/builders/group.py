@@ -150,13 +150,19 @@ def pool_credential_volume(spec: InferenceGroupSpec, group: str, pool: PoolView)
     return credential_volume(socket_host_dir(pool.spec, pool.name), cache_name(spec, group), spec.pool_quota)
 
 
-def connector_config(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> MaruConnectorConfig:
+def connector_config(
+    spec: InferenceGroupSpec, owner: Owner, pool: PoolView, role: Role | None = None
+) -> MaruConnectorConfig:
+    """The connector's config; ``role`` decode also gets prefill's TP size when it differs from its own
+    (the chunks it loads hold prefill's head ranges; equal sizes render exactly as before)."""
+    writer_tp = spec.prefill.tensor_parallel_size
     return MaruConnectorConfig(
         pool_url=pool.endpoint,
         chunk_tokens=spec.connector.chunk_tokens,
         cache_namespace=cache_scope(spec, owner),
         pool_token_file=TOKEN_FILE,
         rpc_timeout_ms=spec.connector.rpc_timeout_ms,
+        writer_tp=writer_tp if role == "decode" and writer_tp != spec.decode.tensor_parallel_size else None,
     )
 
 
@@ -179,7 +185,7 @@ def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView
         # Both roles load the same adapters: decode reads what prefill stored under each adapter's keys.
         args += ["--enable-lora", "--max-loras", str(len(model.adapters)),
                  "--lora-modules", *(f"{a.name}={a.source}" for a in model.adapters)]
-    args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool))]
+    args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool, role))]
     if decode_direct(spec, pool):
         # The topic names the engine's key revision: maru-router, reading where the engine publishes, pairs
         # prefill and decode by it during a rollout that changes the keys.
