@@ -195,6 +195,7 @@ def test_operator_command_default(default_objects: list[dict[str, Any]]) -> None
         "--metrics-port=9090",
         "--workers=8",
         "--max-rolling-groups=3",
+        "--data-plane-updates=manual",
         "--resync-seconds=600",
         "--pool-usage-interval=30",
         "--api-server-cidr=0.0.0.0/0",
