@@ -113,8 +113,9 @@ def test_privilege_where_it_is_needed_only(default_objects: list[dict[str, Any]]
     assert pod["serviceAccountName"] == CSI_NODE
     assert one(default_objects, "ServiceAccount", CSI_NODE)["automountServiceAccountToken"] is False
     assert one(default_objects, "DaemonSet", CSI_NODE)["metadata"]["namespace"] == NAMESPACE
-    # Runs beside vLLM pods on tainted pool nodes too.
-    assert pod["tolerations"] == [{"operator": "Exists"}]
+    # A privileged pod: it goes only where it is let (untainted nodes, or the taints the values name), not
+    # onto every tainted node of the cluster.
+    assert "tolerations" not in pod and "nodeSelector" not in pod and "affinity" not in pod
 
 
 def test_the_operators_selectors_never_match_the_plugin(default_objects: list[dict[str, Any]]) -> None:
@@ -134,6 +135,8 @@ def test_custom_placement_and_paths(render) -> None:
         "--set", "csiDriver.priorityClassName=system-node-critical",
         "--set-json", 'csiDriver.nodeSelector={"maru.io/cxl":"true"}',
         "--set-json", 'csiDriver.tolerations=[{"key":"cxl","operator":"Exists","effect":"NoSchedule"}]',
+        "--set-json", 'csiDriver.affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":'
+                      '{"nodeSelectorTerms":[{"matchExpressions":[{"key":"maru.io/pool","operator":"Exists"}]}]}}}',
         "--set", "logLevel=debug",
     )
     kubelet = "/var/snap/microk8s/common/var/lib/kubelet"
@@ -147,6 +150,25 @@ def test_custom_placement_and_paths(render) -> None:
     assert pod["nodeSelector"] == {"maru.io/cxl": "true"}
     assert pod["tolerations"] == [{"key": "cxl", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["priorityClassName"] == "system-node-critical"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "maru.io/pool", "operator": "Exists"}]}]
+
+
+def test_a_private_registry_moves_the_sidecars_too(render, default_objects: list[dict[str, Any]]) -> None:
+    """images.registry moves every image the chart runs; the sidecars stay upstream's by default."""
+    upstream = _containers(default_objects)
+    assert upstream["node-driver-registrar"]["image"] == "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
+    assert upstream["liveness-probe"]["image"] == "registry.k8s.io/sig-storage/livenessprobe:v2.15.0"
+    moved = _containers(render("--set", "images.registry=registry.example.com/maru"))
+    assert {name: c["image"].rsplit(":", 1)[0] for name, c in moved.items()} == {
+        "plugin": "registry.example.com/maru/maru-pool",
+        "node-driver-registrar": "registry.example.com/maru/csi-node-driver-registrar",
+        "liveness-probe": "registry.example.com/maru/livenessprobe",
+    }
+    # A repository named for a sidecar still wins.
+    named = _containers(render("--set", "images.registry=registry.example.com/maru",
+                               "--set", "csiDriver.registrar.image.repository=mirror.example.com/registrar"))
+    assert named["node-driver-registrar"]["image"] == "mirror.example.com/registrar:v2.13.0"
 
 
 def test_disabled(render) -> None:

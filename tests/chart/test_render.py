@@ -295,8 +295,41 @@ def test_pod_placement_custom(custom_objects: list[dict[str, Any]]) -> None:
 
 def test_default_pod_has_no_placement_constraints(default_objects: list[dict[str, Any]]) -> None:
     spec = one(default_objects, "Deployment")["spec"]["template"]["spec"]
-    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "imagePullSecrets", "topologySpreadConstraints"):
         assert key not in spec
+    assert set(spec["affinity"]) == {"podAntiAffinity"}
+
+
+def test_replicas_prefer_different_nodes(default_objects: list[dict[str, Any]], render) -> None:
+    """A standby on the leader's node dies with it: the replicas prefer (never require) other nodes."""
+    deployment = one(default_objects, "Deployment")
+    (term,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    spread = one(render("--set-json", 'topologySpreadConstraints=[{"maxSkew":1,"topologyKey":'
+                                      '"topology.kubernetes.io/zone","whenUnsatisfiable":"ScheduleAnyway"}]'),
+                 "Deployment")
+    (constraint,) = spread["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert constraint == {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                          "whenUnsatisfiable": "ScheduleAnyway",
+                          "labelSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}}
+
+
+def test_installs_as_a_subchart(run_helm, tmp_path) -> None:
+    """A parent chart hands its subcharts `global`; the closed values schema must accept it."""
+    import shutil
+
+    parent = tmp_path / "parent"
+    shutil.copytree(CHART, parent / "charts" / "maru-operator")
+    (parent / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: parent\nversion: 0.1.0\n"
+        "dependencies:\n  - name: maru-operator\n    version: '>=0.0.0-0'\n"
+    )
+    (parent / "values.yaml").write_text("global:\n  imageRegistry: registry.example.com\n")
+    result = run_helm("template", "p", str(parent), "--namespace", NAMESPACE)
+    assert result.returncode == 0, result.stderr
+    assert "kind: DaemonSet" in result.stdout
 
 
 @pytest.mark.parametrize("which", ["default", "custom"])

@@ -111,7 +111,7 @@ def test_optional_keys_are_shown_commented_out(schema: dict[str, Any], generator
             missing.append(path)
             assert f"# {path.rsplit('.', 1)[-1]}:" in VALUES_FILE.read_text(), path
             assert docs[path].text, path
-    assert sorted(missing) == ["image.digest", "podDisruptionBudget.minAvailable"]
+    assert sorted(missing) == ["global", "image.digest", "podDisruptionBudget.minAvailable"]
 
 
 def merged(base: Any, override: Any) -> Any:

@@ -105,9 +105,9 @@ INT_OR_PERCENT = {
     ]
 }
 
-# A sidecar's or plugin's image: repository, tag, pull policy.
+# A sidecar's image: repository (empty: the chart's default for it), tag, pull policy.
 IMAGE = obj(
-    {"repository": string(minLength=1), "tag": string(pattern=IMAGE_TAG), "pullPolicy": enum(*PULL_POLICY)},
+    {"repository": string(), "tag": string(pattern=IMAGE_TAG), "pullPolicy": enum(*PULL_POLICY)},
     required=["repository", "pullPolicy"],
 )
 
@@ -116,6 +116,8 @@ VALUES: dict[str, Any] = obj(
     {
         "nameOverride": string(maxLength=63),
         "fullnameOverride": string(maxLength=63),
+        # Helm gives a subchart its parent's `global` values; open, as the parent decides them.
+        "global": {"type": "object", "additionalProperties": {}},
         "images": obj(
             {
                 "registry": string(pattern=IMAGE_REGISTRY),
@@ -222,6 +224,7 @@ VALUES: dict[str, Any] = obj(
         "nodeSelector": string_map(),
         "tolerations": kube_list(CORE + "Toleration"),
         "affinity": kube(CORE + "Affinity"),
+        "topologySpreadConstraints": kube_list(CORE + "TopologySpreadConstraint"),
         "priorityClassName": string(maxLength=253),
         "podAnnotations": string_map(),
         "podLabels": string_map(),
@@ -246,6 +249,7 @@ VALUES: dict[str, Any] = obj(
                 ),
                 "resources": kube(CORE + "ResourceRequirements"),
                 "nodeSelector": string_map(),
+                "affinity": kube(CORE + "Affinity"),
                 "tolerations": kube_list(CORE + "Toleration"),
                 "priorityClassName": string(maxLength=253),
             },

@@ -97,6 +97,24 @@ Images: one registry (images.registry) for the operator, the CSI plugin and, thr
 {{- end }}
 
 {{/*
+An upstream CSI sidecar's image, from a dict of the chart context ("root") and the sidecar's values
+("sidecar", "name"): its repository, else registry.k8s.io/sig-storage/<name> while images.registry is the
+chart's default, else <images.registry>/<name>, so a private registry moves every image of the chart.
+*/}}
+{{- define "maru-operator.csiSidecarImage" -}}
+{{- $image := .sidecar.image }}
+{{- $repository := $image.repository }}
+{{- if not $repository }}
+{{- if eq (include "maru-operator.registry" .root) "ghcr.io/maru-pd" }}
+{{- $repository = printf "registry.k8s.io/sig-storage/%s" .name }}
+{{- else }}
+{{- $repository = printf "%s/%s" (include "maru-operator.registry" .root) .name }}
+{{- end }}
+{{- end }}
+{{- printf "%s:%s" $repository $image.tag }}
+{{- end }}
+
+{{/*
 Namespaces that get a Role when watchNamespaces is set: the watched ones (InferenceGroups and
 their children) plus the release namespace (the pool daemons run there), without duplicates.
 */}}
