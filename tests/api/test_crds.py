@@ -85,6 +85,19 @@ def test_names_scope_and_status_subresource(kind: str, short: str, scope: str) -
     assert {"Ready", "Age"} <= columns
 
 
+def test_groups_show_whether_disaggregation_is_active() -> None:
+    """`kubectl get ig` has a DISAGG column: the DisaggregationActive condition's status, beside READY."""
+    from maru_operator.conditions import DISAGGREGATION_ACTIVE
+
+    crd = next(c for c in map(_load, CRD_FILES) if c["spec"]["names"]["kind"] == "InferenceGroup")
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    names = [c["name"] for c in columns]
+    disagg = columns[names.index("Disagg")]
+    assert names.index("Disagg") == names.index("Ready") + 1 and "priority" not in disagg
+    assert disagg == {"name": "Disagg", "type": "string",
+                      "jsonPath": f'.status.conditions[?(@.type=="{DISAGGREGATION_ACTIVE}")].status'}
+
+
 def test_omitted_sections_get_their_defaults() -> None:
     from maru_operator.crdvalidate import Validator, apply_defaults
 

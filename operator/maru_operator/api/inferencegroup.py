@@ -749,6 +749,10 @@ class InferenceGroup(CustomResource):
         {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary"},
         {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
         {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        # Whether decode is loading what prefill stored (the DisaggregationActive condition): a group can be
+        # Ready while every request is computed twice.
+        {"name": "Disagg", "type": "string",
+         "jsonPath": '.status.conditions[?(@.type=="DisaggregationActive")].status'},
         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": "1"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
