@@ -101,6 +101,9 @@ def test_a_handoff_that_never_lands_is_given_up_at_the_deadline(pool) -> None:
     req.kv_transfer_params = handoff_for(req, 3)  # prefill announced 3, its other saves failed
     assert matched(sched, req, 0) == (CHUNK, True)
     assert common.counters()[common.LOOKUP_HANDOFF_SHORT] == 1
+    # The handoff_wait_seconds histogram gets the whole wait, from the lookup to its deadline.
+    (waited,) = sched.stats.take()[common.HANDOFF_WAIT_SECONDS]
+    assert waited >= 0.1
 
 
 def test_a_lookup_asked_again_while_pending_is_not_queued_twice(pool) -> None:

@@ -68,3 +68,43 @@ def test_stats_sum_across_workers() -> None:
     assert total.reduce() == {"loaded_chunks": 1, "saved_chunks": 5, "pool_errors": 1}
     assert MaruConnectorStats(data={"saved_chunks": 0}).is_empty()
     assert pickle.loads(pickle.dumps(total)).data == total.data
+
+
+def test_latencies_merge_across_workers_and_reach_prometheus_as_histograms() -> None:
+    """Load, save and handoff latencies travel as samples, are merged (never summed) across workers and
+    steps, show as a mean in the log line and become ``vllm:maru_connector_<name>`` histograms."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from maru_connector.vllm import common
+    from maru_connector.vllm.stats import MaruPromMetrics
+
+    half = common.Counters()
+    half.count(common.LOADED_CHUNKS, 4)
+    half.observe(common.LOAD_SECONDS, 0.002)
+    a = MaruConnectorStats(data=half.take())
+    assert half.take() == {}  # taken once
+    b = MaruConnectorStats(data={common.LOAD_SECONDS: [0.004], common.SAVE_SECONDS: [0.01],
+                                 common.HANDOFF_WAIT_SECONDS: [0.3], common.SAVED_CHUNKS: 2})
+    total = a.aggregate(b)
+    assert total.data[common.LOAD_SECONDS] == [0.002, 0.004]
+    assert total.reduce() == {"loaded_chunks": 4, "saved_chunks": 2, "load_avg_ms": 3.0, "save_avg_ms": 10.0,
+                              "handoff_wait_avg_ms": 300.0}
+    assert pickle.loads(pickle.dumps(total)).data == total.data
+    assert not MaruConnectorStats(data={common.SAVE_SECONDS: [0.01]}).is_empty()
+
+    registry = CollectorRegistry()
+    types = {cls: partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = MaruPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    prom.observe(total.data, engine_idx=0)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    for name, count, total_s in ((common.LOAD_SECONDS, 2, 0.006), (common.SAVE_SECONDS, 1, 0.01),
+                                 (common.HANDOFF_WAIT_SECONDS, 1, 0.3)):
+        family = families[f"vllm:maru_connector_{name}"]
+        assert family.type == "histogram"
+        samples = {s.name.rsplit("_", 1)[-1]: s.value for s in family.samples if not s.name.endswith("_bucket")}
+        assert samples["count"] == count and abs(samples["sum"] - total_s) < 1e-9
+    assert families["vllm:maru_connector_loaded_chunks"].samples[0].value == 4

@@ -151,8 +151,12 @@ def short_leases() -> Iterator[PoolDaemon]:
 def test_save_then_load_into_other_blocks(pool, dense: bool) -> None:
     producer, src = make(pool.url, dense=dense)
     fill(src, seed=1)
+    producer.stats.take()
     save(producer, save_meta({1: (3, 9), 2: (4, 5)}))
     assert settled(producer).saves == {("r", 0): STORED, ("r", 1): STORED}
+    # One save job (both chunks), timed for the save_seconds histogram.
+    (saved_in,) = producer.stats.take()[common.SAVE_SECONDS]
+    assert saved_in > 0
     consumer, dst = make(pool.url, dense=dense)
     consumer.load(
         MaruConnectorMetadata(
@@ -163,6 +167,7 @@ def test_save_then_load_into_other_blocks(pool, dense: bool) -> None:
     )
     assert settled(consumer).loads == {7: -1}
     assert consumer.take_invalid_blocks() == set()
+    assert len(consumer.stats.take()[common.LOAD_SECONDS]) == 1  # one load job
     for name in src:
         assert torch.equal(dst[name][10], src[name][3])
         assert torch.equal(dst[name][11], src[name][9])

@@ -67,6 +67,13 @@ ALL_COUNTERS = (
     LANE_JOBS_DROPPED,
 )
 
+# Latencies, in seconds, exported as Prometheus histograms (vllm:maru_connector_<name>).
+LOAD_SECONDS = "load_seconds"  # one load job: pin its chunks, copy them into KV blocks, release them
+SAVE_SECONDS = "save_seconds"  # one save job: lease its chunks, copy them out of KV blocks, commit them
+HANDOFF_WAIT_SECONDS = "handoff_wait_seconds"  # a lookup of a prefill's handoff, from asked to answered
+
+ALL_LATENCIES = (LOAD_SECONDS, SAVE_SECONDS, HANDOFF_WAIT_SECONDS)
+
 _counters: Counter[str] = Counter()
 _counters_lock = threading.Lock()
 
@@ -83,10 +90,11 @@ def reset_counters() -> None:
 
 
 class Counters:
-    """One half's counters: what it reports to vLLM's stats (deltas) and to :func:`counters`."""
+    """One half's counters and latencies: what it reports to vLLM's stats (deltas) and to :func:`counters`."""
 
     def __init__(self) -> None:
         self._pending: Counter[str] = Counter()
+        self._samples: dict[str, list[float]] = {}
         self._lock = threading.Lock()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -97,10 +105,16 @@ class Counters:
         with _counters_lock:
             _counters[name] += n
 
-    def take(self) -> dict[str, int]:
-        """Counts since the last call (vLLM pulls these once per step and sums them up)."""
+    def observe(self, name: str, seconds: float) -> None:
+        """One latency sample of ``name`` (one of ALL_LATENCIES)."""
         with self._lock:
-            out, self._pending = dict(self._pending), Counter()
+            self._samples.setdefault(name, []).append(seconds)
+
+    def take(self) -> dict[str, int | list[float]]:
+        """Counts and latency samples since the last call (vLLM pulls these once per step and merges them)."""
+        with self._lock:
+            out: dict[str, int | list[float]] = {**self._pending, **self._samples}
+            self._pending, self._samples = Counter(), {}
         return out
 
 

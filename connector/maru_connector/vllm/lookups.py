@@ -51,6 +51,7 @@ class _Job:
     expect: int = field(compare=False)  # leading chunks a handoff promised (0: none)
     deadline: float = field(compare=False)
     poll_s: float = field(compare=False, default=POLL_FIRST_S)
+    asked: float = field(compare=False, default=0.0)  # when the engine asked (due moves with polls)
 
 
 class AsyncLookups:
@@ -94,7 +95,7 @@ class AsyncLookups:
     def submit(self, req_id: str, keys: list[bytes], *, expect: int = 0, wait_s: float = 0.0) -> None:
         """Queue a lookup of ``keys`` (in the pool's lookup order); replaces an earlier one for ``req_id``."""
         now = time.monotonic()
-        job = _Job(now, next(self._seq), req_id, keys, expect, now + (wait_s if expect else 0.0))
+        job = _Job(now, next(self._seq), req_id, keys, expect, now + (wait_s if expect else 0.0), asked=now)
         with self._cv:
             self._results.pop(req_id, None)
             self._wanted[req_id] = job.seq
@@ -222,6 +223,8 @@ class AsyncLookups:
         self._answer(job, chunks)
 
     def _answer(self, job: _Job, chunks: int) -> None:
+        if job.expect:
+            self._stats.observe(common.HANDOFF_WAIT_SECONDS, time.monotonic() - job.asked)
         with self._cv:
             if self._wanted.get(job.req_id) == job.seq:
                 del self._wanted[job.req_id]

@@ -252,6 +252,7 @@ class MaruWorker:
 
     def _copy_in(self, plans: list[tuple[str, LoadPlan]]) -> list[LoadOutcome]:
         """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one."""
+        started = time.monotonic()
         chunks = [chunk for _, plan in plans for chunk in plan.chunks]
         # Each chunk's stored pieces: the one whole chunk at equal TP, else every overlapping head range.
         keys = [chunk.keys[i] for chunk in chunks for i, _ in self.heads.reads]
@@ -273,6 +274,8 @@ class MaruWorker:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
         if self._load_staging is not None:
             self._load_staging.finish()  # scatters queued on the lane's stream have landed
+        if chunks:
+            self.stats.observe(common.LOAD_SECONDS, time.monotonic() - started)
         return outcomes
 
     def _load_plan(self, req_id: str, plan: LoadPlan, copied: list[bool], *, pool_ok: bool) -> LoadOutcome:
@@ -457,6 +460,13 @@ class MaruWorker:
 
     def _copy_out(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
         """Store ``todo`` on the save lane; returns every chunk's outcome."""
+        started = time.monotonic()
+        try:
+            return self._store(todo, ready)
+        finally:
+            self.stats.observe(common.SAVE_SECONDS, time.monotonic() - started)
+
+    def _store(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
         paged, staging = self.paged, self._save_staging
         if paged is None:
             return self._skip(todo)
