@@ -281,7 +281,7 @@ def handshake(llm) -> dict[str, Any]:
         "ranks": sorted(tp for _, tp in content),
         "active": connector._scheduler.active,
         "kv_format": getattr(namespace, "kv_format", None),
-        "key_tp": [getattr(namespace, "tp_rank", None), getattr(namespace, "tp_size", None)],
+        "key_heads": getattr(namespace, "kv_heads", None),
         "kv_cache_groups": len(core.scheduler.kv_cache_config.kv_cache_groups),
     }
 

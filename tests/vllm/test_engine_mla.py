@@ -133,7 +133,7 @@ def test_the_engines_key_the_latent_layout(producer: Engine, consumer: Engine) -
     for engine in (producer, consumer):
         shook = engine.call("handshake")
         assert shook["active"], shook
-        # The chunk format names the latent (576 wide, float32) and the keys no TP rank or degree.
+        # The chunk format names the latent (576 wide, float32) and the keys no head range, TP rank or degree.
         assert shook["kv_format"].startswith("CPU_MLA:latent576:") and shook["kv_format"].endswith(":float32"), shook
-        assert shook["key_tp"] == [0, 1], shook
+        assert shook["key_heads"] == "latent", shook
     assert producer.call("keys", prompt=p)["keys"] == consumer.call("keys", prompt=p)["keys"]
