@@ -55,8 +55,7 @@ NS = Namespace(
     block_size=HASH_BLOCK,
     chunk_tokens=CHUNK,
     num_layers=28,
-    tp_rank=0,
-    tp_size=1,
+    kv_heads="0-4/4",  # Qwen2.5-7B: 4 KV heads, TP 1
 )
 
 
