@@ -210,6 +210,33 @@ VALUES: dict[str, Any] = obj(
             },
             required=["enabled"],
         ),
+        "podMonitors": obj(
+            {
+                "enabled": boolean(),
+                "interval": string(pattern=DURATION),
+                "scrapeTimeout": string(pattern=DURATION),
+                "labels": string_map(),
+                "namespace": string(pattern=r"^$|" + DNS1123_LABEL, maxLength=63),
+            },
+            required=["enabled", "interval", "scrapeTimeout"],
+        ),
+        "prometheusRule": obj(
+            {
+                "enabled": boolean(),
+                "labels": string_map(),
+                "namespace": string(pattern=r"^$|" + DNS1123_LABEL, maxLength=63),
+            },
+            required=["enabled"],
+        ),
+        "grafanaDashboard": obj(
+            {
+                "enabled": boolean(),
+                "labels": string_map(),
+                "annotations": string_map(),
+                "namespace": string(pattern=r"^$|" + DNS1123_LABEL, maxLength=63),
+            },
+            required=["enabled"],
+        ),
         "replicas": integer(1, 5),
         "podDisruptionBudget": obj(
             {"enabled": boolean(), "maxUnavailable": INT_OR_PERCENT, "minAvailable": INT_OR_PERCENT},
