@@ -25,10 +25,10 @@ from maru_operator import metrics
 from maru_operator.api.common import Condition
 from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupStatus
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY, Owner
 from maru_operator.builders.credentials import pool_key, pool_key_name
 from maru_operator.builders.group import (
-    build_group_children,
     cache_scope,
     role_name,
     router_endpoint,

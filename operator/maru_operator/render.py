@@ -20,8 +20,9 @@ import yaml
 from maru_operator.api.common import API_VERSION
 from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.api.marupool import MaruPoolSpec
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import Owner
-from maru_operator.builders.group import PoolView, build_group_children
+from maru_operator.builders.group import PoolView
 from maru_operator.builders.inferencepool import build_inference_pool
 from maru_operator.builders.netpol import (
     DEFAULT_NETWORK,

@@ -11,13 +11,14 @@ from maru_connector import tenancy
 from maru_connector.config import MaruConnectorConfig
 from maru_connector.csi import minting
 from maru_operator.api.inferencegroup import InferenceGroupSpec
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, Owner
 from maru_operator.builders.credentials import (
     build_pool_key_secret,
     pool_key,
     pool_key_name,
 )
-from maru_operator.builders.group import PoolView, build_group_children, build_role_deployment, cache_scope
+from maru_operator.builders.group import PoolView, build_role_deployment, cache_scope
 from maru_operator.builders.pool import build_agent_daemonset
 from maru_operator.validation import check_group
 from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, assert_valid, container, group_spec, pool_spec

@@ -7,9 +7,9 @@ from dataclasses import replace
 from typing import Any
 
 from maru_connector.config import MaruConnectorConfig
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_POOL, LABEL_ROLE
 from maru_operator.builders.group import (
-    build_group_children,
     build_role_deployment,
     build_router_deployment,
     build_router_role_binding,

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
 from maru_operator.builders.group import (
     KV_REVISION_LABEL,
     LLMD_ROLE_LABEL,
     VLLM_PORT,
-    build_group_children,
 )
 from maru_operator.builders.inferencepool import build_inference_pool
 from maru_operator.crdvalidate import Validator

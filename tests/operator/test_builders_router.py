@@ -12,9 +12,9 @@ from maru_connector.config import MaruConnectorConfig
 from maru_connector.router.__main__ import parse_args
 from maru_connector.router.revisions import revision_of
 from maru_localcluster.podsecurity import check
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.group import (
     PoolView,
-    build_group_children,
     build_role_deployment,
     build_role_service,
     build_router_children,

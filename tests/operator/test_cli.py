@@ -142,8 +142,9 @@ def test_render_examples() -> None:
 
 
 def test_render_uses_the_same_builders(tmp_path: pathlib.Path) -> None:
+    from maru_operator.builders.children import build_group_children
     from maru_operator.builders.common import Owner
-    from maru_operator.builders.group import PoolView, build_group_children
+    from maru_operator.builders.group import PoolView
     from maru_operator.render import render
 
     pool_doc, group_doc = pool(), group()

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maru_operator.api.common import DNS1123_SUBDOMAIN_PATTERN
+from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import Owner, labels
-from maru_operator.builders.group import build_group_children
 from maru_operator.builders.pool import build_pool_children
 from maru_operator.names import child_name, is_dns1035, is_label_value, label_value
 from tests.operator.helpers import assert_valid, group_spec, pool_spec, pool_view

@@ -51,7 +51,6 @@ from maru_operator.builders.lifecycle import (
     with_ephemeral_request,
 )
 from maru_operator.builders.modelcache import (
-    build_model_cache_claim,
     model_cache_env,
     model_cache_ephemeral_bytes,
     model_cache_volume,
@@ -679,23 +678,3 @@ def build_router_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView
                                 selector(owner, app=ROUTER_APP, component="router")) if spec.router.enabled else None,
     ]
     return [c for c in children if c is not None]
-
-
-def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None,
-                         observed: Mapping[str, int | None] | None = None) -> list[Object]:
-    """Every child of a bound group (``pool`` given), or only the router when there is no pool.
-
-    ``observed``: each role Deployment's ``spec.replicas`` as it is now, which a role following the other
-    through ``replicaRatio`` is computed from.
-    """
-    # Imported here: the publisher's builder reads this module's (pool access, placement, connector config).
-    from maru_operator.builders.poolevents import build_pool_events_children
-
-    children: list[Object | None] = []
-    if pool is not None:
-        children.append(build_model_cache_claim(spec, owner))
-        for role in ("prefill", "decode"):
-            children.append(build_role_deployment(spec, role, owner, pool, observed))
-            children.append(build_role_disruption_budget(spec, role, owner, pool))
-    return ([c for c in children if c is not None] + build_router_children(spec, owner, pool)
-            + build_pool_events_children(spec, owner, pool))  # fmt: skip
