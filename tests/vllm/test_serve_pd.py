@@ -130,9 +130,14 @@ def servers(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[
 def test_router_style_prefill_then_decode(servers: tuple[Server, Server]) -> None:
     prefill, decode = servers
     loaded = "vllm:maru_connector_loaded_chunks_total"
+    # The latency histograms: a load job and a handoff lookup on decode, a save job on prefill, per prompt.
+    timed = ((decode, "vllm:maru_connector_load_seconds_count"),
+             (decode, "vllm:maru_connector_handoff_wait_seconds_count"),
+             (prefill, "vllm:maru_connector_save_seconds_count"))
     for n, chunks in ((8 * 256, 8), (5 * 256 + 20, 5)):
         ids = prompt(n, seed=n)
         before = decode.metric(loaded)
+        jobs_before = [server.metric(name) for server, name in timed]
         first = prefill.complete(ids, 1, kv_transfer_params={"do_remote_decode": True})
         out = decode.complete(ids, 16, kv_transfer_params=first.get("kv_transfer_params"))
         assert out["usage"]["prompt_tokens"] == n
@@ -141,6 +146,8 @@ def test_router_style_prefill_then_decode(servers: tuple[Server, Server]) -> Non
         assert out["choices"][0]["text"] == baseline["choices"][0]["text"]
         assert out["choices"][0]["text"].startswith(first["choices"][0]["text"])
         assert decode.metric(loaded) - before == chunks
+        for (server, name), was in zip(timed, jobs_before, strict=True):
+            assert server.metric(name) > was, name
 
 
 def test_the_pods_drain_hook_waits_for_the_generation_in_flight(servers: tuple[Server, Server]) -> None:
