@@ -113,9 +113,10 @@ def test_privilege_where_it_is_needed_only(default_objects: list[dict[str, Any]]
     assert pod["serviceAccountName"] == CSI_NODE
     assert one(default_objects, "ServiceAccount", CSI_NODE)["automountServiceAccountToken"] is False
     assert one(default_objects, "DaemonSet", CSI_NODE)["metadata"]["namespace"] == NAMESPACE
-    # A privileged pod: it goes only where it is let (untainted nodes, or the taints the values name), not
-    # onto every tainted node of the cluster.
-    assert "tolerations" not in pod and "nodeSelector" not in pod and "affinity" not in pod
+    # A privileged pod: it goes only where it is let (untainted nodes and GPU nodes, where vLLM pods run, or
+    # the taints the values name), not onto every tainted node of the cluster (control-plane nodes).
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nodeSelector" not in pod and "affinity" not in pod
 
 
 def test_the_operators_selectors_never_match_the_plugin(default_objects: list[dict[str, Any]]) -> None:
