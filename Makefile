@@ -52,10 +52,11 @@ crds: venv  ## regenerate crds/, the chart's copy and docs/api.md from the model
 	$(PY) -m maru_operator.crdgen
 	$(PY) -m maru_operator.apidocs
 
-check-crds: venv  ## fail if the committed CRDs, docs/api.md or the CSI gRPC code are stale
+check-crds: venv  ## fail if the committed CRDs, docs/api.md, docs/models.md or the CSI gRPC code are stale
 	$(PY) -m maru_operator.crdgen --check
 	$(PY) -m maru_operator.apidocs --check
 	$(PY) -m maru_connector.csi.protogen --check
+	$(PY) -m maru_connector.vllm.models_doc --check
 
 protos: venv  ## regenerate the CSI plugin's gRPC code from maru_connector/csi/csi.proto
 	$(PY) -m maru_connector.csi.protogen

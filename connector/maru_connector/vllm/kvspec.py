@@ -51,12 +51,15 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
             else f"a state-space model ({state} Mamba/linear-attention layers, no attention)"
         )
         # The scheduler half would answer lookups with tokens; for these layers a load could only
-        # write KV bytes over recurrent state. vLLM 0.32 itself refuses the hybrids with a connector
-        # that lacks SupportsHMA; the pure state-space models reach the connector and stop here.
+        # write KV bytes over recurrent state. Storing the block-boundary snapshots vLLM's prefix caching
+        # keeps is no way out either: its "align" mode keeps the state at the last block boundary a step
+        # reached and nulls the interior ones (MambaManager: "align-mode Mamba can null interior states"),
+        # so a request leaves about one snapshot, not one per chunk of its prefix.
         return (
             f"it is {what}; a Mamba layer keeps one running state per request, overwritten at every token, "
-            "not per-token KV in blocks, so a prompt prefix cannot be stored in chunks or loaded into blocks "
-            f"and the connector could never serve a hit (KV cache: {kinds})"
+            "not per-token KV in blocks, and vLLM's prefix caching keeps about one state snapshot per request "
+            "(mamba_cache_mode 'align' nulls the interior block states), so a prompt prefix cannot be stored "
+            f"in chunks or loaded into blocks and the connector could never serve a hit (KV cache: {kinds})"
         )
     foreign = sorted({type(s).__name__ for s in layers if not isinstance(s, AttentionSpec)})
     if foreign:
@@ -64,7 +67,8 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     if len(groups) > 1:
         return (
             f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
-            "copies the blocks of one group"
+            "copies the blocks of one group and does not implement SupportsHMA, so start vLLM with "
+            "--disable-hybrid-kv-cache-manager (it does so itself for a connector without SupportsHMA)"
         )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
