@@ -70,14 +70,35 @@ class Namespace:
     salt: str = ""
     hash_algo: str = "sha256"
     format_version: int = FORMAT_VERSION
+    kv_group: str = ""  # group_label(): which of several KV cache groups; "" for one group
 
     def fingerprint(self) -> bytes:
         """A 32-byte digest of every field; equal only for interchangeable KV."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.kv_group:
+            # An engine with one KV cache group keeps the keys it had before groups were named.
+            del fields["kv_group"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=32, person=b"maru-ns").digest()
 
     def for_heads(self, kv_heads: str) -> Namespace:
         return Namespace(**{**asdict(self), "kv_heads": kv_heads})
+
+    def for_group(self, kv_group: str) -> Namespace:
+        return Namespace(**{**asdict(self), "kv_group": kv_group})
+
+
+def group_label(index: int, num_groups: int, spec_kind: str) -> str:
+    """What a chunk's key says of its KV cache group: its index and its spec's kind and window.
+
+    Two groups never share keys, even with equal shapes (a sliding-window group's blocks beside a full
+    group's); one group gets "", so a one-group engine's keys stay those of every earlier engine.
+    ``spec_kind`` is e.g. ``full`` or ``sliding_window=4096``: an engine that groups the same layers
+    differently, or with another window, must not read them.
+    """
+    if not 0 <= index < num_groups:
+        raise ValueError(f"KV cache group {index} of {num_groups}")
+    return "" if num_groups == 1 else f"{index}/{num_groups}:{spec_kind}"
 
 
 # The kv_heads of an MLA latent: one vector per token, the same on every TP rank.
