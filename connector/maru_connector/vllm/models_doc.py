@@ -71,7 +71,7 @@ FAMILIES = (
     ),
     Family(
         "Gemma 3, gpt-oss, with vLLM's hybrid KV cache manager on",
-        "sliding window + full, one KV cache group each",
+        "sliding window + full, one KV cache group each (vLLM turns the manager off for this connector)",
         lambda: [(20, _window()), (6, _full())],
     ),
     Family(
