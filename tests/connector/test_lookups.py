@@ -101,9 +101,11 @@ def test_a_handoff_that_never_lands_is_given_up_at_the_deadline(pool) -> None:
     req.kv_transfer_params = handoff_for(req, 3)  # prefill announced 3, its other saves failed
     assert matched(sched, req, 0) == (CHUNK, True)
     assert common.counters()[common.LOOKUP_HANDOFF_SHORT] == 1
-    # The handoff_wait_seconds histogram gets the whole wait, from the lookup to its deadline.
+    # The handoff_wait_seconds histogram gets the whole wait, from the lookup to its deadline: one sample of
+    # about 100 ms (the pool daemon times the deadline on its own clock, so the connector's reading may fall a
+    # hair short of it; a busy machine only makes it longer).
     (waited,) = sched.stats.take()[common.HANDOFF_WAIT_SECONDS]
-    assert waited >= 0.1
+    assert waited >= 0.09
 
 
 def test_a_lookup_asked_again_while_pending_is_not_queued_twice(pool) -> None:
