@@ -107,8 +107,11 @@ class FastControllers(KubeControllers):
             services |= self._services_of(key)  # as it is
             self._write(emulator, "deployments", obj, self._deployment_status(obj))
         if changes.get(DAEMONSETS):
-            nodes = [n for n in emulator._iter(emulator.resource_type("", "nodes"), None)
-                     if not n["metadata"].get("deletionTimestamp")]
+            nodes = [
+                n
+                for n in emulator._iter(emulator.resource_type("", "nodes"), None)
+                if not n["metadata"].get("deletionTimestamp")
+            ]
             for key in changes[DAEMONSETS]:
                 if (obj := store.get(key)) is not None:
                     self._write(emulator, "daemonsets", obj, self._daemonset_status(obj, nodes))
@@ -155,7 +158,7 @@ class FastControllers(KubeControllers):
         return found
 
     def _members(self, emulator: Any, svc: dict[str, Any]) -> list[bool]:
-        selector = ((svc.get("spec") or {}).get("selector") or {})
+        selector = (svc.get("spec") or {}).get("selector") or {}
         ns = svc["metadata"]["namespace"]
         pairs = [(ns, k, v) for k, v in selector.items()]
         candidates = min((self._by_label.get(p, set()) for p in pairs), key=len) if pairs else set()
@@ -185,8 +188,9 @@ class Convergence:
     def converged(self, emulator: Any) -> bool:
         # Ready includes the router Service's endpoints; the role Services vary with the spec.
         if self._rv == 0 or emulator._log_floor > self._rv:
-            self._ready = {o["metadata"]["name"] for o in self._objects(emulator, "maru.io", "inferencegroups")
-                           if is_ready(o)}
+            self._ready = {
+                o["metadata"]["name"] for o in self._objects(emulator, "maru.io", "inferencegroups") if is_ready(o)
+            }
             self._deployments = {o["metadata"]["name"] for o in self._objects(emulator, "apps", "deployments")}
         else:
             news = []
@@ -228,16 +232,23 @@ def cpu_seconds(pid: int) -> float:
 
 
 def is_ready(obj: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (obj.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (obj.get("status") or {}).get("conditions") or []
+    )
 
 
 def group(i: int) -> dict[str, Any]:
     return {
-        "apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup",
+        "apiVersion": "maru.io/v1alpha1",
+        "kind": "InferenceGroup",
         "metadata": {"name": f"model-{i:03d}", "namespace": NS},
-        "spec": {"model": {"name": f"org/model-{i}"}, "poolRef": {"name": "bench-pool"},
-                 "prefill": {"replicas": 1}, "decode": {"replicas": 2}},
+        "spec": {
+            "model": {"name": f"org/model-{i}"},
+            "poolRef": {"name": "bench-pool"},
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 2},
+        },
     }
 
 
@@ -261,15 +272,31 @@ def operator_command(profile: pathlib.Path | None, tag: str) -> list[str]:
 
 
 def run(groups: int, workers: int, profile: pathlib.Path | None = None) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, running_emulator(pathlib.Path(tmp)) as kube, \
-            FastControllers(kube) as controllers:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_emulator(pathlib.Path(tmp)) as kube,
+        FastControllers(kube) as controllers,
+    ):
         setup(kube, controllers)
         log_path = pathlib.Path(tmp) / "operator.log"
         log = open(log_path, "w")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(
-            [*operator_command(profile, f"{groups}"), "run", "--pool-namespace", POOL_NS, "--liveness", "",
-             "--metrics-port", "0", "--workers", str(workers)],
-            env=kube.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                *operator_command(profile, f"{groups}"),
+                "run",
+                "--pool-namespace",
+                POOL_NS,
+                "--liveness",
+                "",
+                "--metrics-port",
+                "0",
+                "--workers",
+                str(workers),
+            ],
+            env=kube.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         peak = {"rss": 0}
         stop = threading.Event()
@@ -284,8 +311,14 @@ def run(groups: int, workers: int, profile: pathlib.Path | None = None) -> dict[
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            kube.create({"apiVersion": "maru.io/v1alpha1", "kind": "MaruPool", "metadata": {"name": "bench-pool"},
-                         "spec": {"backend": "shm", "size": "8Gi", "nodeSelector": {"maru.io/pool": "yes"}}})
+            kube.create(
+                {
+                    "apiVersion": "maru.io/v1alpha1",
+                    "kind": "MaruPool",
+                    "metadata": {"name": "bench-pool"},
+                    "spec": {"backend": "shm", "size": "8Gi", "nodeSelector": {"maru.io/pool": "yes"}},
+                }
+            )
             kube.wait_for("marupools.maru.io", "bench-pool", None, is_ready, timeout=60)
             mark = kube.mark()
             cpu_before, emulator_before = cpu_seconds(proc.pid), cpu_seconds(os.getpid())
@@ -389,31 +422,73 @@ class DaemonStub:
 def traffic_run(changing: bool, seconds: float, interval: float) -> dict[str, Any]:
     """One pool, its daemon answering on loopback; status writes, pod lists and daemon polls per second."""
     daemon = DaemonStub(changing)
-    with tempfile.TemporaryDirectory() as tmp, running_emulator(pathlib.Path(tmp)) as kube, \
-            FastControllers(kube) as controllers:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_emulator(pathlib.Path(tmp)) as kube,
+        FastControllers(kube) as controllers,
+    ):
         setup(kube, controllers)
         log_path = pathlib.Path(tmp) / "operator.log"
         log = open(log_path, "w")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", POOL_NS, "--liveness", "",
-             "--metrics-port", "0", "--pool-usage-interval", str(interval)],
-            env=kube.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "maru_operator",
+                "run",
+                "--pool-namespace",
+                POOL_NS,
+                "--liveness",
+                "",
+                "--metrics-port",
+                "0",
+                "--pool-usage-interval",
+                str(interval),
+            ],
+            env=kube.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         try:
-            kube.create({"apiVersion": "maru.io/v1alpha1", "kind": "MaruPool", "metadata": {"name": "bench-pool"},
-                         "spec": {"backend": "shm", "size": "8Gi", "nodeSelector": {"maru.io/pool": "yes"},
-                                  "daemon": {"metricsPort": daemon.port}}})
+            kube.create(
+                {
+                    "apiVersion": "maru.io/v1alpha1",
+                    "kind": "MaruPool",
+                    "metadata": {"name": "bench-pool"},
+                    "spec": {
+                        "backend": "shm",
+                        "size": "8Gi",
+                        "nodeSelector": {"maru.io/pool": "yes"},
+                        "daemon": {"metricsPort": daemon.port},
+                    },
+                }
+            )
             ds = kube.wait_for("daemonsets.apps", "bench-pool-agent", POOL_NS, timeout=60)
             # The agent pod as the DaemonSet controller and kubelet leave it, reachable on loopback.
             labels = ds["spec"]["template"]["metadata"]["labels"]
-            kube.create({"apiVersion": "v1", "kind": "Pod",
-                         "metadata": {"name": "bench-pool-agent-0", "namespace": POOL_NS, "labels": labels},
-                         "spec": {"nodeName": "node-0", "containers": [{"name": "agent", "image": "x"}]}})
-            kube.patch_status("pods", "bench-pool-agent-0", {
-                "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}, POOL_NS)
+            kube.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "bench-pool-agent-0", "namespace": POOL_NS, "labels": labels},
+                    "spec": {"nodeName": "node-0", "containers": [{"name": "agent", "image": "x"}]},
+                }
+            )
+            kube.patch_status(
+                "pods",
+                "bench-pool-agent-0",
+                {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+                POOL_NS,
+            )
             # The first use reaches status when the pool is next looked at (at the latest after one interval).
-            kube.wait_for("marupools.maru.io", "bench-pool", None,
-                          lambda o: is_ready(o) and o.get("status", {}).get("used"), timeout=interval + 30)
+            kube.wait_for(
+                "marupools.maru.io",
+                "bench-pool",
+                None,
+                lambda o: is_ready(o) and o.get("status", {}).get("used"),
+                timeout=interval + 30,
+            )
             mark, polls = kube.mark(), daemon.polls
             time.sleep(seconds)
             requests = kube.requests_since(mark)
@@ -462,8 +537,12 @@ def main() -> int:
     parser.add_argument("--pool-usage-interval", type=float, default=30.0)
     parser.add_argument("--no-save", action="store_true", help="print only, do not touch bench/results.json")
     parser.add_argument("--no-traffic", action="store_true", help="skip the steady-traffic part")
-    parser.add_argument("--profile", type=pathlib.Path, default=None,
-                        help="run the operator under cProfile, its profiles and logs into this folder")
+    parser.add_argument(
+        "--profile",
+        type=pathlib.Path,
+        default=None,
+        help="run the operator under cProfile, its profiles and logs into this folder",
+    )
     args = parser.parse_args()
     sizes = [int(n) for n in args.groups.split(",") if n.strip()]
     # The emulator stands in for kube-apiserver (Go) in this process; its store is tens of thousands of dicts the
@@ -501,11 +580,16 @@ def steady_traffic_report(args: argparse.Namespace) -> bool:
     changing, constant = traffic["changing_usage"], traffic["constant_usage_baseline"]
     print(f"steady traffic, {args.traffic_seconds:.0f} s, --pool-usage-interval {args.pool_usage_interval:.0f}:")
     print(f"{'':<26}{'changing use':>14}{'constant use':>14}")
-    for label, field in (("pool status writes/s", "status_writes_per_second"),
-                         ("pod lists/s", "pod_lists_per_second"), ("daemon polls/s", "daemon_polls_per_second")):
+    for label, field in (
+        ("pool status writes/s", "status_writes_per_second"),
+        ("pod lists/s", "pod_lists_per_second"),
+        ("daemon polls/s", "daemon_polls_per_second"),
+    ):
         print(f"{label:<26}{changing[field]:>14}{constant[field]:>14}")
-    print(f"status writes {changing['status_writes']} (bound {traffic['bound_status_writes']}); "
-          f"meets target: {traffic['meets_targets']}\n")
+    print(
+        f"status writes {changing['status_writes']} (bound {traffic['bound_status_writes']}); "
+        f"meets target: {traffic['meets_targets']}\n"
+    )
     if not args.no_save:
         merge_results("operator_steady_traffic", traffic)
     return bool(traffic["meets_targets"])

@@ -368,7 +368,7 @@ def main() -> int:
             "runs; before_*: the Python copy-then-xxhash path; worker_cpu_kv: save = fill_segments of every "
             "layer's pages (PagedKV.segments), load = read_segments into other blocks of another engine, "
             "before_* = gather/scatter through a staging tensor with the Python path",
-        }
+        },
     )
     print(f"\nmerged into {path.relative_to(HERE.parent)} under 'pool'")
     return 0

@@ -96,8 +96,10 @@ def self_raised_quota(tree: Path, work: Path, *, minted: bool) -> dict[str, Any]
         b = PoolClient(d.ready["listen"], timeout_s=30, token_file=d.token_file(token))
         key = b"\x0b" * 32
         assert b.put(key, b"b" * 4096)
-        figures: dict[str, Any] = {"token_quota": str(tenancy.verify(d.key, token).quota),
-                                   "rss_mib_before": d.rss_mib()}
+        figures: dict[str, Any] = {
+            "token_quota": str(tenancy.verify(d.key, token).quota),
+            "rss_mib_before": d.rss_mib(),
+        }
         started, granted = time.monotonic(), 0
         for _ in range(PINS_ASKED // 10_000):
             granted += sum(p is not None for p in b.open_read_many([key] * 10_000))
@@ -135,8 +137,12 @@ def http_idle_flood(tree: Path, work: Path) -> dict[str, Any]:
                     pass
                 finally:
                     client.close()
-            return {"answered": answered, "of": n, "p50_ms": round(statistics.median(latency), 2) if latency else None,
-                    "max_ms": round(max(latency), 2) if latency else None}
+            return {
+                "answered": answered,
+                "of": n,
+                "p50_ms": round(statistics.median(latency), 2) if latency else None,
+                "max_ms": round(max(latency), 2) if latency else None,
+            }
 
         figures: dict[str, Any] = {"bystander_idle": lookups(50), "threads_idle": d.threads()}
         host, port = d.ready["metrics"].rsplit(":", 1)
@@ -146,8 +152,11 @@ def http_idle_flood(tree: Path, work: Path) -> dict[str, Any]:
             except OSError:
                 break
         time.sleep(2)  # the old server's threads start as it accepts
-        figures.update(threads_flood=d.threads(), pids_flood=int((cgroup / "pids.current").read_text()),
-                       bystander_flood=lookups(50))
+        figures.update(
+            threads_flood=d.threads(),
+            pids_flood=int((cgroup / "pids.current").read_text()),
+            bystander_flood=lookups(50),
+        )
         try:
             with socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0)) as scrape:
                 scrape.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
@@ -165,8 +174,10 @@ def http_idle_flood(tree: Path, work: Path) -> dict[str, Any]:
 def measure(tree: Path) -> dict[str, Any]:
     """Every figure of the code in ``tree``, each in a fresh directory."""
     figures: dict[str, Any] = {}
-    runs = [("self_raised_quota", lambda w: self_raised_quota(tree, w, minted=True)),
-            ("token_signed_as_asked", lambda w: self_raised_quota(tree, w, minted=False))]
+    runs = [
+        ("self_raised_quota", lambda w: self_raised_quota(tree, w, minted=True)),
+        ("token_signed_as_asked", lambda w: self_raised_quota(tree, w, minted=False)),
+    ]
     if os.geteuid() == 0 and PIDS_ROOT.is_dir():
         runs.append(("http_idle_flood", lambda w: http_idle_flood(tree, w)))
     for name, run in runs:
@@ -205,8 +216,14 @@ def main() -> int:
         if built.exists():  # the native copy is built, not committed: the same for both
             shutil.copy(built, old / "connector" / "maru_connector")
         for name, tree in ((f"before ({commit})", old / "connector"), ("after", REPO / "connector")):
-            done = subprocess.run([sys.executable, __file__, "--measure", str(tree)], capture_output=True, text=True,
-                                  env=dict(os.environ, PYTHONPATH=str(tree)), check=True, timeout=600)
+            done = subprocess.run(
+                [sys.executable, __file__, "--measure", str(tree)],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=str(tree)),
+                check=True,
+                timeout=600,
+            )
             figures[name] = json.loads(done.stdout.splitlines()[-1])
             print(json.dumps({name: figures[name]}, indent=1), flush=True)
     print("merged into", merge_results("pool_hostile", figures))

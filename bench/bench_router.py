@@ -69,8 +69,11 @@ def ttft(router: RouterProcess | VllmRouterProcess, model: str, ids: list[int]) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
-    parser.add_argument("--deployed", action="store_true",
-                        help="maru-router in front of vllm-router vs vllm-router alone, as the operator renders them")
+    parser.add_argument(
+        "--deployed",
+        action="store_true",
+        help="maru-router in front of vllm-router vs vllm-router alone, as the operator renders them",
+    )
     args = parser.parse_args()
     from maru_connector.tinymodel import make_tiny_llama
 
@@ -87,8 +90,17 @@ def main() -> int:
             if args.deployed:
                 upstream = VllmRouterProcess(workdir, prefill=prefill.url, decode=decode.url)
                 routers.append(upstream)
-                routers.insert(0, RouterProcess("front", workdir, prefill=prefill.url, decode=decode.url,
-                                                pool_url=pool.url, upstream=upstream.url))
+                routers.insert(
+                    0,
+                    RouterProcess(
+                        "front",
+                        workdir,
+                        prefill=prefill.url,
+                        decode=decode.url,
+                        pool_url=pool.url,
+                        upstream=upstream.url,
+                    ),
+                )
             else:
                 for mode in ("on", "off"):
                     routers.append(

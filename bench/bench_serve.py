@@ -268,9 +268,12 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama",
                         help="the tiny random model every engine serves: llama (GQA, default) or deepseek-v2 (MLA, "
                              "MoE; vLLM's CPU backend runs it without prefix caching)")  # fmt: skip
-    parser.add_argument("--spread", action="store_true",
-                        help="a fourth way, pd_direct_spread: maru-router with --direct-to-prefill on, so a covered "
-                             "prompt may go to the prefill engine when decode is busier (both engines serve hits)")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="a fourth way, pd_direct_spread: maru-router with --direct-to-prefill on, so a covered "
+        "prompt may go to the prefill engine when decode is busier (both engines serve hits)",
+    )
     args = parser.parse_args()
     from maru_connector import tinymodel
     from tests.vllm.test_serve_pd import free_port
@@ -286,8 +289,16 @@ def main() -> int:
         kv = args.kv_cache_mib << 20
         events = {"prefill": free_port(), "decode": free_port()}
         engines = {
-            role: Server(role, workdir, model, connector_role, pool.url, prefix_caching=True, kv_cache_bytes=kv,
-                         kv_events=f"tcp://*:{events[role]}")
+            role: Server(
+                role,
+                workdir,
+                model,
+                connector_role,
+                pool.url,
+                prefix_caching=True,
+                kv_cache_bytes=kv,
+                kv_events=f"tcp://*:{events[role]}",
+            )
             for role, connector_role in (("prefill", "kv_both"), ("decode", "kv_consumer"))
         }
         engines |= {name: Server(name, workdir, model, None, prefix_caching=True, kv_cache_bytes=kv)
@@ -301,8 +312,9 @@ def main() -> int:
             pd = RouterProcess("pd", workdir, prefill=prefill, decode=decode, pool_url=pool.url, decode_direct="off")
             direct = RouterProcess("pd-direct", workdir, prefill=prefill, decode=decode, pool_url=pool.url,
                                    kv_events=kv_events)  # fmt: skip
-            replicas = VllmRouterProcess(workdir, workers=(engines["replica-a"].url, engines["replica-b"].url),
-                                         name="router-round-robin")
+            replicas = VllmRouterProcess(
+                workdir, workers=(engines["replica-a"].url, engines["replica-b"].url), name="router-round-robin"
+            )
             routers += [pd, direct, replicas]
             ways = {"pd": (pd.url, [pd.url]), "pd_direct": (direct.url, [direct.url])}
             if args.spread:

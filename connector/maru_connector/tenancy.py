@@ -82,8 +82,9 @@ class Quota:
     def __post_init__(self) -> None:
         for name in QUOTA_FIELDS:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= MAX_QUOTA_VALUE):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUOTA_VALUE
+            ):
                 raise ValueError(f"quota {name} must be a whole number from 1 to {MAX_QUOTA_VALUE}, not {value!r}")
 
     @property

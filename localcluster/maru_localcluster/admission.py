@@ -28,8 +28,7 @@ def _pod_create(rt: ResourceType, old: JsonObj | None) -> bool:
 
 def _forbidden(pod: JsonObj, why: str) -> ApiError:
     name = (pod.get("metadata") or {}).get("name") or (pod.get("metadata") or {}).get("generateName", "")
-    return ApiError(403, "Forbidden", f'pods "{name}" is forbidden: {why}',
-                    {"name": name, "kind": "pods"})
+    return ApiError(403, "Forbidden", f'pods "{name}" is forbidden: {why}', {"name": name, "kind": "pods"})
 
 
 def service_accounts(emulator: Emulator) -> Any:
@@ -47,20 +46,38 @@ def service_accounts(emulator: Emulator) -> Any:
         if automount is None:
             automount = account.get("automountServiceAccountToken")
         containers = (spec.get("containers") or []) + (spec.get("initContainers") or [])
-        mounted = any(m.get("mountPath") == SERVICE_ACCOUNT_DIR for c in containers
-                      for m in c.get("volumeMounts") or [])
+        mounted = any(
+            m.get("mountPath") == SERVICE_ACCOUNT_DIR for c in containers for m in c.get("volumeMounts") or []
+        )
         if automount is False or mounted:
             return pod
         volume = "kube-api-access-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
-        spec.setdefault("volumes", []).append({"name": volume, "projected": {"defaultMode": 420, "sources": [
-            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
-            {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-            {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1",
-                                                                          "fieldPath": "metadata.namespace"}}]}},
-        ]}})
+        spec.setdefault("volumes", []).append(
+            {
+                "name": volume,
+                "projected": {
+                    "defaultMode": 420,
+                    "sources": [
+                        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                        {
+                            "downwardAPI": {
+                                "items": [
+                                    {
+                                        "path": "namespace",
+                                        "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                                    }
+                                ]
+                            }
+                        },
+                    ],
+                },
+            }
+        )
         for c in containers:
-            c.setdefault("volumeMounts", []).append({"name": volume, "mountPath": SERVICE_ACCOUNT_DIR,
-                                                     "readOnly": True})
+            c.setdefault("volumeMounts", []).append(
+                {"name": volume, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}
+            )
         return pod
 
     return admit
@@ -77,8 +94,10 @@ def priority(emulator: Emulator) -> Any:
             if pc is None:
                 raise _forbidden(pod, f"no PriorityClass with name {name} was found")
         else:
-            pc = next((c for c in emulator.list_objects("scheduling.k8s.io", "priorityclasses")
-                       if c.get("globalDefault")), None)
+            pc = next(
+                (c for c in emulator.list_objects("scheduling.k8s.io", "priorityclasses") if c.get("globalDefault")),
+                None,
+            )
         spec["priority"] = int(pc["value"]) if pc else 0
         if pc and pc.get("preemptionPolicy"):
             spec["preemptionPolicy"] = pc["preemptionPolicy"]
@@ -120,9 +139,19 @@ def install(emulator: Emulator) -> None:
     emulator.admission.extend([service_accounts(emulator), priority(emulator), qos(emulator)])
     for name, value in SYSTEM_PRIORITY_CLASSES.items():
         if emulator.get_object("scheduling.k8s.io", "priorityclasses", None, name) is None:
-            emulator.create_object("scheduling.k8s.io", "priorityclasses", None, {
-                "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
-                "value": value, "description": "Used for system critical pods that must not be moved from their "
-                                               "current node." if name == "system-node-critical" else
-                "Used for system critical pods that must run in the cluster, but can be moved to another node "
-                "if necessary.", "preemptionPolicy": "PreemptLowerPriority"})
+            emulator.create_object(
+                "scheduling.k8s.io",
+                "priorityclasses",
+                None,
+                {
+                    "apiVersion": "scheduling.k8s.io/v1",
+                    "kind": "PriorityClass",
+                    "metadata": {"name": name},
+                    "value": value,
+                    "description": "Used for system critical pods that must not be moved from their current node."
+                    if name == "system-node-critical"
+                    else "Used for system critical pods that must run in the cluster, but can be moved to another node "
+                    "if necessary.",
+                    "preemptionPolicy": "PreemptLowerPriority",
+                },
+            )

@@ -46,12 +46,25 @@ class ApiClient:
         assert self._session is not None, "use ApiClient as an async context manager"
         return self._session
 
-    async def request(self, method: str, path: str, body: Any = None, *, params: dict[str, str] | None = None,
-                      content_type: str = "application/json", timeout: float = 30) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30,
+    ) -> Any:
         data = None if body is None else json.dumps(body)
-        async with self.session.request(method, self.base_url + path, data=data, params=params,
-                                        headers={"Content-Type": content_type},
-                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with self.session.request(
+            method,
+            self.base_url + path,
+            data=data,
+            params=params,
+            headers={"Content-Type": content_type},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
             text = await resp.text()
             try:
                 payload: Any = json.loads(text) if text else None
@@ -90,8 +103,15 @@ class ApiClient:
 class Informer:
     """Keeps ``objects`` (by ``namespace/name``) in step with the API server; ``changed`` fires on every change."""
 
-    def __init__(self, client: ApiClient, path: str, *, label_selector: str | None = None,
-                 field_selector: str | None = None, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        client: ApiClient,
+        path: str,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.client = client
         self.path = path
         self.params = {k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v}
@@ -132,10 +152,16 @@ class Informer:
                 await asyncio.sleep(0.5)
 
     async def _watch(self, rv: str) -> str:
-        params = {**self.params, "watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true",
-                  "timeoutSeconds": "300"}
-        async with self.client.session.get(self.client.base_url + self.path, params=params,
-                                           timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as resp:
+        params = {
+            **self.params,
+            "watch": "true",
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": "300",
+        }
+        async with self.client.session.get(
+            self.client.base_url + self.path, params=params, timeout=aiohttp.ClientTimeout(total=None, sock_read=None)
+        ) as resp:
             if resp.status >= 400:
                 raise ApiError(resp.status, await resp.text())
             async for line in resp.content:

@@ -33,18 +33,20 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 JsonObj = dict[str, Any]
-RBAC = 'rbac.authorization.k8s.io'
+RBAC = "rbac.authorization.k8s.io"
 
 
 @dataclasses.dataclass(frozen=True)
 class User:
     name: str
-    groups: tuple[str, ...] = ('system:authenticated',)
+    groups: tuple[str, ...] = ("system:authenticated",)
 
     @classmethod
     def service_account(cls, namespace: str, name: str) -> User:
-        return cls(f'system:serviceaccount:{namespace}:{name}',
-                   ('system:serviceaccounts', f'system:serviceaccounts:{namespace}', 'system:authenticated'))
+        return cls(
+            f"system:serviceaccount:{namespace}:{name}",
+            ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,31 +56,39 @@ class Attributes:
     verb: str
     group: str
     resource: str
-    subresource: str = ''
+    subresource: str = ""
     namespace: str | None = None
     name: str | None = None
 
     @property
     def full_resource(self) -> str:
-        return f'{self.resource}/{self.subresource}' if self.subresource else self.resource
+        return f"{self.resource}/{self.subresource}" if self.subresource else self.resource
 
     def denial(self, user: User) -> str:
-        where = f' in the namespace "{self.namespace}"' if self.namespace else ' at the cluster scope'
-        return (f'User "{user.name}" cannot {self.verb} resource "{self.full_resource}" in API group '
-                f'"{self.group}"{where}')
+        where = f' in the namespace "{self.namespace}"' if self.namespace else " at the cluster scope"
+        return (
+            f'User "{user.name}" cannot {self.verb} resource "{self.full_resource}" in API group "{self.group}"{where}'
+        )
 
 
 def rule_covers(rule: JsonObj, attrs: Attributes) -> bool:
     def has(field: str, value: str) -> bool:
         values = rule.get(field) or []
-        return '*' in values or value in values
+        return "*" in values or value in values
 
-    resources = rule.get('resources') or []
-    resource_ok = ('*' in resources or attrs.full_resource in resources
-                   or (attrs.subresource and f'{attrs.resource}/*' in resources))
-    names = rule.get('resourceNames') or []
-    return (has('apiGroups', attrs.group) and bool(resource_ok) and has('verbs', attrs.verb)
-            and (not names or attrs.name in names))
+    resources = rule.get("resources") or []
+    resource_ok = (
+        "*" in resources
+        or attrs.full_resource in resources
+        or (attrs.subresource and f"{attrs.resource}/*" in resources)
+    )
+    names = rule.get("resourceNames") or []
+    return (
+        has("apiGroups", attrs.group)
+        and bool(resource_ok)
+        and has("verbs", attrs.verb)
+        and (not names or attrs.name in names)
+    )
 
 
 class Authorizer:
@@ -90,21 +100,21 @@ class Authorizer:
 
     def rules_of(self, ref: JsonObj, namespace: str | None) -> list[JsonObj]:
         """The rules of the role a binding's ``roleRef`` names."""
-        if ref.get('kind') == 'ClusterRole':
-            role = self._get(RBAC, 'clusterroles', None, ref.get('name', ''))
+        if ref.get("kind") == "ClusterRole":
+            role = self._get(RBAC, "clusterroles", None, ref.get("name", ""))
         else:
-            role = self._get(RBAC, 'roles', namespace, ref.get('name', '')) if namespace else None
-        return list((role or {}).get('rules') or [])
+            role = self._get(RBAC, "roles", namespace, ref.get("name", "")) if namespace else None
+        return list((role or {}).get("rules") or [])
 
     def rules_for(self, user: User, namespace: str | None) -> Iterator[JsonObj]:
         """Every rule that applies to ``user`` in ``namespace`` (cluster-wide ones included)."""
-        for binding in self._list(RBAC, 'clusterrolebindings'):
+        for binding in self._list(RBAC, "clusterrolebindings"):
             if _binds(binding, user):
-                yield from self.rules_of(binding.get('roleRef') or {}, None)
+                yield from self.rules_of(binding.get("roleRef") or {}, None)
         if namespace:
-            for binding in self._list(RBAC, 'rolebindings', namespace):
+            for binding in self._list(RBAC, "rolebindings", namespace):
                 if _binds(binding, user):
-                    yield from self.rules_of(binding.get('roleRef') or {}, namespace)
+                    yield from self.rules_of(binding.get("roleRef") or {}, namespace)
 
     def allowed(self, user: User, attrs: Attributes) -> bool:
         return any(rule_covers(rule, attrs) for rule in self.rules_for(user, attrs.namespace))
@@ -113,26 +123,26 @@ class Authorizer:
         """The rights among ``rules`` that ``user`` lacks in ``namespace`` (escalation prevention)."""
         missing = []
         for rule in rules:
-            for group in rule.get('apiGroups') or ['']:
-                for resource in rule.get('resources') or []:
-                    base, _, sub = resource.partition('/')
-                    for verb in rule.get('verbs') or []:
-                        for name in rule.get('resourceNames') or [None]:
+            for group in rule.get("apiGroups") or [""]:
+                for resource in rule.get("resources") or []:
+                    base, _, sub = resource.partition("/")
+                    for verb in rule.get("verbs") or []:
+                        for name in rule.get("resourceNames") or [None]:
                             attrs = Attributes(verb, group, base, sub, namespace, name)
                             if not self.allowed(user, attrs):
-                                missing.append(f'{{APIGroups:["{group}"], Resources:["{resource}"], '
-                                               f'Verbs:["{verb}"]}}')
+                                missing.append(f'{{APIGroups:["{group}"], Resources:["{resource}"], Verbs:["{verb}"]}}')
         return missing
 
 
 def _binds(binding: JsonObj, user: User) -> bool:
-    for subject in binding.get('subjects') or []:
-        kind = subject.get('kind')
-        if kind == 'ServiceAccount':
-            if user.name == f'system:serviceaccount:{subject.get("namespace")}:{subject.get("name")}':
+    for subject in binding.get("subjects") or []:
+        kind = subject.get("kind")
+        if kind == "ServiceAccount":
+            if user.name == f"system:serviceaccount:{subject.get('namespace')}:{subject.get('name')}":
                 return True
-        elif (kind == 'User' and subject.get('name') == user.name) or (
-                kind == 'Group' and subject.get('name') in user.groups):
+        elif (kind == "User" and subject.get("name") == user.name) or (
+            kind == "Group" and subject.get("name") in user.groups
+        ):
             return True
     return False
 
@@ -141,7 +151,7 @@ def _binds(binding: JsonObj, user: User) -> bool:
 # Service account tokens
 
 
-API_AUDIENCE = 'https://kubernetes.default.svc.cluster.local'  # also the issuer, as in kube-apiserver
+API_AUDIENCE = "https://kubernetes.default.svc.cluster.local"  # also the issuer, as in kube-apiserver
 # kube-apiserver's --service-account-extend-token-expiration: the kubelet's default projected token
 # (3607 s) is valid for a year, so pods whose token file is not refreshed keep working.
 LEGACY_EXPIRATION = 3607
@@ -149,11 +159,11 @@ EXTENDED_EXPIRATION = 365 * 24 * 3600
 
 
 def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b'=').decode()
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + '=' * (-len(text) % 4))
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 class TokenIssuer:
@@ -164,36 +174,47 @@ class TokenIssuer:
 
     def issue(self, account: JsonObj, audiences: list[str], expiration: int, pod: JsonObj | None) -> tuple[str, int]:
         """A token for ``account`` (a ServiceAccount object), bound to ``pod`` if given; (token, expiry)."""
-        meta = account['metadata']
+        meta = account["metadata"]
         now = int(time.time())
         lifetime = EXTENDED_EXPIRATION if expiration == LEGACY_EXPIRATION and pod is not None else expiration
-        private: JsonObj = {'namespace': meta['namespace'],
-                            'serviceaccount': {'name': meta['name'], 'uid': meta.get('uid')}}
+        private: JsonObj = {
+            "namespace": meta["namespace"],
+            "serviceaccount": {"name": meta["name"], "uid": meta.get("uid")},
+        }
         if pod is not None:
-            private['pod'] = {'name': pod['metadata']['name'], 'uid': pod['metadata'].get('uid')}
+            private["pod"] = {"name": pod["metadata"]["name"], "uid": pod["metadata"].get("uid")}
             if lifetime != expiration:
-                private['warnafter'] = now + expiration
-        claims = {'aud': audiences or [API_AUDIENCE], 'iss': API_AUDIENCE, 'iat': now, 'nbf': now,
-                  'exp': now + lifetime, 'sub': f'system:serviceaccount:{meta["namespace"]}:{meta["name"]}',
-                  'kubernetes.io': private}
-        header = _b64(json.dumps({'alg': 'HS256', 'kid': 'local', 'typ': 'JWT'}).encode())
-        body = _b64(json.dumps(claims, separators=(',', ':')).encode())
-        signature = _b64(hmac.new(self._key, f'{header}.{body}'.encode(), hashlib.sha256).digest())
-        return f'{header}.{body}.{signature}', now + lifetime
+                private["warnafter"] = now + expiration
+        claims = {
+            "aud": audiences or [API_AUDIENCE],
+            "iss": API_AUDIENCE,
+            "iat": now,
+            "nbf": now,
+            "exp": now + lifetime,
+            "sub": f"system:serviceaccount:{meta['namespace']}:{meta['name']}",
+            "kubernetes.io": private,
+        }
+        header = _b64(json.dumps({"alg": "HS256", "kid": "local", "typ": "JWT"}).encode())
+        body = _b64(json.dumps(claims, separators=(",", ":")).encode())
+        signature = _b64(hmac.new(self._key, f"{header}.{body}".encode(), hashlib.sha256).digest())
+        return f"{header}.{body}.{signature}", now + lifetime
 
     def claims(self, token: str) -> JsonObj | None:
         """The claims of a token this issuer signed, unexpired and meant for the API server; else None."""
-        parts = token.split('.')
+        parts = token.split(".")
         if len(parts) != 3:
             return None
-        expected = _b64(hmac.new(self._key, f'{parts[0]}.{parts[1]}'.encode(), hashlib.sha256).digest())
+        expected = _b64(hmac.new(self._key, f"{parts[0]}.{parts[1]}".encode(), hashlib.sha256).digest())
         if not hmac.compare_digest(expected, parts[2]):
             return None
         try:
             claims = json.loads(_unb64(parts[1]))
         except ValueError:
             return None
-        if not isinstance(claims, dict) or claims.get('exp', 0) < time.time() or \
-                API_AUDIENCE not in (claims.get('aud') or []):
+        if (
+            not isinstance(claims, dict)
+            or claims.get("exp", 0) < time.time()
+            or API_AUDIENCE not in (claims.get("aud") or [])
+        ):
             return None
         return claims

@@ -65,17 +65,26 @@ def unavailable_reason() -> str | None:
     if sys.platform != "linux":
         return "the local cluster needs Linux (mount and PID namespaces)"
     if os.geteuid() != 0:
-        return ("the local cluster needs root: each pod gets its own network namespace, each container its own "
-                "mount and PID namespaces, and memory-backed emptyDirs are tmpfs mounts (CI runs as root; run as "
-                "root or use sudo)")
+        return (
+            "the local cluster needs root: each pod gets its own network namespace, each container its own "
+            "mount and PID namespaces, and memory-backed emptyDirs are tmpfs mounts (CI runs as root; run as "
+            "root or use sudo)"
+        )
     if network.ip_command() is None:
         return "the local cluster needs the 'ip' program (iproute2) for its pods' networks: apt-get install iproute2"
     return None
 
 
 class LocalCluster:
-    def __init__(self, workdir: Path | None = None, *, images: ImageTable | None = None, fast_probes: bool = True,
-                 crashloop_base_s: float = 10.0, keep_state: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        *,
+        images: ImageTable | None = None,
+        fast_probes: bool = True,
+        crashloop_base_s: float = 10.0,
+        keep_state: bool = False,
+    ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="maru-lc-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -114,14 +123,25 @@ class LocalCluster:
         self._reaper = _start_reaper(self.workdir, keep=self.keep_state or not self._own_workdir)
         self.network = network.ClusterNetwork().start()
         self.doors = network.Doors(self.network.path)
-        self.pki = make_pki(self.workdir / "pki", ips=[network.CONTROL_PLANE_ADDRESS, network.KUBERNETES_SERVICE_IP,
-                                                        "127.0.0.1"],
-                            dns_names=["kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                                       "kubernetes.default.svc.cluster.local", "localhost"])
+        self.pki = make_pki(
+            self.workdir / "pki",
+            ips=[network.CONTROL_PLANE_ADDRESS, network.KUBERNETES_SERVICE_IP, "127.0.0.1"],
+            dns_names=[
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+                "localhost",
+            ],
+        )
         service_ips = network.service_addresses()
-        self.kube = KubeEmulator(self.workdir / "api", validate_schemas=True, graceful_pod_deletion=True,
-                                 service_ip_allocator=lambda: next(service_ips),
-                                 pod_log_reader=self._read_pod_log)
+        self.kube = KubeEmulator(
+            self.workdir / "api",
+            validate_schemas=True,
+            graceful_pod_deletion=True,
+            service_ip_allocator=lambda: next(service_ips),
+            pod_log_reader=self._read_pod_log,
+        )
         (self.workdir / "api").mkdir(exist_ok=True)
         self.kube.start()
         self._started = True
@@ -131,8 +151,9 @@ class LocalCluster:
         self._register_kubernetes_service()
         self.controllers = ControllerManager(self.kube, ca_pem=self.pki.ca_pem)
         self.controllers.__enter__()
-        self.proxy = self._spawn("kube-proxy", [sys.executable, "-m", "maru_localcluster.proxy", self.inside_api_url],
-                                 inside=True)
+        self.proxy = self._spawn(
+            "kube-proxy", [sys.executable, "-m", "maru_localcluster.proxy", self.inside_api_url], inside=True
+        )
         self._wait_tcp(network.KUBERNETES_SERVICE_IP, 443, self.proxy, "kube-proxy")
         return self
 
@@ -147,8 +168,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                print(f"local cluster: kubelet of {name} did not stop in {STOP_TIMEOUT_S:.0f}s; killed",
-                      file=sys.stderr)
+                print(
+                    f"local cluster: kubelet of {name} did not stop in {STOP_TIMEOUT_S:.0f}s; killed", file=sys.stderr
+                )
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.send_signal(signal.SIGTERM)
             try:
@@ -183,14 +205,19 @@ class LocalCluster:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(package_roots())}
         netns = self.network.path if inside and self.network is not None else None
         try:
-            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True,
-                                    preexec_fn=(lambda: network.enter_in_child(netns)) if netns else None)
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=(lambda: network.enter_in_child(netns)) if netns else None,
+            )
         finally:
             log.close()
 
-    def _wait_tcp(self, host: str, port: int, proc: subprocess.Popen[bytes], what: str,
-                  timeout: float = 30) -> None:
+    def _wait_tcp(self, host: str, port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 30) -> None:
         """Wait until ``host:port`` of the cluster network accepts connections."""
         assert self.network is not None
         deadline = time.monotonic() + timeout
@@ -217,14 +244,15 @@ class LocalCluster:
         assert self.pki is not None and self.network is not None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self.pki.cert_file, self.pki.key_file)
-        sockets = [(network.listener_in(self.network.path, network.CONTROL_PLANE_ADDRESS, port), tls)
-                   for port, tls in ((network.API_HTTP_PORT, None), (network.API_TLS_PORT, context))]
+        sockets = [
+            (network.listener_in(self.network.path, network.CONTROL_PLANE_ADDRESS, port), tls)
+            for port, tls in ((network.API_HTTP_PORT, None), (network.API_TLS_PORT, context))
+        ]
 
         async def start() -> None:
             for sock, tls in sockets:
                 server = aiohttp.web.Server(self.kube.emulator)
-                self._inside_servers.append(await asyncio.get_running_loop().create_server(server, sock=sock,
-                                                                                           ssl=tls))
+                self._inside_servers.append(await asyncio.get_running_loop().create_server(server, sock=sock, ssl=tls))
 
         asyncio.run_coroutine_threadsafe(start(), self.kube._loop).result(30)  # type: ignore[arg-type]
         tools.write_kubeconfig(self.inside_api_url, self.inside_kubeconfig)
@@ -241,27 +269,48 @@ class LocalCluster:
 
     def _register_kubernetes_service(self) -> None:
         """``default/kubernetes``, whose endpoint kube-apiserver itself maintains."""
-        self.kube.create({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "kubernetes", "namespace": "default",
-                         "labels": {"component": "apiserver", "provider": "kubernetes"}},
-            "spec": {"clusterIP": network.KUBERNETES_SERVICE_IP, "type": "ClusterIP",
-                     "ports": [{"name": "https", "port": 443, "protocol": "TCP",
-                                "targetPort": network.API_TLS_PORT}]},
-        })
-        self.kube.create({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": "kubernetes", "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": "kubernetes"}},
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [network.CONTROL_PLANE_ADDRESS], "conditions": {"ready": True}}],
-            "ports": [{"name": "https", "port": network.API_TLS_PORT, "protocol": "TCP"}],
-        })
+        self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": "kubernetes",
+                    "namespace": "default",
+                    "labels": {"component": "apiserver", "provider": "kubernetes"},
+                },
+                "spec": {
+                    "clusterIP": network.KUBERNETES_SERVICE_IP,
+                    "type": "ClusterIP",
+                    "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": network.API_TLS_PORT}],
+                },
+            }
+        )
+        self.kube.create(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": "kubernetes",
+                    "namespace": "default",
+                    "labels": {"kubernetes.io/service-name": "kubernetes"},
+                },
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [network.CONTROL_PLANE_ADDRESS], "conditions": {"ready": True}}],
+                "ports": [{"name": "https", "port": network.API_TLS_PORT, "protocol": "TCP"}],
+            }
+        )
 
     # ------------------------------------------------------------------------------------ nodes
 
-    def add_node(self, name: str, labels: Mapping[str, str] | None = None, *, taints: list[JsonObj] | None = None,
-                 devices: Mapping[str, Path] | None = None, timeout: float = 60) -> None:
+    def add_node(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        *,
+        taints: list[JsonObj] | None = None,
+        devices: Mapping[str, Path] | None = None,
+        timeout: float = 60,
+    ) -> None:
         """Start a kubelet for node ``name`` and wait until its Node is Ready.
 
         ``devices`` maps device paths (``/dev/dax0.0``) to files standing in for them: each is linked
@@ -284,25 +333,40 @@ class LocalCluster:
             except OSError:
                 link.symlink_to(Path(source).resolve())
         config = KubeletConfig(
-            node=name, api_url=self.inside_api_url, state_dir=str(state), node_address=network.node_address(index),
-            pod_cidr=str(network.pod_network(index)), ca_file=str(self.pki.ca_file), labels=dict(labels or {}),
-            taints=list(taints or []), standin_devices=sorted(devices or {}), image_files=self.images.to_json(),
-            kubernetes_service=(network.KUBERNETES_SERVICE_IP, 443), fast_probes=self.fast_probes,
-            crashloop_base_s=self.crashloop_base_s, python=sys.executable, csi_plugins=_csi_plugins(state, name),
+            node=name,
+            api_url=self.inside_api_url,
+            state_dir=str(state),
+            node_address=network.node_address(index),
+            pod_cidr=str(network.pod_network(index)),
+            ca_file=str(self.pki.ca_file),
+            labels=dict(labels or {}),
+            taints=list(taints or []),
+            standin_devices=sorted(devices or {}),
+            image_files=self.images.to_json(),
+            kubernetes_service=(network.KUBERNETES_SERVICE_IP, 443),
+            fast_probes=self.fast_probes,
+            crashloop_base_s=self.crashloop_base_s,
+            python=sys.executable,
+            csi_plugins=_csi_plugins(state, name),
         )
         config_file = state / "kubelet.json"
         config_file.write_text(json.dumps(config.__dict__, indent=1))
-        proc = self._spawn(f"kubelet-{name}", [sys.executable, "-m", "maru_localcluster.kubelet", str(config_file)],
-                           inside=True)
+        proc = self._spawn(
+            f"kubelet-{name}", [sys.executable, "-m", "maru_localcluster.kubelet", str(config_file)], inside=True
+        )
         self.nodes[name] = proc
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"the kubelet of {name} exited ({proc.returncode}):\n"
-                                   + self.component_log(f"kubelet-{name}")[-3000:])
+                raise RuntimeError(
+                    f"the kubelet of {name} exited ({proc.returncode}):\n"
+                    + self.component_log(f"kubelet-{name}")[-3000:]
+                )
             node = self.kube.get("nodes", name)
-            if node and any(c.get("type") == "Ready" and c.get("status") == "True"
-                            for c in node.get("status", {}).get("conditions") or []):
+            if node and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in node.get("status", {}).get("conditions") or []
+            ):
                 return
             time.sleep(0.1)
         raise RuntimeError(f"node {name} did not become Ready within {timeout:.0f}s")
@@ -337,8 +401,9 @@ class LocalCluster:
         netns = self.network.path
         return lambda: network.enter_in_child(netns)
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         return self.kube.kubectl(*args, check=check, input=input, timeout=timeout)
 
     def service_url(self, namespace: str, name: str, port: str | int | None = None, scheme: str = "http") -> str:
@@ -392,7 +457,7 @@ class LocalCluster:
             return None
         text = path.read_text(errors="replace")
         if query.get("tailLines"):
-            text = "\n".join(text.splitlines()[-int(query["tailLines"]):]) + "\n"
+            text = "\n".join(text.splitlines()[-int(query["tailLines"]) :]) + "\n"
         return text
 
     def pod_log(self, namespace: str, name: str, container: str | None = None, previous: bool = False) -> str:
@@ -407,12 +472,22 @@ class LocalCluster:
         pod = self.kube.get("pods", name, namespace)
         if pod is None or not (pod.get("spec") or {}).get("nodeName"):
             return None
-        status = next((s for s in (pod.get("status") or {}).get("containerStatuses") or []
-                       if s["name"] == container), None)
+        status = next(
+            (s for s in (pod.get("status") or {}).get("containerStatuses") or [] if s["name"] == container), None
+        )
         if status is None or "running" not in (status.get("state") or {}):
             return None
-        pid_file = (self.workdir / "nodes" / pod["spec"]["nodeName"] / "pods" / pod["metadata"]["uid"] / "containers"
-                    / container / str(status.get("restartCount", 0)) / "pid")
+        pid_file = (
+            self.workdir
+            / "nodes"
+            / pod["spec"]["nodeName"]
+            / "pods"
+            / pod["metadata"]["uid"]
+            / "containers"
+            / container
+            / str(status.get("restartCount", 0))
+            / "pid"
+        )
         try:
             return int(pid_file.read_text().split()[0])
         except (OSError, ValueError, IndexError):
@@ -421,8 +496,14 @@ class LocalCluster:
     def pid_namespaces(self, pod: JsonObj) -> set[str]:
         """The PID namespaces (``pid:[inode]``) any container of ``pod`` ever ran in."""
         spaces = set()
-        base = self.workdir / "nodes" / ((pod.get("spec") or {}).get("nodeName") or "") / "pods" / \
-            pod["metadata"]["uid"] / "containers"
+        base = (
+            self.workdir
+            / "nodes"
+            / ((pod.get("spec") or {}).get("nodeName") or "")
+            / "pods"
+            / pod["metadata"]["uid"]
+            / "containers"
+        )
         for pid_file in base.glob("*/*/pid"):
             lines = pid_file.read_text().split()
             if len(lines) >= 2:
@@ -443,21 +524,36 @@ class LocalCluster:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(log, target)
         if self._started:
-            for args, file in ((("get", "all,mpool,ig,events", "-A", "-o", "wide"), "kubectl-get.txt"),
-                               (("describe", "pods", "-A"), "kubectl-describe-pods.txt")):
+            for args, file in (
+                (("get", "all,mpool,ig,events", "-A", "-o", "wide"), "kubectl-get.txt"),
+                (("describe", "pods", "-A"), "kubectl-describe-pods.txt"),
+            ):
                 out = self.kubectl(*args, check=False)
                 (dest / file).write_text(out.stdout + out.stderr)
 
 
 def _start_reaper(workdir: Path, *, keep: bool) -> subprocess.Popen[bytes]:
     """The reaper (``reaper.py``): it outlives this process and cleans up when it ends without ``stop()``."""
-    argv = [sys.executable, "-m", "maru_localcluster.reaper", str(os.getpid()), str(workdir),
-            *(["--keep"] if keep else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "maru_localcluster.reaper",
+        str(os.getpid()),
+        str(workdir),
+        *(["--keep"] if keep else []),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(package_roots())}
     env.pop("KUBECONFIG", None)
     # Its own session and no parent-death signal: it must outlive us. Only its stdin ties it to this process.
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env, start_new_session=True, cwd="/")
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        cwd="/",
+    )
 
 
 def processes_in(namespaces: set[str]) -> list[int]:
@@ -469,7 +565,7 @@ def processes_in(namespaces: set[str]) -> list[int]:
         try:
             if os.readlink(entry / "ns" / "pid") in namespaces:
                 state = (entry / "stat").read_text()
-                if state[state.rfind(")") + 2:].split()[:1] != ["Z"]:
+                if state[state.rfind(")") + 2 :].split()[:1] != ["Z"]:
                     found.append(int(entry.name))
         except OSError:
             continue
@@ -516,10 +612,22 @@ def _csi_plugins(state: Path, node: str) -> list[JsonObj]:
     socket_root = state / "root" / DEFAULT_SOCKET_ROOT.lstrip("/")
     socket_root.mkdir(parents=True, exist_ok=True)
     endpoint = f"unix://{state / 'plugins' / DRIVER_NAME / 'csi.sock'}"
-    return [{
-        "driver": DRIVER_NAME, "endpoint": endpoint,
-        "argv": [sys.executable, "-m", "maru_connector.csi", "--endpoint", endpoint, "--node-id", node,
-                 "--socket-root", str(socket_root)],
-        # The pool's socketDir names a directory of the node: under the node's root folder here.
-        "node_path_attributes": ["socketDir"],
-    }]
+    return [
+        {
+            "driver": DRIVER_NAME,
+            "endpoint": endpoint,
+            "argv": [
+                sys.executable,
+                "-m",
+                "maru_connector.csi",
+                "--endpoint",
+                endpoint,
+                "--node-id",
+                node,
+                "--socket-root",
+                str(socket_root),
+            ],
+            # The pool's socketDir names a directory of the node: under the node's root folder here.
+            "node_path_attributes": ["socketDir"],
+        }
+    ]

@@ -76,10 +76,14 @@ def _service_env(services: list[JsonObj]) -> dict[str, str]:
 def _kubernetes_env(service: tuple[str, int]) -> dict[str, str]:
     host, port = service
     return {
-        "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
-        "KUBERNETES_SERVICE_PORT_HTTPS": str(port), "KUBERNETES_PORT": f"tcp://{host}:{port}",
-        f"KUBERNETES_PORT_{port}_TCP": f"tcp://{host}:{port}", f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
-        f"KUBERNETES_PORT_{port}_TCP_PORT": str(port), f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
+        "KUBERNETES_SERVICE_HOST": host,
+        "KUBERNETES_SERVICE_PORT": str(port),
+        "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
+        "KUBERNETES_PORT": f"tcp://{host}:{port}",
+        f"KUBERNETES_PORT_{port}_TCP": f"tcp://{host}:{port}",
+        f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
+        f"KUBERNETES_PORT_{port}_TCP_PORT": str(port),
+        f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
     }
 
 
@@ -156,16 +160,19 @@ def identity(pod: JsonObj, container: JsonObj, image: Image) -> Identity:
 
     uid, gid = int(pick("runAsUser", image.uid)), int(pick("runAsGroup", image.gid))
     if pick("runAsNonRoot", False) and uid == 0:
-        raise ContainerConfigError("container has runAsNonRoot and image will run as root "
-                                   f"(pod: {pod['metadata']['name']!r}, container: {container['name']!r})")
+        raise ContainerConfigError(
+            "container has runAsNonRoot and image will run as root "
+            f"(pod: {pod['metadata']['name']!r}, container: {container['name']!r})"
+        )
     groups = [int(g) for g in pod_sc.get("supplementalGroups") or []]
     if pod_sc.get("fsGroup") is not None:
         groups.append(int(pod_sc["fsGroup"]))
     return Identity(uid, gid, groups)
 
 
-def podrun_spec(container: JsonObj, image: Image, env: dict[str, str], box: Sandbox, *, layers: dict[str, str],
-                pid_file: str) -> JsonObj:
+def podrun_spec(
+    container: JsonObj, image: Image, env: dict[str, str], box: Sandbox, *, layers: dict[str, str], pid_file: str
+) -> JsonObj:
     """The JSON ``podrun run`` takes."""
     who = identity(box.pod, container, image)
     argv = [expand(a, env) for a in container_argv(container, image)]
@@ -197,7 +204,9 @@ def podrun_spec(container: JsonObj, image: Image, env: dict[str, str], box: Sand
         "argv": argv,
         "env": env,
         "cwd": container.get("workingDir") or image.workdir,
-        "uid": who.uid, "gid": who.gid, "groups": who.groups,
+        "uid": who.uid,
+        "gid": who.gid,
+        "groups": who.groups,
         "hostname": box.hostname,
         "rootfs": layers,
         "readonly_root": bool(sc.get("readOnlyRootFilesystem")),

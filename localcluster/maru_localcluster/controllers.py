@@ -84,18 +84,28 @@ def controller_uid(obj: JsonObj) -> str | None:
 
 
 def owner_ref(owner: JsonObj) -> JsonObj:
-    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
-            "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def pod_ready(pod: JsonObj) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 def pod_active(pod: JsonObj) -> bool:
     return not pod["metadata"].get("deletionTimestamp") and (pod.get("status") or {}).get("phase") not in (
-        "Succeeded", "Failed")
+        "Succeeded",
+        "Failed",
+    )
 
 
 def pod_available(pod: JsonObj, min_ready_s: float) -> bool:
@@ -119,9 +129,14 @@ def _condition(old: list[JsonObj], type_: str, ok: bool, reason: str, message: s
     status = "True" if ok else "False"
     same = prev.get("status") == status
     stamp = _now()
-    return {"type": type_, "status": status, "reason": reason, "message": message,
-            "lastUpdateTime": prev.get("lastUpdateTime") if same and prev.get("reason") == reason else stamp,
-            "lastTransitionTime": prev.get("lastTransitionTime") if same else stamp}
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastUpdateTime": prev.get("lastUpdateTime") if same and prev.get("reason") == reason else stamp,
+        "lastTransitionTime": prev.get("lastTransitionTime") if same else stamp,
+    }
 
 
 def _nonzero(status: JsonObj) -> JsonObj:
@@ -143,6 +158,7 @@ class ControllerManager:
     def __enter__(self) -> ControllerManager:
         def start() -> None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+
         self.kube.call(start)
         return self
 
@@ -150,6 +166,7 @@ class ControllerManager:
         def stop() -> None:
             if self._task is not None:
                 self._task.cancel()
+
         self.kube.call(stop)
 
     async def _run(self) -> None:
@@ -170,8 +187,15 @@ class ControllerManager:
 
     # ------------------------------------------------------------------------------------- helpers
 
-    def _record(self, emulator: Emulator, obj: JsonObj, reason: str, message: str, type_: str = "Normal",
-                component: str = "controllermanager") -> None:
+    def _record(
+        self,
+        emulator: Emulator,
+        obj: JsonObj,
+        reason: str,
+        message: str,
+        type_: str = "Normal",
+        component: str = "controllermanager",
+    ) -> None:
         ns = obj["metadata"].get("namespace") or "default"
         repeat = self._recorder.repeat_of(obj, reason, message)
         try:
@@ -191,25 +215,39 @@ class ControllerManager:
             return
         meta = obj["metadata"]
         with contextlib.suppress(ApiError):
-            emulator.replace_object(group, plural, meta.get("namespace"), meta["name"], {**obj, "status": status},
-                                    subresource="status")
+            emulator.replace_object(
+                group, plural, meta.get("namespace"), meta["name"], {**obj, "status": status}, subresource="status"
+            )
 
     def _may_create(self, owner_uid: str) -> bool:
         last = self._failed_create.get(owner_uid)
         return last is None or time.monotonic() - last > RETRY_FAILED_CREATE_S
 
-    def _create_pod(self, emulator: Emulator, owner: JsonObj, template: JsonObj, name: str,
-                    extra_labels: dict[str, str], node: str | None = None) -> str | None:
+    def _create_pod(
+        self,
+        emulator: Emulator,
+        owner: JsonObj,
+        template: JsonObj,
+        name: str,
+        extra_labels: dict[str, str],
+        node: str | None = None,
+    ) -> str | None:
         """Create a pod from ``template``; the refusal message (recorded as FailedCreate) when refused."""
         spec = copy.deepcopy(template.get("spec") or {})
         if node:
             spec["nodeName"] = node
         tmeta = template.get("metadata") or {}
-        body = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "labels": {**(tmeta.get("labels") or {}), **extra_labels},
-                             "annotations": dict(tmeta.get("annotations") or {}),
-                             "ownerReferences": [owner_ref(owner)]},
-                "spec": spec}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {**(tmeta.get("labels") or {}), **extra_labels},
+                "annotations": dict(tmeta.get("annotations") or {}),
+                "ownerReferences": [owner_ref(owner)],
+            },
+            "spec": spec,
+        }
         if not body["metadata"]["annotations"]:
             del body["metadata"]["annotations"]
         try:
@@ -265,52 +303,104 @@ class ControllerManager:
         spec, ns = hpa.get("spec") or {}, hpa["metadata"]["namespace"]
         ref = spec.get("scaleTargetRef") or {}
         plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "ReplicaSet": "replicasets"}.get(
-            ref.get("kind", ""))
+            ref.get("kind", "")
+        )
         target = emulator.get_object("apps", plural, ns, ref.get("name", "")) if plural else None
         old = hpa.get("status") or {}
         if target is None:
-            conditions = [("AbleToScale", False, "FailedGetScale",
-                           f"the HPA controller was unable to get the target's current scale: "
-                           f"{ref.get('kind', '').lower()}s \"{ref.get('name')}\" not found")]
-            status = {**old, "currentReplicas": old.get("currentReplicas", 0),
-                      "desiredReplicas": old.get("desiredReplicas", 0)}
+            conditions = [
+                (
+                    "AbleToScale",
+                    False,
+                    "FailedGetScale",
+                    f"the HPA controller was unable to get the target's current scale: "
+                    f'{ref.get("kind", "").lower()}s "{ref.get("name")}" not found',
+                )
+            ]
+            status = {
+                **old,
+                "currentReplicas": old.get("currentReplicas", 0),
+                "desiredReplicas": old.get("desiredReplicas", 0),
+            }
         else:
             current = int((target.get("spec") or {}).get("replicas", 1))
             low, high = int(spec.get("minReplicas", 1)), int(spec.get("maxReplicas", 1))
             if current == 0 and low != 0:
                 desired = 0
-                conditions = [("AbleToScale", True, "SucceededGetScale",
-                               "the HPA controller was able to get the target's current scale"),
-                              ("ScalingActive", False, "ScalingDisabled",
-                               "scaling is disabled since the replica count of the target is zero")]
+                conditions = [
+                    (
+                        "AbleToScale",
+                        True,
+                        "SucceededGetScale",
+                        "the HPA controller was able to get the target's current scale",
+                    ),
+                    (
+                        "ScalingActive",
+                        False,
+                        "ScalingDisabled",
+                        "scaling is disabled since the replica count of the target is zero",
+                    ),
+                ]
             else:
                 desired = min(max(current, low), high)
                 limited = desired != current
-                conditions = [("AbleToScale", True, "SucceededRescale" if limited else "ReadyForNewScale",
-                               f"the HPA controller was able to update the target scale to {desired}" if limited
-                               else "recommended size matches current size"),
-                              ("ScalingActive", True, "ValidMetricFound",
-                               "the HPA was able to successfully calculate a replica count"),
-                              ("ScalingLimited", limited, "TooFewReplicas" if desired > current else
-                               "TooManyReplicas" if limited else "DesiredWithinRange",
-                               "the desired replica count is outside the allowed range" if limited
-                               else "the desired count is within the acceptable range")]
+                conditions = [
+                    (
+                        "AbleToScale",
+                        True,
+                        "SucceededRescale" if limited else "ReadyForNewScale",
+                        f"the HPA controller was able to update the target scale to {desired}"
+                        if limited
+                        else "recommended size matches current size",
+                    ),
+                    (
+                        "ScalingActive",
+                        True,
+                        "ValidMetricFound",
+                        "the HPA was able to successfully calculate a replica count",
+                    ),
+                    (
+                        "ScalingLimited",
+                        limited,
+                        "TooFewReplicas"
+                        if desired > current
+                        else "TooManyReplicas"
+                        if limited
+                        else "DesiredWithinRange",
+                        "the desired replica count is outside the allowed range"
+                        if limited
+                        else "the desired count is within the acceptable range",
+                    ),
+                ]
                 if limited:
                     with contextlib.suppress(ApiError):
-                        emulator.patch_object("apps", plural, ns, ref["name"], {"spec": {"replicas": desired}},
-                                              subresource="scale")
-                    self._record(emulator, hpa, "SuccessfulRescale",
-                                 f"New size: {desired}; reason: All metrics below target" if desired < current
-                                 else f"New size: {desired}; reason: Current number of replicas below Spec.MinReplicas")
+                        emulator.patch_object(
+                            "apps", plural, ns, ref["name"], {"spec": {"replicas": desired}}, subresource="scale"
+                        )
+                    self._record(
+                        emulator,
+                        hpa,
+                        "SuccessfulRescale",
+                        f"New size: {desired}; reason: All metrics below target"
+                        if desired < current
+                        else f"New size: {desired}; reason: Current number of replicas below Spec.MinReplicas",
+                    )
                     old = {**old, "lastScaleTime": _now()}
             status = {**old, "currentReplicas": current, "desiredReplicas": desired}
         now = _now()
         before = {c.get("type"): c for c in old.get("conditions") or []}
         status["conditions"] = [
-            {"type": t, "status": "True" if ok else "False", "reason": reason, "message": message,
-             "lastTransitionTime": before[t]["lastTransitionTime"] if t in before and before[t].get("status") ==
-             ("True" if ok else "False") else now}
-            for t, ok, reason, message in conditions]
+            {
+                "type": t,
+                "status": "True" if ok else "False",
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": before[t]["lastTransitionTime"]
+                if t in before and before[t].get("status") == ("True" if ok else "False")
+                else now,
+            }
+            for t, ok, reason, message in conditions
+        ]
         self._write_status(emulator, "autoscaling", "horizontalpodautoscalers", hpa, status)
 
     # --- PersistentVolumeClaims: bound at once to the shared filesystem
@@ -320,8 +410,11 @@ class ControllerManager:
             if (claim.get("status") or {}).get("phase") == "Bound":
                 continue
             spec = claim.get("spec") or {}
-            status = {"phase": "Bound", "accessModes": list(spec.get("accessModes") or ["ReadWriteOnce"]),
-                      "capacity": dict((spec.get("resources") or {}).get("requests") or {})}
+            status = {
+                "phase": "Bound",
+                "accessModes": list(spec.get("accessModes") or ["ReadWriteOnce"]),
+                "capacity": dict((spec.get("resources") or {}).get("requests") or {}),
+            }
             self._write_status(emulator, "", "persistentvolumeclaims", claim, status)
 
     # --- namespaces: the default ServiceAccount and the cluster's CA
@@ -333,19 +426,32 @@ class ControllerManager:
             name = ns["metadata"]["name"]
             with contextlib.suppress(ApiError):
                 if emulator.get_object("", "serviceaccounts", name, "default") is None:
-                    emulator.create_object("", "serviceaccounts", name, {
-                        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
+                    emulator.create_object(
+                        "",
+                        "serviceaccounts",
+                        name,
+                        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}},
+                    )
                 if emulator.get_object("", "configmaps", name, "kube-root-ca.crt") is None:
-                    emulator.create_object("", "configmaps", name, {
-                        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kube-root-ca.crt"},
-                        "data": {"ca.crt": self.ca_pem}})
+                    emulator.create_object(
+                        "",
+                        "configmaps",
+                        name,
+                        {
+                            "apiVersion": "v1",
+                            "kind": "ConfigMap",
+                            "metadata": {"name": "kube-root-ca.crt"},
+                            "data": {"ca.crt": self.ca_pem},
+                        },
+                    )
 
     # --- Deployment
 
     def _owned(self, emulator: Emulator, group: str, plural: str, owner: JsonObj) -> list[JsonObj]:
         uid = owner["metadata"]["uid"]
-        return [o for o in emulator.list_objects(group, plural, owner["metadata"]["namespace"])
-                if controller_uid(o) == uid]
+        return [
+            o for o in emulator.list_objects(group, plural, owner["metadata"]["namespace"]) if controller_uid(o) == uid
+        ]
 
     def deployment(self, emulator: Emulator, d: JsonObj) -> None:
         meta, spec = d["metadata"], d.get("spec") or {}
@@ -358,35 +464,54 @@ class ControllerManager:
         new = next((rs for rs in rss if (rs["metadata"].get("labels") or {}).get(HASH_LABEL) == h), None)
         replicas = int(spec.get("replicas", 1))
         if new is None:
-            revision = 1 + max((int((rs["metadata"].get("annotations") or {}).get(REVISION, 0)) for rs in rss),
-                               default=0)
+            revision = 1 + max(
+                (int((rs["metadata"].get("annotations") or {}).get(REVISION, 0)) for rs in rss), default=0
+            )
             labels = {**(template.get("metadata") or {}).get("labels", {}), HASH_LABEL: h}
             selector = copy.deepcopy(spec.get("selector") or {})
             selector.setdefault("matchLabels", {})[HASH_LABEL] = h
             rs_template = copy.deepcopy(template)
             rs_template.setdefault("metadata", {})["labels"] = labels
             start = replicas if (spec.get("strategy") or {}).get("type") != "Recreate" and not rss else 0
-            body = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
-                    "metadata": {"name": f"{name}-{h}", "labels": labels, "ownerReferences": [owner_ref(d)],
-                                 "annotations": {REVISION: str(revision), "deployment.kubernetes.io/desired-replicas":
-                                                 str(replicas)}},
-                    "spec": {"replicas": start, "selector": selector, "template": rs_template,
-                             "minReadySeconds": spec.get("minReadySeconds", 0)}}
+            body = {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {
+                    "name": f"{name}-{h}",
+                    "labels": labels,
+                    "ownerReferences": [owner_ref(d)],
+                    "annotations": {
+                        REVISION: str(revision),
+                        "deployment.kubernetes.io/desired-replicas": str(replicas),
+                    },
+                },
+                "spec": {
+                    "replicas": start,
+                    "selector": selector,
+                    "template": rs_template,
+                    "minReadySeconds": spec.get("minReadySeconds", 0),
+                },
+            }
             try:
                 new = emulator.create_object("apps", "replicasets", ns, body)
             except ApiError as err:
-                self._record(emulator, d, "FailedCreate", f"Failed to create new replica set: {err.message}",
-                             "Warning")
+                self._record(emulator, d, "FailedCreate", f"Failed to create new replica set: {err.message}", "Warning")
                 return
-            self._record(emulator, d, "ScalingReplicaSet", f"Scaled up replica set {new['metadata']['name']} "
-                                                           f"from 0 to {start}")
+            self._record(
+                emulator, d, "ScalingReplicaSet", f"Scaled up replica set {new['metadata']['name']} from 0 to {start}"
+            )
             rss.append(new)
             if d["metadata"].get("annotations", {}).get(REVISION) != str(revision):
                 with contextlib.suppress(ApiError):
                     # Through the status, as the deployment controller's UpdateStatus: no new generation.
-                    emulator.patch_object("apps", "deployments", ns, name,
-                                          {"metadata": {"annotations": {REVISION: str(revision)}}},
-                                          subresource="status")
+                    emulator.patch_object(
+                        "apps",
+                        "deployments",
+                        ns,
+                        name,
+                        {"metadata": {"annotations": {REVISION: str(revision)}}},
+                        subresource="status",
+                    )
         olds = [rs for rs in rss if rs is not new and rs["metadata"]["uid"] != new["metadata"]["uid"]]
         if (spec.get("strategy") or {}).get("type") == "Recreate":
             self._recreate(emulator, d, new, olds, replicas)
@@ -400,12 +525,17 @@ class ControllerManager:
             return
         meta = rs["metadata"]
         with contextlib.suppress(ApiError):
-            emulator.patch_object("apps", "replicasets", meta["namespace"], meta["name"],
-                                  {"spec": {"replicas": replicas}})
+            emulator.patch_object(
+                "apps", "replicasets", meta["namespace"], meta["name"], {"spec": {"replicas": replicas}}
+            )
             rs["spec"]["replicas"] = replicas
             verb = "up" if replicas > current else "down"
-            self._record(emulator, d, "ScalingReplicaSet",
-                         f"Scaled {verb} replica set {meta['name']} from {current} to {replicas}")
+            self._record(
+                emulator,
+                d,
+                "ScalingReplicaSet",
+                f"Scaled {verb} replica set {meta['name']} from {current} to {replicas}",
+            )
 
     def _recreate(self, emulator: Emulator, d: JsonObj, new: JsonObj, olds: list[JsonObj], replicas: int) -> None:
         for rs in olds:
@@ -432,10 +562,12 @@ class ControllerManager:
             self._scale(emulator, d, new, replicas)
         self._scale_down_old(emulator, d, new, olds, replicas - unavailable)
 
-    def _scale_down_old(self, emulator: Emulator, d: JsonObj, new: JsonObj, olds: list[JsonObj],
-                        min_available: int) -> None:
+    def _scale_down_old(
+        self, emulator: Emulator, d: JsonObj, new: JsonObj, olds: list[JsonObj], min_available: int
+    ) -> None:
         """kube-controller-manager's reconcileOldReplicaSets: unhealthy old pods first, then available ones
         as far as ``min_available`` allows."""
+
         def spec_replicas(rs: JsonObj) -> int:
             return int(rs["spec"].get("replicas", 0))
 
@@ -463,8 +595,11 @@ class ControllerManager:
 
     def _cleanup_history(self, emulator: Emulator, d: JsonObj, olds: list[JsonObj]) -> None:
         limit = int((d.get("spec") or {}).get("revisionHistoryLimit", 10))
-        idle = [rs for rs in olds if int(rs["spec"].get("replicas", 0)) == 0
-                and int((rs.get("status") or {}).get("replicas", 0)) == 0]
+        idle = [
+            rs
+            for rs in olds
+            if int(rs["spec"].get("replicas", 0)) == 0 and int((rs.get("status") or {}).get("replicas", 0)) == 0
+        ]
         idle.sort(key=lambda r: int((r["metadata"].get("annotations") or {}).get(REVISION, 0)))
         for rs in idle[: max(0, len(idle) - limit)]:
             with contextlib.suppress(ApiError):
@@ -483,47 +618,83 @@ class ControllerManager:
             return sum(int((rs.get("status") or {}).get(field, 0)) for rs in sets)
 
         rolling = (spec.get("strategy") or {}).get("rollingUpdate") or {}
-        max_unavailable = 0 if (spec.get("strategy") or {}).get("type") == "Recreate" else resolve_int_or_percent(
-            rolling.get("maxUnavailable", "25%"), replicas, round_up=False)
+        max_unavailable = (
+            0
+            if (spec.get("strategy") or {}).get("type") == "Recreate"
+            else resolve_int_or_percent(rolling.get("maxUnavailable", "25%"), replicas, round_up=False)
+        )
         available = total("availableReplicas", rss)
         updated = total("replicas", [new]) if new else 0
-        status = _nonzero({
-            "observedGeneration": meta.get("generation", 1),
-            "replicas": total("replicas", rss),
-            "updatedReplicas": updated,
-            "readyReplicas": total("readyReplicas", rss),
-            "availableReplicas": available,
-            "unavailableReplicas": max(replicas - available, 0),
-        })
+        status = _nonzero(
+            {
+                "observedGeneration": meta.get("generation", 1),
+                "replicas": total("replicas", rss),
+                "updatedReplicas": updated,
+                "readyReplicas": total("readyReplicas", rss),
+                "availableReplicas": available,
+                "unavailableReplicas": max(replicas - available, 0),
+            }
+        )
         old = (d.get("status") or {}).get("conditions") or []
-        complete = (new is not None and updated == replicas and total("replicas", rss) == replicas
-                    and available >= replicas)
+        complete = (
+            new is not None and updated == replicas and total("replicas", rss) == replicas and available >= replicas
+        )
         ok = available >= replicas - max_unavailable
         progressing = next((c for c in old if c.get("type") == "Progressing"), {})
         if complete:
-            prog = _condition(old, "Progressing", True, "NewReplicaSetAvailable",
-                              f'ReplicaSet "{new["metadata"]["name"] if new else ""}" has successfully progressed.')
+            prog = _condition(
+                old,
+                "Progressing",
+                True,
+                "NewReplicaSetAvailable",
+                f'ReplicaSet "{new["metadata"]["name"] if new else ""}" has successfully progressed.',
+            )
         elif progressing.get("reason") == "ProgressDeadlineExceeded" or (
-                progressing and _age_s(progressing.get("lastUpdateTime"))
-                > float(spec.get("progressDeadlineSeconds", 600))):
-            prog = _condition(old, "Progressing", False, "ProgressDeadlineExceeded",
-                              f'ReplicaSet "{new["metadata"]["name"] if new else ""}" has timed out progressing.')
+            progressing and _age_s(progressing.get("lastUpdateTime")) > float(spec.get("progressDeadlineSeconds", 600))
+        ):
+            prog = _condition(
+                old,
+                "Progressing",
+                False,
+                "ProgressDeadlineExceeded",
+                f'ReplicaSet "{new["metadata"]["name"] if new else ""}" has timed out progressing.',
+            )
         else:
-            prog = _condition(old, "Progressing", True, "ReplicaSetUpdated",
-                              f'ReplicaSet "{new["metadata"]["name"] if new else ""}" is progressing.')
+            prog = _condition(
+                old,
+                "Progressing",
+                True,
+                "ReplicaSetUpdated",
+                f'ReplicaSet "{new["metadata"]["name"] if new else ""}" is progressing.',
+            )
             if progressing.get("reason") == "ReplicaSetUpdated" and progressing.get("status") == "True":
                 prog["lastUpdateTime"] = progressing.get("lastUpdateTime", prog["lastUpdateTime"])
         conditions = [
-            _condition(old, "Available", ok, "MinimumReplicasAvailable" if ok else "MinimumReplicasUnavailable",
-                       "Deployment has minimum availability." if ok
-                       else "Deployment does not have minimum availability."),
+            _condition(
+                old,
+                "Available",
+                ok,
+                "MinimumReplicasAvailable" if ok else "MinimumReplicasUnavailable",
+                "Deployment has minimum availability." if ok else "Deployment does not have minimum availability.",
+            ),
             prog,
         ]
-        failure = next((c for rs in rss if rs is new for c in (rs.get("status") or {}).get("conditions") or []
-                        if c.get("type") == "ReplicaFailure" and c.get("status") == "True"), None)
+        failure = next(
+            (
+                c
+                for rs in rss
+                if rs is new
+                for c in (rs.get("status") or {}).get("conditions") or []
+                if c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+            ),
+            None,
+        )
         if failure:
-            conditions.append(_condition(old, "ReplicaFailure", True, failure.get("reason", "FailedCreate"),
-                                         failure.get("message", "")))
+            conditions.append(
+                _condition(
+                    old, "ReplicaFailure", True, failure.get("reason", "FailedCreate"), failure.get("message", "")
+                )
+            )
         status["conditions"] = conditions
         self._write_status(emulator, "apps", "deployments", d, status)
 
@@ -544,8 +715,13 @@ class ControllerManager:
         elif len(mine) > want:
             # Unscheduled < pending < not ready < ready go first; among equals the newest.
             victims = sorted(mine, key=lambda p: p["metadata"].get("creationTimestamp", ""), reverse=True)
-            victims.sort(key=lambda p: (bool((p.get("spec") or {}).get("nodeName")),
-                                        (p.get("status") or {}).get("phase") == "Running", pod_ready(p)))
+            victims.sort(
+                key=lambda p: (
+                    bool((p.get("spec") or {}).get("nodeName")),
+                    (p.get("status") or {}).get("phase") == "Running",
+                    pod_ready(p),
+                )
+            )
             for pod in victims[: len(mine) - want]:
                 self._delete_pod(emulator, rs, pod)
 
@@ -558,19 +734,31 @@ class ControllerManager:
         template_labels = (spec.get("template") or {}).get("metadata", {}).get("labels") or {}
         status: JsonObj = {
             "replicas": len(mine),
-            **_nonzero({
-                "fullyLabeledReplicas": sum(1 for p in mine if all(
-                    (p["metadata"].get("labels") or {}).get(k) == v for k, v in template_labels.items())),
-                "readyReplicas": sum(1 for p in mine if pod_ready(p)),
-                "availableReplicas": sum(1 for p in mine if pod_available(p, min_ready)),
-            }),
+            **_nonzero(
+                {
+                    "fullyLabeledReplicas": sum(
+                        1
+                        for p in mine
+                        if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in template_labels.items())
+                    ),
+                    "readyReplicas": sum(1 for p in mine if pod_ready(p)),
+                    "availableReplicas": sum(1 for p in mine if pod_available(p, min_ready)),
+                }
+            ),
             "observedGeneration": meta.get("generation", 1),
         }
         failed = self._failed_create.get(meta["uid"])
         if failed is not None:
             old = (rs.get("status") or {}).get("conditions") or []
-            status["conditions"] = [_condition(old, "ReplicaFailure", True, "FailedCreate",
-                                               "pods could not be created; see the ReplicaSet's events")]
+            status["conditions"] = [
+                _condition(
+                    old,
+                    "ReplicaFailure",
+                    True,
+                    "FailedCreate",
+                    "pods could not be created; see the ReplicaSet's events",
+                )
+            ]
             for c in status["conditions"]:
                 c.pop("lastUpdateTime", None)
         self._write_status(emulator, "apps", "replicasets", rs, status)
@@ -605,12 +793,19 @@ class ControllerManager:
                 self._create_pod(emulator, ds, template, f"{meta['name']}-{suffix}", {DS_HASH_LABEL: h}, node=node)
         strategy = spec.get("updateStrategy") or {}
         if strategy.get("type", "RollingUpdate") == "RollingUpdate":
-            allowed = resolve_int_or_percent((strategy.get("rollingUpdate") or {}).get("maxUnavailable", 1),
-                                             len(fitting), round_up=True) or 1
+            allowed = (
+                resolve_int_or_percent(
+                    (strategy.get("rollingUpdate") or {}).get("maxUnavailable", 1), len(fitting), round_up=True
+                )
+                or 1
+            )
             current = {(p.get("spec") or {}).get("nodeName"): p for p in active}
             unavailable = sum(1 for n in fitting if not (n in current and pod_ready(current[n])))
-            outdated = [p for n, p in current.items() if n in fitting
-                        and (p["metadata"].get("labels") or {}).get(DS_HASH_LABEL) != h]
+            outdated = [
+                p
+                for n, p in current.items()
+                if n in fitting and (p["metadata"].get("labels") or {}).get(DS_HASH_LABEL) != h
+            ]
             outdated.sort(key=lambda p: pod_ready(p))  # not-ready old pods first: they cost no availability
             for p in outdated:
                 if not pod_ready(p):
@@ -624,16 +819,20 @@ class ControllerManager:
         status = {
             "currentNumberScheduled": len(scheduled),
             "desiredNumberScheduled": len(fitting),
-            "numberMisscheduled": sum(1 for p in mine if pod_active(p)
-                                      and (p.get("spec") or {}).get("nodeName") not in fitting),
+            "numberMisscheduled": sum(
+                1 for p in mine if pod_active(p) and (p.get("spec") or {}).get("nodeName") not in fitting
+            ),
             "numberReady": ready,
-            **_nonzero({
-                "observedGeneration": meta.get("generation", 1),
-                "updatedNumberScheduled": sum(1 for p in scheduled
-                                              if (p["metadata"].get("labels") or {}).get(DS_HASH_LABEL) == h),
-                "numberAvailable": ready,
-                "numberUnavailable": len(fitting) - ready,
-            }),
+            **_nonzero(
+                {
+                    "observedGeneration": meta.get("generation", 1),
+                    "updatedNumberScheduled": sum(
+                        1 for p in scheduled if (p["metadata"].get("labels") or {}).get(DS_HASH_LABEL) == h
+                    ),
+                    "numberAvailable": ready,
+                    "numberUnavailable": len(fitting) - ready,
+                }
+            ),
         }
         self._write_status(emulator, "apps", "daemonsets", ds, status)
 
@@ -642,32 +841,52 @@ class ControllerManager:
     def schedule(self, emulator: Emulator, nodes: list[JsonObj], pods: list[JsonObj]) -> None:
         for pod in pods:
             spec, meta = pod.get("spec") or {}, pod["metadata"]
-            if spec.get("nodeName") or meta.get("deletionTimestamp") or spec.get("schedulerName", "default-scheduler") \
-                    != "default-scheduler":
+            if (
+                spec.get("nodeName")
+                or meta.get("deletionTimestamp")
+                or spec.get("schedulerName", "default-scheduler") != "default-scheduler"
+            ):
                 continue
             node, message = choose_node(pod, nodes, pods)
             old = (pod.get("status") or {}).get("conditions") or []
             if node is None:
-                cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
-                        "lastProbeTime": None}
+                cond = {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": message,
+                    "lastProbeTime": None,
+                }
                 prev = next((c for c in old if c.get("type") == "PodScheduled"), {})
                 if (prev.get("status"), prev.get("message")) != ("False", message):
                     cond["lastTransitionTime"] = prev.get("lastTransitionTime") or _now()
-                    self._write_status(emulator, "", "pods", pod, {**(pod.get("status") or {}), "phase": "Pending",
-                                                                   "conditions": [cond]})
+                    self._write_status(
+                        emulator,
+                        "",
+                        "pods",
+                        pod,
+                        {**(pod.get("status") or {}), "phase": "Pending", "conditions": [cond]},
+                    )
                     self._record(emulator, pod, "FailedScheduling", message, "Warning", component="default-scheduler")
                 continue
             try:
-                bound = emulator.replace_object("", "pods", meta["namespace"], meta["name"],
-                                                {**pod, "spec": {**spec, "nodeName": node}})
+                bound = emulator.replace_object(
+                    "", "pods", meta["namespace"], meta["name"], {**pod, "spec": {**spec, "nodeName": node}}
+                )
             except ApiError:
                 continue
             pod["spec"]["nodeName"] = node  # later pods of this pass see it placed
             cond = {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": _now()}
-            self._write_status(emulator, "", "pods", bound, {**(bound.get("status") or {}), "phase": "Pending",
-                                                             "conditions": [cond]})
-            self._record(emulator, pod, "Scheduled", f"Successfully assigned {meta['namespace']}/{meta['name']} "
-                                                     f"to {node}", component="default-scheduler")
+            self._write_status(
+                emulator, "", "pods", bound, {**(bound.get("status") or {}), "phase": "Pending", "conditions": [cond]}
+            )
+            self._record(
+                emulator,
+                pod,
+                "Scheduled",
+                f"Successfully assigned {meta['namespace']}/{meta['name']} to {node}",
+                component="default-scheduler",
+            )
 
     def pod_gc(self, emulator: Emulator, nodes: list[JsonObj], pods: list[JsonObj]) -> None:
         names = {n["metadata"]["name"] for n in nodes}
@@ -675,8 +894,9 @@ class ControllerManager:
             node = (pod.get("spec") or {}).get("nodeName")
             if node and node not in names:
                 with contextlib.suppress(ApiError):
-                    emulator.delete_object("", "pods", pod["metadata"]["namespace"], pod["metadata"]["name"],
-                                           grace_period=0)
+                    emulator.delete_object(
+                        "", "pods", pod["metadata"]["namespace"], pod["metadata"]["name"], grace_period=0
+                    )
 
     # --- EndpointSlices
 
@@ -688,49 +908,85 @@ class ControllerManager:
             if not selector or meta.get("deletionTimestamp"):
                 continue
             ns = meta["namespace"]
-            members = [p for p in pods if p["metadata"]["namespace"] == ns and (p.get("status") or {}).get("podIP")
-                       and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-                       and selector_matches({"matchLabels": selector}, p["metadata"].get("labels") or {})]
+            members = [
+                p
+                for p in pods
+                if p["metadata"]["namespace"] == ns
+                and (p.get("status") or {}).get("podIP")
+                and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+                and selector_matches({"matchLabels": selector}, p["metadata"].get("labels") or {})
+            ]
             groups: dict[str, tuple[list[JsonObj], list[JsonObj]]] = {}
             for pod in members:
                 ports = _slice_ports(spec.get("ports") or [], pod)
                 key = short_hash(ports, 5)
                 groups.setdefault(key, (ports, []))[1].append(_endpoint(pod))
             # As kube-controller-manager does: the Service's own labels, then the two that tie the slice to it.
-            slice_labels = {**(meta.get("labels") or {}), "kubernetes.io/service-name": meta["name"],
-                            "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER}
+            slice_labels = {
+                **(meta.get("labels") or {}),
+                "kubernetes.io/service-name": meta["name"],
+                "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER,
+            }
             wanted = {}
             for key, (ports, endpoints) in groups.items():
                 name = f"{meta['name']}-{key}"
                 wanted[name] = {
-                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                    "metadata": {"name": name, "namespace": ns, "ownerReferences": [owner_ref(svc)],
-                                 "labels": slice_labels},
-                    "addressType": "IPv4", "ports": ports,
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": name,
+                        "namespace": ns,
+                        "ownerReferences": [owner_ref(svc)],
+                        "labels": slice_labels,
+                    },
+                    "addressType": "IPv4",
+                    "ports": ports,
                     "endpoints": sorted(endpoints, key=lambda e: e["addresses"][0]),
                 }
             if not wanted:  # a Service without endpoints still has an (empty) slice
                 name = f"{meta['name']}-empty"
                 wanted[name] = {
-                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                    "metadata": {"name": name, "namespace": ns, "ownerReferences": [owner_ref(svc)],
-                                 "labels": slice_labels},
-                    "addressType": "IPv4", "ports": [], "endpoints": [],
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": name,
+                        "namespace": ns,
+                        "ownerReferences": [owner_ref(svc)],
+                        "labels": slice_labels,
+                    },
+                    "addressType": "IPv4",
+                    "ports": [],
+                    "endpoints": [],
                 }
-            existing = {s["metadata"]["name"]: s for s in slices if s["metadata"]["namespace"] == ns
-                        and (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == meta["name"]
-                        and (s["metadata"].get("labels") or {}).get("endpointslice.kubernetes.io/managed-by")
-                        == SLICE_MANAGER}
+            existing = {
+                s["metadata"]["name"]: s
+                for s in slices
+                if s["metadata"]["namespace"] == ns
+                and (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == meta["name"]
+                and (s["metadata"].get("labels") or {}).get("endpointslice.kubernetes.io/managed-by") == SLICE_MANAGER
+            }
             for name, body in wanted.items():
                 have = existing.get(name)
                 with contextlib.suppress(ApiError):
                     if have is None:
                         emulator.create_object("discovery.k8s.io", "endpointslices", ns, body)
                     elif (have.get("endpoints"), have.get("ports"), have["metadata"].get("labels")) != (
-                            body["endpoints"], body["ports"], slice_labels):
-                        emulator.replace_object("discovery.k8s.io", "endpointslices", ns, name, {
-                            **have, "metadata": {**have["metadata"], "labels": slice_labels},
-                            "endpoints": body["endpoints"], "ports": body["ports"]})
+                        body["endpoints"],
+                        body["ports"],
+                        slice_labels,
+                    ):
+                        emulator.replace_object(
+                            "discovery.k8s.io",
+                            "endpointslices",
+                            ns,
+                            name,
+                            {
+                                **have,
+                                "metadata": {**have["metadata"], "labels": slice_labels},
+                                "endpoints": body["endpoints"],
+                                "ports": body["ports"],
+                            },
+                        )
             for name in existing.keys() - wanted.keys():
                 with contextlib.suppress(ApiError):
                     emulator.delete_object("discovery.k8s.io", "endpointslices", ns, name)
@@ -741,8 +997,15 @@ def _slice_ports(service_ports: list[JsonObj], pod: JsonObj) -> list[JsonObj]:
     for port in service_ports:
         target = port.get("targetPort", port.get("port"))
         if isinstance(target, str) and not target.isdigit():
-            number = next((int(p["containerPort"]) for c in (pod.get("spec") or {}).get("containers") or []
-                           for p in c.get("ports") or [] if p.get("name") == target), None)
+            number = next(
+                (
+                    int(p["containerPort"])
+                    for c in (pod.get("spec") or {}).get("containers") or []
+                    for p in c.get("ports") or []
+                    if p.get("name") == target
+                ),
+                None,
+            )
             if number is None:
                 continue
         else:
@@ -760,7 +1023,11 @@ def _endpoint(pod: JsonObj) -> JsonObj:
     return {
         "addresses": [pod["status"]["podIP"]],
         "conditions": {"ready": ready and not terminating, "serving": ready, "terminating": terminating},
-        "targetRef": {"kind": "Pod", "namespace": pod["metadata"]["namespace"], "name": pod["metadata"]["name"],
-                      "uid": pod["metadata"]["uid"]},
+        "targetRef": {
+            "kind": "Pod",
+            "namespace": pod["metadata"]["namespace"],
+            "name": pod["metadata"]["name"],
+            "uid": pod["metadata"]["uid"],
+        },
         **({"nodeName": pod["spec"]["nodeName"]} if (pod.get("spec") or {}).get("nodeName") else {}),
     }

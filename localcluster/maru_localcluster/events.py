@@ -13,26 +13,43 @@ def now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def event_body(obj: JsonObj, reason: str, message: str, *, component: str, type_: str = "Normal",
-               host: str | None = None, field_path: str | None = None) -> JsonObj:
+def event_body(
+    obj: JsonObj,
+    reason: str,
+    message: str,
+    *,
+    component: str,
+    type_: str = "Normal",
+    host: str | None = None,
+    field_path: str | None = None,
+) -> JsonObj:
     meta = obj.get("metadata") or {}
     namespace = meta.get("namespace") or "default"
     involved = {
-        "apiVersion": obj.get("apiVersion", "v1"), "kind": obj.get("kind", ""), "name": meta.get("name"),
-        "namespace": meta.get("namespace"), "uid": meta.get("uid"),
+        "apiVersion": obj.get("apiVersion", "v1"),
+        "kind": obj.get("kind", ""),
+        "name": meta.get("name"),
+        "namespace": meta.get("namespace"),
+        "uid": meta.get("uid"),
         "resourceVersion": meta.get("resourceVersion"),
     }
     if field_path:
         involved["fieldPath"] = field_path
     stamp = now()
     return {
-        "apiVersion": "v1", "kind": "Event",
+        "apiVersion": "v1",
+        "kind": "Event",
         "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
         "involvedObject": {k: v for k, v in involved.items() if v is not None},
-        "reason": reason, "message": message, "type": type_, "count": 1,
-        "firstTimestamp": stamp, "lastTimestamp": stamp,
+        "reason": reason,
+        "message": message,
+        "type": type_,
+        "count": 1,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
         "source": {"component": component, **({"host": host} if host else {})},
-        "reportingComponent": component, "reportingInstance": host or component,
+        "reportingComponent": component,
+        "reportingInstance": host or component,
     }
 
 

@@ -82,8 +82,13 @@ NONROOT = 65532  # the Dockerfile's user
 
 def program_paths(python: str = sys.executable) -> tuple[str, ...]:
     """The interpreter's installation, the virtual environment and this checkout's packages."""
-    paths = {str(Path(python).parent.parent), sys.prefix, sys.base_prefix,
-             str(Path(os.path.realpath(python)).parent.parent), *package_roots()}
+    paths = {
+        str(Path(python).parent.parent),
+        sys.prefix,
+        sys.base_prefix,
+        str(Path(os.path.realpath(python)).parent.parent),
+        *package_roots(),
+    }
     return tuple(sorted(paths))
 
 
@@ -91,19 +96,49 @@ def product_images(python: str = sys.executable) -> dict[str, Image]:
     """The images the operator and chart render, as the Dockerfile's targets define them."""
     env = base_env(python)
     images = [
-        Image("ghcr.io/maru-pd/maru-operator", entrypoint=("python", "-m", "maru_operator"),
-              cmd=("run", "--all-namespaces"), uid=NONROOT, gid=NONROOT, env={**env, "HOME": "/nonexistent"},
-              description="Dockerfile target operator"),
-        Image("ghcr.io/maru-pd/maru-pool", entrypoint=("maru-pool",), cmd=("--help",), uid=NONROOT, gid=NONROOT,
-              env={**env, "HOME": "/nonexistent"}, description="Dockerfile target pool"),
-        Image("ghcr.io/maru-pd/vllm-router", entrypoint=("vllm-router",), uid=NONROOT, gid=NONROOT,
-              env={**env, "HOME": "/nonexistent"}, description="Dockerfile target router"),
-        Image("ghcr.io/maru-pd/vllm-maru", entrypoint=("vllm", "serve"), uid=NONROOT, gid=NONROOT,
-              env={**env, "HOME": "/home/maru", "HF_HOME": "/home/maru/.cache/huggingface"}, workdir="/home/maru",
-              rewrite=vllm_rewrite, description="Dockerfile target vllm (vLLM for the CPU here)"),
+        Image(
+            "ghcr.io/maru-pd/maru-operator",
+            entrypoint=("python", "-m", "maru_operator"),
+            cmd=("run", "--all-namespaces"),
+            uid=NONROOT,
+            gid=NONROOT,
+            env={**env, "HOME": "/nonexistent"},
+            description="Dockerfile target operator",
+        ),
+        Image(
+            "ghcr.io/maru-pd/maru-pool",
+            entrypoint=("maru-pool",),
+            cmd=("--help",),
+            uid=NONROOT,
+            gid=NONROOT,
+            env={**env, "HOME": "/nonexistent"},
+            description="Dockerfile target pool",
+        ),
+        Image(
+            "ghcr.io/maru-pd/vllm-router",
+            entrypoint=("vllm-router",),
+            uid=NONROOT,
+            gid=NONROOT,
+            env={**env, "HOME": "/nonexistent"},
+            description="Dockerfile target router",
+        ),
+        Image(
+            "ghcr.io/maru-pd/vllm-maru",
+            entrypoint=("vllm", "serve"),
+            uid=NONROOT,
+            gid=NONROOT,
+            env={**env, "HOME": "/home/maru", "HF_HOME": "/home/maru/.cache/huggingface"},
+            workdir="/home/maru",
+            rewrite=vllm_rewrite,
+            description="Dockerfile target vllm (vLLM for the CPU here)",
+        ),
         # Not a product image: a plain shell and Python, for the local cluster's own tests.
-        Image("localcluster.test/shell", entrypoint=("/bin/sh",), env={**env, "HOME": "/root"},
-              description="a shell and this machine's Python"),
+        Image(
+            "localcluster.test/shell",
+            entrypoint=("/bin/sh",),
+            env={**env, "HOME": "/root"},
+            description="a shell and this machine's Python",
+        ),
     ]
     reachable = program_paths(python)
     return {i.repository: dataclasses.replace(i, reachable=reachable) for i in images}
@@ -160,8 +195,8 @@ def expand(text: str, env: Mapping[str, str]) -> str:
             out.append("$")
             i += 2
         elif text.startswith("$(", i) and (end := text.find(")", i)) != -1:
-            name = text[i + 2:end]
-            out.append(env[name] if name in env else text[i:end + 1])
+            name = text[i + 2 : end]
+            out.append(env[name] if name in env else text[i : end + 1])
             i = end + 1
         else:
             out.append(text[i])

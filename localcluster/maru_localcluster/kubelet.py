@@ -122,8 +122,13 @@ class Terminated:
     message: str = ""
 
     def as_state(self) -> JsonObj:
-        out = {"exitCode": self.exit_code, "reason": self.reason, "startedAt": self.started_at,
-               "finishedAt": self.finished_at, "containerID": self.container_id}
+        out = {
+            "exitCode": self.exit_code,
+            "reason": self.reason,
+            "startedAt": self.started_at,
+            "finishedAt": self.finished_at,
+            "containerID": self.container_id,
+        }
         if self.exit_code > 128:
             out["signal"] = self.exit_code - 128
         if self.message:
@@ -191,11 +196,18 @@ class ContainerRunner:
                 return
             delay = self._next_backoff()
             if delay > 0:
-                self.waiting = ("CrashLoopBackOff", f"back-off {delay:g}s restarting failed container={self.name} "
-                                                    f"pod={worker.name}_{worker.namespace}({worker.uid})")
-                await worker.event("Warning", "BackOff", "Back-off restarting failed container "
-                                   f"{self.name} in pod {worker.name}_{worker.namespace}({worker.uid})",
-                                   container=self.name)
+                self.waiting = (
+                    "CrashLoopBackOff",
+                    f"back-off {delay:g}s restarting failed container={self.name} "
+                    f"pod={worker.name}_{worker.namespace}({worker.uid})",
+                )
+                await worker.event(
+                    "Warning",
+                    "BackOff",
+                    "Back-off restarting failed container "
+                    f"{self.name} in pod {worker.name}_{worker.namespace}({worker.uid})",
+                    container=self.name,
+                )
                 worker.changed()
                 await worker.sleep(delay)
             self.restart_count += 1
@@ -218,8 +230,12 @@ class ContainerRunner:
         shutil.rmtree(cdir, ignore_errors=True)  # a container restart starts from a fresh writable layer
         for sub in ("upper", "work", "rootfs"):
             (cdir / sub).mkdir(parents=True, exist_ok=True)
-        layers = {"lower": "/", "upper": str(cdir / "upper"), "work": str(cdir / "work"),
-                  "mountpoint": str(cdir / "rootfs")}
+        layers = {
+            "lower": "/",
+            "upper": str(cdir / "upper"),
+            "work": str(cdir / "work"),
+            "mountpoint": str(cdir / "rootfs"),
+        }
         spec = podrun_spec(self.spec, image, env, box, layers=layers, pid_file=str(cdir / "pid"))
         self.uid, self.gid = spec["uid"], spec["gid"]
         (cdir / "spec.json").write_text(json.dumps(spec, indent=1))
@@ -227,8 +243,15 @@ class ContainerRunner:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             self.proc = await asyncio.create_subprocess_exec(
-                kubelet.config.python, "-m", "maru_localcluster.podrun", "run", str(cdir / "spec.json"),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                kubelet.config.python,
+                "-m",
+                "maru_localcluster.podrun",
+                "run",
+                str(cdir / "spec.json"),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
                 env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": os.environ.get("PATH", "")},
             )
         self.pid_file = cdir / "pid"
@@ -247,10 +270,15 @@ class ContainerRunner:
     async def _supervise(self) -> int:
         """Wait for the container to exit while its probes run; returns its exit code."""
         assert self.proc is not None
-        probes = [] if self.init else [
-            asyncio.get_running_loop().create_task(self._probe_loop(kind))
-            for kind in ("startupProbe", "readinessProbe", "livenessProbe") if self.spec.get(kind)
-        ]
+        probes = (
+            []
+            if self.init
+            else [
+                asyncio.get_running_loop().create_task(self._probe_loop(kind))
+                for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+                if self.spec.get(kind)
+            ]
+        )
         if not self.init and not self.spec.get("readinessProbe"):
             self.ready = self.started
         code = await self.proc.wait()
@@ -260,8 +288,14 @@ class ContainerRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         message = self._log_tail() if code != 0 else ""
-        self.terminated = Terminated(code, "Completed" if code == 0 else "Error", self.started_at, _stamp(),
-                                     f"local://{self.container_id}", message)
+        self.terminated = Terminated(
+            code,
+            "Completed" if code == 0 else "Error",
+            self.started_at,
+            _stamp(),
+            f"local://{self.container_id}",
+            message,
+        )
         self.ready = False
         self.proc = None
         self.host_pid = None
@@ -321,8 +355,9 @@ class ContainerRunner:
         probe = {**hook, "timeoutSeconds": grace}
         ok, detail = await run_probe(probe, self.spec, self.worker.ip, exec_prefix(pid, self.uid, self.gid))
         if not ok:
-            await self.worker.event("Warning", "FailedPreStopHook",
-                                    f"PreStopHook failed: {detail}", container=self.name)
+            await self.worker.event(
+                "Warning", "FailedPreStopHook", f"PreStopHook failed: {detail}", container=self.name
+            )
 
     # --- probes
 
@@ -333,8 +368,11 @@ class ContainerRunner:
         failure_threshold = setting(probe, "failureThreshold")
         if fast and kind in ("startupProbe", "readinessProbe") and period > FAST_PROBE_PERIOD_S:
             # Same time budget, probed more often: a pod is Ready within a second of answering.
-            failure_threshold = max(failure_threshold, failure_threshold * period / FAST_PROBE_PERIOD_S) \
-                if kind == "startupProbe" else failure_threshold
+            failure_threshold = (
+                max(failure_threshold, failure_threshold * period / FAST_PROBE_PERIOD_S)
+                if kind == "startupProbe"
+                else failure_threshold
+            )
             period = FAST_PROBE_PERIOD_S
         success_threshold = setting(probe, "successThreshold")
         await asyncio.sleep(setting(probe, "initialDelaySeconds"))
@@ -351,8 +389,9 @@ class ContainerRunner:
             else:
                 failures, successes = failures + 1, 0
                 if kind != "startupProbe" or failures >= failure_threshold:
-                    await worker.event("Warning", "Unhealthy",
-                                       f"{kind[:-5].capitalize()} probe failed: {detail}", container=self.name)
+                    await worker.event(
+                        "Warning", "Unhealthy", f"{kind[:-5].capitalize()} probe failed: {detail}", container=self.name
+                    )
             if kind == "startupProbe":
                 if ok:
                     self.started = True
@@ -386,8 +425,9 @@ class ContainerRunner:
         if self.proc is not None and self.proc.returncode is None and self.waiting is None:
             state = {"running": {"startedAt": self.started_at}}
         elif self.waiting is not None and not self.done:
-            state = {"waiting": {"reason": self.waiting[0], **({"message": self.waiting[1]} if self.waiting[1]
-                                                               else {})}}
+            state = {
+                "waiting": {"reason": self.waiting[0], **({"message": self.waiting[1]} if self.waiting[1] else {})}
+            }
         elif self.terminated is not None:
             state = {"terminated": self.terminated.as_state()}
         else:
@@ -559,8 +599,13 @@ class PodWorker:
         log = open(self.pod_dir / "sandbox.log", "ab")  # noqa: SIM115 - the child's from here on
         try:
             self.sandbox_proc = await asyncio.create_subprocess_exec(
-                *network.sandbox_argv(self.kubelet.config.python), stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                stderr=log, env=network.sandbox_env(), start_new_session=True)
+                *network.sandbox_argv(self.kubelet.config.python),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=network.sandbox_env(),
+                start_new_session=True,
+            )
         finally:
             log.close()
         deadline = time.monotonic() + 60
@@ -570,8 +615,9 @@ class PodWorker:
                 raise network.NetworkSetupError(f"the sandbox process did not get its namespace: {tail}")
             await asyncio.sleep(0.01)
         cidr = self.kubelet.addresses.network
-        await network.attach_pod(self.sandbox_proc.pid, self.uid, self.ip, cidr.prefixlen,
-                                 self.kubelet.config.node_address)
+        await network.attach_pod(
+            self.sandbox_proc.pid, self.uid, self.ip, cidr.prefixlen, self.kubelet.config.node_address
+        )
 
     async def _remove_network(self) -> None:
         """The sandbox ends; with its last process the namespace goes, and the veth with it."""
@@ -587,8 +633,12 @@ class PodWorker:
             # A Service changing while a deleted pod waited for its final delete rewrote the hosts file
             # of a removed folder: FileNotFoundError ended the kubelet, and every pod of its node.
             return
-        lines = ["# Kubernetes-managed hosts file (local cluster): this pod and the cluster's Services.",
-                 "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{self.ip}\t{self.hostname}"]
+        lines = [
+            "# Kubernetes-managed hosts file (local cluster): this pod and the cluster's Services.",
+            "127.0.0.1\tlocalhost",
+            "::1\tlocalhost ip6-localhost ip6-loopback",
+            f"{self.ip}\t{self.hostname}",
+        ]
         for svc in sorted(self.kubelet.services.objects.values(), key=Informer.key):
             ip = (svc.get("spec") or {}).get("clusterIP")
             if not ip or ip == "None":
@@ -610,9 +660,16 @@ class PodWorker:
 
     def context(self) -> PodContext:
         kubelet = self.kubelet
-        return PodContext(pod=self.pod, pod_dir=self.pod_dir, node_root=kubelet.node_root, api=kubelet.api,
-                          ca_pem=kubelet.ca_pem, standin_devices=frozenset(kubelet.config.standin_devices),
-                          memory_bytes=kubelet.memory, csi_plugins=kubelet.csi_plugins)
+        return PodContext(
+            pod=self.pod,
+            pod_dir=self.pod_dir,
+            node_root=kubelet.node_root,
+            api=kubelet.api,
+            ca_pem=kubelet.ca_pem,
+            standin_devices=frozenset(kubelet.config.standin_devices),
+            memory_bytes=kubelet.memory,
+            csi_plugins=kubelet.csi_plugins,
+        )
 
     async def _setup_volumes(self) -> None:
         ctx = self.context()
@@ -621,18 +678,29 @@ class PodWorker:
                 self.volume_paths[volume["name"]] = await handler_for(volume).setup(ctx, volume)
 
     def sandbox(self) -> Sandbox:
-        services = [s for s in self.kubelet.services.objects.values()
-                    if s["metadata"]["namespace"] == self.namespace]
+        services = [s for s in self.kubelet.services.objects.values() if s["metadata"]["namespace"] == self.namespace]
         # The kubelet knows the pod's addresses before the API does: the downward API reads them from here.
-        addresses = {"podIP": self.ip, "podIPs": [{"ip": self.ip}], "hostIP": self.kubelet.config.node_address,
-                     "hostIPs": [{"ip": self.kubelet.config.node_address}]}
+        addresses = {
+            "podIP": self.ip,
+            "podIPs": [{"ip": self.ip}],
+            "hostIP": self.kubelet.config.node_address,
+            "hostIPs": [{"ip": self.kubelet.config.node_address}],
+        }
         pod = {**self.pod, "status": {**(self.pod.get("status") or {}), **addresses}}
         netns = network.netns_path(self.sandbox_proc.pid) if self.sandbox_proc is not None else None
         return Sandbox(
-            pod=pod, pod_ip=self.ip, netns=netns, hostname=self.hostname, hosts_file=str(self.pod_dir / "hosts"),
-            hostname_file=str(self.pod_dir / "hostname"), resolv_file=str(self.pod_dir / "resolv.conf"),
-            shm_dir=str(self.pod_dir / "shm"), volume_paths=dict(self.volume_paths), services=services,
-            kubernetes_service=self.kubelet.config.kubernetes_service, node_cpus=os.cpu_count() or 1,
+            pod=pod,
+            pod_ip=self.ip,
+            netns=netns,
+            hostname=self.hostname,
+            hosts_file=str(self.pod_dir / "hosts"),
+            hostname_file=str(self.pod_dir / "hostname"),
+            resolv_file=str(self.pod_dir / "resolv.conf"),
+            shm_dir=str(self.pod_dir / "shm"),
+            volume_paths=dict(self.volume_paths),
+            services=services,
+            kubernetes_service=self.kubelet.config.kubernetes_service,
+            node_cpus=os.cpu_count() or 1,
             node_memory=self.kubelet.memory,
         )
 
@@ -673,7 +741,8 @@ class PodWorker:
             try:
                 await self.kubelet.api.delete(
                     f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
-                    {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
+                    {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}},
+                )
             except ApiError as err:
                 if err.status != 409:
                     log.warning("pod %s: final delete failed: %s", self.key, err)
@@ -703,9 +772,12 @@ class PodWorker:
         def cond(type_: str, ok: bool, reason: str = "") -> JsonObj:
             prev = conds.get(type_) or {}
             status = "True" if ok else "False"
-            out = {"type": type_, "status": status,
-                   "lastTransitionTime": prev.get("lastTransitionTime") if prev.get("status") == status else _stamp(),
-                   "lastProbeTime": None}
+            out = {
+                "type": type_,
+                "status": status,
+                "lastTransitionTime": prev.get("lastTransitionTime") if prev.get("status") == status else _stamp(),
+                "lastProbeTime": None,
+            }
             if reason and not ok:
                 out["reason"] = reason
             return out
@@ -749,15 +821,22 @@ class PodWorker:
         if self.gone:
             return
         status = self.status()
-        comparable = {**status, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
-                                                for c in status["conditions"]]}
+        comparable = {
+            **status,
+            "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status["conditions"]],
+        }
         if comparable == self._last_status:
             return
-        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": self.name, "namespace": self.namespace},
-                "status": status}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "status": status,
+        }
         try:
             updated = await self.kubelet.api.replace(
-                f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status", body)
+                f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status", body
+            )
             self._last_status = comparable
             if isinstance(updated, dict) and updated.get("metadata", {}).get("uid") == self.uid:
                 self.pod = {**self.pod, "status": updated.get("status", status)}
@@ -814,19 +893,22 @@ class Kubelet:
         data = obj.get("data") or {}
         return dict(data) if kind == "configMap" else decode_secret(data)
 
-    async def record(self, obj: JsonObj, type_: str, reason: str, message: str, *,
-                     field_path: str | None = None) -> None:
+    async def record(
+        self, obj: JsonObj, type_: str, reason: str, message: str, *, field_path: str | None = None
+    ) -> None:
         try:
             repeat = self._recorder.repeat_of(obj, reason, message)
             ns = obj["metadata"].get("namespace") or "default"
             if repeat is not None:
                 ns, name, count = repeat
-                await self.api.merge_patch(f"/api/v1/namespaces/{ns}/events/{name}",
-                                           {"count": count + 1, "lastTimestamp": _stamp()})
+                await self.api.merge_patch(
+                    f"/api/v1/namespaces/{ns}/events/{name}", {"count": count + 1, "lastTimestamp": _stamp()}
+                )
                 self._recorder.remember(obj, reason, message, ns, name, count + 1)
                 return
-            body = events.event_body(obj, reason, message, component="kubelet", type_=type_,
-                                     host=self.config.node, field_path=field_path)
+            body = events.event_body(
+                obj, reason, message, component="kubelet", type_=type_, host=self.config.node, field_path=field_path
+            )
             created = await self.api.create(f"/api/v1/namespaces/{ns}/events", body)
             self._recorder.remember(obj, reason, message, ns, created["metadata"]["name"], 1)
         except Exception as err:  # events are best effort
@@ -840,38 +922,71 @@ class Kubelet:
         capacity = {"cpu": cpus, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
         stamp = _stamp()
         conditions = [
-            {"type": t, "status": "False", "reason": f"KubeletHas{r}", "message": m, "lastHeartbeatTime": stamp,
-             "lastTransitionTime": stamp}
-            for t, r, m in (("MemoryPressure", "SufficientMemory", "kubelet has sufficient memory available"),
-                            ("DiskPressure", "NoDiskPressure", "kubelet has no disk pressure"),
-                            ("PIDPressure", "SufficientPID", "kubelet has sufficient PID available"))
+            {
+                "type": t,
+                "status": "False",
+                "reason": f"KubeletHas{r}",
+                "message": m,
+                "lastHeartbeatTime": stamp,
+                "lastTransitionTime": stamp,
+            }
+            for t, r, m in (
+                ("MemoryPressure", "SufficientMemory", "kubelet has sufficient memory available"),
+                ("DiskPressure", "NoDiskPressure", "kubelet has no disk pressure"),
+                ("PIDPressure", "SufficientPID", "kubelet has sufficient PID available"),
+            )
         ]
-        conditions.append({"type": "Ready", "status": "True" if ready else "Unknown",
-                           "reason": "KubeletReady" if ready else "NodeStatusUnknown", "message": message,
-                           "lastHeartbeatTime": stamp, "lastTransitionTime": stamp})
+        conditions.append(
+            {
+                "type": "Ready",
+                "status": "True" if ready else "Unknown",
+                "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+                "message": message,
+                "lastHeartbeatTime": stamp,
+                "lastTransitionTime": stamp,
+            }
+        )
         return {
             "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": self.config.node_address},
-                          {"type": "Hostname", "address": self.config.node}],
-            "capacity": capacity, "allocatable": capacity,
+            "addresses": [
+                {"type": "InternalIP", "address": self.config.node_address},
+                {"type": "Hostname", "address": self.config.node},
+            ],
+            "capacity": capacity,
+            "allocatable": capacity,
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
-            "nodeInfo": {"kubeletVersion": "v1.35.0-local", "containerRuntimeVersion": "podrun://1",
-                         "operatingSystem": "linux", "architecture": os.uname().machine,
-                         "kernelVersion": os.uname().release, "osImage": "maru local cluster",
-                         "machineID": "", "systemUUID": "", "bootID": "", "kubeProxyVersion": ""},
+            "nodeInfo": {
+                "kubeletVersion": "v1.35.0-local",
+                "containerRuntimeVersion": "podrun://1",
+                "operatingSystem": "linux",
+                "architecture": os.uname().machine,
+                "kernelVersion": os.uname().release,
+                "osImage": "maru local cluster",
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+                "kubeProxyVersion": "",
+            },
         }
 
     async def register(self) -> None:
         name = self.config.node
-        labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                  "kubernetes.io/arch": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine,
-                                                                                   os.uname().machine),
-                  **self.config.labels}
+        labels = {
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
+            **self.config.labels,
+        }
         spec: JsonObj = {"podCIDR": self.config.pod_cidr, "podCIDRs": [self.config.pod_cidr]}
         if self.config.taints:
             spec["taints"] = self.config.taints
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": spec,
-                "status": self._node_status(True, "kubelet is posting ready status")}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": labels},
+            "spec": spec,
+            "status": self._node_status(True, "kubelet is posting ready status"),
+        }
         existing = await self.api.get(f"/api/v1/nodes/{name}")
         if existing is None:
             await self.api.create("/api/v1/nodes", body)
@@ -881,8 +996,12 @@ class Kubelet:
 
     async def mark_not_ready(self) -> None:
         name = self.config.node
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                "status": self._node_status(False, "Kubelet stopped posting node status.")}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name},
+            "status": self._node_status(False, "Kubelet stopped posting node status."),
+        }
         with contextlib.suppress(Exception):
             await self.api.replace(f"/api/v1/nodes/{name}/status", body)
 
@@ -930,8 +1049,9 @@ class Kubelet:
             self.api = api
             await self.register()
             self.services = Informer(api, "/api/v1/services", on_change=self.services_changed)
-            self.pods = Informer(api, "/api/v1/pods", field_selector=f"spec.nodeName={self.config.node}",
-                                 on_change=self.wake)
+            self.pods = Informer(
+                api, "/api/v1/pods", field_selector=f"spec.nodeName={self.config.node}", on_change=self.wake
+            )
             self.services.start()
             await self.services.synced.wait()
             self.pods.start()
@@ -968,6 +1088,7 @@ def start_csi_plugins(config: KubeletConfig) -> list[subprocess.Popen[bytes]]:
     In a cluster they are DaemonSet pods with Bidirectional mount propagation, registered with the
     kubelet by node-driver-registrar; here the kubelet starts them and knows their sockets.
     """
+
     def die_with_kubelet() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
 
@@ -976,8 +1097,13 @@ def start_csi_plugins(config: KubeletConfig) -> list[subprocess.Popen[bytes]]:
         socket_path = plugin["endpoint"].removeprefix("unix://")
         Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
         with open(Path(config.state_dir) / f"csi-{plugin['driver']}.log", "ab") as log:
-            proc = subprocess.Popen(plugin["argv"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=die_with_kubelet)
+            proc = subprocess.Popen(
+                plugin["argv"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_kubelet,
+            )
         deadline = time.monotonic() + 60
         while not os.path.exists(socket_path):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -993,8 +1119,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m maru_localcluster.kubelet CONFIG.json", file=sys.stderr)
         return 2
     config = KubeletConfig.load(args[0])
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s kubelet[{config.node}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s kubelet[{config.node}] %(name)s: %(message)s",
+    )
     # Die with whoever started the cluster: a SIGTERM, so the pods still get their shutdown.
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
     _private_mounts()

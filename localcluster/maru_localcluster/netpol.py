@@ -138,7 +138,8 @@ class Network:
         if egress is not None and not any(
             self._port_matches(rule.get("ports"), dst, port, protocol)
             and (not rule.get("to") or any(self._peer_matches(p, str(src.namespace), dst) for p in rule["to"]))
-            for policy in egress for rule in (policy["spec"].get("egress") or [])
+            for policy in egress
+            for rule in (policy["spec"].get("egress") or [])
         ):
             names = ", ".join(p["metadata"]["name"] for p in egress)
             return f"egress of {src} (isolated by {names}) admits no {dst}:{port}/{protocol}"
@@ -146,7 +147,8 @@ class Network:
         if ingress is not None and not any(
             self._port_matches(rule.get("ports"), dst, port, protocol)
             and (not rule.get("from") or any(self._peer_matches(p, str(dst.namespace), src) for p in rule["from"]))
-            for policy in ingress for rule in (policy["spec"].get("ingress") or [])
+            for policy in ingress
+            for rule in (policy["spec"].get("ingress") or [])
         ):
             names = ", ".join(p["metadata"]["name"] for p in ingress)
             return f"ingress of {dst} (isolated by {names}) admits no {src} on {port}/{protocol}"

@@ -65,8 +65,9 @@ class NetworkSetupError(RuntimeError):
 
 def ip_command() -> str | None:
     """The ``ip`` program (iproute2), or None when this machine lacks it."""
-    return shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip") if os.path.exists(p)),
-                                      None)
+    return shutil.which("ip") or next(
+        (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip") if os.path.exists(p)), None
+    )
 
 
 def node_address(index: int) -> str:
@@ -205,15 +206,17 @@ def ip_batch(commands: list[str], netns: str | None = None) -> list[str]:
 
 
 def run_ip(commands: list[str], netns: str | None = None) -> None:
-    result = subprocess.run(ip_batch(commands, netns), input="\n".join(commands) + "\n", capture_output=True,
-                            text=True, timeout=30)
+    result = subprocess.run(
+        ip_batch(commands, netns), input="\n".join(commands) + "\n", capture_output=True, text=True, timeout=30
+    )
     if result.returncode != 0:
         raise NetworkSetupError(f"ip {commands}: {result.stderr.strip() or result.stdout.strip()}")
 
 
 async def run_ip_async(commands: list[str], netns: str | None = None) -> None:
-    proc = await asyncio.create_subprocess_exec(*ip_batch(commands, netns), stdin=subprocess.PIPE,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        *ip_batch(commands, netns), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     out, _ = await proc.communicate(("\n".join(commands) + "\n").encode())
     if proc.returncode != 0:
         raise NetworkSetupError(f"ip {commands}: {out.decode(errors='replace').strip()}")
@@ -223,8 +226,13 @@ def set_sysctl(netns: str, key: str, value: str) -> None:
     """A per-namespace sysctl (``net.ipv4.ip_forward``), written from inside ``netns``."""
     path = "/proc/sys/" + key.replace(".", "/")
     # A child inside the namespace writes it: /proc/sys/net shows the namespace of whoever opens it.
-    subprocess.run(["/bin/sh", "-c", f"echo {value} > {path}"], preexec_fn=lambda: enter_in_child(netns),
-                   check=True, timeout=30, capture_output=True)
+    subprocess.run(
+        ["/bin/sh", "-c", f"echo {value} > {path}"],
+        preexec_fn=lambda: enter_in_child(netns),
+        check=True,
+        timeout=30,
+        capture_output=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------ cluster
@@ -240,8 +248,13 @@ class ClusterNetwork:
     def start(self) -> ClusterNetwork:
         if ip_command() is None:
             raise NetworkSetupError("the 'ip' program (iproute2) is missing: apt-get install iproute2")
-        self._holder = subprocess.Popen(sandbox_argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, env=sandbox_env())
+        self._holder = subprocess.Popen(
+            sandbox_argv(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=sandbox_env(),
+        )
         self.path = netns_path(self._holder.pid)
         deadline = time.monotonic() + 30
         while not has_own_netns(self._holder.pid):
@@ -251,13 +264,16 @@ class ClusterNetwork:
                 self.stop()
                 raise NetworkSetupError(f"the cluster network could not be created: {why}")
             time.sleep(0.005)
-        run_ip([
-            "link set lo up",
-            f"addr add {CONTROL_PLANE_ADDRESS}/32 dev lo",
-            f"addr add {SERVICE_NETWORK} dev lo",
-            f"link add {BRIDGE} type bridge",
-            f"link set {BRIDGE} up",
-        ], self.path)
+        run_ip(
+            [
+                "link set lo up",
+                f"addr add {CONTROL_PLANE_ADDRESS}/32 dev lo",
+                f"addr add {SERVICE_NETWORK} dev lo",
+                f"link add {BRIDGE} type bridge",
+                f"link set {BRIDGE} up",
+            ],
+            self.path,
+        )
         set_sysctl(self.path, "net.ipv4.ip_forward", "1")  # pods of different nodes reach each other
         return self
 
@@ -290,14 +306,22 @@ async def attach_pod(sandbox_pid: int, pod_uid: str, ip: str, prefix_len: int, g
     Runs inside the cluster network (the kubelet does): the veth's first end stays there.
     """
     outside = veth_name(pod_uid)
-    await run_ip_async([f"link add {outside} type veth peer name eth0 netns {sandbox_pid}",
-                        f"link set {outside} master {BRIDGE}", f"link set {outside} up"])
-    await run_ip_async([
-        "link set lo up",
-        f"addr add {ip}/{prefix_len} dev eth0",
-        "link set eth0 up",
-        f"route add default via {gateway} dev eth0",
-    ], netns_path(sandbox_pid))
+    await run_ip_async(
+        [
+            f"link add {outside} type veth peer name eth0 netns {sandbox_pid}",
+            f"link set {outside} master {BRIDGE}",
+            f"link set {outside} up",
+        ]
+    )
+    await run_ip_async(
+        [
+            "link set lo up",
+            f"addr add {ip}/{prefix_len} dev eth0",
+            "link set eth0 up",
+            f"route add default via {gateway} dev eth0",
+        ],
+        netns_path(sandbox_pid),
+    )
 
 
 # ------------------------------------------------------------------------------------------ doors
@@ -337,8 +361,9 @@ class Doors:
         self._servers.append(server)
         return int(server.sockets[0].getsockname()[1])
 
-    async def _forward(self, host: str, port: int, client_r: asyncio.StreamReader,
-                       client_w: asyncio.StreamWriter) -> None:
+    async def _forward(
+        self, host: str, port: int, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
+    ) -> None:
         sock = socket_in(self.netns)
         sock.setblocking(False)
         try:
@@ -362,8 +387,12 @@ class Doors:
             self._thread.join(10)
 
 
-async def splice(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter, b_reader: asyncio.StreamReader,
-                 b_writer: asyncio.StreamWriter) -> None:
+async def splice(
+    a_reader: asyncio.StreamReader,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+) -> None:
     """Copy both ways between two connections until both directions end, then close both."""
     await asyncio.gather(_pipe(a_reader, b_writer), _pipe(b_reader, a_writer))
     for writer in (a_writer, b_writer):

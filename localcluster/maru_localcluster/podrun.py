@@ -58,18 +58,66 @@ _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 # Device nodes every container gets (what runc puts into a container's /dev).
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 # The capability bounding set containerd gives a root container by default.
-DEFAULT_CAPABILITIES = frozenset({
-    "CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID", "SETUID", "SETFCAP",
-    "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL", "AUDIT_WRITE",
-})
+DEFAULT_CAPABILITIES = frozenset(
+    {
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FSETID",
+        "FOWNER",
+        "MKNOD",
+        "NET_RAW",
+        "SETGID",
+        "SETUID",
+        "SETFCAP",
+        "SETPCAP",
+        "NET_BIND_SERVICE",
+        "SYS_CHROOT",
+        "KILL",
+        "AUDIT_WRITE",
+    }
+)
 CAPABILITY_NUMBERS = {
-    "CHOWN": 0, "DAC_OVERRIDE": 1, "DAC_READ_SEARCH": 2, "FOWNER": 3, "FSETID": 4, "KILL": 5, "SETGID": 6,
-    "SETUID": 7, "SETPCAP": 8, "LINUX_IMMUTABLE": 9, "NET_BIND_SERVICE": 10, "NET_BROADCAST": 11,
-    "NET_ADMIN": 12, "NET_RAW": 13, "IPC_LOCK": 14, "IPC_OWNER": 15, "SYS_MODULE": 16, "SYS_RAWIO": 17,
-    "SYS_CHROOT": 18, "SYS_PTRACE": 19, "SYS_PACCT": 20, "SYS_ADMIN": 21, "SYS_BOOT": 22, "SYS_NICE": 23,
-    "SYS_RESOURCE": 24, "SYS_TIME": 25, "SYS_TTY_CONFIG": 26, "MKNOD": 27, "LEASE": 28, "AUDIT_WRITE": 29,
-    "AUDIT_CONTROL": 30, "SETFCAP": 31, "MAC_OVERRIDE": 32, "MAC_ADMIN": 33, "SYSLOG": 34, "WAKE_ALARM": 35,
-    "BLOCK_SUSPEND": 36, "AUDIT_READ": 37, "PERFMON": 38, "BPF": 39, "CHECKPOINT_RESTORE": 40,
+    "CHOWN": 0,
+    "DAC_OVERRIDE": 1,
+    "DAC_READ_SEARCH": 2,
+    "FOWNER": 3,
+    "FSETID": 4,
+    "KILL": 5,
+    "SETGID": 6,
+    "SETUID": 7,
+    "SETPCAP": 8,
+    "LINUX_IMMUTABLE": 9,
+    "NET_BIND_SERVICE": 10,
+    "NET_BROADCAST": 11,
+    "NET_ADMIN": 12,
+    "NET_RAW": 13,
+    "IPC_LOCK": 14,
+    "IPC_OWNER": 15,
+    "SYS_MODULE": 16,
+    "SYS_RAWIO": 17,
+    "SYS_CHROOT": 18,
+    "SYS_PTRACE": 19,
+    "SYS_PACCT": 20,
+    "SYS_ADMIN": 21,
+    "SYS_BOOT": 22,
+    "SYS_NICE": 23,
+    "SYS_RESOURCE": 24,
+    "SYS_TIME": 25,
+    "SYS_TTY_CONFIG": 26,
+    "MKNOD": 27,
+    "LEASE": 28,
+    "AUDIT_WRITE": 29,
+    "AUDIT_CONTROL": 30,
+    "SETFCAP": 31,
+    "MAC_OVERRIDE": 32,
+    "MAC_ADMIN": 33,
+    "SYSLOG": 34,
+    "WAKE_ALARM": 35,
+    "BLOCK_SUSPEND": 36,
+    "AUDIT_READ": 37,
+    "PERFMON": 38,
+    "BPF": 39,
+    "CHECKPOINT_RESTORE": 40,
 }
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -85,8 +133,16 @@ def _check(result: int, what: str) -> None:
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
-                       flags, data.encode() if data else None), f"mount {source or fstype} on {target}")
+    _check(
+        _libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
+        f"mount {source or fstype} on {target}",
+    )
 
 
 def umount(target: str, flags: int = MNT_DETACH) -> None:
@@ -158,8 +214,9 @@ def build_root(spec: dict[str, Any]) -> str:
     """The container's root filesystem, mounted at ``spec['rootfs']['mountpoint']``; returns that path."""
     layers = spec["rootfs"]
     root = layers["mountpoint"]
-    mount("overlay", root, "overlay", 0,
-          f"lowerdir={layers['lower']},upperdir={layers['upper']},workdir={layers['work']}")
+    mount(
+        "overlay", root, "overlay", 0, f"lowerdir={layers['lower']},upperdir={layers['upper']},workdir={layers['work']}"
+    )
     # /proc is mounted by PID 1 itself (it belongs to the new PID namespace).
     os.makedirs(_target(root, "/proc"), exist_ok=True)
     _bind("/sys", _target(root, "/sys"), readonly=True, recursive=True)
@@ -169,8 +226,13 @@ def build_root(spec: dict[str, Any]) -> str:
     for name in DEVICES:
         if os.path.exists(f"/dev/{name}"):
             _bind(f"/dev/{name}", os.path.join(dev, name), readonly=False)
-    for link, to in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                     ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
+    for link, to in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ):
         os.symlink(to, os.path.join(dev, link))
     # Volumes last and shallow first, so /dev/shm lands inside /dev and a volume can replace it.
     for m in sorted(spec["mounts"], key=lambda m: m["target"].rstrip("/").count("/")):

@@ -11,8 +11,13 @@ import aiohttp
 
 JsonObj = dict[str, Any]
 
-DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1, "successThreshold": 1,
-            "failureThreshold": 3}
+DEFAULTS = {
+    "initialDelaySeconds": 0,
+    "periodSeconds": 10,
+    "timeoutSeconds": 1,
+    "successThreshold": 1,
+    "failureThreshold": 3,
+}
 
 
 def setting(probe: JsonObj, key: str) -> float:
@@ -56,15 +61,17 @@ async def _http(get: JsonObj, container: JsonObj, pod_ip: str, timeout: float) -
     headers = {h["name"]: h["value"] for h in get.get("httpHeaders") or []}
     headers.setdefault("User-Agent", "kube-probe/1.35")
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, \
-                session.get(url, headers=headers, ssl=False, allow_redirects=False) as resp:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(url, headers=headers, ssl=False, allow_redirects=False) as resp,
+        ):
             await resp.read()
             ok = 200 <= resp.status < 400
             return ok, f"HTTP probe {url} answered {resp.status}"
     except TimeoutError:
-        return False, f"Get \"{url}\": context deadline exceeded (Client.Timeout exceeded while awaiting headers)"
+        return False, f'Get "{url}": context deadline exceeded (Client.Timeout exceeded while awaiting headers)'
     except (aiohttp.ClientError, OSError) as err:
-        return False, f"Get \"{url}\": {err}"
+        return False, f'Get "{url}": {err}'
 
 
 async def _tcp(sock: JsonObj, container: JsonObj, pod_ip: str, timeout: float) -> tuple[bool, str]:
@@ -81,8 +88,7 @@ async def _tcp(sock: JsonObj, container: JsonObj, pod_ip: str, timeout: float) -
 
 
 async def _exec(argv: list[str], timeout: float) -> tuple[bool, str]:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

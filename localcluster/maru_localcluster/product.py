@@ -44,8 +44,10 @@ def activity(cluster: LocalCluster) -> Hashable:
     pods = []
     for pod in cluster.kube.list("pods"):
         status = pod.get("status") or {}
-        containers = tuple((c.get("name"), c.get("ready"), c.get("restartCount"), tuple(c.get("state") or {}))
-                           for c in status.get("containerStatuses") or [])
+        containers = tuple(
+            (c.get("name"), c.get("ready"), c.get("restartCount"), tuple(c.get("state") or {}))
+            for c in status.get("containerStatuses") or []
+        )
         pods.append((pod["metadata"]["namespace"], pod["metadata"]["name"], status.get("phase"), containers))
     log_bytes = 0
     for log in cluster.workdir.glob("nodes/*/logs/*/*/*.log"):
@@ -60,8 +62,14 @@ class ProgressClock:
     """Says when a wait should give up: ``progress`` (default :func:`activity`) unchanged for ``stall_s``,
     or ``ceiling_s`` in all."""
 
-    def __init__(self, cluster: LocalCluster, *, stall_s: float = STALL_S, ceiling_s: float = CEILING_S,
-                 progress: Callable[[], Hashable] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        *,
+        stall_s: float = STALL_S,
+        ceiling_s: float = CEILING_S,
+        progress: Callable[[], Hashable] | None = None,
+    ) -> None:
         self.sample = progress or (lambda: activity(cluster))
         self.stall_s, self.ceiling_s = stall_s, ceiling_s
         self.started = self.last_change = time.monotonic()
@@ -83,9 +91,17 @@ class ProgressClock:
         return time.monotonic() - self.started
 
 
-def wait_for(what: str, check: Callable[[], T], cluster: LocalCluster, *, stall_s: float = STALL_S,
-             ceiling_s: float = CEILING_S, explain: Callable[[], str] | None = None,
-             progress: Callable[[], Hashable] | None = None, poll_s: float = 0.5) -> T:
+def wait_for(
+    what: str,
+    check: Callable[[], T],
+    cluster: LocalCluster,
+    *,
+    stall_s: float = STALL_S,
+    ceiling_s: float = CEILING_S,
+    explain: Callable[[], str] | None = None,
+    progress: Callable[[], Hashable] | None = None,
+    poll_s: float = 0.5,
+) -> T:
     """Poll ``check`` until it returns something truthy, for as long as the cluster makes progress.
 
     ``progress`` (default: :func:`activity`) is sampled at every poll; the wait fails when it has not
@@ -121,11 +137,26 @@ def install_cluster_objects(cluster: LocalCluster) -> None:
     csi.maru.io, which vLLM pods' socket volumes need (the node plugin itself runs with each kubelet), and
     the routers' ClusterRole, which the operator binds to each router."""
     rendered = subprocess.run(
-        [str(tools.helm_path()), "template", "maru-operator", str(REPO_ROOT / "charts" / "maru-operator"),
-         "--show-only", "templates/csi-driver.yaml", "--show-only", "templates/rbac.yaml"],
-        capture_output=True, text=True, check=True, timeout=60)
-    wanted = [d for d in yaml.safe_load_all(rendered.stdout)
-              if d and (d["kind"] == "CSIDriver" or d["metadata"]["name"] == "maru-operator-router")]
+        [
+            str(tools.helm_path()),
+            "template",
+            "maru-operator",
+            str(REPO_ROOT / "charts" / "maru-operator"),
+            "--show-only",
+            "templates/csi-driver.yaml",
+            "--show-only",
+            "templates/rbac.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    wanted = [
+        d
+        for d in yaml.safe_load_all(rendered.stdout)
+        if d and (d["kind"] == "CSIDriver" or d["metadata"]["name"] == "maru-operator-router")
+    ]
     cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(wanted))
 
 
@@ -141,14 +172,32 @@ class OperatorProcess:
     daemons' status endpoints at their pod addresses, as the operator's pod does in a cluster.
     """
 
-    def __init__(self, cluster: LocalCluster, log_path: Path, *, pool_namespace: str = POOL_NAMESPACE,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        log_path: Path,
+        *,
+        pool_namespace: str = POOL_NAMESPACE,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.cluster = cluster
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", pool_namespace,
-                     # Not a pod: it shares the cluster network with the node components, so a free port.
-                     "--liveness", f"http://127.0.0.1:{free_port()}/healthz", "--metrics-port", "0",
-                     "--resync-seconds", "10", *extra_args]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "maru_operator",
+            "run",
+            "--pool-namespace",
+            pool_namespace,
+            # Not a pod: it shares the cluster network with the node components, so a free port.
+            "--liveness",
+            f"http://127.0.0.1:{free_port()}/healthz",
+            "--metrics-port",
+            "0",
+            "--resync-seconds",
+            "10",
+            *extra_args,
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> OperatorProcess:
@@ -160,8 +209,15 @@ class OperatorProcess:
     def start(self) -> OperatorProcess:
         env = self.cluster.inside_env(PYTHONPATH=os.pathsep.join(package_roots()))
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True, preexec_fn=self.cluster.inside_preexec())
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self.cluster.inside_preexec(),
+            )
         return self
 
     def alive(self) -> bool:
@@ -207,8 +263,10 @@ def why_not_ready(cluster: LocalCluster) -> str:
             state = status.get("state") or {}
             if status.get("ready") and "running" in state:
                 continue
-            out.append(f"--- pod {meta['namespace']}/{meta['name']} container {status['name']}: "
-                       f"{state} restarts={status.get('restartCount')}")
+            out.append(
+                f"--- pod {meta['namespace']}/{meta['name']} container {status['name']}: "
+                f"{state} restarts={status.get('restartCount')}"
+            )
             for previous in (False, True):
                 try:
                     text = cluster.pod_log(meta["namespace"], meta["name"], status["name"], previous=previous)
@@ -219,8 +277,15 @@ def why_not_ready(cluster: LocalCluster) -> str:
     return "\n".join(out)
 
 
-def wait_ready(cluster: LocalCluster, resource: str, name: str, namespace: str | None = None, *,
-               stall_s: float = STALL_S, generation: int | None = None) -> dict[str, Any]:
+def wait_ready(
+    cluster: LocalCluster,
+    resource: str,
+    name: str,
+    namespace: str | None = None,
+    *,
+    stall_s: float = STALL_S,
+    generation: int | None = None,
+) -> dict[str, Any]:
     """Wait until the object is Ready (at ``generation``) while the cluster makes progress; the error
     shows the object's status, the pods and their logs."""
     where = f"{namespace}/{name}" if namespace else name
@@ -230,7 +295,9 @@ def wait_ready(cluster: LocalCluster, resource: str, name: str, namespace: str |
         return obj if obj is not None and is_ready(obj, generation) else None
 
     def explain() -> str:
-        return f"{resource} {where}: {(cluster.kube.get(resource, name, namespace) or {}).get('status')}\n" \
+        return (
+            f"{resource} {where}: {(cluster.kube.get(resource, name, namespace) or {}).get('status')}\n"
             + why_not_ready(cluster)
+        )
 
     return wait_for(f"{resource} {where} to be Ready", ready, cluster, stall_s=stall_s, explain=explain)

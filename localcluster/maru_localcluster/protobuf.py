@@ -15,7 +15,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-MAGIC = b'k8s\x00'
+MAGIC = b"k8s\x00"
 
 JsonObj = dict[str, Any]
 
@@ -28,7 +28,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(data):
-            raise ProtobufError('truncated varint')
+            raise ProtobufError("truncated varint")
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -49,16 +49,16 @@ def fields(data: bytes) -> list[tuple[int, int | bytes]]:
             out.append((number, value))
         elif wire == 2:
             length, pos = _varint(data, pos)
-            out.append((number, data[pos:pos + length]))
+            out.append((number, data[pos : pos + length]))
             pos += length
         elif wire == 1:
-            out.append((number, int.from_bytes(data[pos:pos + 8], 'little')))
+            out.append((number, int.from_bytes(data[pos : pos + 8], "little")))
             pos += 8
         elif wire == 5:
-            out.append((number, int.from_bytes(data[pos:pos + 4], 'little')))
+            out.append((number, int.from_bytes(data[pos : pos + 4], "little")))
             pos += 4
         else:
-            raise ProtobufError(f'unsupported wire type {wire}')
+            raise ProtobufError(f"unsupported wire type {wire}")
     return out
 
 
@@ -71,15 +71,16 @@ def _map(decode_value: Callable[[Any], Any]) -> Callable[[list[Any]], dict[str, 
         result: dict[str, Any] = {}
         for entry in entries:
             kv = dict(fields(entry))
-            result[_str(kv.get(1, b''))] = decode_value(kv.get(2, b''))
+            result[_str(kv.get(1, b""))] = decode_value(kv.get(2, b""))
         return result
+
     return decode
 
 
 def _time(v: Any) -> str:
     seconds = dict(fields(v)).get(1, 0)
     assert isinstance(seconds, int)
-    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # A schema maps field numbers to (json name, decoder, repeated?).
@@ -96,16 +97,17 @@ def _message(schema: Schema) -> Callable[[Any], JsonObj]:
             if number not in schema:
                 continue
             name, decoder, repeated = schema[number]
-            if getattr(decoder, 'is_map', False):
+            if getattr(decoder, "is_map", False):
                 result[name] = decoder(values)
             elif repeated:
                 result[name] = [decoder(v) for v in values]
             else:
                 value = decoder(values[-1])
                 # The Go marshaller writes empty strings and zeros; JSON omits them (omitempty).
-                if value not in ('', 0, False) or isinstance(value, dict):
+                if value not in ("", 0, False) or isinstance(value, dict):
                     result[name] = value
         return result
+
     return decode
 
 
@@ -122,44 +124,80 @@ def _b64(v: Any) -> str:
     return base64.b64encode(bytes(v)).decode()
 
 
-_OWNER_REF = _message({1: ('kind', _str, False), 3: ('name', _str, False), 4: ('uid', _str, False),
-                       5: ('apiVersion', _str, False), 6: ('controller', _bool, False),
-                       7: ('blockOwnerDeletion', _bool, False)})
-_OBJECT_META = _message({
-    1: ('name', _str, False), 2: ('generateName', _str, False), 3: ('namespace', _str, False),
-    5: ('uid', _str, False), 6: ('resourceVersion', _str, False), 7: ('generation', int, False),
-    8: ('creationTimestamp', _time, False),
-    11: ('labels', _as_map(_map(_str)), False), 12: ('annotations', _as_map(_map(_str)), False),
-    13: ('ownerReferences', _OWNER_REF, True), 14: ('finalizers', _str, True),
-})
-_LOCAL_REF = _message({1: ('name', _str, False)})
+_OWNER_REF = _message(
+    {
+        1: ("kind", _str, False),
+        3: ("name", _str, False),
+        4: ("uid", _str, False),
+        5: ("apiVersion", _str, False),
+        6: ("controller", _bool, False),
+        7: ("blockOwnerDeletion", _bool, False),
+    }
+)
+_OBJECT_META = _message(
+    {
+        1: ("name", _str, False),
+        2: ("generateName", _str, False),
+        3: ("namespace", _str, False),
+        5: ("uid", _str, False),
+        6: ("resourceVersion", _str, False),
+        7: ("generation", int, False),
+        8: ("creationTimestamp", _time, False),
+        11: ("labels", _as_map(_map(_str)), False),
+        12: ("annotations", _as_map(_map(_str)), False),
+        13: ("ownerReferences", _OWNER_REF, True),
+        14: ("finalizers", _str, True),
+    }
+)
+_LOCAL_REF = _message({1: ("name", _str, False)})
 _KINDS: dict[str, Callable[[Any], JsonObj]] = {
-    'DeleteOptions': _message({1: ('gracePeriodSeconds', int, False),
-                               2: ('preconditions', _message({1: ('uid', _str, False),
-                                                              2: ('resourceVersion', _str, False)}), False),
-                               3: ('orphanDependents', _bool, False), 4: ('propagationPolicy', _str, False),
-                               5: ('dryRun', _str, True)}),
-    'Namespace': _message({1: ('metadata', _OBJECT_META, False),
-                           2: ('spec', _message({1: ('finalizers', _str, True)}), False)}),
-    'ConfigMap': _message({1: ('metadata', _OBJECT_META, False), 2: ('data', _as_map(_map(_str)), False),
-                           3: ('binaryData', _as_map(_map(_b64)), False), 4: ('immutable', _bool, False)}),
-    'Secret': _message({1: ('metadata', _OBJECT_META, False), 2: ('data', _as_map(_map(_b64)), False),
-                        3: ('type', _str, False), 4: ('stringData', _as_map(_map(_str)), False),
-                        5: ('immutable', _bool, False)}),
-    'ServiceAccount': _message({1: ('metadata', _OBJECT_META, False),
-                                3: ('imagePullSecrets', _LOCAL_REF, True),
-                                4: ('automountServiceAccountToken', _bool, False)}),
+    "DeleteOptions": _message(
+        {
+            1: ("gracePeriodSeconds", int, False),
+            2: ("preconditions", _message({1: ("uid", _str, False), 2: ("resourceVersion", _str, False)}), False),
+            3: ("orphanDependents", _bool, False),
+            4: ("propagationPolicy", _str, False),
+            5: ("dryRun", _str, True),
+        }
+    ),
+    "Namespace": _message(
+        {1: ("metadata", _OBJECT_META, False), 2: ("spec", _message({1: ("finalizers", _str, True)}), False)}
+    ),
+    "ConfigMap": _message(
+        {
+            1: ("metadata", _OBJECT_META, False),
+            2: ("data", _as_map(_map(_str)), False),
+            3: ("binaryData", _as_map(_map(_b64)), False),
+            4: ("immutable", _bool, False),
+        }
+    ),
+    "Secret": _message(
+        {
+            1: ("metadata", _OBJECT_META, False),
+            2: ("data", _as_map(_map(_b64)), False),
+            3: ("type", _str, False),
+            4: ("stringData", _as_map(_map(_str)), False),
+            5: ("immutable", _bool, False),
+        }
+    ),
+    "ServiceAccount": _message(
+        {
+            1: ("metadata", _OBJECT_META, False),
+            3: ("imagePullSecrets", _LOCAL_REF, True),
+            4: ("automountServiceAccountToken", _bool, False),
+        }
+    ),
 }
 
 
 def decode(body: bytes) -> JsonObj:
     """A protobuf-encoded Kubernetes object as JSON; ProtobufError for the kinds not handled here."""
     if not body.startswith(MAGIC):
-        raise ProtobufError('not a Kubernetes protobuf envelope')
-    unknown = dict(fields(body[len(MAGIC):]))
-    type_meta = dict(fields(bytes(unknown.get(1, b''))))  # type: ignore[arg-type]
-    api_version, kind = _str(type_meta.get(1, b'')), _str(type_meta.get(2, b''))
+        raise ProtobufError("not a Kubernetes protobuf envelope")
+    unknown = dict(fields(body[len(MAGIC) :]))
+    type_meta = dict(fields(bytes(unknown.get(1, b""))))  # type: ignore[arg-type]
+    api_version, kind = _str(type_meta.get(1, b"")), _str(type_meta.get(2, b""))
     if kind not in _KINDS:
-        raise ProtobufError(f'protobuf bodies of kind {kind!r} are not decodable here')
-    obj = _KINDS[kind](unknown.get(2, b''))
-    return {'apiVersion': api_version, 'kind': kind, **obj}
+        raise ProtobufError(f"protobuf bodies of kind {kind!r} are not decodable here")
+    obj = _KINDS[kind](unknown.get(2, b""))
+    return {"apiVersion": api_version, "kind": kind, **obj}

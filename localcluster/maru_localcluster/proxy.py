@@ -41,8 +41,10 @@ class Proxy:
         ready, fallback = [], []
         for s in self.slices.objects.values():
             meta = s["metadata"]
-            if meta.get("namespace") != namespace or (meta.get("labels") or {}).get(
-                    "kubernetes.io/service-name") != service:
+            if (
+                meta.get("namespace") != namespace
+                or (meta.get("labels") or {}).get("kubernetes.io/service-name") != service
+            ):
                 continue
             port = next((p["port"] for p in s.get("ports") or [] if (p.get("name") or "") == port_name), None)
             if port is None:
@@ -79,8 +81,11 @@ class Proxy:
                 continue
             for port in spec.get("ports") or []:
                 if port.get("protocol", "TCP") == "TCP":
-                    out[(ip, int(port["port"]))] = (svc["metadata"]["namespace"], svc["metadata"]["name"],
-                                                   port.get("name") or "")
+                    out[(ip, int(port["port"]))] = (
+                        svc["metadata"]["namespace"],
+                        svc["metadata"]["name"],
+                        port.get("name") or "",
+                    )
         return out
 
     async def sync(self) -> None:
@@ -129,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m maru_localcluster.proxy API_URL", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s kube-proxy: "
-                                                                      "%(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s kube-proxy: %(message)s"
+    )
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # dies with whoever started the cluster
 
     async def serve() -> None:

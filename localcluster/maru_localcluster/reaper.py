@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     killed = reap(folders[0], keep=keep, spare=spare)
     if killed:
-        print(f"local cluster reaper: killed {len(killed)} leftover process(es) of {folders[0]}: {killed}",
-              file=sys.stderr)
+        print(
+            f"local cluster reaper: killed {len(killed)} leftover process(es) of {folders[0]}: {killed}",
+            file=sys.stderr,
+        )
     return 0
 
 

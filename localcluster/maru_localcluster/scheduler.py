@@ -20,9 +20,14 @@ JsonObj = dict[str, Any]
 # Tolerations the DaemonSet controller adds to its pods (daemons run on nodes in trouble too).
 DAEMONSET_TOLERATIONS = [
     {"key": f"node.kubernetes.io/{key}", "operator": "Exists", "effect": effect}
-    for key, effect in (("not-ready", "NoExecute"), ("unreachable", "NoExecute"), ("disk-pressure", "NoSchedule"),
-                        ("memory-pressure", "NoSchedule"), ("pid-pressure", "NoSchedule"),
-                        ("unschedulable", "NoSchedule"))
+    for key, effect in (
+        ("not-ready", "NoExecute"),
+        ("unreachable", "NoExecute"),
+        ("disk-pressure", "NoSchedule"),
+        ("memory-pressure", "NoSchedule"),
+        ("pid-pressure", "NoSchedule"),
+        ("unschedulable", "NoSchedule"),
+    )
 ]
 
 
@@ -64,7 +69,8 @@ def _term_matches(node: JsonObj, term: JsonObj) -> bool:
     labels = node["metadata"].get("labels") or {}
     fields = {"metadata.name": node["metadata"]["name"]}
     return labels_match(labels, term.get("matchExpressions") or []) and labels_match(
-        fields, term.get("matchFields") or [])
+        fields, term.get("matchFields") or []
+    )
 
 
 def tolerates(tolerations: list[JsonObj], taint: JsonObj) -> bool:
@@ -80,8 +86,10 @@ def tolerates(tolerations: list[JsonObj], taint: JsonObj) -> bool:
 
 
 def node_ready(node: JsonObj) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (node.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (node.get("status") or {}).get("conditions") or []
+    )
 
 
 def why_not(node: JsonObj, pod_spec: JsonObj, *, daemon: bool = False) -> str | None:
@@ -93,8 +101,9 @@ def why_not(node: JsonObj, pod_spec: JsonObj, *, daemon: bool = False) -> str | 
         return "node(s) were not ready"
     if any(labels.get(k) != v for k, v in (pod_spec.get("nodeSelector") or {}).items()):
         return "node(s) didn't match Pod's node affinity/selector"
-    required = (((pod_spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     terms = required.get("nodeSelectorTerms") or []
     if terms and not any(_term_matches(node, t) for t in terms):
         return "node(s) didn't match Pod's node affinity/selector"
@@ -146,8 +155,11 @@ def _affinity_score(node: JsonObj, pod: JsonObj, pods_on: dict[str, list[JsonObj
             if term.get("topologyKey") != "kubernetes.io/hostname":
                 continue
             namespaces = term.get("namespaces") or [namespace]
-            if any(p["metadata"].get("namespace") in namespaces
-                   and selector_matches(term.get("labelSelector"), p["metadata"].get("labels") or {}) for p in here):
+            if any(
+                p["metadata"].get("namespace") in namespaces
+                and selector_matches(term.get("labelSelector"), p["metadata"].get("labels") or {})
+                for p in here
+            ):
                 score += sign * int(pref.get("weight", 0))
     return score
 
@@ -171,6 +183,12 @@ def choose_node(pod: JsonObj, nodes: list[JsonObj], pods: list[JsonObj]) -> tupl
     if not fitting:
         detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
         return None, f"0/{len(nodes)} nodes are available: {detail or 'no nodes registered'}."
-    best = max(fitting, key=lambda n: (_affinity_score(n, pod, pods_on), -len(pods_on.get(n["metadata"]["name"], [])),
-                                       [-ord(ch) for ch in n["metadata"]["name"]]))
+    best = max(
+        fitting,
+        key=lambda n: (
+            _affinity_score(n, pod, pods_on),
+            -len(pods_on.get(n["metadata"]["name"], [])),
+            [-ord(ch) for ch in n["metadata"]["name"]],
+        ),
+    )
     return best["metadata"]["name"], ""

@@ -29,14 +29,17 @@ if TYPE_CHECKING:
     from maru_localcluster.server import KubeEmulator
 
 # The field manager the real controllers write status as.
-MANAGER = 'kube-controller-manager'
-REVISION = 'deployment.kubernetes.io/revision'
-SLICE_MANAGER = 'endpointslice-controller.k8s.io'
+MANAGER = "kube-controller-manager"
+REVISION = "deployment.kubernetes.io/revision"
+SLICE_MANAGER = "endpointslice-controller.k8s.io"
 
 
 def _is_ready(pod: JsonObj) -> bool:
-    return any(c.get('type') == 'Ready' and c.get('status') == 'True'
-               for c in (pod.get('status') or {}).get('conditions') or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
 
 # Given a Deployment or DaemonSet, how many of its replicas (or nodes) are ready:
 # True = all of them, False = none, an int = that many (clamped to the desired count).
@@ -44,7 +47,7 @@ Readiness = Callable[[JsonObj], bool | int]
 
 
 def _now() -> str:
-    return datetime.datetime.now(tz=datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _nonzero(status: dict[str, Any]) -> dict[str, Any]:
@@ -53,42 +56,50 @@ def _nonzero(status: dict[str, Any]) -> dict[str, Any]:
 
 def _conditions(old: list[JsonObj], wanted: list[tuple[str, bool, str, str]]) -> list[JsonObj]:
     # Keep lastTransitionTime unless the condition flips, or every pass would be a write.
-    previous = {c.get('type'): c for c in old}
+    previous = {c.get("type"): c for c in old}
     result = []
     for type_, ok, reason, message in wanted:
-        status = 'True' if ok else 'False'
+        status = "True" if ok else "False"
         prev = previous.get(type_)
-        stamp = prev['lastTransitionTime'] if prev and prev.get('status') == status else _now()
-        update = prev.get('lastUpdateTime', stamp) if prev and prev.get('status') == status else stamp
-        result.append({'type': type_, 'status': status, 'reason': reason, 'message': message,
-                       'lastTransitionTime': stamp, 'lastUpdateTime': update})
+        stamp = prev["lastTransitionTime"] if prev and prev.get("status") == status else _now()
+        update = prev.get("lastUpdateTime", stamp) if prev and prev.get("status") == status else stamp
+        result.append(
+            {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": stamp,
+                "lastUpdateTime": update,
+            }
+        )
     return result
 
 
 def node_matches(node: JsonObj, pod_spec: JsonObj) -> bool:
     """Does a pod template schedule onto this node? nodeSelector and required node affinity."""
-    labels = node.get('metadata', {}).get('labels') or {}
-    for k, v in (pod_spec.get('nodeSelector') or {}).items():
+    labels = node.get("metadata", {}).get("labels") or {}
+    for k, v in (pod_spec.get("nodeSelector") or {}).items():
         if labels.get(k) != v:
             return False
-    required = (((pod_spec.get('affinity') or {}).get('nodeAffinity') or {})
-                .get('requiredDuringSchedulingIgnoredDuringExecution') or {})
-    terms = required.get('nodeSelectorTerms') or []
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms") or []
     if terms:
-        return any(all(_expr_matches(labels, e) for e in term.get('matchExpressions') or [])
-                   for term in terms)
+        return any(all(_expr_matches(labels, e) for e in term.get("matchExpressions") or []) for term in terms)
     return True
 
 
 def _expr_matches(labels: dict[str, str], expr: JsonObj) -> bool:
-    key, op, values = expr.get('key'), expr.get('operator'), expr.get('values') or []
-    if op == 'In':
+    key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
+    if op == "In":
         return labels.get(key) in values
-    if op == 'NotIn':
+    if op == "NotIn":
         return labels.get(key) not in values
-    if op == 'Exists':
+    if op == "Exists":
         return key in labels
-    if op == 'DoesNotExist':
+    if op == "DoesNotExist":
         return key not in labels
     return False
 
@@ -148,11 +159,14 @@ class KubeControllers:
         self.kube.call(self.kube.emulator.poke)
 
     def add_node(self, name: str, labels: dict[str, str] | None = None, ready: bool = True) -> JsonObj:
-        return self.kube.create({
-            'apiVersion': 'v1', 'kind': 'Node',
-            'metadata': {'name': name, 'labels': {'kubernetes.io/hostname': name, **(labels or {})}},
-            'status': {'conditions': [{'type': 'Ready', 'status': 'True' if ready else 'False'}]},
-        })
+        return self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+                "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+            }
+        )
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle.
@@ -160,6 +174,7 @@ class KubeControllers:
     def __enter__(self) -> KubeControllers:
         def start() -> None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+
         self.kube.call(start)
         return self
 
@@ -167,6 +182,7 @@ class KubeControllers:
         def stop() -> None:
             if self._task is not None:
                 self._task.cancel()
+
         self.kube.call(stop)
 
     async def _run(self) -> None:
@@ -194,149 +210,224 @@ class KubeControllers:
         return max(0, min(int(verdict), desired))
 
     def reconcile(self, emulator: Emulator) -> None:
-        nodes = [n for n in emulator.list_objects('', 'nodes')
-                 if not n['metadata'].get('deletionTimestamp')]
-        for deploy in emulator.list_objects('apps', 'deployments'):
-            desired = int((deploy.get('spec') or {}).get('replicas', 1))
+        nodes = [n for n in emulator.list_objects("", "nodes") if not n["metadata"].get("deletionTimestamp")]
+        for deploy in emulator.list_objects("apps", "deployments"):
+            desired = int((deploy.get("spec") or {}).get("replicas", 1))
             if not self.pods:
-                self._write(emulator, 'deployments', deploy, self._deployment_status(deploy))
+                self._write(emulator, "deployments", deploy, self._deployment_status(deploy))
                 continue
             # With no Node objects at all, pods run "somewhere"; with nodes, they must fit one.
-            pod_spec = deploy['spec']['template'].get('spec') or {}
-            fitting = [n['metadata']['name'] for n in nodes if node_matches(n, pod_spec)]
+            pod_spec = deploy["spec"]["template"].get("spec") or {}
+            fitting = [n["metadata"]["name"] for n in nodes if node_matches(n, pod_spec)]
             placements: list[str | None] = [fitting[i % len(fitting)] if fitting else None for i in range(desired)]
             schedulable = desired if (fitting or not nodes) else 0
             status = self._deployment_status(deploy, schedulable)
-            self._write(emulator, 'deployments', deploy, status)
-            self._sync_pods(emulator, deploy, placements, status.get('readyReplicas', 0), bool(nodes))
-        for ds in emulator.list_objects('apps', 'daemonsets'):
+            self._write(emulator, "deployments", deploy, status)
+            self._sync_pods(emulator, deploy, placements, status.get("readyReplicas", 0), bool(nodes))
+        for ds in emulator.list_objects("apps", "daemonsets"):
             status = self._daemonset_status(ds, nodes)
-            self._write(emulator, 'daemonsets', ds, status)
+            self._write(emulator, "daemonsets", ds, status)
             if self.pods:
-                pod_spec = ds['spec']['template'].get('spec') or {}
-                placements = [n['metadata']['name'] for n in nodes if node_matches(n, pod_spec)]
-                self._sync_pods(emulator, ds, list(placements), status['numberReady'], True)
-        for svc in emulator.list_objects('', 'services'):
+                pod_spec = ds["spec"]["template"].get("spec") or {}
+                placements = [n["metadata"]["name"] for n in nodes if node_matches(n, pod_spec)]
+                self._sync_pods(emulator, ds, list(placements), status["numberReady"], True)
+        for svc in emulator.list_objects("", "services"):
             self.sync_endpoint_slice(emulator, svc)
 
     # --- EndpointSlices
 
     def _members(self, emulator: Emulator, svc: JsonObj) -> list[bool]:
         """Readiness of each endpoint the Service selects: its pods, or its Deployments' replicas."""
-        selector = (svc.get('spec') or {}).get('selector') or {}
-        ns = svc['metadata']['namespace']
+        selector = (svc.get("spec") or {}).get("selector") or {}
+        ns = svc["metadata"]["namespace"]
 
         def selected(labels: dict[str, str]) -> bool:
             return all(labels.get(k) == v for k, v in selector.items())
 
         if self.pods:
-            return [_is_ready(p) for p in emulator.list_objects('', 'pods', ns)
-                    if (p.get('status') or {}).get('podIP') and selected(p['metadata'].get('labels') or {})]
+            return [
+                _is_ready(p)
+                for p in emulator.list_objects("", "pods", ns)
+                if (p.get("status") or {}).get("podIP") and selected(p["metadata"].get("labels") or {})
+            ]
         members: list[bool] = []
-        for deploy in emulator.list_objects('apps', 'deployments', ns):
-            if selected(((deploy['spec'].get('template') or {}).get('metadata') or {}).get('labels') or {}):
-                status = deploy.get('status') or {}
-                ready = int(status.get('readyReplicas') or 0)
-                members += [i < ready for i in range(int(status.get('replicas') or 0))]
+        for deploy in emulator.list_objects("apps", "deployments", ns):
+            if selected(((deploy["spec"].get("template") or {}).get("metadata") or {}).get("labels") or {}):
+                status = deploy.get("status") or {}
+                ready = int(status.get("readyReplicas") or 0)
+                members += [i < ready for i in range(int(status.get("replicas") or 0))]
         return members
 
     def sync_endpoint_slice(self, emulator: Emulator, svc: JsonObj) -> None:
-        meta = svc['metadata']
-        if not (svc.get('spec') or {}).get('selector') or meta.get('deletionTimestamp'):
+        meta = svc["metadata"]
+        if not (svc.get("spec") or {}).get("selector") or meta.get("deletionTimestamp"):
             return
-        ns, name = meta['namespace'], meta['name']
+        ns, name = meta["namespace"], meta["name"]
         members = self._members(emulator, svc)
-        endpoints = [{'addresses': [f'10.245.{i // 250}.{i % 250 + 2}'],
-                      'conditions': {'ready': ready and not self._endpoints_held,
-                                     'serving': ready and not self._endpoints_held, 'terminating': False}}
-                     for i, ready in enumerate(members)]
-        ports = [{'name': p.get('name', ''), 'port': p['targetPort'] if isinstance(p.get('targetPort'), int)
-                  else p.get('port'), 'protocol': p.get('protocol', 'TCP')} for p in svc['spec'].get('ports') or []]
-        slice_name = f'{name}-{hashlib.sha256(name.encode()).hexdigest()[:5]}'
+        endpoints = [
+            {
+                "addresses": [f"10.245.{i // 250}.{i % 250 + 2}"],
+                "conditions": {
+                    "ready": ready and not self._endpoints_held,
+                    "serving": ready and not self._endpoints_held,
+                    "terminating": False,
+                },
+            }
+            for i, ready in enumerate(members)
+        ]
+        ports = [
+            {
+                "name": p.get("name", ""),
+                "port": p["targetPort"] if isinstance(p.get("targetPort"), int) else p.get("port"),
+                "protocol": p.get("protocol", "TCP"),
+            }
+            for p in svc["spec"].get("ports") or []
+        ]
+        slice_name = f"{name}-{hashlib.sha256(name.encode()).hexdigest()[:5]}"
         body = {
-            'apiVersion': 'discovery.k8s.io/v1', 'kind': 'EndpointSlice', 'addressType': 'IPv4',
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "addressType": "IPv4",
             # The Service's own labels are copied, as the EndpointSlice controller does.
-            'metadata': {'name': slice_name, 'namespace': ns,
-                         'labels': {**(meta.get('labels') or {}), 'kubernetes.io/service-name': name,
-                                    'endpointslice.kubernetes.io/managed-by': SLICE_MANAGER},
-                         'ownerReferences': [{'apiVersion': 'v1', 'kind': 'Service', 'name': name,
-                                              'uid': meta['uid'], 'controller': True, 'blockOwnerDeletion': True}]},
-            'endpoints': endpoints, 'ports': ports,
+            "metadata": {
+                "name": slice_name,
+                "namespace": ns,
+                "labels": {
+                    **(meta.get("labels") or {}),
+                    "kubernetes.io/service-name": name,
+                    "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER,
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Service",
+                        "name": name,
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "endpoints": endpoints,
+            "ports": ports,
         }
-        have = emulator.get_object('discovery.k8s.io', 'endpointslices', ns, slice_name)
+        have = emulator.get_object("discovery.k8s.io", "endpointslices", ns, slice_name)
         if have is None:
-            emulator.create_object('discovery.k8s.io', 'endpointslices', ns, body, manager=SLICE_MANAGER)
-        elif any(have.get(k) != body[k] for k in ('endpoints', 'ports')) or \
-                have['metadata'].get('labels') != body['metadata']['labels']:
-            emulator.replace_object('discovery.k8s.io', 'endpointslices', ns, slice_name,
-                                    {**body, 'metadata': {**have['metadata'], 'labels': body['metadata']['labels']}},
-                                    manager=SLICE_MANAGER)
+            emulator.create_object("discovery.k8s.io", "endpointslices", ns, body, manager=SLICE_MANAGER)
+        elif (
+            any(have.get(k) != body[k] for k in ("endpoints", "ports"))
+            or have["metadata"].get("labels") != body["metadata"]["labels"]
+        ):
+            emulator.replace_object(
+                "discovery.k8s.io",
+                "endpointslices",
+                ns,
+                slice_name,
+                {**body, "metadata": {**have["metadata"], "labels": body["metadata"]["labels"]}},
+                manager=SLICE_MANAGER,
+            )
 
-    def _sync_pods(self, emulator: Emulator, owner: JsonObj, placements: list[str | None], ready: int,
-                   have_nodes: bool) -> None:
-        meta = owner['metadata']
-        if meta.get('deletionTimestamp'):
+    def _sync_pods(
+        self, emulator: Emulator, owner: JsonObj, placements: list[str | None], ready: int, have_nodes: bool
+    ) -> None:
+        meta = owner["metadata"]
+        if meta.get("deletionTimestamp"):
             return
-        namespace = meta['namespace']
-        template = owner['spec']['template']
+        namespace = meta["namespace"]
+        template = owner["spec"]["template"]
         template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
-        owned = [p for p in emulator.list_objects('', 'pods', namespace)
-                 if any(r.get('uid') == meta['uid'] for r in p['metadata'].get('ownerReferences') or [])]
-        wanted = {f'{meta["name"]}-{template_hash}-{i}': node for i, node in enumerate(placements)}
+        owned = [
+            p
+            for p in emulator.list_objects("", "pods", namespace)
+            if any(r.get("uid") == meta["uid"] for r in p["metadata"].get("ownerReferences") or [])
+        ]
+        wanted = {f"{meta['name']}-{template_hash}-{i}": node for i, node in enumerate(placements)}
         for pod in owned:
-            if pod['metadata']['name'] not in wanted:
-                emulator.delete_object('', 'pods', namespace, pod['metadata']['name'])
-        existing = {p['metadata']['name'] for p in owned}
+            if pod["metadata"]["name"] not in wanted:
+                emulator.delete_object("", "pods", namespace, pod["metadata"]["name"])
+        existing = {p["metadata"]["name"] for p in owned}
         for i, (name, node) in enumerate(wanted.items()):
             if name not in existing:
-                spec = copy.deepcopy(template.get('spec') or {})
+                spec = copy.deepcopy(template.get("spec") or {})
                 if node:
-                    spec['nodeName'] = node
-                emulator.create_object('', 'pods', namespace, {
-                    'apiVersion': 'v1', 'kind': 'Pod',
-                    'metadata': {'name': name, 'labels': {**(template.get('metadata') or {}).get('labels', {}),
-                                                          'pod-template-hash': template_hash},
-                                 'ownerReferences': [{'apiVersion': owner['apiVersion'], 'kind': owner['kind'],
-                                                      'name': meta['name'], 'uid': meta['uid'],
-                                                      'controller': True, 'blockOwnerDeletion': True}]},
-                    'spec': spec}, manager=MANAGER)
-            pod = emulator.get_object('', 'pods', namespace, name)
+                    spec["nodeName"] = node
+                emulator.create_object(
+                    "",
+                    "pods",
+                    namespace,
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {
+                            "name": name,
+                            "labels": {
+                                **(template.get("metadata") or {}).get("labels", {}),
+                                "pod-template-hash": template_hash,
+                            },
+                            "ownerReferences": [
+                                {
+                                    "apiVersion": owner["apiVersion"],
+                                    "kind": owner["kind"],
+                                    "name": meta["name"],
+                                    "uid": meta["uid"],
+                                    "controller": True,
+                                    "blockOwnerDeletion": True,
+                                }
+                            ],
+                        },
+                        "spec": spec,
+                    },
+                    manager=MANAGER,
+                )
+            pod = emulator.get_object("", "pods", namespace, name)
             assert pod is not None
             scheduled = node is not None or not have_nodes
             is_ready = scheduled and i < ready
-            old_status = pod.get('status') or {}
+            old_status = pod.get("status") or {}
             n = next(self._pod_ips)
-            pod_ip = old_status.get('podIP') or f'10.244.{n // 250}.{n % 250 + 2}'
+            pod_ip = old_status.get("podIP") or f"10.244.{n // 250}.{n % 250 + 2}"
             status = {
-                'phase': 'Running' if scheduled else 'Pending',
-                'podIP': pod_ip, 'podIPs': [{'ip': pod_ip}],
-                'hostIP': '192.168.0.1',
-                'conditions': _conditions(old_status.get('conditions') or [], [
-                    ('PodScheduled', scheduled, 'Scheduled' if scheduled else 'Unschedulable', ''),
-                    ('Ready', is_ready, 'PodReady' if is_ready else 'ContainersNotReady', ''),
-                ]),
+                "phase": "Running" if scheduled else "Pending",
+                "podIP": pod_ip,
+                "podIPs": [{"ip": pod_ip}],
+                "hostIP": "192.168.0.1",
+                "conditions": _conditions(
+                    old_status.get("conditions") or [],
+                    [
+                        ("PodScheduled", scheduled, "Scheduled" if scheduled else "Unschedulable", ""),
+                        ("Ready", is_ready, "PodReady" if is_ready else "ContainersNotReady", ""),
+                    ],
+                ),
             }
-            if pod.get('status') != status:
-                emulator.replace_object('', 'pods', namespace, name, {**pod, 'status': status},
-                                        subresource='status', manager='kubelet')
+            if pod.get("status") != status:
+                emulator.replace_object(
+                    "", "pods", namespace, name, {**pod, "status": status}, subresource="status", manager="kubelet"
+                )
 
     def _write(self, emulator: Emulator, plural: str, obj: JsonObj, status: JsonObj) -> None:
-        meta = obj['metadata']
-        annotations = meta.get('annotations') or {}
-        if plural == 'deployments':
+        meta = obj["metadata"]
+        annotations = meta.get("annotations") or {}
+        if plural == "deployments":
             annotations = {**annotations, REVISION: self._revision(obj)}
-        if (obj.get('status') != status or annotations != (meta.get('annotations') or {})) \
-                and not meta.get('deletionTimestamp'):
+        if (obj.get("status") != status or annotations != (meta.get("annotations") or {})) and not meta.get(
+            "deletionTimestamp"
+        ):
             # A replace, not a merge patch: counts that dropped to zero must disappear. A Deployment's revision
             # goes with its status, as the deployment controller writes it (UpdateStatus: no new generation).
-            emulator.replace_object('apps', plural, meta.get('namespace'), meta['name'],
-                                    {**obj, 'metadata': {**meta, 'annotations': annotations}, 'status': status},
-                                    subresource='status', manager=MANAGER)
+            emulator.replace_object(
+                "apps",
+                plural,
+                meta.get("namespace"),
+                meta["name"],
+                {**obj, "metadata": {**meta, "annotations": annotations}, "status": status},
+                subresource="status",
+                manager=MANAGER,
+            )
 
     def _revision(self, deploy: JsonObj) -> str:
         """The Deployment's revision (deployment.kubernetes.io/revision): one more for each new pod template."""
-        template = json.dumps((deploy.get('spec') or {}).get('template'), sort_keys=True)
-        uid = deploy['metadata']['uid']
+        template = json.dumps((deploy.get("spec") or {}).get("template"), sort_keys=True)
+        uid = deploy["metadata"]["uid"]
         last, revision = self._templates.get(uid, (template, 1))
         if last != template:
             revision += 1  # a rollback to an older template is a new revision too, as in Kubernetes
@@ -344,42 +435,57 @@ class KubeControllers:
         return str(revision)
 
     def _deployment_status(self, deploy: JsonObj, schedulable: int | None = None) -> JsonObj:
-        spec = deploy.get('spec') or {}
-        desired = int(spec.get('replicas', 1))
+        spec = deploy.get("spec") or {}
+        desired = int(spec.get("replicas", 1))
         ready = self._ready_count(deploy, desired if schedulable is None else min(desired, schedulable))
-        old = deploy.get('status') or {}
-        status = _nonzero({
-            'observedGeneration': deploy['metadata'].get('generation', 1),
-            'replicas': desired,
-            'updatedReplicas': desired,
-            'readyReplicas': ready,
-            'availableReplicas': ready,
-            'unavailableReplicas': desired - ready,
-        })
-        status['conditions'] = _conditions(old.get('conditions') or [], [
-            ('Available', ready >= desired, 'MinimumReplicasAvailable' if ready >= desired
-             else 'MinimumReplicasUnavailable',
-             'Deployment has minimum availability.' if ready >= desired
-             else 'Deployment does not have minimum availability.'),
-            ('Progressing', True, 'NewReplicaSetAvailable' if ready >= desired else 'ReplicaSetUpdated',
-             'ReplicaSet has successfully progressed.' if ready >= desired else 'ReplicaSet is progressing.'),
-        ])
+        old = deploy.get("status") or {}
+        status = _nonzero(
+            {
+                "observedGeneration": deploy["metadata"].get("generation", 1),
+                "replicas": desired,
+                "updatedReplicas": desired,
+                "readyReplicas": ready,
+                "availableReplicas": ready,
+                "unavailableReplicas": desired - ready,
+            }
+        )
+        status["conditions"] = _conditions(
+            old.get("conditions") or [],
+            [
+                (
+                    "Available",
+                    ready >= desired,
+                    "MinimumReplicasAvailable" if ready >= desired else "MinimumReplicasUnavailable",
+                    "Deployment has minimum availability."
+                    if ready >= desired
+                    else "Deployment does not have minimum availability.",
+                ),
+                (
+                    "Progressing",
+                    True,
+                    "NewReplicaSetAvailable" if ready >= desired else "ReplicaSetUpdated",
+                    "ReplicaSet has successfully progressed." if ready >= desired else "ReplicaSet is progressing.",
+                ),
+            ],
+        )
         return status
 
     def _daemonset_status(self, ds: JsonObj, nodes: list[JsonObj]) -> JsonObj:
-        pod_spec = ((ds.get('spec') or {}).get('template') or {}).get('spec') or {}
+        pod_spec = ((ds.get("spec") or {}).get("template") or {}).get("spec") or {}
         desired = sum(1 for n in nodes if node_matches(n, pod_spec))
         ready = self._ready_count(ds, desired)
         return {
             # The four counts below are required fields of DaemonSetStatus, so zeros stay.
-            'currentNumberScheduled': desired,
-            'desiredNumberScheduled': desired,
-            'numberMisscheduled': 0,
-            'numberReady': ready,
-            **_nonzero({
-                'observedGeneration': ds['metadata'].get('generation', 1),
-                'updatedNumberScheduled': desired,
-                'numberAvailable': ready,
-                'numberUnavailable': desired - ready,
-            }),
+            "currentNumberScheduled": desired,
+            "desiredNumberScheduled": desired,
+            "numberMisscheduled": 0,
+            "numberReady": ready,
+            **_nonzero(
+                {
+                    "observedGeneration": ds["metadata"].get("generation", 1),
+                    "updatedNumberScheduled": desired,
+                    "numberAvailable": ready,
+                    "numberUnavailable": desired - ready,
+                }
+            ),
         }

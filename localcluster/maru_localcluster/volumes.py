@@ -103,8 +103,10 @@ def volume_kind(volume: JsonObj) -> str:
 def handler_for(volume: JsonObj) -> VolumeHandler:
     kind = volume_kind(volume)
     if kind not in HANDLERS:
-        raise MountError(f"volume {volume.get('name')!r}: type {kind!r} is not supported by the local cluster "
-                         f"(supported: {', '.join(sorted(HANDLERS))})")
+        raise MountError(
+            f"volume {volume.get('name')!r}: type {kind!r} is not supported by the local cluster "
+            f"(supported: {', '.join(sorted(HANDLERS))})"
+        )
     return HANDLERS[kind]
 
 
@@ -208,15 +210,19 @@ async def _object_data(ctx: PodContext, kind: str, name: str, optional: bool) ->
         if optional:
             return None
         raise MountError(f'{kind} "{name}" not found in namespace {ctx.namespace}')
-    data = {k: v.encode() for k, v in (obj.get("data") or {}).items()} if kind == "configMap" else {
-        k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+    data = (
+        {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+        if kind == "configMap"
+        else {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+    )
     if kind == "configMap":
         data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
     return data
 
 
-def _select(kind: str, name: str, data: dict[str, bytes], items: list[JsonObj] | None, mode: int,
-            optional: bool) -> dict[str, tuple[bytes, int]]:
+def _select(
+    kind: str, name: str, data: dict[str, bytes], items: list[JsonObj] | None, mode: int, optional: bool
+) -> dict[str, tuple[bytes, int]]:
     if not items:
         return {k: (v, mode) for k, v in data.items()}
     files = {}
@@ -236,11 +242,15 @@ def field_value(pod: JsonObj, field_path: str) -> str:
         if field_path == prefix:
             return "\n".join(f'{k}="{v}"' for k, v in sorted((source or {}).items()))
         if field_path.startswith(prefix + "['") and field_path.endswith("']"):
-            return str((source or {}).get(field_path[len(prefix) + 2:-2], ""))
+            return str((source or {}).get(field_path[len(prefix) + 2 : -2], ""))
     simple = {
-        "metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"), "metadata.uid": meta.get("uid"),
-        "spec.nodeName": spec.get("nodeName"), "spec.serviceAccountName": spec.get("serviceAccountName"),
-        "status.hostIP": status.get("hostIP"), "status.podIP": status.get("podIP"),
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName"),
+        "status.hostIP": status.get("hostIP"),
+        "status.podIP": status.get("podIP"),
         "status.hostIPs": ",".join(a["ip"] for a in status.get("hostIPs") or []),
         "status.podIPs": ",".join(a["ip"] for a in status.get("podIPs") or []),
     }
@@ -253,11 +263,15 @@ async def service_account_token(ctx: PodContext, source: JsonObj) -> str:
     """A token from the TokenRequest API, bound to the pod, as the kubelet gets one for a projected volume."""
     meta, spec = ctx.pod["metadata"], ctx.pod.get("spec") or {}
     account = spec.get("serviceAccountName") or "default"
-    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-        "audiences": [source["audience"]] if source.get("audience") else [],
-        "expirationSeconds": int(source.get("expirationSeconds", 3600)),
-        "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta.get("uid")},
-    }}
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {
+            "audiences": [source["audience"]] if source.get("audience") else [],
+            "expirationSeconds": int(source.get("expirationSeconds", 3600)),
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta.get("uid")},
+        },
+    }
     try:
         answer = await ctx.api.create(f"/api/v1/namespaces/{ctx.namespace}/serviceaccounts/{account}/token", request)
     except ApiError as err:
@@ -277,8 +291,7 @@ class ObjectVolume:
         optional = bool(spec.get("optional"))
         data = await _object_data(ctx, self.kind, name, optional) or {}
         local = ctx.volume_dir(self.kind.lower(), volume["name"])
-        _write_files(local, _select(self.kind, name, data, spec.get("items"), spec.get("defaultMode", 0o644),
-                                    optional))
+        _write_files(local, _select(self.kind, name, data, spec.get("items"), spec.get("defaultMode", 0o644), optional))
         return str(local)
 
     async def teardown(self, ctx: PodContext, volume: JsonObj, path: str) -> None:
@@ -352,8 +365,10 @@ class Csi:
             try:
                 await getattr(csi_pb2_grpc.NodeStub(channel), method)(request, timeout=30)
             except grpc.aio.AioRpcError as err:
-                raise MountError(f"kubernetes.io/csi: {method} failed for volume {volume!r}: rpc error: "
-                                 f"code = {err.code().name} desc = {err.details()}") from None
+                raise MountError(
+                    f"kubernetes.io/csi: {method} failed for volume {volume!r}: rpc error: "
+                    f"code = {err.code().name} desc = {err.details()}"
+                ) from None
 
     async def setup(self, ctx: PodContext, volume: JsonObj) -> str:
         from maru_connector.csi import csi_pb2
@@ -362,13 +377,17 @@ class Csi:
         driver = spec.get("driver", "")
         plugin = ctx.csi_plugins.get(driver)
         if plugin is None:
-            raise MountError(f"kubernetes.io/csi: driver name {driver} not found in the list of registered CSI "
-                             f"drivers (registered: {', '.join(sorted(ctx.csi_plugins)) or 'none'})")
+            raise MountError(
+                f"kubernetes.io/csi: driver name {driver} not found in the list of registered CSI "
+                f"drivers (registered: {', '.join(sorted(ctx.csi_plugins)) or 'none'})"
+            )
         csidriver = await ctx.api.get(f"/apis/storage.k8s.io/v1/csidrivers/{driver}")
         modes = ((csidriver or {}).get("spec") or {}).get("volumeLifecycleModes") or ["Persistent"]
         if "Ephemeral" not in modes:
-            raise MountError(f'volume mode "Ephemeral" not supported by driver {driver} '
-                             f'({"no CSIDriver object" if csidriver is None else "CSIDriver " + str(modes)})')
+            raise MountError(
+                f'volume mode "Ephemeral" not supported by driver {driver} '
+                f"({'no CSIDriver object' if csidriver is None else 'CSIDriver ' + str(modes)})"
+            )
         context = dict(spec.get("volumeAttributes") or {})
         for key in plugin.node_path_attributes:
             if key in context:
@@ -376,20 +395,28 @@ class Csi:
         context["csi.storage.k8s.io/ephemeral"] = "true"
         if (csidriver.get("spec") or {}).get("podInfoOnMount"):
             meta = ctx.pod["metadata"]
-            context.update({
-                "csi.storage.k8s.io/pod.name": meta["name"], "csi.storage.k8s.io/pod.namespace": meta["namespace"],
-                "csi.storage.k8s.io/pod.uid": meta["uid"],
-                "csi.storage.k8s.io/serviceAccount.name": ctx.pod["spec"].get("serviceAccountName") or "default",
-            })
+            context.update(
+                {
+                    "csi.storage.k8s.io/pod.name": meta["name"],
+                    "csi.storage.k8s.io/pod.namespace": meta["namespace"],
+                    "csi.storage.k8s.io/pod.uid": meta["uid"],
+                    "csi.storage.k8s.io/serviceAccount.name": ctx.pod["spec"].get("serviceAccountName") or "default",
+                }
+            )
         volume_id, target = self._ids(ctx, volume)
         target.parent.mkdir(parents=True, exist_ok=True)
         request = csi_pb2.NodePublishVolumeRequest(
-            volume_id=volume_id, target_path=str(target), readonly=bool(spec.get("readOnly")),
+            volume_id=volume_id,
+            target_path=str(target),
+            readonly=bool(spec.get("readOnly")),
             volume_capability=csi_pb2.VolumeCapability(
                 mount=csi_pb2.VolumeCapability.MountVolume(fs_type=spec.get("fsType", "")),
                 access_mode=csi_pb2.VolumeCapability.AccessMode(
-                    mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)),
-            volume_context=context)
+                    mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+                ),
+            ),
+            volume_context=context,
+        )
         await self._call(plugin, "NodePublishVolume", request, volume["name"])
         return str(target)
 
@@ -400,9 +427,12 @@ class Csi:
         if plugin is None:
             return
         volume_id, target = self._ids(ctx, volume)
-        await self._call(plugin, "NodeUnpublishVolume",
-                         csi_pb2.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target)),
-                         volume["name"])
+        await self._call(
+            plugin,
+            "NodeUnpublishVolume",
+            csi_pb2.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target)),
+            volume["name"],
+        )
 
 
 class PersistentVolumeClaimVolume:
@@ -440,5 +470,13 @@ register("downwardAPI", DownwardApi())
 register("projected", Projected())
 register("persistentVolumeClaim", PersistentVolumeClaimVolume())
 
-__all__ = ["HANDLERS", "CsiPlugin", "MountError", "PodContext", "VolumeHandler", "field_value", "handler_for",
-           "register"]
+__all__ = [
+    "HANDLERS",
+    "CsiPlugin",
+    "MountError",
+    "PodContext",
+    "VolumeHandler",
+    "field_value",
+    "handler_for",
+    "register",
+]

@@ -32,8 +32,14 @@ def _rules(schema: dict[str, Any]) -> str:
         notes.append("one of " + ", ".join(f"`{v}`" for v in schema["enum"]))
     if "default" in schema and schema["default"] != {}:
         notes.append(f"default `{schema['default']}`")
-    for key, word in (("minimum", "≥"), ("maximum", "≤"), ("minLength", "length ≥"), ("maxLength", "length ≤"),
-                      ("minItems", "items ≥"), ("maxItems", "items ≤")):
+    for key, word in (
+        ("minimum", "≥"),
+        ("maximum", "≤"),
+        ("minLength", "length ≥"),
+        ("maxLength", "length ≤"),
+        ("minItems", "items ≥"),
+        ("maxItems", "items ≤"),
+    ):
         if key in schema:
             notes.append(f"{word} {schema[key]}")
     if "pattern" in schema and "x-kubernetes-int-or-string" not in schema and schema.get("type") == "string":

@@ -152,8 +152,11 @@ class Store:
         if cached is None:
             return False
         meta = obj.get("metadata") or {}
-        return cached.version is not None and cached.version == meta.get("resourceVersion") \
+        return (
+            cached.version is not None
+            and cached.version == meta.get("resourceVersion")
             and cached.uid == meta.get("uid")
+        )
 
     def holds_since(self, obj: Object) -> bool:
         """Whether the cache holds ``obj``'s version or a later one of the same object (same uid).
@@ -206,8 +209,14 @@ class Store:
             del self._gone[key]
         kept = trimmed(obj)
         summarizer = self._summarizers.get(key[0])
-        entry = _Entry(_pack(kept), meta.get("uid"), version, owner_key(kept), _slot(key, kept),
-                       summarizer(kept) if summarizer is not None else None)
+        entry = _Entry(
+            _pack(kept),
+            meta.get("uid"),
+            version,
+            owner_key(kept),
+            _slot(key, kept),
+            summarizer(kept) if summarizer is not None else None,
+        )
         self._index(key, old, entry)
         self._entries[key] = entry
 
@@ -217,9 +226,17 @@ class Store:
         self._index(key, cached, None)
         # Nothing up to this version may come back: the deleted object's own (a DELETED event), else the
         # cached copy's (our own delete, a 404).
-        gone_at = max((v for v in (_number(cached.version) if cached else None,
-                                   None if isinstance(obj_or_key, tuple) else _version(obj_or_key))
-                       if v is not None), default=None)
+        gone_at = max(
+            (
+                v
+                for v in (
+                    _number(cached.version) if cached else None,
+                    None if isinstance(obj_or_key, tuple) else _version(obj_or_key),
+                )
+                if v is not None
+            ),
+            default=None,
+        )
         if gone_at is not None:
             self._gone[key] = max(gone_at, self._gone.get(key, gone_at))
             self._gone.move_to_end(key)

@@ -27,10 +27,19 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         import json
 
-        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                 "message": record.getMessage()}
-        entry.update({k: v for k, v in vars(record).items() if k not in _RECORD_ATTRIBUTES and k not in entry
-                      and isinstance(v, str | int | float | bool)})
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(
+            {
+                k: v
+                for k, v in vars(record).items()
+                if k not in _RECORD_ATTRIBUTES and k not in entry and isinstance(v, str | int | float | bool)
+            }
+        )
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -38,14 +47,34 @@ class JsonFormatter(logging.Formatter):
 
 def _network_policy_flags(parser: argparse.ArgumentParser) -> None:
     """The cluster facts the children's NetworkPolicies need (see builders/netpol.py)."""
-    parser.add_argument("--network-policies", action=argparse.BooleanOptionalAction, default=True,
-                        help="write a NetworkPolicy for every pool daemon and serving pod (default: on)")
-    parser.add_argument("--scrape-namespace", action="append", default=[], metavar="NAMESPACE",
-                        help="pods in this namespace may scrape the metrics ports, e.g. monitoring (repeatable)")
-    parser.add_argument("--api-server-cidr", action="append", default=[], metavar="CIDR",
-                        help="where the routers reach the API server (repeatable; default 0.0.0.0/0 and ::/0)")
-    parser.add_argument("--api-server-port", action="append", default=[], type=int, metavar="PORT",
-                        help="API server port after the Service's translation (repeatable; default 443 and 6443)")
+    parser.add_argument(
+        "--network-policies",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write a NetworkPolicy for every pool daemon and serving pod (default: on)",
+    )
+    parser.add_argument(
+        "--scrape-namespace",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="pods in this namespace may scrape the metrics ports, e.g. monitoring (repeatable)",
+    )
+    parser.add_argument(
+        "--api-server-cidr",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="where the routers reach the API server (repeatable; default 0.0.0.0/0 and ::/0)",
+    )
+    parser.add_argument(
+        "--api-server-port",
+        action="append",
+        default=[],
+        type=int,
+        metavar="PORT",
+        help="API server port after the Service's translation (repeatable; default 443 and 6443)",
+    )
 
 
 def network_policy_config(args: argparse.Namespace, operator_namespace: str | None = None) -> NetworkPolicyConfig:
@@ -61,11 +90,13 @@ def network_policy_config(args: argparse.Namespace, operator_namespace: str | No
 
 def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
     """An argparse type from a check that raises ValueError naming the rule."""
+
     def parse(text: str) -> str:
         try:
             return check(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+
     return parse
 
 
@@ -73,23 +104,42 @@ def _image_flags(parser: argparse.ArgumentParser) -> None:
     """The images of MaruPools and InferenceGroups that name none (see maru_operator/images.py)."""
     from maru_operator import images
 
-    parser.add_argument("--image-registry", default=images.DEFAULT_REGISTRY, type=_checked(images.check_registry),
-                        metavar="REGISTRY",
-                        help=f"registry and path of the default pool, vLLM and router images "
-                             f"(default: {images.DEFAULT_REGISTRY})")
-    parser.add_argument("--image-tag", default=images.DEFAULT_IMAGES.tag, type=_checked(images.check_tag),
-                        help="tag of the default pool and vLLM images (default: the operator's version, "
-                             f"{images.DEFAULT_IMAGES.tag}); the router image keeps its own")
-    for name, derived in (("pool", f"<registry>/{images.POOL_NAME}:<tag>"),
-                          ("vllm", f"<registry>/{images.VLLM_NAME}:<tag>"),
-                          ("router", f"<registry>/{images.ROUTER_NAME}:{images.ROUTER_VERSION}")):
-        parser.add_argument(f"--{name}-image", default=None, type=_checked(images.check_reference), metavar="IMAGE",
-                            help=f"the whole default {name} image, instead of {derived}")
+    parser.add_argument(
+        "--image-registry",
+        default=images.DEFAULT_REGISTRY,
+        type=_checked(images.check_registry),
+        metavar="REGISTRY",
+        help=f"registry and path of the default pool, vLLM and router images (default: {images.DEFAULT_REGISTRY})",
+    )
+    parser.add_argument(
+        "--image-tag",
+        default=images.DEFAULT_IMAGES.tag,
+        type=_checked(images.check_tag),
+        help="tag of the default pool and vLLM images (default: the operator's version, "
+        f"{images.DEFAULT_IMAGES.tag}); the router image keeps its own",
+    )
+    for name, derived in (
+        ("pool", f"<registry>/{images.POOL_NAME}:<tag>"),
+        ("vllm", f"<registry>/{images.VLLM_NAME}:<tag>"),
+        ("router", f"<registry>/{images.ROUTER_NAME}:{images.ROUTER_VERSION}"),
+    ):
+        parser.add_argument(
+            f"--{name}-image",
+            default=None,
+            type=_checked(images.check_reference),
+            metavar="IMAGE",
+            help=f"the whole default {name} image, instead of {derived}",
+        )
 
 
 def image_defaults(args: argparse.Namespace) -> ImageDefaults:
-    return ImageDefaults(registry=args.image_registry, tag=args.image_tag, pool=args.pool_image or "",
-                         vllm=args.vllm_image or "", router=args.router_image or "")
+    return ImageDefaults(
+        registry=args.image_registry,
+        tag=args.image_tag,
+        pool=args.pool_image or "",
+        vllm=args.vllm_image or "",
+        router=args.router_image or "",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,83 +149,150 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the operator against the cluster in the kubeconfig (or in-cluster)")
     scope = run.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", action="append", default=[],
-                       help="watch InferenceGroups in this namespace (repeatable); default: all namespaces")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch InferenceGroups in this namespace (repeatable); default: all namespaces",
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
-    run.add_argument("--pool-namespace", default=None,
-                     help="namespace of the pool daemons (default: $POD_NAMESPACE, else maru-system)")
-    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
-                     help="kopf liveness endpoint URL; empty to disable")
+    run.add_argument(
+        "--pool-namespace",
+        default=None,
+        help="namespace of the pool daemons (default: $POD_NAMESPACE, else maru-system)",
+    )
+    run.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL; empty to disable"
+    )
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 to disable")
     run.add_argument("--workers", type=int, default=8, help="objects reconciled at once")
-    run.add_argument("--resync-seconds", type=float, default=RESYNC_SECONDS,
-                     help=f"check the cache against fresh lists and look at every owner this often (default: "
-                          f"{RESYNC_SECONDS:.0f})")
-    run.add_argument("--max-rolling-groups", type=int, default=DEFAULT_MAX_GROUPS,
-                     help="groups whose vLLM pods roll out at once; a pod template change of another waits "
-                          "(an operator upgrade then restarts the fleet a few groups at a time); 0: no bound")
-    run.add_argument("--data-plane-updates", choices=("manual", "auto"), default="manual",
-                     help="manual (default): a pool or group keeps the default images it runs when this operator's "
-                          "defaults change (an upgrade), until annotated maru.io/data-plane-updates=auto; auto: "
-                          "every one moves (groups paced by --max-rolling-groups)")
-    run.add_argument("--pool-usage-interval", type=float, default=30.0, metavar="SECONDS",
-                     help="write a pool's memory use (which changes with traffic) to its status at most this "
-                          "often; condition changes are written at once")
-    run.add_argument("--disaggregation-window", type=_window_seconds, default=DEFAULT_WINDOW_S, metavar="SECONDS",
-                     help="how far back a group's DisaggregationActive condition looks at the pool daemons' decode "
-                          "counters (default: %(default).0f); it compares polls --pool-usage-interval apart, so "
-                          "make it several of them")
-    run.add_argument("--standalone", action="store_true", default=True,
-                     help="kopf without its peering (always; replicas elect a leader with a Lease instead)")
-    run.add_argument("--instance", default="", type=_instance_name,
-                     help="serve only MaruPools and InferenceGroups labelled maru.io/operator-instance=NAME "
-                          "(default: only those without the label); every installation needs its own")
-    run.add_argument("--no-leader-election", dest="leader_election", action="store_false",
-                     help="reconcile without holding the leader Lease (only ever with exactly one replica)")
-    run.add_argument("--lease-namespace", default=None,
-                     help="namespace of the leader Lease (default: default); the same for every installation in "
-                          "the cluster, so two that serve the same instance by mistake never both reconcile")
-    run.add_argument("--lease-seconds", type=float, default=15.0,
-                     help="a leader not heard from for this long is replaced")
-    run.add_argument("--renew-deadline", type=float, default=10.0,
-                     help="a leader that cannot renew its Lease for this long stops reconciling")
+    run.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=RESYNC_SECONDS,
+        help=f"check the cache against fresh lists and look at every owner this often (default: {RESYNC_SECONDS:.0f})",
+    )
+    run.add_argument(
+        "--max-rolling-groups",
+        type=int,
+        default=DEFAULT_MAX_GROUPS,
+        help="groups whose vLLM pods roll out at once; a pod template change of another waits "
+        "(an operator upgrade then restarts the fleet a few groups at a time); 0: no bound",
+    )
+    run.add_argument(
+        "--data-plane-updates",
+        choices=("manual", "auto"),
+        default="manual",
+        help="manual (default): a pool or group keeps the default images it runs when this operator's "
+        "defaults change (an upgrade), until annotated maru.io/data-plane-updates=auto; auto: "
+        "every one moves (groups paced by --max-rolling-groups)",
+    )
+    run.add_argument(
+        "--pool-usage-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="write a pool's memory use (which changes with traffic) to its status at most this "
+        "often; condition changes are written at once",
+    )
+    run.add_argument(
+        "--disaggregation-window",
+        type=_window_seconds,
+        default=DEFAULT_WINDOW_S,
+        metavar="SECONDS",
+        help="how far back a group's DisaggregationActive condition looks at the pool daemons' decode "
+        "counters (default: %(default).0f); it compares polls --pool-usage-interval apart, so "
+        "make it several of them",
+    )
+    run.add_argument(
+        "--standalone",
+        action="store_true",
+        default=True,
+        help="kopf without its peering (always; replicas elect a leader with a Lease instead)",
+    )
+    run.add_argument(
+        "--instance",
+        default="",
+        type=_instance_name,
+        help="serve only MaruPools and InferenceGroups labelled maru.io/operator-instance=NAME "
+        "(default: only those without the label); every installation needs its own",
+    )
+    run.add_argument(
+        "--no-leader-election",
+        dest="leader_election",
+        action="store_false",
+        help="reconcile without holding the leader Lease (only ever with exactly one replica)",
+    )
+    run.add_argument(
+        "--lease-namespace",
+        default=None,
+        help="namespace of the leader Lease (default: default); the same for every installation in "
+        "the cluster, so two that serve the same instance by mistake never both reconcile",
+    )
+    run.add_argument(
+        "--lease-seconds", type=float, default=15.0, help="a leader not heard from for this long is replaced"
+    )
+    run.add_argument(
+        "--renew-deadline",
+        type=float,
+        default=10.0,
+        help="a leader that cannot renew its Lease for this long stops reconciling",
+    )
     run.add_argument("--retry-period", type=float, default=2.0, help="how often the Lease is renewed or tried")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    run.add_argument("--log-format", choices=["text", "json"], default="text",
-                     help="json: one JSON object per line, for log collectors")
+    run.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one JSON object per line, for log collectors",
+    )
     _network_policy_flags(run)
     _image_flags(run)
 
     render = sub.add_parser("render", help="print the child manifests for MaruPool/InferenceGroup files")
-    render.add_argument("-f", "--filename", action="append", required=True,
-                        help="a YAML file or a directory of them (repeatable)")
+    render.add_argument(
+        "-f", "--filename", action="append", required=True, help="a YAML file or a directory of them (repeatable)"
+    )
     render.add_argument("--pool-namespace", default=None, help="namespace of the pool daemons")
     _network_policy_flags(render)
     _image_flags(render)
 
     validate = sub.add_parser(
-        "validate", help="check MaruPool/InferenceGroup files as the API server and the operator would, offline",
+        "validate",
+        help="check MaruPool/InferenceGroup files as the API server and the operator would, offline",
         description="Check MaruPools and InferenceGroups against the CRDs' schema and rules, the operator's own "
-                    "checks, and each other (a group's poolRef, the pool's allowedNamespaces). One line per "
-                    "document: ok, error, note (not checked, and why) or skip (another kind). Exit 0: every "
-                    "object is valid; 1: an error, or nothing to check; 2: a file that does not exist.",
+        "checks, and each other (a group's poolRef, the pool's allowedNamespaces). One line per "
+        "document: ok, error, note (not checked, and why) or skip (another kind). Exit 0: every "
+        "object is valid; 1: an error, or nothing to check; 2: a file that does not exist.",
     )
-    validate.add_argument("-f", "--filename", action="append", required=True,
-                          help="a YAML file, a directory of them (*.yaml, *.yml; not recursive) or - for standard "
-                               "input (repeatable; objects given together are checked against each other)")
+    validate.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        help="a YAML file, a directory of them (*.yaml, *.yml; not recursive) or - for standard "
+        "input (repeatable; objects given together are checked against each other)",
+    )
 
     rbac = sub.add_parser("rbac", help="print the ClusterRole and the pool namespace's Role the operator needs")
     rbac.add_argument("--name", default="maru-operator", help="name of the ClusterRole and the Role")
     rbac.add_argument("--namespaced", action="store_true", help="the rules for a run with --namespace")
-    rbac.add_argument("--pool-namespace", default=None,
-                      help="where the Role goes: the pool daemons' namespace (default: $POD_NAMESPACE, else "
-                           "maru-system)")
-    rbac.add_argument("--lease-namespace", default=None,
-                      help="where the leader Lease's Role goes (default: default)")
-    rbac.add_argument("--instance", default="", type=_instance_name,
-                      help="the operator instance (run --instance): the leader Lease its Role names")
-    rbac.add_argument("--service-account", default=None,
-                      help="also print the bindings to this ServiceAccount (in the pool namespace)")
+    rbac.add_argument(
+        "--pool-namespace",
+        default=None,
+        help="where the Role goes: the pool daemons' namespace (default: $POD_NAMESPACE, else maru-system)",
+    )
+    rbac.add_argument("--lease-namespace", default=None, help="where the leader Lease's Role goes (default: default)")
+    rbac.add_argument(
+        "--instance",
+        default="",
+        type=_instance_name,
+        help="the operator instance (run --instance): the leader Lease its Role names",
+    )
+    rbac.add_argument(
+        "--service-account", default=None, help="also print the bindings to this ServiceAccount (in the pool namespace)"
+    )
     return parser
 
 
@@ -194,7 +311,8 @@ def _instance_name(text: str) -> str:
 
     if text and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", text):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: an instance name is a DNS label of at most 40 characters (it names the Lease too)")
+            f"{text!r}: an instance name is a DNS label of at most 40 characters (it names the Lease too)"
+        )
     return text
 
 
@@ -242,14 +360,19 @@ def _rbac(args: argparse.Namespace) -> int:
 
     namespace = args.pool_namespace or default_pool_namespace()
     lease_namespace = args.lease_namespace or DEFAULT_LEASE_NAMESPACE
-    for title, scoped in (("ClusterRole", rules(args.namespaced, args.instance)),
-                          (f"Role in {namespace}", POOL_NAMESPACE_RULES),
-                          (f"Role in {lease_namespace}", LEASE_NAMESPACE_RULES)):
+    for title, scoped in (
+        ("ClusterRole", rules(args.namespaced, args.instance)),
+        (f"Role in {namespace}", POOL_NAMESPACE_RULES),
+        (f"Role in {lease_namespace}", LEASE_NAMESPACE_RULES),
+    ):
         print(f"# {title}:")
         for groups, resources, verbs, why in scoped:
             print(f"#   {', '.join(resources)} ({', '.join(g or 'core' for g in groups)}): {', '.join(verbs)}: {why}")
-    objects = [cluster_role(args.name, args.namespaced, args.instance), pool_namespace_role(namespace, args.name),
-               lease_namespace_role(lease_namespace, args.name, args.instance)]
+    objects = [
+        cluster_role(args.name, args.namespaced, args.instance),
+        pool_namespace_role(namespace, args.name),
+        lease_namespace_role(lease_namespace, args.name, args.instance),
+    ]
     if args.service_account:
         objects += bindings(namespace, args.service_account, args.name, lease_namespace)
     # Not bound to the operator: it binds this one to each router (the routers' pod discovery).
@@ -265,8 +388,14 @@ def _render(args: argparse.Namespace) -> int:
     from maru_operator.render import RenderError, render
 
     try:
-        sys.stdout.write(render(args.filename, args.pool_namespace or default_pool_namespace(),
-                                network_policy_config(args), image_defaults(args)))
+        sys.stdout.write(
+            render(
+                args.filename,
+                args.pool_namespace or default_pool_namespace(),
+                network_policy_config(args),
+                image_defaults(args),
+            )
+        )
     except (OSError, ValidationError, RenderError) as err:
         print(f"maru-operator render: {err}", file=sys.stderr)
         return 1
@@ -288,8 +417,11 @@ def _run(args: argparse.Namespace) -> int:
     from maru_operator.rbac import DEFAULT_LEASE_NAMESPACE
 
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if args.log_format == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if args.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     # kopf's per-event debug lines drown ours at scale.
     logging.getLogger("kopf").setLevel(logging.INFO if args.verbose else logging.WARNING)
@@ -318,31 +450,50 @@ def _run(args: argparse.Namespace) -> int:
     if namespaces and pool_namespace not in namespaces:
         # The pools' daemons live there; without watching it the operator could not see them.
         namespaces.append(pool_namespace)
-    handlers.configure(handlers.Config(
-        pool_namespace=pool_namespace, workers=args.workers, resync_seconds=args.resync_seconds,
-        usage_interval=args.pool_usage_interval, instance=args.instance,
-        disaggregation_window=args.disaggregation_window,
-        leader_election=args.leader_election, lease_namespace=args.lease_namespace or DEFAULT_LEASE_NAMESPACE,
-        lease_seconds=args.lease_seconds,
-        renew_deadline=args.renew_deadline, retry_period=args.retry_period,
-        connection=connection, namespaces=namespaces,
-        network=network_policy_config(args, handlers.operator_namespace()),
-        images=image_defaults(args),
-        max_rolling_groups=args.max_rolling_groups, data_plane_updates=args.data_plane_updates,
-    ))
+    handlers.configure(
+        handlers.Config(
+            pool_namespace=pool_namespace,
+            workers=args.workers,
+            resync_seconds=args.resync_seconds,
+            usage_interval=args.pool_usage_interval,
+            instance=args.instance,
+            disaggregation_window=args.disaggregation_window,
+            leader_election=args.leader_election,
+            lease_namespace=args.lease_namespace or DEFAULT_LEASE_NAMESPACE,
+            lease_seconds=args.lease_seconds,
+            renew_deadline=args.renew_deadline,
+            retry_period=args.retry_period,
+            connection=connection,
+            namespaces=namespaces,
+            network=network_policy_config(args, handlers.operator_namespace()),
+            images=image_defaults(args),
+            max_rolling_groups=args.max_rolling_groups,
+            data_plane_updates=args.data_plane_updates,
+        )
+    )
     if args.renew_deadline >= args.lease_seconds or args.retry_period >= args.renew_deadline:
         print("maru-operator: need --retry-period < --renew-deadline < --lease-seconds", file=sys.stderr)
         return 2
-    log.info("starting maru-operator %s against %s (%s)", __version__, connection.server,
-             "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces")
+    log.info(
+        "starting maru-operator %s against %s (%s)",
+        __version__,
+        connection.server,
+        "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces",
+    )
     images = image_defaults(args)
-    log.info("default images (for objects that name none): pool %s, vllm %s, router %s",
-             images.pool_image, images.vllm_image, images.router_image)
+    log.info(
+        "default images (for objects that name none): pool %s, vllm %s, router %s",
+        images.pool_image,
+        images.vllm_image,
+        images.router_image,
+    )
     tune_gc()
-    asyncio.run(kopf.operator(
-        standalone=True,
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        liveness_endpoint=args.liveness or None,
-    ))
+    asyncio.run(
+        kopf.operator(
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=args.liveness or None,
+        )
+    )
     return 0

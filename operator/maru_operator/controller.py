@@ -131,11 +131,18 @@ def _fingerprint(actual: Object) -> bytes:
     none of that can make it differ from the desired object.
     """
     meta = actual.get("metadata") or {}
-    ours = [e for e in meta.get("managedFields") or []
-            if e.get("manager") == FIELD_MANAGER and not e.get("subresource")]
-    return _digest({**{k: v for k, v in actual.items() if k not in ("status", "metadata")}, "metadata": {
-        **{k: v for k, v in meta.items() if k not in ("resourceVersion", "generation", "managedFields")},
-        "managedFields": ours}})
+    ours = [
+        e for e in meta.get("managedFields") or [] if e.get("manager") == FIELD_MANAGER and not e.get("subresource")
+    ]
+    return _digest(
+        {
+            **{k: v for k, v in actual.items() if k not in ("status", "metadata")},
+            "metadata": {
+                **{k: v for k, v in meta.items() if k not in ("resourceVersion", "generation", "managedFields")},
+                "managedFields": ours,
+            },
+        }
+    )
 
 
 class Replaced(Exception):
@@ -237,12 +244,16 @@ class Controller:
                 if err.status not in (403, 422):
                     raise
                 kind, ns, name = key_of(obj)
-                result.refused[key_of(obj)] = (f"{kind} {f'{ns}/{name}' if ns else name} was not written: "
-                                               f"{err.reason} ({err.status}): {err.message}")
+                result.refused[key_of(obj)] = (
+                    f"{kind} {f'{ns}/{name}' if ns else name} was not written: "
+                    f"{err.reason} ({err.status}): {err.message}"
+                )
                 log.warning("%s %s: the API server refused %s", owner.kind, owner.name, result.refused[key_of(obj)])
 
-        await _together([refusable(obj, self._take(obj, owner, result)) for obj in creates]
-                        + [refusable(obj, update(obj, why)) for obj, why in updates])
+        await _together(
+            [refusable(obj, self._take(obj, owner, result)) for obj in creates]
+            + [refusable(obj, update(obj, why)) for obj, why in updates]
+        )
         for obj in deletes:
             key = key_of(obj)
             if key in keep or key[0] in NEVER_PRUNED:
@@ -327,9 +338,17 @@ class Controller:
                     return await self.kube.json_patch(kind, ns or None, name, ops)
                 # With the resourceVersion: the whole list is replaced, so it must be the one just read (a
                 # controller writing status right after the create adds an entry of its own).
-                return await self.kube.patch(kind, ns or None, name, {"metadata": {
-                    "managedFields": adopted_ownership(current, release=release),
-                    "resourceVersion": current["metadata"].get("resourceVersion")}})
+                return await self.kube.patch(
+                    kind,
+                    ns or None,
+                    name,
+                    {
+                        "metadata": {
+                            "managedFields": adopted_ownership(current, release=release),
+                            "resourceVersion": current["metadata"].get("resourceVersion"),
+                        }
+                    },
+                )
             except ApiError as err:
                 # 422: a test of the JSON patch failed (our entry or the uid is no longer as read).
                 if err.status not in (404, 409, 422):
@@ -352,17 +371,26 @@ class Controller:
                 # is tried again on a fresh copy.
                 adopted = await self._adopt(obj, await self._whole(have))
                 if adopted is None:
-                    raise Replaced(f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were "
-                                   "adopted")
+                    raise Replaced(
+                        f"{kind} {ns}/{name} (uid {uid}) went or kept changing while its fields were adopted"
+                    )
             elif scaled_externally(obj) and released_ownership(have, obj) is not None:
                 # A role handed to an autoscaler: its replicas stay as they are, owned by nobody, instead
                 # of being removed by the apply (and reset to 1) for no longer being the operator's.
                 whole = await self._whole(have)
                 released = released_ownership(whole, obj)
                 if released is not None:
-                    await self.kube.patch(kind, ns or None, name, {"metadata": {
-                        "managedFields": released,
-                        "resourceVersion": whole["metadata"].get("resourceVersion")}})
+                    await self.kube.patch(
+                        kind,
+                        ns or None,
+                        name,
+                        {
+                            "metadata": {
+                                "managedFields": released,
+                                "resourceVersion": whole["metadata"].get("resourceVersion"),
+                            }
+                        },
+                    )
             applied = await self.kube.apply(obj, uid=uid)
         except ApiError as err:
             # 404/409: gone or changed; 422: another object has the name. Which one, a fresh look tells.
@@ -371,9 +399,11 @@ class Controller:
             now = await self.kube.get(kind, ns or None, name)
             if now is not None and now["metadata"].get("uid") == uid:
                 raise
-            raise Replaced(f"{kind} {ns}/{name} (uid {uid}) is gone" if now is None else
-                           f"{kind} {ns}/{name} is another object now (uid {now['metadata'].get('uid')}, "
-                           f"not {uid})") from err
+            raise Replaced(
+                f"{kind} {ns}/{name} (uid {uid}) is gone"
+                if now is None
+                else f"{kind} {ns}/{name} is another object now (uid {now['metadata'].get('uid')}, not {uid})"
+            ) from err
         metrics.WRITES.labels(kind, "apply").inc()
         log.info("updated %s %s/%s to match its owner's spec (first difference at %s)", kind, ns, name, why)
         self._synced_as(obj, applied)
@@ -386,14 +416,20 @@ class Controller:
         uid = have["metadata"].get("uid")
         now = await self.kube.get(kind, ns or None, name)
         if now is None or now["metadata"].get("uid") != uid:
-            raise Replaced(f"{kind} {ns}/{name} (uid {uid}) is gone" if now is None else
-                           f"{kind} {ns}/{name} is another object now (uid {now['metadata'].get('uid')}, not {uid})")
+            raise Replaced(
+                f"{kind} {ns}/{name} (uid {uid}) is gone"
+                if now is None
+                else f"{kind} {ns}/{name} is another object now (uid {now['metadata'].get('uid')}, not {uid})"
+            )
         return now
 
     def _synced_as(self, obj: Object, actual: Object) -> None:
         """``actual`` is what applying ``obj`` made: in sync with it until either changes."""
-        self._synced[key_of(obj)] = (_digest(obj), actual.get("metadata", {}).get("resourceVersion"),
-                                     _fingerprint(actual))
+        self._synced[key_of(obj)] = (
+            _digest(obj),
+            actual.get("metadata", {}).get("resourceVersion"),
+            _fingerprint(actual),
+        )
 
     def _check(self, obj: Object, have: Object) -> str | None:
         """:func:`out_of_sync`, run only when the desired object or the child changed since it last passed
@@ -437,16 +473,31 @@ class Controller:
         for c in new:
             if (c.type, c.status, c.reason) in before:
                 continue
-            bad = (c.type == cond.READY and c.status == "False" and c.reason in _WARN_READY) or (
-                c.type in (cond.DEGRADED, cond.IN_USE) and c.status == "True" and c.reason in _WARN_OTHER
-            ) or (c.type in (cond.DISAGGREGATION_ACTIVE, cond.INFERENCE_POOL_READY) and c.status == "False")
+            bad = (
+                (c.type == cond.READY and c.status == "False" and c.reason in _WARN_READY)
+                or (c.type in (cond.DEGRADED, cond.IN_USE) and c.status == "True" and c.reason in _WARN_OTHER)
+                or (c.type in (cond.DISAGGREGATION_ACTIVE, cond.INFERENCE_POOL_READY) and c.status == "False")
+            )
             good = c.type == cond.READY and c.status == "True"
             kind, ns, name = key_of(body)
-            log.log(logging.WARNING if bad else logging.INFO, "%s %s: %s=%s (%s) %s", kind,
-                    f"{ns}/{name}" if ns else name, c.type, c.status, c.reason, c.message)
+            log.log(
+                logging.WARNING if bad else logging.INFO,
+                "%s %s: %s=%s (%s) %s",
+                kind,
+                f"{ns}/{name}" if ns else name,
+                c.type,
+                c.status,
+                c.reason,
+                c.message,
+            )
             if bad or good:
-                await self.kube.event(body, type_="Warning" if bad else "Normal", reason=c.reason,
-                                      message=c.message or c.reason, now=self.clock())
+                await self.kube.event(
+                    body,
+                    type_="Warning" if bad else "Normal",
+                    reason=c.reason,
+                    message=c.message or c.reason,
+                    now=self.clock(),
+                )
 
     # --- MaruPool -------------------------------------------------------------------------------
 
@@ -475,23 +526,40 @@ class Controller:
 
         if POOL_FINALIZER not in finalizers:
             # Nothing may delete the pool's memory from under the groups using it (see the deletion branch).
-            updated = await self.kube.patch("MaruPool", None, name, {"metadata": {
-                "finalizers": [*finalizers, POOL_FINALIZER], "resourceVersion": meta.get("resourceVersion"),
-            }})
+            updated = await self.kube.patch(
+                "MaruPool",
+                None,
+                name,
+                {
+                    "metadata": {
+                        "finalizers": [*finalizers, POOL_FINALIZER],
+                        "resourceVersion": meta.get("resourceVersion"),
+                    }
+                },
+            )
             self.store.put(updated)
             body, meta = updated, updated.get("metadata", {})
 
         ns = self.pool_namespace
         key = await self._pool_key(owner)
-        images = self.data_plane.images_for(("MaruPool", "", name), meta, {
-            "pool": container_image(self.store.get(("DaemonSet", ns, agent_name(name))), name="agent")})
+        images = self.data_plane.images_for(
+            ("MaruPool", "", name),
+            meta,
+            {"pool": container_image(self.store.get(("DaemonSet", ns, agent_name(name))), name="agent")},
+        )
         desired = build_pool_children(images.for_pool(spec), owner, ns, key)
         desired += build_pool_policies(spec, owner, ns, self.network)
         applied = await self.apply(owner, desired)
         children = applied.children
-        pods = await self.kube.list("Pod", ns, {
-            LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: owner.instance, LABEL_COMPONENT: COMPONENT_AGENT,
-        })
+        pods = await self.kube.list(
+            "Pod",
+            ns,
+            {
+                LABEL_MANAGED_BY: MANAGED_BY,
+                LABEL_INSTANCE: owner.instance,
+                LABEL_COMPONENT: COMPONENT_AGENT,
+            },
+        )
         seen = PoolObservation(
             daemonset=children.get(("DaemonSet", ns, agent_name(name))),
             metadata_deployment=children.get(("Deployment", ns, metadata_name(name))),
@@ -530,8 +598,11 @@ class Controller:
         Groups refused by allowedNamespaces never got pods using this pool: they do not hold it.
         """
         allowed = (body.get("spec") or {}).get("allowedNamespaces")
-        return [f"{ns}/{n}" for _, ns, n in self.store.groups_of_pool(body["metadata"]["name"])
-                if allowed is None or ns in allowed]
+        return [
+            f"{ns}/{n}"
+            for _, ns, n in self.store.groups_of_pool(body["metadata"]["name"])
+            if allowed is None or ns in allowed
+        ]
 
     async def _release_pool(self, body: Object, old: MaruPoolStatus) -> None:
         """A deleted pool keeps its finalizer while groups are bound to it, then lets go."""
@@ -548,9 +619,12 @@ class Controller:
                 delay=DELETION_RETRY_SECONDS,
             )
         remaining = [f for f in finalizers if f != POOL_FINALIZER]
-        await self.kube.patch("MaruPool", None, name, {
-            "metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}
-        })
+        await self.kube.patch(
+            "MaruPool",
+            None,
+            name,
+            {"metadata": {"finalizers": remaining or None, "resourceVersion": meta.get("resourceVersion")}},
+        )
         log.info("MaruPool %s: no group is bound any more; released for deletion", name)
         return None
 
@@ -575,8 +649,9 @@ class Controller:
         existing = await self._current_key(owner.name, owner.uid)
         if existing is not None:
             return existing
-        log.info("MaruPool %s: generating its key (Secret %s/%s)", owner.name, self.pool_namespace,
-                 pool_key_name(owner.name))
+        log.info(
+            "MaruPool %s: generating its key (Secret %s/%s)", owner.name, self.pool_namespace, pool_key_name(owner.name)
+        )
         return secrets.token_bytes(KEY_BYTES)
 
     async def _pool_stats(self, spec: MaruPoolSpec, name: str, pods: list[Object]) -> dict[str, Any]:
@@ -629,11 +704,18 @@ class Controller:
             raise kopf.PermanentError("invalid spec, no child touched: " + "; ".join(errors))
         pool = binding.pool
         # No key here: the CSI node plugin mints the group's credential at publish, from the pool's own key.
-        images = self.data_plane.images_for(("InferenceGroup", namespace, name), body.get("metadata", {}), {
-            "vllm": container_image(self.store.get(("Deployment", namespace, role_name(name, "prefill"))), name="vllm"),
-            "router": container_image(self.store.get(("Deployment", namespace, router_name(name))),
-                                      command="vllm-router"),
-        })
+        images = self.data_plane.images_for(
+            ("InferenceGroup", namespace, name),
+            body.get("metadata", {}),
+            {
+                "vllm": container_image(
+                    self.store.get(("Deployment", namespace, role_name(name, "prefill"))), name="vllm"
+                ),
+                "router": container_image(
+                    self.store.get(("Deployment", namespace, router_name(name))), command="vllm-router"
+                ),
+            },
+        )
         desired = build_group_children(images.for_group(spec), owner, pool, self._role_replicas(owner))
         desired += build_group_policies(spec, owner, pool, self.pool_namespace, self.network)
         gateway = build_inference_pool(spec, owner)
@@ -643,9 +725,15 @@ class Controller:
         # A pod template change waits while other groups roll (see maru_operator.rollouts).
         held = self.pacer.held(("InferenceGroup", namespace, name), desired, self.store)
         if held:
-            log.info("InferenceGroup %s/%s: pod template change of %s waits: %d groups are rolling out (at most %d "
-                     "at once, --max-rolling-groups)", namespace, name, ", ".join(k[2] for k in held),
-                     self.pacer.max_groups, self.pacer.max_groups)
+            log.info(
+                "InferenceGroup %s/%s: pod template change of %s waits: %d groups are rolling out (at most %d "
+                "at once, --max-rolling-groups)",
+                namespace,
+                name,
+                ", ".join(k[2] for k in held),
+                self.pacer.max_groups,
+                self.pacer.max_groups,
+            )
             desired = [d for d in desired if key_of(d) not in held]
         keep: set[Key] = set(held)
         if gateway is not None and served is None:
@@ -664,10 +752,18 @@ class Controller:
                     # The uid: this very Deployment, never a namesake that replaced it since it was seen. The
                     # count is remembered on it: an autoscaled role's desired object has none to put back, and
                     # an HPA leaves a target at 0 alone (ScalingDisabled).
-                    scaled = await self.kube.patch("Deployment", namespace, dep_key[2], {
-                        "metadata": {"uid": have["metadata"].get("uid"), "annotations": {
-                            REVOKED_REPLICAS_ANNOTATION: str(have["spec"]["replicas"])}},
-                        "spec": {"replicas": 0}})
+                    scaled = await self.kube.patch(
+                        "Deployment",
+                        namespace,
+                        dep_key[2],
+                        {
+                            "metadata": {
+                                "uid": have["metadata"].get("uid"),
+                                "annotations": {REVOKED_REPLICAS_ANNOTATION: str(have["spec"]["replicas"])},
+                            },
+                            "spec": {"replicas": 0},
+                        },
+                    )
                     self.store.put(scaled)
                     metrics.WRITES.labels("Deployment", "patch").inc()
         else:
@@ -683,12 +779,20 @@ class Controller:
         if spec.router.enabled:
             svc = service_name(name)
             router = Router(f"{namespace}/{svc}", ready_endpoints(self.store.endpoint_slices(namespace, svc)))
-        new = group_status(spec, generation, binding, observed, old,
-                           endpoint=router_endpoint(spec, owner), now=self.clock(), router=router,
-                           conflicts=list(applied.conflicts.values()),
-                           refused=list(applied.refused.values()),
-                           queued=[k[2] for k in held],
-                           disaggregation=self._disaggregation(spec, owner, binding, old, generation))
+        new = group_status(
+            spec,
+            generation,
+            binding,
+            observed,
+            old,
+            endpoint=router_endpoint(spec, owner),
+            now=self.clock(),
+            router=router,
+            conflicts=list(applied.conflicts.values()),
+            refused=list(applied.refused.values()),
+            queued=[k[2] for k in held],
+            disaggregation=self._disaggregation(spec, owner, binding, old, generation),
+        )
         if gateway is not None:
             new = self._with_inference_pool(new, old, gateway, served, applied)
         again = await self._write_group_status(body, old, new, spec, owner, binding.pool is not None)
@@ -711,31 +815,48 @@ class Controller:
         (an Operator-scaled role gets its own from the apply); the remembered count goes with the same write."""
         for obj in desired:
             have = self.store.get(key_of(obj))
-            if obj.get("kind") != "Deployment" or not scaled_externally(obj) or have is None \
-                    or not controlled_by(have, owner.uid):
+            if (
+                obj.get("kind") != "Deployment"
+                or not scaled_externally(obj)
+                or have is None
+                or not controlled_by(have, owner.uid)
+            ):
                 continue
             before = (have["metadata"].get("annotations") or {}).get(REVOKED_REPLICAS_ANNOTATION)
             if before is None:
                 continue
             kind, ns, name = key_of(obj)
             count = int(before) if before.isdigit() and not have.get("spec", {}).get("replicas") else None
-            log.info("InferenceGroup %s/%s: pool access is back; %s", owner.namespace, owner.name,
-                     f"scaling {name} back to {count}" if count is not None else f"{name} was scaled since")
-            patch: Object = {"metadata": {"uid": have["metadata"].get("uid"),
-                                          "annotations": {REVOKED_REPLICAS_ANNOTATION: None}}}
+            log.info(
+                "InferenceGroup %s/%s: pool access is back; %s",
+                owner.namespace,
+                owner.name,
+                f"scaling {name} back to {count}" if count is not None else f"{name} was scaled since",
+            )
+            patch: Object = {
+                "metadata": {"uid": have["metadata"].get("uid"), "annotations": {REVOKED_REPLICAS_ANNOTATION: None}}
+            }
             if count is not None:
                 patch["spec"] = {"replicas": count}
             self.store.put(await self.kube.patch(kind, ns or None, name, patch))
             metrics.WRITES.labels(kind, "patch").inc()
 
-    def _with_inference_pool(self, new: InferenceGroupStatus, old: InferenceGroupStatus, gateway: Object,
-                             served: bool | None, applied: Applied) -> InferenceGroupStatus:
+    def _with_inference_pool(
+        self,
+        new: InferenceGroupStatus,
+        old: InferenceGroupStatus,
+        gateway: Object,
+        served: bool | None,
+        applied: Applied,
+    ) -> InferenceGroupStatus:
         """``new`` with InferencePoolReady (a group that does not ask for an InferencePool has none)."""
         key = key_of(gateway)
-        made = cond.inference_pool_ready(served, f"{key[1]}/{key[2]}", applied.conflicts.get(key),
-                                         new.observed_generation)
-        return new.model_copy(update={"conditions": [*new.conditions,
-                                                     *cond.merge(old.conditions, [made], self.clock())]})
+        made = cond.inference_pool_ready(
+            served, f"{key[1]}/{key[2]}", applied.conflicts.get(key), new.observed_generation
+        )
+        return new.model_copy(
+            update={"conditions": [*new.conditions, *cond.merge(old.conditions, [made], self.clock())]}
+        )
 
     def _role_replicas(self, owner: Owner) -> dict[str, int | None]:
         """Each role Deployment's spec.replicas now (None when it has none of this group's yet)."""
@@ -746,8 +867,15 @@ class Controller:
             now[role] = int(have.get("spec", {}).get("replicas", 1)) if ok and have is not None else None
         return now
 
-    async def _write_group_status(self, body: Object, old: InferenceGroupStatus, new: InferenceGroupStatus,
-                                  spec: InferenceGroupSpec, owner: Owner, bound: bool) -> float | None:
+    async def _write_group_status(
+        self,
+        body: Object,
+        old: InferenceGroupStatus,
+        new: InferenceGroupStatus,
+        spec: InferenceGroupSpec,
+        owner: Owner,
+        bound: bool,
+    ) -> float | None:
         """Write the group's status with its pool usage (from the pool's own poll of its daemons, no request
         of its own); a change of usage alone waits until ``usage_interval`` has passed since the last one.
 
@@ -779,8 +907,9 @@ class Controller:
             self._pool_readers[pool] = ReaderWindow(self.disaggregation_window)
         return self._pool_readers[pool]
 
-    def _disaggregation(self, spec: InferenceGroupSpec, owner: Owner, binding: Any, old: InferenceGroupStatus,
-                        generation: int | None) -> Condition:
+    def _disaggregation(
+        self, spec: InferenceGroupSpec, owner: Owner, binding: Any, old: InferenceGroupStatus, generation: int | None
+    ) -> Condition:
         """DisaggregationActive from the decode traffic of the group's tenant on its pool over the window.
 
         Until two polls of the pool can be compared (an operator that just started), the condition the status
@@ -798,8 +927,13 @@ class Controller:
         if pool is not None and unjudged and kept is not None:
             return kept.model_copy(update={"observed_generation": generation})
         reads = window.totals(cache_scope(spec, owner), self.monotonic()) if window and window.judged else None
-        made = cond.disaggregation_active(reads, pool=pool, reachable=window.reachable if window else None,
-                                          window_s=self.disaggregation_window, gen=generation)
+        made = cond.disaggregation_active(
+            reads,
+            pool=pool,
+            reachable=window.reachable if window else None,
+            window_s=self.disaggregation_window,
+            gen=generation,
+        )
         metrics.set_group_traffic(owner.namespace or "", owner.name, reads, made.status)
         return made
 
@@ -819,8 +953,23 @@ async def _together(writes: list[Awaitable[None]]) -> None:
             raise outcome
 
 
-_WARN_READY = {"InvalidSpec", "PoolNotFound", "PoolNotReady", "NamespaceNotAllowed", "PoolDeleting", "PoolInvalid",
-               "NoNodesSelected", "ChildConflict", "NoReadyEndpoints"}
-_WARN_OTHER = {"ChildRefused", "DeletionBlocked", "ReplicasUnavailable", "AgentsUnavailable",
-               "MetadataServerUnavailable", "PoolDegraded", "PoolUnavailable"}
-
+_WARN_READY = {
+    "InvalidSpec",
+    "PoolNotFound",
+    "PoolNotReady",
+    "NamespaceNotAllowed",
+    "PoolDeleting",
+    "PoolInvalid",
+    "NoNodesSelected",
+    "ChildConflict",
+    "NoReadyEndpoints",
+}
+_WARN_OTHER = {
+    "ChildRefused",
+    "DeletionBlocked",
+    "ReplicasUnavailable",
+    "AgentsUnavailable",
+    "MetadataServerUnavailable",
+    "PoolDegraded",
+    "PoolUnavailable",
+}

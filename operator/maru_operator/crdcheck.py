@@ -35,9 +35,11 @@ class StaleCRD:
 
     def message(self) -> str:
         found = f"schema hash {self.found}" if self.found else "no schema hash"
-        return (f"the {self.name} CRD on the cluster ({found}) is not the one this operator was built from "
-                f"(schema hash {self.expected}): the API server may drop or refuse fields the operator writes. "
-                f"Apply the CRDs of this operator's chart version: {UPGRADE_COMMAND}")
+        return (
+            f"the {self.name} CRD on the cluster ({found}) is not the one this operator was built from "
+            f"(schema hash {self.expected}): the API server may drop or refuse fields the operator writes. "
+            f"Apply the CRDs of this operator's chart version: {UPGRADE_COMMAND}"
+        )
 
 
 def stale_crds(installed: Iterable[dict[str, Any]]) -> list[StaleCRD]:
@@ -58,12 +60,21 @@ def stale_crds(installed: Iterable[dict[str, Any]]) -> list[StaleCRD]:
 async def check_crds(kube: Kube) -> list[StaleCRD]:
     """Compare the installed CRDs with this build's; log, post a Warning Event on and count each stale one."""
     try:
-        found = await kube.request("GET", CRDS_PATH, params={"labelSelector": "app.kubernetes.io/part-of=maru"},
-                                   what="list the maru.io CRDs") or {}
+        found = (
+            await kube.request(
+                "GET",
+                CRDS_PATH,
+                params={"labelSelector": "app.kubernetes.io/part-of=maru"},
+                what="list the maru.io CRDs",
+            )
+            or {}
+        )
     except (ApiError, Unreachable) as err:
         # Not knowing is no reason to stop serving; the chart grants the list, so say what is missing.
-        log.warning("could not compare the installed CRDs with this operator's (needs list on "
-                    "customresourcedefinitions): %s", err)
+        log.warning(
+            "could not compare the installed CRDs with this operator's (needs list on customresourcedefinitions): %s",
+            err,
+        )
         return []
     stale = stale_crds(found.get("items") or [])
     current = {s.name for s in stale}

@@ -82,8 +82,9 @@ def _metadata_errors(metadata: Any) -> list[FieldError]:
     elif not isinstance(name, str) or len(name) > 253 or not re.fullmatch(DNS1123_SUBDOMAIN_PATTERN, name):
         errors.append(FieldError("metadata.name", explain_pattern(DNS1123_SUBDOMAIN_PATTERN, str(name))))
     namespace = metadata.get("namespace")
-    if namespace is not None and (not isinstance(namespace, str) or len(namespace) > 63
-                                  or not re.fullmatch(DNS1123_LABEL_PATTERN, namespace)):
+    if namespace is not None and (
+        not isinstance(namespace, str) or len(namespace) > 63 or not re.fullmatch(DNS1123_LABEL_PATTERN, namespace)
+    ):
         errors.append(FieldError("metadata.namespace", explain_pattern(DNS1123_LABEL_PATTERN, str(namespace))))
     return errors
 
@@ -225,8 +226,11 @@ def _hints(*rules: tuple[str, str]) -> Callable[[str], str | None]:
 
 def _spell_bytes(count: int) -> str:
     """``count`` in the pool size grammar with the fewest characters (``1610612736`` -> ``1536Mi``)."""
-    units = [("", 1)] + [(s, 1024**i) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)] \
+    units = (
+        [("", 1)]
+        + [(s, 1024**i) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)]
         + [(s, 1000**i) for i, s in enumerate(("k", "M", "G", "T", "P", "E"), 1)]
+    )
     return min((f"{count // factor}{suffix}" for suffix, factor in units if count % factor == 0), key=len)
 
 
@@ -252,10 +256,11 @@ def _size_hint(value: str) -> str | None:
     return "; ".join(reasons) or None
 
 
-_SUBDOMAIN = ("lower-case letters, digits, '-' and '.', each dot-separated part starting and ending with a "
-              "letter or digit, at most 253 characters")
-_CASE_HINTS = (("[A-Z]", "upper-case letters are not allowed: use lower case"),
-               ("_", "'_' is not allowed: use '-'"))
+_SUBDOMAIN = (
+    "lower-case letters, digits, '-' and '.', each dot-separated part starting and ending with a "
+    "letter or digit, at most 253 characters"
+)
+_CASE_HINTS = (("[A-Z]", "upper-case letters are not allowed: use lower case"), ("_", "'_' is not allowed: use '-'"))
 
 PATTERNS: dict[str, PatternRule] = {
     SIZE_PATTERN: PatternRule(
@@ -270,11 +275,13 @@ PATTERNS: dict[str, PatternRule] = {
         "a quantity is a number without a sign (digits, optionally with a decimal point) with an optional suffix: "
         "Ki, Mi, Gi, Ti, Pi, Ei (powers of 1024), k, M, G, T, P, E (powers of 1000), m, u, n (thousandths, "
         "millionths, billionths) or an exponent such as e3, e.g. 16Gi, 500m or 2",
-        _hints((r"\s", "remove the spaces"),
-               (r"^-", "a negative amount is not allowed here"),
-               (r"[bB]$", "write the unit without B, e.g. 16Gi or 16G"),
-               (r"^[0-9.]+[kmgtpe]i$", "suffixes are case-sensitive: Ki, Mi, Gi, Ti, Pi, Ei"),
-               (r"^[0-9.]+K$", "decimal kilo is a lower-case k (Ki for 1024)")),
+        _hints(
+            (r"\s", "remove the spaces"),
+            (r"^-", "a negative amount is not allowed here"),
+            (r"[bB]$", "write the unit without B, e.g. 16Gi or 16G"),
+            (r"^[0-9.]+[kmgtpe]i$", "suffixes are case-sensitive: Ki, Mi, Gi, Ti, Pi, Ei"),
+            (r"^[0-9.]+K$", "decimal kilo is a lower-case k (Ki for 1024)"),
+        ),
     ),
     DNS1123_LABEL_PATTERN: PatternRule(
         "a DNS label",
@@ -283,7 +290,9 @@ PATTERNS: dict[str, PatternRule] = {
         _hints(*_CASE_HINTS),
     ),
     DNS1123_SUBDOMAIN_PATTERN: PatternRule(
-        "a DNS subdomain name", f"a DNS subdomain name is {_SUBDOMAIN}, e.g. local-shm", _hints(*_CASE_HINTS),
+        "a DNS subdomain name",
+        f"a DNS subdomain name is {_SUBDOMAIN}, e.g. local-shm",
+        _hints(*_CASE_HINTS),
     ),
     f"^$|{DNS1123_SUBDOMAIN_PATTERN}": PatternRule(
         "a PriorityClass name",
@@ -310,12 +319,13 @@ PATTERNS: dict[str, PatternRule] = {
         "an adapter name is letters, digits, '.', '_' and '-', starting with a letter or digit, e.g. sql-lora",
     ),
     NO_WHITESPACE_PATTERN: PatternRule(
-        "an adapter source", "an adapter source is a Hugging Face id or a path with no spaces, e.g. org/sql-lora",
+        "an adapter source",
+        "an adapter source is a Hugging Face id or a path with no spaces, e.g. org/sql-lora",
         _hints((r"\s", "remove the spaces")),
     ),
     r"^/dev/[A-Za-z0-9._/-]+$": PatternRule(
-        "a device path", "a device path is a path under /dev of letters, digits, '.', '_', '-' and '/', e.g. "
-                         "/dev/dax0.0",
+        "a device path",
+        "a device path is a path under /dev of letters, digits, '.', '_', '-' and '/', e.g. /dev/dax0.0",
     ),
     r"^/.*$": PatternRule("an absolute path", "an absolute path starts with /, e.g. /run/maru"),
     r"^[^/].*$": PatternRule("a relative path", "a relative path is not empty and does not start with /"),
@@ -330,7 +340,8 @@ PATTERNS: dict[str, PatternRule] = {
         _hints((r"[a-z]", "write it in capitals, as vLLM names its media")),
     ),
     r"^([0-9]+%?)$": PatternRule(
-        "a count or a percentage", "a count or a percentage is a whole number or a whole percentage, e.g. 1 or 25%",
+        "a count or a percentage",
+        "a count or a percentage is a whole number or a whole percentage, e.g. 1 or 25%",
     ),
 }
 
@@ -344,4 +355,4 @@ def explain_pattern(pattern: str, value: str, description: str | None = None) ->
         about = f" ({description.rstrip('.')})" if description else ""
         return f"Invalid value: \"{value}\": does not have the form this field takes{about}: must match '{pattern}'"
     hint = rule.hint(value) if rule.hint else None
-    return f"Invalid value: \"{value}\" is not {rule.what}: " + (f"{hint}; " if hint else "") + rule.grammar
+    return f'Invalid value: "{value}" is not {rule.what}: ' + (f"{hint}; " if hint else "") + rule.grammar

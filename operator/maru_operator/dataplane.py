@@ -51,8 +51,11 @@ def pinned(defaults: ImageDefaults, running: Mapping[Slot, str | None], updates:
     if updates == "auto":
         return defaults
     current = {"pool": defaults.pool_image, "vllm": defaults.vllm_image, "router": defaults.router_image}
-    held = {slot: image for slot, image in running.items()
-            if image and image != current[slot] and repository(image) == repository(current[slot])}
+    held = {
+        slot: image
+        for slot, image in running.items()
+        if image and image != current[slot] and repository(image) == repository(current[slot])
+    }
     return dataclasses.replace(defaults, **held) if held else defaults
 
 
@@ -66,14 +69,16 @@ def held_back(defaults: ImageDefaults, used: ImageDefaults) -> dict[Slot, tuple[
     return out
 
 
-def container_image(obj: Mapping[str, Any] | None, *, name: str | None = None,
-                    command: str | None = None) -> str | None:
+def container_image(
+    obj: Mapping[str, Any] | None, *, name: str | None = None, command: str | None = None
+) -> str | None:
     """The image of ``obj``'s first pod-template container called ``name`` (or running ``command``)."""
     if not obj:
         return None
     for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []:
-        if (name is None or container.get("name") == name) and \
-                (command is None or (container.get("command") or [None])[0] == command):
+        if (name is None or container.get("name") == name) and (
+            command is None or (container.get("command") or [None])[0] == command
+        ):
             return container.get("image")
     return None
 
@@ -87,17 +92,23 @@ class DataPlane:
     # object -> what was last said about it (nothing held: absent)
     _said: dict[Any, dict[Slot, tuple[str, str]]] = dataclasses.field(default_factory=dict)
 
-    def images_for(self, key: tuple[str, str, str], meta: Mapping[str, Any],
-                   running: Mapping[Slot, str | None]) -> ImageDefaults:
+    def images_for(
+        self, key: tuple[str, str, str], meta: Mapping[str, Any], running: Mapping[Slot, str | None]
+    ) -> ImageDefaults:
         used = pinned(self.defaults, running, updates_of(meta, self.fleet_updates))
         held = held_back(self.defaults, used)
         if held and self._said.get(key) != held:
             kind, namespace, name = key
             where = f"{namespace}/{name}" if namespace else name
-            log.info("%s %s keeps its data plane: %s; annotate it %s=auto (or run the operator with "
-                     "--data-plane-updates auto) to move it", kind, where,
-                     "; ".join(f"{kept} (default now {default})" for kept, default in held.values()),
-                     UPDATES_ANNOTATION, extra={"object": f"{kind}/{where}", "reason": "DataPlaneHeld"})
+            log.info(
+                "%s %s keeps its data plane: %s; annotate it %s=auto (or run the operator with "
+                "--data-plane-updates auto) to move it",
+                kind,
+                where,
+                "; ".join(f"{kept} (default now {default})" for kept, default in held.values()),
+                UPDATES_ANNOTATION,
+                extra={"object": f"{kind}/{where}", "reason": "DataPlaneHeld"},
+            )
         if held:
             self._said[key] = held
         else:

@@ -71,8 +71,18 @@ WATCH_BACKOFF = 2.0
 # worker task per object, causes, loggers), several times what the event costs the cache, and a fleet's
 # children send most of the events (at a thousand groups that machinery was a third of the operator's CPU
 # time). The InferencePools stay kopf's: their CRD may be missing, and kopf watches them from when it appears.
-WATCHED_KINDS = ("Deployment", "DaemonSet", "Service", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy",
-                 "PersistentVolumeClaim", "PodDisruptionBudget", "EndpointSlice")
+WATCHED_KINDS = (
+    "Deployment",
+    "DaemonSet",
+    "Service",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "NetworkPolicy",
+    "PersistentVolumeClaim",
+    "PodDisruptionBudget",
+    "EndpointSlice",
+)
 # The router Services' EndpointSlices: the EndpointSlice controller copies a Service's labels onto them,
 # so the same server-side selector finds exactly the slices of the operator's Services.
 ENDPOINT_SLICES = ("discovery.k8s.io", "v1", "endpointslices")
@@ -200,28 +210,49 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         config.connection = login(settings=settings)
     STATE.kube = Kube(config.connection)
     STATE.controller = Controller(
-        kube=STATE.kube, store=STATE.store, pool_namespace=config.pool_namespace,
-        fetch_status=config.fetch_status, usage_interval=config.usage_interval, network=config.network,
+        kube=STATE.kube,
+        store=STATE.store,
+        pool_namespace=config.pool_namespace,
+        fetch_status=config.fetch_status,
+        usage_interval=config.usage_interval,
+        network=config.network,
         pacer=RolloutPacer(config.max_rolling_groups),
-        images=config.images, data_plane_updates=config.data_plane_updates,
-        disaggregation_window=config.disaggregation_window, wake=_enqueue,
+        images=config.images,
+        data_plane_updates=config.data_plane_updates,
+        disaggregation_window=config.disaggregation_window,
+        wake=_enqueue,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
     # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
     selector = child_selector(config.instance)
-    watches = [("Secret", config.pool_namespace)] + [(kind, ns) for kind in WATCHED_KINDS
-                                                     for ns in (config.namespaces or [None])]
-    STATE.watch_tasks = [asyncio.create_task(watch_kind(STATE.kube, kind, ns, selector, _GONE[kind]),
-                                             name=f"maru-watch-{kind}-{ns or 'all'}") for kind, ns in watches]
-    log.info("operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
-             config.instance or "(default)", config.pool_namespace, config.workers, config.resync_seconds)
+    watches = [("Secret", config.pool_namespace)] + [
+        (kind, ns) for kind in WATCHED_KINDS for ns in (config.namespaces or [None])
+    ]
+    STATE.watch_tasks = [
+        asyncio.create_task(
+            watch_kind(STATE.kube, kind, ns, selector, _GONE[kind]), name=f"maru-watch-{kind}-{ns or 'all'}"
+        )
+        for kind, ns in watches
+    ]
+    log.info(
+        "operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
+        config.instance or "(default)",
+        config.pool_namespace,
+        config.workers,
+        config.resync_seconds,
+    )
     if not config.leader_election:
         await _lead()
         return
-    lease = LeaseSettings(namespace=config.lease_namespace, name=lease_name(config.instance),
-                          identity=config.identity, lease_seconds=config.lease_seconds,
-                          renew_deadline=config.renew_deadline, retry_period=config.retry_period,
-                          release_namespace=config.pool_namespace)
+    lease = LeaseSettings(
+        namespace=config.lease_namespace,
+        name=lease_name(config.instance),
+        identity=config.identity,
+        lease_seconds=config.lease_seconds,
+        renew_deadline=config.renew_deadline,
+        retry_period=config.retry_period,
+        release_namespace=config.pool_namespace,
+    )
     log.info("waiting to lead: Lease %s/%s, identity %s", lease.namespace, lease.name, lease.identity)
     elector = LeaderElector(STATE.kube, lease, on_lead=_lead, on_lose=_follow)
     STATE.elector_task = asyncio.create_task(elector.run(), name="maru-leader-election")
@@ -247,9 +278,21 @@ async def _follow() -> None:
         await STATE.queue.stop()
 
 
-PRIMED_KINDS = ("MaruPool", "InferenceGroup", "Deployment", "DaemonSet", "Service", "ServiceAccount", "Role",
-                "RoleBinding", "NetworkPolicy", "Secret", "EndpointSlice", "PersistentVolumeClaim",
-                "PodDisruptionBudget")
+PRIMED_KINDS = (
+    "MaruPool",
+    "InferenceGroup",
+    "Deployment",
+    "DaemonSet",
+    "Service",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "NetworkPolicy",
+    "Secret",
+    "EndpointSlice",
+    "PersistentVolumeClaim",
+    "PodDisruptionBudget",
+)
 
 
 async def _prime(kube: Kube, namespaces: list[str]) -> None:
@@ -370,8 +413,9 @@ def _changed_beyond_status(key: Key, body: dict[str, Any]) -> bool:
     the operator's own reads and writes also fill.
     """
     # A digest, not the part itself: a copy of every owner's spec held for this alone was several KB per group.
-    part = hashlib.blake2b(json.dumps(_desired_part(body), sort_keys=True, default=str).encode(),
-                           digest_size=16).digest()
+    part = hashlib.blake2b(
+        json.dumps(_desired_part(body), sort_keys=True, default=str).encode(), digest_size=16
+    ).digest()
     if STATE.seen.get(key) == part:
         return False
     STATE.seen[key] = part
@@ -380,8 +424,11 @@ def _changed_beyond_status(key: Key, body: dict[str, Any]) -> bool:
 
 def _pool_fingerprint(body: dict[str, Any]) -> Any:
     """What groups depend on: the pool's spec, whether it is going away, whether it is ready or degraded."""
-    health = [(c.get("type"), c.get("status"), c.get("message")) for c in (body.get("status") or {}).get(
-        "conditions") or [] if c.get("type") in ("Ready", "Degraded")]
+    health = [
+        (c.get("type"), c.get("status"), c.get("message"))
+        for c in (body.get("status") or {}).get("conditions") or []
+        if c.get("type") in ("Ready", "Degraded")
+    ]
     return repr((body.get("spec"), bool(body.get("metadata", {}).get("deletionTimestamp")), health))
 
 
@@ -443,8 +490,9 @@ async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         _enqueue(owner)
 
 
-async def watch_kind(kube: Kube, kind: str, namespace: str | None, selector: str,
-                     on_event: Callable[..., Awaitable[None]]) -> None:
+async def watch_kind(
+    kube: Kube, kind: str, namespace: str | None, selector: str, on_event: Callable[..., Awaitable[None]]
+) -> None:
     """Keep the cache's objects of ``kind`` (in ``namespace``, None: all) current, as an informer does.
 
     List, then watch from the list's version; the watch resumes from the last version it saw, and an
@@ -486,7 +534,8 @@ async def watch_kind(kube: Kube, kind: str, namespace: str | None, selector: str
 
 # Kopf watches only the children the operator does not watch itself (see WATCHED_KINDS).
 kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=OURS, id="child-inferencepools")(
-    _child_event)
+    _child_event
+)
 
 
 async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
@@ -498,10 +547,18 @@ async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     else:
         STATE.store.put(obj)
     meta = obj.get("metadata", {})
-    _enqueue(STATE.store.owner(("Service", meta.get("namespace") or "",
-                                (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))))
+    _enqueue(
+        STATE.store.owner(
+            ("Service", meta.get("namespace") or "", (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))
+        )
+    )
+
 
 # What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
-_GONE = {"MaruPool": pool_event, "InferenceGroup": group_event, "EndpointSlice": slice_event,
-         "InferencePool": _child_event,
-         **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup", "EndpointSlice")}}
+_GONE = {
+    "MaruPool": pool_event,
+    "InferenceGroup": group_event,
+    "EndpointSlice": slice_event,
+    "InferencePool": _child_event,
+    **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup", "EndpointSlice")},
+}

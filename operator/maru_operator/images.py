@@ -77,15 +77,18 @@ def check_registry(text: str) -> str:
     """``text`` without a trailing slash; ValueError naming the rule when it is not a registry path."""
     registry = text.rstrip("/")
     if not re.fullmatch(REGISTRY_PATTERN, registry):
-        raise ValueError(f"{text!r} is not a registry path such as registry.example.com/maru or localhost:5000 "
-                         "(lower case, no scheme such as https://, no tag)")
+        raise ValueError(
+            f"{text!r} is not a registry path such as registry.example.com/maru or localhost:5000 "
+            "(lower case, no scheme such as https://, no tag)"
+        )
     return registry
 
 
 def check_tag(text: str) -> str:
     if not re.fullmatch(TAG_PATTERN, text):
-        raise ValueError(f"{text!r} is not an image tag (letters, digits, '_', '.', '-'; at most 128; "
-                         "not starting with '.' or '-')")
+        raise ValueError(
+            f"{text!r} is not an image tag (letters, digits, '_', '.', '-'; at most 128; not starting with '.' or '-')"
+        )
     return text
 
 

@@ -115,8 +115,10 @@ def ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
         ctx.verify_mode = ssl.CERT_NONE
     else:
         ca_data = base64.b64decode(info.ca_data).decode() if isinstance(info.ca_data, str) else info.ca_data
-        ctx = ssl.create_default_context(cafile=str(info.ca_path) if info.ca_path else None,
-                                         cadata=ca_data.decode() if isinstance(ca_data, bytes) else ca_data)
+        ctx = ssl.create_default_context(
+            cafile=str(info.ca_path) if info.ca_path else None,
+            cadata=ca_data.decode() if isinstance(ca_data, bytes) else ca_data,
+        )
     cert = info.certificate_path or (info.certificate_data and _write_temp(info.certificate_data, ".crt"))
     key = info.private_key_path or (info.private_key_data and _write_temp(info.private_key_data, ".key"))
     if cert:
@@ -174,18 +176,27 @@ class Kube:
             self._session = None
 
     async def request(
-        self, method: str, url: str, *, body: Any = None, content_type: str = "application/json",
-        params: dict[str, str] | None = None, what: str = "", accept: str | None = None,
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+        what: str = "",
+        accept: str | None = None,
     ) -> Any:
         try:
-            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what,
-                                       accept=accept)
+            return await self._request(
+                method, url, body=body, content_type=content_type, params=params, what=what, accept=accept
+            )
         except ApiError as err:
             if err.status != 401 or not self._relogin():
                 raise
             # Service account tokens are rotated on disk; read the current one and try once more.
-            return await self._request(method, url, body=body, content_type=content_type, params=params, what=what,
-                                       accept=accept)
+            return await self._request(
+                method, url, body=body, content_type=content_type, params=params, what=what, accept=accept
+            )
 
     def _relogin(self) -> bool:
         try:
@@ -202,7 +213,14 @@ class Kube:
         return True
 
     async def _request(
-        self, method: str, url: str, *, body: Any, content_type: str, params: dict[str, str] | None, what: str,
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any,
+        content_type: str,
+        params: dict[str, str] | None,
+        what: str,
         accept: str | None = None,
     ) -> Any:
         full = self.server + url + (("?" + urlencode(params)) if params else "")
@@ -244,8 +262,13 @@ class Kube:
         return (await self.list_with_version(kind, namespace, label_selector))[0]
 
     async def list_with_version(
-        self, kind: str, namespace: str | None, label_selector: dict[str, str] | str | None = None, *,
-        metadata_only: bool = False, page: int = LIST_PAGE,
+        self,
+        kind: str,
+        namespace: str | None,
+        label_selector: dict[str, str] | str | None = None,
+        *,
+        metadata_only: bool = False,
+        page: int = LIST_PAGE,
     ) -> tuple[list[Object], str | None]:
         """The items, and the resourceVersion the list was taken at; the selector as a map or as text.
 
@@ -263,9 +286,16 @@ class Kube:
             params = dict(base)
             try:
                 while True:
-                    result = await self.request("GET", path(kind, namespace), params=params or None,
-                                                what=f"list {kind} in {namespace}",
-                                                accept=METADATA_LIST if metadata_only else None) or {}
+                    result = (
+                        await self.request(
+                            "GET",
+                            path(kind, namespace),
+                            params=params or None,
+                            what=f"list {kind} in {namespace}",
+                            accept=METADATA_LIST if metadata_only else None,
+                        )
+                        or {}
+                    )
                     meta = result.get("metadata") or {}
                     version = version or meta.get("resourceVersion")
                     items += result.get("items") or []
@@ -279,7 +309,12 @@ class Kube:
         raise AssertionError("unreachable")
 
     async def watch(
-        self, kind: str, namespace: str | None, label_selector: str, resource_version: str | None, *,
+        self,
+        kind: str,
+        namespace: str | None,
+        label_selector: str,
+        resource_version: str | None,
+        *,
         timeout_seconds: int = 300,
     ) -> AsyncIterator[tuple[str, Object]]:
         """(type, object) of each watch event of ``kind`` in one namespace (None: all), from ``resource_version``
@@ -310,7 +345,10 @@ class Kube:
     async def create(self, obj: Object) -> Object:
         meta = obj["metadata"]
         return await self.request(
-            "POST", path(obj["kind"], meta.get("namespace")), body=obj, params=WRITE_PARAMS,
+            "POST",
+            path(obj["kind"], meta.get("namespace")),
+            body=obj,
+            params=WRITE_PARAMS,
             what=f"create {obj['kind']} {meta.get('namespace', '')}/{meta.get('name', meta.get('generateName'))}",
         )
 
@@ -328,28 +366,43 @@ class Kube:
         meta = obj["metadata"]
         body = {**obj, "metadata": {**meta, "uid": uid}} if uid else obj
         return await self.request(
-            "PATCH", path(obj["kind"], meta.get("namespace"), meta["name"]), body=body, content_type=APPLY_PATCH,
+            "PATCH",
+            path(obj["kind"], meta.get("namespace"), meta["name"]),
+            body=body,
+            content_type=APPLY_PATCH,
             params={**WRITE_PARAMS, "force": "true"},
             what=f"apply {obj['kind']} {meta.get('namespace', '')}/{meta['name']}",
         )
 
     async def patch(self, kind: str, namespace: str | None, name: str, patch: Object) -> Object:
         return await self.request(
-            "PATCH", path(kind, namespace, name), body=patch, content_type=MERGE_PATCH, params=WRITE_PARAMS,
+            "PATCH",
+            path(kind, namespace, name),
+            body=patch,
+            content_type=MERGE_PATCH,
+            params=WRITE_PARAMS,
             what=f"patch {kind} {namespace}/{name}",
         )
 
     async def json_patch(self, kind: str, namespace: str | None, name: str, ops: list[Object]) -> Object:
         """A JSON patch (RFC 6902): its ``test`` operations make it conditional on what they name."""
         return await self.request(
-            "PATCH", path(kind, namespace, name), body=ops, content_type=JSON_PATCH, params=WRITE_PARAMS,
+            "PATCH",
+            path(kind, namespace, name),
+            body=ops,
+            content_type=JSON_PATCH,
+            params=WRITE_PARAMS,
             what=f"patch {kind} {namespace}/{name}",
         )
 
     async def patch_status(self, kind: str, namespace: str | None, name: str, status: Object) -> Object:
         return await self.request(
-            "PATCH", path(kind, namespace, name, "status"), body={"status": status}, content_type=MERGE_PATCH,
-            params=WRITE_PARAMS, what=f"patch {kind} {namespace}/{name} status",
+            "PATCH",
+            path(kind, namespace, name, "status"),
+            body={"status": status},
+            content_type=MERGE_PATCH,
+            params=WRITE_PARAMS,
+            what=f"patch {kind} {namespace}/{name} status",
         )
 
     async def delete(self, kind: str, namespace: str | None, name: str, *, uid: str | None = None) -> None:
@@ -358,8 +411,9 @@ class Kube:
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            await self.request("DELETE", path(kind, namespace, name), body=body,
-                               what=f"delete {kind} {namespace}/{name}")
+            await self.request(
+                "DELETE", path(kind, namespace, name), body=body, what=f"delete {kind} {namespace}/{name}"
+            )
         except ApiError as err:
             if err.status != 404:
                 raise

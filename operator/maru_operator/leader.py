@@ -71,8 +71,15 @@ def _event_time() -> str:
 class LeaderElector:
     """Runs ``on_lead`` when this process holds the Lease and ``on_lose`` when it stops holding it."""
 
-    def __init__(self, kube: Kube, settings: LeaseSettings, *, on_lead: Callable[[], Awaitable[None]],
-                 on_lose: Callable[[], Awaitable[None]], monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        settings: LeaseSettings,
+        *,
+        on_lead: Callable[[], Awaitable[None]],
+        on_lose: Callable[[], Awaitable[None]],
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.kube = kube
         self.settings = settings
         self._on_lead = on_lead
@@ -112,8 +119,12 @@ class LeaderElector:
                 if failed:
                     log.warning("stopped leading after failing to start; another replica may take the Lease")
                 else:
-                    log.warning("could not renew the Lease %s/%s within %.1f s: stopped reconciling",
-                                s.namespace, s.name, s.renew_deadline)
+                    log.warning(
+                        "could not renew the Lease %s/%s within %.1f s: stopped reconciling",
+                        s.namespace,
+                        s.name,
+                        s.renew_deadline,
+                    )
                 await self._on_lose()
                 await self._announce(f"{s.identity} stopped leading")
                 if failed:
@@ -177,8 +188,12 @@ class LeaderElector:
             async with asyncio.timeout(budget):
                 held = await self._try_acquire_or_renew()
         except TimeoutError:
-            log.warning("Lease %s/%s: no answer from the API server within %.1f s; gave up the attempt",
-                        s.namespace, s.name, budget)
+            log.warning(
+                "Lease %s/%s: no answer from the API server within %.1f s; gave up the attempt",
+                s.namespace,
+                s.name,
+                budget,
+            )
             return None
         return started + s.renew_deadline if held else None
 
@@ -188,8 +203,9 @@ class LeaderElector:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.renew_deadline):
-                await self.kube.event(self._lease_seen, type_="Normal", reason="LeaderElection", message=message,
-                                      now=_event_time())
+                await self.kube.event(
+                    self._lease_seen, type_="Normal", reason="LeaderElection", message=message, now=_event_time()
+                )
 
     async def _try_acquire_or_renew(self) -> bool:
         s = self.settings
@@ -213,8 +229,9 @@ class LeaderElector:
             body = self._lease(now, transitions=transitions, acquired=spec.get("acquireTime") if mine else now)
             # The resourceVersion makes this a compare-and-swap: of two replicas taking over, one wins.
             body["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
-            self._lease_seen = await self.kube.patch("Lease", s.namespace, s.name,
-                                                     {"metadata": body["metadata"], "spec": body["spec"]})
+            self._lease_seen = await self.kube.patch(
+                "Lease", s.namespace, s.name, {"metadata": body["metadata"], "spec": body["spec"]}
+            )
             if not mine:
                 log.info("took the Lease %s/%s over from %s", s.namespace, s.name, holder or "nobody")
             return True
@@ -233,18 +250,28 @@ class LeaderElector:
             return
         self._warned_holder = holder
         s = self.settings
-        log.warning("the Lease %s/%s is held by a replica of the release in namespace %s (%s), which serves the "
-                    "same operator instance: this release (namespace %s) stays on standby while it leads; give "
-                    "each release its own instance", s.namespace, s.name, theirs, holder, s.release_namespace)
+        log.warning(
+            "the Lease %s/%s is held by a replica of the release in namespace %s (%s), which serves the "
+            "same operator instance: this release (namespace %s) stays on standby while it leads; give "
+            "each release its own instance",
+            s.namespace,
+            s.name,
+            theirs,
+            holder,
+            s.release_namespace,
+        )
 
     def _lease(self, now: str, *, transitions: int, acquired: str | None) -> Object:
         s = self.settings
         return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {"name": s.name, "namespace": s.namespace,
-                         "labels": {"app.kubernetes.io/name": "maru-operator"},
-                         "annotations": {RELEASE_NAMESPACE_ANNOTATION: s.release_namespace}},
+            "metadata": {
+                "name": s.name,
+                "namespace": s.namespace,
+                "labels": {"app.kubernetes.io/name": "maru-operator"},
+                "annotations": {RELEASE_NAMESPACE_ANNOTATION: s.release_namespace},
+            },
             "spec": {
                 "holderIdentity": s.identity,
                 "leaseDurationSeconds": max(1, round(s.lease_seconds)),
@@ -269,8 +296,13 @@ class LeaderElector:
         with contextlib.suppress(ApiError, Unreachable):
             lease = await self.kube.get("Lease", s.namespace, s.name)
             if lease is not None and (lease.get("spec") or {}).get("holderIdentity") == s.identity:
-                await self.kube.patch("Lease", s.namespace, s.name, {
-                    "metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
-                    "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": micro_time()},
-                })
+                await self.kube.patch(
+                    "Lease",
+                    s.namespace,
+                    s.name,
+                    {
+                        "metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                        "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": micro_time()},
+                    },
+                )
                 log.info("released the Lease %s/%s", s.namespace, s.name)

@@ -48,11 +48,20 @@ class OptionalKind:
         try:
             served = await kube.serves(self.kind)
         except (ApiError, Unreachable) as err:
-            log.warning("could not tell whether the API serves %s (%s); keeping what was known: %s",
-                        self.kind, KINDS[self.kind].prefix, err)
+            log.warning(
+                "could not tell whether the API serves %s (%s); keeping what was known: %s",
+                self.kind,
+                KINDS[self.kind].prefix,
+                err,
+            )
             return self._served
         if served != self._served:
-            log.info("%s (%s/%s) is %s", self.kind, KINDS[self.kind].prefix, KINDS[self.kind].plural,
-                     "served" if served else "not served: its CRD is not installed")
+            log.info(
+                "%s (%s/%s) is %s",
+                self.kind,
+                KINDS[self.kind].prefix,
+                KINDS[self.kind].plural,
+                "served" if served else "not served: its CRD is not installed",
+            )
         self._served = served
         return served

@@ -32,35 +32,75 @@ MANAGE = ["get", "list", "watch", "create", "patch", "delete"]
 Rule = tuple[list[str], list[str], list[str], str]  # (apiGroups, resources, verbs, why)
 
 CLUSTER_RULES: list[Rule] = [
-    (["maru.io"], ["marupools"], [*READ, "patch"],
-     "watch the pools; patch adds and removes the pool's in-use finalizer"),
+    (
+        ["maru.io"],
+        ["marupools"],
+        [*READ, "patch"],
+        "watch the pools; patch adds and removes the pool's in-use finalizer",
+    ),
     (["maru.io"], ["inferencegroups"], READ, "watch the groups (the operator writes only their status)"),
     (["maru.io"], ["marupools/status", "inferencegroups/status"], ["patch"], "write status (only when it changed)"),
-    (["maru.io"], ["marupools/finalizers", "inferencegroups/finalizers"], ["update"],
-     "never called: children carry blockOwnerDeletion, which clusters with OwnerReferencesPermissionEnforcement "
-     "(OpenShift and others) allow only to who may update the owner's finalizers"),
-    (["apps"], ["deployments"], MANAGE,
-     "the vLLM, router and pool metadata Deployments; delete prunes unwanted ones"),
+    (
+        ["maru.io"],
+        ["marupools/finalizers", "inferencegroups/finalizers"],
+        ["update"],
+        "never called: children carry blockOwnerDeletion, which clusters with OwnerReferencesPermissionEnforcement "
+        "(OpenShift and others) allow only to who may update the owner's finalizers",
+    ),
+    (["apps"], ["deployments"], MANAGE, "the vLLM, router and pool metadata Deployments; delete prunes unwanted ones"),
     (["apps"], ["daemonsets"], READ, "watch the pool agent DaemonSets (written in the pool namespace only)"),
     ([""], ["services", "serviceaccounts"], MANAGE, "the router Service and ServiceAccount, the pool metadata Service"),
-    ([""], ["persistentvolumeclaims"], MANAGE,
-     "each group's model cache claim, shared by its vLLM pods (unless the group names its own)"),
-    (["policy"], ["poddisruptionbudgets"], MANAGE,
-     "a PodDisruptionBudget per role: a node drain takes a role down one pod at a time"),
-    (["rbac.authorization.k8s.io"], ["rolebindings"], MANAGE,
-     "each router's RoleBinding to the routers' ClusterRole (read pods in its namespace)"),
-    (["rbac.authorization.k8s.io"], ["roles"], ["list", "watch", "delete"],
-     "never written: the routers' own Roles of earlier versions are watched to be pruned on upgrade"),
-    (["networking.k8s.io"], ["networkpolicies"], MANAGE,
-     "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)"),
-    (["inference.networking.k8s.io"], ["inferencepools"], MANAGE,
-     "the InferencePool of a group with spec.inferencePool.enabled, where the Gateway API Inference Extension's "
-     "CRD is installed"),
-    (["discovery.k8s.io"], ["endpointslices"], ["list", "watch"],
-     "Ready needs the router Service's ready endpoints (only slices labelled as the operator's Services are watched)"),
+    (
+        [""],
+        ["persistentvolumeclaims"],
+        MANAGE,
+        "each group's model cache claim, shared by its vLLM pods (unless the group names its own)",
+    ),
+    (
+        ["policy"],
+        ["poddisruptionbudgets"],
+        MANAGE,
+        "a PodDisruptionBudget per role: a node drain takes a role down one pod at a time",
+    ),
+    (
+        ["rbac.authorization.k8s.io"],
+        ["rolebindings"],
+        MANAGE,
+        "each router's RoleBinding to the routers' ClusterRole (read pods in its namespace)",
+    ),
+    (
+        ["rbac.authorization.k8s.io"],
+        ["roles"],
+        ["list", "watch", "delete"],
+        "never written: the routers' own Roles of earlier versions are watched to be pruned on upgrade",
+    ),
+    (
+        ["networking.k8s.io"],
+        ["networkpolicies"],
+        MANAGE,
+        "a NetworkPolicy for every pool daemon and serving pod (who may talk to whom)",
+    ),
+    (
+        ["inference.networking.k8s.io"],
+        ["inferencepools"],
+        MANAGE,
+        "the InferencePool of a group with spec.inferencePool.enabled, where the Gateway API Inference Extension's "
+        "CRD is installed",
+    ),
+    (
+        ["discovery.k8s.io"],
+        ["endpointslices"],
+        ["list", "watch"],
+        "Ready needs the router Service's ready endpoints "
+        "(only slices labelled as the operator's Services are watched)",
+    ),
     ([""], ["events"], ["create"], "Events on groups and pools (a pool's go to the default namespace)"),
-    (["apiextensions.k8s.io"], ["customresourcedefinitions"], ["list", "watch"],
-     "kopf notices when the CRDs it serves are installed or removed"),
+    (
+        ["apiextensions.k8s.io"],
+        ["customresourcedefinitions"],
+        ["list", "watch"],
+        "kopf notices when the CRDs it serves are installed or removed",
+    ),
 ]
 
 # Only with --namespace: kopf lists and watches namespaces to follow the ones it serves.
@@ -69,13 +109,21 @@ NAMESPACED_MODE_RULES: list[Rule] = [
 ]
 
 POOL_NAMESPACE_RULES: list[Rule] = [
-    (["apps"], ["daemonsets"], ["create", "patch", "delete"],
-     "the pool agent DaemonSets, which run in the pool namespace only"),
+    (
+        ["apps"],
+        ["daemonsets"],
+        ["create", "patch", "delete"],
+        "the pool agent DaemonSets, which run in the pool namespace only",
+    ),
     ([""], ["pods"], ["list"], "the pool agents' pods, for the pool's per-node status"),
-    ([""], ["secrets"], ["get", "list", "watch", "create", "patch"],
-     "each pool's key, next to its daemons; groups' credentials are minted by the CSI node plugin, so no Secret "
-     "elsewhere; only the operator's Secrets are watched (label selector); never deleted (ownerReferences do), "
-     "never updated"),
+    (
+        [""],
+        ["secrets"],
+        ["get", "list", "watch", "create", "patch"],
+        "each pool's key, next to its daemons; groups' credentials are minted by the CSI node plugin, so no Secret "
+        "elsewhere; only the operator's Secrets are watched (label selector); never deleted (ownerReferences do), "
+        "never updated",
+    ),
 ]
 
 # What every router needs (vllm-router's Kubernetes service discovery); bound in its group's namespace.
@@ -89,14 +137,23 @@ def router_role_name(instance: str = "") -> str:
     the chart names it the same way."""
     return f"maru-operator-{instance}-router" if instance else "maru-operator-router"
 
+
 # Get and patch name the instance's Lease (resourceNames); create cannot: Kubernetes authorizes a create
 # before the object has a name, so a create rule with resourceNames never matches.
 LEASE_NAMESPACE_RULES: list[Rule] = [
-    (["coordination.k8s.io"], ["leases"], ["create"],
-     "leader election: the first replica of an instance creates its Lease (create cannot be limited by name)"),
-    (["coordination.k8s.io"], ["leases"], ["get", "patch"],
-     "leader election: only this instance's Lease (resourceNames), in one namespace for every release, so two "
-     "releases of the same instance never both lead"),
+    (
+        ["coordination.k8s.io"],
+        ["leases"],
+        ["create"],
+        "leader election: the first replica of an instance creates its Lease (create cannot be limited by name)",
+    ),
+    (
+        ["coordination.k8s.io"],
+        ["leases"],
+        ["get", "patch"],
+        "leader election: only this instance's Lease (resourceNames), in one namespace for every release, so two "
+        "releases of the same instance never both lead",
+    ),
 ]
 NAMED_LEASE_VERBS = frozenset({"get", "patch"})
 # Where every release keeps the Lease of its instance: a namespace every cluster has, the same for all
@@ -110,8 +167,12 @@ def lease_name(instance: str) -> str:
 
 
 def bind_rule(router_role: str) -> Rule:
-    return (["rbac.authorization.k8s.io"], ["clusterroles"], ["bind"],
-            f"bind the routers' ClusterRole {router_role} (and no other: resourceNames) in the groups' namespaces")
+    return (
+        ["rbac.authorization.k8s.io"],
+        ["clusterroles"],
+        ["bind"],
+        f"bind the routers' ClusterRole {router_role} (and no other: resourceNames) in the groups' namespaces",
+    )
 
 
 def rules(namespaced: bool = False, instance: str = "") -> list[Rule]:
@@ -119,8 +180,9 @@ def rules(namespaced: bool = False, instance: str = "") -> list[Rule]:
     return CLUSTER_RULES + [bind_rule(router_role_name(instance))] + (NAMESPACED_MODE_RULES if namespaced else [])
 
 
-def _rules(rules_: list[Rule], names: list[str] | None = None,
-           named_verbs: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+def _rules(
+    rules_: list[Rule], names: list[str] | None = None, named_verbs: frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
     """RBAC rules; a rule whose verbs are all ``named_verbs`` is limited to the objects ``names``."""
     out = []
     for groups, resources, verbs, _ in rules_:
@@ -162,45 +224,74 @@ def pool_namespace_role(namespace: str, name: str = "maru-operator") -> dict[str
     }
 
 
-def lease_namespace_role(namespace: str = DEFAULT_LEASE_NAMESPACE, name: str = "maru-operator",
-                         instance: str = "") -> dict[str, Any]:
+def lease_namespace_role(
+    namespace: str = DEFAULT_LEASE_NAMESPACE, name: str = "maru-operator", instance: str = ""
+) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": {"name": f"{name}-leader-election", "namespace": namespace,
-                     "labels": {"app.kubernetes.io/name": "maru-operator"}},
+        "metadata": {
+            "name": f"{name}-leader-election",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "maru-operator"},
+        },
         "rules": _rules(LEASE_NAMESPACE_RULES, [lease_name(instance)], NAMED_LEASE_VERBS),
     }
 
 
-def bindings(namespace: str, service_account: str, name: str = "maru-operator",
-             lease_namespace: str = DEFAULT_LEASE_NAMESPACE) -> list[dict[str, Any]]:
+def bindings(
+    namespace: str, service_account: str, name: str = "maru-operator", lease_namespace: str = DEFAULT_LEASE_NAMESPACE
+) -> list[dict[str, Any]]:
     """A ClusterRoleBinding of :func:`cluster_role`, RoleBindings of :func:`pool_namespace_role` and of
     :func:`lease_namespace_role`; ``namespace``: the pool namespace, where the ServiceAccount is."""
     subjects = [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}]
     ref = {"apiGroup": "rbac.authorization.k8s.io", "name": name}
     labels = {"app.kubernetes.io/name": "maru-operator"}
     return [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": name, "labels": labels}, "roleRef": {**ref, "kind": "ClusterRole"},
-         "subjects": subjects},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": {"name": name, "namespace": namespace, "labels": labels}, "roleRef": {**ref, "kind": "Role"},
-         "subjects": subjects},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": {"name": f"{name}-leader-election", "namespace": lease_namespace, "labels": labels},
-         "roleRef": {**ref, "kind": "Role", "name": f"{name}-leader-election"}, "subjects": subjects},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name, "labels": labels},
+            "roleRef": {**ref, "kind": "ClusterRole"},
+            "subjects": subjects,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "roleRef": {**ref, "kind": "Role"},
+            "subjects": subjects,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": f"{name}-leader-election", "namespace": lease_namespace, "labels": labels},
+            "roleRef": {**ref, "kind": "Role", "name": f"{name}-leader-election"},
+            "subjects": subjects,
+        },
     ]
 
 
-def allows(verb: str, group: str, resource: str, namespaced: bool = False, *, in_pool_namespace: bool = False,
-           in_lease_namespace: bool = False, name: str | None = None, instance: str = "") -> bool:
+def allows(
+    verb: str,
+    group: str,
+    resource: str,
+    namespaced: bool = False,
+    *,
+    in_pool_namespace: bool = False,
+    in_lease_namespace: bool = False,
+    name: str | None = None,
+    instance: str = "",
+) -> bool:
     """Whether the documented rules grant ``verb`` on ``group``/``resource`` (in the pool or lease namespace or
     not); ``name``: the object's, for the rules that name theirs."""
     if in_lease_namespace and resource == "leases" and verb in NAMED_LEASE_VERBS and name != lease_name(instance):
         return False
     if resource == "clusterroles" and verb in BIND and name != router_role_name(instance):
         return False
-    scope = (rules(namespaced, instance) + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
-             + (LEASE_NAMESPACE_RULES if in_lease_namespace else []))
+    scope = (
+        rules(namespaced, instance)
+        + (POOL_NAMESPACE_RULES if in_pool_namespace else [])
+        + (LEASE_NAMESPACE_RULES if in_lease_namespace else [])
+    )
     return any(group in groups and resource in resources and verb in verbs for groups, resources, verbs, _ in scope)

@@ -116,8 +116,14 @@ def _step(node: Any, part: str) -> Any:
         if not isinstance(node, list):
             return _ABSENT
         wanted = _item_key(rest)
-        return next((item for item in node if isinstance(item, dict) and all(
-            item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted)), _ABSENT)
+        return next(
+            (
+                item
+                for item in node
+                if isinstance(item, dict) and all(item.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in wanted)
+            ),
+            _ABSENT,
+        )
     if kind == "v":
         return rest if isinstance(node, list) and _set_member(rest) in node else _ABSENT
     if part == ".":
@@ -167,8 +173,9 @@ def sets_field(desired: Any, path: tuple[str, ...]) -> bool:
     return True
 
 
-def _walk(tree: dict[str, Any], want: Any, have: Any, prefix: tuple[str, ...]
-          ) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+def _walk(
+    tree: dict[str, Any], want: Any, have: Any, prefix: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
     """Each owned leaf as (path, desired value, actual value), values ``_ABSENT`` where not set."""
     for part, sub in tree.items():
         path = (*prefix, part)
@@ -227,8 +234,9 @@ def _atomic_changed(path: tuple[str, ...], want: Any, have: Any) -> str | None:
     return dotted if is_subset(have, want, dotted) is not None else None
 
 
-def changed_atomic(desired: Object, actual: Object, manager: str = FIELD_MANAGER, operation: str = "Apply"
-                   ) -> str | None:
+def changed_atomic(
+    desired: Object, actual: Object, manager: str = FIELD_MANAGER, operation: str = "Apply"
+) -> str | None:
     """The first list or map ``manager`` owns whole (by ``operation``) whose actual value holds more than the
     desired one."""
     for path, want, have in _walk(_owned_tree(actual, manager, operation) or {}, desired, actual, ()):
@@ -249,8 +257,11 @@ def _stale_or_atomic(desired: Object, actual: Object, manager: str) -> str | Non
 
 
 def _mine(actual: Object, manager: str) -> list[dict[str, Any]]:
-    return [e for e in actual.get("metadata", {}).get("managedFields") or []
-            if e.get("manager") == manager and not e.get("subresource")]
+    return [
+        e
+        for e in actual.get("metadata", {}).get("managedFields") or []
+        if e.get("manager") == manager and not e.get("subresource")
+    ]
 
 
 def legacy_owner(actual: Object, manager: str = FIELD_MANAGER) -> bool:
@@ -305,8 +316,9 @@ def _without(tree: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None,
-                      release: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+def adopted_ownership(
+    actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None, release: tuple[str, ...] | None = None
+) -> list[dict[str, Any]]:
     """``actual``'s managedFields with ``manager``'s update entries made one apply entry.
 
     The same upgrade kubectl does from client-side to server-side apply: the next apply then removes
@@ -334,8 +346,9 @@ def adopted_ownership(actual: Object, manager: str = FIELD_MANAGER, desired: Obj
     return [e for e in entries if e not in mine] + [adopted]
 
 
-def adoption_patch(actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None,
-                   release: tuple[str, ...] | None = None) -> list[dict[str, Any]] | None:
+def adoption_patch(
+    actual: Object, manager: str = FIELD_MANAGER, desired: Object | None = None, release: tuple[str, ...] | None = None
+) -> list[dict[str, Any]] | None:
     """A JSON patch making ``manager``'s one update entry the apply entry :func:`adopted_ownership` makes; None
     unless ``actual`` holds exactly one entry of the manager, an update's.
 
@@ -348,13 +361,16 @@ def adoption_patch(actual: Object, manager: str = FIELD_MANAGER, desired: Object
     if len(mine) != 1 or entries[mine[0]].get("operation") == "Apply":
         return None
     at = f"/metadata/managedFields/{mine[0]}"
-    return [{"op": "test", "path": "/metadata/uid", "value": actual["metadata"].get("uid")},
-            {"op": "test", "path": at, "value": entries[mine[0]]},
-            {"op": "replace", "path": at, "value": adopted_ownership(actual, manager, desired, release)[-1]}]
+    return [
+        {"op": "test", "path": "/metadata/uid", "value": actual["metadata"].get("uid")},
+        {"op": "test", "path": at, "value": entries[mine[0]]},
+        {"op": "replace", "path": at, "value": adopted_ownership(actual, manager, desired, release)[-1]},
+    ]
 
 
-def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MANAGER,
-                       path: tuple[str, ...] = REPLICAS_PATH) -> list[dict[str, Any]] | None:
+def released_ownership(
+    actual: Object, desired: Object, manager: str = FIELD_MANAGER, path: tuple[str, ...] = REPLICAS_PATH
+) -> list[dict[str, Any]] | None:
     """``actual``'s managedFields with the field ``path`` names (an externally scaled role's replicas) owned by
     nobody, when ``manager`` applied it and ``desired`` no longer sets it; None when there is nothing to release.
 
@@ -371,7 +387,7 @@ def released_ownership(actual: Object, desired: Object, manager: str = FIELD_MAN
             kept = _without(tree, path)
             if kept == tree:
                 return None
-            return [*entries[:i], {**entry, "fieldsV1": kept}, *entries[i + 1:]]
+            return [*entries[:i], {**entry, "fieldsV1": kept}, *entries[i + 1 :]]
     return None
 
 
@@ -431,6 +447,7 @@ def out_of_sync(desired: Object, actual: Object, manager: str = FIELD_MANAGER) -
 
 # --- ownership ----------------------------------------------------------------------------------------
 
+
 def controller_of(obj: Object) -> dict[str, Any] | None:
     """The ownerReference with ``controller: true``, if any."""
     return next((r for r in obj.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")), None)
@@ -454,9 +471,9 @@ def key_of(obj: dict[str, Any]) -> Key:
     return obj.get("kind", ""), meta.get("namespace") or "", meta.get("name", "")
 
 
-def plan(desired: list[Object], actual: dict[Key, Object],
-         check: Callable[[Object, Object], str | None] = out_of_sync
-         ) -> tuple[list[Object], list[tuple[Object, str]], list[Object]]:
+def plan(
+    desired: list[Object], actual: dict[Key, Object], check: Callable[[Object, Object], str | None] = out_of_sync
+) -> tuple[list[Object], list[tuple[Object, str]], list[Object]]:
     """(absent: create, (desired, why) to apply, actual objects no longer wanted: delete).
 
     ``check``: why one desired object must be applied to its actual one (:func:`out_of_sync`, or a caller's

@@ -57,12 +57,18 @@ def _stderr(message: str) -> None:
 
 
 def render_objects(
-    docs: list[Object], pool_namespace: str, warn: Callable[[str], None] = _stderr,
-    network: NetworkPolicyConfig = DEFAULT_NETWORK, images: ImageDefaults = DEFAULT_IMAGES,
+    docs: list[Object],
+    pool_namespace: str,
+    warn: Callable[[str], None] = _stderr,
+    network: NetworkPolicyConfig = DEFAULT_NETWORK,
+    images: ImageDefaults = DEFAULT_IMAGES,
 ) -> Iterator[Object]:
     ours = [d for d in docs if d.get("apiVersion") == API_VERSION]
-    pools = {d["metadata"]["name"]: MaruPoolSpec.model_validate(d.get("spec") or {})
-             for d in ours if d.get("kind") == "MaruPool"}
+    pools = {
+        d["metadata"]["name"]: MaruPoolSpec.model_validate(d.get("spec") or {})
+        for d in ours
+        if d.get("kind") == "MaruPool"
+    }
     for doc in ours:
         kind, meta = doc.get("kind"), doc.get("metadata") or {}
         owner = Owner(kind=str(kind), name=meta.get("name", ""), namespace=meta.get("namespace") or None)
@@ -78,8 +84,10 @@ def render_objects(
             pool_name = spec.pool_ref.name
             pool_spec = pools.get(pool_name)
             if pool_spec is None:
-                warn(f"MaruPool {pool_name} is not in the input: InferenceGroup {owner.namespace}/{owner.name} is "
-                     "rendered as if the pool had the default socketDir and no nodeSelector")
+                warn(
+                    f"MaruPool {pool_name} is not in the input: InferenceGroup {owner.namespace}/{owner.name} is "
+                    "rendered as if the pool had the default socketDir and no nodeSelector"
+                )
                 pool_spec = MaruPoolSpec.model_validate({"backend": "shm", "size": "1Gi"})
             pool = PoolView(pool_name, pool_spec)
             yield from build_group_children(images.for_group(spec), owner, pool)
@@ -89,7 +97,11 @@ def render_objects(
                 yield inference_pool
 
 
-def render(paths: Iterable[str | Path], pool_namespace: str,
-           network: NetworkPolicyConfig = DEFAULT_NETWORK, images: ImageDefaults = DEFAULT_IMAGES) -> str:
+def render(
+    paths: Iterable[str | Path],
+    pool_namespace: str,
+    network: NetworkPolicyConfig = DEFAULT_NETWORK,
+    images: ImageDefaults = DEFAULT_IMAGES,
+) -> str:
     objects = list(render_objects(load_documents(paths), pool_namespace, network=network, images=images))
     return yaml.safe_dump_all(objects, sort_keys=False, width=120)

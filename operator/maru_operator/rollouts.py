@@ -28,8 +28,10 @@ DEFAULT_MAX_GROUPS = 3
 
 
 def paced(obj: Object) -> bool:
-    return obj.get("kind") == "Deployment" and (obj["metadata"].get("labels") or {}).get(
-        LABEL_COMPONENT) in PACED_COMPONENTS
+    return (
+        obj.get("kind") == "Deployment"
+        and (obj["metadata"].get("labels") or {}).get(LABEL_COMPONENT) in PACED_COMPONENTS
+    )
 
 
 def _hash(obj: Object) -> str | None:
@@ -88,5 +90,8 @@ class RolloutPacer:
 
     @staticmethod
     def rolling_groups(store: Store) -> set[Key]:
-        return {s.owner for s in store.summaries("Deployment").values()
-                if s is not None and s.rolling and s.owner is not None}
+        return {
+            s.owner
+            for s in store.summaries("Deployment").values()
+            if s is not None and s.rolling and s.owner is not None
+        }

@@ -22,6 +22,7 @@ Object = dict[str, Any]
 
 # --- MaruPool -----------------------------------------------------------------------------------------
 
+
 @dataclass
 class PoolObservation:
     """Everything the pool's status is derived from, gathered once per reconcile."""
@@ -75,12 +76,14 @@ def pool_status(
             continue
         stats = seen.stats.get(node) or {}
         node_capacity = int(stats.get("capacity_bytes") or 0) or (size_bytes if spec.backend == "shm" else 0)
-        nodes.append(PoolNodeStatus(
-            node=node,
-            device=SHM_FILE if spec.backend == "shm" else ",".join(spec.devices) or "all devdax devices",
-            capacity=format_bytes(node_capacity) if node_capacity else "",
-            ready=_pod_ready(pod),
-        ))
+        nodes.append(
+            PoolNodeStatus(
+                node=node,
+                device=SHM_FILE if spec.backend == "shm" else ",".join(spec.devices) or "all devdax devices",
+                capacity=format_bytes(node_capacity) if node_capacity else "",
+                ready=_pod_ready(pod),
+            )
+        )
 
     capacity = used = None
     if spec.backend == "shm":
@@ -129,6 +132,7 @@ def pool_status(
 
 # --- InferenceGroup -----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Binding:
     """Whether a group may use its pool; ``pool`` is set only when it may."""
@@ -152,9 +156,11 @@ def bind(group_namespace: str, spec: InferenceGroupSpec, pool_body: Object | Non
     allowed = pool_spec.allowed_namespaces
     if allowed is not None and group_namespace not in allowed:
         return Binding(
-            False, "NamespaceNotAllowed",
+            False,
+            "NamespaceNotAllowed",
             f"MaruPool {name} does not list namespace {group_namespace} in spec.allowedNamespaces; "
-            "ask its owner to add it, or use another pool", revoke=True,
+            "ask its owner to add it, or use another pool",
+            revoke=True,
         )
     if pool_body.get("metadata", {}).get("deletionTimestamp"):
         return Binding(False, "PoolDeleting", f"MaruPool {name} is being deleted; point spec.poolRef at another pool")
@@ -201,8 +207,12 @@ def _deployment_problem(dep: Object) -> str | None:
 
 def ready_endpoints(slices: list[Object]) -> int:
     """Endpoints ready to receive traffic across a Service's EndpointSlices (an unset ready means ready)."""
-    return sum(1 for sl in slices for e in sl.get("endpoints") or []
-               if (e.get("conditions") or {}).get("ready", True) is not False)
+    return sum(
+        1
+        for sl in slices
+        for e in sl.get("endpoints") or []
+        if (e.get("conditions") or {}).get("ready", True) is not False
+    )
 
 
 @dataclass(frozen=True)
@@ -269,8 +279,12 @@ def group_status(
     gen = generation
     summary = f"prefill {roles['prefill'].summary}, decode {roles['decode'].summary} ready"
     ready = cond.group_ready(
-        conflicts=conflicts or [], not_serving=not_serving, binding=(binding.ok, binding.reason, binding.message),
-        router=(router.service, router.ready_endpoints) if router else None, summary=summary, gen=gen,
+        conflicts=conflicts or [],
+        not_serving=not_serving,
+        binding=(binding.ok, binding.reason, binding.message),
+        router=(router.service, router.ready_endpoints) if router else None,
+        summary=summary,
+        gen=gen,
     )
     conditions = [
         cond.pool_bound(binding.ok, binding.reason, binding.message, gen),
@@ -296,10 +310,12 @@ def invalid_group_status(
     """Status of a group whose spec fails a semantic check: Ready=False, everything else as it was."""
     keep = [c for c in old.conditions if c.type != cond.READY]
     new = [*keep, cond.invalid_spec(errors, generation)]
-    return old.model_copy(update={
-        "observed_generation": generation,
-        "conditions": cond.merge(old.conditions, new, now),
-    })
+    return old.model_copy(
+        update={
+            "observed_generation": generation,
+            "conditions": cond.merge(old.conditions, new, now),
+        }
+    )
 
 
 def invalid_pool_status(errors: list[str], generation: int | None, old: MaruPoolStatus, now: str) -> MaruPoolStatus:
@@ -354,11 +370,16 @@ def tenant_usage(stats: dict[str, dict[str, Any] | None]) -> dict[str, PoolUsage
             row["refused"] += sum(int(v) for v in (t.get("refused") or {}).values())
     return {
         scope: PoolUsage(
-            used=format_bytes(row["used_bytes"]), used_bytes=row["used_bytes"],
+            used=format_bytes(row["used_bytes"]),
+            used_bytes=row["used_bytes"],
             # A tenant that only looked up has no account, so no quota the daemons told: unknown, not zero.
-            quota=format_bytes(row["quota_bytes"]) if row["quota_bytes"] else "", quota_bytes=row["quota_bytes"],
-            chunks=row["chunks"], pins=row["pins"], leases=row["leases"],
-            evictions_by_others=row["evictions_by_others"], quota_refusals=row["refused"],
+            quota=format_bytes(row["quota_bytes"]) if row["quota_bytes"] else "",
+            quota_bytes=row["quota_bytes"],
+            chunks=row["chunks"],
+            pins=row["pins"],
+            leases=row["leases"],
+            evictions_by_others=row["evictions_by_others"],
+            quota_refusals=row["refused"],
         )
         for scope, row in totals.items()
     }
@@ -374,8 +395,9 @@ def group_usage_only_change(old: InferenceGroupStatus, new: InferenceGroupStatus
 
 
 def _without_traffic(status: InferenceGroupStatus) -> dict[str, Any]:
-    quiet = [c.model_copy(update={"message": ""}) if c.type == cond.DISAGGREGATION_ACTIVE else c
-             for c in status.conditions]
+    quiet = [
+        c.model_copy(update={"message": ""}) if c.type == cond.DISAGGREGATION_ACTIVE else c for c in status.conditions
+    ]
     return status.model_copy(update={"conditions": quiet}).model_dump(exclude={"pool_usage"})
 
 

@@ -129,8 +129,11 @@ class _Loader(yaml.SafeLoader):
             if isinstance(key, str) and key in seen:
                 first = seen[key].start_mark.line + 1
                 raise yaml.constructor.ConstructorError(
-                    None, None, f'key "{key}" appears twice in one mapping (first on line {first}); only one can count',
-                    key_node.start_mark)
+                    None,
+                    None,
+                    f'key "{key}" appears twice in one mapping (first on line {first}); only one can count',
+                    key_node.start_mark,
+                )
             seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
 
@@ -153,8 +156,11 @@ def _files(paths: Sequence[str], report: Report) -> list[str]:
         else:
             found = sorted(str(p) for p in path.iterdir() if p.suffix in YAML_SUFFIXES and p.is_file())
             if not found:
-                below = " (subdirectories are not read: give them with -f)" if any(
-                    p.is_dir() for p in path.iterdir()) else ""
+                below = (
+                    " (subdirectories are not read: give them with -f)"
+                    if any(p.is_dir() for p in path.iterdir())
+                    else ""
+                )
                 report.add("error", Where(raw), f"no *.yaml or *.yml file in this directory, nothing to check{below}")
         for file in found:
             same = [f for f in files if f != STDIN and file != STDIN and Path(f).resolve() == Path(file).resolve()]
@@ -231,8 +237,10 @@ def classify(doc: Object) -> tuple[str, str]:
     """``("check", "")``, ``("skip", why)`` or ``("error", why)`` for one object."""
     api_version, kind = doc.get("apiVersion"), doc.get("kind")
     if not isinstance(kind, str) or not kind:
-        return "error", "no kind: every object needs apiVersion and kind (e.g. apiVersion: maru.io/v1alpha1, " \
-                        "kind: MaruPool)"
+        return (
+            "error",
+            "no kind: every object needs apiVersion and kind (e.g. apiVersion: maru.io/v1alpha1, kind: MaruPool)",
+        )
     if not isinstance(api_version, str) or not api_version:
         if kind in SERVED:
             return "error", f"{kind} without apiVersion: write apiVersion: {API_VERSION}"
@@ -241,8 +249,11 @@ def classify(doc: Object) -> tuple[str, str]:
     ours = api_version.split("/")[0].lower().split(".")[0] == GROUP.split(".")[0]
     if kind in SERVED:
         if api_version != API_VERSION:
-            return "error", f'apiVersion "{api_version}" is not served for {kind}: this operator serves ' \
-                            f"{API_VERSION} (write apiVersion: {API_VERSION})"
+            return (
+                "error",
+                f'apiVersion "{api_version}" is not served for {kind}: this operator serves '
+                f"{API_VERSION} (write apiVersion: {API_VERSION})",
+            )
         return "check", ""
     # Kinds of other groups may resemble ours by chance (the Gateway API's InferencePool is 0.74 like
     # InferenceGroup), so outside our group only a near-certain typo is an error.
@@ -313,23 +324,28 @@ def check_together(objects: list[Checked]) -> None:
         if not pools:
             obj.notes.append(
                 f"spec.poolRef.name: no MaruPool among the files given, so MaruPool {ref} was not checked (that it "
-                "exists, that it admits this namespace, that it agrees with the group); give its file too (-f)")
+                "exists, that it admits this namespace, that it agrees with the group); give its file too (-f)"
+            )
             continue
         if pool is None:
             guess = _close(ref, list(pools), 0.6)
             given = ", ".join(sorted(pools))
-            obj.errors.append(f"spec.poolRef.name: {bind(obj.namespace or '', obj.group, None).message} (the "
-                              f"MaruPools given: {given}{f'; did you mean {guess}?' if guess else ''})")
+            obj.errors.append(
+                f"spec.poolRef.name: {bind(obj.namespace or '', obj.group, None).message} (the "
+                f"MaruPools given: {given}{f'; did you mean {guess}?' if guess else ''})"
+            )
             continue
         if pool.pool is None:
-            obj.notes.append(f"spec.poolRef.name: not checked against MaruPool {ref} ({pool.where}), which has "
-                             "errors of its own")
+            obj.notes.append(
+                f"spec.poolRef.name: not checked against MaruPool {ref} ({pool.where}), which has errors of its own"
+            )
             continue
         binding = bind(obj.namespace or "", obj.group, _ready(pool.body))
         if binding.reason == "NamespaceNotAllowed" and obj.namespace is None:
             obj.notes.append(
                 f"metadata.namespace: not set, so kubectl puts the group in its context's namespace, which is not "
-                f"known here; MaruPool {ref} admits only {', '.join(pool.pool.allowed_namespaces or [])}")
+                f"known here; MaruPool {ref} admits only {', '.join(pool.pool.allowed_namespaces or [])}"
+            )
         elif not binding.ok:
             obj.errors.append(f"spec.poolRef.name: {binding.message} ({pool.where})")
         view = binding.pool or PoolView(ref, pool.pool)
@@ -345,8 +361,12 @@ def validate(paths: Sequence[str]) -> Report:
     for file in _files(paths, report):
         for where, doc in _objects(file, report):
             if not isinstance(doc, dict):
-                report.add("error", where, "not a Kubernetes object: a mapping with apiVersion, kind, metadata and "
-                                           f"spec was expected, not a {type(doc).__name__}")
+                report.add(
+                    "error",
+                    where,
+                    "not a Kubernetes object: a mapping with apiVersion, kind, metadata and "
+                    f"spec was expected, not a {type(doc).__name__}",
+                )
                 continue
             verdict, why = classify(doc)
             if verdict == "check":
@@ -359,9 +379,12 @@ def validate(paths: Sequence[str]) -> Report:
     lines = report.lines()
     if not report.checked and not any(tag == "error" for tag, _, _ in lines):
         skipped = sum(tag == "skip" for tag, _, _ in lines)
-        report.add("error", Where(", ".join(paths)),
-                   f"nothing checked: no {' or '.join(SERVED)} in the input ({_count(skipped, 'object')} of other "
-                   "kinds skipped)")
+        report.add(
+            "error",
+            Where(", ".join(paths)),
+            f"nothing checked: no {' or '.join(SERVED)} in the input ({_count(skipped, 'object')} of other "
+            "kinds skipped)",
+        )
     return report
 
 
@@ -374,9 +397,11 @@ def summary(report: Report) -> str:
     count = {tag: sum(t == tag for t, _, _ in lines) for tag in ("error", "note", "skip")}
     failed = sum(bool(o.errors) for o in report.checked)
     verdict = "invalid" if count["error"] else "valid"
-    return (f"{verdict}: {_count(len(report.checked), 'object')} checked ({len(report.checked) - failed} ok, "
-            f"{failed} with errors), {count['skip']} skipped; {_count(count['error'], 'error')}, "
-            f"{_count(count['note'], 'note')}")
+    return (
+        f"{verdict}: {_count(len(report.checked), 'object')} checked ({len(report.checked) - failed} ok, "
+        f"{failed} with errors), {count['skip']} skipped; {_count(count['error'], 'error')}, "
+        f"{_count(count['note'], 'note')}"
+    )
 
 
 def _cel_available() -> bool:
@@ -398,8 +423,10 @@ def run(paths: Sequence[str], out: TextIO | None = None, err: TextIO | None = No
         return EXIT_USAGE
     if not _cel_available():
         # Without it the CRDs' CEL rules could not be judged, and a file they refuse would pass.
-        print("maru-operator validate: error: the CRDs' CEL rules need cel-python: "
-              "pip install 'maru-pd[validate]'", file=err)
+        print(
+            "maru-operator validate: error: the CRDs' CEL rules need cel-python: pip install 'maru-pd[validate]'",
+            file=err,
+        )
         return EXIT_USAGE
     report = validate(paths)
     lines = report.lines()

@@ -40,8 +40,32 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--quantization", "--quantization", ("-q",)),  # --quantization-config: likewise
 )
 # Every single-dash option of vLLM 0.32: an abbreviation like -t is one only if no other starts so.
-SHORT_OPTIONS = ("-ac", "-asc", "-cc", "-dc", "-dcp", "-dp", "-dpa", "-dpb", "-dpe", "-dph", "-dpl", "-dpm",
-                 "-dpn", "-dpp", "-dpr", "-ep", "-h", "-n", "-pcp", "-pp", "-q", "-r", "-sc", "-tp")
+SHORT_OPTIONS = (
+    "-ac",
+    "-asc",
+    "-cc",
+    "-dc",
+    "-dcp",
+    "-dp",
+    "-dpa",
+    "-dpb",
+    "-dpe",
+    "-dph",
+    "-dpl",
+    "-dpm",
+    "-dpn",
+    "-dpp",
+    "-dpr",
+    "-ep",
+    "-h",
+    "-n",
+    "-pcp",
+    "-pp",
+    "-q",
+    "-r",
+    "-sc",
+    "-tp",
+)
 BY_NAME = {f.name: f for f in FLAGS}
 
 

@@ -101,8 +101,15 @@ class WorkQueue:
                 count = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(self._max_backoff, 0.5 * 2 ** (count - 1))
                 metrics.RECONCILES.labels(kind, "error").inc()
-                log.warning("%s %s: reconcile failed (attempt %d), retrying in %.1fs: %s",
-                            kind, _name(key), count, delay, err, exc_info=count >= 5)
+                log.warning(
+                    "%s %s: reconcile failed (attempt %d), retrying in %.1fs: %s",
+                    kind,
+                    _name(key),
+                    count,
+                    delay,
+                    err,
+                    exc_info=count >= 5,
+                )
             finally:
                 metrics.RECONCILE_SECONDS.labels(kind).observe(time.monotonic() - started)
                 self._running.discard(key)

@@ -36,4 +36,3 @@ def test_reasons_the_pattern_takes(reason: str) -> None:
 def test_reasons_the_pattern_refuses(reason: str) -> None:
     with pytest.raises(ValidationError, match="reason"):
         Condition(type="Ready", status="True", reason=reason)
-

@@ -94,8 +94,11 @@ def test_groups_show_whether_disaggregation_is_active() -> None:
     names = [c["name"] for c in columns]
     disagg = columns[names.index("Disagg")]
     assert names.index("Disagg") == names.index("Ready") + 1 and "priority" not in disagg
-    assert disagg == {"name": "Disagg", "type": "string",
-                      "jsonPath": f'.status.conditions[?(@.type=="{DISAGGREGATION_ACTIVE}")].status'}
+    assert disagg == {
+        "name": "Disagg",
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="{DISAGGREGATION_ACTIVE}")].status',
+    }
 
 
 def test_omitted_sections_get_their_defaults() -> None:
@@ -108,8 +111,12 @@ def test_omitted_sections_get_their_defaults() -> None:
     assert filled["spec"]["connector"] == {"chunkTokens": 256, "blockSize": 16, "rpcTimeoutMs": 500}
     assert filled["spec"]["prefill"]["replicas"] == 1
     assert filled["spec"]["router"]["enabled"] is True
-    assert Validator.from_models().validate({"apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup",
-                                              "metadata": {"name": "x"}, **obj}) == []
+    assert (
+        Validator.from_models().validate(
+            {"apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup", "metadata": {"name": "x"}, **obj}
+        )
+        == []
+    )
 
 
 def test_api_reference_is_fresh() -> None:

@@ -43,8 +43,12 @@ def test_inferencegroup_example_is_the_advertised_shape() -> None:
     (group,) = _docs(REPO / "examples" / "inferencegroup.yaml")
     spec = InferenceGroup.model_validate({"spec": group["spec"]}).spec
     assert (spec.prefill.replicas, spec.decode.replicas) == (1, 2)
-    pools = {d["metadata"]["name"] for p in EXAMPLES for d in _docs(p) if d["kind"] == "MaruPool"
-             and p.parent.name == "examples"}
+    pools = {
+        d["metadata"]["name"]
+        for p in EXAMPLES
+        for d in _docs(p)
+        if d["kind"] == "MaruPool" and p.parent.name == "examples"
+    }
     assert spec.pool_ref.name in pools
 
 
@@ -61,8 +65,11 @@ def test_every_group_binds_a_pool_of_its_folder_and_every_pool_has_a_group(folde
     """Applied together, a folder's examples come up: no group ends PoolNotFound (or NamespaceNotAllowed),
     and every pool a user may start from has a group that uses it."""
     docs = _by_folder()[folder]
-    pools = {d["metadata"]["name"]: MaruPool.model_validate({"spec": d["spec"]}).spec
-             for d in docs if d["kind"] == "MaruPool"}
+    pools = {
+        d["metadata"]["name"]: MaruPool.model_validate({"spec": d["spec"]}).spec
+        for d in docs
+        if d["kind"] == "MaruPool"
+    }
     groups = [d for d in docs if d["kind"] == "InferenceGroup"]
     bound: set[str] = set()
     for group in groups:

@@ -26,8 +26,12 @@ CRD = REPO / "crds" / "maru.io_marupools.yaml"
 
 
 def crd_accepts(size: str) -> bool:
-    pool = {"apiVersion": "maru.io/v1alpha1", "kind": "MaruPool", "metadata": {"name": "p"},
-            "spec": {"backend": "shm", "size": size}}
+    pool = {
+        "apiVersion": "maru.io/v1alpha1",
+        "kind": "MaruPool",
+        "metadata": {"name": "p"},
+        "spec": {"backend": "shm", "size": size},
+    }
     return Validator.from_files([CRD]).validate(pool) == []
 
 
@@ -50,16 +54,29 @@ def test_every_size_the_crd_accepts_parses_to_its_kubernetes_value(size: str) ->
     assert parse_size(size) == int(parse_quantity(size))
 
 
-@given(st.from_regex(QUANTITY_PATTERN, fullmatch=True) | st.text(max_size=12)
-       | st.sampled_from(["1\n", " 1", "1 ", "64Gi\n"]))
+@given(
+    st.from_regex(QUANTITY_PATTERN, fullmatch=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["1\n", " 1", "1 ", "64Gi\n"])
+)
 def test_crd_and_daemon_agree_on_every_quantity(text: str) -> None:
     assert bool(re.fullmatch(SIZE_PATTERN, text)) == daemon_parses(text), repr(text)
 
 
-@pytest.mark.parametrize(("size", "accepted"), [
-    ("64Pi", True), ("16Gi", True), ("500M", True), ("1073741824", True),
-    ("1e10", False), ("512m", False), ("1.5Gi", False), ("2GiB", False), ("0", False),
-])
+@pytest.mark.parametrize(
+    ("size", "accepted"),
+    [
+        ("64Pi", True),
+        ("16Gi", True),
+        ("500M", True),
+        ("1073741824", True),
+        ("1e10", False),
+        ("512m", False),
+        ("1.5Gi", False),
+        ("2GiB", False),
+        ("0", False),
+    ],
+)
 def test_the_cases_of_the_issue_on_both_sides(size: str, accepted: bool) -> None:
     assert crd_accepts(size) is accepted
     assert daemon_parses(size) is accepted

@@ -13,10 +13,34 @@ from dataclasses import dataclass, field
 
 AGGREGATIONS = {"sum", "min", "max", "avg", "count", "group", "stddev", "stdvar", "topk", "bottomk", "quantile"}
 # Functions whose argument is a range vector (a selector with [duration]).
-RANGE_FUNCTIONS = {"rate", "irate", "increase", "delta", "idelta", "deriv", "changes", "resets",
-                   "avg_over_time", "min_over_time", "max_over_time", "sum_over_time", "count_over_time"}
-FUNCTIONS = RANGE_FUNCTIONS | {"histogram_quantile", "abs", "absent", "ceil", "floor", "round", "clamp_min",
-                               "clamp_max", "scalar", "vector", "time"}
+RANGE_FUNCTIONS = {
+    "rate",
+    "irate",
+    "increase",
+    "delta",
+    "idelta",
+    "deriv",
+    "changes",
+    "resets",
+    "avg_over_time",
+    "min_over_time",
+    "max_over_time",
+    "sum_over_time",
+    "count_over_time",
+}
+FUNCTIONS = RANGE_FUNCTIONS | {
+    "histogram_quantile",
+    "abs",
+    "absent",
+    "ceil",
+    "floor",
+    "round",
+    "clamp_min",
+    "clamp_max",
+    "scalar",
+    "vector",
+    "time",
+}
 BINARY = {"+", "-", "*", "/", "%", "^", "==", "!=", ">", "<", ">=", "<=", "and", "or", "unless"}
 COMPARISONS = {"==", "!=", ">", "<", ">=", "<="}
 
@@ -49,7 +73,7 @@ def tokenize(expr: str) -> list[_Token]:
     while at < len(expr):
         match = _TOKEN.match(expr, at)
         if not match:
-            raise PromQLError(f"unexpected {expr[at:at + 12]!r} at {at} in {expr!r}")
+            raise PromQLError(f"unexpected {expr[at : at + 12]!r} at {at} in {expr!r}")
         if match.lastgroup != "space":
             tokens.append(_Token(str(match.lastgroup), match.group(), at))
         at = match.end()

@@ -27,7 +27,7 @@ README = CHART / "README.md"
 def documented_upgrade() -> list[list[str]]:
     """The commands of the README's block that upgrades the CRDs, split as a shell would."""
     text = README.read_text()
-    section = text[text.index("## CRDs"):]
+    section = text[text.index("## CRDs") :]
     block = re.search(r"```sh\n(.*?)```", section, re.S)
     assert block, "no sh block in the README's CRDs section"
     return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
@@ -40,8 +40,14 @@ def test_the_documented_crd_upgrade_applies_changed_crds_after_helm_install(
 ) -> None:
     cluster = k8s_emulator
     cluster.kubectl("create", "namespace", NAMESPACE)
-    installed = subprocess.run([str(helm), "install", RELEASE, str(CHART), "--namespace", NAMESPACE],
-                               capture_output=True, text=True, timeout=120, env=cluster.env(), check=False)
+    installed = subprocess.run(
+        [str(helm), "install", RELEASE, str(CHART), "--namespace", NAMESPACE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cluster.env(),
+        check=False,
+    )
     assert installed.returncode == 0, installed.stderr
 
     # The next release's CRDs: the same files with a changed schema (as a release that adds a field has).
@@ -56,8 +62,15 @@ def test_the_documented_crd_upgrade_applies_changed_crds_after_helm_install(
     (apply,) = [cmd for cmd in documented_upgrade() if cmd[0] == "kubectl"]
     assert apply[:2] == ["kubectl", "apply"], apply
     # Run from a folder laid out as the repository, so the README's relative path names the new CRDs.
-    result = subprocess.run([*_kubectl(cluster), *apply[1:]], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path, env=cluster.env(), check=False)
+    result = subprocess.run(
+        [*_kubectl(cluster), *apply[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=cluster.env(),
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     stored = cluster.get("customresourcedefinitions.apiextensions.k8s.io", "marupools.maru.io")
     assert stored is not None

@@ -69,8 +69,11 @@ def test_mounts_meet_where_the_kubelet_looks(default_objects: list[dict[str, Any
     mounts = {m["name"]: m for m in plugin["volumeMounts"]}
     assert mounts["plugin-dir"]["mountPath"] == "/csi"
     # Mounts made under the pods directory must reach the host, and from there the pod.
-    assert mounts["pods-dir"] == {"name": "pods-dir", "mountPath": "/var/lib/kubelet/pods",
-                                  "mountPropagation": "Bidirectional"}
+    assert mounts["pods-dir"] == {
+        "name": "pods-dir",
+        "mountPath": "/var/lib/kubelet/pods",
+        "mountPropagation": "Bidirectional",
+    }
     assert volumes["pods-dir"]["hostPath"]["path"] == "/var/lib/kubelet/pods"
     assert mounts["socket-root"]["mountPath"] == volumes["socket-root"]["hostPath"]["path"] == DEFAULT_SOCKET_ROOT
     assert mounts["socket-root"]["readOnly"] is True
@@ -130,15 +133,23 @@ def test_the_operators_selectors_never_match_the_plugin(default_objects: list[di
 
 def test_custom_placement_and_paths(render) -> None:
     objects = render(
-        "--set", "csiDriver.kubeletDir=/var/snap/microk8s/common/var/lib/kubelet/",
-        "--set", "csiDriver.socketRoot=/var/run/maru",
-        "--set", "csiDriver.image.tag=0.2.0",
-        "--set", "csiDriver.priorityClassName=system-node-critical",
-        "--set-json", 'csiDriver.nodeSelector={"maru.io/cxl":"true"}',
-        "--set-json", 'csiDriver.tolerations=[{"key":"cxl","operator":"Exists","effect":"NoSchedule"}]',
-        "--set-json", 'csiDriver.affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":'
-                      '{"nodeSelectorTerms":[{"matchExpressions":[{"key":"maru.io/pool","operator":"Exists"}]}]}}}',
-        "--set", "logLevel=debug",
+        "--set",
+        "csiDriver.kubeletDir=/var/snap/microk8s/common/var/lib/kubelet/",
+        "--set",
+        "csiDriver.socketRoot=/var/run/maru",
+        "--set",
+        "csiDriver.image.tag=0.2.0",
+        "--set",
+        "csiDriver.priorityClassName=system-node-critical",
+        "--set-json",
+        'csiDriver.nodeSelector={"maru.io/cxl":"true"}',
+        "--set-json",
+        'csiDriver.tolerations=[{"key":"cxl","operator":"Exists","effect":"NoSchedule"}]',
+        "--set-json",
+        'csiDriver.affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":'
+        '{"nodeSelectorTerms":[{"matchExpressions":[{"key":"maru.io/pool","operator":"Exists"}]}]}}}',
+        "--set",
+        "logLevel=debug",
     )
     kubelet = "/var/snap/microk8s/common/var/lib/kubelet"
     plugin, registrar = _containers(objects)["plugin"], _containers(objects)["node-driver-registrar"]
@@ -167,8 +178,14 @@ def test_a_private_registry_moves_the_sidecars_too(render, default_objects: list
         "liveness-probe": "registry.example.com/maru/livenessprobe",
     }
     # A repository named for a sidecar still wins.
-    named = _containers(render("--set", "images.registry=registry.example.com/maru",
-                               "--set", "csiDriver.registrar.image.repository=mirror.example.com/registrar"))
+    named = _containers(
+        render(
+            "--set",
+            "images.registry=registry.example.com/maru",
+            "--set",
+            "csiDriver.registrar.image.repository=mirror.example.com/registrar",
+        )
+    )
     assert named["node-driver-registrar"]["image"] == "mirror.example.com/registrar:v2.13.0"
 
 

@@ -75,8 +75,14 @@ def test_install_then_run_the_operator_within_its_rbac(
     cluster = k8s_emulator
     cluster.kubectl("create", "namespace", GROUP_NAMESPACE)  # a watched namespace must exist first
     liveness, metrics = free_port(), free_port()
-    values = ["--set", f"livenessProbe.port={liveness}", "--set", f"metrics.port={metrics}",
-              "--set", f"images.registry={MIRROR}"]
+    values = [
+        "--set",
+        f"livenessProbe.port={liveness}",
+        "--set",
+        f"metrics.port={metrics}",
+        "--set",
+        f"images.registry={MIRROR}",
+    ]
     if watch_namespaces:
         values += ["--set", f"watchNamespaces={{{GROUP_NAMESPACE}}}"]
     # As the README's quickstart: the release namespace and its Pod Security label first (the CSI plugin and
@@ -121,10 +127,13 @@ def test_install_then_run_the_operator_within_its_rbac(
         agent = wait_for(lambda: cluster.get("daemonsets.apps", "cxl-pool-agent", NAMESPACE), "the agent DaemonSet")
         # images.registry reached the operator: the example pool names no image and gets the mirror's.
         assert {c["image"] for c in agent["spec"]["template"]["spec"]["containers"]} == {
-            f"{MIRROR}/maru-pool:{DEFAULT_IMAGES.tag}"}
+            f"{MIRROR}/maru-pool:{DEFAULT_IMAGES.tag}"
+        }
         wait_for(lambda: cluster.get("deployments.apps", "cxl-pool-metadata", NAMESPACE), "the metadata server")
-        wait_for(lambda: cluster.get("rolebindings.rbac.authorization.k8s.io", "qwen-7b-router-pods", GROUP_NAMESPACE),
-                 "the router's RoleBinding")
+        wait_for(
+            lambda: cluster.get("rolebindings.rbac.authorization.k8s.io", "qwen-7b-router-pods", GROUP_NAMESPACE),
+            "the router's RoleBinding",
+        )
         wait_for(
             lambda: (cluster.get("marupools.maru.io", "cxl-pool") or {}).get("status", {}).get("conditions"),
             "the pool's status",
@@ -182,16 +191,37 @@ def test_a_second_release_serving_the_same_instance_is_refused(k8s_emulator: Kub
     cluster = k8s_emulator
     helm(cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace")
     # The CSI driver is cluster-scoped: one release installs it, the others use it.
-    second = helm(cluster, "install", "maru-b", str(CHART), "--namespace", "team-b", "--create-namespace",
-                  "--set", "csiDriver.enabled=false", check=False)
+    second = helm(
+        cluster,
+        "install",
+        "maru-b",
+        str(CHART),
+        "--namespace",
+        "team-b",
+        "--create-namespace",
+        "--set",
+        "csiDriver.enabled=false",
+        check=False,
+    )
     assert second.returncode != 0
-    assert f"release {RELEASE} in namespace {NAMESPACE} already runs a maru-operator serving instance" \
-        in second.stderr
+    assert f"release {RELEASE} in namespace {NAMESPACE} already runs a maru-operator serving instance" in second.stderr
     assert cluster.get("deployments.apps", "maru-b-maru-operator", "team-b") is None
-    helm(cluster, "install", "maru-b", str(CHART), "--namespace", "team-b", "--create-namespace",
-         "--set", "instance=team-b", "--set", "csiDriver.enabled=false")
-    args = cluster.get("deployments.apps", "maru-b-maru-operator", "team-b")["spec"]["template"]["spec"][
-        "containers"][0]["args"]  # type: ignore[index]
+    helm(
+        cluster,
+        "install",
+        "maru-b",
+        str(CHART),
+        "--namespace",
+        "team-b",
+        "--create-namespace",
+        "--set",
+        "instance=team-b",
+        "--set",
+        "csiDriver.enabled=false",
+    )
+    args = cluster.get("deployments.apps", "maru-b-maru-operator", "team-b")["spec"]["template"]["spec"]["containers"][
+        0
+    ]["args"]  # type: ignore[index]
     assert "--instance=team-b" in args
     # An upgrade of a release is not a second release.
     helm(cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE)

@@ -27,8 +27,12 @@ DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
 
 def _families(registry: Any) -> set[str]:
     """Every series name a prometheus_client registry exposes, children or not."""
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
-                "summary": ("_sum", "_count", "")}
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "gauge": ("",),
+        "summary": ("_sum", "_count", ""),
+    }
     return {family.name + suffix for family in registry.collect() for suffix in suffixes.get(family.type, ("",))}
 
 
@@ -46,9 +50,14 @@ def exported_metrics() -> frozenset[str]:
     names = {n for n in _families(REGISTRY) if n.startswith("maru_operator_")}
     names |= _families(Metrics().registry)
     # The pool daemon's collector, given one of every statistic and a tenant that looked up and stored.
-    tenant = {"tenant": "ns/cache", **dict.fromkeys(httpd.TENANT_GAUGES, 1), "evictions_by_others": 0,
-              "evictions_by_self": 0, "refused": {},
-              "readers": {"lookups": {}, "prompt_tokens": {}, "handoff_waits": 0, "handoff_timeouts": 0}}
+    tenant = {
+        "tenant": "ns/cache",
+        **dict.fromkeys(httpd.TENANT_GAUGES, 1),
+        "evictions_by_others": 0,
+        "evictions_by_self": 0,
+        "refused": {},
+        "readers": {"lookups": {}, "prompt_tokens": {}, "handoff_waits": 0, "handoff_timeouts": 0},
+    }
     stats = {**dict.fromkeys(httpd.COUNTERS, 1), **dict.fromkeys(httpd.GAUGES, 1), "tenants": [tenant]}
     pool = CollectorRegistry(auto_describe=False)
     pool.register(httpd._StatsCollector(lambda: stats))
@@ -72,16 +81,27 @@ def dashboard_exprs() -> list[str]:
 def test_the_exporters_are_read() -> None:
     """Guards the catalogue: one series of each exporter is in it, and nothing it lists is invented."""
     names = exported_metrics()
-    for name in ("maru_operator_reconciles_total", "maru_pool_used_bytes", "maru_pool_tenant_prompt_tokens_total",
-                 "maru_router_fallbacks_total", "vllm:maru_connector_hook_errors_total",
-                 "vllm:maru_connector_load_seconds_bucket"):
+    for name in (
+        "maru_operator_reconciles_total",
+        "maru_pool_used_bytes",
+        "maru_pool_tenant_prompt_tokens_total",
+        "maru_router_fallbacks_total",
+        "vllm:maru_connector_hook_errors_total",
+        "vllm:maru_connector_load_seconds_bucket",
+    ):
         assert name in names
     assert "maru_pool_no_such_thing" not in names
 
 
 def test_the_parser_refuses_what_prometheus_would() -> None:
-    for bad in ("rate(maru_pool_hits_total)", "sum(rate(maru_pool_hits_total[5m])", "frate(x[5m])",
-                'x{a~"b"}', "histogram_quantile(x_bucket)", "sum by (a) x"):
+    for bad in (
+        "rate(maru_pool_hits_total)",
+        "sum(rate(maru_pool_hits_total[5m])",
+        "frate(x[5m])",
+        'x{a~"b"}',
+        "histogram_quantile(x_bucket)",
+        "sum by (a) x",
+    ):
         with pytest.raises(PromQLError):
             metrics_of(bad)
     assert metrics_of('sum by (le) (rate(a_bucket{x="y"}[5m])) / on(le) b > bool 1') == {"a_bucket", "b"}
@@ -140,8 +160,10 @@ def _workloads(pool_namespace: str) -> list[dict[str, Any]]:
     """The operator's rendering of the examples: the pods it would run for their pools and groups."""
     from maru_operator.render import load_documents, render_objects
 
-    paths = [REPO_ROOT / "examples" / name
-             for name in ("pool-cxl.yaml", "inferencegroup.yaml", "pool-shm.yaml", "inferencegroup-shm.yaml")]
+    paths = [
+        REPO_ROOT / "examples" / name
+        for name in ("pool-cxl.yaml", "inferencegroup.yaml", "pool-shm.yaml", "inferencegroup-shm.yaml")
+    ]
     objects = render_objects(load_documents(paths), pool_namespace, warn=lambda _msg: None)
     return [o for o in objects if o["kind"] in {"Deployment", "DaemonSet"}]
 

@@ -116,8 +116,11 @@ def test_no_secret_rule_outside_the_release_namespace(objects: list[dict[str, An
     for role in all_roles(objects):
         if ("", "secrets") in grants(role):
             holders.append((role["kind"], role["metadata"].get("namespace")))
-            bound = [b for b in find(objects, "RoleBinding") + find(objects, "ClusterRoleBinding")
-                     if b["roleRef"]["name"] == role["metadata"]["name"] and b["roleRef"]["kind"] == role["kind"]]
+            bound = [
+                b
+                for b in find(objects, "RoleBinding") + find(objects, "ClusterRoleBinding")
+                if b["roleRef"]["name"] == role["metadata"]["name"] and b["roleRef"]["kind"] == role["kind"]
+            ]
             assert {(b["kind"], b["metadata"].get("namespace")) for b in bound} == {("RoleBinding", NAMESPACE)}
     assert holders == [("Role", NAMESPACE)]
 
@@ -138,8 +141,10 @@ def test_default_grants_exactly_what_the_operator_needs_cluster_wide(default_obj
 def assert_pool_namespace_role(objects: list[dict[str, Any]], lease_namespace: str = "default") -> None:
     """DaemonSet writes in the release namespace (where pools run) and nowhere else; the leader Lease in
     leaseNamespace and nowhere else."""
-    for role_name, namespace, rules in ((f"{RELEASE}-pool-namespace", NAMESPACE, POOL_NAMESPACE_RULES),
-                                        (f"{RELEASE}-leader-election", lease_namespace, LEASE_NAMESPACE_RULES)):
+    for role_name, namespace, rules in (
+        (f"{RELEASE}-pool-namespace", NAMESPACE, POOL_NAMESPACE_RULES),
+        (f"{RELEASE}-leader-election", lease_namespace, LEASE_NAMESPACE_RULES),
+    ):
         role = one(objects, "Role", role_name)
         assert role["metadata"]["namespace"] == namespace
         assert grants(role) == rules
@@ -245,8 +250,14 @@ def readme_table() -> dict[str, dict[tuple[str, str], set[str]]]:
 
 def test_readme_lists_every_rule_and_verb(custom_objects: list[dict[str, Any]]) -> None:
     table = readme_table()
-    assert set(table) == {"cluster", "cluster, only with `watchNamespaces`", "namespaced", "release namespace",
-                          "lease namespace", "routers (bound by the operator)"}
+    assert set(table) == {
+        "cluster",
+        "cluster, only with `watchNamespaces`",
+        "namespaced",
+        "release namespace",
+        "lease namespace",
+        "routers (bound by the operator)",
+    }
     assert table["cluster"] == CLUSTER_RULES
     assert table["cluster, only with `watchNamespaces`"] == WATCH_NAMESPACES_ONLY_RULES
     assert table["namespaced"] == NAMESPACED_RULES
@@ -286,8 +297,11 @@ def test_operator_client_methods_are_covered() -> None:
     assert {"GET", "POST", "PATCH", "DELETE"} <= methods
     used = set().union(*(VERB_OF_METHOD.get(m, set()) for m in methods))
     rules = {**NAMESPACED_RULES, **CLUSTER_RULES}
-    granted = set().union(*(v for k, v in rules.items() if k not in FINALIZER_UPDATES), *POOL_NAMESPACE_RULES.values(),
-                          *LEASE_NAMESPACE_RULES.values())
+    granted = set().union(
+        *(v for k, v in rules.items() if k not in FINALIZER_UPDATES),
+        *POOL_NAMESPACE_RULES.values(),
+        *LEASE_NAMESPACE_RULES.values(),
+    )
     write_verbs = {"create", "patch", "delete", "update"}
     assert granted & write_verbs == used & write_verbs
     # The only update granted is the one the API server checks, never sent.
@@ -331,5 +345,8 @@ def test_the_operator_binds_only_the_cluster_role_it_may_bind() -> None:
     bindings = [o for o in children if o["kind"] == "RoleBinding"]
     assert bindings, "the examples' InferenceGroup has a router"
     for binding in bindings:
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                      "name": ROUTER_CLUSTER_ROLE}
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": ROUTER_CLUSTER_ROLE,
+        }

@@ -234,7 +234,10 @@ def test_operator_command_custom(custom_objects: list[dict[str, Any]]) -> None:
     assert "--workers=16" in args
     assert args[-1] == "--resync-seconds=45"
     assert [a for a in args if a.startswith(("--scrape-namespace", "--api-server"))] == [
-        "--scrape-namespace=monitoring", "--api-server-cidr=192.0.2.10/32", "--api-server-port=6443"]
+        "--scrape-namespace=monitoring",
+        "--api-server-cidr=192.0.2.10/32",
+        "--api-server-port=6443",
+    ]
     assert c["readinessProbe"]["periodSeconds"] == 20
     policy = one(custom_objects, "NetworkPolicy", "maru-operator")["spec"]
     assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9191}]
@@ -304,16 +307,25 @@ def test_replicas_prefer_different_nodes(default_objects: list[dict[str, Any]], 
     """A standby on the leader's node dies with it: the replicas prefer (never require) other nodes."""
     deployment = one(default_objects, "Deployment")
     (term,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"]
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
     assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
-    spread = one(render("--set-json", 'topologySpreadConstraints=[{"maxSkew":1,"topologyKey":'
-                                      '"topology.kubernetes.io/zone","whenUnsatisfiable":"ScheduleAnyway"}]'),
-                 "Deployment")
+    spread = one(
+        render(
+            "--set-json",
+            'topologySpreadConstraints=[{"maxSkew":1,"topologyKey":'
+            '"topology.kubernetes.io/zone","whenUnsatisfiable":"ScheduleAnyway"}]',
+        ),
+        "Deployment",
+    )
     (constraint,) = spread["spec"]["template"]["spec"]["topologySpreadConstraints"]
-    assert constraint == {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                          "whenUnsatisfiable": "ScheduleAnyway",
-                          "labelSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}}
+    assert constraint == {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]},
+    }
 
 
 def test_installs_as_a_subchart(run_helm, tmp_path) -> None:
@@ -469,16 +481,32 @@ def test_one_registry_value_moves_every_image(render) -> None:
 
 
 def test_each_image_can_be_overridden(render) -> None:
-    objects = render("--set", "images.registry=registry.example.com/mirror", "--set", "images.tag=1.0.0-rc.1",
-                     "--set", "images.pool=pools.example.com/pool:7", "--set", "images.vllm=gpu.example.com/vllm:cu129",
-                     "--set", "images.router=r.example.com/router:2", "--set", "image.repository=ops.example.com/op",
-                     "--set", "image.tag=v9")
+    objects = render(
+        "--set",
+        "images.registry=registry.example.com/mirror",
+        "--set",
+        "images.tag=1.0.0-rc.1",
+        "--set",
+        "images.pool=pools.example.com/pool:7",
+        "--set",
+        "images.vllm=gpu.example.com/vllm:cu129",
+        "--set",
+        "images.router=r.example.com/router:2",
+        "--set",
+        "image.repository=ops.example.com/op",
+        "--set",
+        "image.tag=v9",
+    )
     assert container(objects)["image"] == "ops.example.com/op:v9"
     assert csi_plugin_image(objects) == "pools.example.com/pool:7"  # the CSI plugin runs from the pool image
     args = operator_args(objects)
-    for arg in ("--image-registry=registry.example.com/mirror", "--image-tag=1.0.0-rc.1",
-                "--pool-image=pools.example.com/pool:7", "--vllm-image=gpu.example.com/vllm:cu129",
-                "--router-image=r.example.com/router:2"):
+    for arg in (
+        "--image-registry=registry.example.com/mirror",
+        "--image-tag=1.0.0-rc.1",
+        "--pool-image=pools.example.com/pool:7",
+        "--vllm-image=gpu.example.com/vllm:cu129",
+        "--router-image=r.example.com/router:2",
+    ):
         assert arg in args
     # csiDriver.image.repository still names the plugin's image outright.
     objects = render("--set", "csiDriver.image.repository=csi.example.com/pool", "--set", "images.pool=x/y:1")

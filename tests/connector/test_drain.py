@@ -36,7 +36,7 @@ class Scripted:
         self.looks += 1
         if isinstance(value, Exception):
             raise value
-        return f"vllm:num_requests_running{{engine=\"0\"}} {value}\nvllm:num_requests_waiting{{engine=\"0\"}} 0\n"
+        return f'vllm:num_requests_running{{engine="0"}} {value}\nvllm:num_requests_waiting{{engine="0"}} 0\n'
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds

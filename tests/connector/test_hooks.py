@@ -53,8 +53,15 @@ def test_sleep_mode_hooks_of_vllm_0_33_are_answered() -> None:
 
 
 @pytest.mark.parametrize(
-    "hook", ["supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches", "may_load_async",
-             "supports_lookahead_block_hashes", "kv_cache_access"],
+    "hook",
+    [
+        "supports_sleep_mode",
+        "unregister_kv_caches",
+        "restore_kv_caches",
+        "may_load_async",
+        "supports_lookahead_block_hashes",
+        "kv_cache_access",
+    ],
 )
 def test_hooks_of_later_releases_take_what_the_installed_vllm_passes(hook: str) -> None:
     """Where the installed vLLM declares the hook, the connector's takes the same parameters, bound the same way."""

@@ -56,13 +56,13 @@ def test_a_chunk_resharded_to_another_tp_is_what_that_tp_packs(layout: str, writ
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 def test_blocks_split_into_kernel_blocks_reshard(layout: str) -> None:
     pieces = [(heads, packed(paged)) for heads, paged in engines(layout, SPLIT, 2)]
-    (heads, paged), = engines(layout, SPLIT, 1)
+    ((heads, paged),) = engines(layout, SPLIT, 1)
     assert torch.equal(paged.reshard(pieces, heads, len(BLOCKS)), packed(paged))
 
 
 def test_pieces_that_miss_a_head_or_have_the_wrong_size_are_refused() -> None:
     halves = engines("LBHNC", SHAPE, 2)
-    (heads, whole), = engines("LBHNC", SHAPE, 1)
+    ((heads, whole),) = engines("LBHNC", SHAPE, 1)
     pieces = [(h, packed(p)) for h, p in halves]
     with pytest.raises(ValueError, match="cover 2 of heads 0-4"):
         whole.reshard(pieces[:1], heads, len(BLOCKS))

@@ -87,12 +87,23 @@ def test_latencies_merge_across_workers_and_reach_prometheus_as_histograms() -> 
     half.observe(common.LOAD_SECONDS, 0.002)
     a = MaruConnectorStats(data=half.take())
     assert half.take() == {}  # taken once
-    b = MaruConnectorStats(data={common.LOAD_SECONDS: [0.004], common.SAVE_SECONDS: [0.01],
-                                 common.HANDOFF_WAIT_SECONDS: [0.3], common.SAVED_CHUNKS: 2})
+    b = MaruConnectorStats(
+        data={
+            common.LOAD_SECONDS: [0.004],
+            common.SAVE_SECONDS: [0.01],
+            common.HANDOFF_WAIT_SECONDS: [0.3],
+            common.SAVED_CHUNKS: 2,
+        }
+    )
     total = a.aggregate(b)
     assert total.data[common.LOAD_SECONDS] == [0.002, 0.004]
-    assert total.reduce() == {"loaded_chunks": 4, "saved_chunks": 2, "load_avg_ms": 3.0, "save_avg_ms": 10.0,
-                              "handoff_wait_avg_ms": 300.0}
+    assert total.reduce() == {
+        "loaded_chunks": 4,
+        "saved_chunks": 2,
+        "load_avg_ms": 3.0,
+        "save_avg_ms": 10.0,
+        "handoff_wait_avg_ms": 300.0,
+    }
     assert pickle.loads(pickle.dumps(total)).data == total.data
     assert not MaruConnectorStats(data={common.SAVE_SECONDS: [0.01]}).is_empty()
 
@@ -101,8 +112,11 @@ def test_latencies_merge_across_workers_and_reach_prometheus_as_histograms() -> 
     prom = MaruPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
     prom.observe(total.data, engine_idx=0)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
-    for name, count, total_s in ((common.LOAD_SECONDS, 2, 0.006), (common.SAVE_SECONDS, 1, 0.01),
-                                 (common.HANDOFF_WAIT_SECONDS, 1, 0.3)):
+    for name, count, total_s in (
+        (common.LOAD_SECONDS, 2, 0.006),
+        (common.SAVE_SECONDS, 1, 0.01),
+        (common.HANDOFF_WAIT_SECONDS, 1, 0.3),
+    ):
         family = families[f"vllm:maru_connector_{name}"]
         assert family.type == "histogram"
         samples = {s.name.rsplit("_", 1)[-1]: s.value for s in family.samples if not s.name.endswith("_bucket")}

@@ -28,14 +28,23 @@ def import_connector_as(version: str, **env: str) -> subprocess.CompletedProcess
         "print('imported', maru_connector.vllm.MaruConnector.__name__)\n"
     )
     environ = {k: v for k, v in os.environ.items() if k != ALLOW_ENV} | env
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ,
-                          cwd=REPO_ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environ, cwd=REPO_ROOT, timeout=300
+    )
 
 
 @pytest.mark.parametrize(
     "version",
-    ["0.32.0", "0.32.0+cpu", "0.32.3+cu129", "0.32.1rc1.dev12+g0123abc", "0.33.0", "0.33.1+cu130", "0.34.0",
-     "0.34.0rc1"],
+    [
+        "0.32.0",
+        "0.32.0+cpu",
+        "0.32.3+cu129",
+        "0.32.1rc1.dev12+g0123abc",
+        "0.33.0",
+        "0.33.1+cu130",
+        "0.34.0",
+        "0.34.0rc1",
+    ],
 )
 def test_supported_releases(version: str) -> None:
     assert is_supported(version)
@@ -88,8 +97,11 @@ def test_the_pins_and_the_image_name_a_supported_release() -> None:
 def test_each_supported_minor_release_has_a_scheduler_test_environment() -> None:
     """tests/vllm-versions.txt (what `make vllm-venvs` builds) covers every minor release in the range
     besides .venv's, and nothing outside it."""
-    listed = [line.strip() for line in (REPO_ROOT / "tests/vllm-versions.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    listed = [
+        line.strip()
+        for line in (REPO_ROOT / "tests/vllm-versions.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert all(is_supported(v) for v in listed), listed
     minors = {tuple(int(p) for p in v.split(".")[:2]) for v in listed} | {(0, 32)}
     assert minors == {(0, m) for m in range(32, 35)}, minors

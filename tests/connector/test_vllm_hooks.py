@@ -38,8 +38,9 @@ def pool() -> Iterator[PoolDaemon]:
 
 def test_sleep_mode_is_asked_with_the_kv_transfer_config() -> None:
     """vllm/config/vllm.py (0.33, 0.34): ``connector_cls.supports_sleep_mode(self.kv_transfer_config)``."""
-    config = KVTransferConfig(kv_connector="MaruConnector", kv_connector_module_path="maru_connector.vllm",
-                              kv_role="kv_both")
+    config = KVTransferConfig(
+        kv_connector="MaruConnector", kv_connector_module_path="maru_connector.vllm", kv_role="kv_both"
+    )
     cls = KVConnectorFactory.get_connector_class(config)
     assert cls is MaruConnector
     assert cls.supports_sleep_mode(config) is True

@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-VERSIONS = [line.strip() for line in (REPO_ROOT / "tests/vllm-versions.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
+VERSIONS = [
+    line.strip()
+    for line in (REPO_ROOT / "tests/vllm-versions.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
 # The tests that drive vLLM's real Scheduler with the connector, and the ones that check its hooks.
 SCHEDULER_TESTS = [
     "tests/connector/test_real_scheduler.py",
@@ -35,10 +38,20 @@ def test_real_scheduler_tests_pass_under(version: str) -> None:
     env.pop("MARU_ALLOW_UNSUPPORTED_VLLM", None)
     done = subprocess.run(
         [str(python), "-m", "pytest", *SCHEDULER_TESTS, "-q", "-p", "no:cacheprovider", "-o", "addopts="],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    reported = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+    reported = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert reported.stdout.strip() == version, reported.stderr
     assert " passed" in done.stdout, done.stdout[-2000:]

@@ -31,16 +31,33 @@ POOL = "pool-c"
 KEY = secrets.token_bytes(32)
 
 
-def material(layout: Layout, *, pool: str = POOL, key: bytes = KEY, default: str = "pins=64",
-             ceiling: str = "bytes=1000000", file_mode: int = 0o600, dir_mode: int = 0o700) -> Path:
+def material(
+    layout: Layout,
+    *,
+    pool: str = POOL,
+    key: bytes = KEY,
+    default: str = "pins=64",
+    ceiling: str = "bytes=1000000",
+    file_mode: int = 0o600,
+    dir_mode: int = 0o700,
+) -> Path:
     """The minting file as the pool's init container leaves it; spelled out here: it is the format the plugin
     reads, not something these tests take from the product's writer."""
     directory = layout.sockets / CREDENTIALS_DIR
     directory.mkdir(exist_ok=True)
     directory.chmod(dir_mode)
     path = directory / f"{pool}.json"
-    path.write_text(json.dumps({"version": 1, "pool": pool, "key": base64.b64encode(key).decode(),
-                                "tenantQuota": default, "maxTenantQuota": ceiling}))
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "pool": pool,
+                "key": base64.b64encode(key).decode(),
+                "tenantQuota": default,
+                "maxTenantQuota": ceiling,
+            }
+        )
+    )
     path.chmod(file_mode)
     return path
 
@@ -53,15 +70,17 @@ def pool(layout: Layout) -> Iterator[Path]:
     material(layout)  # put back what a test broke
 
 
-def credential_request(target: str, cache: str = "chat", quota: str | None = None, *, pool: str = POOL,
-                       namespace: str = "llm") -> csi_pb2.NodePublishVolumeRequest:
+def credential_request(
+    target: str, cache: str = "chat", quota: str | None = None, *, pool: str = POOL, namespace: str = "llm"
+) -> csi_pb2.NodePublishVolumeRequest:
     attributes = {"cache": cache, **({"quota": quota} if quota is not None else {})}
     return publish_request(target, pool, namespace=namespace, attributes=attributes)
 
 
 def unpublish(node: csi_pb2_grpc.NodeStub, target: str) -> None:
-    node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="csi-0123456789abcdef", target_path=target),
-                             timeout=10)
+    node.NodeUnpublishVolume(
+        csi_pb2.NodeUnpublishVolumeRequest(volume_id="csi-0123456789abcdef", target_path=target), timeout=10
+    )
 
 
 def refused(node: csi_pb2_grpc.NodeStub, request: csi_pb2.NodePublishVolumeRequest) -> grpc.RpcError:
@@ -72,8 +91,9 @@ def refused(node: csi_pb2_grpc.NodeStub, request: csi_pb2.NodePublishVolumeReque
 
 
 @needs_root
-def test_publish_mints_the_pods_token_in_a_read_only_tmpfs(node: csi_pb2_grpc.NodeStub, layout: Layout,
-                                                           pool: Path) -> None:
+def test_publish_mints_the_pods_token_in_a_read_only_tmpfs(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path
+) -> None:
     target = layout.target("cred-1")
     node.NodePublishVolume(credential_request(target, quota="bytes=5000000,leases=7"), timeout=10)
 
@@ -107,8 +127,9 @@ SELF_RAISED = [
 
 @needs_root
 @pytest.mark.parametrize(("default", "ceiling", "asked", "minted"), SELF_RAISED)
-def test_a_pod_cannot_raise_its_own_quota(node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path, default: str,
-                                          ceiling: str, asked: str, minted: str) -> None:
+def test_a_pod_cannot_raise_its_own_quota(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path, default: str, ceiling: str, asked: str, minted: str
+) -> None:
     """Whoever writes pods in an admitted namespace writes the volume's ``quota``: without a maxTenantQuota it
     was minted as asked, and a token of 500,000 pins grew the pool daemon toward its memory limit."""
     material(layout, default=default, ceiling=ceiling)
@@ -121,8 +142,9 @@ def test_a_pod_cannot_raise_its_own_quota(node: csi_pb2_grpc.NodeStub, layout: L
 
 
 @needs_root
-def test_the_namespace_comes_from_the_kubelet_not_the_attributes(node: csi_pb2_grpc.NodeStub, layout: Layout,
-                                                                 pool: Path) -> None:
+def test_the_namespace_comes_from_the_kubelet_not_the_attributes(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path
+) -> None:
     target = layout.target("cred-2")
     node.NodePublishVolume(credential_request(target, cache="team-b/chat", namespace="llm"), timeout=10)
     try:
@@ -134,8 +156,7 @@ def test_the_namespace_comes_from_the_kubelet_not_the_attributes(node: csi_pb2_g
 
 
 @needs_root
-def test_a_republish_replaces_a_token_of_a_rotated_key(node: csi_pb2_grpc.NodeStub, layout: Layout,
-                                                       pool: Path) -> None:
+def test_a_republish_replaces_a_token_of_a_rotated_key(node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path) -> None:
     target = layout.target("cred-3")
     request = credential_request(target)
     node.NodePublishVolume(request, timeout=10)
@@ -153,8 +174,13 @@ def test_a_republish_replaces_a_token_of_a_rotated_key(node: csi_pb2_grpc.NodeSt
 
 BAD = [
     # (id, request change, material change, code, words)
-    ("namespace-not-admitted", {"namespace": "other"}, None, Code.PERMISSION_DENIED,
-     ["namespace other", "spec.allowedNamespaces"]),
+    (
+        "namespace-not-admitted",
+        {"namespace": "other"},
+        None,
+        Code.PERMISSION_DENIED,
+        ["namespace other", "spec.allowedNamespaces"],
+    ),
     ("no-pod-namespace", {"namespace": ""}, None, Code.PERMISSION_DENIED, ["podInfoOnMount"]),
     ("empty-cache", {"cache": ""}, None, Code.INVALID_ARGUMENT, ["volumeAttributes.cache"]),
     ("cache-with-newline", {"cache": "a\nb"}, None, Code.INVALID_ARGUMENT, ["volumeAttributes.cache", "printable"]),
@@ -162,8 +188,13 @@ BAD = [
     ("bad-quota", {"quota": "bytes=1Gi"}, None, Code.INVALID_ARGUMENT, ["volumeAttributes.quota", "bytes=N"]),
     ("unknown-quota-field", {"quota": "memory=5"}, None, Code.INVALID_ARGUMENT, ["volumeAttributes.quota", "memory"]),
     ("no-material", None, "missing", Code.FAILED_PRECONDITION, ["pool-c.json is missing", "no credential"]),
-    ("group-readable-material", None, {"file_mode": 0o640}, Code.FAILED_PRECONDITION,
-     ["pool-c.json", "closed to group and others"]),
+    (
+        "group-readable-material",
+        None,
+        {"file_mode": 0o640},
+        Code.FAILED_PRECONDITION,
+        ["pool-c.json", "closed to group and others"],
+    ),
     ("open-directory", None, {"dir_mode": 0o755}, Code.FAILED_PRECONDITION, [CREDENTIALS_DIR, "closed to group"]),
     ("another-pools-material", None, {"pool": "pool-x"}, Code.FAILED_PRECONDITION, ["pool 'pool-x'"]),
     ("short-key", None, {"key": b"short"}, Code.FAILED_PRECONDITION, ["key holds 5 bytes"]),
@@ -172,8 +203,9 @@ BAD = [
 
 @needs_root
 @pytest.mark.parametrize(("change", "broken", "code", "words"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_credential_publish_is_refused_by_name(node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path,
-                                                   change, broken, code: grpc.StatusCode, words: list[str]) -> None:
+def test_bad_credential_publish_is_refused_by_name(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path, change, broken, code: grpc.StatusCode, words: list[str]
+) -> None:
     if broken == "missing":
         pool.unlink()
     elif broken is not None:
@@ -184,8 +216,12 @@ def test_bad_credential_publish_is_refused_by_name(node: csi_pb2_grpc.NodeStub, 
         else:
             material(layout, **fields)
     change = change or {}
-    request = credential_request(layout.target("cred-bad"), change.get("cache", "chat"), change.get("quota"),
-                                 namespace=change.get("namespace", "llm"))
+    request = credential_request(
+        layout.target("cred-bad"),
+        change.get("cache", "chat"),
+        change.get("quota"),
+        namespace=change.get("namespace", "llm"),
+    )
     if change.get("namespace") == "":
         del request.volume_context[POD_NAMESPACE]
     error = refused(node, request)
@@ -196,8 +232,9 @@ def test_bad_credential_publish_is_refused_by_name(node: csi_pb2_grpc.NodeStub, 
 
 
 @needs_root
-def test_credential_attributes_on_a_socket_volume_are_refused(node: csi_pb2_grpc.NodeStub, layout: Layout,
-                                                              pool: Path) -> None:
+def test_credential_attributes_on_a_socket_volume_are_refused(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path
+) -> None:
     request = publish_request(layout.target("cred-stray"), POOL, attributes={"quota": "pins=1"})
     error = refused(node, request)
     assert error.code() == Code.INVALID_ARGUMENT and "volumeAttributes.cache" in error.details(), error.details()
@@ -205,10 +242,13 @@ def test_credential_attributes_on_a_socket_volume_are_refused(node: csi_pb2_grpc
 
 @needs_root
 @pytest.mark.parametrize("name", [CREDENTIALS_DIR, ".x", "_x", "-x"])
-def test_the_credentials_directory_is_never_a_pool(node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path,
-                                                    name: str) -> None:
-    for request in (publish_request(layout.target("cred-dir"), name),
-                    credential_request(layout.target("cred-dir"), pool=name)):
+def test_the_credentials_directory_is_never_a_pool(
+    node: csi_pb2_grpc.NodeStub, layout: Layout, pool: Path, name: str
+) -> None:
+    for request in (
+        publish_request(layout.target("cred-dir"), name),
+        credential_request(layout.target("cred-dir"), pool=name),
+    ):
         error = refused(node, request)
         assert error.code() == Code.INVALID_ARGUMENT and "volumeAttributes.pool" in error.details(), error.details()
 
@@ -217,8 +257,13 @@ def test_the_credentials_directory_is_never_a_pool(node: csi_pb2_grpc.NodeStub, 
 
 
 def run_minting(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maru_connector.csi.minting", *args], capture_output=True,
-                          text=True, env=plugin_env(), timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "maru_connector.csi.minting", *args],
+        capture_output=True,
+        text=True,
+        env=plugin_env(),
+        timeout=60,
+    )
 
 
 @needs_root
@@ -239,12 +284,15 @@ def test_the_init_container_writes_what_the_plugin_mints_from(tmp_path: Path) ->
     assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file left behind"
 
 
-@pytest.mark.parametrize(("args", "word"), [
-    (["--pool", "_credentials"], "--pool"),
-    (["--policy", '{"tenantQuota": "bytes=1Gi"}'], "tenantQuota"),
-    (["--policy", '{"extra": ""}'], "--policy"),
-    (["--key-file", "/nonexistent/key"], "--key-file"),
-])
+@pytest.mark.parametrize(
+    ("args", "word"),
+    [
+        (["--pool", "_credentials"], "--pool"),
+        (["--policy", '{"tenantQuota": "bytes=1Gi"}'], "tenantQuota"),
+        (["--policy", '{"extra": ""}'], "--policy"),
+        (["--key-file", "/nonexistent/key"], "--key-file"),
+    ],
+)
 def test_the_init_container_refuses_bad_input_naming_the_flag(tmp_path: Path, args: list[str], word: str) -> None:
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
@@ -255,8 +303,9 @@ def test_the_init_container_refuses_bad_input_naming_the_flag(tmp_path: Path, ar
     assert not (tmp_path / CREDENTIALS_DIR).exists()
 
 
-def test_credentials_swapped_for_a_link_after_the_check_are_not_followed(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_credentials_swapped_for_a_link_after_the_check_are_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The check and the read are one directory: ``_credentials`` replaced by a link to another directory (its
     owner's key and policy) right after the plugin checked it is not what the plugin mints from."""
     root = tmp_path / "run-maru"

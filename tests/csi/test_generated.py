@@ -34,8 +34,14 @@ FIELDS = {
     "GetPluginCapabilitiesResponse": {1: "capabilities"},
     "ProbeResponse": {1: "ready"},
     "NodePublishVolumeRequest": {
-        1: "volume_id", 2: "publish_context", 3: "staging_target_path", 4: "target_path",
-        5: "volume_capability", 6: "readonly", 7: "secrets", 8: "volume_context",
+        1: "volume_id",
+        2: "publish_context",
+        3: "staging_target_path",
+        4: "target_path",
+        5: "volume_capability",
+        6: "readonly",
+        7: "secrets",
+        8: "volume_context",
     },
     "NodeUnpublishVolumeRequest": {1: "volume_id", 2: "target_path"},
     "NodeGetCapabilitiesResponse": {1: "capabilities"},
@@ -45,8 +51,13 @@ FIELDS = {
     "VolumeCapability.AccessMode": {1: "mode"},
 }
 ACCESS_MODES = {
-    "UNKNOWN": 0, "SINGLE_NODE_WRITER": 1, "SINGLE_NODE_READER_ONLY": 2, "MULTI_NODE_READER_ONLY": 3,
-    "MULTI_NODE_SINGLE_WRITER": 4, "MULTI_NODE_MULTI_WRITER": 5, "SINGLE_NODE_SINGLE_WRITER": 6,
+    "UNKNOWN": 0,
+    "SINGLE_NODE_WRITER": 1,
+    "SINGLE_NODE_READER_ONLY": 2,
+    "MULTI_NODE_READER_ONLY": 3,
+    "MULTI_NODE_SINGLE_WRITER": 4,
+    "MULTI_NODE_MULTI_WRITER": 5,
+    "SINGLE_NODE_SINGLE_WRITER": 6,
     "SINGLE_NODE_MULTI_WRITER": 7,
 }
 

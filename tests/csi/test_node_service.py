@@ -96,21 +96,37 @@ BAD_PUBLISH = [
     ("no-capability", lambda r: r.ClearField("volume_capability"), Code.INVALID_ARGUMENT, ["volume_capability"]),
     ("block", _block, Code.INVALID_ARGUMENT, ["block"]),
     ("no-access-mode", lambda r: r.volume_capability.access_mode.Clear(), Code.INVALID_ARGUMENT, ["access_mode"]),
-    ("fs-type", lambda r: setattr(r.volume_capability.mount, "fs_type", "ext4"), Code.INVALID_ARGUMENT,
-     ["fsType", "ext4"]),
-    ("mount-flags", lambda r: r.volume_capability.mount.mount_flags.append("rw"), Code.INVALID_ARGUMENT,
-     ["mount flags"]),
+    (
+        "fs-type",
+        lambda r: setattr(r.volume_capability.mount, "fs_type", "ext4"),
+        Code.INVALID_ARGUMENT,
+        ["fsType", "ext4"],
+    ),
+    (
+        "mount-flags",
+        lambda r: r.volume_capability.mount.mount_flags.append("rw"),
+        Code.INVALID_ARGUMENT,
+        ["mount flags"],
+    ),
     ("read-write", _set("readonly", False), Code.INVALID_ARGUMENT, ["readOnly: true"]),
     ("no-pool", _context("pool", None), Code.INVALID_ARGUMENT, ["volumeAttributes.pool", "required"]),
     ("pool-escapes-root", _context("pool", ".."), Code.INVALID_ARGUMENT, ["volumeAttributes.pool", "'..'"]),
     ("pool-with-slash", _context("pool", "a/b"), Code.INVALID_ARGUMENT, ["volumeAttributes.pool"]),
     ("pool-too-long", _context("pool", "p" * 64), Code.INVALID_ARGUMENT, ["volumeAttributes.pool"]),
     ("typo-in-attribute", _context("pol", "pool-a"), Code.INVALID_ARGUMENT, ["'pol'", "pool", "socketDir"]),
-    ("other-socket-dir", _context("socketDir", "/var/run/elsewhere"), Code.INVALID_ARGUMENT,
-     ["socketDir", "/var/run/elsewhere", "spec.daemon.socketDir", "csiDriver.socketRoot"]),
+    (
+        "other-socket-dir",
+        _context("socketDir", "/var/run/elsewhere"),
+        Code.INVALID_ARGUMENT,
+        ["socketDir", "/var/run/elsewhere", "spec.daemon.socketDir", "csiDriver.socketRoot"],
+    ),
     ("persistent", _context("csi.storage.k8s.io/ephemeral", "false"), Code.INVALID_ARGUMENT, ["ephemeral"]),
-    ("unknown-pool", _context("pool", "no-such-pool"), Code.NOT_FOUND,
-     ["no-such-pool", "no socket directory", "spec.daemon.socketDir"]),
+    (
+        "unknown-pool",
+        _context("pool", "no-such-pool"),
+        Code.NOT_FOUND,
+        ["no-such-pool", "no socket directory", "spec.daemon.socketDir"],
+    ),
 ]
 
 
@@ -190,16 +206,25 @@ def _symlink(rule: Path) -> None:
 NO_RULE = [
     ("missing", None, ["admission.json is missing"]),
     ("not-json", _corrupt("admit everyone"), ["not JSON"]),
-    ("empty-list", _corrupt('{"version": 1, "pool": "pool-x", "admit": "ListedNamespaces", "namespaces": []}'),
-     ["non-empty list"]),
+    (
+        "empty-list",
+        _corrupt('{"version": 1, "pool": "pool-x", "admit": "ListedNamespaces", "namespaces": []}'),
+        ["non-empty list"],
+    ),
     ("no-admit", _corrupt('{"version": 1, "pool": "pool-x"}'), ["admit"]),
     ("other-version", _corrupt('{"version": 2, "pool": "pool-x", "admit": "AllNamespaces"}'), ["version 2"]),
-    ("world-writable", _corrupt('{"version": 1, "pool": "pool-x", "admit": "AllNamespaces"}', 0o666),
-     ["no other user may write"]),
+    (
+        "world-writable",
+        _corrupt('{"version": 1, "pool": "pool-x", "admit": "AllNamespaces"}', 0o666),
+        ["no other user may write"],
+    ),
     ("symlink", _symlink, ["cannot be opened"]),
     # A root-owned copy of another pool's laxer rule (pool-open admits every namespace) is not this pool's.
-    ("another-pools-rule", _corrupt('{"version": 1, "pool": "pool-open", "admit": "AllNamespaces"}'),
-     ["pool 'pool-open'", "not of 'pool-x'"]),
+    (
+        "another-pools-rule",
+        _corrupt('{"version": 1, "pool": "pool-open", "admit": "AllNamespaces"}'),
+        ["pool 'pool-open'", "not of 'pool-x'"],
+    ),
 ]
 
 
@@ -321,8 +346,11 @@ def test_unpublish_leaves_a_foreign_directory_alone(node: csi_pb2_grpc.NodeStub,
     target = Path(layout.target("foreign"))
     target.mkdir()
     (target / "data").write_text("not ours")
-    error = refused(lambda: node.NodeUnpublishVolume(
-        csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=str(target)), timeout=10))
+    error = refused(
+        lambda: node.NodeUnpublishVolume(
+            csi_pb2.NodeUnpublishVolumeRequest(volume_id="v", target_path=str(target)), timeout=10
+        )
+    )
     assert error.code() == Code.FAILED_PRECONDITION
     assert (target / "data").read_text() == "not ours"
 
@@ -356,14 +384,31 @@ print("ok", os.getuid())
 
 
 def _client(url: str, step: str) -> None:
-    result = subprocess.run([sys.executable, "-c", UNPRIVILEGED_CLIENT, url, step], capture_output=True, text=True,
-                            timeout=120, env=plugin_env(), check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", UNPRIVILEGED_CLIENT, url, step],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=plugin_env(),
+        check=False,
+    )
     assert result.returncode == 0 and result.stdout.split() == ["ok", "65532"], result.stderr[-3000:]
 
 
 def _serve(pool_dir: Path) -> Daemon:
-    return Daemon(["serve", "--listen", f"unix://{pool_dir}/{SOCKET_FILE}", "--size", "4Mi",
-                   "--shm-path", f"/dev/shm/mcsi-{os.getpid()}-{pool_dir.name}", "--metrics-addr", "127.0.0.1:0"])
+    return Daemon(
+        [
+            "serve",
+            "--listen",
+            f"unix://{pool_dir}/{SOCKET_FILE}",
+            "--size",
+            "4Mi",
+            "--shm-path",
+            f"/dev/shm/mcsi-{os.getpid()}-{pool_dir.name}",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ]
+    )
 
 
 @needs_root
@@ -375,8 +420,14 @@ def test_an_unprivileged_client_reaches_the_pool_through_the_volume(layout: Layo
     pool_dir = layout.pool("pool-e2e")
     daemon = _serve(pool_dir)
     target = layout.target("pod-e2e")
-    first = Plugin("--endpoint", f"unix://{layout.root}/plugin/e2e.sock", "--node-id", "node-a",
-                   "--socket-root", str(layout.sockets))
+    first = Plugin(
+        "--endpoint",
+        f"unix://{layout.root}/plugin/e2e.sock",
+        "--node-id",
+        "node-a",
+        "--socket-root",
+        str(layout.sockets),
+    )
     try:
         with grpc.insecure_channel(first.ready["endpoint"]) as ch:
             csi_pb2_grpc.NodeStub(ch).NodePublishVolume(publish_request(target, "pool-e2e"), timeout=30)
@@ -388,13 +439,19 @@ def test_an_unprivileged_client_reaches_the_pool_through_the_volume(layout: Layo
         daemon = _serve(pool_dir)  # a new socket file, a new (empty) index
         _client(url, "put")
 
-        second = Plugin("--endpoint", f"unix://{layout.root}/plugin/e2e.sock", "--node-id", "node-a",
-                        "--socket-root", str(layout.sockets))
+        second = Plugin(
+            "--endpoint",
+            f"unix://{layout.root}/plugin/e2e.sock",
+            "--node-id",
+            "node-a",
+            "--socket-root",
+            str(layout.sockets),
+        )
         try:
             with grpc.insecure_channel(second.ready["endpoint"]) as ch:
                 csi_pb2_grpc.NodeStub(ch).NodeUnpublishVolume(
-                    csi_pb2.NodeUnpublishVolumeRequest(volume_id="csi-0123456789abcdef", target_path=target),
-                    timeout=30)
+                    csi_pb2.NodeUnpublishVolumeRequest(volume_id="csi-0123456789abcdef", target_path=target), timeout=30
+                )
         finally:
             assert second.stop() == 0
         assert _published(target) == [] and not os.path.exists(target)
@@ -409,8 +466,14 @@ def test_an_unprivileged_client_reaches_the_pool_through_the_volume(layout: Layo
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maru_connector.csi", *args], capture_output=True, text=True,
-                          timeout=60, env={**plugin_env(), "NODE_NAME": "", "CSI_ENDPOINT": ""}, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "maru_connector.csi", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**plugin_env(), "NODE_NAME": "", "CSI_ENDPOINT": ""},
+        check=False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -419,8 +482,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         (["--node-id", "n", "--socket-root", "/tmp"], "--endpoint"),
         (["--endpoint", "tcp://0.0.0.0:1", "--node-id", "n", "--socket-root", "/tmp"], "--endpoint"),
         (["--endpoint", "unix:///tmp/mcsi-x.sock", "--socket-root", "/tmp"], "--node-id"),
-        (["--endpoint", "unix:///tmp/mcsi-x.sock", "--node-id", "n", "--socket-root", "/no/such/dir"],
-         "--socket-root"),
+        (["--endpoint", "unix:///tmp/mcsi-x.sock", "--node-id", "n", "--socket-root", "/no/such/dir"], "--socket-root"),
     ],
     ids=["no-endpoint", "tcp-endpoint", "no-node-id", "missing-root"],
 )
@@ -438,7 +500,7 @@ def test_refuses_to_take_over_a_live_socket(plugin: Plugin, layout: Layout) -> N
 
 
 def test_socket_is_for_root_only(plugin: Plugin, layout: Layout) -> None:
-    path = layout.endpoint[len("unix://"):]
+    path = layout.endpoint[len("unix://") :]
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
@@ -446,5 +508,5 @@ def test_stops_on_sigterm_and_removes_its_socket(layout: Layout) -> None:
     endpoint = f"unix://{layout.root}/plugin/stop.sock"
     started = Plugin("--endpoint", endpoint, "--node-id", "n", "--socket-root", str(layout.sockets))
     assert started.stop() == 0
-    assert not os.path.exists(endpoint[len("unix://"):])
+    assert not os.path.exists(endpoint[len("unix://") :])
     assert "stopped" in started.stderr()

@@ -70,7 +70,9 @@ def _run_demo(
     """Run the demo; on timeout (or once ``interrupt_when(pid)``) send Ctrl-C, as a user would."""
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "demo" / "run.py"), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
     )
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
@@ -104,16 +106,17 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, 
     summary_path, logs = tmp / "summary.json", tmp / "logs"
     # --show-uncapped as well: it proves the exact-multiple prompt really is a killer, so that
     # "decode alive" below is not passing for want of a dangerous request.
-    rc, out = _run_demo(["--json-out", str(summary_path), "--keep-logs", str(logs), "--show-uncapped"],
-                        RUN_TIMEOUT_S)
+    rc, out = _run_demo(["--json-out", str(summary_path), "--keep-logs", str(logs), "--show-uncapped"], RUN_TIMEOUT_S)
     assert summary_path.exists(), f"the demo wrote no summary (exit {rc}):\n{out}"
     return rc, out, json.loads(summary_path.read_text()), logs
 
 
 def _explain(demo: tuple[int, str, dict[str, Any], Path]) -> str:
     rc, out, _, logs = demo
-    tails = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
-                    for p in sorted(logs.glob("*.log")))
+    tails = "".join(
+        f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
+        for p in sorted(logs.glob("*.log"))
+    )
     return f"exit {rc}; output:\n{out}\nlog tails:{tails}"
 
 
@@ -129,8 +132,9 @@ def test_demo_succeeds(demo: tuple[int, str, dict[str, Any], Path]) -> None:
     assert all(summary["checks"].values()), summary["checks"]
 
 
-def test_repeated_prompt_is_loaded_from_the_pool(demo: tuple[int, str, dict[str, Any], Path],
-                                                 demo_run_module: ModuleType) -> None:
+def test_repeated_prompt_is_loaded_from_the_pool(
+    demo: tuple[int, str, dict[str, Any], Path], demo_run_module: ModuleType
+) -> None:
     _, _, summary, _ = demo
     chunk = demo_run_module.CHUNK_TOKENS
     for again in _requests(summary, "repeated"):
@@ -141,8 +145,9 @@ def test_repeated_prompt_is_loaded_from_the_pool(demo: tuple[int, str, dict[str,
     assert summary["pool_status"]["stats"]["commits"] > 0
 
 
-def test_repeat_on_the_other_prefill_replica_is_a_pool_hit(demo: tuple[int, str, dict[str, Any], Path],
-                                                          demo_run_module: ModuleType) -> None:
+def test_repeat_on_the_other_prefill_replica_is_a_pool_hit(
+    demo: tuple[int, str, dict[str, Any], Path], demo_run_module: ModuleType
+) -> None:
     """One prefix cache for the fleet: the router takes turns between the two prefill replicas, so each
     long prompt's repeat lands on the replica that never saw it, which loads it from the pool."""
     _, out, summary, _ = demo
@@ -170,8 +175,7 @@ def test_reference_is_a_recompute(demo: tuple[int, str, dict[str, Any], Path]) -
     _, _, summary, _ = demo
     ref = summary["reference"]
     assert ref["error"] is None and ref["prefill_replica"] in summary["prefill_pods"], ref
-    assert ref["prefill"] == {**ref["prefill"], "computed": ref["prompt_tokens"], "local_cache": 0,
-                              "from_pool": 0}, ref
+    assert ref["prefill"] == {**ref["prefill"], "computed": ref["prompt_tokens"], "local_cache": 0, "from_pool": 0}, ref
     # Asked of the replica that served the same prompt cold: unsalted, it would have been a cache hit.
     (cold,) = [r for r in _requests(summary, "cold") if r["name"].startswith("long #1,")]
     assert ref["prefill_replica"] == cold["prefill_replica"]
@@ -245,8 +249,10 @@ def test_prints_progress_the_cluster_and_the_table(demo: tuple[int, str, dict[st
     assert "$ kubectl get mpool,ig -A" in out
     pool_row = next(line for line in out.splitlines() if line.startswith("marupool.maru.io/local-shm"))
     assert pool_row.split()[1:3] == ["shm", "1/1"] and "True" in pool_row
-    assert any(line.startswith("llm ") and "inferencegroup.maru.io/tiny" in line and "True" in line
-               for line in out.splitlines())
+    assert any(
+        line.startswith("llm ") and "inferencegroup.maru.io/tiny" in line and "True" in line
+        for line in out.splitlines()
+    )
     assert "decode from pool/computed" in out
     assert "TTFT through the router" in out
     assert "decode engine alive after it" in out and "prefill engines alive after it (/health A 200 B 200" in out

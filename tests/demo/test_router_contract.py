@@ -52,9 +52,12 @@ class FakeEngine:
                     data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
                     self._send(200, data + b"data: [DONE]\n\n", "text/event-stream")
                     return
-                answer = {"id": "x", "object": "text_completion",
-                          "choices": [{"index": 0, "text": " t9", "finish_reason": "length"}],
-                          "kv_transfer_params": PREFILL_PARAMS if engine.role == "prefill" else None}
+                answer = {
+                    "id": "x",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": " t9", "finish_reason": "length"}],
+                    "kv_transfer_params": PREFILL_PARAMS if engine.role == "prefill" else None,
+                }
                 self._send(200, json.dumps(answer).encode(), "application/json")
 
             def _send(self, status: int, data: bytes, ctype: str) -> None:
@@ -97,10 +100,25 @@ def _router(tmp_path: Path, prefills: int) -> Iterator[tuple[Any, ...]]:
     prefill = [FakeEngine("prefill") for _ in range(prefills)]
     decode = FakeEngine("decode")
     port = _free_port()
-    argv = [binary, "--vllm-pd-disaggregation", *(a for e in prefill for a in ("--prefill", e.url)),
-            "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(_free_port()), "--policy", "round_robin",
-            "--worker-startup-check-interval", "1"]
+    argv = [
+        binary,
+        "--vllm-pd-disaggregation",
+        *(a for e in prefill for a in ("--prefill", e.url)),
+        "--decode",
+        decode.url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(_free_port()),
+        "--policy",
+        "round_robin",
+        "--worker-startup-check-interval",
+        "1",
+    ]
     with open(tmp_path / "router.log", "wb") as log:
         router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -129,8 +147,9 @@ def routed(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
         yield url, router, prefill, decode
 
 
-def test_router_sends_prefill_then_decode_with_the_prefill_params(routed: tuple[Any, ...],
-                                                                  demo_run_module: ModuleType) -> None:
+def test_router_sends_prefill_then_decode_with_the_prefill_params(
+    routed: tuple[Any, ...], demo_run_module: ModuleType
+) -> None:
     url, _, prefill, decode = routed
     prompt = demo_run_module.prompt_ids(300, seed=5)
     body = demo_run_module.request_body(prompt)

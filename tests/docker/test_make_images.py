@@ -50,7 +50,10 @@ def make_images(tmp_path: Path, builders: tuple[str, ...], *args: str, **env: st
     done = subprocess.run(
         ["make", "--no-print-directory", "-C", str(REPO_ROOT), "images", *args],
         env={"PATH": str(bin_dir), "FAKE_BUILDER_LOG": str(log), **env},
-        capture_output=True, text=True, timeout=120, executable=str(bin_dir / "make"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        executable=str(bin_dir / "make"),
     )
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     return done.returncode, done.stdout + done.stderr, calls
@@ -86,18 +89,40 @@ def test_docker_buildx_builds_every_target_with_the_chart_version(tmp_path: Path
     expected = []
     for target, name in NAMES.items():
         version = ROUTER_VERSION if target == "router" else APP_VERSION
-        expected.append(["docker", "buildx", "build", "--target", target,
-                         "--tag", f"registry.example.com/team/{name}:{version}", "--load", "."])
+        expected.append(
+            [
+                "docker",
+                "buildx",
+                "build",
+                "--target",
+                target,
+                "--tag",
+                f"registry.example.com/team/{name}:{version}",
+                "--load",
+                ".",
+            ]
+        )
     assert builds(calls) == expected
 
 
 def test_multi_platform_docker_build_pushes(tmp_path: Path) -> None:
-    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1",
-                                    "IMAGE_TAG=1.2.3")
+    rc, output, calls = make_images(
+        tmp_path, ("docker",), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1", "IMAGE_TAG=1.2.3"
+    )
     assert rc == 0, output
-    assert builds(calls)[0] == ["docker", "buildx", "build", "--target", "operator",
-                                "--tag", "ghcr.io/maru-pd/maru-operator:1.2.3",
-                                "--platform", "linux/amd64,linux/arm64", "--push", "."]
+    assert builds(calls)[0] == [
+        "docker",
+        "buildx",
+        "build",
+        "--target",
+        "operator",
+        "--tag",
+        "ghcr.io/maru-pd/maru-operator:1.2.3",
+        "--platform",
+        "linux/amd64,linux/arm64",
+        "--push",
+        ".",
+    ]
     assert all("--push" in c for c in builds(calls))
 
 
@@ -119,8 +144,9 @@ def test_podman_when_there_is_no_docker(tmp_path: Path) -> None:
 
 
 def test_buildah_multi_platform_builds_a_manifest_list(tmp_path: Path) -> None:
-    rc, output, calls = make_images(tmp_path, ("buildah",), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1",
-                                    "TARGETS=pool")
+    rc, output, calls = make_images(
+        tmp_path, ("buildah",), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1", "TARGETS=pool"
+    )
     assert rc == 0, output
     ref = f"ghcr.io/maru-pd/maru-pool:{APP_VERSION}"
     assert calls == [
@@ -140,10 +166,17 @@ def test_an_unknown_target_is_refused_before_any_build(tmp_path: Path, target: s
 
 def manifest_list(*platforms: str) -> str:
     """An OCI index as a registry returns it, with a provenance attestation entry as buildx pushes one."""
-    entries = [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{i:064x}",
-                "platform": {"os": "linux", "architecture": arch}} for i, arch in enumerate((*platforms, "unknown"))]
-    return json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-                       "manifests": entries}, indent=2)
+    entries = [
+        {
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": f"sha256:{i:064x}",
+            "platform": {"os": "linux", "architecture": arch},
+        }
+        for i, arch in enumerate((*platforms, "unknown"))
+    ]
+    return json.dumps(
+        {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": entries}, indent=2
+    )
 
 
 def platform_of(calls: list[list[str]], target: str) -> str:
@@ -153,39 +186,61 @@ def platform_of(calls: list[list[str]], target: str) -> str:
 
 @pytest.mark.parametrize("builder", ["docker", "podman"])
 def test_vllm_image_leaves_out_a_platform_its_base_is_not_published_for(tmp_path: Path, builder: str) -> None:
-    rc, output, calls = make_images(tmp_path, (builder,), "PLATFORMS=linux/amd64,linux/arm64", "PUSH=1",
-                                    "TARGETS=operator vllm", FAKE_MANIFEST=manifest_list("amd64"))
+    rc, output, calls = make_images(
+        tmp_path,
+        (builder,),
+        "PLATFORMS=linux/amd64,linux/arm64",
+        "PUSH=1",
+        "TARGETS=operator vllm",
+        FAKE_MANIFEST=manifest_list("amd64"),
+    )
     assert rc == 0, output
     base = "vllm/vllm-openai:v0.32.0"
     inspect = [c for c in calls if "inspect" in c]
     assert inspect and base in inspect[0][-1], calls
     assert platform_of(calls, "operator") == "linux/amd64,linux/arm64"
     assert platform_of(calls, "vllm") == "linux/amd64"
-    assert (f"make images: warning: {base} is not published for linux/arm64: the vllm image is built for "
-            "linux/amd64 only") in output
+    assert (
+        f"make images: warning: {base} is not published for linux/arm64: the vllm image is built for linux/amd64 only"
+    ) in output
 
 
 def test_vllm_image_keeps_every_platform_its_base_has(tmp_path: Path) -> None:
-    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/amd64,linux/arm64/v8", "PUSH=1",
-                                    "TARGETS=vllm", FAKE_MANIFEST=manifest_list("amd64", "arm64"))
+    rc, output, calls = make_images(
+        tmp_path,
+        ("docker",),
+        "PLATFORMS=linux/amd64,linux/arm64/v8",
+        "PUSH=1",
+        "TARGETS=vllm",
+        FAKE_MANIFEST=manifest_list("amd64", "arm64"),
+    )
     assert rc == 0, output
     assert platform_of(calls, "vllm") == "linux/amd64,linux/arm64/v8"
     assert "warning" not in output
 
 
 def test_vllm_image_for_no_published_platform_is_refused_naming_the_way_out(tmp_path: Path) -> None:
-    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/arm64", "PUSH=1",
-                                    "TARGETS=vllm", FAKE_MANIFEST=manifest_list("amd64"))
+    rc, output, calls = make_images(
+        tmp_path, ("docker",), "PLATFORMS=linux/arm64", "PUSH=1", "TARGETS=vllm", FAKE_MANIFEST=manifest_list("amd64")
+    )
     assert rc == 2, output
-    assert ("make images: PLATFORMS=linux/arm64: vllm/vllm-openai:v0.32.0 is published for none of them "
-            "(linux/amd64): set VLLM_IMAGE to a vLLM image of version 0.32.0 built for them") in output
+    assert (
+        "make images: PLATFORMS=linux/arm64: vllm/vllm-openai:v0.32.0 is published for none of them "
+        "(linux/amd64): set VLLM_IMAGE to a vLLM image of version 0.32.0 built for them"
+    ) in output
     assert builds(calls) == []
 
 
 def test_vllm_image_on_another_base(tmp_path: Path) -> None:
-    rc, output, calls = make_images(tmp_path, ("docker",), "PLATFORMS=linux/arm64", "PUSH=1", "TARGETS=vllm",
-                                    "VLLM_IMAGE=registry.example.com/vllm-openai:v0.32.0-arm64",
-                                    FAKE_MANIFEST=manifest_list("arm64"))
+    rc, output, calls = make_images(
+        tmp_path,
+        ("docker",),
+        "PLATFORMS=linux/arm64",
+        "PUSH=1",
+        "TARGETS=vllm",
+        "VLLM_IMAGE=registry.example.com/vllm-openai:v0.32.0-arm64",
+        FAKE_MANIFEST=manifest_list("arm64"),
+    )
     assert rc == 0, output
     (build,) = builds(calls)
     assert "VLLM_IMAGE=registry.example.com/vllm-openai:v0.32.0-arm64" in build

@@ -72,10 +72,17 @@ def run_version_step(workflow: dict[str, Any], tmp_path: Path, tag: str) -> tupl
     output = tmp_path / "github_output"
     output.write_text("")
     done = subprocess.run(
-        [bash, "-e", "-c", step(workflow["jobs"]["version"], "version")["run"]], cwd=REPO_ROOT,
-        env={"PATH": os.environ["PATH"], "GITHUB_REF_NAME": tag, "GITHUB_OUTPUT": str(output),
-             "GITHUB_REPOSITORY_OWNER": "Maru-PD"},
-        capture_output=True, text=True, timeout=60,
+        [bash, "-e", "-c", step(workflow["jobs"]["version"], "version")["run"]],
+        cwd=REPO_ROOT,
+        env={
+            "PATH": os.environ["PATH"],
+            "GITHUB_REF_NAME": tag,
+            "GITHUB_OUTPUT": str(output),
+            "GITHUB_REPOSITORY_OWNER": "Maru-PD",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     outputs = dict(line.split("=", 1) for line in output.read_text().splitlines())
     return done.returncode, done.stdout + done.stderr, outputs
@@ -96,9 +103,11 @@ def test_the_release_pushes_exactly_the_images_the_defaults_name(workflow: dict[
     run = step(workflow["jobs"]["images"], "build and push")["run"]
     pushed = []
     for target in workflow["jobs"]["images"]["strategy"]["matrix"]["target"]:
-        line = (run.replace("${{ matrix.target }}", target)
-                .replace("${{ needs.version.outputs.registry }}", "ghcr.io/maru-pd")
-                .replace("${{ needs.version.outputs.version }}", CHART["version"]))
+        line = (
+            run.replace("${{ matrix.target }}", target)
+            .replace("${{ needs.version.outputs.registry }}", "ghcr.io/maru-pd")
+            .replace("${{ needs.version.outputs.version }}", CHART["version"])
+        )
         args = line.split()[2:]  # after `make images`
         (tmp_path / target).mkdir()
         rc, output, calls = make_images(tmp_path / target, ("docker",), *args)
@@ -108,6 +117,7 @@ def test_the_release_pushes_exactly_the_images_the_defaults_name(workflow: dict[
         pushed.append(build[build.index("--tag") + 1])
     values = yaml.safe_load((REPO_ROOT / "charts" / "maru-operator" / "values.yaml").read_text())
     operator = f"{values['images']['registry']}/maru-operator:{CHART['appVersion']}"
-    assert sorted(pushed) == sorted([operator, DEFAULT_IMAGES.pool_image, DEFAULT_IMAGES.vllm_image,
-                                     DEFAULT_IMAGES.router_image])
+    assert sorted(pushed) == sorted(
+        [operator, DEFAULT_IMAGES.pool_image, DEFAULT_IMAGES.vllm_image, DEFAULT_IMAGES.router_image]
+    )
     assert all(re.fullmatch(r"ghcr\.io/maru-pd/[a-z-]+:[0-9][0-9.]*", image) for image in pushed)

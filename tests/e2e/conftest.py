@@ -67,12 +67,19 @@ class Deployment:
     group: str = "tiny"
 
     def pods(self, role: str, *, ready_only: bool = False) -> list[dict[str, Any]]:
-        pods = self.cluster.kube.list("pods", GROUP_NS, labels=f"app.kubernetes.io/instance={self.group},"
-                                                               f"maru.io/role={role}")
+        pods = self.cluster.kube.list(
+            "pods", GROUP_NS, labels=f"app.kubernetes.io/instance={self.group},maru.io/role={role}"
+        )
         pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         if ready_only:
-            pods = [p for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
-                                           for c in (p.get("status") or {}).get("conditions") or [])]
+            pods = [
+                p
+                for p in pods
+                if any(
+                    c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (p.get("status") or {}).get("conditions") or []
+                )
+            ]
         return pods
 
     def engine_url(self, role: str) -> str:
@@ -101,8 +108,12 @@ def wait(what: str, check: Callable[[], Any], deployment: Deployment) -> Any:
 
 
 @contextlib.contextmanager
-def deployed(tiny_model: Path, workdir: Path, nodes: list[tuple[str, dict[str, str], dict[str, Path]]],
-             manifests: list[dict[str, Any]]) -> Iterator[Deployment]:
+def deployed(
+    tiny_model: Path,
+    workdir: Path,
+    nodes: list[tuple[str, dict[str, str], dict[str, Path]]],
+    manifests: list[dict[str, Any]],
+) -> Iterator[Deployment]:
     """A local cluster with ``nodes``, the CRDs, the operator running, and ``manifests`` applied."""
     images = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: str(tiny_model)})
     cluster = LocalCluster(images=images)

@@ -51,9 +51,10 @@ def dax(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     group["spec"]["prefill"]["replicas"] = 1
     over_half = f"{(os.cpu_count() or 1) * 550}m"
     for role in ("prefill", "decode"):
-        group["spec"][role]["resources"] = {**group["spec"][role]["resources"],
-                                             "requests": {**group["spec"][role]["resources"]["requests"],
-                                                          "cpu": over_half}}
+        group["spec"][role]["resources"] = {
+            **group["spec"][role]["resources"],
+            "requests": {**group["spec"][role]["resources"]["requests"], "cpu": over_half},
+        }
     nodes = [(f"cxl-node-{i}", {"maru.io/cxl": "true"}, {"/dev/dax0.0": device}) for i in (1, 2)]
     with deployed(tiny_model, workdir, nodes, [pool, group]) as d:
         wait_ready(d.cluster, "marupools.maru.io", "cxl-pool")
@@ -91,8 +92,11 @@ def test_prefill_and_decode_share_kv_across_nodes(dax: Deployment) -> None:
 
 
 def _pool_pods(d: Deployment, component: str) -> list[dict[str, Any]]:
-    return [p for p in d.cluster.kube.list("pods", POOL_NAMESPACE, labels=f"app.kubernetes.io/component={component}")
-            if not p["metadata"].get("deletionTimestamp")]
+    return [
+        p
+        for p in d.cluster.kube.list("pods", POOL_NAMESPACE, labels=f"app.kubernetes.io/component={component}")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 def _status(d: Deployment, pod: dict[str, Any]) -> dict[str, Any]:

@@ -52,8 +52,11 @@ def shm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def agent_pod(d: Deployment) -> dict[str, Any]:
-    (pod,) = [p for p in d.cluster.kube.list("pods", POOL_NAMESPACE, labels="app.kubernetes.io/component=agent")
-              if not p["metadata"].get("deletionTimestamp")]
+    (pod,) = [
+        p
+        for p in d.cluster.kube.list("pods", POOL_NAMESPACE, labels="app.kubernetes.io/component=agent")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
     return pod
 
 
@@ -93,8 +96,10 @@ def test_the_pool_serves_only_holders_of_the_group_credential(shm: Deployment, t
         volume = {v["name"]: v for v in pod["spec"]["volumes"]}["maru-credential"]
         assert volume["csi"]["driver"] == "csi.maru.io" and volume["csi"]["volumeAttributes"]["cache"] == "tiny"
         # The token as the vLLM container sees it (the kubelet's mounts are in its own mount namespace).
-        seen = [in_container(pid, "/var/run/secrets/maru.io/pool/token")
-                for pid in processes_in(shm.cluster.pid_namespaces(pod))]
+        seen = [
+            in_container(pid, "/var/run/secrets/maru.io/pool/token")
+            for pid in processes_in(shm.cluster.pid_namespaces(pod))
+        ]
         (token, *_) = [t for t in seen if t.exists()] or seen
         assert stat.S_IMODE(token.stat().st_mode) == 0o444
         assert tenancy.verify(key, token.read_text()) == tenancy.tenant(f"{GROUP_NS}/tiny")
@@ -125,8 +130,9 @@ def test_the_router_discovers_its_pods_within_its_role(shm: Deployment) -> None:
     # (A watch is logged with its user when it ends; the list before it is enough to tell who asks.)
     router = f"system:serviceaccount:{GROUP_NS}:tiny-router"
     requests = shm.cluster.kube.requests
-    assert any(r.user == router and r.status == 200 and r.path == f"/api/v1/namespaces/{GROUP_NS}/pods"
-               for r in requests), [r for r in requests if r.user]
+    assert any(
+        r.user == router and r.status == 200 and r.path == f"/api/v1/namespaces/{GROUP_NS}/pods" for r in requests
+    ), [r for r in requests if r.user]
     # Pods are the only clients with tokens: no request of theirs was refused.
     refused = sorted({f"{r.method} {r.path} -> {r.status} ({r.user})" for r in requests if r.status in (401, 403)})
     assert not refused, refused
@@ -192,8 +198,11 @@ def test_the_group_router_reads_what_each_prefill_pod_caches(shm: Deployment) ->
     # The pod announces its key revision (its pod label's) where it says it publishes: once the router shows it,
     # it has asked the pod and subscribes. That revision is what it pairs prefill and decode by in a rollout.
     revision = pod["metadata"]["labels"]["maru.io/kv-revision"]
-    wait("the router to learn the prefill pod's key revision",
-         lambda: counter(decisions, "maru_router_engine_revision", endpoint=as_listed, revision=revision) == 1, shm)
+    wait(
+        "the router to learn the prefill pod's key revision",
+        lambda: counter(decisions, "maru_router_engine_revision", endpoint=as_listed, revision=revision) == 1,
+        shm,
+    )
     before = counter(decisions, "maru_router_engine_cached_blocks", endpoint=as_listed)
     seeds = iter(range(150, 10_000))
 
@@ -213,10 +222,17 @@ def test_the_group_publishes_what_the_pool_holds_as_vllm_kv_events(shm: Deployme
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     def publisher_ready() -> dict[str, Any] | None:
-        pods = shm.cluster.kube.list("pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny,"
-                                                              "app.kubernetes.io/component=pool-events")
-        ready = [p for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
-                                        for c in (p.get("status") or {}).get("conditions") or [])]
+        pods = shm.cluster.kube.list(
+            "pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny,app.kubernetes.io/component=pool-events"
+        )
+        ready = [
+            p
+            for p in pods
+            if any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions") or []
+            )
+        ]
         return ready[0] if ready else None
 
     pod = wait("the pool events publisher to be ready", publisher_ready, shm)
@@ -247,9 +263,10 @@ def test_the_group_publishes_what_the_pool_holds_as_vllm_kv_events(shm: Deployme
         # What llm-d's and Dynamo's indexers key blocks by: each chunk's prompt tokens, or none at all.
         assert len(event.token_ids) in (0, CHUNK * len(event.block_hashes)), event
     # The chunks of a prompt sent here come with exactly that prompt's tokens (others may be earlier tests').
-    ours = {tuple(p[i:i + CHUNK]) for p in sent for i in range(0, len(p) - CHUNK + 1, CHUNK)}
-    tokenized = [[tuple(e.token_ids[i:i + CHUNK]) for i in range(0, len(e.token_ids), CHUNK)]
-                 for e in stored if e.token_ids]
+    ours = {tuple(p[i : i + CHUNK]) for p in sent for i in range(0, len(p) - CHUNK + 1, CHUNK)}
+    tokenized = [
+        [tuple(e.token_ids[i : i + CHUNK]) for i in range(0, len(e.token_ids), CHUNK)] for e in stored if e.token_ids
+    ]
     assert any(all(c in ours for c in chunks) for chunks in tokenized), (sent, tokenized)
 
 
@@ -282,13 +299,26 @@ def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) 
 def test_chunk_tokens_change_rolls_both_roles(shm: Deployment) -> None:
     old = {role: {p["metadata"]["name"] for p in shm.pods(role)} for role in ("prefill", "decode")}
     generation = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)["metadata"]["generation"]
-    shm.cluster.kubectl("-n", GROUP_NS, "patch", "ig", "tiny", "--type", "merge",
-                        "-p", json.dumps({"spec": {"connector": {"chunkTokens": 128}}}))
+    shm.cluster.kubectl(
+        "-n",
+        GROUP_NS,
+        "patch",
+        "ig",
+        "tiny",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"connector": {"chunkTokens": 128}}}),
+    )
 
     def rolled() -> bool:
         for role in ("prefill", "decode"):
-            every = {p["metadata"]["name"] for p in shm.cluster.kube.list(
-                "pods", GROUP_NS, labels=f"app.kubernetes.io/instance=tiny,maru.io/role={role}")}
+            every = {
+                p["metadata"]["name"]
+                for p in shm.cluster.kube.list(
+                    "pods", GROUP_NS, labels=f"app.kubernetes.io/instance=tiny,maru.io/role={role}"
+                )
+            }
             ready = shm.pods(role, ready_only=True)
             if every & old[role] or len(ready) != 1:
                 return False
@@ -313,6 +343,7 @@ def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked
     """decode handed to an HPA (scaler: External): a pod annotation set then dropped is gone from its Deployment,
     a switch to Recreate leaves a strategy the API server takes, and after the pool's access is revoked (0 pods)
     and restored its replicas come back, although the HPA leaves a target at 0 alone (ScalingDisabled)."""
+
     def patch_group(spec: dict[str, Any]) -> None:
         shm.cluster.kubectl("-n", GROUP_NS, "patch", "ig", "tiny", "--type", "merge", "-p", json.dumps({"spec": spec}))
 
@@ -323,14 +354,33 @@ def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked
         return decode()["spec"]["template"]["metadata"].get("annotations") or {}
 
     # A short grace: Recreate and the revocation wait for the old pods to be gone.
-    patch_group({"decode": {"scaler": "External", "podAnnotations": {"e2e.maru.io/extra": "1"},
-                            "termination": {"gracePeriodSeconds": 30, "drainSeconds": 10}}})
+    patch_group(
+        {
+            "decode": {
+                "scaler": "External",
+                "podAnnotations": {"e2e.maru.io/extra": "1"},
+                "termination": {"gracePeriodSeconds": 30, "drainSeconds": 10},
+            }
+        }
+    )
     wait("decode's template to carry the annotation", lambda: "e2e.maru.io/extra" in annotations(), shm)
-    shm.cluster.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": "tiny-decode", "namespace": GROUP_NS},
-        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tiny-decode"},
-                 "minReplicas": 1, "maxReplicas": 1}}))
+    shm.cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": "tiny-decode", "namespace": GROUP_NS},
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tiny-decode"},
+                    "minReplicas": 1,
+                    "maxReplicas": 1,
+                },
+            }
+        ),
+    )
     generation = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)["metadata"]["generation"]
     patch_group({"decode": {"podAnnotations": None, "strategy": {"type": "Recreate"}}})
     wait("decode to switch to Recreate", lambda: decode()["spec"]["strategy"]["type"] == "Recreate", shm)
@@ -339,15 +389,40 @@ def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked
     assert "e2e.maru.io/extra" not in annotations()
     assert "maru.io/created-fields" not in (decode()["metadata"].get("annotations") or {})
 
-    shm.cluster.kubectl("-n", POOL_NAMESPACE, "patch", "mpool", "local-shm", "--type", "merge",
-                        "-p", json.dumps({"spec": {"allowedNamespaces": ["elsewhere"]}}))
+    shm.cluster.kubectl(
+        "-n",
+        POOL_NAMESPACE,
+        "patch",
+        "mpool",
+        "local-shm",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"allowedNamespaces": ["elsewhere"]}}),
+    )
     wait("decode to be scaled to 0", lambda: decode()["spec"]["replicas"] == 0 and not shm.pods("decode"), shm)
-    wait("the autoscaler to stand aside", lambda: any(
-        c.get("reason") == "ScalingDisabled" for c in (shm.get("horizontalpodautoscalers.autoscaling", "tiny-decode",
-                                                                GROUP_NS).get("status") or {}).get("conditions") or []),
-         shm)
-    shm.cluster.kubectl("-n", POOL_NAMESPACE, "patch", "mpool", "local-shm", "--type", "merge",
-                        "-p", json.dumps({"spec": {"allowedNamespaces": None}}))
+    wait(
+        "the autoscaler to stand aside",
+        lambda: any(
+            c.get("reason") == "ScalingDisabled"
+            for c in (shm.get("horizontalpodautoscalers.autoscaling", "tiny-decode", GROUP_NS).get("status") or {}).get(
+                "conditions"
+            )
+            or []
+        ),
+        shm,
+    )
+    shm.cluster.kubectl(
+        "-n",
+        POOL_NAMESPACE,
+        "patch",
+        "mpool",
+        "local-shm",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"allowedNamespaces": None}}),
+    )
     wait("decode's replicas to come back", lambda: decode()["spec"]["replicas"] == 1, shm)
     group = wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
     assert not any(c["type"] == "Degraded" and c["reason"] == "ChildRefused" for c in group["status"]["conditions"])
@@ -360,10 +435,14 @@ def test_deleting_the_group_stops_its_processes(shm: Deployment) -> None:
     spaces = set().union(*(shm.cluster.pid_namespaces(p) for p in pods))
     assert processes_in(spaces), "the group's containers should be running before the deletion"
     shm.cluster.kubectl("-n", GROUP_NS, "delete", "ig", "tiny", "--timeout=120s")
-    wait("the group's pods to go", lambda: not shm.cluster.kube.list(
-        "pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny"), shm)
+    wait(
+        "the group's pods to go",
+        lambda: not shm.cluster.kube.list("pods", GROUP_NS, labels="app.kubernetes.io/instance=tiny"),
+        shm,
+    )
     assert processes_in(spaces) == []
     assert not shm.cluster.kube.list("deployments.apps", GROUP_NS)
     # The pool is still there, and no longer held by the group.
-    wait("the pool to be released", lambda: shm.get("marupools.maru.io", "local-shm")["status"]["boundGroups"] == 0,
-         shm)
+    wait(
+        "the pool to be released", lambda: shm.get("marupools.maru.io", "local-shm")["status"]["boundGroups"] == 0, shm
+    )

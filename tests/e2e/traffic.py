@@ -9,7 +9,7 @@ import urllib.request
 
 TIMEOUT_S = 180.0
 OUTPUT_TOKENS = 8
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -19,10 +19,17 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def complete(base_url: str, prompt_ids: list[int], model: str = "tiny") -> list[int]:
     """Greedy, fixed-length completion; the output's token ids."""
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
-    request = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        base_url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
             choice = json.loads(resp.read())["choices"][0]

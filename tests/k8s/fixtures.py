@@ -23,7 +23,7 @@ __all__ = ["KubeControllers", "KubeEmulator", "k8s_emulator", "kube_controllers"
 @pytest.fixture
 def k8s_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeEmulator]:
     """A fresh emulator per test. Schema validation is on; see ``running_emulator`` to turn it off."""
-    with running_emulator(tmp_path_factory.mktemp('k8s')) as handle:
+    with running_emulator(tmp_path_factory.mktemp("k8s")) as handle:
         yield handle
 
 

@@ -21,13 +21,20 @@ pytestmark = pytest.mark.emulator
 RBAC = "rbac.authorization.k8s.io/v1"
 
 
-def http(kube: KubeEmulator, method: str, path: str, token: str | None, body: Any = None,
-         content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+def http(
+    kube: KubeEmulator,
+    method: str,
+    path: str,
+    token: str | None,
+    body: Any = None,
+    content_type: str = "application/json",
+) -> tuple[int, dict[str, Any]]:
     headers = {"Content-Type": content_type}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(kube.url + path, method=method, headers=headers,
-                                     data=json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(
+        kube.url + path, method=method, headers=headers, data=json.dumps(body).encode() if body is not None else None
+    )
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -35,15 +42,26 @@ def http(kube: KubeEmulator, method: str, path: str, token: str | None, body: An
         return err.code, json.loads(err.read())
 
 
-def grant(kube: KubeEmulator, name: str, rules: list[dict[str, Any]], namespace: str | None = None,
-          account: tuple[str, str] = ("default", "robot")) -> None:
+def grant(
+    kube: KubeEmulator,
+    name: str,
+    rules: list[dict[str, Any]],
+    namespace: str | None = None,
+    account: tuple[str, str] = ("default", "robot"),
+) -> None:
     """A (Cluster)Role with ``rules`` bound to the ServiceAccount ``account``."""
     kind = "Role" if namespace else "ClusterRole"
     meta = {"name": name, **({"namespace": namespace} if namespace else {})}
     kube.create({"apiVersion": RBAC, "kind": kind, "metadata": meta, "rules": rules})
-    kube.create({"apiVersion": RBAC, "kind": f"{kind}Binding", "metadata": meta,
-                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name},
-                 "subjects": [{"kind": "ServiceAccount", "namespace": account[0], "name": account[1]}]})
+    kube.create(
+        {
+            "apiVersion": RBAC,
+            "kind": f"{kind}Binding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name},
+            "subjects": [{"kind": "ServiceAccount", "namespace": account[0], "name": account[1]}],
+        }
+    )
 
 
 def rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
@@ -73,8 +91,7 @@ def test_tokens_authenticate_and_rbac_authorizes(kube: KubeEmulator, token: str)
     grant(kube, "read-cm", [rule("", ["configmaps"], ["get", "list", "watch"])], namespace="default")
     assert http(kube, "GET", "/api/v1/namespaces/default/configmaps", token)[0] == 200
     assert http(kube, "GET", "/api/v1/namespaces/other/configmaps", token)[0] == 403  # a Role is one namespace
-    assert http(kube, "POST", "/api/v1/namespaces/default/configmaps", token,
-                {"metadata": {"name": "x"}})[0] == 403
+    assert http(kube, "POST", "/api/v1/namespaces/default/configmaps", token, {"metadata": {"name": "x"}})[0] == 403
     grant(kube, "write-cm", [rule("", ["configmaps"], ["create"])])  # a ClusterRole: everywhere
     assert http(kube, "POST", "/api/v1/namespaces/other/configmaps", token, {"metadata": {"name": "x"}})[0] == 201
     assert kube.allowed(token, "create", "configmaps", "default")
@@ -93,8 +110,13 @@ def test_apply_that_creates_needs_create(kube: KubeEmulator, token: str) -> None
 def test_block_owner_deletion_needs_update_on_the_owners_finalizers(kube: KubeEmulator, token: str) -> None:
     owner = kube.create(widget("w", 2))
     grant(kube, "cm", [rule("", ["configmaps"], ["create", "patch", "delete", "get"])])
-    ref = {"apiVersion": f"{GROUP}/v1", "kind": "Widget", "name": "w", "uid": owner["metadata"]["uid"],
-           "controller": True}
+    ref = {
+        "apiVersion": f"{GROUP}/v1",
+        "kind": "Widget",
+        "name": "w",
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+    }
     child = {"metadata": {"name": "c", "ownerReferences": [{**ref, "blockOwnerDeletion": True}]}}
     code, answer = http(kube, "POST", "/api/v1/namespaces/default/configmaps", token, child)
     assert code == 403
@@ -123,48 +145,84 @@ def test_changing_owner_references_needs_delete(kube: KubeEmulator, token: str) 
 
 def test_roles_grant_only_what_their_writer_holds(kube: KubeEmulator, token: str) -> None:
     grant(kube, "rbac-writer", [rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"])])
-    pod_reader = {"apiVersion": RBAC, "kind": "Role", "metadata": {"name": "pods"},
-                  "rules": [rule("", ["pods"], ["get", "list"])]}
-    code, answer = http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles", token,
-                        pod_reader)
+    pod_reader = {
+        "apiVersion": RBAC,
+        "kind": "Role",
+        "metadata": {"name": "pods"},
+        "rules": [rule("", ["pods"], ["get", "list"])],
+    }
+    code, answer = http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles", token, pod_reader)
     assert code == 403 and "attempting to grant RBAC permissions not currently held" in answer["message"]
     grant(kube, "pods-read", [rule("", ["pods"], ["get", "list"])], namespace="default")
-    assert http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles", token,
-                pod_reader)[0] == 201
-    binding = {"apiVersion": RBAC, "kind": "RoleBinding", "metadata": {"name": "pods"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
-               "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "router"}]}
-    assert http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings", token,
-                binding)[0] == 201
+    assert (
+        http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles", token, pod_reader)[0] == 201
+    )
+    binding = {
+        "apiVersion": RBAC,
+        "kind": "RoleBinding",
+        "metadata": {"name": "pods"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+        "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "router"}],
+    }
+    assert (
+        http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings", token, binding)[0]
+        == 201
+    )
     # In a namespace where the writer cannot read pods, neither may its Role.
-    assert http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/other/roles", token,
-                pod_reader)[0] == 403
+    assert http(kube, "POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/other/roles", token, pod_reader)[0] == 403
 
 
 def test_bind_lets_a_writer_reference_a_role_it_does_not_hold(kube: KubeEmulator, token: str) -> None:
     """As Kubernetes' BindingAuthorized: ``bind`` on the ClusterRole by name, checked in the binding's namespace
     (a RoleBinding of it there is enough), lets the writer grant it without holding its rules."""
-    kube.create({"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "pod-reader"},
-                 "rules": [rule("", ["pods"], ["get", "list"])]})
-    binder = {"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "binder"},
-              "rules": [rule("rbac.authorization.k8s.io", ["rolebindings"], ["create"]),
-                        {**rule("rbac.authorization.k8s.io", ["clusterroles"], ["bind"]),
-                         "resourceNames": ["pod-reader"]}]}
+    kube.create(
+        {
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": "pod-reader"},
+            "rules": [rule("", ["pods"], ["get", "list"])],
+        }
+    )
+    binder = {
+        "apiVersion": RBAC,
+        "kind": "ClusterRole",
+        "metadata": {"name": "binder"},
+        "rules": [
+            rule("rbac.authorization.k8s.io", ["rolebindings"], ["create"]),
+            {**rule("rbac.authorization.k8s.io", ["clusterroles"], ["bind"]), "resourceNames": ["pod-reader"]},
+        ],
+    }
     kube.create(binder)
-    kube.create({"apiVersion": RBAC, "kind": "RoleBinding", "metadata": {"name": "binder", "namespace": "default"},
-                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "binder"},
-                 "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "robot"}]})
+    kube.create(
+        {
+            "apiVersion": RBAC,
+            "kind": "RoleBinding",
+            "metadata": {"name": "binder", "namespace": "default"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "binder"},
+            "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "robot"}],
+        }
+    )
 
     def binding(role: str) -> dict[str, Any]:
-        return {"apiVersion": RBAC, "kind": "RoleBinding", "metadata": {"name": role},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-                "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "router"}]}
+        return {
+            "apiVersion": RBAC,
+            "kind": "RoleBinding",
+            "metadata": {"name": role},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": "router"}],
+        }
 
     path = "/apis/rbac.authorization.k8s.io/v1/namespaces/{}/rolebindings"
     assert http(kube, "POST", path.format("default"), token, binding("pod-reader"))[0] == 201
     # Another ClusterRole by name, or the same one where the writer may not bind: refused.
-    kube.create({"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "secret-reader"},
-                 "rules": [rule("", ["secrets"], ["get"])]})
+    kube.create(
+        {
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": "secret-reader"},
+            "rules": [rule("", ["secrets"], ["get"])],
+        }
+    )
     code, answer = http(kube, "POST", path.format("default"), token, binding("secret-reader"))
     assert code == 403 and "may not bind" in answer["message"]
     assert http(kube, "POST", path.format("other"), token, binding("pod-reader"))[0] == 403
@@ -174,8 +232,14 @@ def test_token_request_issues_bound_service_account_tokens(kube: KubeEmulator) -
     # What the kubelet mounts into pods: a token from the TokenRequest API, valid while its pod and
     # ServiceAccount exist, held to the ServiceAccount's RBAC.
     kube.create({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "robot", "namespace": "default"}})
-    pod = kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default"},
-                       "spec": {"serviceAccountName": "robot", "containers": [{"name": "c", "image": "i"}]}})
+    pod = kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "default"},
+            "spec": {"serviceAccountName": "robot", "containers": [{"name": "c", "image": "i"}]},
+        }
+    )
     path = "/api/v1/namespaces/default/serviceaccounts/robot/token"
     ref = {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": pod["metadata"]["uid"]}
     code, answer = http(kube, "POST", path, None, {"spec": {"expirationSeconds": 3607, "boundObjectRef": ref}})

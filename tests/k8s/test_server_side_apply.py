@@ -31,11 +31,16 @@ def kube(k8s_emulator: KubeEmulator) -> KubeEmulator:
 
 
 def deployment(**pod: Any) -> dict[str, Any]:
-    container = {"name": "vllm", "image": "vllm:1", "resources": {"limits": {"cpu": "2", "memory": "8Gi"}},
-                 "env": [{"name": "A", "value": "1"}]}
+    container = {
+        "name": "vllm",
+        "image": "vllm:1",
+        "resources": {"limits": {"cpu": "2", "memory": "8Gi"}},
+        "env": [{"name": "A", "value": "1"}],
+    }
     container.update(pod.pop("container", {}))
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": {"name": "app", "namespace": "default", "labels": {"app": "x"}},
         "spec": {
             "replicas": 2,
@@ -50,15 +55,24 @@ def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def owned(obj: dict[str, Any], manager: str, operation: str | None = None) -> set[tuple[str, ...]]:
-    return set().union(*(from_fields_v1(e["fieldsV1"]) for e in obj["metadata"].get("managedFields", [])
-                         if e["manager"] == manager and operation in (None, e["operation"])))
+    return set().union(
+        *(
+            from_fields_v1(e["fieldsV1"])
+            for e in obj["metadata"].get("managedFields", [])
+            if e["manager"] == manager and operation in (None, e["operation"])
+        )
+    )
 
 
 def test_apply_creates_and_records_the_manager(kube: KubeEmulator) -> None:
     created = kube.apply(deployment(nodeSelector={"gpu": "a100"}), OPERATOR)
     (entry,) = created["metadata"]["managedFields"]
     assert (entry["manager"], entry["operation"], entry["apiVersion"], entry["fieldsType"]) == (
-        OPERATOR, "Apply", "apps/v1", "FieldsV1")
+        OPERATOR,
+        "Apply",
+        "apps/v1",
+        "FieldsV1",
+    )
     paths = owned(created, OPERATOR)
     assert ("f:spec", "f:replicas") in paths
     assert ("f:spec", "f:template", "f:spec", "f:nodeSelector") in paths  # an atomic map: owned whole
@@ -70,8 +84,7 @@ def test_apply_creates_and_records_the_manager(kube: KubeEmulator) -> None:
 
 
 def test_apply_removes_what_the_manager_no_longer_sets(kube: KubeEmulator) -> None:
-    kube.apply(deployment(nodeSelector={"gpu": "a100"}, tolerations=[{"key": "gpu", "operator": "Exists"}]),
-               OPERATOR)
+    kube.apply(deployment(nodeSelector={"gpu": "a100"}, tolerations=[{"key": "gpu", "operator": "Exists"}]), OPERATOR)
     desired = deployment(nodeSelector={"zone": "b"})
     del desired["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
     desired["metadata"]["labels"] = {"team": "ml"}
@@ -92,10 +105,21 @@ def test_fields_of_other_managers_survive(kube: KubeEmulator) -> None:
     containers = copy.deepcopy(pod_spec(live)["containers"])
     containers[0]["env"].append({"name": "USER", "value": "mine"})
     containers.append({"name": "sidecar", "image": "proxy:1"})
-    kube.patch("deployments.apps", "app", {"metadata": {"annotations": {"note": "keep"}}}, "default",
-               field_manager="kubectl-annotate")
-    kube.patch("deployments.apps", "app", {"spec": {"template": {"spec": {"containers": containers}}}}, "default",
-               content_type="application/strategic-merge-patch+json", field_manager="mesh-injector")
+    kube.patch(
+        "deployments.apps",
+        "app",
+        {"metadata": {"annotations": {"note": "keep"}}},
+        "default",
+        field_manager="kubectl-annotate",
+    )
+    kube.patch(
+        "deployments.apps",
+        "app",
+        {"spec": {"template": {"spec": {"containers": containers}}}},
+        "default",
+        content_type="application/strategic-merge-patch+json",
+        field_manager="mesh-injector",
+    )
     # The operator drops its env var A.
     desired = deployment(container={"env": [{"name": "B", "value": "2"}]})
     after = kube.apply(desired, OPERATOR)
@@ -118,7 +142,8 @@ def test_conflict_unless_forced(kube: KubeEmulator) -> None:
     assert err.value.code == 409
     assert 'conflict with "kubectl-scale"' in err.value.message and ".spec.replicas" in err.value.message
     assert err.value.details["causes"] == [
-        {"reason": "FieldManagerConflict", "message": 'conflict with "kubectl-scale"', "field": ".spec.replicas"}]
+        {"reason": "FieldManagerConflict", "message": 'conflict with "kubectl-scale"', "field": ".spec.replicas"}
+    ]
     assert kube.get("deployments.apps", "app", "default")["spec"]["replicas"] == 5  # type: ignore[index]
     forced = kube.apply(deployment(), OPERATOR, force=True)
     assert forced["spec"]["replicas"] == 2
@@ -128,8 +153,12 @@ def test_conflict_unless_forced(kube: KubeEmulator) -> None:
 
 def test_same_value_is_shared_and_survives_one_owner_leaving(kube: KubeEmulator) -> None:
     kube.apply(deployment(nodeSelector={"gpu": "a100"}), OPERATOR)
-    other = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "app", "namespace": "default"},
-             "spec": {"template": {"spec": {"nodeSelector": {"gpu": "a100"}}}}}
+    other = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "app", "namespace": "default"},
+        "spec": {"template": {"spec": {"nodeSelector": {"gpu": "a100"}}}},
+    }
     kube.apply(other, "platform-policy")  # same value: no conflict, both own it
     after = kube.apply(deployment(), OPERATOR)
     assert pod_spec(after)["nodeSelector"] == {"gpu": "a100"}
@@ -147,16 +176,32 @@ def test_a_no_op_apply_writes_nothing(kube: KubeEmulator) -> None:
 def test_custom_resources_merge_by_their_schema(kube: KubeEmulator) -> None:
     crd = copy.deepcopy(CRD)
     props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    props["ports"] = {"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
-                      "items": {"type": "object", "required": ["name"],
-                                "properties": {"name": {"type": "string"}, "port": {"type": "integer"}}}}
+    props["ports"] = {
+        "type": "array",
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+        "items": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "port": {"type": "integer"}},
+        },
+    }
     props["tags"] = {"type": "array", "items": {"type": "string"}}  # atomic by default
     kube.create(crd)
-    widget = {"apiVersion": f"{GROUP}/v1", "kind": "Widget", "metadata": {"name": "w", "namespace": "default"},
-              "spec": {"size": 2, "ports": [{"name": "a", "port": 1}], "tags": ["x"]}}
+    widget = {
+        "apiVersion": f"{GROUP}/v1",
+        "kind": "Widget",
+        "metadata": {"name": "w", "namespace": "default"},
+        "spec": {"size": 2, "ports": [{"name": "a", "port": 1}], "tags": ["x"]},
+    }
     kube.apply(widget, OPERATOR)
-    kube.patch(f"widgets.{GROUP}", "w", {"spec": {"ports": [{"name": "a", "port": 1}, {"name": "b", "port": 2}]}},
-               "default", field_manager="user")
+    kube.patch(
+        f"widgets.{GROUP}",
+        "w",
+        {"spec": {"ports": [{"name": "a", "port": 1}, {"name": "b", "port": 2}]}},
+        "default",
+        field_manager="user",
+    )
     widget["spec"].update(ports=[{"name": "c", "port": 3}], tags=["y"])
     after = kube.apply(widget, OPERATOR)
     # The user's item b stays (owned by the user); the operator's a goes; the atomic list is replaced.
@@ -176,9 +221,11 @@ def test_status_writes_are_tracked_per_subresource(kube: KubeEmulator) -> None:
 
 def http_apply(kube: KubeEmulator, body: dict[str, Any], query: str) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(
-        f"{kube.url}/apis/apps/v1/namespaces/default/deployments/app?{query}", method="PATCH",
-        data=json.dumps(body).encode(), headers={"Content-Type": "application/apply-patch+yaml",
-                                                 "User-Agent": "some-client/1.0"})
+        f"{kube.url}/apis/apps/v1/namespaces/default/deployments/app?{query}",
+        method="PATCH",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/apply-patch+yaml", "User-Agent": "some-client/1.0"},
+    )
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -198,9 +245,11 @@ def test_apply_over_http_needs_a_field_manager_and_honours_force(kube: KubeEmula
     assert code == 200 and answer["spec"]["replicas"] == 2
     # Without a fieldManager, other writes are recorded under the client's User-Agent.
     request = urllib.request.Request(
-        f"{kube.url}/apis/apps/v1/namespaces/default/deployments/app", method="PATCH",
+        f"{kube.url}/apis/apps/v1/namespaces/default/deployments/app",
+        method="PATCH",
         data=json.dumps({"metadata": {"labels": {"extra": "1"}}}).encode(),
-        headers={"Content-Type": "application/merge-patch+json", "User-Agent": "some-client/1.0"})
+        headers={"Content-Type": "application/merge-patch+json", "User-Agent": "some-client/1.0"},
+    )
     with urllib.request.urlopen(request) as response:
         assert ("f:metadata", "f:labels", "f:extra") in owned(json.loads(response.read()), "some-client")
 
@@ -211,8 +260,7 @@ def test_an_apply_with_a_repeated_list_key_is_refused(kube: KubeEmulator) -> Non
     with pytest.raises(ApiError) as caught:
         kube.apply(twice, OPERATOR)
     assert caught.value.code == 500
-    assert '.spec.template.spec.containers[name="vllm"].env: duplicate entries for key [name="A"]' in str(
-        caught.value)
+    assert '.spec.template.spec.containers[name="vllm"].env: duplicate entries for key [name="A"]' in str(caught.value)
     assert kube.get("deployments.apps", "app", "default") is None
     # Other writes keep the duplicates they are given, as the real API server does.
     created = kube.create(twice)
@@ -235,8 +283,9 @@ def test_a_uid_in_the_body_is_a_precondition(kube: KubeEmulator) -> None:
     before = kube.get("deployments.apps", "app", "default")
     code, answer = http_apply(kube, other, f"fieldManager={OPERATOR}&force=true")
     assert code == 422 and answer["reason"] == "Invalid", answer
-    assert 'metadata.uid: Invalid value: "0b7c9c2e-0000-4000-8000-000000000000": field is immutable' in (
-        answer["message"])
+    assert (
+        'metadata.uid: Invalid value: "0b7c9c2e-0000-4000-8000-000000000000": field is immutable' in (answer["message"])
+    )
     assert kube.get("deployments.apps", "app", "default") == before
     # A merge patch naming another uid: the same.
     with pytest.raises(ApiError) as caught:
@@ -247,8 +296,10 @@ def test_a_uid_in_the_body_is_a_precondition(kube: KubeEmulator) -> None:
     kube.delete("deployments.apps", "app", "default")
     code, answer = http_apply(kube, same, f"fieldManager={OPERATOR}&force=true")
     assert code == 409 and answer["reason"] == "Conflict", answer
-    assert answer["message"] == (f'Operation cannot be fulfilled on deployments.apps "app": uid mismatch: the '
-                                 f'provided object specified uid {uid}, and no existing object was found')
+    assert answer["message"] == (
+        f'Operation cannot be fulfilled on deployments.apps "app": uid mismatch: the '
+        f"provided object specified uid {uid}, and no existing object was found"
+    )
     assert kube.get("deployments.apps", "app", "default") is None
 
 
@@ -260,7 +311,8 @@ def test_an_update_with_another_uid_fails_its_precondition(kube: KubeEmulator) -
         kube.replace("deployments.apps", "app", body, "default")
     assert caught.value.code == 409
     assert f"Precondition failed: UID in precondition: another, UID in object meta: {created['metadata']['uid']}" in (
-        str(caught.value.message))
+        str(caught.value.message)
+    )
 
 
 def test_an_update_and_an_apply_by_one_name_are_two_managers(kube: KubeEmulator) -> None:
@@ -271,7 +323,9 @@ def test_an_update_and_an_apply_by_one_name_are_two_managers(kube: KubeEmulator)
     after = kube.apply(deployment(), OPERATOR)  # no nodeSelector any more
     assert pod_spec(after)["nodeSelector"] == {"gpu": "a100"}  # still the Update's
     assert {(e["manager"], e["operation"]) for e in after["metadata"]["managedFields"]} == {
-        (OPERATOR, "Update"), (OPERATOR, "Apply")}
+        (OPERATOR, "Update"),
+        (OPERATOR, "Apply"),
+    }
     with pytest.raises(ApiError) as err:
         kube.apply(deployment(nodeSelector={"gpu": "h100"}), OPERATOR)
     assert err.value.code == 409 and f'conflict with "{OPERATOR}"' in err.value.message
@@ -283,15 +337,26 @@ def test_an_update_and_an_apply_by_one_name_are_two_managers(kube: KubeEmulator)
 def test_label_selectors_are_atomic(kube: KubeEmulator) -> None:
     """LabelSelector is +structType=atomic: a forced apply takes the whole selector, never merges into it (a
     NetworkPolicy's podSelector; a topology spread constraint's labelSelector, inside a list merged by key)."""
+
     def policy(labels: dict[str, str]) -> dict[str, Any]:
-        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                "metadata": {"name": "np", "namespace": "default"},
-                "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"]}}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "np", "namespace": "default"},
+            "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"]},
+        }
 
     def spread(labels: dict[str, str]) -> dict[str, Any]:
-        return deployment(topologySpreadConstraints=[{
-            "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "maxSkew": 1,
-            "labelSelector": {"matchLabels": labels}}])
+        return deployment(
+            topologySpreadConstraints=[
+                {
+                    "topologyKey": "zone",
+                    "whenUnsatisfiable": "DoNotSchedule",
+                    "maxSkew": 1,
+                    "labelSelector": {"matchLabels": labels},
+                }
+            ]
+        )
 
     kube.apply(policy({"a": "1"}), OPERATOR)
     after = kube.apply(policy({"b": "2"}), "someone-else", force=True)

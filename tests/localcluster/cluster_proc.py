@@ -21,18 +21,26 @@ PORT = 9400
 
 def pod(name: str) -> dict[str, object]:
     return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "echo", "namespace": "default"},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "echo", "namespace": "default"},
         "spec": {
             "terminationGracePeriodSeconds": 1,
             "volumes": [{"name": "m", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
-            "containers": [{
-                "name": "echo", "image": "localcluster.test/shell",
-                "command": ["/bin/sh", "-c",
-                            f"printf {name} > /m/index.html; exec python -m http.server {PORT} --directory /m"],
-                "ports": [{"name": "metrics", "containerPort": PORT}],
-                "volumeMounts": [{"name": "m", "mountPath": "/m"}],
-                "readinessProbe": {"httpGet": {"path": "/", "port": PORT}, "periodSeconds": 1},
-            }],
+            "containers": [
+                {
+                    "name": "echo",
+                    "image": "localcluster.test/shell",
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        f"printf {name} > /m/index.html; exec python -m http.server {PORT} --directory /m",
+                    ],
+                    "ports": [{"name": "metrics", "containerPort": PORT}],
+                    "volumeMounts": [{"name": "m", "mountPath": "/m"}],
+                    "readinessProbe": {"httpGet": {"path": "/", "port": PORT}, "periodSeconds": 1},
+                }
+            ],
         },
     }
 
@@ -49,12 +57,23 @@ def main() -> int:
                 break
             time.sleep(0.2)
         else:
-            print(json.dumps({"error": "the echo pod did not become Ready", "log": cluster.pod_log("default", "echo")}),
-                  flush=True)
+            print(
+                json.dumps({"error": "the echo pod did not become Ready", "log": cluster.pod_log("default", "echo")}),
+                flush=True,
+            )
             return 1
         assert cluster.network is not None
-        print(json.dumps({"url": cluster.pod_url("default", "echo", PORT), "workdir": str(cluster.workdir),
-                          "netns": os.readlink(cluster.network.path), "pid": os.getpid()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "url": cluster.pod_url("default", "echo", PORT),
+                    "workdir": str(cluster.workdir),
+                    "netns": os.readlink(cluster.network.path),
+                    "pid": os.getpid(),
+                }
+            ),
+            flush=True,
+        )
         while sys.stdin.read(1):
             pass
     return 0

@@ -58,14 +58,25 @@ def apply(cluster: LocalCluster, *docs: dict[str, Any]) -> None:
 def pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
     container = {"name": "main", "image": IMAGE, "command": ["/bin/sh", "-c", textwrap.dedent(script)]}
     container.update(spec.pop("container", {}))
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"restartPolicy": "Never", "containers": [container], **spec},
+    }
 
 
 def finished(cluster: LocalCluster, name: str, timeout: float = 60) -> tuple[str, str]:
     """Wait for a one-shot pod to end; its phase and log."""
-    done = wait(lambda: (p := cluster.kube.get("pods", name, "default")) and p.get("status", {}).get("phase") in (
-        "Succeeded", "Failed") and p, f"pod {name} to finish", timeout)
+    done = wait(
+        lambda: (
+            (p := cluster.kube.get("pods", name, "default"))
+            and p.get("status", {}).get("phase") in ("Succeeded", "Failed")
+            and p
+        ),
+        f"pod {name} to finish",
+        timeout,
+    )
     return done["status"]["phase"], cluster.pod_log("default", name)
 
 
@@ -75,18 +86,30 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 
 def web(replicas: int = 2, version: str = "1", strategy: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": "default"},
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "default"},
         "spec": {
-            "replicas": replicas, "selector": {"matchLabels": {"app": "web"}},
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "web"}},
             **({"strategy": strategy} if strategy else {}),
-            "template": {"metadata": {"labels": {"app": "web"}}, "spec": {"terminationGracePeriodSeconds": 2,
-                                                                          "containers": [{
-                "name": "web", "image": IMAGE, "env": [{"name": "VERSION", "value": version}],
-                # Every interface, as in any pod: each pod has a network namespace of its own.
-                "command": ["python", "-m", "http.server", "8080"],
-                "ports": [{"name": "http", "containerPort": 8080}],
-                "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
-            }]}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 2,
+                    "containers": [
+                        {
+                            "name": "web",
+                            "image": IMAGE,
+                            "env": [{"name": "VERSION", "value": version}],
+                            # Every interface, as in any pod: each pod has a network namespace of its own.
+                            "command": ["python", "-m", "http.server", "8080"],
+                            "ports": [{"name": "http", "containerPort": 8080}],
+                            "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+                        }
+                    ],
+                },
+            },
         },
     }
 
@@ -94,7 +117,8 @@ def web(replicas: int = 2, version: str = "1", strategy: dict[str, Any] | None =
 def web_env(version: str) -> dict[str, Any]:
     body = web(version=version)
     body["spec"]["template"]["spec"]["containers"][0]["env"].append(
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    )
     return body
 
 
@@ -102,22 +126,32 @@ def web_env(version: str) -> dict[str, Any]:
 
 
 def test_deployment_rolls_to_a_new_replicaset_keeping_availability(cluster: LocalCluster) -> None:
-    apply(cluster, web_env("1"), {"apiVersion": "v1", "kind": "Service",
-                                  "metadata": {"name": "web", "namespace": "default"},
-                                  "spec": {"selector": {"app": "web"},
-                                           "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    apply(
+        cluster,
+        web_env("1"),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+        },
+    )
     cluster.kubectl("rollout", "status", "deployment/web", "--timeout=60s")
     first = {p["metadata"]["name"] for p in cluster.kube.list("pods", "default", labels="app=web")}
-    assert len(first) == 2 and all(cluster.kube.get("pods", n, "default")["spec"]["nodeName"] == "node-1"
-                                   for n in first)  # node-2's taint is not tolerated
+    assert len(first) == 2 and all(
+        cluster.kube.get("pods", n, "default")["spec"]["nodeName"] == "node-1" for n in first
+    )  # node-2's taint is not tolerated
     apply(cluster, web_env("2"))
     lowest = 2
 
     def rolled() -> bool:
         nonlocal lowest
         pods = cluster.kube.list("pods", "default", labels="app=web")
-        ready = [p for p in pods if condition(p, "Ready").get("status") == "True"
-                 and not p["metadata"].get("deletionTimestamp")]
+        ready = [
+            p
+            for p in pods
+            if condition(p, "Ready").get("status") == "True" and not p["metadata"].get("deletionTimestamp")
+        ]
         lowest = min(lowest, len(ready))
         names = {p["metadata"]["name"] for p in pods}
         return len(ready) == 2 and not names & first
@@ -133,26 +167,52 @@ def test_deployment_rolls_to_a_new_replicaset_keeping_availability(cluster: Loca
 
 def test_an_autoscaler_keeps_its_bounds_and_leaves_a_target_at_zero(cluster: LocalCluster) -> None:
     body = pod("x", "sleep 3600")
-    apply(cluster, {"apiVersion": "apps/v1", "kind": "Deployment",
-                    "metadata": {"name": "scaled", "namespace": "default"},
-                    "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "scaled"}},
-                             "template": {"metadata": {"labels": {"app": "scaled"}}, "spec": body["spec"]}}},
-          {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-           "metadata": {"name": "scaled", "namespace": "default"},
-           "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "scaled"},
-                    "minReplicas": 2, "maxReplicas": 3}})
+    apply(
+        cluster,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "scaled", "namespace": "default"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "scaled"}},
+                "template": {"metadata": {"labels": {"app": "scaled"}}, "spec": body["spec"]},
+            },
+        },
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "scaled", "namespace": "default"},
+            "spec": {
+                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "scaled"},
+                "minReplicas": 2,
+                "maxReplicas": 3,
+            },
+        },
+    )
 
     def replicas() -> int:
         return int(cluster.kube.get("deployments.apps", "scaled", "default")["spec"]["replicas"])
 
     wait(lambda: replicas() == 2, "the autoscaler to raise the target to its minimum")
     dep = cluster.kube.get("deployments.apps", "scaled", "default")
-    assert [e.get("subresource") for e in dep["metadata"]["managedFields"]
-            if "f:replicas" in (e.get("fieldsV1") or {}).get("f:spec", {})] == ["scale"]
+    assert [
+        e.get("subresource")
+        for e in dep["metadata"]["managedFields"]
+        if "f:replicas" in (e.get("fieldsV1") or {}).get("f:spec", {})
+    ] == ["scale"]
     cluster.kubectl("scale", "deployment/scaled", "--replicas=0", "-n", "default")
-    hpa = wait(lambda: next((h for h in [cluster.kube.get("horizontalpodautoscalers.autoscaling", "scaled", "default")]
-                             if any(c["reason"] == "ScalingDisabled" for c in h.get("status", {}).get("conditions")
-                                    or [])), None), "ScalingDisabled")
+    hpa = wait(
+        lambda: next(
+            (
+                h
+                for h in [cluster.kube.get("horizontalpodautoscalers.autoscaling", "scaled", "default")]
+                if any(c["reason"] == "ScalingDisabled" for c in h.get("status", {}).get("conditions") or [])
+            ),
+            None,
+        ),
+        "ScalingDisabled",
+    )
     assert hpa["status"]["desiredReplicas"] == 0 and replicas() == 0
     cluster.kubectl("scale", "deployment/scaled", "--replicas=1", "-n", "default")
     wait(lambda: replicas() == 2, "the autoscaler to scale the target again once it is not at zero")
@@ -160,17 +220,29 @@ def test_an_autoscaler_keeps_its_bounds_and_leaves_a_target_at_zero(cluster: Loc
 
 
 def test_service_clusterip_and_dns_reach_ready_endpoints(cluster: LocalCluster) -> None:
-    slices = wait(lambda: [s for s in cluster.kube.list("endpointslices.discovery.k8s.io", "default")
-                           if s["metadata"]["labels"].get("kubernetes.io/service-name") == "web"
-                           and len(s["endpoints"]) == 2], "two endpoints")
+    slices = wait(
+        lambda: [
+            s
+            for s in cluster.kube.list("endpointslices.discovery.k8s.io", "default")
+            if s["metadata"]["labels"].get("kubernetes.io/service-name") == "web" and len(s["endpoints"]) == 2
+        ],
+        "two endpoints",
+    )
     assert slices[0]["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
-    apply(cluster, pod("client", """
+    apply(
+        cluster,
+        pod(
+            "client",
+            """
         set -e
         python -c "import urllib.request as u; print(u.urlopen('http://web.default.svc.cluster.local/').status)"
         python -c "import urllib.request as u; print(u.urlopen('http://web/').status)"
         echo "host=$(hostname) env=$HOSTNAME api=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"
         grep -c web.default.svc /etc/hosts
-    """, automountServiceAccountToken=False))
+    """,
+            automountServiceAccountToken=False,
+        ),
+    )
     phase, log = finished(cluster, "client")
     assert phase == "Succeeded", log
     assert log.split()[:2] == ["200", "200"]
@@ -204,16 +276,30 @@ def test_recreate_never_runs_old_and_new_pods_together(cluster: LocalCluster) ->
     """
 
     def deployment(version: str) -> dict[str, Any]:
-        container = {"name": "main", "image": IMAGE, "env": [{"name": "VERSION", "value": version}],
-                     "command": ["/bin/sh", "-c", textwrap.dedent(script)],
-                     "volumeMounts": [{"name": "host", "mountPath": "/host"}]}
-        spec = {"nodeSelector": {"zone": "a"}, "terminationGracePeriodSeconds": 5, "containers": [container],
-                "volumes": [{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}]}
-        return {"apiVersion": "apps/v1", "kind": "Deployment",
-                "metadata": {"name": "recreate", "namespace": "default"},
-                "spec": {"replicas": 2, "strategy": {"type": "Recreate"},
-                         "selector": {"matchLabels": {"app": "recreate"}},
-                         "template": {"metadata": {"labels": {"app": "recreate"}}, "spec": spec}}}
+        container = {
+            "name": "main",
+            "image": IMAGE,
+            "env": [{"name": "VERSION", "value": version}],
+            "command": ["/bin/sh", "-c", textwrap.dedent(script)],
+            "volumeMounts": [{"name": "host", "mountPath": "/host"}],
+        }
+        spec = {
+            "nodeSelector": {"zone": "a"},
+            "terminationGracePeriodSeconds": 5,
+            "containers": [container],
+            "volumes": [{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
+        }
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "recreate", "namespace": "default"},
+            "spec": {
+                "replicas": 2,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": {"app": "recreate"}},
+                "template": {"metadata": {"labels": {"app": "recreate"}}, "spec": spec},
+            },
+        }
 
     def lines() -> list[list[str]]:
         return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
@@ -223,8 +309,10 @@ def test_recreate_never_runs_old_and_new_pods_together(cluster: LocalCluster) ->
     wait(lambda: len(lines()) == 2, "both v1 containers to start")
     apply(cluster, deployment("2"))
     cluster.kubectl("rollout", "status", "deployment/recreate", "--timeout=90s")
-    wait(lambda: sum(1 for event, version, _ in lines() if (event, version) == ("up", "2")) == 2,
-         "both v2 containers to start")
+    wait(
+        lambda: sum(1 for event, version, _ in lines() if (event, version) == ("up", "2")) == 2,
+        "both v2 containers to start",
+    )
     running: dict[str, set[str]] = {"1": set(), "2": set()}
     for event, version, pod_name in lines():
         if event == "up":
@@ -245,31 +333,54 @@ def test_a_pod_failing_readiness_gets_no_traffic(cluster: LocalCluster) -> None:
     def gate(name: str) -> dict[str, Any]:
         (site / name).mkdir(parents=True, exist_ok=True)
         (site / name / "index.html").write_text(name)
-        body = pod(name, 'exec python -m http.server 8080 --directory /www',
-                   restartPolicy="Always", nodeSelector={"zone": "a"}, terminationGracePeriodSeconds=1,
-                   volumes=[{"name": "www", "hostPath": {"path": f"/gate/{name}", "type": "Directory"}}],
-                   container={"ports": [{"name": "http", "containerPort": 8080}],
-                              "volumeMounts": [{"name": "www", "mountPath": "/www"}],
-                              "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1}})
+        body = pod(
+            name,
+            "exec python -m http.server 8080 --directory /www",
+            restartPolicy="Always",
+            nodeSelector={"zone": "a"},
+            terminationGracePeriodSeconds=1,
+            volumes=[{"name": "www", "hostPath": {"path": f"/gate/{name}", "type": "Directory"}}],
+            container={
+                "ports": [{"name": "http", "containerPort": 8080}],
+                "volumeMounts": [{"name": "www", "mountPath": "/www"}],
+                "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
+            },
+        )
         body["metadata"]["labels"] = {"app": "gate"}
         return body
 
     (site / "gate-a").mkdir(parents=True)
     (site / "gate-a" / "ready").write_text("")
-    apply(cluster, gate("gate-a"), gate("gate-b"),
-          {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "gate", "namespace": "default"},
-           "spec": {"selector": {"app": "gate"}, "ports": [{"port": 80, "targetPort": "http"}]}})
-    ip = {n: wait(lambda n=n: (cluster.kube.get("pods", n, "default").get("status") or {}).get("podIP"), f"{n} IP")
-          for n in ("gate-a", "gate-b")}
+    apply(
+        cluster,
+        gate("gate-a"),
+        gate("gate-b"),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "gate", "namespace": "default"},
+            "spec": {"selector": {"app": "gate"}, "ports": [{"port": 80, "targetPort": "http"}]},
+        },
+    )
+    ip = {
+        n: wait(lambda n=n: (cluster.kube.get("pods", n, "default").get("status") or {}).get("podIP"), f"{n} IP")
+        for n in ("gate-a", "gate-b")
+    }
 
     def endpoints() -> dict[str, bool]:
-        return {e["addresses"][0]: e["conditions"]["ready"] for s in cluster.kube.list(
-            "endpointslices.discovery.k8s.io", "default", labels="kubernetes.io/service-name=gate")
-            for e in s["endpoints"]}
+        return {
+            e["addresses"][0]: e["conditions"]["ready"]
+            for s in cluster.kube.list(
+                "endpointslices.discovery.k8s.io", "default", labels="kubernetes.io/service-name=gate"
+            )
+            for e in s["endpoints"]
+        }
 
     def serves(name: str) -> bool:
-        with contextlib.suppress(OSError), urllib.request.urlopen(cluster.pod_url("default", name, 8080),
-                                                                  timeout=10) as resp:
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(cluster.pod_url("default", name, 8080), timeout=10) as resp,
+        ):
             return bool(resp.read() == name.encode())
         return False
 
@@ -294,14 +405,28 @@ def test_in_cluster_api_access_with_the_service_account_token(cluster: LocalClus
     # The token is the TokenRequest API's, bound to the pod; the API server authenticates it and holds the
     # pod's ServiceAccount to RBAC: its Role allows reading pods, nothing else; a forged token is refused.
     rbac = "rbac.authorization.k8s.io/v1"
-    apply(cluster,
-          {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader", "namespace": "default"}},
-          {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "reader", "namespace": "default"},
-           "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
-          {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "reader", "namespace": "default"},
-           "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
-           "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": "default"}]})
-    apply(cluster, pod("incluster", """
+    apply(
+        cluster,
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader", "namespace": "default"}},
+        {
+            "apiVersion": rbac,
+            "kind": "Role",
+            "metadata": {"name": "reader", "namespace": "default"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": rbac,
+            "kind": "RoleBinding",
+            "metadata": {"name": "reader", "namespace": "default"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": "default"}],
+        },
+    )
+    apply(
+        cluster,
+        pod(
+            "incluster",
+            """
         python - <<'EOF'
         import os, ssl, urllib.error, urllib.request
         d = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -318,7 +443,10 @@ def test_in_cluster_api_access_with_the_service_account_token(cluster: LocalClus
               status(f"/api/v1/namespaces/{ns}/secrets", token),
               status(f"/api/v1/namespaces/{ns}/pods/incluster", token[:-4] + "AAAA"))
         EOF
-    """, serviceAccountName="reader"))
+    """,
+            serviceAccountName="reader",
+        ),
+    )
     phase, log = finished(cluster, "incluster")
     assert (phase, log.split()) == ("Succeeded", ["default", "200", "403", "401"]), log
 
@@ -335,18 +463,32 @@ def test_components_list_again_after_compaction(cluster: LocalCluster) -> None:
 
 def test_daemonset_places_one_pod_per_fitting_node(cluster: LocalCluster) -> None:
     def daemonset(name: str, tolerate: bool) -> dict[str, Any]:
-        spec: dict[str, Any] = {"containers": [{"name": "d", "image": IMAGE, "command": ["sleep", "600"]}],
-                                "terminationGracePeriodSeconds": 1}
+        spec: dict[str, Any] = {
+            "containers": [{"name": "d", "image": IMAGE, "command": ["sleep", "600"]}],
+            "terminationGracePeriodSeconds": 1,
+        }
         if tolerate:
             spec["tolerations"] = [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
-        return {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": "default"},
-                "spec": {"selector": {"matchLabels": {"ds": name}},
-                         "template": {"metadata": {"labels": {"ds": name}}, "spec": spec}}}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "selector": {"matchLabels": {"ds": name}},
+                "template": {"metadata": {"labels": {"ds": name}}, "spec": spec},
+            },
+        }
 
     apply(cluster, daemonset("plain", False), daemonset("tolerant", True))
     for name, nodes in (("plain", ["node-1"]), ("tolerant", ["node-1", "node-2"])):
-        ds = wait(lambda name=name, nodes=nodes: (d := cluster.kube.get("daemonsets.apps", name, "default"))
-                  and d.get("status", {}).get("numberReady") == len(nodes) and d, f"DaemonSet {name} ready")
+        ds = wait(
+            lambda name=name, nodes=nodes: (
+                (d := cluster.kube.get("daemonsets.apps", name, "default"))
+                and d.get("status", {}).get("numberReady") == len(nodes)
+                and d
+            ),
+            f"DaemonSet {name} ready",
+        )
         assert ds["status"]["desiredNumberScheduled"] == len(nodes)
         placed = sorted(p["spec"]["nodeName"] for p in cluster.kube.list("pods", "default", labels=f"ds={name}"))
         assert placed == nodes
@@ -356,17 +498,33 @@ def test_daemonset_places_one_pod_per_fitting_node(cluster: LocalCluster) -> Non
 def test_daemonset_node_selector_leaves_other_nodes_out(cluster: LocalCluster) -> None:
     # Tolerating node-2's taint, so only the nodeSelector decides: no pod where it does not match, one
     # as soon as a node's labels match, and none again once they stop matching.
-    apply(cluster, {"apiVersion": "apps/v1", "kind": "DaemonSet",
-                    "metadata": {"name": "picked", "namespace": "default"},
-                    "spec": {"selector": {"matchLabels": {"ds": "picked"}}, "template": {
-                        "metadata": {"labels": {"ds": "picked"}},
-                        "spec": {"nodeSelector": {"zone": "b"}, "terminationGracePeriodSeconds": 1,
-                                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
-                                 "containers": [{"name": "d", "image": IMAGE, "command": ["sleep", "600"]}]}}}})
+    apply(
+        cluster,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "picked", "namespace": "default"},
+            "spec": {
+                "selector": {"matchLabels": {"ds": "picked"}},
+                "template": {
+                    "metadata": {"labels": {"ds": "picked"}},
+                    "spec": {
+                        "nodeSelector": {"zone": "b"},
+                        "terminationGracePeriodSeconds": 1,
+                        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                        "containers": [{"name": "d", "image": IMAGE, "command": ["sleep", "600"]}],
+                    },
+                },
+            },
+        },
+    )
 
     def placed() -> list[str]:
-        return sorted(p["spec"].get("nodeName") or "" for p in cluster.kube.list("pods", "default", labels="ds=picked")
-                      if not p["metadata"].get("deletionTimestamp"))
+        return sorted(
+            p["spec"].get("nodeName") or ""
+            for p in cluster.kube.list("pods", "default", labels="ds=picked")
+            if not p["metadata"].get("deletionTimestamp")
+        )
 
     def ready(n: int) -> bool:
         ds = cluster.kube.get("daemonsets.apps", "picked", "default")
@@ -386,9 +544,13 @@ def test_daemonset_node_selector_leaves_other_nodes_out(cluster: LocalCluster) -
 
 def test_unschedulable_pod_says_why(cluster: LocalCluster) -> None:
     apply(cluster, pod("gpu", "true", container={"resources": {"limits": {"nvidia.com/gpu": "1"}}}))
-    cond = wait(lambda: condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled").get(
-        "reason") == "Unschedulable" and condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled"),
-        "FailedScheduling")
+    cond = wait(
+        lambda: (
+            condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled").get("reason") == "Unschedulable"
+            and condition(cluster.kube.get("pods", "gpu", "default"), "PodScheduled")
+        ),
+        "FailedScheduling",
+    )
     assert "Insufficient nvidia.com/gpu" in cond["message"]
     cluster.kubectl("delete", "pod", "gpu")
 
@@ -399,8 +561,14 @@ def test_missing_priority_class_is_refused_at_admission(cluster: LocalCluster) -
     body["spec"]["selector"]["matchLabels"]["app"] = "prio"
     body["spec"]["template"]["spec"]["priorityClassName"] = "no-such-class"
     apply(cluster, body)
-    events = wait(lambda: [e for e in cluster.kube.list("events", "default") if e["reason"] == "FailedCreate"
-                           and "no PriorityClass with name no-such-class" in e["message"]], "FailedCreate")
+    events = wait(
+        lambda: [
+            e
+            for e in cluster.kube.list("events", "default")
+            if e["reason"] == "FailedCreate" and "no PriorityClass with name no-such-class" in e["message"]
+        ],
+        "FailedCreate",
+    )
     assert events
     apply(cluster, pod("critical", "true", priorityClassName="system-node-critical"))
     assert cluster.kube.get("pods", "critical", "default")["spec"]["priority"] == 2000001000
@@ -411,27 +579,46 @@ def test_missing_priority_class_is_refused_at_admission(cluster: LocalCluster) -
 
 
 def test_memory_emptydir_is_a_tmpfs_of_exactly_its_size_limit(cluster: LocalCluster) -> None:
-    apply(cluster, pod("shm", """
+    apply(
+        cluster,
+        pod(
+            "shm",
+            """
         python -c "import os; s = os.statvfs('/dev/shm'); print('total', s.f_blocks * s.f_frsize)"
         python -c "import os; fd = os.open('/dev/shm/f', os.O_CREAT | os.O_RDWR); os.posix_fallocate(fd, 0, 2 << 20)" \
             || echo "no room for 2Mi"
-    """, volumes=[{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
-        container={"volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}))
+    """,
+            volumes=[{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
+            container={"volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]},
+        ),
+    )
     phase, log = finished(cluster, "shm")
     assert phase == "Succeeded", log
     assert "total 1048576" in log and "no room for 2Mi" in log, log
 
 
 def test_restricted_container_as_rendered(cluster: LocalCluster) -> None:
-    security = {"runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
-                "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
-    apply(cluster, pod("restricted", """
+    security = {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    apply(
+        cluster,
+        pod(
+            "restricted",
+            """
         id -u; grep CapBnd /proc/self/status; grep NoNewPrivs /proc/self/status
         touch /x 2>/dev/null || echo "read-only root"
         touch /scratch/x && echo "volume writable"
         python -c "import os; print('parent', os.getppid())"
-    """, volumes=[{"name": "scratch", "emptyDir": {}}],
-        container={"securityContext": security, "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}))
+    """,
+            volumes=[{"name": "scratch", "emptyDir": {}}],
+            container={"securityContext": security, "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+        ),
+    )
     phase, log = finished(cluster, "restricted")
     assert phase == "Succeeded", log
     lines = log.split("\n")
@@ -439,40 +626,75 @@ def test_restricted_container_as_rendered(cluster: LocalCluster) -> None:
     assert "read-only root" in log and "volume writable" in log and "parent 1" in log  # sh is PID 1 of its namespace
     # runAsNonRoot with a root user is refused before anything runs, as the kubelet refuses it.
     apply(cluster, pod("rootful", "true", container={"securityContext": {"runAsNonRoot": True}}))
-    waiting = wait(lambda: ((cluster.kube.get("pods", "rootful", "default").get("status") or {}).get(
-        "containerStatuses") or [{}])[0].get("state", {}).get("waiting", {}).get("reason") ==
-        "CreateContainerConfigError", "CreateContainerConfigError")
+    waiting = wait(
+        lambda: (
+            ((cluster.kube.get("pods", "rootful", "default").get("status") or {}).get("containerStatuses") or [{}])[0]
+            .get("state", {})
+            .get("waiting", {})
+            .get("reason")
+            == "CreateContainerConfigError"
+        ),
+        "CreateContainerConfigError",
+    )
     assert waiting
     cluster.kubectl("delete", "pod", "rootful")
 
 
 def test_env_from_secrets_and_config_maps(cluster: LocalCluster) -> None:
-    apply(cluster,
-          {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds", "namespace": "default"},
-           "data": {"token": base64.b64encode(b"s3cret").decode()}, "stringData": {"user": "maru"}},
-          {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings", "namespace": "default"},
-           "data": {"mode": "fast", "level": "3"}})
-    env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
-           {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}},
-           {"name": "GREETING", "value": "$(MODE)-mode"},  # expands what came before it
-           {"name": "ABSENT", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "nope", "optional": True}}}]
+    apply(
+        cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "creds", "namespace": "default"},
+            "data": {"token": base64.b64encode(b"s3cret").decode()},
+            "stringData": {"user": "maru"},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "settings", "namespace": "default"},
+            "data": {"mode": "fast", "level": "3"},
+        },
+    )
+    env = [
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}},
+        {"name": "GREETING", "value": "$(MODE)-mode"},  # expands what came before it
+        {"name": "ABSENT", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "nope", "optional": True}}},
+    ]
     env_from = [{"configMapRef": {"name": "settings"}, "prefix": "CFG_"}, {"secretRef": {"name": "creds"}}]
-    apply(cluster, pod("envs", 'echo "$TOKEN $MODE $GREETING $CFG_mode $CFG_level $token $user ${ABSENT-unset}"',
-                       container={"env": env, "envFrom": env_from}))
+    apply(
+        cluster,
+        pod(
+            "envs",
+            'echo "$TOKEN $MODE $GREETING $CFG_mode $CFG_level $token $user ${ABSENT-unset}"',
+            container={"env": env, "envFrom": env_from},
+        ),
+    )
     phase, log = finished(cluster, "envs")
-    assert (phase, log.split()) == ("Succeeded", ["s3cret", "fast", "fast-mode", "fast", "3", "s3cret", "maru",
-                                                  "unset"]), log
+    assert (phase, log.split()) == (
+        "Succeeded",
+        ["s3cret", "fast", "fast-mode", "fast", "3", "s3cret", "maru", "unset"],
+    ), log
 
     # A key that is not there: the container is not created, and the kubelet retries until it is there.
-    apply(cluster, pod("needs-key", 'echo "$LATER"', container={
-        "env": [{"name": "LATER", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "later"}}}]}))
+    apply(
+        cluster,
+        pod(
+            "needs-key",
+            'echo "$LATER"',
+            container={"env": [{"name": "LATER", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "later"}}}]},
+        ),
+    )
 
     def waiting() -> dict[str, Any]:
         statuses = (cluster.kube.get("pods", "needs-key", "default").get("status") or {}).get("containerStatuses")
         return (statuses or [{}])[0].get("state", {}).get("waiting") or {}
 
-    state = wait(lambda: waiting().get("reason") == "CreateContainerConfigError" and waiting(),
-                 "CreateContainerConfigError")
+    state = wait(
+        lambda: waiting().get("reason") == "CreateContainerConfigError" and waiting(), "CreateContainerConfigError"
+    )
     assert 'couldn\'t find key "later" in secret "creds"' in state["message"], state
     assert (cluster.kube.get("pods", "needs-key", "default")["status"]["phase"]) == "Pending"
     cluster.kubectl("patch", "secret", "creds", "-p", json.dumps({"stringData": {"later": "now"}}))
@@ -485,8 +707,16 @@ def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None
     # pivot_root moves every process of a mount namespace: the shim shared the container's, so it lost
     # the machine's root whenever the container pivoted first, and its pid file write failed (EROFS
     # under readOnlyRootFilesystem) - a restarted pool agent crash-looped once, at random.
-    apply(cluster, pod("pivot", "sleep 600", terminationGracePeriodSeconds=1,
-                       container={"securityContext": {"readOnlyRootFilesystem": True}}))
+    apply(
+        cluster,
+        pod(
+            "pivot",
+            "sleep 600",
+            terminationGracePeriodSeconds=1,
+            container={"securityContext": {"readOnlyRootFilesystem": True}},
+        ),
+    )
+
     def pivoted() -> int | None:
         # The pid is known as soon as the container process forks, before it pivots into its root.
         pid = cluster.container_pid("default", "pivot", "main")
@@ -494,7 +724,7 @@ def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None
 
     pid = wait(pivoted, "the container in its own root")
     stat = Path(f"/proc/{pid}/stat").read_text()
-    shim = int(stat[stat.rfind(")") + 2:].split()[1])
+    shim = int(stat[stat.rfind(")") + 2 :].split()[1])
     assert Path(f"/proc/{shim}/root/etc/hostname").read_text() == Path("/etc/hostname").read_text()
     cluster.kubectl("delete", "pod", "pivot")
 
@@ -504,11 +734,19 @@ def test_a_volume_over_the_checkout_leaves_the_image_s_programs_in_place(cluster
     # for a fresh clone there, where the vLLM pods mount an emptyDir. Every vLLM pod then failed with
     # "exec .../.venv/bin/python: no such file or directory". A real image keeps its programs apart.
     checkout = str(Path(__file__).resolve().parents[2])
-    script = (f"{sys.executable} -c 'import maru_connector; print(maru_connector.__name__)' && "
-              f"{{ ls {checkout}/README.md || true; }}")
-    apply(cluster, pod("covered", script,
-                       volumes=[{"name": "scratch", "emptyDir": {}}],
-                       container={"volumeMounts": [{"name": "scratch", "mountPath": checkout}]}))
+    script = (
+        f"{sys.executable} -c 'import maru_connector; print(maru_connector.__name__)' && "
+        f"{{ ls {checkout}/README.md || true; }}"
+    )
+    apply(
+        cluster,
+        pod(
+            "covered",
+            script,
+            volumes=[{"name": "scratch", "emptyDir": {}}],
+            container={"volumeMounts": [{"name": "scratch", "mountPath": checkout}]},
+        ),
+    )
     phase, log = finished(cluster, "covered")
     assert phase == "Succeeded", log
     assert "maru_connector" in log
@@ -517,11 +755,18 @@ def test_a_volume_over_the_checkout_leaves_the_image_s_programs_in_place(cluster
 
 
 def test_hostpath_types_are_checked(cluster: LocalCluster) -> None:
-    spec = {"volumes": [{"name": "sock", "hostPath": {"path": "/run/maru/test", "type": "Directory"}}],
-            "container": {"volumeMounts": [{"name": "sock", "mountPath": "/run/maru/test"}]}}
+    spec = {
+        "volumes": [{"name": "sock", "hostPath": {"path": "/run/maru/test", "type": "Directory"}}],
+        "container": {"volumeMounts": [{"name": "sock", "mountPath": "/run/maru/test"}]},
+    }
     apply(cluster, pod("needs-dir", "ls /run/maru/test", nodeSelector={"zone": "a"}, **spec))
-    wait(lambda: any(e["reason"] == "FailedMount" and e["involvedObject"]["name"] == "needs-dir"
-                     for e in cluster.kube.list("events", "default")), "FailedMount")
+    wait(
+        lambda: any(
+            e["reason"] == "FailedMount" and e["involvedObject"]["name"] == "needs-dir"
+            for e in cluster.kube.list("events", "default")
+        ),
+        "FailedMount",
+    )
     (cluster.node_root("node-1") / "run" / "maru" / "test" / "made-by-node").parent.mkdir(parents=True)
     (cluster.node_root("node-1") / "run" / "maru" / "test" / "made-by-node").write_text("")
     phase, log = finished(cluster, "needs-dir")
@@ -544,30 +789,68 @@ def test_crash_loop_back_off_and_kubectl_logs_previous(cluster: LocalCluster) ->
 
 
 def test_liveness_failure_restarts_the_container(cluster: LocalCluster) -> None:
-    apply(cluster, pod("unwell", "touch /tmp/alive; sleep 2; rm /tmp/alive; sleep 600", restartPolicy="Always",
-                       terminationGracePeriodSeconds=1,
-                       container={"livenessProbe": {"exec": {"command": ["test", "-f", "/tmp/alive"]},
-                                                    "periodSeconds": 1, "failureThreshold": 2}}))
-    wait(lambda: ((cluster.kube.get("pods", "unwell", "default").get("status") or {}).get("containerStatuses")
-                  or [{}])[0].get("restartCount", 0) >= 1, "a liveness restart", timeout=60)
-    killing = [e for e in cluster.kube.list("events", "default")
-               if e["involvedObject"]["name"] == "unwell" and e["reason"] == "Killing"]
+    apply(
+        cluster,
+        pod(
+            "unwell",
+            "touch /tmp/alive; sleep 2; rm /tmp/alive; sleep 600",
+            restartPolicy="Always",
+            terminationGracePeriodSeconds=1,
+            container={
+                "livenessProbe": {
+                    "exec": {"command": ["test", "-f", "/tmp/alive"]},
+                    "periodSeconds": 1,
+                    "failureThreshold": 2,
+                }
+            },
+        ),
+    )
+    wait(
+        lambda: (
+            ((cluster.kube.get("pods", "unwell", "default").get("status") or {}).get("containerStatuses") or [{}])[
+                0
+            ].get("restartCount", 0)
+            >= 1
+        ),
+        "a liveness restart",
+        timeout=60,
+    )
+    killing = [
+        e
+        for e in cluster.kube.list("events", "default")
+        if e["involvedObject"]["name"] == "unwell" and e["reason"] == "Killing"
+    ]
     assert any("failed liveness probe" in e["message"] for e in killing)
     cluster.kubectl("delete", "pod", "unwell")
 
 
 def test_graceful_deletion_sigterm_then_sigkill(cluster: LocalCluster) -> None:
     marker = cluster.node_root("node-1") / "tmp" / "graceful"
-    apply(cluster, pod("polite", """
+    apply(
+        cluster,
+        pod(
+            "polite",
+            """
         trap 'echo got-sigterm > /host/graceful; exit 0' TERM
         while true; do sleep 0.1; done
-    """, nodeSelector={"zone": "a"}, restartPolicy="Always",
-        volumes=[{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
-        container={"volumeMounts": [{"name": "host", "mountPath": "/host"}]}),
-        pod("stubborn", "trap '' TERM; while true; do sleep 0.1; done", terminationGracePeriodSeconds=2))
+    """,
+            nodeSelector={"zone": "a"},
+            restartPolicy="Always",
+            volumes=[{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
+            container={"volumeMounts": [{"name": "host", "mountPath": "/host"}]},
+        ),
+        pod("stubborn", "trap '' TERM; while true; do sleep 0.1; done", terminationGracePeriodSeconds=2),
+    )
     for name in ("polite", "stubborn"):
-        wait(lambda name=name: "running" in ((cluster.kube.get("pods", name, "default").get("status") or {}).get(
-            "containerStatuses") or [{}])[0].get("state", {}), f"{name} running")
+        wait(
+            lambda name=name: (
+                "running"
+                in ((cluster.kube.get("pods", name, "default").get("status") or {}).get("containerStatuses") or [{}])[
+                    0
+                ].get("state", {})
+            ),
+            f"{name} running",
+        )
     spaces = cluster.pid_namespaces(cluster.kube.get("pods", "stubborn", "default"))
     started = time.monotonic()
     cluster.kubectl("delete", "pod", "polite", "stubborn", "--wait=true", "--timeout=60s")
@@ -580,39 +863,91 @@ def test_pre_stop_hook_runs_before_sigterm(cluster: LocalCluster) -> None:
     """The vLLM pods drain in a preStop hook: it must end before the container gets SIGTERM."""
     marker = cluster.node_root("node-1") / "tmp" / "pre-stop"
     marker.unlink(missing_ok=True)
-    apply(cluster, pod("draining", """
+    apply(
+        cluster,
+        pod(
+            "draining",
+            """
         trap 'echo sigterm >> /host/pre-stop; exit 0' TERM
         while true; do sleep 0.1; done
-    """, nodeSelector={"zone": "a"}, restartPolicy="Always", terminationGracePeriodSeconds=30,
-        volumes=[{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
-        container={"volumeMounts": [{"name": "host", "mountPath": "/host"}], "lifecycle": {"preStop": {"exec": {
-            "command": ["/bin/sh", "-c", "echo hook-start >> /host/pre-stop; sleep 1; echo hook-end >> /host/pre-stop"]
-        }}}}))
-    wait(lambda: "running" in ((cluster.kube.get("pods", "draining", "default").get("status") or {}).get(
-        "containerStatuses") or [{}])[0].get("state", {}), "draining running")
+    """,
+            nodeSelector={"zone": "a"},
+            restartPolicy="Always",
+            terminationGracePeriodSeconds=30,
+            volumes=[{"name": "host", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
+            container={
+                "volumeMounts": [{"name": "host", "mountPath": "/host"}],
+                "lifecycle": {
+                    "preStop": {
+                        "exec": {
+                            "command": [
+                                "/bin/sh",
+                                "-c",
+                                "echo hook-start >> /host/pre-stop; sleep 1; echo hook-end >> /host/pre-stop",
+                            ]
+                        }
+                    }
+                },
+            },
+        ),
+    )
+    wait(
+        lambda: (
+            "running"
+            in ((cluster.kube.get("pods", "draining", "default").get("status") or {}).get("containerStatuses") or [{}])[
+                0
+            ].get("state", {})
+        ),
+        "draining running",
+    )
     cluster.kubectl("delete", "pod", "draining", "--wait=true", "--timeout=60s")
-    events = [e.get("message") for e in cluster.kube.list("events", "default")
-              if e.get("involvedObject", {}).get("name") == "draining"]
+    events = [
+        e.get("message")
+        for e in cluster.kube.list("events", "default")
+        if e.get("involvedObject", {}).get("name") == "draining"
+    ]
     assert marker.read_text().split() == ["hook-start", "hook-end", "sigterm"], events
 
 
 def test_claims_are_bound_and_shared_across_nodes(cluster: LocalCluster) -> None:
     """A ReadWriteMany claim, as the operator creates for a group's model cache: one folder for every pod,
     on every node, writable by the pods' fsGroup."""
-    apply(cluster, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                    "metadata": {"name": "models", "namespace": "default"},
-                    "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
-    claim = wait(lambda: (c := cluster.kube.get("persistentvolumeclaims", "models", "default"))
-                 and c.get("status", {}).get("phase") == "Bound" and c, "the claim bound")
+    apply(
+        cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": "default"},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+    )
+    claim = wait(
+        lambda: (
+            (c := cluster.kube.get("persistentvolumeclaims", "models", "default"))
+            and c.get("status", {}).get("phase") == "Bound"
+            and c
+        ),
+        "the claim bound",
+    )
     assert claim["status"]["capacity"] == {"storage": "1Gi"}
-    volume = {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
-              "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532}}
+    volume = {
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
+    }
     mount = {"volumeMounts": [{"name": "models", "mountPath": "/models"}]}
-    apply(cluster, pod("writer", "echo weights > /models/blob", nodeSelector={"zone": "a"}, container=mount,
-                       **volume))
+    apply(cluster, pod("writer", "echo weights > /models/blob", nodeSelector={"zone": "a"}, container=mount, **volume))
     assert finished(cluster, "writer")[0] == "Succeeded", cluster.pod_log("default", "writer")
-    apply(cluster, pod("reader", "cat /models/blob", nodeSelector={"zone": "b"}, tolerations=[
-        {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}], container=mount, **volume))
+    apply(
+        cluster,
+        pod(
+            "reader",
+            "cat /models/blob",
+            nodeSelector={"zone": "b"},
+            tolerations=[{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+            container=mount,
+            **volume,
+        ),
+    )
     phase, log = finished(cluster, "reader")
     assert (phase, log.strip()) == ("Succeeded", "weights")
     assert cluster.kube.get("pods", "reader", "default")["spec"]["nodeName"] == "node-2"
@@ -632,11 +967,25 @@ def test_stopping_the_cluster_leaves_nothing_behind(tmp_path: Path) -> None:
     cluster = LocalCluster(tmp_path / "c", crashloop_base_s=1.0)
     with cluster:
         cluster.add_node("solo")
-        apply(cluster, pod("sleeper", "sleep 600", volumes=[
-            {"name": "m", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
-            container={"volumeMounts": [{"name": "m", "mountPath": "/m"}]}))
-        wait(lambda: "running" in ((cluster.kube.get("pods", "sleeper", "default").get("status") or {}).get(
-            "containerStatuses") or [{}])[0].get("state", {}), "sleeper running")
+        apply(
+            cluster,
+            pod(
+                "sleeper",
+                "sleep 600",
+                volumes=[{"name": "m", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}],
+                container={"volumeMounts": [{"name": "m", "mountPath": "/m"}]},
+            ),
+        )
+        wait(
+            lambda: (
+                "running"
+                in (
+                    (cluster.kube.get("pods", "sleeper", "default").get("status") or {}).get("containerStatuses")
+                    or [{}]
+                )[0].get("state", {})
+            ),
+            "sleeper running",
+        )
         spaces = cluster.pid_namespaces(cluster.kube.get("pods", "sleeper", "default"))
         assert processes_in(spaces)
     assert processes_in(spaces) == []

@@ -19,17 +19,21 @@ def run(container: dict) -> list[str]:
 
 def test_vllm_serve_becomes_the_api_server_module_and_nothing_else_changes() -> None:
     c = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view())["spec"]["template"]["spec"][
-        "containers"][0]
+        "containers"
+    ][0]
     argv = run(c)
     assert argv[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen2.5-7B-Instruct"]
     assert argv[5:] == c["args"][1:]  # every rendered argument, unchanged and in order: no address added
 
 
-@pytest.mark.parametrize("build", [
-    lambda: build_router_deployment(group_spec(), GROUP_OWNER),
-    lambda: build_metadata_deployment(dax_spec(), POOL_OWNER, "ns"),
-    lambda: build_agent_daemonset(dax_spec(), POOL_OWNER, "ns"),
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: build_router_deployment(group_spec(), GROUP_OWNER),
+        lambda: build_metadata_deployment(dax_spec(), POOL_OWNER, "ns"),
+        lambda: build_agent_daemonset(dax_spec(), POOL_OWNER, "ns"),
+    ],
+)
 def test_servers_run_exactly_as_rendered_binding_every_interface(build) -> None:  # type: ignore[no-untyped-def]
     # Each pod has a network namespace of its own, so what binds 0.0.0.0 in a cluster binds it here too.
     c = build()["spec"]["template"]["spec"]["containers"][0]

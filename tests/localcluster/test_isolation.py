@@ -39,8 +39,13 @@ class ClusterProcess:
         self.name = name
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.localcluster.cluster_proc", name], cwd=REPO,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.localcluster.cluster_proc", name],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+        )
         self.info: dict[str, Any] = {}
 
     def ready(self) -> dict[str, Any]:

@@ -112,9 +112,14 @@ class RunningOperator:
 
         self.kube = kube
         self.stats = stats
-        self.runtime = handlers.configure(handlers.Config(
-            pool_namespace=POOL_NS, connection=kube.kopf_connection(token), fetch_status=stats, **config,
-        ))
+        self.runtime = handlers.configure(
+            handlers.Config(
+                pool_namespace=POOL_NS,
+                connection=kube.kopf_connection(token),
+                fetch_status=stats,
+                **config,
+            )
+        )
         self._stop: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
         self._ready = threading.Event()
@@ -130,8 +135,13 @@ class RunningOperator:
             settings = kopf.OperatorSettings()
             settings.peering.standalone = True
             namespaces = self.runtime.config.namespaces
-            await kopf.operator(settings=settings, stop_flag=self._stop["flag"], clusterwide=not namespaces,
-                                namespaces=namespaces, standalone=True)
+            await kopf.operator(
+                settings=settings,
+                stop_flag=self._stop["flag"],
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                standalone=True,
+            )
 
         try:
             asyncio.run(run())
@@ -151,8 +161,10 @@ class RunningOperator:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the operator's loop (to read its queue or cache safely)."""
+
         async def run() -> Any:
             return fn()
+
         return asyncio.run_coroutine_threadsafe(run(), self._stop["loop"]).result(30)
 
     def idle(self) -> bool:
@@ -188,9 +200,11 @@ def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) ->
     from maru_operator import handlers
 
     if resync:
+
         def enqueue_all() -> None:
             for key in op.runtime.store.owners("MaruPool") + op.runtime.store.owners("InferenceGroup"):
                 handlers._enqueue(key)
+
         op.call(enqueue_all)
     quiet = 0
     for _ in range(2000):
@@ -204,8 +218,13 @@ def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) ->
 def object_writes(kube: KubeEmulator, mark: int) -> list[Any]:
     """Writes since ``mark``, but leader election's: the Lease's renewals (a leader renews every few seconds)
     and the Events on the Lease (``maru-operator[-instance].<suffix>``: who became or stopped being leader)."""
-    return [r for r in kube.writes_since(mark) if "/leases/" not in r.path and not r.path.endswith("/leases")
-            and not (r.path.endswith("/events") and (r.created or "").startswith("maru-operator"))]
+    return [
+        r
+        for r in kube.writes_since(mark)
+        if "/leases/" not in r.path
+        and not r.path.endswith("/leases")
+        and not (r.path.endswith("/events") and (r.created or "").startswith("maru-operator"))
+    ]
 
 
 def has_condition(obj: dict[str, Any], type_: str, status: str, reason: str | None = None) -> bool:
@@ -228,8 +247,13 @@ def fake_agent_pod(kube: KubeEmulator, pool_name: str, node: str, ip: str) -> No
     assert ds is not None
     name = f"{pool_name}-agent-{node}"
     labels = ds["spec"]["template"]["metadata"]["labels"]
-    kube.create({"apiVersion": "v1", "kind": "Pod",
-                 "metadata": {"name": name, "namespace": POOL_NS, "labels": labels},
-                 "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "x"}]}})
+    kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": POOL_NS, "labels": labels},
+            "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "x"}]},
+        }
+    )
     # Status is the kubelet's to write, through the status subresource (a create drops it).
     kube.patch_status("pods", name, {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}, POOL_NS)

@@ -59,14 +59,19 @@ def minted_token(spec: InferenceGroupSpec, owner: Owner, pool: PoolView, key: by
     operator renders it and the pool policy its agent's init container is given, through the plugin's code."""
     dep = build_role_deployment(spec, "decode", owner, pool)
     attributes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}["maru-credential"]["csi"][
-        "volumeAttributes"]
-    init = next(c for c in build_agent_daemonset(pool.spec, POOL_OWNER, NS, key)["spec"]["template"]["spec"][
-        "initContainers"] if c["name"] == "credentials")
+        "volumeAttributes"
+    ]
+    init = next(
+        c
+        for c in build_agent_daemonset(pool.spec, POOL_OWNER, NS, key)["spec"]["template"]["spec"]["initContainers"]
+        if c["name"] == "credentials"
+    )
     default, ceiling = minting.parse_policy(init["args"][init["args"].index("--policy") + 1], "--policy")
     assert init["args"][init["args"].index("--pool") + 1] == attributes["pool"]
     material = minting.Material(attributes["pool"], key, default, ceiling)
-    token, _ = material.mint(owner.namespace or "", attributes["cache"],
-                             tenancy.Quota.decode(attributes.get("quota", "")))
+    token, _ = material.mint(
+        owner.namespace or "", attributes["cache"], tenancy.Quota.decode(attributes.get("quota", ""))
+    )
     return token
 
 
@@ -123,13 +128,25 @@ class TestMountedCredential:
             dep = build_role_deployment(spec, role, GROUP_OWNER, bound_pool())
             pod = dep["spec"]["template"]["spec"]
             volumes = {v["name"]: v for v in pod["volumes"]}
-            assert volumes["maru-credential"] == {"name": "maru-credential", "csi": {
-                "driver": "csi.maru.io", "readOnly": True,
-                # The group's request as it wrote it: the plugin caps it by the pool's maxTenantQuota.
-                "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru", "cache": "llama",
-                                     "quota": f"bytes={1 << 30},pins=8"}}}
-            assert {"name": "maru-credential", "mountPath": "/var/run/secrets/maru.io/pool", "readOnly": True} in \
-                container(dep)["volumeMounts"]
+            assert volumes["maru-credential"] == {
+                "name": "maru-credential",
+                "csi": {
+                    "driver": "csi.maru.io",
+                    "readOnly": True,
+                    # The group's request as it wrote it: the plugin caps it by the pool's maxTenantQuota.
+                    "volumeAttributes": {
+                        "pool": "pool",
+                        "socketDir": "/run/maru",
+                        "cache": "llama",
+                        "quota": f"bytes={1 << 30},pins=8",
+                    },
+                },
+            }
+            assert {
+                "name": "maru-credential",
+                "mountPath": "/var/run/secrets/maru.io/pool",
+                "readOnly": True,
+            } in container(dep)["volumeMounts"]
             cfg = MaruConnectorConfig.from_extra_config(kv_config(dep)["kv_connector_extra_config"])
             assert cfg.pool_token_file == "/var/run/secrets/maru.io/pool/token"
             assert_valid(dep)
@@ -137,15 +154,20 @@ class TestMountedCredential:
     def test_a_changed_pool_policy_does_not_roll_the_groups_pods(self) -> None:
         """The pods carry the group's request, not the capped quota: the pool's policy reaches the nodes."""
         before = build_role_deployment(group_spec(), "decode", GROUP_OWNER, bound_pool())
-        after = build_role_deployment(group_spec(), "decode", GROUP_OWNER,
-                                      bound_pool(maxTenantQuota={"pins": 4}, tenantQuota={"leases": 2}))
+        after = build_role_deployment(
+            group_spec(), "decode", GROUP_OWNER, bound_pool(maxTenantQuota={"pins": 4}, tenantQuota={"leases": 2})
+        )
         assert before["spec"]["template"] == after["spec"]["template"]
 
     def test_a_user_volume_cannot_take_its_name_or_path(self) -> None:
         with pytest.raises(ValueError, match="maru-credential"):
             group_spec(decode={"volumes": [{"name": "maru-credential", "emptyDir": {}}]})
-        spec = group_spec(decode={"volumes": [{"name": "s", "emptyDir": {}}],
-                                  "volumeMounts": [{"name": "s", "mountPath": "/var/run/secrets"}]})
+        spec = group_spec(
+            decode={
+                "volumes": [{"name": "s", "emptyDir": {}}],
+                "volumeMounts": [{"name": "s", "mountPath": "/var/run/secrets"}],
+            }
+        )
         (error,) = check_group(spec)
         assert error.field == "spec.decode.volumeMounts" and "pool credential" in str(error)
 
@@ -160,7 +182,8 @@ class TestOneRuleForOperatorAndPlugin:
     def test_effective_quota_field_by_field(self) -> None:
         q = tenancy.Quota
         assert tenancy.effective_quota(q(bytes=5, pins=9), q(pins=2, leases=3), q(bytes=4, pins=20)) == q(
-            bytes=4, pins=9, leases=3)
+            bytes=4, pins=9, leases=3
+        )
         # Without a ceiling a request is held to the pool's default, then the daemon's: never raised by the tenant.
         assert tenancy.effective_quota(q(pins=9, leases=5), q(pins=2)) == q(pins=2, leases=5)
         assert tenancy.effective_quota(q(pins=500000, leases=500000)) == q(pins=65536, leases=16384)

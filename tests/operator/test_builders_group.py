@@ -62,7 +62,7 @@ class TestRoleDeployment:
             args = container(build_role_deployment(spec, role, GROUP_OWNER, pool_view()))["args"]
             assert "--enable-lora" in args and flag(args, "--max-loras") == "2"
             at = args.index("--lora-modules")
-            assert args[at + 1:at + 3] == ["sql=/var/cache/maru/models/sql-lora", "chat=o/chat"]
+            assert args[at + 1 : at + 3] == ["sql=/var/cache/maru/models/sql-lora", "chat=o/chat"]
         plain = container(build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view()))["args"]
         assert "--enable-lora" not in plain and "--lora-modules" not in plain
 
@@ -113,8 +113,12 @@ class TestRoleDeployment:
 
         owner = Owner(kind="InferenceGroup", name="g" * 253, namespace="n" * 63, uid="u")
         other = Owner(kind="InferenceGroup", name="g" * 252 + "h", namespace="n" * 63, uid="u")
-        salts = [kv_config(build_role_deployment(group_spec(), "decode", o, pool_view()))["kv_connector_extra_config"][
-            "maru_cache_namespace"] for o in (owner, other)]
+        salts = [
+            kv_config(build_role_deployment(group_spec(), "decode", o, pool_view()))["kv_connector_extra_config"][
+                "maru_cache_namespace"
+            ]
+            for o in (owner, other)
+        ]
         assert all(len(s) <= 253 for s in salts)
         assert salts[0] != salts[1]
 
@@ -145,8 +149,9 @@ class TestRoleDeployment:
 
     def test_pinned_to_pool_nodes(self) -> None:
         view = pool_view(tolerations=[{"key": "cxl", "operator": "Exists"}])
-        spec = group_spec(decode={"nodeSelector": {"gpu": "h100"},
-                                  "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+        spec = group_spec(
+            decode={"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]}
+        )
         pod = build_role_deployment(spec, "decode", GROUP_OWNER, view)["spec"]["template"]["spec"]
         required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         terms = required["nodeSelectorTerms"]
@@ -178,23 +183,39 @@ class TestRoleDeployment:
         pod = dep["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         # The pool's socket directory comes from the chart's CSI driver, read-only: no hostPath.
-        assert volumes["maru-socket"] == {"name": "maru-socket", "csi": {
-            "driver": "csi.maru.io", "readOnly": True, "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru"}}}
+        assert volumes["maru-socket"] == {
+            "name": "maru-socket",
+            "csi": {
+                "driver": "csi.maru.io",
+                "readOnly": True,
+                "volumeAttributes": {"pool": "pool", "socketDir": "/run/maru"},
+            },
+        }
         assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
         mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
-        assert mounts == {"maru-socket": "/run/maru/pool", "maru-credential": "/var/run/secrets/maru.io/pool",
-                          "dshm": "/dev/shm", "model-cache": "/var/cache/maru/models", "home": "/home/maru",
-                          "tmp": "/tmp"}
+        assert mounts == {
+            "maru-socket": "/run/maru/pool",
+            "maru-credential": "/var/run/secrets/maru.io/pool",
+            "dshm": "/dev/shm",
+            "model-cache": "/var/cache/maru/models",
+            "home": "/home/maru",
+            "tmp": "/tmp",
+        }
         assert next(m for m in container(dep)["volumeMounts"] if m["name"] == "maru-socket")["readOnly"] is True
 
     def test_security_and_probes(self) -> None:
         dep = build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())
         pod = dep["spec"]["template"]["spec"]
         # runAsUser too: runAsNonRoot alone refuses images whose user is root.
-        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-                                          "seccompProfile": {"type": "RuntimeDefault"},
-                                          # The shared model cache is writable by the pods, chowned only once.
-                                          "fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+            # The shared model cache is writable by the pods, chowned only once.
+            "fsGroup": 65532,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
         assert pod["automountServiceAccountToken"] is False
         c = container(dep)
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -203,8 +224,10 @@ class TestRoleDeployment:
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
         # With decode-direct (the default) the engine publishes its KV events for maru-router too.
-        assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
-                              {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}]
+        assert c["ports"] == [
+            {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+            {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"},
+        ]
 
     def test_engines_publish_their_kv_events_only_for_a_decode_direct_router(self) -> None:
         for enabled in (True, False):
@@ -224,17 +247,23 @@ class TestRoleDeployment:
     def test_gpus_from_resources(self) -> None:
         spec = group_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "4"}}})
         c = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
-        assert c["resources"] == {"limits": {"nvidia.com/gpu": 2, "memory": "32Gi"},
-                                  "requests": {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "10Gi"}}
+        assert c["resources"] == {
+            "limits": {"nvidia.com/gpu": 2, "memory": "32Gi"},
+            "requests": {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "10Gi"},
+        }
         c = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))
-        assert c["resources"] == {"limits": {"memory": "32Gi"},
-                                  "requests": {"cpu": "1", "memory": "8Gi", "ephemeral-storage": "10Gi"}}
+        assert c["resources"] == {
+            "limits": {"memory": "32Gi"},
+            "requests": {"cpu": "1", "memory": "8Gi", "ephemeral-storage": "10Gi"},
+        }
 
     def test_memory_defaults_scale_with_tensor_parallel_size_and_yield_to_the_user(self) -> None:
         spec = group_spec(prefill={"tensorParallelSize": 4}, decode={"resources": {"limits": {"memory": "20Gi"}}})
         prefill = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))["resources"]
-        assert prefill == {"limits": {"memory": "128Gi"},
-                           "requests": {"cpu": "4", "memory": "32Gi", "ephemeral-storage": "10Gi"}}
+        assert prefill == {
+            "limits": {"memory": "128Gi"},
+            "requests": {"cpu": "4", "memory": "32Gi", "ephemeral-storage": "10Gi"},
+        }
         decode = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["resources"]
         # A limit alone: Kubernetes defaults the request to it, nothing is added.
         assert decode == {"limits": {"memory": "20Gi"}, "requests": {"cpu": "1", "ephemeral-storage": "10Gi"}}
@@ -263,8 +292,11 @@ class TestRouterRoleBinding:
         assert rb["metadata"]["namespace"] == "llm"
         # The roleRef of the Role-bound binding of earlier versions cannot change: another name.
         assert rb["metadata"]["name"] == "llama-router-pods"
-        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                 "name": "maru-operator-router"}
+        assert rb["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "maru-operator-router",
+        }
         assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "llm"}]
 
     def test_the_cluster_role_is_the_operator_instances(self) -> None:
@@ -291,8 +323,11 @@ class TestRouterDeployment:
         assert flag(args, "--policy") == "power_of_two"
         assert flag(args, "--host") == "0.0.0.0"
         i = args.index("--prefill-selector")
-        assert args[i + 1:i + 4] == ["app.kubernetes.io/name=vllm", "app.kubernetes.io/instance=llama",
-                                     "maru.io/role=prefill"]
+        assert args[i + 1 : i + 4] == [
+            "app.kubernetes.io/name=vllm",
+            "app.kubernetes.io/instance=llama",
+            "maru.io/role=prefill",
+        ]
         i = args.index("--decode-selector")
         assert args[i + 3] == "maru.io/role=decode"
         assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama-router"
@@ -302,7 +337,7 @@ class TestRouterDeployment:
         args = container(build_router_deployment(spec, GROUP_OWNER))["args"]  # type: ignore[arg-type]
         for role in ("prefill", "decode"):
             i = args.index(f"--{role}-selector")
-            wanted = dict(a.split("=", 1) for a in args[i + 1:i + 4])
+            wanted = dict(a.split("=", 1) for a in args[i + 1 : i + 4])
             pod_labels = build_role_deployment(spec, role, GROUP_OWNER, pool_view())["spec"]["template"]["metadata"]
             assert wanted.items() <= pod_labels["labels"].items()
 
@@ -318,8 +353,11 @@ class TestRouterDeployment:
         parsed = RouterArgs.from_cli_args(parser.parse_args(args))
         parsed._validate_router_args()
         assert parsed.vllm_pd_disaggregation and parsed.service_discovery
-        assert parsed.prefill_selector == {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "llama",
-                                           "maru.io/role": "prefill"}
+        assert parsed.prefill_selector == {
+            "app.kubernetes.io/name": "vllm",
+            "app.kubernetes.io/instance": "llama",
+            "maru.io/role": "prefill",
+        }
         assert parsed.decode_selector["maru.io/role"] == "decode"
         assert parsed.service_discovery_port == 8000
 
@@ -347,33 +385,45 @@ class TestGroupChildren:
     def test_unbound_group_gets_only_the_router(self) -> None:
         kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, None)]
         assert "Deployment" in kinds and len(kinds) == 5 and "PodDisruptionBudget" in kinds
-        assert all(c["metadata"]["name"].startswith("llama") for c in build_group_children(group_spec(), GROUP_OWNER,
-                                                                                             None))
+        assert all(
+            c["metadata"]["name"].startswith("llama") for c in build_group_children(group_spec(), GROUP_OWNER, None)
+        )
 
     def test_bound_group(self) -> None:
         names = [c["metadata"]["name"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
         kinds = [c["kind"] for c in build_group_children(group_spec(), GROUP_OWNER, pool_view())]
         assert list(zip(kinds, names, strict=True)) == [
             ("PersistentVolumeClaim", "llama-model-cache"),
-            ("Deployment", "llama-prefill"), ("PodDisruptionBudget", "llama-prefill"),
-            ("Deployment", "llama-decode"), ("PodDisruptionBudget", "llama-decode"),
-            ("ServiceAccount", "llama-router"), ("RoleBinding", "llama-router-pods"),
-            ("Service", "llama"), ("Service", "llama-prefill"), ("Service", "llama-decode"),
-            ("Deployment", "llama-router"), ("PodDisruptionBudget", "llama-router")]
+            ("Deployment", "llama-prefill"),
+            ("PodDisruptionBudget", "llama-prefill"),
+            ("Deployment", "llama-decode"),
+            ("PodDisruptionBudget", "llama-decode"),
+            ("ServiceAccount", "llama-router"),
+            ("RoleBinding", "llama-router-pods"),
+            ("Service", "llama"),
+            ("Service", "llama-prefill"),
+            ("Service", "llama-decode"),
+            ("Deployment", "llama-router"),
+            ("PodDisruptionBudget", "llama-router"),
+        ]
 
 
 class TestRouterResources:
     def test_memory_limit_by_default(self) -> None:
         dep = build_router_deployment(group_spec(), GROUP_OWNER)
         assert dep is not None
-        assert container(dep)["resources"] == {"limits": {"memory": "1Gi"},
-                                               "requests": {"cpu": "100m", "memory": "128Mi"}}
+        assert container(dep)["resources"] == {
+            "limits": {"memory": "1Gi"},
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+        }
 
     def test_a_larger_request_raises_the_limit(self) -> None:
         dep = build_router_deployment(group_spec(router={"resources": {"requests": {"memory": "2Gi"}}}), GROUP_OWNER)
         assert dep is not None
-        assert container(dep)["resources"] == {"limits": {"memory": "2Gi"},
-                                               "requests": {"cpu": "100m", "memory": "2Gi"}}
+        assert container(dep)["resources"] == {
+            "limits": {"memory": "2Gi"},
+            "requests": {"cpu": "100m", "memory": "2Gi"},
+        }
 
 
 class TestRollout:
@@ -393,8 +443,9 @@ class TestRollout:
         no_spare = group_spec(decode={"strategy": {"rollingUpdate": {"maxSurge": 0}}})
         spec = build_role_deployment(no_spare, "decode", GROUP_OWNER, pool_view())["spec"]
         assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
-        given = group_spec(decode={"replicas": 8, "strategy": {"rollingUpdate": {"maxSurge": "25%",
-                                                                                  "maxUnavailable": 0}}})
+        given = group_spec(
+            decode={"replicas": 8, "strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}}
+        )
         spec = build_role_deployment(given, "decode", GROUP_OWNER, pool_view())["spec"]
         assert spec["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 0}
 
@@ -407,13 +458,17 @@ class TestRollout:
             assert dep["spec"]["progressDeadlineSeconds"] > budget
 
     def test_strategy_per_role(self) -> None:
-        spec = group_spec(prefill={"strategy": {"type": "Recreate"}},
-                          decode={"strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}})
+        spec = group_spec(
+            prefill={"strategy": {"type": "Recreate"}},
+            decode={"strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}},
+        )
         prefill = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
         decode = build_role_deployment(spec, "decode", GROUP_OWNER, pool_view())
         assert prefill["spec"]["strategy"] == {"type": "Recreate"}
-        assert decode["spec"]["strategy"] == {"type": "RollingUpdate",
-                                              "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}
+        assert decode["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0},
+        }
         assert_valid(prefill)
         assert_valid(decode)
 
@@ -422,29 +477,39 @@ class TestPodOptions:
     """What real users put in their pods: secrets in env, caches on volumes, placement and identity."""
 
     def test_env_from_secrets_config_maps_and_fields(self) -> None:
-        env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
-               {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode", "optional": True}}},
-               {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-               {"name": "PLAIN", "value": "1"}]
+        env = [
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode", "optional": True}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "PLAIN", "value": "1"},
+        ]
         dep = build_role_deployment(group_spec(prefill={"env": env}), "prefill", GROUP_OWNER, pool_view())
         # The hash seed first, the user's next, then the cache locations of the read-only root.
-        assert container(dep)["env"][1:1 + len(env)] == env
+        assert container(dep)["env"][1 : 1 + len(env)] == env
         assert_valid(dep)
 
     def test_user_options_compose_with_the_hardened_pod(self) -> None:
         """The user's env, volumes and mounts beside the operator's read-only root, CSI socket and defaults."""
-        spec = group_spec(prefill={
-            "env": [{"name": "HOME", "value": "/data/home"},
-                    {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
-            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
-                        {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
-                        {"name": "big-tmp", "emptyDir": {"sizeLimit": "50Gi"}}],
-            "volumeMounts": [{"name": "models", "mountPath": "/home/maru/.cache/huggingface"},
-                             {"name": "big-shm", "mountPath": "/dev/shm"},
-                             {"name": "big-tmp", "mountPath": "/tmp/"}],
-            "priorityClassName": "inference-high",
-            "strategy": {"type": "Recreate"},
-        })
+        spec = group_spec(
+            prefill={
+                "env": [
+                    {"name": "HOME", "value": "/data/home"},
+                    {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                ],
+                "volumes": [
+                    {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
+                    {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                    {"name": "big-tmp", "emptyDir": {"sizeLimit": "50Gi"}},
+                ],
+                "volumeMounts": [
+                    {"name": "models", "mountPath": "/home/maru/.cache/huggingface"},
+                    {"name": "big-shm", "mountPath": "/dev/shm"},
+                    {"name": "big-tmp", "mountPath": "/tmp/"},
+                ],
+                "priorityClassName": "inference-high",
+                "strategy": {"type": "Recreate"},
+            }
+        )
         dep = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
         c, pod = container(dep), dep["spec"]["template"]["spec"]
         names = [e["name"] for e in c["env"]]
@@ -454,9 +519,14 @@ class TestPodOptions:
         mounts = {m["mountPath"].rstrip("/"): m["name"] for m in c["volumeMounts"]}
         assert len(mounts) == len(c["volumeMounts"])
         # The user's /tmp and /dev/shm replace the operator's; $HOME stays on its emptyDir with the cache under it.
-        assert mounts == {"/run/maru/pool": "maru-socket", "/var/run/secrets/maru.io/pool": "maru-credential",
-                          "/home/maru": "home", "/dev/shm": "big-shm", "/tmp": "big-tmp",
-                          "/home/maru/.cache/huggingface": "models"}
+        assert mounts == {
+            "/run/maru/pool": "maru-socket",
+            "/var/run/secrets/maru.io/pool": "maru-credential",
+            "/home/maru": "home",
+            "/dev/shm": "big-shm",
+            "/tmp": "big-tmp",
+            "/home/maru/.cache/huggingface": "models",
+        }
         volumes = [v["name"] for v in pod["volumes"]]
         assert sorted(volumes) == ["big-shm", "big-tmp", "home", "maru-credential", "maru-socket", "models"]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -471,12 +541,18 @@ class TestPodOptions:
         assert {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]} <= set(RESERVED_VOLUMES)
 
     def test_volumes_and_mounts(self) -> None:
-        spec = group_spec(decode={
-            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
-                        {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
-            "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
-                             {"name": "big-shm", "mountPath": "/dev/shm"}],
-        })
+        spec = group_spec(
+            decode={
+                "volumes": [
+                    {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
+                    {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                ],
+                "volumeMounts": [
+                    {"name": "models", "mountPath": "/models", "readOnly": True},
+                    {"name": "big-shm", "mountPath": "/dev/shm"},
+                ],
+            }
+        )
         dep = build_role_deployment(spec, "decode", GROUP_OWNER, pool_view())
         pod = dep["spec"]["template"]["spec"]
         mounts = {m["mountPath"]: m["name"] for m in container(dep)["volumeMounts"]}
@@ -487,15 +563,18 @@ class TestPodOptions:
         assert_valid(dep)
 
     def test_pod_placement_identity_and_metadata(self) -> None:
-        spec = group_spec(prefill={
-            "imagePullSecrets": [{"name": "registry"}],
-            "priorityClassName": "inference-high",
-            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                                           "whenUnsatisfiable": "ScheduleAnyway"}],
-            "podLabels": {"team": "search"},
-            "podAnnotations": {"prometheus.io/scrape": "true"},
-            "serviceAccountName": "model-reader",
-        })
+        spec = group_spec(
+            prefill={
+                "imagePullSecrets": [{"name": "registry"}],
+                "priorityClassName": "inference-high",
+                "topologySpreadConstraints": [
+                    {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+                ],
+                "podLabels": {"team": "search"},
+                "podAnnotations": {"prometheus.io/scrape": "true"},
+                "serviceAccountName": "model-reader",
+            }
+        )
         dep = build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view())
         template = dep["spec"]["template"]
         pod = template["spec"]
@@ -511,15 +590,18 @@ class TestPodOptions:
         assert_valid(dep)
 
     def test_router_options(self) -> None:
-        spec = group_spec(router={
-            "env": [{"name": "RUST_LOG", "value": "info"}],
-            "imagePullSecrets": [{"name": "registry"}],
-            "priorityClassName": "inference-high",
-            "podLabels": {"team": "search"},
-            "podAnnotations": {"a": "b"},
-            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                           "whenUnsatisfiable": "DoNotSchedule"}],
-        })
+        spec = group_spec(
+            router={
+                "env": [{"name": "RUST_LOG", "value": "info"}],
+                "imagePullSecrets": [{"name": "registry"}],
+                "priorityClassName": "inference-high",
+                "podLabels": {"team": "search"},
+                "podAnnotations": {"a": "b"},
+                "topologySpreadConstraints": [
+                    {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}
+                ],
+            }
+        )
         dep = build_router_deployment(spec, GROUP_OWNER)
         assert dep is not None
         pod = dep["spec"]["template"]["spec"]
@@ -527,8 +609,10 @@ class TestPodOptions:
         assert pod["imagePullSecrets"] == [{"name": "registry"}] and pod["priorityClassName"] == "inference-high"
         assert dep["spec"]["template"]["metadata"]["labels"]["team"] == "search"
         assert dep["spec"]["template"]["metadata"]["annotations"] == {"a": "b"}
-        assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] \
+        assert (
+            pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"]
             == "router"
+        )
         assert pod["serviceAccountName"] == "llama-router"  # the router's own, for pod discovery
         assert_valid(dep)
 
@@ -548,8 +632,15 @@ class TestEcosystemLabels:
         base = self.pod_labels(group_spec(), "prefill")["maru.io/kv-revision"]
         assert self.pod_labels(group_spec(), "decode")["maru.io/kv-revision"] == base
         # Replicas, resources and the like leave the keys as they are.
-        assert self.pod_labels(group_spec(prefill={"replicas": 3, "extraArgs": ["--max-num-seqs=8"]}),
-                               "prefill")["maru.io/kv-revision"] == base
-        for changed in (group_spec(connector={"chunkTokens": 512}), group_spec(model={"name": "org/other"}),
-                        group_spec(model={"name": "Qwen/Qwen2.5-7B-Instruct", "revision": "abc"})):
+        assert (
+            self.pod_labels(group_spec(prefill={"replicas": 3, "extraArgs": ["--max-num-seqs=8"]}), "prefill")[
+                "maru.io/kv-revision"
+            ]
+            == base
+        )
+        for changed in (
+            group_spec(connector={"chunkTokens": 512}),
+            group_spec(model={"name": "org/other"}),
+            group_spec(model={"name": "Qwen/Qwen2.5-7B-Instruct", "revision": "abc"}),
+        ):
             assert self.pod_labels(changed, "decode")["maru.io/kv-revision"] != base

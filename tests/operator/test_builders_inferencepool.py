@@ -41,8 +41,12 @@ def test_the_pool_names_the_picker_and_the_vllm_port() -> None:
     (ref,) = meta["ownerReferences"]
     assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceGroup", "llama", "uid-group", True)
     assert pool["spec"]["targetPorts"] == [{"number": VLLM_PORT}]
-    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "qwen-epp", "port": {"number": 9002},
-                                                 "failureMode": "FailOpen"}
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": "qwen-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
 
 
 def test_the_selector_takes_both_roles_and_not_the_router() -> None:
@@ -53,8 +57,11 @@ def test_the_selector_takes_both_roles_and_not_the_router() -> None:
     assert pool is not None
     selector = pool["spec"]["selector"]["matchLabels"]
     children = build_group_children(spec, GROUP_OWNER, pool_view())
-    templates = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
-                 for c in children if c["kind"] == "Deployment"}
+    templates = {
+        c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
+        for c in children
+        if c["kind"] == "Deployment"
+    }
     selected = {name for name, labels in templates.items() if _matches(selector, labels)}
     assert selected == {"llama-prefill", "llama-decode"}
     assert {templates[n][LLMD_ROLE_LABEL] for n in selected} == {"prefill", "decode"}
@@ -68,8 +75,9 @@ def test_another_group_of_the_namespace_is_not_selected() -> None:
     other = GROUP_OWNER.__class__(kind="InferenceGroup", name="mistral", namespace="llm", uid="u2")
     for child in build_group_children(spec, other, pool_view()):
         if child["kind"] == "Deployment":
-            assert not _matches(pool["spec"]["selector"]["matchLabels"],
-                                child["spec"]["template"]["metadata"]["labels"])
+            assert not _matches(
+                pool["spec"]["selector"]["matchLabels"], child["spec"]["template"]["metadata"]["labels"]
+            )
 
 
 GROUP: dict[str, Any] = {
@@ -94,12 +102,17 @@ def test_enabled_without_a_picker_is_refused_naming_the_field() -> None:
         group_spec(inferencePool={"enabled": True})
 
 
-@pytest.mark.parametrize("picker, field", [
-    ({"name": "Bad_Name", "port": {"number": 9002}}, "spec.inferencePool.endpointPicker.name"),
-    ({"name": "epp", "port": {"number": 0}}, "spec.inferencePool.endpointPicker.port.number"),
-    ({"name": "epp", "port": {"number": 9002}, "failureMode": "Retry"},
-     "spec.inferencePool.endpointPicker.failureMode"),
-])
+@pytest.mark.parametrize(
+    "picker, field",
+    [
+        ({"name": "Bad_Name", "port": {"number": 9002}}, "spec.inferencePool.endpointPicker.name"),
+        ({"name": "epp", "port": {"number": 0}}, "spec.inferencePool.endpointPicker.port.number"),
+        (
+            {"name": "epp", "port": {"number": 9002}, "failureMode": "Retry"},
+            "spec.inferencePool.endpointPicker.failureMode",
+        ),
+    ],
+)
 def test_a_wrong_picker_is_refused_naming_the_field(picker: dict[str, Any], field: str) -> None:
     errors = Validator.from_models().validate(_with({"enabled": True, "endpointPicker": picker}))
     assert field in {e.field for e in errors}, [str(e) for e in errors]
@@ -139,8 +152,11 @@ def test_render_shows_the_inference_pool(tmp_path: Any) -> None:
     rendered = [d for d in yaml.safe_load_all(render([path], "maru-system")) if d]
     (pool,) = [d for d in rendered if d["kind"] == "InferencePool"]
     assert (pool["metadata"]["name"], pool["spec"]["endpointPickerRef"]["name"]) == ("g", "qwen-epp")
-    assert not [d for d in yaml.safe_load_all(render([_write(tmp_path, GROUP)], "maru-system"))
-                if d and d["kind"] == "InferencePool"]
+    assert not [
+        d
+        for d in yaml.safe_load_all(render([_write(tmp_path, GROUP)], "maru-system"))
+        if d and d["kind"] == "InferencePool"
+    ]
 
 
 def _write(tmp_path: Any, doc: dict[str, Any]) -> Any:

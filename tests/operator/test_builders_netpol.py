@@ -34,7 +34,8 @@ def test_shm_pools_have_no_metadata_server_policy() -> None:
 
 def test_pool_clients_are_the_vllm_pods_bound_to_it() -> None:
     pod_labels = build_role_deployment(group_spec(), "decode", GROUP_OWNER, pool_view())["spec"]["template"][
-        "metadata"]["labels"]
+        "metadata"
+    ]["labels"]
     assert pool_clients("pool").items() <= pod_labels.items()
     assert not pool_clients("other").items() <= pod_labels.items()
 
@@ -43,15 +44,17 @@ def test_allowed_namespaces_narrow_the_metadata_servers_clients() -> None:
     spec = dax_spec(allowedNamespaces=["llm", "batch"])
     rpc = build_pool_policies(spec, POOL_OWNER, NS, ON)[0]["spec"]["ingress"][0]
     clients = rpc["from"][1]["namespaceSelector"]
-    assert clients == {"matchExpressions": [
-        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["batch", "llm"]}]}
+    assert clients == {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["batch", "llm"]}]
+    }
     everyone = build_pool_policies(dax_spec(), POOL_OWNER, NS, ON)[0]["spec"]["ingress"][0]["from"][1]
     assert everyone["namespaceSelector"] == {}
 
 
 def test_vllm_reaches_the_metadata_port_of_its_own_pool() -> None:
-    policy = build_group_policies(group_spec(), GROUP_OWNER, PoolView("cxl", dax_spec(daemon={"metadataPort": 7500})),
-                                  NS, ON)[0]
+    policy = build_group_policies(
+        group_spec(), GROUP_OWNER, PoolView("cxl", dax_spec(daemon={"metadataPort": 7500})), NS, ON
+    )[0]
     [to_pool] = [rule for rule in policy["spec"]["egress"] if "to" in rule]
     assert to_pool["ports"] == [{"protocol": "TCP", "port": 7500}]
     assert to_pool["to"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NS}}

@@ -58,10 +58,15 @@ class TestMetadataDeployment:
         assert sc["capabilities"] == {"drop": ["ALL"]}
         assert sc["allowPrivilegeEscalation"] is False
         # Nothing from the host: only the pool key, readable by its non-root user (no fsGroup).
-        assert pod["volumes"] == [{"name": "pool-key", "secret": {
-            "secretName": "pool-key", "defaultMode": 0o444, "items": [{"key": "key", "path": "key"}]}}]
-        assert container(dep)["volumeMounts"] == [{"name": "pool-key", "mountPath": "/etc/maru/pool-key",
-                                                   "readOnly": True}]
+        assert pod["volumes"] == [
+            {
+                "name": "pool-key",
+                "secret": {"secretName": "pool-key", "defaultMode": 0o444, "items": [{"key": "key", "path": "key"}]},
+            }
+        ]
+        assert container(dep)["volumeMounts"] == [
+            {"name": "pool-key", "mountPath": "/etc/maru/pool-key", "readOnly": True}
+        ]
 
     def test_owned_and_labelled(self) -> None:
         dep = build_metadata_deployment(dax_spec(), POOL_OWNER, NS)
@@ -116,8 +121,9 @@ class TestAgentDaemonSet:
         assert shm["readOnlyRootFilesystem"] is True
 
     def test_shm_serves_each_node_alone(self) -> None:
-        ds = build_agent_daemonset(pool_spec(size="2Gi", eviction={"policy": "None", "leaseSeconds": 5}),
-                                   POOL_OWNER, NS)
+        ds = build_agent_daemonset(
+            pool_spec(size="2Gi", eviction={"policy": "None", "leaseSeconds": 5}), POOL_OWNER, NS
+        )
         assert_valid(ds)
         args = container(ds)["args"]
         assert args[0] == "serve"
@@ -149,7 +155,8 @@ class TestAgentDaemonSet:
             assert volumes["pool-key"]["secret"]["secretName"] == "pool-key"
             assert volumes["pool-key"]["secret"]["defaultMode"] == 0o400
             assert {"name": "pool-key", "mountPath": "/etc/maru/pool-key", "readOnly": True} in container(ds)[
-                "volumeMounts"]
+                "volumeMounts"
+            ]
 
     def test_shm_volume_holds_the_whole_pool_file(self) -> None:
         # A kubelet mounts this emptyDir as a tmpfs of exactly sizeLimit; the daemon reserves header + size
@@ -183,19 +190,25 @@ class TestAgentDaemonSet:
         assert qos_class(ds["spec"]["template"]["spec"]) == "Guaranteed"
         user = pool_spec(size="1Gi", daemon={"resources": {"requests": {"cpu": "250m", "memory": "4Gi"}}})
         assert container(build_agent_daemonset(user, POOL_OWNER, NS))["resources"] == {
-            "requests": {"cpu": "250m", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
-        assert qos_class(build_agent_daemonset(pool_spec(), POOL_OWNER, NS)["spec"]["template"]["spec"]) == \
-            "Burstable"
+            "requests": {"cpu": "250m", "memory": "4Gi"},
+            "limits": {"memory": "4Gi"},
+        }
+        assert qos_class(build_agent_daemonset(pool_spec(), POOL_OWNER, NS)["spec"]["template"]["spec"]) == "Burstable"
 
     def test_any_limit_makes_the_daemons_guaranteed(self) -> None:
         # A memory limit alone left the default CPU request without a CPU limit: Burstable, evicted
         # before Guaranteed pods under memory pressure, with the node's cache. Each missing limit now
         # takes its request, so any limit the user sets is a Guaranteed agent and metadata server.
-        for resources in ({"limits": {"memory": "2Gi"}}, {"limits": {"cpu": "1"}},
-                          {"requests": {"cpu": "300m"}, "limits": {"memory": "2Gi"}},
-                          {"requests": {"memory": "2Gi"}, "limits": {"cpu": "500m"}}):
-            for spec in (pool_spec(size="1Gi", daemon={"resources": resources}),
-                         dax_spec(size="1Gi", daemon={"resources": resources})):
+        for resources in (
+            {"limits": {"memory": "2Gi"}},
+            {"limits": {"cpu": "1"}},
+            {"requests": {"cpu": "300m"}, "limits": {"memory": "2Gi"}},
+            {"requests": {"memory": "2Gi"}, "limits": {"cpu": "500m"}},
+        ):
+            for spec in (
+                pool_spec(size="1Gi", daemon={"resources": resources}),
+                dax_spec(size="1Gi", daemon={"resources": resources}),
+            ):
                 agent = build_agent_daemonset(spec, POOL_OWNER, NS)
                 metadata = build_metadata_deployment(spec, POOL_OWNER, NS)
                 for workload in (agent, *([metadata] if metadata else [])):
@@ -204,17 +217,27 @@ class TestAgentDaemonSet:
                     assert got["requests"] == got["limits"], (resources, got)
                     assert qos_class(workload["spec"]["template"]["spec"]) == "Guaranteed", (resources, got)
         # What the user set is kept: their limits, and a CPU request where they gave no CPU limit.
-        got = container(build_agent_daemonset(pool_spec(size="1Gi", daemon={"resources": {
-            "requests": {"cpu": "300m"}, "limits": {"memory": "2Gi"}}}), POOL_OWNER, NS))["resources"]
+        got = container(
+            build_agent_daemonset(
+                pool_spec(size="1Gi", daemon={"resources": {"requests": {"cpu": "300m"}, "limits": {"memory": "2Gi"}}}),
+                POOL_OWNER,
+                NS,
+            )
+        )["resources"]
         assert got["limits"] == {"cpu": "300m", "memory": "2Gi"}
         # The shm agent's memory limit is never below what it holds, even when only a CPU limit is set.
-        got = container(build_agent_daemonset(pool_spec(size="1Gi", daemon={"resources": {
-            "limits": {"cpu": "500m"}}}), POOL_OWNER, NS))["resources"]
+        got = container(
+            build_agent_daemonset(
+                pool_spec(size="1Gi", daemon={"resources": {"limits": {"cpu": "500m"}}}), POOL_OWNER, NS
+            )
+        )["resources"]
         assert parse_quantity(got["limits"]["memory"]) >= daemon_memory(pool_spec(size="1Gi"), agent=True)
 
     def test_priority_class(self) -> None:
-        for ds in (build_agent_daemonset(pool_spec(), POOL_OWNER, NS),
-                   build_metadata_deployment(dax_spec(), POOL_OWNER, NS)):
+        for ds in (
+            build_agent_daemonset(pool_spec(), POOL_OWNER, NS),
+            build_metadata_deployment(dax_spec(), POOL_OWNER, NS),
+        ):
             assert ds is not None
             assert ds["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
         custom = build_agent_daemonset(pool_spec(daemon={"priorityClassName": "maru-pool"}), POOL_OWNER, NS)
@@ -240,7 +263,11 @@ class TestAgentDaemonSet:
 class TestPoolChildren:
     def test_dax_has_four_shm_two(self) -> None:
         assert [c["kind"] for c in build_pool_children(dax_spec(), POOL_OWNER, NS)] == [
-            "Secret", "Service", "Deployment", "DaemonSet"]
+            "Secret",
+            "Service",
+            "Deployment",
+            "DaemonSet",
+        ]
         assert [c["kind"] for c in build_pool_children(pool_spec(), POOL_OWNER, NS)] == ["Secret", "DaemonSet"]
 
     def test_pure(self) -> None:
@@ -293,7 +320,9 @@ class TestCredentialsInitContainer:
         volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
         assert volumes["credentials"]["hostPath"] == {"path": "/run/maru/_credentials", "type": "DirectoryOrCreate"}
         assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {
-            "credentials": "/run/maru/_credentials", "pool-key": "/etc/maru/pool-key"}
+            "credentials": "/run/maru/_credentials",
+            "pool-key": "/etc/maru/pool-key",
+        }
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert "k" * 32 not in str(ds), "the key travels in the Secret volume, never in the pod spec"
 

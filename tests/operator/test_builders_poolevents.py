@@ -30,7 +30,8 @@ def test_one_publisher_and_its_service_when_asked() -> None:
         assert_valid(obj)
         assert obj["metadata"]["name"] == "llama-pool-events"
     assert {o["metadata"]["name"] for o in build_group_children(spec, GROUP_OWNER, pool_view())} >= {
-        "llama-pool-events"}
+        "llama-pool-events"
+    }
     # Never two publishers at once: a consumer would see every chunk announced twice.
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -51,13 +52,18 @@ def test_it_reaches_the_pool_as_the_engines_do_and_its_arguments_parse() -> None
     pod = deployment["spec"]["template"]["spec"]
     for name in ("maru-socket", "maru-credential"):
         assert next(v for v in pod["volumes"] if v["name"] == name) == next(
-            v for v in decode["volumes"] if v["name"] == name)
+            v for v in decode["volumes"] if v["name"] == name
+        )
     assert deployment["spec"]["template"]["metadata"]["labels"]["maru.io/pool"] == "pool"
     assert pod["affinity"]["nodeAffinity"] == decode["affinity"]["nodeAffinity"]
     args = build_parser().parse_args(c["args"])
     cfg = connector_config(spec, GROUP_OWNER, pool)
     assert (args.role, args.pool, args.token_file, args.block_size) == (
-        "events", cfg.pool_url, cfg.pool_token_file, 512)
+        "events",
+        cfg.pool_url,
+        cfg.pool_token_file,
+        512,
+    )
     assert (args.publish, args.replay, args.medium) == ("tcp://*:5557", "tcp://*:5558", "MARU_POOL")
     assert args.topic == "kv@llama@" + (spec.model.served_model_name or spec.model.name)  # llm-d's convention
     cpu = group_spec(poolEvents={"enabled": True, "medium": "CPU"})
@@ -112,7 +118,9 @@ def test_curve_mounts_the_named_secret_as_a_directory_and_passes_its_keys() -> N
     assert "subPath" not in mount and mount["readOnly"] is True  # a subPath file is never updated by the kubelet
     paths = {i["key"]: f"{mount['mountPath']}/{i['path']}" for i in volume["secret"]["items"]}
     assert (args.curve_secret_key_file, args.curve_clients_file) == (
-        paths["server-secret-key"], paths["client-public-keys"])
+        paths["server-secret-key"],
+        paths["client-public-keys"],
+    )
     assert check(deployment, "restricted") == []
     plain = container(build_pool_events_children(group_spec(**ON), GROUP_OWNER, pool_view())[0])
     assert not any(a.startswith("--curve") for a in plain["args"])

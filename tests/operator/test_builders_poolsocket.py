@@ -42,8 +42,9 @@ def run_admission_init(spec: MaruPoolSpec, pool: str, root: Path) -> Path:
     args[args.index("--dir") + 1] = str(local)
     assert init["command"][:2] == ["python", "-m"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "connector")}
-    result = subprocess.run([sys.executable, *init["command"][1:], *args], capture_output=True, text=True,
-                            timeout=60, env=env, check=False)
+    result = subprocess.run(
+        [sys.executable, *init["command"][1:], *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
     assert result.returncode == 0, result.stderr
     return local
 
@@ -83,8 +84,9 @@ def _publish_as(root: Path, directory: str, namespace: str) -> Any:
     from maru_connector.csi.node import check_publish  # the plugin's own validation (needs the csi extra)
     from tests.csi.harness import publish_request
 
-    request = publish_request("/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/maru-socket/mount", directory,
-                              namespace=namespace)
+    request = publish_request(
+        "/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/maru-socket/mount", directory, namespace=namespace
+    )
     return check_publish(request, root)
 
 

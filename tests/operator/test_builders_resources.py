@@ -60,4 +60,6 @@ def test_user_resources_of_the_pool_daemons_win() -> None:
     # With limits set, the memory request is the limit (what Kubernetes defaults it to anyway), and the
     # CPU limit the user left out is their CPU request: Guaranteed.
     assert container(build_agent_daemonset(spec, POOL_OWNER, "maru-system"))["resources"] == {
-        "limits": {"cpu": "1", "memory": "20Gi"}, "requests": {"cpu": "1", "memory": "20Gi"}}
+        "limits": {"cpu": "1", "memory": "20Gi"},
+        "requests": {"cpu": "1", "memory": "20Gi"},
+    }

@@ -53,8 +53,10 @@ class TestDecodeDirectRouter:
         assert list(c) == ["router", "vllm-router"]
         front, pd = c["router"], c["vllm-router"]
         assert front["command"] == ["maru-router"]
-        assert front["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
-                                  {"name": "direct-metrics", "containerPort": 29001, "protocol": "TCP"}]
+        assert front["ports"] == [
+            {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+            {"name": "direct-metrics", "containerPort": 29001, "protocol": "TCP"},
+        ]
         args = front["args"]
         assert flag(args, "--upstream") == "http://127.0.0.1:8001"
         assert flag(args, "--prefill") == "http://llama-prefill.llm.svc:8000"
@@ -111,8 +113,9 @@ class TestDecodeDirectRouter:
             assert {v["name"]: v for v in router_pod["volumes"]}[name] == engine_volumes[name]
             assert mounts[name] == engine_mounts[name]
         # vllm-router touches neither.
-        upstream_mounts = {m["name"] for m in {c["name"]: c for c in router_pod["containers"]}["vllm-router"]
-                           ["volumeMounts"]}
+        upstream_mounts = {
+            m["name"] for m in {c["name"]: c for c in router_pod["containers"]}["vllm-router"]["volumeMounts"]
+        }
         assert not upstream_mounts & {"maru-socket", "maru-credential"}
         # Read-only root: vLLM's import writes its caches to the scratch directories.
         assert {"home", "tmp"} <= set(mounts)
@@ -150,8 +153,12 @@ class TestDecodeDirectRouter:
 
     def test_min_coverage(self) -> None:
         spec = group_spec(router={"decodeDirect": {"minCoverage": 0.5}})
-        assert flag(containers(build_router_deployment(spec, GROUP_OWNER, pool_view()))["router"]["args"],
-                    "--min-coverage") == "0.5"
+        assert (
+            flag(
+                containers(build_router_deployment(spec, GROUP_OWNER, pool_view()))["router"]["args"], "--min-coverage"
+            )
+            == "0.5"
+        )
         for bad in (0, 0.001, 1.5):
             with pytest.raises(ValidationError, match=r"minCoverage|min_coverage"):
                 group_spec(router={"decodeDirect": {"minCoverage": bad}})
@@ -187,22 +194,27 @@ class TestRoleServices:
             assert engine["spec"]["containers"][0]["ports"][0]["name"] == "http"
 
     def test_rendered_with_the_group(self) -> None:
-        names = {(o["kind"], o["metadata"]["name"]) for o in build_group_children(group_spec(), GROUP_OWNER,
-                                                                                    pool_view())}
+        names = {
+            (o["kind"], o["metadata"]["name"]) for o in build_group_children(group_spec(), GROUP_OWNER, pool_view())
+        }
         assert {("Service", "llama"), ("Service", "llama-prefill"), ("Service", "llama-decode")} <= names
 
 
 class TestDecodeDirectPolicies:
     def test_the_router_reaches_both_roles_and_is_scraped_on_both_metrics_ports(self) -> None:
         config = NetworkPolicyConfig(scrape_namespaces=("monitoring",))
-        policies = {p["metadata"]["name"]: p["spec"] for p in
-                    build_group_policies(group_spec(), GROUP_OWNER, pool_view(), "maru-system", config)}
+        policies = {
+            p["metadata"]["name"]: p["spec"]
+            for p in build_group_policies(group_spec(), GROUP_OWNER, pool_view(), "maru-system", config)
+        }
         router = policies["llama-router"]
         (to_vllm,) = [e for e in router["egress"] if {"protocol": "TCP", "port": 8000} in e.get("ports", [])]
         assert to_vllm["ports"] == [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": 5557}]
         # Both roles (no role label in the peer): decode-direct to decode, the scheme-learning path to prefill.
-        assert to_vllm["to"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "vllm",
-                                                                  "app.kubernetes.io/instance": "llama"}
+        assert to_vllm["to"][0]["podSelector"]["matchLabels"] == {
+            "app.kubernetes.io/name": "vllm",
+            "app.kubernetes.io/instance": "llama",
+        }
         scraped = {p["port"] for rule in router["ingress"] if rule.get("from") for p in rule["ports"]}
         assert scraped == {29000, 29001}
         vllm = policies["llama-vllm"]
@@ -210,22 +222,29 @@ class TestDecodeDirectPolicies:
 
     def test_with_a_dax_pool_the_router_reaches_its_metadata_server(self) -> None:
         pool = PoolView("pool", dax_spec())
-        router = {p["metadata"]["name"]: p["spec"] for p in build_group_policies(
-            group_spec(), GROUP_OWNER, pool, "maru-system", DEFAULT_NETWORK)}["llama-router"]
+        router = {
+            p["metadata"]["name"]: p["spec"]
+            for p in build_group_policies(group_spec(), GROUP_OWNER, pool, "maru-system", DEFAULT_NETWORK)
+        }["llama-router"]
         port = dax_spec().daemon.metadata_port
         assert any(e.get("ports") == [{"protocol": "TCP", "port": port}] for e in router["egress"]), router["egress"]
         # ... and the metadata server admits it: the router pod carries its pool's label, as the engines do.
         router_labels = build_router_deployment(group_spec(), GROUP_OWNER, pool)["spec"]["template"]["metadata"]  # type: ignore[index]
         (metadata_policy, _) = build_pool_policies(dax_spec(), POOL_OWNER, "maru-system", DEFAULT_NETWORK)
         peers = metadata_policy["spec"]["ingress"][0]["from"]
-        assert any(p.get("podSelector", {}).get("matchLabels", {}).items() <= router_labels["labels"].items()
-                   and "maru.io/pool" in p["podSelector"]["matchLabels"] for p in peers)
+        assert any(
+            p.get("podSelector", {}).get("matchLabels", {}).items() <= router_labels["labels"].items()
+            and "maru.io/pool" in p["podSelector"]["matchLabels"]
+            for p in peers
+        )
 
     def test_off_the_router_reaches_no_pool(self) -> None:
         off, dax = group_spec(router={"decodeDirect": {"enabled": False}}), PoolView("pool", dax_spec())
 
         def router_policy(pool: PoolView | None) -> dict[str, Any]:
-            return {p["metadata"]["name"]: p for p in build_group_policies(
-                off, GROUP_OWNER, pool, "maru-system", DEFAULT_NETWORK)}["llama-router"]
+            return {
+                p["metadata"]["name"]: p
+                for p in build_group_policies(off, GROUP_OWNER, pool, "maru-system", DEFAULT_NETWORK)
+            }["llama-router"]
 
         assert router_policy(dax) == router_policy(None)

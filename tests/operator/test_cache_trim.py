@@ -26,15 +26,20 @@ def managers(obj: dict[str, Any] | None) -> set[str]:
     return {e["manager"] for e in obj["metadata"].get("managedFields") or []}
 
 
-def test_the_cache_keeps_only_the_operators_own_managed_fields(cluster: KubeEmulator, operator: RunningOperator,
-                                                               ready_pool: dict[str, Any]) -> None:
+def test_the_cache_keeps_only_the_operators_own_managed_fields(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: "kube-controller-manager" in managers(d))
-    cluster.patch(DEPLOY, "qwen-decode", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS,
-                  field_manager="a-user")
+    cluster.patch(
+        DEPLOY, "qwen-decode", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS, field_manager="a-user"
+    )
     settle(operator)
-    assert managers(cluster.get(DEPLOY, "qwen-decode", GROUP_NS)) >= {"maru-operator", "kube-controller-manager",
-                                                                       "a-user"}
+    assert managers(cluster.get(DEPLOY, "qwen-decode", GROUP_NS)) >= {
+        "maru-operator",
+        "kube-controller-manager",
+        "a-user",
+    }
     cached = operator.call(lambda: operator.runtime.store.get(("Deployment", GROUP_NS, "qwen-decode")))
     # The watch events of the status and the annotation were cached without the other managers' entries.
     assert cached["metadata"]["annotations"]["team"] == "search"
@@ -42,12 +47,14 @@ def test_the_cache_keeps_only_the_operators_own_managed_fields(cluster: KubeEmul
 
 
 def test_releasing_replicas_to_an_autoscaler_keeps_other_managers_fields(
-        cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     """The release writes managedFields whole: from the cache's trimmed copy it would drop everyone else's."""
     cluster.create(group(decode={"replicas": 3}))
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: "kube-controller-manager" in managers(d))
-    cluster.patch(DEPLOY, "qwen-decode", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS,
-                  field_manager="a-user")
+    cluster.patch(
+        DEPLOY, "qwen-decode", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS, field_manager="a-user"
+    )
     settle(operator)
     cluster.patch(IG, "qwen", {"spec": {"decode": {"scaler": "External"}}}, GROUP_NS)
     settle(operator)
@@ -61,13 +68,28 @@ def test_releasing_replicas_to_an_autoscaler_keeps_other_managers_fields(
 
 def test_the_cache_keeps_its_own_entries_packed_and_hands_out_copies() -> None:
     def child(owner_uid: str) -> dict[str, Any]:
-        fields = {"f:metadata": {"f:ownerReferences": {f'k:{{"uid":"{owner_uid}"}}': {}}},
-                  "f:spec": {"f:replicas": {}, "f:template": {"f:spec": {"f:containers": {}}}}}
-        return {"kind": "Deployment", "metadata": {"name": owner_uid, "namespace": "ns", "resourceVersion": "5",
-                                                   "managedFields": [
-            {"manager": "maru-operator", "operation": "Apply", "fieldsV1": fields},
-            {"manager": "maru-operator", "operation": "Update", "subresource": "status", "fieldsV1": {"f:status": {}}},
-            {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}}]}}
+        fields = {
+            "f:metadata": {"f:ownerReferences": {f'k:{{"uid":"{owner_uid}"}}': {}}},
+            "f:spec": {"f:replicas": {}, "f:template": {"f:spec": {"f:containers": {}}}},
+        }
+        return {
+            "kind": "Deployment",
+            "metadata": {
+                "name": owner_uid,
+                "namespace": "ns",
+                "resourceVersion": "5",
+                "managedFields": [
+                    {"manager": "maru-operator", "operation": "Apply", "fieldsV1": fields},
+                    {
+                        "manager": "maru-operator",
+                        "operation": "Update",
+                        "subresource": "status",
+                        "fieldsV1": {"f:status": {}},
+                    },
+                    {"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}},
+                ],
+            },
+        }
 
     a = child("uid-a")
     ta = trimmed(a)

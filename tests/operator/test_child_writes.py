@@ -27,14 +27,18 @@ def _kind(path: str) -> str:
     return parts[3] if parts[0] == "apis" else parts[2]
 
 
-def test_each_child_is_one_create(cluster: KubeEmulator, operator: RunningOperator,
-                                  ready_pool: dict[str, Any]) -> None:
+def test_each_child_is_one_create(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
     mark = cluster.mark()
     cluster.create(group())
     cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
     settle(operator)
-    children = [r for r in cluster.requests_since(mark) if f"/namespaces/{GROUP_NS}/" in r.path + "/"
-                and _kind(r.path) not in ("inferencegroups", "events") and not r.is_watch]
+    children = [
+        r
+        for r in cluster.requests_since(mark)
+        if f"/namespaces/{GROUP_NS}/" in r.path + "/"
+        and _kind(r.path) not in ("inferencegroups", "events")
+        and not r.is_watch
+    ]
     by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for r in children:
         by_kind[_kind(r.path)][r.method] += 1
@@ -44,16 +48,20 @@ def test_each_child_is_one_create(cluster: KubeEmulator, operator: RunningOperat
 
 
 def test_an_adoption_keeps_a_status_writers_entry_and_refuses_a_stale_read(cluster: KubeEmulator) -> None:
-    body = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "default",
-                                                                "labels": {"a": "1", "b": "2"}},
-            "spec": {"ports": [{"port": 80}]}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "s", "namespace": "default", "labels": {"a": "1", "b": "2"}},
+        "spec": {"ports": [{"port": 80}]},
+    }
 
     async def main() -> None:
         async with Kube(cluster.kopf_connection()) as client:
             created = await client.create(body)
             # Another manager writes between the create and the adoption.
-            cluster.patch("services", "s", {"metadata": {"annotations": {"seen": "yes"}}}, "default",
-                          field_manager="someone-else")
+            cluster.patch(
+                "services", "s", {"metadata": {"annotations": {"seen": "yes"}}}, "default", field_manager="someone-else"
+            )
             ops = adoption_patch(created, desired=body)
             assert ops is not None
             adopted = await client.json_patch("Service", "default", "s", ops)

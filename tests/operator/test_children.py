@@ -35,21 +35,43 @@ def pod_spec(kube: KubeEmulator, name: str) -> dict[str, Any]:
     return dep["spec"]["template"]["spec"]
 
 
-def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, operator: RunningOperator,
-                                                         ready_pool: dict[str, Any]) -> None:
-    cluster.create(group(prefill={
-        "replicas": 1,
-        "nodeSelector": {"gpu": "a100"},
-        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "resources": {"limits": {"cpu": 2, "memory": "8Gi"}},
-    }))
+def test_fields_removed_from_the_spec_leave_the_children(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    cluster.create(
+        group(
+            prefill={
+                "replicas": 1,
+                "nodeSelector": {"gpu": "a100"},
+                "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "resources": {"limits": {"cpu": 2, "memory": "8Gi"}},
+            }
+        )
+    )
     cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
     # Someone else's field on the same child: never the operator's to remove.
-    cluster.patch(DEPLOY, "qwen-prefill", {"metadata": {"annotations": {"team": "search"}}}, GROUP_NS,
-                  field_manager="kubectl-annotate")
+    cluster.patch(
+        DEPLOY,
+        "qwen-prefill",
+        {"metadata": {"annotations": {"team": "search"}}},
+        GROUP_NS,
+        field_manager="kubectl-annotate",
+    )
     settle(operator)
-    cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": {"gpu": None, "zone": "b"}, "tolerations": None,
-                                                    "resources": {"limits": {"memory": None}}}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {
+            "spec": {
+                "prefill": {
+                    "nodeSelector": {"gpu": None, "zone": "b"},
+                    "tolerations": None,
+                    "resources": {"limits": {"memory": None}},
+                }
+            }
+        },
+        GROUP_NS,
+    )
     settle(operator)
     spec = pod_spec(cluster, "qwen-prefill")
     assert spec.get("nodeSelector") == {"zone": "b"}  # replaced, not {gpu: a100, zone: b}
@@ -64,8 +86,9 @@ def test_fields_removed_from_the_spec_leave_the_children(cluster: KubeEmulator, 
     assert dep is not None and dep["metadata"]["annotations"]["team"] == "search"
 
 
-def test_a_field_dropped_before_any_apply_leaves_the_child(cluster: KubeEmulator, operator: RunningOperator,
-                                                          stats: StubStats, ready_pool: dict[str, Any]) -> None:
+def test_a_field_dropped_before_any_apply_leaves_the_child(
+    cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]
+) -> None:
     """Children are created, not applied, and their fields adopted by the first apply they need. A spec that only
     drops a field (or a part of a policy rule) leaves a child that is still a superset of the desired one: the field
     must go nonetheless, also when the operator restarted in between and remembers nothing of what it created."""
@@ -98,7 +121,8 @@ def test_a_field_dropped_before_any_apply_leaves_the_child(cluster: KubeEmulator
 
 
 def test_children_written_before_server_side_apply_lose_removed_fields(
-        cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]) -> None:
+    cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]
+) -> None:
     """After an upgrade from a version that wrote children with plain creates and merge patches."""
     cluster.create(group(prefill={"replicas": 1, "nodeSelector": {"gpu": "a100"}}))
     cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
@@ -107,26 +131,33 @@ def test_children_written_before_server_side_apply_lose_removed_fields(
     dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
     assert dep is not None
     # What the earlier version left: its fields owned by plain updates under its User-Agent's name.
-    legacy = [{**e, "operation": "Update"} if e["manager"] == "maru-operator" else e
-              for e in dep["metadata"]["managedFields"]]
+    legacy = [
+        {**e, "operation": "Update"} if e["manager"] == "maru-operator" else e for e in dep["metadata"]["managedFields"]
+    ]
     cluster.patch(DEPLOY, "qwen-prefill", {"metadata": {"managedFields": legacy}}, GROUP_NS)
     cluster.patch(IG, "qwen", {"spec": {"prefill": {"nodeSelector": None}}}, GROUP_NS)
     upgraded = RunningOperator(cluster, stats, resync_seconds=3600, workers=2).start()
     try:
         settle(upgraded)
         assert "nodeSelector" not in pod_spec(cluster, "qwen-prefill")
-        managers = {(e["manager"], e["operation"]) for e in
-                    cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)["metadata"]["managedFields"]}  # type: ignore[index]
+        managers = {
+            (e["manager"], e["operation"])
+            for e in cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)["metadata"]["managedFields"]
+        }  # type: ignore[index]
         assert ("maru-operator", "Apply") in managers and ("maru-operator", "Update") not in managers
     finally:
         upgraded.stop()
 
 
-def test_an_object_it_does_not_control_is_never_taken_over(cluster: KubeEmulator, operator: RunningOperator,
-                                                            ready_pool: dict[str, Any]) -> None:
-    mine = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "qwen", "namespace": GROUP_NS,
-                                                              "labels": {"owner": "me"}},
-            "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]}}
+def test_an_object_it_does_not_control_is_never_taken_over(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    mine = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "qwen", "namespace": GROUP_NS, "labels": {"owner": "me"}},
+        "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]},
+    }
     cluster.create(mine, field_manager="kubectl-create")
     before = cluster.get("services", "qwen", GROUP_NS)
     cluster.create(group())
@@ -153,33 +184,47 @@ def test_an_object_it_does_not_control_is_never_taken_over(cluster: KubeEmulator
 
 def user_daemonset(name: str) -> dict[str, Any]:
     labels = {"app": "mine"}
-    return {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": POOL_NS},
-            "spec": {"selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels}, "spec": {
-                "containers": [{"name": "c", "image": "mine:1"}]}}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": POOL_NS},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "c", "image": "mine:1"}]}},
+        },
+    }
 
 
 def user_service(name: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": GROUP_NS,
-                                                              "labels": {"owner": "me"}},
-            "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": GROUP_NS, "labels": {"owner": "me"}},
+        "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]},
+    }
 
 
-def assert_conflict_reported(cluster: KubeEmulator, resource: str, namespace: str | None, name: str,
-                             what: str) -> None:
+def assert_conflict_reported(cluster: KubeEmulator, resource: str, namespace: str | None, name: str, what: str) -> None:
     """Ready=False ChildConflict naming the object, and a Warning Event saying the same."""
     owner = cluster.wait_for(resource, name, namespace, lambda o: has_condition(o, "Ready", "False", "ChildConflict"))
     message = condition_of(owner, "Ready")["message"]
     assert what in message and "not controlled by" in message, message
     # Posted right after the status write; a cluster-scoped pool's go to "default".
-    event = cluster.wait_until(lambda e: next((ev for ev in e.list_objects("", "events", namespace or "default")
-                                               if ev.get("reason") == "ChildConflict"
-                                               and ev["involvedObject"]["name"] == name), None),
-                               message=f"a ChildConflict Event on {name}")
+    event = cluster.wait_until(
+        lambda e: next(
+            (
+                ev
+                for ev in e.list_objects("", "events", namespace or "default")
+                if ev.get("reason") == "ChildConflict" and ev["involvedObject"]["name"] == name
+            ),
+            None,
+        ),
+        message=f"a ChildConflict Event on {name}",
+    )
     assert event["type"] == "Warning" and what in event["message"]
 
 
-def test_a_pool_child_it_does_not_control_is_never_taken_over(cluster: KubeEmulator,
-                                                              operator: RunningOperator) -> None:
+def test_a_pool_child_it_does_not_control_is_never_taken_over(cluster: KubeEmulator, operator: RunningOperator) -> None:
     cluster.create(user_daemonset("local-shm-agent"), field_manager="kubectl-create")
     before = cluster.get(DS, "local-shm-agent", POOL_NS)
     cluster.create(pool())
@@ -197,7 +242,8 @@ def test_a_pool_child_it_does_not_control_is_never_taken_over(cluster: KubeEmula
 
 @pytest.mark.parametrize("child", ["group Service", "pool DaemonSet"])
 def test_a_namesake_created_between_look_and_create_is_never_taken_over(
-        cluster: KubeEmulator, operator: RunningOperator, child: str) -> None:
+    cluster: KubeEmulator, operator: RunningOperator, child: str
+) -> None:
     """The race: the name is free when the operator looks, and someone creates it before its write lands."""
     if child == "group Service":
         cluster.create(pool())
@@ -215,8 +261,9 @@ def test_a_namesake_created_between_look_and_create_is_never_taken_over(
         taken["obj"] = emulator.create_object(group, plural, namespace, body, manager="kubectl-create")
 
     # Whatever the operator sends to write that name (a create, or an apply that would create it).
-    hook = cluster.on_request(rf"/namespaces/{namespace}/{plural}(/{name})?$", someone_creates,
-                              method=("POST", "PATCH"))
+    hook = cluster.on_request(
+        rf"/namespaces/{namespace}/{plural}(/{name})?$", someone_creates, method=("POST", "PATCH")
+    )
     cluster.create(group() if child == "group Service" else pool())
     assert_conflict_reported(cluster, owner[0], owner[1], owner[2], owner[3])
     settle(operator)
@@ -228,8 +275,9 @@ def test_a_namesake_created_between_look_and_create_is_never_taken_over(
     assert {e["manager"] for e in mine["metadata"]["managedFields"] if not e.get("subresource")} == {"kubectl-create"}
 
 
-def test_a_child_replaced_before_its_update_is_never_taken_over(cluster: KubeEmulator, operator: RunningOperator,
-                                                                ready_pool: dict[str, Any]) -> None:
+def test_a_child_replaced_before_its_update_is_never_taken_over(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     """The operator applies an update to the child it observed: a namesake that replaced it is not that one."""
     cluster.create(group())
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
@@ -238,8 +286,9 @@ def test_a_child_replaced_before_its_update_is_never_taken_over(cluster: KubeEmu
 
     def someone_replaces(emulator: Any) -> None:
         emulator.delete_object("", "services", GROUP_NS, "qwen")
-        replacement["obj"] = emulator.create_object("", "services", GROUP_NS, user_service("qwen"),
-                                                    manager="kubectl-create")
+        replacement["obj"] = emulator.create_object(
+            "", "services", GROUP_NS, user_service("qwen"), manager="kubectl-create"
+        )
 
     hook = cluster.on_request(rf"/namespaces/{GROUP_NS}/services/qwen$", someone_replaces, method="PATCH")
     # A change of the router's port: the operator updates its Service.
@@ -250,16 +299,24 @@ def test_a_child_replaced_before_its_update_is_never_taken_over(cluster: KubeEmu
     assert cluster.get("services", "qwen", GROUP_NS) == replacement["obj"]
 
 
-def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulator, operator: RunningOperator,
-                                                             ready_pool: dict[str, Any]) -> None:
+def test_pod_options_reach_the_pods_and_leave_with_the_spec(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     options = {
-        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
-                {"name": "HOME", "value": "/models/home"}],
-        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
-                    {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
-                    {"name": "big-tmp", "emptyDir": {"sizeLimit": "64Gi"}}],
-        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "big-shm", "mountPath": "/dev/shm"},
-                         {"name": "big-tmp", "mountPath": "/tmp"}],
+        "env": [
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            {"name": "HOME", "value": "/models/home"},
+        ],
+        "volumes": [
+            {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}},
+            {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+            {"name": "big-tmp", "emptyDir": {"sizeLimit": "64Gi"}},
+        ],
+        "volumeMounts": [
+            {"name": "models", "mountPath": "/models"},
+            {"name": "big-shm", "mountPath": "/dev/shm"},
+            {"name": "big-tmp", "mountPath": "/tmp"},
+        ],
         "imagePullSecrets": [{"name": "registry"}],
         "priorityClassName": "inference",
         "serviceAccountName": "model-reader",
@@ -274,8 +331,15 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     # The user's HOME instead of the read-only root's (env is keyed by name: one HOME).
     assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/models/home"}]
     # The user's /dev/shm and /tmp replace the operator's; the socket and $HOME emptyDir stay.
-    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "model-cache", "home", "models",
-                                                  "big-shm", "big-tmp"}
+    assert {v["name"] for v in pod["volumes"]} == {
+        "maru-socket",
+        "maru-credential",
+        "model-cache",
+        "home",
+        "models",
+        "big-shm",
+        "big-tmp",
+    }
     assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("model-reader", "inference")
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     # Taken out of the spec, they leave the Deployment (and the operator's volumes and env come back).
@@ -284,8 +348,14 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     dep = cluster.get(DEPLOY, "qwen-prefill", GROUP_NS)
     assert dep is not None
     pod = dep["spec"]["template"]["spec"]
-    assert {v["name"] for v in pod["volumes"]} == {"maru-socket", "maru-credential", "dshm", "model-cache", "home",
-                                                  "tmp"}
+    assert {v["name"] for v in pod["volumes"]} == {
+        "maru-socket",
+        "maru-credential",
+        "dshm",
+        "model-cache",
+        "home",
+        "tmp",
+    }
     assert "serviceAccountName" not in pod and "priorityClassName" not in pod and "imagePullSecrets" not in pod
     assert "team" not in dep["spec"]["template"]["metadata"]["labels"]
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
@@ -294,18 +364,26 @@ def test_pod_options_reach_the_pods_and_leave_with_the_spec(cluster: KubeEmulato
     assert {"name": "HOME", "value": CACHE_ENV["HOME"]} in env
 
 
-def test_a_volume_over_the_pool_socket_touches_nothing(cluster: KubeEmulator, operator: RunningOperator,
-                                                       ready_pool: dict[str, Any]) -> None:
-    cluster.create(group(decode={"volumes": [{"name": "v", "emptyDir": {}}],
-                                 "volumeMounts": [{"name": "v", "mountPath": "/run/maru"}]}))
+def test_a_volume_over_the_pool_socket_touches_nothing(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    cluster.create(
+        group(
+            decode={
+                "volumes": [{"name": "v", "emptyDir": {}}],
+                "volumeMounts": [{"name": "v", "mountPath": "/run/maru"}],
+            }
+        )
+    )
     ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
     assert "spec.decode.volumeMounts" in condition_of(ig, "Ready")["message"]
     settle(operator)
     assert cluster.list(DEPLOY, GROUP_NS) == []
 
 
-def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, operator: RunningOperator,
-                                                       ready_pool: dict[str, Any]) -> None:
+def test_network_policies_are_applied_like_every_child(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     cluster.wait_for(NETPOL, "qwen-router", GROUP_NS)
     settle(operator)
@@ -313,9 +391,11 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
     # Created (a create fails on a namesake); its fields made applied ones before it is first updated, by apply.
     kinds = {(r.method, r.content_type.split(";")[0]) for r in writes}
     assert ("POST", "application/json") in kinds and kinds <= {
-        ("POST", "application/json"), ("PATCH", "application/merge-patch+json"),
-        ("PATCH", "application/json-patch+json"), ("PATCH", "application/apply-patch+yaml")}, [
-        (r.method, r.path, r.content_type) for r in writes]
+        ("POST", "application/json"),
+        ("PATCH", "application/merge-patch+json"),
+        ("PATCH", "application/json-patch+json"),
+        ("PATCH", "application/apply-patch+yaml"),
+    }, [(r.method, r.path, r.content_type) for r in writes]
     policy = cluster.get(NETPOL, "qwen-vllm", GROUP_NS)
     assert policy is not None
     managers = {(e["manager"], e["operation"]) for e in policy["metadata"]["managedFields"]}
@@ -323,8 +403,13 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
     rules = policy["spec"]["ingress"]
 
     # A hand edit of the rules is put back; someone else's label stays.
-    cluster.patch(NETPOL, "qwen-vllm", {"metadata": {"labels": {"team": "search"}}, "spec": {"ingress": []}},
-                  GROUP_NS, field_manager="kubectl-edit")
+    cluster.patch(
+        NETPOL,
+        "qwen-vllm",
+        {"metadata": {"labels": {"team": "search"}}, "spec": {"ingress": []}},
+        GROUP_NS,
+        field_manager="kubectl-edit",
+    )
     restored = cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS, lambda o: o["spec"].get("ingress") == rules)
     assert restored["metadata"]["labels"]["team"] == "search"
     ours = {e["operation"] for e in restored["metadata"]["managedFields"] if e["manager"] == "maru-operator"}
@@ -333,5 +418,9 @@ def test_network_policies_are_applied_like_every_child(cluster: KubeEmulator, op
     # Without the router its policy goes, and the vLLM pods' ingress opens to whatever routes to them.
     cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
     cluster.wait_gone(NETPOL, "qwen-router", GROUP_NS)
-    cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS,
-                     lambda o: o["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}])
+    cluster.wait_for(
+        NETPOL,
+        "qwen-vllm",
+        GROUP_NS,
+        lambda o: o["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}],
+    )

@@ -31,8 +31,14 @@ def free_port() -> int:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maru_operator", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "maru_operator", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -51,10 +57,24 @@ def operator_process(cluster: KubeEmulator, tmp_path: pathlib.Path) -> Iterator[
     log_path = tmp_path / "operator.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", "maru-system",
-         "--liveness", f"http://127.0.0.1:{liveness}/healthz", "--metrics-port", str(metrics),
-         "--log-format", "json"],
-        env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "maru_operator",
+            "run",
+            "--pool-namespace",
+            "maru-system",
+            "--liveness",
+            f"http://127.0.0.1:{liveness}/healthz",
+            "--metrics-port",
+            str(metrics),
+            "--log-format",
+            "json",
+        ],
+        env=cluster.env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
     )
     info = {"proc": proc, "liveness": liveness, "metrics": metrics, "log": log_path}
     try:
@@ -74,8 +94,9 @@ def test_run_as_a_process(cluster: KubeEmulator, operator_process: dict[str, Any
     try:
         cluster.create(pool())
         cluster.create(group())
-        ig = cluster.wait_for("inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"),
-                              timeout=60)
+        ig = cluster.wait_for(
+            "inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=60
+        )
         assert ig["status"]["decode"]["summary"] == "2/2"
         status, _ = http_get(f"http://127.0.0.1:{operator_process['liveness']}/healthz")
         assert status == 200
@@ -133,9 +154,14 @@ def test_render_examples() -> None:
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert {("Deployment", "qwen-7b-prefill"), ("Deployment", "qwen-7b-decode"), ("Service", "qwen-7b"),
-            ("DaemonSet", "cxl-pool-agent"), ("Deployment", "cxl-pool-metadata"),
-            ("DaemonSet", "local-shm-agent")} <= names
+    assert {
+        ("Deployment", "qwen-7b-prefill"),
+        ("Deployment", "qwen-7b-decode"),
+        ("Service", "qwen-7b"),
+        ("DaemonSet", "cxl-pool-agent"),
+        ("Deployment", "cxl-pool-metadata"),
+        ("DaemonSet", "local-shm-agent"),
+    } <= names
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33", strict=True)
         assert "ownerReferences" not in doc["metadata"]
@@ -190,20 +216,31 @@ def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role()
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all(result.stdout))
     assert [(d["kind"], d["metadata"].get("namespace")) for d in docs] == [
-        ("ClusterRole", None), ("Role", "ops"), ("Role", "default"), ("ClusterRoleBinding", None),
-        ("RoleBinding", "ops"), ("RoleBinding", "default"), ("ClusterRole", None)]
-    assert docs[1]["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
-                                 "verbs": ["create", "patch", "delete"]},
-                                {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
-                                {"apiGroups": [""], "resources": ["secrets"],
-                                 "verbs": ["get", "list", "watch", "create", "patch"]}]
+        ("ClusterRole", None),
+        ("Role", "ops"),
+        ("Role", "default"),
+        ("ClusterRoleBinding", None),
+        ("RoleBinding", "ops"),
+        ("RoleBinding", "default"),
+        ("ClusterRole", None),
+    ]
+    assert docs[1]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["create", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    ]
     assert not [r for r in docs[0]["rules"] if "secrets" in r["resources"]], "no Secret right across the cluster"
     # The leader Lease is where every release of the cluster looks for it, not in the release namespace.
     # Read and renewed by name; create cannot be limited by name.
     assert docs[2]["rules"] == [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "patch"],
-         "resourceNames": ["maru-operator"]}]
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "patch"],
+            "resourceNames": ["maru-operator"],
+        },
+    ]
     team = list(yaml.safe_load_all(run_cli("rbac", "--instance", "team-a").stdout))
     assert team[2]["rules"][1]["resourceNames"] == ["maru-operator-team-a"]
     assert docs[5]["roleRef"]["name"] == docs[2]["metadata"]["name"]
@@ -213,15 +250,23 @@ def test_rbac_prints_a_cluster_role_the_pool_namespace_role_and_the_lease_role()
     assert "#   pods (core)" not in result.stdout.split("# Role in ops:")[0]
     assert docs[-1]["kind"] == "ClusterRole" and docs[-1]["metadata"]["name"] == "maru-operator-router"
     assert docs[-1]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind"],
-            "resourceNames": ["maru-operator-router"]} in docs[0]["rules"]
+    assert {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["clusterroles"],
+        "verbs": ["bind"],
+        "resourceNames": ["maru-operator-router"],
+    } in docs[0]["rules"]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33", strict=True)
     for binding in docs[3:6]:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]
     moved = list(yaml.safe_load_all(run_cli("rbac", "--lease-namespace", "leases", "--service-account", "op").stdout))
     assert [d["metadata"].get("namespace") for d in moved if d["kind"] in ("Role", "RoleBinding")] == [
-        "maru-system", "leases", "maru-system", "leases"]
+        "maru-system",
+        "leases",
+        "maru-system",
+        "leases",
+    ]
 
 
 def test_namespaced_preflight_stays_in_its_namespace(k8s_emulator: KubeEmulator) -> None:

@@ -44,14 +44,17 @@ def test_a_changed_or_unhashed_crd_is_stale_and_a_missing_one_is_left_to_the_pre
     unhashed = copy.deepcopy(groups)
     del unhashed["metadata"]["annotations"]
     stale = stale_crds([older(pools), unhashed])
-    assert [(s.name, s.found) for s in stale] == [("marupools.maru.io", "0123456789abcdef"),
-                                                   ("inferencegroups.maru.io", None)]
+    assert [(s.name, s.found) for s in stale] == [
+        ("marupools.maru.io", "0123456789abcdef"),
+        ("inferencegroups.maru.io", None),
+    ]
     assert UPGRADE_COMMAND in stale[0].message() and "no schema hash" in stale[1].message()
     assert stale_crds([groups]) == []
 
 
-def test_the_operator_reports_a_stale_crd_and_serves_on(k8s_emulator: KubeEmulator, kube_controllers: Any,
-                                                        tmp_path: pathlib.Path) -> None:
+def test_the_operator_reports_a_stale_crd_and_serves_on(
+    k8s_emulator: KubeEmulator, kube_controllers: Any, tmp_path: pathlib.Path
+) -> None:
     cluster = k8s_emulator
     pools, groups = generated()
     cluster.create(older(pools))
@@ -63,9 +66,24 @@ def test_the_operator_reports_a_stale_crd_and_serves_on(k8s_emulator: KubeEmulat
     log_path = tmp_path / "operator.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_operator", "run", "--pool-namespace", POOL_NS, "--liveness", "",
-             "--metrics-port", str(metrics), "--log-format", "json"],
-            env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "maru_operator",
+                "run",
+                "--pool-namespace",
+                POOL_NS,
+                "--liveness",
+                "",
+                "--metrics-port",
+                str(metrics),
+                "--log-format",
+                "json",
+            ],
+            env=cluster.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         try:
             _, text = http_get(f"http://127.0.0.1:{metrics}/metrics")
@@ -73,14 +91,16 @@ def test_the_operator_reports_a_stale_crd_and_serves_on(k8s_emulator: KubeEmulat
             assert 'maru_operator_crd_stale{crd="inferencegroups.maru.io"} 0.0' in text
             # It serves on: the objects the old CRD still describes are reconciled.
             cluster.create(pool())
-            cluster.wait_for("marupools.maru.io", "local-shm", None, lambda o: has_condition(o, "Ready", "True"),
-                             timeout=60)
+            cluster.wait_for(
+                "marupools.maru.io", "local-shm", None, lambda o: has_condition(o, "Ready", "True"), timeout=60
+            )
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
     events = [e for e in cluster.list("events", "default") if e.get("reason") == STALE_REASON]
     assert [(e["involvedObject"]["kind"], e["involvedObject"]["name"], e["type"]) for e in events] == [
-        ("CustomResourceDefinition", "marupools.maru.io", "Warning")]
+        ("CustomResourceDefinition", "marupools.maru.io", "Warning")
+    ]
     assert UPGRADE_COMMAND in events[0]["message"]
     entries = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     stale = [e for e in entries if e.get("reason") == STALE_REASON]

@@ -46,8 +46,14 @@ def owner_of(obj: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def agent_key_digest(kube: KubeEmulator, key: bytes) -> dict[str, Any]:
-    return kube.wait_for(DS, "local-shm-agent", POOL_NS, lambda d: d["spec"]["template"]["metadata"].get(
-        "annotations", {}).get(KEY_DIGEST_ANNOTATION) == key_digest(key))
+    return kube.wait_for(
+        DS,
+        "local-shm-agent",
+        POOL_NS,
+        lambda d: (
+            d["spec"]["template"]["metadata"].get("annotations", {}).get(KEY_DIGEST_ANNOTATION) == key_digest(key)
+        ),
+    )
 
 
 def test_the_pool_key_is_made_once_owned_by_the_pool_and_mounted_by_its_daemons(
@@ -115,8 +121,14 @@ def test_a_new_pool_key_rolls_the_agents_to_the_nodes(
     agent_key_digest(cluster, old_key)
     cluster.delete("secrets", "local-shm-key", POOL_NS)
     fresh = cluster.wait_until(
-        lambda e: (s := e.get_object("", "secrets", POOL_NS, "local-shm-key")) and s.get("data")
-        and base64.b64decode(s["data"]["key"]) != old_key and s, message="a new pool key")
+        lambda e: (
+            (s := e.get_object("", "secrets", POOL_NS, "local-shm-key"))
+            and s.get("data")
+            and base64.b64decode(s["data"]["key"]) != old_key
+            and s
+        ),
+        message="a new pool key",
+    )
     agent_key_digest(cluster, base64.b64decode(fresh["data"]["key"]))
 
 
@@ -125,8 +137,12 @@ def test_a_secret_of_the_old_credential_name_is_left_alone(
 ) -> None:
     """Earlier versions wrote ``<group>-pool-credential``; a Secret of that name is no child any more: no conflict,
     never touched (those the operator wrote go with their group, by their ownerReference)."""
-    mine = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "qwen-pool-credential", "namespace": GROUP_NS},
-            "data": {"token": base64.b64encode(b"mine").decode()}}
+    mine = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "qwen-pool-credential", "namespace": GROUP_NS},
+        "data": {"token": base64.b64encode(b"mine").decode()},
+    }
     cluster.create(mine)
     cluster.create(group())
     ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"))
@@ -141,17 +157,29 @@ def test_the_key_watch_lists_again_after_a_gap(
     """The operator's own watch of its namespace's Secrets: a dropped stream resumed from a compacted version
     (410) lists again, and a key deleted meanwhile is still noticed and made anew."""
     old_key = key_of(cluster)
-    cluster.wait_until(lambda e: any(f"/namespaces/{POOL_NS}/secrets" in p for p in e.open_watches()),
-                       message="the Secrets watch")
+    cluster.wait_until(
+        lambda e: any(f"/namespaces/{POOL_NS}/secrets" in p for p in e.open_watches()), message="the Secrets watch"
+    )
     # Just before the operator watches again: the key goes and the history with it, so no DELETED event is left
     # to resume from; only a list shows the key is gone.
-    gap = cluster.on_request(f"/namespaces/{POOL_NS}/secrets$", lambda e: (
-        e.delete_object("", "secrets", POOL_NS, "local-shm-key"), e.compact()), method="GET")
+    gap = cluster.on_request(
+        f"/namespaces/{POOL_NS}/secrets$",
+        lambda e: (e.delete_object("", "secrets", POOL_NS, "local-shm-key"), e.compact()),
+        method="GET",
+    )
     assert cluster.drop_watches(f"/namespaces/{POOL_NS}/secrets") >= 1
     fresh = cluster.wait_until(
-        lambda e: (s := e.get_object("", "secrets", POOL_NS, "local-shm-key")) and s.get("data")
-        and base64.b64decode(s["data"]["key"]) != old_key and s, message="a new pool key")
+        lambda e: (
+            (s := e.get_object("", "secrets", POOL_NS, "local-shm-key"))
+            and s.get("data")
+            and base64.b64decode(s["data"]["key"]) != old_key
+            and s
+        ),
+        message="a new pool key",
+    )
     agent_key_digest(cluster, base64.b64decode(fresh["data"]["key"]))
     assert cluster.call(lambda: gap.hits) == 1
-    cluster.wait_until(lambda e: any(f"/namespaces/{POOL_NS}/secrets" in p for p in e.open_watches()),
-                       message="the Secrets watch, again")
+    cluster.wait_until(
+        lambda e: any(f"/namespaces/{POOL_NS}/secrets" in p for p in e.open_watches()),
+        message="the Secrets watch, again",
+    )

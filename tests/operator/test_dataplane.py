@@ -88,7 +88,8 @@ def upgraded(cluster: KubeEmulator, stats: StubStats) -> Iterator[tuple[dict[str
 
 @pytest.mark.emulator
 def test_an_upgrade_leaves_every_data_plane_child_untouched(
-    cluster: KubeEmulator, upgraded: tuple[dict[str, tuple[set[str], int]], Any],
+    cluster: KubeEmulator,
+    upgraded: tuple[dict[str, tuple[set[str], int]], Any],
 ) -> None:
     before, _ = upgraded
     assert before["daemonsets.apps/local-shm-agent"][0] == {OLD.pool_image}
@@ -98,11 +99,13 @@ def test_an_upgrade_leaves_every_data_plane_child_untouched(
 
 @pytest.mark.emulator
 def test_an_object_opted_in_moves_and_the_others_stay(
-    cluster: KubeEmulator, upgraded: tuple[dict[str, tuple[set[str], int]], Any],
+    cluster: KubeEmulator,
+    upgraded: tuple[dict[str, tuple[set[str], int]], Any],
 ) -> None:
     before, new = upgraded
-    cluster.patch("inferencegroups.maru.io", "qwen", {"metadata": {"annotations": {UPDATES_ANNOTATION: "auto"}}},
-                  GROUP_NS)
+    cluster.patch(
+        "inferencegroups.maru.io", "qwen", {"metadata": {"annotations": {UPDATES_ANNOTATION: "auto"}}}, GROUP_NS
+    )
     for role in ("prefill", "decode"):
         cluster.wait_for(DEPLOY, f"qwen-{role}", GROUP_NS, lambda o: NEW.vllm_image in images(o))
     settle(new)

@@ -12,15 +12,26 @@ from maru_operator.traffic import MIN_TOKENS, DecodeReads, ReaderWindow, decode_
 SCOPE = "llm/qwen"
 
 
-def answer(epoch: int = 1, scope: str = SCOPE, *, pool: int = 0, computed: int = 0, waits: int = 0,
-           timeouts: int = 0) -> dict[str, Any]:
+def answer(
+    epoch: int = 1, scope: str = SCOPE, *, pool: int = 0, computed: int = 0, waits: int = 0, timeouts: int = 0
+) -> dict[str, Any]:
     """A daemon's /status as the pool daemon writes it (readers.py)."""
-    return {"epoch": epoch, "tenants": [
-        {"tenant": scope, "used_bytes": 1, "readers": {
-            "lookups": {"decode": 1}, "prompt_tokens": {"decode": {"pool": pool, "computed": computed}},
-            "handoff_waits": waits, "handoff_timeouts": timeouts}},
-        {"tenant": "other/x", "used_bytes": 1},  # no reader counters (an account only)
-    ]}
+    return {
+        "epoch": epoch,
+        "tenants": [
+            {
+                "tenant": scope,
+                "used_bytes": 1,
+                "readers": {
+                    "lookups": {"decode": 1},
+                    "prompt_tokens": {"decode": {"pool": pool, "computed": computed}},
+                    "handoff_waits": waits,
+                    "handoff_timeouts": timeouts,
+                },
+            },
+            {"tenant": "other/x", "used_bytes": 1},  # no reader counters (an account only)
+        ],
+    }
 
 
 class TestWindow:
@@ -74,8 +85,12 @@ def judge(reads: DecodeReads | None, *, reachable: bool | None = True, pool: str
 class TestCondition:
     def test_decode_loading_from_the_pool_is_active(self) -> None:
         c = judge(DecodeReads(pool=9000, computed=1000))
-        assert (c.type, c.status, c.reason, c.observed_generation) == ("DisaggregationActive", "True",
-                                                                        "DecodeLoadsFromPool", 3)
+        assert (c.type, c.status, c.reason, c.observed_generation) == (
+            "DisaggregationActive",
+            "True",
+            "DecodeLoadsFromPool",
+            3,
+        )
         assert "computed 10% of its prompt tokens" in c.message and "last 300 s" in c.message
 
     def test_decode_computing_most_of_its_prompts_is_not(self) -> None:

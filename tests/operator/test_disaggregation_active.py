@@ -70,8 +70,13 @@ def disaggregation(obj: dict[str, Any], status: str, reason: str) -> bool:
 def test_hits_are_active_misses_are_recomputing(cluster: KubeEmulator, pool_daemon: tuple[Daemon, Path, bytes]) -> None:
     d, workdir, key = pool_daemon
     port = int(d.ready["metrics"].rsplit(":", 1)[1])
-    op = RunningOperator(cluster, fetch_daemon_status, resync_seconds=3600, workers=2,  # type: ignore[arg-type]
-                         usage_interval=1.0).start()
+    op = RunningOperator(
+        cluster,
+        fetch_daemon_status,
+        resync_seconds=3600,
+        workers=2,  # type: ignore[arg-type]
+        usage_interval=1.0,
+    ).start()
     try:
         cluster.create(pool(daemon={"metricsPort": port}))
         cluster.wait_for("daemonsets.apps", "local-shm-agent", POOL_NS)
@@ -99,8 +104,10 @@ def test_hits_are_active_misses_are_recomputing(cluster: KubeEmulator, pool_daem
         assert ok["status"]["conditions"][-1]["type"] == "DisaggregationActive"
         labels = {"namespace": GROUP_NS, "group": "hits"}
         assert REGISTRY.get_sample_value("maru_operator_group_decode_pool_share", labels) == 1.0
-        assert REGISTRY.get_sample_value("maru_operator_group_decode_prompt_tokens",
-                                         {**labels, "source": "pool"}) == 4 * KEYS * 256
+        assert (
+            REGISTRY.get_sample_value("maru_operator_group_decode_prompt_tokens", {**labels, "source": "pool"})
+            == 4 * KEYS * 256
+        )
 
         # Judged and idle: polls every second change nothing, so nothing is written.
         mark = cluster.mark()

@@ -49,7 +49,10 @@ def test_the_crds_name_each_default_image_without_a_registry_or_version() -> Non
 def test_one_registry_moves_every_default_and_a_whole_reference_wins() -> None:
     images = ImageDefaults(registry=MIRROR, tag="9.9.9", router="other.example.com/router:1")
     assert (images.pool_image, images.vllm_image, images.router_image) == (
-        f"{MIRROR}/maru-pool:9.9.9", f"{MIRROR}/vllm-maru:9.9.9", "other.example.com/router:1")
+        f"{MIRROR}/maru-pool:9.9.9",
+        f"{MIRROR}/vllm-maru:9.9.9",
+        "other.example.com/router:1",
+    )
 
 
 def test_an_image_the_object_names_wins() -> None:
@@ -66,21 +69,26 @@ def test_an_image_the_object_names_wins() -> None:
 
 
 def test_flags() -> None:
-    args = _parser().parse_args(["run", "--image-registry", MIRROR + "/", "--image-tag", "1.2.3",
-                                 "--vllm-image", "mine/vllm:gpu"])
+    args = _parser().parse_args(
+        ["run", "--image-registry", MIRROR + "/", "--image-tag", "1.2.3", "--vllm-image", "mine/vllm:gpu"]
+    )
     assert image_defaults(args) == ImageDefaults(registry=MIRROR, tag="1.2.3", vllm="mine/vllm:gpu")
     assert image_defaults(_parser().parse_args(["render", "-f", "x"])) == DEFAULT_IMAGES
 
 
-@pytest.mark.parametrize(("flag", "value", "rule"), [
-    ("--image-registry", "https://registry.example.com", "no scheme"),
-    ("--image-registry", "Registry.Example.com/Maru", "lower case"),
-    ("--image-registry", "ghcr.io/maru-pd/maru-pool:0.1.0", "no tag"),
-    ("--image-tag", "-bad", "is not an image tag"),
-    ("--pool-image", "ghcr.io/x y", "is not an image reference"),
-])
-def test_a_bad_flag_names_itself_and_the_rule(flag: str, value: str, rule: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flag", "value", "rule"),
+    [
+        ("--image-registry", "https://registry.example.com", "no scheme"),
+        ("--image-registry", "Registry.Example.com/Maru", "lower case"),
+        ("--image-registry", "ghcr.io/maru-pd/maru-pool:0.1.0", "no tag"),
+        ("--image-tag", "-bad", "is not an image tag"),
+        ("--pool-image", "ghcr.io/x y", "is not an image reference"),
+    ],
+)
+def test_a_bad_flag_names_itself_and_the_rule(
+    flag: str, value: str, rule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args(["run", f"{flag}={value}"])
     err = capsys.readouterr().err
@@ -114,7 +122,8 @@ def containers(obj: dict[str, Any]) -> dict[str, str]:
 
 @pytest.mark.emulator
 def test_objects_without_images_get_the_registry_prefixed_ones(
-    cluster: KubeEmulator, mirrored_operator: RunningOperator,
+    cluster: KubeEmulator,
+    mirrored_operator: RunningOperator,
 ) -> None:
     cluster.create(pool())
     cluster.create(pool("own-image", daemon={"image": "pools.example.com/maru-pool:custom"}))
@@ -137,5 +146,7 @@ def test_objects_without_images_get_the_registry_prefixed_ones(
         assert containers(dep)["vllm"] == f"{MIRROR}/vllm-maru:{APP_VERSION}"
     router = cluster.wait_for(DEPLOY, "qwen-router", GROUP_NS)
     # vllm-router, behind maru-router from the engines' image (decode-direct keys prompts with vLLM's hashing).
-    assert containers(router) == {"router": f"{MIRROR}/vllm-maru:{APP_VERSION}",
-                                  "vllm-router": f"{MIRROR}/vllm-router:0.1.17"}
+    assert containers(router) == {
+        "router": f"{MIRROR}/vllm-maru:{APP_VERSION}",
+        "vllm-router": f"{MIRROR}/vllm-router:0.1.17",
+    }

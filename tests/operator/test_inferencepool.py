@@ -27,8 +27,10 @@ pytestmark = pytest.mark.emulator
 POOLS = "inferencepools.inference.networking.k8s.io"
 GROUPS = "inferencegroups.maru.io"
 PICKER = {"name": "qwen-epp", "port": {"number": 9002}}
-MISSING = ("InferencePool requested but the CRD inference.networking.k8s.io/v1 InferencePool is not installed: "
-           "install the Gateway API Inference Extension")
+MISSING = (
+    "InferencePool requested but the CRD inference.networking.k8s.io/v1 InferencePool is not installed: "
+    "install the Gateway API Inference Extension"
+)
 
 # The CRD as far as this test needs it: the kind, served and stored at v1 (the real one carries a full schema).
 INFERENCE_POOL_CRD: dict[str, Any] = {
@@ -38,10 +40,21 @@ INFERENCE_POOL_CRD: dict[str, Any] = {
     "spec": {
         "group": "inference.networking.k8s.io",
         "scope": "Namespaced",
-        "names": {"plural": "inferencepools", "singular": "inferencepool", "kind": "InferencePool",
-                  "listKind": "InferencePoolList"},
-        "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                      "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+        "names": {
+            "plural": "inferencepools",
+            "singular": "inferencepool",
+            "kind": "InferencePool",
+            "listKind": "InferencePoolList",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
     },
 }
 
@@ -74,15 +87,24 @@ def test_the_group_gets_its_inference_pool_within_the_documented_rbac(cluster: K
         cluster.create(pool())
         cluster.create(_gateway_group())
         made = cluster.wait_for(POOLS, "qwen", GROUP_NS)
-        assert made["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": "vllm",
-                                                            "app.kubernetes.io/instance": "qwen"}}
+        assert made["spec"]["selector"] == {
+            "matchLabels": {"app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": "qwen"}
+        }
         assert made["spec"]["targetPorts"] == [{"number": 8000}]
-        assert made["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "qwen-epp", "port": {"number": 9002},
-                                                     "failureMode": "FailClose"}
+        assert made["spec"]["endpointPickerRef"] == {
+            "kind": "Service",
+            "name": "qwen-epp",
+            "port": {"number": 9002},
+            "failureMode": "FailClose",
+        }
         (ref,) = made["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"]) == ("InferenceGroup", "qwen")
-        body = cluster.wait_for(GROUPS, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True")
-                                and has_condition(o, "InferencePoolReady", "True", "Written"))
+        body = cluster.wait_for(
+            GROUPS,
+            "qwen",
+            GROUP_NS,
+            lambda o: has_condition(o, "Ready", "True") and has_condition(o, "InferencePoolReady", "True", "Written"),
+        )
         # Both roles' pods carry what the pool selects (the simulated controllers make no pods: the templates).
         for role in ("prefill", "decode"):
             template = cluster.get("deployments.apps", f"qwen-{role}", GROUP_NS)["spec"]["template"]  # type: ignore[index]
@@ -95,8 +117,15 @@ def test_the_group_gets_its_inference_pool_within_the_documented_rbac(cluster: K
 
         cluster.patch(GROUPS, "qwen", {"spec": {"inferencePool": {"enabled": False}}}, GROUP_NS)
         cluster.wait_gone(POOLS, "qwen", GROUP_NS)
-        cluster.wait_for(GROUPS, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True") and not any(
-            c["type"] == "InferencePoolReady" for c in o["status"]["conditions"]))
+        cluster.wait_for(
+            GROUPS,
+            "qwen",
+            GROUP_NS,
+            lambda o: (
+                has_condition(o, "Ready", "True")
+                and not any(c["type"] == "InferencePoolReady" for c in o["status"]["conditions"])
+            ),
+        )
         settle(op)
     finally:
         op.stop()
@@ -114,15 +143,24 @@ def test_without_the_crd_the_group_serves_and_says_what_to_install(cluster: Kube
         controller.inference_pools.recheck_seconds = 1.0  # instead of a minute: the test installs the CRD later
         cluster.create(pool())
         cluster.create(_gateway_group())
-        body = cluster.wait_for(GROUPS, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True")
-                                and has_condition(o, "InferencePoolReady", "False", "CRDNotInstalled"))
+        body = cluster.wait_for(
+            GROUPS,
+            "qwen",
+            GROUP_NS,
+            lambda o: (
+                has_condition(o, "Ready", "True") and has_condition(o, "InferencePoolReady", "False", "CRDNotInstalled")
+            ),
+        )
         assert MISSING in condition_of(body, "InferencePoolReady")["message"]
         settle(op)
         # Several looks at discovery later (the group looks again each recheck), still one Event, nothing else.
         time.sleep(3)
         settle(op)
-        events = [e for e in cluster.list("events", GROUP_NS)
-                  if e["involvedObject"]["name"] == "qwen" and e["reason"] == "CRDNotInstalled"]
+        events = [
+            e
+            for e in cluster.list("events", GROUP_NS)
+            if e["involvedObject"]["name"] == "qwen" and e["reason"] == "CRDNotInstalled"
+        ]
         assert len(events) == 1, events
         assert events[0]["type"] == "Warning" and MISSING in events[0]["message"]
         assert not _pool_requests(cluster), _pool_requests(cluster)
@@ -131,8 +169,9 @@ def test_without_the_crd_the_group_serves_and_says_what_to_install(cluster: Kube
         mark = len(cluster.requests)
         time.sleep(2.5)
         settle(op, resync=False)
-        writes = [f"{r.method} {r.path}" for r in cluster.requests_since(mark)
-                  if r.is_write and "/leases/" not in r.path]
+        writes = [
+            f"{r.method} {r.path}" for r in cluster.requests_since(mark) if r.is_write and "/leases/" not in r.path
+        ]
         assert not writes, writes
 
         cluster.create(INFERENCE_POOL_CRD)
@@ -183,11 +222,15 @@ def test_a_failed_discovery_is_not_a_missing_crd(cluster: KubeEmulator, stats: S
     try:
         mark = len(cluster.requests)
         cluster.inject_fault(r"^/apis/inference\.networking\.k8s\.io/v1/?$", 500, method="GET", times=10_000)
-        op.call(lambda: setattr(op.runtime.controller, "inference_pools",
-                                OptionalKind("InferencePool", recheck_seconds=0.5)))
+        op.call(
+            lambda: setattr(
+                op.runtime.controller, "inference_pools", OptionalKind("InferencePool", recheck_seconds=0.5)
+            )
+        )
         cluster.patch(GROUPS, "qwen", {"metadata": {"annotations": {"touched": "1"}}}, GROUP_NS)
-        body = cluster.wait_for(GROUPS, "qwen", GROUP_NS,
-                                lambda o: has_condition(o, "InferencePoolReady", "Unknown", "DiscoveryFailed"))
+        body = cluster.wait_for(
+            GROUPS, "qwen", GROUP_NS, lambda o: has_condition(o, "InferencePoolReady", "Unknown", "DiscoveryFailed")
+        )
         assert has_condition(body, "Ready", "True")
         time.sleep(1.2)  # a few more looks at discovery, each failing
         settle(op)
@@ -211,14 +254,16 @@ def test_an_inference_pool_deleted_in_a_watch_gap_is_made_again_at_the_resync(
 
     op, made = _served_group(cluster, stats)
     try:
+
         def watch_gap(emulator: Any) -> None:
             emulator.drop_watches(r"/inferencepools")
             emulator.delete_object("inference.networking.k8s.io", "inferencepools", GROUP_NS, "qwen")
             emulator.compact()
 
         cluster.call(watch_gap, cluster.emulator)
-        cluster.wait_until(lambda e: any("/inferencepools" in p for p in e.open_watches()),
-                           message="the InferencePool watch, again")
+        cluster.wait_until(
+            lambda e: any("/inferencepools" in p for p in e.open_watches()), message="the InferencePool watch, again"
+        )
         settle(op, resync=False)
         on_loop(op, handlers.relist(op.runtime.kube, [], metadata_only=True))
         again = cluster.wait_for(POOLS, "qwen", GROUP_NS)

@@ -42,8 +42,14 @@ def events(kube: KubeEmulator, namespace: str, name: str) -> list[dict[str, Any]
 def wait_event(kube: KubeEmulator, namespace: str, name: str, reason: str) -> dict[str, Any]:
     """The first Event with this reason on the object (Events are posted right after the status write)."""
     return kube.wait_until(
-        lambda e: next((ev for ev in e.list_objects("", "events", namespace)
-                        if ev.get("involvedObject", {}).get("name") == name and ev.get("reason") == reason), None),
+        lambda e: next(
+            (
+                ev
+                for ev in e.list_objects("", "events", namespace)
+                if ev.get("involvedObject", {}).get("name") == name and ev.get("reason") == reason
+            ),
+            None,
+        ),
         message=f"an Event {reason} on {namespace}/{name}",
     )
 
@@ -70,10 +76,16 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     # Ready as soon as the router Service has a ready endpoint; the replica counts may follow a moment later.
     ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: ready(o) and o["status"]["router"]["summary"] == "1/1")
     uid = ig["metadata"]["uid"]
-    for resource, name in [(DEPLOY, "qwen-prefill"), (DEPLOY, "qwen-decode"), (DEPLOY, "qwen-router"),
-                           ("services", "qwen"), ("serviceaccounts", "qwen-router"),
-                           ("rolebindings.rbac.authorization.k8s.io", "qwen-router-pods"),
-                           (NETPOL, "qwen-vllm"), (NETPOL, "qwen-router")]:
+    for resource, name in [
+        (DEPLOY, "qwen-prefill"),
+        (DEPLOY, "qwen-decode"),
+        (DEPLOY, "qwen-router"),
+        ("services", "qwen"),
+        ("serviceaccounts", "qwen-router"),
+        ("rolebindings.rbac.authorization.k8s.io", "qwen-router-pods"),
+        (NETPOL, "qwen-vllm"),
+        (NETPOL, "qwen-router"),
+    ]:
         child = cluster.get(resource, name, GROUP_NS)
         assert child is not None, f"{resource} {name} missing"
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -95,14 +107,30 @@ def test_an_upgrade_prunes_the_router_role_of_earlier_versions(
     wait_group_ready(cluster)
     account = cluster.get("serviceaccounts", "qwen-router", GROUP_NS)
     assert account is not None
-    meta = {"name": "qwen-router", "namespace": GROUP_NS, "labels": account["metadata"]["labels"],
-            "ownerReferences": account["metadata"]["ownerReferences"]}
+    meta = {
+        "name": "qwen-router",
+        "namespace": GROUP_NS,
+        "labels": account["metadata"]["labels"],
+        "ownerReferences": account["metadata"]["ownerReferences"],
+    }
     rbac = "rbac.authorization.k8s.io"
-    cluster.create({"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": meta,
-                    "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]})
-    cluster.create({"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": meta,
-                    "roleRef": {"apiGroup": rbac, "kind": "Role", "name": "qwen-router"},
-                    "subjects": [{"kind": "ServiceAccount", "name": "qwen-router", "namespace": GROUP_NS}]})
+    cluster.create(
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        }
+    )
+    cluster.create(
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": rbac, "kind": "Role", "name": "qwen-router"},
+            "subjects": [{"kind": "ServiceAccount", "name": "qwen-router", "namespace": GROUP_NS}],
+        }
+    )
     cluster.wait_gone(f"roles.{rbac}", "qwen-router", GROUP_NS)
     cluster.wait_gone(f"rolebindings.{rbac}", "qwen-router", GROUP_NS)
     binding = cluster.get(f"rolebindings.{rbac}", "qwen-router-pods", GROUP_NS)
@@ -129,16 +157,29 @@ def test_network_policies_are_children_kept_as_built(
 def test_update_rolls_children(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
     cluster.create(group())
     wait_group_ready(cluster)
-    cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 3, "extraArgs": ["--max-num-seqs=8"]},
-                                        "connector": {"chunkTokens": 512}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {"spec": {"decode": {"replicas": 3, "extraArgs": ["--max-num-seqs=8"]}, "connector": {"chunkTokens": 512}}},
+        GROUP_NS,
+    )
     decode = cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 3)
     args = decode["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-1] == "--max-num-seqs=8"
-    prefill = cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS,
-                               lambda d: '"maru_kv_chunk_tokens":512' in str(d["spec"]["template"]))
+    prefill = cluster.wait_for(
+        DEPLOY, "qwen-prefill", GROUP_NS, lambda d: '"maru_kv_chunk_tokens":512' in str(d["spec"]["template"])
+    )
     assert prefill is not None
-    ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: o.get("status", {})["decode"]["summary"] == "3/3" and ready(o)
-                          and o["status"]["observedGeneration"] == o["metadata"]["generation"])
+    ig = cluster.wait_for(
+        IG,
+        "qwen",
+        GROUP_NS,
+        lambda o: (
+            o.get("status", {})["decode"]["summary"] == "3/3"
+            and ready(o)
+            and o["status"]["observedGeneration"] == o["metadata"]["generation"]
+        ),
+    )
     assert ig["metadata"]["generation"] == 2
 
     cluster.patch(IG, "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
@@ -153,19 +194,36 @@ def test_drift_is_corrected(cluster: KubeEmulator, operator: RunningOperator, re
     original = cluster.get(DEPLOY, "qwen-decode", GROUP_NS)
     assert original is not None
     wanted = original["spec"]["template"]["spec"]["containers"][0]["args"]
-    cluster.patch(DEPLOY, "qwen-decode", {"spec": {"replicas": 7, "template": {"spec": {"containers": [
-        {**original["spec"]["template"]["spec"]["containers"][0], "args": ["hacked"]}]}}}}, GROUP_NS)
-    cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS,
-                     lambda d: d["spec"]["replicas"] == 2
-                     and d["spec"]["template"]["spec"]["containers"][0]["args"] == wanted)
+    cluster.patch(
+        DEPLOY,
+        "qwen-decode",
+        {
+            "spec": {
+                "replicas": 7,
+                "template": {
+                    "spec": {
+                        "containers": [{**original["spec"]["template"]["spec"]["containers"][0], "args": ["hacked"]}]
+                    }
+                },
+            }
+        },
+        GROUP_NS,
+    )
+    cluster.wait_for(
+        DEPLOY,
+        "qwen-decode",
+        GROUP_NS,
+        lambda d: d["spec"]["replicas"] == 2 and d["spec"]["template"]["spec"]["containers"][0]["args"] == wanted,
+    )
     cluster.delete("services", "qwen", GROUP_NS)
     cluster.delete(DS, "local-shm-agent", POOL_NS)
     cluster.wait_for("services", "qwen", GROUP_NS)
     cluster.wait_for(DS, "local-shm-agent", POOL_NS)
 
 
-def test_delete_group_removes_children(cluster: KubeEmulator, operator: RunningOperator,
-                                       ready_pool: dict[str, Any]) -> None:
+def test_delete_group_removes_children(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     wait_group_ready(cluster)
     cluster.delete(IG, "qwen", GROUP_NS)
@@ -219,8 +277,9 @@ def test_namespace_not_allowed(cluster: KubeEmulator, operator: RunningOperator)
     cluster.wait_gone(MP, "local-shm")
 
 
-def test_pool_deletion_waits_for_bound_groups(cluster: KubeEmulator, operator: RunningOperator,
-                                              ready_pool: dict[str, Any]) -> None:
+def test_pool_deletion_waits_for_bound_groups(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     wait_group_ready(cluster)
     cluster.delete(MP, "local-shm")
@@ -259,8 +318,9 @@ def test_group_deleted_during_a_watch_gap_releases_its_pool(cluster: KubeEmulato
         op.stop()
 
 
-def test_pool_with_a_spec_the_model_refuses_can_be_deleted(cluster: KubeEmulator, operator: RunningOperator,
-                                                           ready_pool: dict[str, Any]) -> None:
+def test_pool_with_a_spec_the_model_refuses_can_be_deleted(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     # Stored by an API server that did not run the CRD's CEL rules (or before a CRD upgrade).
     cluster.call(setattr, cluster.emulator, "validate_schemas", False)
     try:
@@ -273,18 +333,32 @@ def test_pool_with_a_spec_the_model_refuses_can_be_deleted(cluster: KubeEmulator
     cluster.wait_gone(MP, "local-shm")
 
 
-def test_child_watches_select_on_the_server(cluster: KubeEmulator, operator: RunningOperator,
-                                            ready_pool: dict[str, Any]) -> None:
+def test_child_watches_select_on_the_server(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     """The operator never streams every Deployment, Service and Role in the cluster."""
     cluster.create(group())
     wait_group_ready(cluster)
     settle(operator)
-    children = ("/deployments", "/daemonsets", "/services", "/serviceaccounts", "/roles", "/rolebindings",
-                "/networkpolicies", "/endpointslices")
+    children = (
+        "/deployments",
+        "/daemonsets",
+        "/services",
+        "/serviceaccounts",
+        "/roles",
+        "/rolebindings",
+        "/networkpolicies",
+        "/endpointslices",
+    )
     reads = [r for r in cluster.requests if r.method == "GET" and r.path.endswith(children)]
     assert {kind for kind in children if any(r.is_watch and r.path.endswith(kind) for r in reads)} == set(children)
-    unselected = sorted({f"{r.path}?{r.query}" for r in reads
-                         if "app.kubernetes.io/managed-by=maru-operator" not in r.query.get("labelSelector", "")})
+    unselected = sorted(
+        {
+            f"{r.path}?{r.query}"
+            for r in reads
+            if "app.kubernetes.io/managed-by=maru-operator" not in r.query.get("labelSelector", "")
+        }
+    )
     assert not unselected, unselected
 
 
@@ -301,8 +375,9 @@ def test_long_names(cluster: KubeEmulator, operator: RunningOperator) -> None:
     assert len(ig["status"]["endpoint"]) < 120
 
 
-def test_idempotent_after_convergence(cluster: KubeEmulator, operator: RunningOperator,
-                                      ready_pool: dict[str, Any]) -> None:
+def test_idempotent_after_convergence(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     cluster.create(group("other"))
     wait_group_ready(cluster)
@@ -318,14 +393,24 @@ def test_idempotent_after_convergence(cluster: KubeEmulator, operator: RunningOp
     assert any(r.method == "GET" for r in reads)  # the resync did run (pool pods are listed)
 
 
-@pytest.mark.parametrize(("spec", "field"), [
-    ({"prefill": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
-      "decode": {"tensorParallelSize": 2}}, "spec.prefill.tensorParallelSize"),
-    ({"decode": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]}}, "spec.decode.env"),
-    ({"decode": {"extraArgs": ["--kv-cache-dtype=fp8"]}}, "spec.decode.extraArgs"),
-], ids=["tp-over-gpus", "hash-seed", "kv-dtype-one-role"])
-def test_semantic_error(cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any],
-                        spec: dict[str, Any], field: str) -> None:
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (
+            {
+                "prefill": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+                "decode": {"tensorParallelSize": 2},
+            },
+            "spec.prefill.tensorParallelSize",
+        ),
+        ({"decode": {"env": [{"name": "PYTHONHASHSEED", "value": "7"}]}}, "spec.decode.env"),
+        ({"decode": {"extraArgs": ["--kv-cache-dtype=fp8"]}}, "spec.decode.extraArgs"),
+    ],
+    ids=["tp-over-gpus", "hash-seed", "kv-dtype-one-role"],
+)
+def test_semantic_error(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any], spec: dict[str, Any], field: str
+) -> None:
     # A fresh invalid group: no child at all.
     cluster.create(group("fresh", **spec))
     ig = cluster.wait_for(IG, "fresh", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec"))
@@ -341,8 +426,12 @@ def test_semantic_error(cluster: KubeEmulator, operator: RunningOperator, ready_
     before = {d["metadata"]["name"]: d["metadata"]["resourceVersion"] for d in cluster.list(DEPLOY, GROUP_NS)}
     mark = cluster.mark()
     cluster.patch(IG, "qwen", {"spec": spec}, GROUP_NS)
-    cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "InvalidSpec")
-                     and o["status"]["observedGeneration"] == 2)
+    cluster.wait_for(
+        IG,
+        "qwen",
+        GROUP_NS,
+        lambda o: has_condition(o, "Ready", "False", "InvalidSpec") and o["status"]["observedGeneration"] == 2,
+    )
     settle(operator)
     after = {d["metadata"]["name"]: d["metadata"]["resourceVersion"] for d in cluster.list(DEPLOY, GROUP_NS)}
     assert after == before
@@ -350,8 +439,9 @@ def test_semantic_error(cluster: KubeEmulator, operator: RunningOperator, ready_
     assert operator.error is None
 
 
-def test_api_errors_and_dropped_watches(cluster: KubeEmulator, operator: RunningOperator,
-                                        ready_pool: dict[str, Any]) -> None:
+def test_api_errors_and_dropped_watches(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     """Each fault is aimed at a request the operator sends, and each must have fired (else it covers nothing)."""
     faults = [
         # Creates are POSTs: an AlreadyExists makes the operator look at the name again, then retry.
@@ -378,14 +468,16 @@ def test_api_errors_and_dropped_watches(cluster: KubeEmulator, operator: Running
     assert all(hits > 0 and left == 0 for _, _, hits, left in fired), fired
 
 
-def test_pool_usage_from_the_daemons(cluster: KubeEmulator, operator: RunningOperator, stats: StubStats,
-                                     ready_pool: dict[str, Any]) -> None:
+def test_pool_usage_from_the_daemons(
+    cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]
+) -> None:
     fake_agent_pod(cluster, "local-shm", "node-1", "10.1.2.3")
     stats.answers["http://10.1.2.3:9400/status"] = {"capacity_bytes": 1 << 30, "used_bytes": 3 << 20, "chunks": 12}
     settle(operator)
     p = cluster.wait_for(MP, "local-shm", None, lambda o: o.get("status", {}).get("used") == "3Mi")
-    assert p["status"]["nodes"] == [{"node": "node-1", "device": "/dev/shm/maru-pool", "capacity": "1Gi",
-                                     "ready": True}]
+    assert p["status"]["nodes"] == [
+        {"node": "node-1", "device": "/dev/shm/maru-pool", "capacity": "1Gi", "ready": True}
+    ]
     stats.answers["http://10.1.2.3:9400/status"] = None  # the daemon stops answering
     settle(operator)
     p = cluster.wait_for(MP, "local-shm", None, lambda o: o.get("status", {}).get("used") == "")
@@ -409,8 +501,9 @@ def test_kubectl_apply_examples(cluster: KubeEmulator, operator: RunningOperator
     assert "qwen-7b" in out and "1/1" in out and "2/2" in out
 
 
-def test_restart_writes_nothing(cluster: KubeEmulator, operator: RunningOperator, stats: StubStats,
-                                ready_pool: dict[str, Any]) -> None:
+def test_restart_writes_nothing(
+    cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     wait_group_ready(cluster)
     cluster.wait_for(MP, "local-shm", None, lambda p: p.get("status", {})["boundGroups"] == 1)

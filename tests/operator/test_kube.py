@@ -76,8 +76,14 @@ def test_lists_are_read_in_pages_and_metadata_only_on_request(tmp_path: Any) -> 
 
     with running_emulator(tmp_path) as cluster:
         for i in range(5):
-            cluster.create({"apiVersion": "v1", "kind": "Service", "metadata": {
-                "name": f"s{i}", "namespace": "default", "labels": {"app": "x"}}, "spec": {"ports": [{"port": 80}]}})
+            cluster.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "metadata": {"name": f"s{i}", "namespace": "default", "labels": {"app": "x"}},
+                    "spec": {"ports": [{"port": 80}]},
+                }
+            )
         mark = cluster.mark()
 
         async def main() -> None:
@@ -100,8 +106,10 @@ def test_a_watch_reads_events_of_any_size_however_they_are_chunked() -> None:
     far larger than the client's read buffer, come out whole and in order."""
     big = {"kind": "Deployment", "metadata": {"name": "big", "annotations": {"a": "x" * 300_000}}}
     small = {"kind": "Deployment", "metadata": {"name": "small"}}
-    lines = b"".join(json.dumps({"type": t, "object": o}).encode() + b"\n"
-                     for t, o in (("ADDED", small), ("MODIFIED", big), ("DELETED", small)))
+    lines = b"".join(
+        json.dumps({"type": t, "object": o}).encode() + b"\n"
+        for t, o in (("ADDED", small), ("MODIFIED", big), ("DELETED", small))
+    )
 
     async def main() -> None:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -109,18 +117,23 @@ def test_a_watch_reads_events_of_any_size_however_they_are_chunked() -> None:
             response = web.StreamResponse()
             await response.prepare(request)
             for at in range(0, len(lines), 7000):  # cuts through lines, as a network does
-                await response.write(lines[at:at + 7000])
+                await response.write(lines[at : at + 7000])
             await response.write_eof()
             return response
 
         runner, url = await serve(handler)
         try:
             async with Kube(kopf.ConnectionInfo(server=url)) as client:
-                seen = [(t, o["metadata"]["name"], len(json.dumps(o)))
-                        async for t, o in client.watch("Deployment", None, "a=b", "7")]
+                seen = [
+                    (t, o["metadata"]["name"], len(json.dumps(o)))
+                    async for t, o in client.watch("Deployment", None, "a=b", "7")
+                ]
         finally:
             await runner.cleanup()
-        assert seen == [("ADDED", "small", len(json.dumps(small))), ("MODIFIED", "big", len(json.dumps(big))),
-                        ("DELETED", "small", len(json.dumps(small)))]
+        assert seen == [
+            ("ADDED", "small", len(json.dumps(small))),
+            ("MODIFIED", "big", len(json.dumps(big))),
+            ("DELETED", "small", len(json.dumps(small))),
+        ]
 
     asyncio.run(main())

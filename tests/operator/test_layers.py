@@ -12,8 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_import_contracts_hold() -> None:
     lint = shutil.which("lint-imports", path=str(pathlib.Path(sys.executable).parent)) or "lint-imports"
-    result = subprocess.run([lint, "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [lint, "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "broken" in result.stdout and "0 broken" in result.stdout
 

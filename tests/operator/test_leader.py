@@ -9,8 +9,9 @@ from typing import Any
 from maru_operator.kube import ApiError
 from maru_operator.leader import LeaderElector, LeaseSettings
 
-SETTINGS = LeaseSettings(namespace="default", name="maru-operator", identity="me", lease_seconds=3.0,
-                         renew_deadline=1.0, retry_period=0.05)
+SETTINGS = LeaseSettings(
+    namespace="default", name="maru-operator", identity="me", lease_seconds=3.0, renew_deadline=1.0, retry_period=0.05
+)
 
 
 class FakeKube:

@@ -53,9 +53,23 @@ def real_daemon(tmp_path: pathlib.Path) -> Iterator[int]:
     """A real `maru-pool serve` on loopback; yields its metrics port."""
     shm = f"/dev/shm/maru-op-test-{uuid.uuid4().hex[:8]}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maru_connector.pool", "serve", "--listen", f"unix://{tmp_path}/pool.sock",
-         "--size", "16Mi", "--shm-path", shm, "--metrics-addr", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "maru_connector.pool",
+            "serve",
+            "--listen",
+            f"unix://{tmp_path}/pool.sock",
+            "--size",
+            "16Mi",
+            "--shm-path",
+            shm,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -90,8 +104,12 @@ def test_pool_status_from_a_real_daemon(cluster: KubeEmulator, real_daemon: int)
         fake_agent_pod(cluster, "local-shm", "node-1", "127.0.0.1")
         # Pods are not watched; a DaemonSet change (or the resync) makes the operator look again.
         cluster.patch("daemonsets.apps", "local-shm-agent", {"metadata": {"annotations": {"poke": "1"}}}, POOL_NS)
-        p = cluster.wait_for("marupools.maru.io", "local-shm", None,
-                             lambda o: o.get("status", {}).get("used") == "0" and has_condition(o, "Ready", "True"))
+        p = cluster.wait_for(
+            "marupools.maru.io",
+            "local-shm",
+            None,
+            lambda o: o.get("status", {}).get("used") == "0" and has_condition(o, "Ready", "True"),
+        )
         assert p["status"]["nodes"][0]["capacity"] == "16Mi"
     finally:
         op.stop()

@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def token(group_fields: dict, pool_fields: dict) -> str:
     """The token the node plugin mints for the group's pods, under the pool's policy."""
-    return minted_token(group_spec(**group_fields), GROUP_OWNER, PoolView(name="pool", spec=pool_spec(**pool_fields)),
-                        KEY)
+    return minted_token(
+        group_spec(**group_fields), GROUP_OWNER, PoolView(name="pool", spec=pool_spec(**pool_fields)), KEY
+    )
 
 
 class TestSpecFields:
@@ -60,10 +61,13 @@ class TestTokenCarriesTheQuota:
         assert tenancy.verify(KEY, token({}, {})).quota == tenancy.DEFAULT_QUOTA
 
     def test_group_field_else_pool_default_capped_by_the_ceiling(self) -> None:
-        got = tenancy.verify(KEY, token(
-            {"poolQuota": {"bytes": "3Gi", "pins": 100}},
-            {"tenantQuota": {"pins": 50, "leases": 64}, "maxTenantQuota": {"bytes": "2Gi"}},
-        ))
+        got = tenancy.verify(
+            KEY,
+            token(
+                {"poolQuota": {"bytes": "3Gi", "pins": 100}},
+                {"tenantQuota": {"pins": 50, "leases": 64}, "maxTenantQuota": {"bytes": "2Gi"}},
+            ),
+        )
         assert got == tenancy.tenant("llm/llama")
         # pins: the group asked for 100, over the pool's default of 50 with no ceiling for pins: held to 50.
         assert got.quota == tenancy.Quota(bytes=2 * Gi, pins=50, leases=64)
@@ -78,17 +82,28 @@ class TestTokenCarriesTheQuota:
 
 
 def daemon_tenant(scope: str, used: int, **extra: object) -> dict:
-    return {"tenant": scope, "used_bytes": used, "quota_bytes": 3 * Gi, "chunks": 2, "pins": 1, "leases": 0,
-            "evictions_by_others": 0, "refused": {"bytes": 1, "pins": 2, "leases": 0}, **extra}
+    return {
+        "tenant": scope,
+        "used_bytes": used,
+        "quota_bytes": 3 * Gi,
+        "chunks": 2,
+        "pins": 1,
+        "leases": 0,
+        "evictions_by_others": 0,
+        "refused": {"bytes": 1, "pins": 2, "leases": 0},
+        **extra,
+    }
 
 
 class TestUsageInStatus:
     def test_summed_over_a_shm_pools_nodes(self) -> None:
-        usage = tenant_usage({
-            "node-1": {"tenants": [daemon_tenant("llm/llama", Gi)]},
-            "node-2": {"tenants": [daemon_tenant("llm/llama", Gi), daemon_tenant("other/x", 5)]},
-            "node-3": None,  # did not answer
-        })
+        usage = tenant_usage(
+            {
+                "node-1": {"tenants": [daemon_tenant("llm/llama", Gi)]},
+                "node-2": {"tenants": [daemon_tenant("llm/llama", Gi), daemon_tenant("other/x", 5)]},
+                "node-3": None,  # did not answer
+            }
+        )
         assert usage is not None
         mine = usage["llm/llama"]
         got = (mine.used, mine.used_bytes, mine.quota, mine.chunks, mine.quota_refusals)

@@ -61,15 +61,21 @@ def check_requests(kube: KubeEmulator, namespaced: bool) -> set[Any]:
         used.add(perm)
         lease_path = f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases"
         name = r.path.partition(lease_path + "/")[2].split("/")[0] or None
-        if not allows(*perm, namespaced=namespaced, in_pool_namespace=f"/namespaces/{POOL_NS}/" in r.path,
-                      in_lease_namespace=lease_path in r.path, name=name):
+        if not allows(
+            *perm,
+            namespaced=namespaced,
+            in_pool_namespace=f"/namespaces/{POOL_NS}/" in r.path,
+            in_lease_namespace=lease_path in r.path,
+            name=name,
+        ):
             denied.add((perm, r.path))
     assert not denied, sorted(denied)
     return used
 
 
-def bind_documented_rbac(kube: KubeEmulator, namespaced: bool = False, account: str = "maru-operator",
-                         pool_namespace: str = POOL_NS) -> str:
+def bind_documented_rbac(
+    kube: KubeEmulator, namespaced: bool = False, account: str = "maru-operator", pool_namespace: str = POOL_NS
+) -> str:
     """Grant the operator's ServiceAccount exactly what ``maru-operator rbac`` prints; its token."""
     if kube.get("clusterroles.rbac.authorization.k8s.io", "maru-operator") is None:
         kube.create(cluster_role(namespaced=namespaced))
@@ -126,8 +132,12 @@ def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperat
     apply_conflict = cluster.inject_fault(r"/networkpolicies/qwen-vllm$", 409, method="PATCH", times=1)
     cluster.patch("inferencegroups.maru.io", "qwen", {"spec": {"router": {"enabled": False}}}, GROUP_NS)
     cluster.wait_gone("deployments.apps", "qwen-router", GROUP_NS)
-    cluster.wait_for(NETPOL, "qwen-vllm", GROUP_NS,
-                     lambda p: p["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}])
+    cluster.wait_for(
+        NETPOL,
+        "qwen-vllm",
+        GROUP_NS,
+        lambda p: p["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}],
+    )
     assert cluster.call(lambda: (create_conflict.hits, apply_conflict.hits)) == (1, 1)
     cluster.delete("marupools.maru.io", "local-shm")
     cluster.wait_for("marupools.maru.io", "local-shm", None, lambda p: has_condition(p, "InUse", "True"))
@@ -138,8 +148,11 @@ def test_every_request_is_allowed(cluster: KubeEmulator, operator: RunningOperat
     assert ("patch", "maru.io", "marupools") in used  # the finalizer
     assert ("delete", "apps", "deployments") in used  # pruning
     assert ("list", "", "pods") in used
-    assert {("watch", NETPOL_GROUP, "networkpolicies"), ("patch", NETPOL_GROUP, "networkpolicies"),
-            ("delete", NETPOL_GROUP, "networkpolicies")} <= used  # the router's policy goes with the router
+    assert {
+        ("watch", NETPOL_GROUP, "networkpolicies"),
+        ("patch", NETPOL_GROUP, "networkpolicies"),
+        ("delete", NETPOL_GROUP, "networkpolicies"),
+    } <= used  # the router's policy goes with the router
 
 
 @pytest.mark.emulator
@@ -168,4 +181,5 @@ def test_every_request_is_allowed_in_namespaced_mode(cluster: KubeEmulator, stat
         if perm is None or perm[2].split("/")[0] in cluster_wide_ok:
             continue
         assert any(f"/namespaces/{ns}/" in r.path for ns in (GROUP_NS, POOL_NS)) or (
-            f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases" in r.path), f"{r.method} {r.path}"
+            f"/namespaces/{DEFAULT_LEASE_NAMESPACE}/leases" in r.path
+        ), f"{r.method} {r.path}"

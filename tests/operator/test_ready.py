@@ -39,8 +39,9 @@ def serving(cluster: KubeEmulator, operator: RunningOperator) -> dict[str, Any]:
     return cluster.wait_for(IG, "qwen", GROUP_NS, ready)
 
 
-def test_a_missing_replica_is_degraded_not_unready(cluster: KubeEmulator, operator: RunningOperator,
-                                                   kube_controllers: Any, serving: dict[str, Any]) -> None:
+def test_a_missing_replica_is_degraded_not_unready(
+    cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any, serving: dict[str, Any]
+) -> None:
     kube_controllers.set_readiness(lambda obj: 1 if obj["metadata"]["name"] == "qwen-decode" else True)
     ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Degraded", "True", "ReplicasUnavailable"))
     assert ready(ig), condition_of(ig, "Ready")
@@ -53,8 +54,9 @@ def test_a_missing_replica_is_degraded_not_unready(cluster: KubeEmulator, operat
     ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: ready(o) and has_condition(o, "Degraded", "False"))
 
 
-def test_ready_needs_the_routers_endpoints(cluster: KubeEmulator, operator: RunningOperator,
-                                          kube_controllers: Any) -> None:
+def test_ready_needs_the_routers_endpoints(
+    cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any
+) -> None:
     kube_controllers.hold_endpoints()
     cluster.create(pool())
     cluster.create(group())
@@ -71,8 +73,9 @@ def test_ready_needs_the_routers_endpoints(cluster: KubeEmulator, operator: Runn
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: ready(o) and o["status"]["endpoint"] == "")
 
 
-def test_a_pool_outage_is_degraded_while_vllm_serves(cluster: KubeEmulator, operator: RunningOperator,
-                                                     kube_controllers: Any, serving: dict[str, Any]) -> None:
+def test_a_pool_outage_is_degraded_while_vllm_serves(
+    cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any, serving: dict[str, Any]
+) -> None:
     kube_controllers.set_readiness(lambda obj: 0 if obj["kind"] == "DaemonSet" else True)
     cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "False"))
     ig = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Degraded", "True", "PoolUnavailable"))
@@ -83,8 +86,9 @@ def test_a_pool_outage_is_degraded_while_vllm_serves(cluster: KubeEmulator, oper
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: ready(o) and has_condition(o, "Degraded", "False"))
 
 
-def test_no_node_warning_before_the_daemonset_controller_looked(cluster: KubeEmulator, operator: RunningOperator,
-                                                                kube_controllers: Any) -> None:
+def test_no_node_warning_before_the_daemonset_controller_looked(
+    cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any
+) -> None:
     kube_controllers.pause()
     cluster.create(pool())
     p = cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "False"))

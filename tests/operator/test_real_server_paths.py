@@ -42,15 +42,28 @@ def _deployment_writes(cluster: KubeEmulator, mark: int, role: str) -> list[Any]
     return [r for r in cluster.writes_since(mark) if r.path.endswith(f"/deployments/qwen-{role}")]
 
 
-def test_an_autoscaled_role_drops_fields_and_switches_to_recreate(cluster: KubeEmulator, operator: RunningOperator,
-                                                                  ready_pool: dict[str, Any]) -> None:
-    cluster.create(group(decode={"replicas": 2, "scaler": "External", "nodeSelector": {"zone": "a"},
-                                 "env": [{"name": "EXTRA", "value": "1"}]}))
+def test_an_autoscaled_role_drops_fields_and_switches_to_recreate(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
+    cluster.create(
+        group(
+            decode={
+                "replicas": 2,
+                "scaler": "External",
+                "nodeSelector": {"zone": "a"},
+                "env": [{"name": "EXTRA", "value": "1"}],
+            }
+        )
+    )
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS)
     settle(operator)
     _scale(cluster, "decode", 3)
-    cluster.patch(IG, "qwen", {"spec": {"decode": {"nodeSelector": None, "env": None,
-                                                   "strategy": {"type": "Recreate"}}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {"spec": {"decode": {"nodeSelector": None, "env": None, "strategy": {"type": "Recreate"}}}},
+        GROUP_NS,
+    )
     settle(operator)
     dep = _deployment(cluster, "decode")
     assert "zone" not in (dep["spec"]["template"]["spec"].get("nodeSelector") or {})
@@ -82,7 +95,8 @@ def test_an_autoscaled_role_drops_fields_and_switches_to_recreate(cluster: KubeE
 
 
 def test_an_autoscaled_role_gets_its_replicas_back_when_pool_access_returns(
-        cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group(decode={"replicas": 2, "scaler": "External"}))
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS)
     settle(operator)
@@ -95,18 +109,30 @@ def test_an_autoscaled_role_gets_its_replicas_back_when_pool_access_returns(
     settle(operator)
     assert _deployment(cluster, "decode")["spec"]["replicas"] == 3
     assert _deployment(cluster, "prefill")["spec"]["replicas"] == 1
-    assert not any(k.startswith("maru.io/replicas-before") for k in
-                   _deployment(cluster, "decode")["metadata"].get("annotations") or {})
+    assert not any(
+        k.startswith("maru.io/replicas-before")
+        for k in _deployment(cluster, "decode")["metadata"].get("annotations") or {}
+    )
 
 
-def test_a_refused_child_is_reported_and_the_rest_is_written(cluster: KubeEmulator, operator: RunningOperator,
-                                                             ready_pool: dict[str, Any]) -> None:
+def test_a_refused_child_is_reported_and_the_rest_is_written(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     cluster.wait_for(PVC, "qwen-model-cache", GROUP_NS)
     settle(operator)
     # The claim cannot grow (unbound, or its class does not expand): the server refuses the claim's write.
-    cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": {"size": "400Gi"}},
-                                        "decode": {"podAnnotations": {"edited": "yes"}}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {
+            "spec": {
+                "modelCache": {"persistentVolumeClaim": {"size": "400Gi"}},
+                "decode": {"podAnnotations": {"edited": "yes"}},
+            }
+        },
+        GROUP_NS,
+    )
     body = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Degraded", "True", "ChildRefused"))
     settle(operator)
     degraded = condition_of(body, "Degraded")
@@ -119,14 +145,22 @@ def test_a_refused_child_is_reported_and_the_rest_is_written(cluster: KubeEmulat
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: not has_condition(o, "Degraded", "True", "ChildRefused"))
 
 
-def test_a_status_field_that_becomes_empty_is_cleared(cluster: KubeEmulator, operator: RunningOperator,
-                                                      ready_pool: dict[str, Any]) -> None:
+def test_a_status_field_that_becomes_empty_is_cleared(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "PoolBound", "True"))
     settle(operator)
     # What a pool's poll wrote while the group was bound.
-    cluster.patch_status(IG, "qwen", {**(cluster.get(IG, "qwen", GROUP_NS) or {})["status"],
-                                      "poolUsage": {"used": "1Mi", "usedBytes": 1048576, "chunks": 3}}, GROUP_NS)
+    cluster.patch_status(
+        IG,
+        "qwen",
+        {
+            **(cluster.get(IG, "qwen", GROUP_NS) or {})["status"],
+            "poolUsage": {"used": "1Mi", "usedBytes": 1048576, "chunks": 3},
+        },
+        GROUP_NS,
+    )
     cluster.patch(IG, "qwen", {"spec": {"poolRef": {"name": "gone"}}}, GROUP_NS)
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "PoolBound", "False"))
     settle(operator)
@@ -140,21 +174,40 @@ def test_a_status_field_that_becomes_empty_is_cleared(cluster: KubeEmulator, ope
 
 def test_a_downward_api_item_without_its_api_version_is_in_sync(cluster: KubeEmulator) -> None:
     """The server fills in every fieldRef's apiVersion, also in a downwardAPI volume's items (an atomic list)."""
-    body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "default"},
-            "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
+    body = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "default"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {
                 "metadata": {"labels": {"a": "b"}},
-                "spec": {"containers": [{"name": "c", "image": "x:1"}], "volumes": [{"name": "info", "downwardAPI": {
-                    "items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}}]}}}}
+                "spec": {
+                    "containers": [{"name": "c", "image": "x:1"}],
+                    "volumes": [
+                        {
+                            "name": "info",
+                            "downwardAPI": {"items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]},
+                        }
+                    ],
+                },
+            },
+        },
+    }
 
     async def main() -> None:
         async with Kube(cluster.kopf_connection()) as client:
             created = await client.create(created_body(body))
             assert created["spec"]["template"]["spec"]["volumes"][0]["downwardAPI"]["items"][0]["fieldRef"] == {
-                "apiVersion": "v1", "fieldPath": "metadata.name"}
+                "apiVersion": "v1",
+                "fieldPath": "metadata.name",
+            }
             assert out_of_sync(body, created) is None
             applied = await client.apply(body)
-            assert any(e["manager"] == FIELD_MANAGER and e["operation"] == "Apply"
-                       for e in applied["metadata"]["managedFields"])
+            assert any(
+                e["manager"] == FIELD_MANAGER and e["operation"] == "Apply"
+                for e in applied["metadata"]["managedFields"]
+            )
             assert out_of_sync(body, applied) is None
 
     asyncio.run(main())
@@ -170,7 +223,8 @@ def paced_operator(cluster: KubeEmulator, stats: Any) -> Any:
 
 
 def test_a_first_rollout_with_a_new_generation_does_not_hold_other_groups(
-        cluster: KubeEmulator, kube_controllers: Any, paced_operator: RunningOperator) -> None:
+    cluster: KubeEmulator, kube_controllers: Any, paced_operator: RunningOperator
+) -> None:
     """A Deployment's generation moves with its annotations too: a group still in its first rollout whose
     Deployment got an annotation change is not rolling a new template, and holds no other group's change."""
     cluster.create(pool())
@@ -185,15 +239,17 @@ def test_a_first_rollout_with_a_new_generation_does_not_hold_other_groups(
     a = cluster.wait_for(DEPLOY, "a-decode", GROUP_NS, lambda d: d["metadata"]["generation"] > 1)
     assert a["metadata"]["annotations"].get("deployment.kubernetes.io/revision") == "1"
     cluster.patch(IG, "b", {"spec": {"decode": {"env": [{"name": "NEW", "value": "1"}]}}}, GROUP_NS)
-    cluster.wait_for(DEPLOY, "b-decode", GROUP_NS, lambda d: any(
-        e["name"] == "NEW" for e in _vllm(d).get("env") or []))
+    cluster.wait_for(DEPLOY, "b-decode", GROUP_NS, lambda d: any(e["name"] == "NEW" for e in _vllm(d).get("env") or []))
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"accessMode": "ReadWriteOnce"}, "accessMode"),
-    ({"storageClassName": "other"}, "storageClassName"),
-    ({"size": "100Gi"}, "size"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"accessMode": "ReadWriteOnce"}, "accessMode"),
+        ({"storageClassName": "other"}, "storageClassName"),
+        ({"size": "100Gi"}, "size"),
+    ],
+)
 def test_the_groups_claim_only_grows(cluster: KubeEmulator, change: dict[str, Any], field: str) -> None:
     """The CRD refuses what kube-apiserver would refuse on the claim, naming the group's field."""
     from maru_localcluster.apiserver import ApiError
@@ -202,10 +258,22 @@ def test_the_groups_claim_only_grows(cluster: KubeEmulator, change: dict[str, An
     with pytest.raises(ApiError) as refused:
         cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": change}}}, GROUP_NS)
     assert refused.value.code == 422
-    assert f"spec.modelCache.persistentVolumeClaim.{field}: {field} of the group's model cache claim" \
-        in refused.value.message, refused.value.message
+    assert (
+        f"spec.modelCache.persistentVolumeClaim.{field}: {field} of the group's model cache claim"
+        in refused.value.message
+    ), refused.value.message
     grown = cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": {"size": "1Ti"}}}}, GROUP_NS)
     assert grown["spec"]["modelCache"]["persistentVolumeClaim"]["size"] == "1Ti"
     # Another claim by name: the operator's own is no longer the group's, nothing to keep.
-    cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": {
-        "claimName": "shared", "accessMode": "ReadOnlyMany", "size": "1Gi"}}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {
+            "spec": {
+                "modelCache": {
+                    "persistentVolumeClaim": {"claimName": "shared", "accessMode": "ReadOnlyMany", "size": "1Gi"}
+                }
+            }
+        },
+        GROUP_NS,
+    )

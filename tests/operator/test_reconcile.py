@@ -25,14 +25,19 @@ from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
 def server_version(obj: dict) -> dict:
     """What an API server hands back: defaults filled in, empties dropped, metadata added."""
     actual = copy.deepcopy(obj)
-    actual["metadata"].update(uid="x", resourceVersion="7", generation=1, creationTimestamp="2026-01-01T00:00:00Z",
-                              annotations={**obj["metadata"].get("annotations", {}),
-                                           "deployment.kubernetes.io/revision": "1"})
+    actual["metadata"].update(
+        uid="x",
+        resourceVersion="7",
+        generation=1,
+        creationTimestamp="2026-01-01T00:00:00Z",
+        annotations={**obj["metadata"].get("annotations", {}), "deployment.kubernetes.io/revision": "1"},
+    )
     spec = actual["spec"]
     spec.setdefault("revisionHistoryLimit", 10)
     spec.setdefault("progressDeadlineSeconds", 600)
-    spec.setdefault("strategy", {"type": "RollingUpdate",
-                                 "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}})
+    spec.setdefault(
+        "strategy", {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
+    )
     pod = spec["template"]["spec"]
     pod.update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="default-scheduler")
     for c in pod["containers"]:
@@ -45,8 +50,12 @@ def server_version(obj: dict) -> dict:
 
 @pytest.fixture
 def desired() -> dict:
-    return build_role_deployment(group_spec(prefill={"resources": {"limits": {"memory": "1024Mi", "cpu": 2}}}),
-                                 "prefill", GROUP_OWNER, pool_view())
+    return build_role_deployment(
+        group_spec(prefill={"resources": {"limits": {"memory": "1024Mi", "cpu": 2}}}),
+        "prefill",
+        GROUP_OWNER,
+        pool_view(),
+    )
 
 
 def test_server_defaults_are_not_drift(desired: dict) -> None:
@@ -114,7 +123,8 @@ def applied(actual: dict, *paths: tuple[str, ...], manager: str = "maru-operator
         for part in path:
             node = node.setdefault(part, {})
     actual["metadata"].setdefault("managedFields", []).append(
-        {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": tree})
+        {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": tree}
+    )
     return actual
 
 
@@ -150,14 +160,19 @@ def test_an_atomic_list_owned_whole_must_equal_the_desired_one() -> None:
     from maru_operator.builders.netpol import DEFAULT_NETWORK, build_group_policies
 
     with_router = build_group_policies(group_spec(), GROUP_OWNER, pool_view(), "maru-system", DEFAULT_NETWORK)[0]
-    without = build_group_policies(group_spec(router={"enabled": False}), GROUP_OWNER, pool_view(), "maru-system",
-                                   DEFAULT_NETWORK)[0]
+    without = build_group_policies(
+        group_spec(router={"enabled": False}), GROUP_OWNER, pool_view(), "maru-system", DEFAULT_NETWORK
+    )[0]
     # The router's rule also opens the engines' KV-events port to it: left out, its rule differs by its peers alone.
     with_router["spec"]["ingress"][0]["ports"] = copy.deepcopy(without["spec"]["ingress"][0]["ports"])
     stored = copy.deepcopy(with_router)
     stored["metadata"].update(uid="x", resourceVersion="7", generation=1)
-    actual = applied(copy.deepcopy(stored), ("f:spec", "f:ingress"), ("f:spec", "f:egress"),
-                     ("f:spec", "f:podSelector", "f:matchLabels", "f:app.kubernetes.io/name"))
+    actual = applied(
+        copy.deepcopy(stored),
+        ("f:spec", "f:ingress"),
+        ("f:spec", "f:egress"),
+        ("f:spec", "f:podSelector", "f:matchLabels", "f:app.kubernetes.io/name"),
+    )
     assert out_of_sync(with_router, actual) is None
     # Each rule of the wanted ingress is part of a rule present: the subset test alone sees no change.
     assert is_subset(without["spec"]["ingress"], actual["spec"]["ingress"]) is None
@@ -174,10 +189,14 @@ def test_objects_written_before_server_side_apply_are_taken_over(desired: dict) 
     applied(legacy, ("f:metadata", "f:labels", "f:x"), operation="Update")  # a second update entry of ours
     applied(legacy, ("f:metadata", "f:annotations", "f:y"), manager="kubectl-annotate", operation="Update")
     adopted = adopted_ownership(legacy)
-    assert [(e["manager"], e["operation"]) for e in adopted] == [("kubectl-annotate", "Update"),
-                                                                 ("maru-operator", "Apply")]
-    assert adopted[1]["fieldsV1"] == {"f:spec": {"f:template": {"f:spec": {"f:nodeSelector": {}}}},
-                                      "f:metadata": {"f:labels": {"f:x": {}}}}
+    assert [(e["manager"], e["operation"]) for e in adopted] == [
+        ("kubectl-annotate", "Update"),
+        ("maru-operator", "Apply"),
+    ]
+    assert adopted[1]["fieldsV1"] == {
+        "f:spec": {"f:template": {"f:spec": {"f:nodeSelector": {}}}},
+        "f:metadata": {"f:labels": {"f:x": {}}},
+    }
     assert not legacy_owner({"metadata": {"managedFields": adopted}})  # adopted: an apply removes them now
 
 
@@ -185,8 +204,13 @@ def test_a_created_child_is_in_sync_until_the_spec_drops_a_field_the_create_set(
     """Created, never applied to: the create's entry owns its fields and the server's defaults alike."""
     with_selector = copy.deepcopy(desired)
     with_selector["spec"]["template"]["spec"]["nodeSelector"] = {"gpu": "a100"}
-    created = applied(server_version(created_body(with_selector)), (*POD, "f:nodeSelector"),
-                      (*POD, "f:restartPolicy"), ("f:spec", "f:revisionHistoryLimit"), operation="Update")
+    created = applied(
+        server_version(created_body(with_selector)),
+        (*POD, "f:nodeSelector"),
+        (*POD, "f:restartPolicy"),
+        ("f:spec", "f:revisionHistoryLimit"),
+        operation="Update",
+    )
     assert legacy_owner(created)
     # Defaults the spec never set are no reason to write: a converged fleet stays unwritten across restarts.
     assert out_of_sync(with_selector, created) is None
@@ -213,8 +237,13 @@ def test_controlled_by_needs_the_owners_uid() -> None:
 
 def test_a_created_childs_fields_are_adopted_without_the_servers_defaults(desired: dict) -> None:
     """kube-apiserver records a create's defaults as the creator's: adopted, they would look stale."""
-    created = applied(server_version(desired), (*POD, "f:restartPolicy"), ("f:spec", "f:revisionHistoryLimit"),
-                      ("f:metadata", "f:labels", "f:app.kubernetes.io/name"), operation="Update")
+    created = applied(
+        server_version(desired),
+        (*POD, "f:restartPolicy"),
+        ("f:spec", "f:revisionHistoryLimit"),
+        ("f:metadata", "f:labels", "f:app.kubernetes.io/name"),
+        operation="Update",
+    )
     adopted = adopted_ownership(created, desired=desired)
     assert adopted[-1]["fieldsV1"] == {"f:metadata": {"f:labels": {"f:app.kubernetes.io/name": {}}}}
     assert stale_field(desired, {"metadata": {"managedFields": adopted}}) is None
@@ -224,13 +253,30 @@ def test_a_field_reference_owned_whole_is_not_drift_for_its_defaulted_api_versio
     """ObjectFieldSelector is +structType=atomic: the server records fieldRef as one leaf and fills in its
     apiVersion. A restarted operator must not take that for a change (one write per restart)."""
     env = {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
-    desired = {"kind": "DaemonSet", "metadata": {"name": "a", "namespace": "p"}, "spec": {"template": {"spec": {
-        "containers": [{"name": "agent", "env": [env]}]}}}}
+    desired = {
+        "kind": "DaemonSet",
+        "metadata": {"name": "a", "namespace": "p"},
+        "spec": {"template": {"spec": {"containers": [{"name": "agent", "env": [env]}]}}},
+    }
     actual = copy.deepcopy(desired)
     actual["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["apiVersion"] = "v1"
-    leaf = {"f:spec": {"f:template": {"f:spec": {"f:containers": {'k:{"name":"agent"}': {
-        ".": {}, "f:name": {}, "f:env": {'k:{"name":"NODE_NAME"}': {
-            ".": {}, "f:name": {}, "f:valueFrom": {"f:fieldRef": {}}}}}}}}}}
+    leaf = {
+        "f:spec": {
+            "f:template": {
+                "f:spec": {
+                    "f:containers": {
+                        'k:{"name":"agent"}': {
+                            ".": {},
+                            "f:name": {},
+                            "f:env": {
+                                'k:{"name":"NODE_NAME"}': {".": {}, "f:name": {}, "f:valueFrom": {"f:fieldRef": {}}}
+                            },
+                        }
+                    }
+                }
+            }
+        }
+    }
     actual["metadata"]["managedFields"] = [{"manager": "maru-operator", "operation": "Apply", "fieldsV1": leaf}]
     assert out_of_sync(desired, actual) is None
     actual["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] = "x"

@@ -50,9 +50,13 @@ class Processes:
             env["KUBECONFIG"] = str(self.kube.kubeconfig_for(token, self.tmp / f"{name}.kubeconfig"))
         log = self.tmp / f"{name}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "maru_operator", "run", "--liveness", "",
-                                     "--metrics-port", "0", *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    cwd=ROOT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "maru_operator", "run", "--liveness", "", "--metrics-port", "0", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
         self.running[name] = (proc, log)
 
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
@@ -108,9 +112,13 @@ def test_replicas_elect_one_leader_and_hand_over(cluster: KubeEmulator, processe
 
         # The leader stops (a rolling update, a drain): it gives the Lease up, the standby takes over.
         processes.stop(leader)
-        cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
-                         lambda o: o["spec"].get("holderIdentity") not in (None, lease["spec"]["holderIdentity"]),
-                         timeout=10)
+        cluster.wait_for(
+            "leases.coordination.k8s.io",
+            "maru-operator",
+            LEASE_NS,
+            lambda o: o["spec"].get("holderIdentity") not in (None, lease["spec"]["holderIdentity"]),
+            timeout=10,
+        )
         mark = cluster.mark()
         cluster.patch(IG, "qwen", {"spec": {"decode": {"replicas": 1}}}, GROUP_NS)
         cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 1, timeout=30)
@@ -121,8 +129,9 @@ def test_replicas_elect_one_leader_and_hand_over(cluster: KubeEmulator, processe
         raise AssertionError(processes.logs()) from None
 
 
-def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(cluster: KubeEmulator,
-                                                                          processes: Processes) -> None:
+def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(
+    cluster: KubeEmulator, processes: Processes
+) -> None:
     """Each renewal is bounded by the renew deadline: a leader whose renewal hangs stops reconciling in time."""
     accounts = {r: f"system:serviceaccount:{POOL_NS}:operator-{r}" for r in "ab"}
     for replica in accounts:
@@ -135,8 +144,13 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
         replica_of = {processes.identity(r): r for r in accounts}
 
         def stepped_down(emulator: Any) -> list[dict[str, Any]]:
-            return [e for e in emulator.list_objects("", "events", LEASE_NS) if e.get("reason") == "LeaderElection"
-                    and e["involvedObject"]["name"] == "maru-operator" and "stopped leading" in e["message"]]
+            return [
+                e
+                for e in emulator.list_objects("", "events", LEASE_NS)
+                if e.get("reason") == "LeaderElection"
+                and e["involvedObject"]["name"] == "maru-operator"
+                and "stopped leading" in e["message"]
+            ]
 
         at_takeover: list[bool] = []
 
@@ -148,24 +162,37 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
             path = re.compile(r"/leases/maru-operator$")
             before = len(stepped_down(emulator))  # under load, leadership may have moved during start-up
             # What the API server holds when the standby first writes the Lease (to take it over)...
-            emulator.faults.append(Fault(methods=frozenset({"PATCH"}), path=path, status=None, times=10_000,
-                                         user=accounts[standby],
-                                         action=lambda: at_takeover.append(len(stepped_down(emulator)) > before)))
+            emulator.faults.append(
+                Fault(
+                    methods=frozenset({"PATCH"}),
+                    path=path,
+                    status=None,
+                    times=10_000,
+                    user=accounts[standby],
+                    action=lambda: at_takeover.append(len(stepped_down(emulator)) > before),
+                )
+            )
             # ... once the leader's renewals hang: the server takes them and never answers.
-            hung = Fault(methods=frozenset({"PATCH"}), path=path, status=None, times=10_000, delay=3600,
-                         user=accounts[leader])
+            hung = Fault(
+                methods=frozenset({"PATCH"}), path=path, status=None, times=10_000, delay=3600, user=accounts[leader]
+            )
             emulator.faults.append(hung)
             return lease, standby, hung
 
         first, standby, hung = cluster.call(hang_the_leader, cluster.emulator)
-        taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
-                                 lambda o: o["spec"].get("holderIdentity") not in (None,
-                                                                                   first["spec"]["holderIdentity"]),
-                                 timeout=60)
+        taken = cluster.wait_for(
+            "leases.coordination.k8s.io",
+            "maru-operator",
+            LEASE_NS,
+            lambda o: o["spec"].get("holderIdentity") not in (None, first["spec"]["holderIdentity"]),
+            timeout=60,
+        )
         assert cluster.call(lambda: hung.hits) >= 1
         assert at_takeover and at_takeover[0], "the standby took the Lease over while the leader still led"
-        assert any(e["type"] == "Normal" and e["message"] == f"{first['spec']['holderIdentity']} stopped leading"
-                   for e in cluster.call(stepped_down, cluster.emulator))
+        assert any(
+            e["type"] == "Normal" and e["message"] == f"{first['spec']['holderIdentity']} stopped leading"
+            for e in cluster.call(stepped_down, cluster.emulator)
+        )
 
         # Only the new leader acts on a change now.
         mark = cluster.mark()
@@ -177,16 +204,21 @@ def test_a_leader_stuck_in_a_renewal_steps_down_before_a_standby_takes_over(clus
         raise AssertionError(processes.logs()) from None
 
 
-def test_a_leader_that_dies_is_replaced_after_its_lease_expires(cluster: KubeEmulator,
-                                                               processes: Processes) -> None:
+def test_a_leader_that_dies_is_replaced_after_its_lease_expires(cluster: KubeEmulator, processes: Processes) -> None:
     processes.start("a", "--pool-namespace", POOL_NS, *FAST_LEASE)
     cluster.create(pool())
-    lease = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
-                             lambda o: o["spec"].get("holderIdentity"), timeout=30)
+    lease = cluster.wait_for(
+        "leases.coordination.k8s.io", "maru-operator", LEASE_NS, lambda o: o["spec"].get("holderIdentity"), timeout=30
+    )
     processes.start("b", "--pool-namespace", POOL_NS, *FAST_LEASE)
     processes.stop("a", signal.SIGKILL)  # no chance to give the Lease up
-    taken = cluster.wait_for("leases.coordination.k8s.io", "maru-operator", LEASE_NS,
-                             lambda o: o["spec"].get("holderIdentity") != lease["spec"]["holderIdentity"], timeout=30)
+    taken = cluster.wait_for(
+        "leases.coordination.k8s.io",
+        "maru-operator",
+        LEASE_NS,
+        lambda o: o["spec"].get("holderIdentity") != lease["spec"]["holderIdentity"],
+        timeout=30,
+    )
     assert taken["spec"]["leaseTransitions"] == 1
     cluster.create(group())
     cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "True"), timeout=30)
@@ -220,7 +252,9 @@ def test_two_installations_never_reconcile_the_same_objects(cluster: KubeEmulato
         # Each instance has its own Lease, where every release looks for it.
         assert cluster.get("leases.coordination.k8s.io", "maru-operator-team-b", LEASE_NS) is not None
         assert {lease["metadata"]["name"] for lease in cluster.list("leases.coordination.k8s.io", LEASE_NS)} == {
-            "maru-operator", "maru-operator-team-b"}
+            "maru-operator",
+            "maru-operator-team-b",
+        }
         # No fight: once converged, nothing is written back and forth.
         time.sleep(1.5)
         mark = cluster.mark()
@@ -230,8 +264,9 @@ def test_two_installations_never_reconcile_the_same_objects(cluster: KubeEmulato
         raise AssertionError(processes.logs()) from None
 
 
-def test_two_releases_of_one_instance_in_two_namespaces_never_both_lead(cluster: KubeEmulator,
-                                                                       processes: Processes) -> None:
+def test_two_releases_of_one_instance_in_two_namespaces_never_both_lead(
+    cluster: KubeEmulator, processes: Processes
+) -> None:
     """The chart refuses a second release of an instance at install time only (and not under ``helm template``):
     at run time, both releases contend for the one Lease of the instance, wherever they run."""
     create_namespace(cluster, "other-system")
@@ -264,8 +299,9 @@ def test_two_releases_of_one_instance_in_two_namespaces_never_both_lead(cluster:
         raise AssertionError(processes.logs()) from None
 
 
-def test_a_leader_whose_priming_outlasts_the_renew_deadline_leads_once_and_reconciles(cluster: KubeEmulator,
-                                                                                        processes: Processes) -> None:
+def test_a_leader_whose_priming_outlasts_the_renew_deadline_leads_once_and_reconciles(
+    cluster: KubeEmulator, processes: Processes
+) -> None:
     """Starting to lead lists every watched kind afresh; on a large cluster or a slow API server that takes longer
     than the renew deadline. The leader renews meanwhile, in its own task, and priming is never cut short: bounding
     it by the deadline made the leader drop the Lease, take it again and prime again, forever, without reconciling."""
@@ -276,14 +312,19 @@ def test_a_leader_whose_priming_outlasts_the_renew_deadline_leads_once_and_recon
     cluster.create(group())
     processes.start("a", "--pool-namespace", POOL_NS, *FAST_LEASE)
     try:
+
         def leadership(emulator: Any) -> list[str]:
-            return [e["message"] for e in emulator.list_objects("", "events", LEASE_NS)
-                    if e.get("reason") == "LeaderElection"]
+            return [
+                e["message"]
+                for e in emulator.list_objects("", "events", LEASE_NS)
+                if e.get("reason") == "LeaderElection"
+            ]
 
         def ready_or_stepped_down(emulator: Any) -> bool:
             ig = emulator.get_object("maru.io", "inferencegroups", GROUP_NS, "qwen")
             return (ig is not None and has_condition(ig, "Ready", "True")) or any(
-                m.endswith("stopped leading") for m in leadership(emulator))
+                m.endswith("stopped leading") for m in leadership(emulator)
+            )
 
         # Either way, the first sign ends the wait: reconciled, or stepped down (the livelock's first turn).
         cluster.wait_until(ready_or_stepped_down, timeout=120)
@@ -294,11 +335,17 @@ def test_a_leader_whose_priming_outlasts_the_renew_deadline_leads_once_and_recon
         # The Lease was renewed while priming waited on its list: renewals that reached the API server after the
         # list did and before it could be answered (the server holds it ``delay`` seconds).
         requests = cluster.requests_since(0)
-        lists = [r for r in requests if r.method == "GET" and re.search(roles, r.path) and not r.is_watch
-                 and "labelSelector" in r.query]
-        renewals = [r for r in requests if r.method == "PATCH" and r.path.endswith("/leases/maru-operator")
-                    and r.status == 200]
-        assert lists and any(any(r.timestamp > listed.timestamp and r.timestamp < listed.timestamp + delay
-                                 for r in renewals) for listed in lists)
+        lists = [
+            r
+            for r in requests
+            if r.method == "GET" and re.search(roles, r.path) and not r.is_watch and "labelSelector" in r.query
+        ]
+        renewals = [
+            r for r in requests if r.method == "PATCH" and r.path.endswith("/leases/maru-operator") and r.status == 200
+        ]
+        assert lists and any(
+            any(r.timestamp > listed.timestamp and r.timestamp < listed.timestamp + delay for r in renewals)
+            for listed in lists
+        )
     except (AssertionError, TimeoutError):
         raise AssertionError(processes.logs()) from None

@@ -34,13 +34,18 @@ def scale(cluster: KubeEmulator, role: str, count: int) -> None:
 
 def touch(cluster: KubeEmulator, operator: RunningOperator, value: str) -> None:
     """A spec change the operator applies to both roles: it writes their Deployments again."""
-    cluster.patch(IG, "qwen", {"spec": {"prefill": {"podAnnotations": {"touched": value}},
-                                        "decode": {"podAnnotations": {"touched": value}}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {"spec": {"prefill": {"podAnnotations": {"touched": value}}, "decode": {"podAnnotations": {"touched": value}}}},
+        GROUP_NS,
+    )
     settle(operator)
 
 
-def test_an_external_scalers_replicas_stick(cluster: KubeEmulator, operator: RunningOperator,
-                                            ready_pool: dict[str, Any]) -> None:
+def test_an_external_scalers_replicas_stick(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group(decode={"replicas": 2, "scaler": "External"}))
     dep = cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS)
     # Created at its initial count, and marked as someone else's to scale.
@@ -54,14 +59,18 @@ def test_an_external_scalers_replicas_stick(cluster: KubeEmulator, operator: Run
     assert replicas(cluster, "prefill") == 1
     dep = cluster.get(DEPLOY, "qwen-decode", GROUP_NS)
     assert dep is not None
-    managers = {(e["manager"], e["operation"]) for e in dep["metadata"]["managedFields"]
-                if "f:replicas" in e.get("fieldsV1", {}).get("f:spec", {})}
+    managers = {
+        (e["manager"], e["operation"])
+        for e in dep["metadata"]["managedFields"]
+        if "f:replicas" in e.get("fieldsV1", {}).get("f:spec", {})
+    }
     assert not any(m == "maru-operator" for m, _ in managers), managers
     assert dep["spec"]["template"]["metadata"]["annotations"] == {"touched": "1"}
 
 
-def test_handing_a_running_role_to_an_autoscaler_keeps_its_pods(cluster: KubeEmulator, operator: RunningOperator,
-                                                                 ready_pool: dict[str, Any]) -> None:
+def test_handing_a_running_role_to_an_autoscaler_keeps_its_pods(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group(decode={"replicas": 3}))
     cluster.wait_for(DEPLOY, "qwen-decode", GROUP_NS, lambda d: d["spec"]["replicas"] == 3)
     settle(operator)
@@ -78,8 +87,9 @@ def test_handing_a_running_role_to_an_autoscaler_keeps_its_pods(cluster: KubeEmu
     assert replicas(cluster, "decode") == 3
 
 
-def test_the_other_role_follows_at_the_ratio(cluster: KubeEmulator, operator: RunningOperator,
-                                             ready_pool: dict[str, Any]) -> None:
+def test_the_other_role_follows_at_the_ratio(
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group(replicaRatio={"prefill": 1, "decode": 2}, decode={"replicas": 2, "scaler": "External"}))
     cluster.wait_for(DEPLOY, "qwen-prefill", GROUP_NS)
     settle(operator)
@@ -91,8 +101,13 @@ def test_the_other_role_follows_at_the_ratio(cluster: KubeEmulator, operator: Ru
 
 
 def test_a_ratio_needs_exactly_one_scaled_role(cluster: KubeEmulator, operator: RunningOperator) -> None:
-    out = cluster.kubectl("apply", "-f", "-", check=False, input=__import__("yaml").safe_dump(
-        group(replicaRatio={"prefill": 1, "decode": 2})))
+    out = cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        check=False,
+        input=__import__("yaml").safe_dump(group(replicaRatio={"prefill": 1, "decode": 2})),
+    )
     # The CRD cannot see across roles; the operator refuses it, naming the field, and writes nothing.
     assert out.returncode == 0, out.stderr
     body = cluster.wait_for(IG, "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False"))
@@ -101,7 +116,8 @@ def test_a_ratio_needs_exactly_one_scaled_role(cluster: KubeEmulator, operator: 
 
 
 def test_every_role_gets_a_disruption_budget_and_the_group_a_model_cache(
-        cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]) -> None:
+    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
+) -> None:
     cluster.create(group())
     for role in ("prefill", "decode", "router"):
         budget = cluster.wait_for(PDB, f"qwen-{role}", GROUP_NS)
@@ -117,8 +133,17 @@ def test_every_role_gets_a_disruption_budget_and_the_group_a_model_cache(
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert claim["metadata"]["ownerReferences"][0]["kind"] == "InferenceGroup"
     # A group that names its own claim gets none of the operator's, and a budget can be turned off.
-    cluster.patch(IG, "qwen", {"spec": {"modelCache": {"persistentVolumeClaim": {"claimName": "shared-models"}},
-                                        "decode": {"disruptionBudget": {"enabled": False}}}}, GROUP_NS)
+    cluster.patch(
+        IG,
+        "qwen",
+        {
+            "spec": {
+                "modelCache": {"persistentVolumeClaim": {"claimName": "shared-models"}},
+                "decode": {"disruptionBudget": {"enabled": False}},
+            }
+        },
+        GROUP_NS,
+    )
     cluster.wait_gone(PVC, "qwen-model-cache", GROUP_NS)
     cluster.wait_gone(PDB, "qwen-decode", GROUP_NS)
     settle(operator)
@@ -139,8 +164,9 @@ def paced_operator(cluster: KubeEmulator, stats: Any) -> Any:
         running.stop()
 
 
-def test_pod_template_changes_roll_one_group_at_a_time(cluster: KubeEmulator, kube_controllers: Any,
-                                                       paced_operator: RunningOperator) -> None:
+def test_pod_template_changes_roll_one_group_at_a_time(
+    cluster: KubeEmulator, kube_controllers: Any, paced_operator: RunningOperator
+) -> None:
     """An operator upgrade changes every group's template at once; at most --max-rolling-groups roll together,
     and a rollout that does not finish (pods never ready) keeps the others waiting, as a canary."""
     cluster.create(pool())

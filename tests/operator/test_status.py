@@ -26,19 +26,31 @@ LATER = "2026-01-01T01:00:00Z"
 
 def ds(desired: int, ready: int, observed: int = 1) -> dict[str, Any]:
     """A DaemonSet as its controller reports it (``observed``: the generation it looked at; the object is at 1)."""
-    return {"metadata": {"generation": 1},
-            "status": {"desiredNumberScheduled": desired, "numberReady": ready, "observedGeneration": observed}}
+    return {
+        "metadata": {"generation": 1},
+        "status": {"desiredNumberScheduled": desired, "numberReady": ready, "observedGeneration": observed},
+    }
 
 
 def pod(node: str, ready: bool = True, ip: str = "10.0.0.1") -> dict[str, Any]:
-    return {"spec": {"nodeName": node},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "spec": {"nodeName": node},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 def deployment(replicas: int, ready: int, generation: int = 1, observed: int = 1) -> dict[str, Any]:
-    return {"metadata": {"name": "d", "generation": generation}, "spec": {"replicas": replicas},
-            "status": {"observedGeneration": observed, "replicas": replicas, "updatedReplicas": replicas,
-                       "readyReplicas": ready, "availableReplicas": ready}}
+    return {
+        "metadata": {"name": "d", "generation": generation},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        },
+    }
 
 
 def types(conditions: list[Condition]) -> dict[str, tuple[str, str]]:
@@ -47,15 +59,21 @@ def types(conditions: list[Condition]) -> dict[str, tuple[str, str]]:
 
 def pool_body(ready: bool = True, **spec: Any) -> dict[str, Any]:
     status = "True" if ready else "False"
-    return {"metadata": {"name": "pool"}, "spec": {"backend": "shm", "size": "1Gi", **spec},
-            "status": {"conditions": [{"type": "Ready", "status": status, "reason": "X", "message": "m"}]}}
+    return {
+        "metadata": {"name": "pool"},
+        "spec": {"backend": "shm", "size": "1Gi", **spec},
+        "status": {"conditions": [{"type": "Ready", "status": status, "reason": "X", "message": "m"}]},
+    }
 
 
 class TestPoolStatus:
     def test_shm_ready_with_usage(self) -> None:
-        seen = PoolObservation(daemonset=ds(2, 2), agent_pods=[pod("b"), pod("a")],
-                               stats={"a": {"used_bytes": 1024, "capacity_bytes": 4 << 30}, "b": {"used_bytes": 1024}},
-                               bound_groups=["llm/x"])
+        seen = PoolObservation(
+            daemonset=ds(2, 2),
+            agent_pods=[pod("b"), pod("a")],
+            stats={"a": {"used_bytes": 1024, "capacity_bytes": 4 << 30}, "b": {"used_bytes": 1024}},
+            bound_groups=["llm/x"],
+        )
         st = pool_status("pool", pool_spec(), 4, seen, MaruPoolStatus(), NOW)
         assert st.observed_generation == 4
         assert (st.nodes_desired, st.nodes_ready, st.node_summary) == (2, 2, "2/2")
@@ -64,12 +82,16 @@ class TestPoolStatus:
         assert st.used == "2Ki" and st.used_bytes == 2048
         assert st.endpoint == "unix:///run/maru/pool/pool.sock"
         assert st.bound_groups == 1
-        assert types(st.conditions) == {"Ready": ("True", "PoolReady"), "Degraded": ("False", "AllNodesReady"),
-                                        "InUse": ("True", "GroupsBound")}
+        assert types(st.conditions) == {
+            "Ready": ("True", "PoolReady"),
+            "Degraded": ("False", "AllNodesReady"),
+            "InUse": ("True", "GroupsBound"),
+        }
 
     def test_unreachable_daemon_leaves_used_unknown(self) -> None:
-        seen = PoolObservation(daemonset=ds(2, 2), agent_pods=[pod("a"), pod("b")],
-                               stats={"a": {"used_bytes": 5}, "b": None})
+        seen = PoolObservation(
+            daemonset=ds(2, 2), agent_pods=[pod("a"), pod("b")], stats={"a": {"used_bytes": 5}, "b": None}
+        )
         st = pool_status("pool", pool_spec(), 1, seen, MaruPoolStatus(), NOW)
         assert st.used == "" and st.used_bytes == 0
         assert st.capacity == "8Gi"
@@ -151,9 +173,12 @@ class TestGroupStatus:
     def test_ready(self) -> None:
         b = bind("llm", group_spec(), pool_body())
         st = group_status(group_spec(), 3, b, self.children(), InferenceGroupStatus(), endpoint="http://e", now=NOW)
-        assert types(st.conditions) == {"PoolBound": ("True", "Bound"), "Ready": ("True", "Serving"),
-                                        "Progressing": ("False", "RolloutComplete"),
-                                        "Degraded": ("False", "AllReplicasAvailable")}
+        assert types(st.conditions) == {
+            "PoolBound": ("True", "Bound"),
+            "Ready": ("True", "Serving"),
+            "Progressing": ("False", "RolloutComplete"),
+            "Degraded": ("False", "AllReplicasAvailable"),
+        }
         assert (st.prefill.summary, st.decode.summary, st.router.summary) == ("1/1", "2/2", "1/1")
         assert st.endpoint == "http://e" and st.pool_endpoint.startswith("unix://")
         assert st.observed_generation == 3
@@ -202,8 +227,16 @@ class TestGroupStatus:
 
     def test_router_without_ready_endpoints_is_not_ready(self) -> None:
         b = bind("llm", group_spec(), pool_body())
-        st = group_status(group_spec(), 1, b, self.children(), InferenceGroupStatus(), endpoint="", now=NOW,
-                          router=Router("llm/g", ready_endpoints([{"endpoints": [{"conditions": {"ready": False}}]}])))
+        st = group_status(
+            group_spec(),
+            1,
+            b,
+            self.children(),
+            InferenceGroupStatus(),
+            endpoint="",
+            now=NOW,
+            router=Router("llm/g", ready_endpoints([{"endpoints": [{"conditions": {"ready": False}}]}])),
+        )
         assert types(st.conditions)["Ready"] == ("False", "NoReadyEndpoints")
         assert ready_endpoints([{"endpoints": [{"conditions": {}}, {"conditions": {"ready": True}}]}]) == 2
 
@@ -218,7 +251,8 @@ class TestGroupStatus:
         b = bind("llm", group_spec(), pool_body())
         children = self.children()
         children["decode"]["status"]["conditions"] = [
-            {"type": "ReplicaFailure", "status": "True", "message": "pods \"x\" is forbidden: quota"}]
+            {"type": "ReplicaFailure", "status": "True", "message": 'pods "x" is forbidden: quota'}
+        ]
         st = group_status(group_spec(), 1, b, children, InferenceGroupStatus(), endpoint="", now=NOW)
         degraded = cond.get(st.conditions, "Degraded")
         assert degraded is not None and degraded.status == "True" and "quota" in degraded.message
@@ -242,8 +276,15 @@ class TestConditions:
 
     def test_ready_is_serving(self) -> None:
         def ready(**kw: Any) -> tuple[str, str]:
-            args = {"conflicts": [], "not_serving": [], "binding": (True, "Bound", ""), "router": ("llm/g", 1),
-                    "summary": "s", "gen": 1, **kw}
+            args = {
+                "conflicts": [],
+                "not_serving": [],
+                "binding": (True, "Bound", ""),
+                "router": ("llm/g", 1),
+                "summary": "s",
+                "gen": 1,
+                **kw,
+            }
             c = cond.group_ready(**args)
             return c.status, c.reason
 
@@ -261,8 +302,14 @@ class TestConditions:
 
 def test_degraded_pool_degrades_its_groups() -> None:
     body = pool_body()
-    body["status"]["conditions"].append({"type": "Degraded", "status": "True", "reason": "AgentsUnavailable",
-                                         "message": "1 of 2 node agents are not ready"})
+    body["status"]["conditions"].append(
+        {
+            "type": "Degraded",
+            "status": "True",
+            "reason": "AgentsUnavailable",
+            "message": "1 of 2 node agents are not ready",
+        }
+    )
     b = bind("llm", group_spec(), body)
     assert b.ok and "1 of 2" in b.pool_problem
     children = TestGroupStatus().children()

@@ -41,12 +41,16 @@ def stats() -> StubStats:
 
 
 def pod_lists(kube: KubeEmulator, mark: int) -> int:
-    return sum(1 for r in kube.requests_since(mark)
-               if r.method == "GET" and r.path == f"/api/v1/namespaces/{POOL_NS}/pods" and not r.is_watch)
+    return sum(
+        1
+        for r in kube.requests_since(mark)
+        if r.method == "GET" and r.path == f"/api/v1/namespaces/{POOL_NS}/pods" and not r.is_watch
+    )
 
 
-def test_usage_under_traffic_is_written_at_a_bounded_rate(cluster: KubeEmulator, operator: RunningOperator,
-                                                         stats: StubStats, kube_controllers: Any) -> None:
+def test_usage_under_traffic_is_written_at_a_bounded_rate(
+    cluster: KubeEmulator, operator: RunningOperator, stats: StubStats, kube_controllers: Any
+) -> None:
     cluster.create(pool())
     cluster.wait_for(MP, "local-shm", None, lambda o: has_condition(o, "Ready", "True"))
     fake_agent_pod(cluster, "local-shm", "node-1", "10.1.2.3")

@@ -14,14 +14,18 @@ def fields(spec) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def test_a_good_spec_passes() -> None:
-    spec = group_spec(prefill={"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 2}}},
-                      decode={"tensorParallelSize": 2, "extraArgs": ["--max-num-seqs=64"]})
+    spec = group_spec(
+        prefill={"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 2}}},
+        decode={"tensorParallelSize": 2, "extraArgs": ["--max-num-seqs=64"]},
+    )
     assert check_group(spec) == []
 
 
 def test_more_ranks_than_gpus() -> None:
-    spec = group_spec(prefill={"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": "2"}}},
-                      decode={"tensorParallelSize": 4})
+    spec = group_spec(
+        prefill={"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": "2"}}},
+        decode={"tensorParallelSize": 4},
+    )
     errors = check_group(spec)
     assert [e.field for e in errors] == ["spec.prefill.tensorParallelSize"]
     assert "nvidia.com/gpu" in errors[0].message and "4" in errors[0].message
@@ -41,8 +45,9 @@ def test_prefill_and_decode_may_differ_in_tensor_parallel_size() -> None:
 
 
 def test_kv_cache_dtype_on_one_role_only() -> None:
-    spec = group_spec(prefill={"extraArgs": ["--kv-cache-dtype", "fp8"]},
-                      decode={"extraArgs": ["--kv-cache-dtype=fp8"]})
+    spec = group_spec(
+        prefill={"extraArgs": ["--kv-cache-dtype", "fp8"]}, decode={"extraArgs": ["--kv-cache-dtype=fp8"]}
+    )
     assert check_group(spec) == []
     errors = check_group(group_spec(prefill={"extraArgs": ["--kv-cache-dtype=fp8"]}))
     assert [e.field for e in errors] == ["spec.decode.extraArgs"]
@@ -74,9 +79,18 @@ def test_pool_daemon_memory_below_what_the_pool_needs() -> None:
 # --- flags as vLLM's own parser reads them -------------------------------------------------------------
 
 OWNED_SPELLINGS = [
-    ["-tp", "2"], ["-tp=2"], ["-t", "2"], ["--tensor_parallel_size", "2"], ["--tensor-parallel=2"],
-    ["--kv_transfer_config={}"], ["--kv-transfer-config.kv_role=kv_both"], ["--kv-transfer-config.kv_role", "kv_both"],
-    ["--kv-transfer={}"], ["--served_model_name", "x"], ["--block_size=32"], ["--port", "9000"],
+    ["-tp", "2"],
+    ["-tp=2"],
+    ["-t", "2"],
+    ["--tensor_parallel_size", "2"],
+    ["--tensor-parallel=2"],
+    ["--kv_transfer_config={}"],
+    ["--kv-transfer-config.kv_role=kv_both"],
+    ["--kv-transfer-config.kv_role", "kv_both"],
+    ["--kv-transfer={}"],
+    ["--served_model_name", "x"],
+    ["--block_size=32"],
+    ["--port", "9000"],
 ]
 
 
@@ -87,19 +101,24 @@ def test_operator_owned_flags_in_any_spelling(args: list[str]) -> None:
     assert "extraArgs" in str(caught.value) and args[0] in str(caught.value)
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [
-    (["-q", "fp8"], []),
-    (["-qfp8"], ["--quantization=awq"]),
-    (["--kv_cache_dtype=fp8"], []),
-])
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        (["-q", "fp8"], []),
+        (["-qfp8"], ["--quantization=awq"]),
+        (["--kv_cache_dtype=fp8"], []),
+    ],
+)
 def test_kv_layout_flags_in_any_spelling_must_agree(prefill: list[str], decode: list[str]) -> None:
     spec = group_spec(prefill={"extraArgs": prefill}, decode={"extraArgs": decode})
     assert fields(spec) == ["spec.decode.extraArgs"]
 
 
 def test_the_same_setting_spelled_differently_agrees() -> None:
-    spec = group_spec(prefill={"extraArgs": ["-q", "fp8", "--kv-cache-dtype", "fp8"]},
-                      decode={"extraArgs": ["--quantization=fp8", "--kv_cache_dtype=fp8"]})
+    spec = group_spec(
+        prefill={"extraArgs": ["-q", "fp8", "--kv-cache-dtype", "fp8"]},
+        decode={"extraArgs": ["--quantization=fp8", "--kv_cache_dtype=fp8"]},
+    )
     assert check_group(spec) == []
     # Flags that merely share a prefix are other flags.
     assert check_group(group_spec(prefill={"extraArgs": ["--kv-cache-dtype-skip-layers", "0"]})) == []
@@ -108,20 +127,27 @@ def test_the_same_setting_spelled_differently_agrees() -> None:
 
 # --- what users put in their pods ---------------------------------------------------------------------
 
+
 def test_hash_seed_from_a_secret_is_refused() -> None:
     env = [{"name": "PYTHONHASHSEED", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
     assert fields(group_spec(prefill={"env": env})) == ["spec.prefill.env"]
 
 
 def test_pod_fields_kubernetes_would_refuse_later() -> None:
-    spec = group_spec(decode={
-        "volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}],
-        "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
-        "podLabels": {"bad key!": "v"},
-        "strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}},
-    })
-    assert sorted(fields(spec)) == ["spec.decode.podLabels", "spec.decode.strategy.rollingUpdate",
-                                    "spec.decode.volumeMounts", "spec.decode.volumes"]
+    spec = group_spec(
+        decode={
+            "volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}],
+            "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+            "podLabels": {"bad key!": "v"},
+            "strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}},
+        }
+    )
+    assert sorted(fields(spec)) == [
+        "spec.decode.podLabels",
+        "spec.decode.strategy.rollingUpdate",
+        "spec.decode.volumeMounts",
+        "spec.decode.volumes",
+    ]
 
 
 def test_a_volume_over_the_pool_socket_is_refused() -> None:
@@ -129,11 +155,16 @@ def test_a_volume_over_the_pool_socket_is_refused() -> None:
     from tests.operator.helpers import pool_view
 
     for path in ("/run/maru/pool", "/run/maru", "/run/maru/pool/sub"):
-        spec = group_spec(prefill={"volumes": [{"name": "v", "emptyDir": {}}],
-                                   "volumeMounts": [{"name": "v", "mountPath": path}]})
+        spec = group_spec(
+            prefill={"volumes": [{"name": "v", "emptyDir": {}}], "volumeMounts": [{"name": "v", "mountPath": path}]}
+        )
         assert [e.field for e in check_group_on_pool(spec, pool_view())] == ["spec.prefill.volumeMounts"], path
-    ok = group_spec(prefill={"volumes": [{"name": "v", "emptyDir": {}}],
-                             "volumeMounts": [{"name": "v", "mountPath": "/run/maru-cache"}]})
+    ok = group_spec(
+        prefill={
+            "volumes": [{"name": "v", "emptyDir": {}}],
+            "volumeMounts": [{"name": "v", "mountPath": "/run/maru-cache"}],
+        }
+    )
     assert check_group_on_pool(ok, pool_view()) == []
 
 

@@ -94,10 +94,23 @@ def test_delayed_add_keeps_the_earliest() -> None:
 
 class TestStore:
     def child(self, name: str, rv: str = "1", owner: str = "g") -> dict:
-        return {"kind": "Deployment", "metadata": {
-            "name": name, "namespace": "llm", "resourceVersion": rv,
-            "ownerReferences": [{"apiVersion": "maru.io/v1alpha1", "kind": "InferenceGroup", "name": owner,
-                                 "uid": "u", "controller": True}]}}
+        return {
+            "kind": "Deployment",
+            "metadata": {
+                "name": name,
+                "namespace": "llm",
+                "resourceVersion": rv,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "maru.io/v1alpha1",
+                        "kind": "InferenceGroup",
+                        "name": owner,
+                        "uid": "u",
+                        "controller": True,
+                    }
+                ],
+            },
+        }
 
     def test_children_by_owner(self) -> None:
         store = Store()
@@ -145,8 +158,10 @@ class TestStore:
 
     def test_groups_of_pool(self) -> None:
         store = Store()
-        store.put({"kind": "InferenceGroup", "metadata": {"name": "a", "namespace": "n"},
-                   "spec": {"poolRef": {"name": "p"}}})
-        store.put({"kind": "InferenceGroup", "metadata": {"name": "b", "namespace": "n"},
-                   "spec": {"poolRef": {"name": "q"}}})
+        store.put(
+            {"kind": "InferenceGroup", "metadata": {"name": "a", "namespace": "n"}, "spec": {"poolRef": {"name": "p"}}}
+        )
+        store.put(
+            {"kind": "InferenceGroup", "metadata": {"name": "b", "namespace": "n"}, "spec": {"poolRef": {"name": "q"}}}
+        )
         assert store.groups_of_pool("p") == [("InferenceGroup", "n", "a")]

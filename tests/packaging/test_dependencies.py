@@ -81,9 +81,11 @@ def test_every_import_of_a_distribution_is_declared_by_it() -> None:
                 continue
             for name in sorted(imports_of(module)):
                 if not distributions_of(name) & allowed:
-                    undeclared.append(f"{module.relative_to(REPO)} imports {name} "
-                                      f"({', '.join(sorted(distributions_of(name))) or 'not installed'}), "
-                                      f"which {pyproject.relative_to(REPO)} does not declare")
+                    undeclared.append(
+                        f"{module.relative_to(REPO)} imports {name} "
+                        f"({', '.join(sorted(distributions_of(name))) or 'not installed'}), "
+                        f"which {pyproject.relative_to(REPO)} does not declare"
+                    )
     assert not undeclared, "\n".join(undeclared)
 
 
@@ -91,8 +93,10 @@ def test_every_runtime_dependency_is_imported() -> None:
     unused = []
     for pyproject in PACKAGES:
         imported = {d for module in _modules(pyproject) for name in imports_of(module) for d in distributions_of(name)}
-        unused += [f"{pyproject.relative_to(REPO)} depends on {name}, which none of its modules imports"
-                   for name in sorted(declared(pyproject, extras=False) - imported)]
+        unused += [
+            f"{pyproject.relative_to(REPO)} depends on {name}, which none of its modules imports"
+            for name in sorted(declared(pyproject, extras=False) - imported)
+        ]
     assert not unused, "\n".join(unused)
 
 

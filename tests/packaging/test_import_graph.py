@@ -7,8 +7,11 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = (REPO / "operator" / "maru_operator", REPO / "connector" / "maru_connector",
-            REPO / "localcluster" / "maru_localcluster")
+PACKAGES = (
+    REPO / "operator" / "maru_operator",
+    REPO / "connector" / "maru_connector",
+    REPO / "localcluster" / "maru_localcluster",
+)
 
 
 def modules() -> dict[str, Path]:

@@ -236,7 +236,8 @@ def test_a_pool_without_a_key_serves_anyone_in_one_key_space(
 
 
 @pytest.mark.parametrize(
-    ("content", "why"), [(b"short", "holds 5 bytes"), (None, "No such file")],
+    ("content", "why"),
+    [(b"short", "holds 5 bytes"), (None, "No such file")],
 )
 def test_a_bad_key_file_stops_the_daemon_naming_the_flag(sock_dir: Path, content: bytes | None, why: str) -> None:
     path = sock_dir / "bad.key"
@@ -280,8 +281,10 @@ def test_metadata_and_agents_keep_two_tenants_apart(
     try:
         for msg in OPS:  # the metadata server over TCP, before any hello
             assert raw.call(msg)["error"] == "unauthenticated", msg
-        assert raw.call({"op": "hello", "memory": False, "token": Path(tokens["a-of-other-pool"]).read_text()})[
-            "error"] == "bad_token"
+        assert (
+            raw.call({"op": "hello", "memory": False, "token": Path(tokens["a-of-other-pool"]).read_text()})["error"]
+            == "bad_token"
+        )
         assert raw.call({"op": "hello", "memory": False, "token": Path(tokens["b"]).read_text()})["ok"]
         # A tenant cannot pose as an agent: no heartbeat, so no say in the pool's layout.
         assert raw.call(OPS[-1])["error"] == "forbidden"

@@ -276,4 +276,3 @@ def test_a_wrong_shuffle_fails_the_check(tmp_path: Path, original_source: str) -
         pytest.skip("no SIMD path here")
     where = build(original_source.replace(old, "#define SWAP_LANES _MM_SHUFFLE(3, 2, 1, 0)"), tmp_path)
     assert run_check(where, native().simd(), first=True)
-

@@ -266,9 +266,7 @@ def run_events(
 
 
 @pytest.fixture
-def events_process(
-    daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]
-) -> Iterator[tuple[str, str, str]]:
+def events_process(daemons: list[Daemon], sock_dir: Path, tenant: tuple[Path, str]) -> Iterator[tuple[str, str, str]]:
     """Pool url, publish and replay endpoints of a ``maru-pool events`` with its default flags."""
     with run_events(daemons, sock_dir, tenant) as (url, fields, _):
         yield url, fields["publish"], fields["replay"]

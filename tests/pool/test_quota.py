@@ -88,8 +88,9 @@ def check(a: PoolClient, first: int, n: int) -> None:
         assert a.get_into(key("a", i), out) and out == bytes([i % 251]) * CHUNK
 
 
-def test_a_flood_of_one_tenant_leaves_the_others_chunks(served: Daemon, a: PoolClient, sock_dir: Path,
-                                                        pool_key: Path) -> None:
+def test_a_flood_of_one_tenant_leaves_the_others_chunks(
+    served: Daemon, a: PoolClient, sock_dir: Path, pool_key: Path
+) -> None:
     store_and_check(a, 0, 16)  # 1 MiB of A's, within any quota
     b = b_client(served, sock_dir, pool_key)
     for i in range(400):  # 25 MiB through an 8 MiB pool
@@ -104,8 +105,9 @@ def test_a_flood_of_one_tenant_leaves_the_others_chunks(served: Daemon, a: PoolC
     assert tenant_metric(served, "maru_pool_tenant_evictions_total", tenant=B_SCOPE, by="self") > 0
 
 
-def test_pinning_every_chunk_leaves_room_for_the_others(served: Daemon, a: PoolClient, sock_dir: Path,
-                                                        pool_key: Path) -> None:
+def test_pinning_every_chunk_leaves_room_for_the_others(
+    served: Daemon, a: PoolClient, sock_dir: Path, pool_key: Path
+) -> None:
     b = b_client(served, sock_dir, pool_key)
     pins = []
     stored = 0
@@ -140,8 +142,9 @@ def test_a_pin_past_the_quota_is_a_miss(served: Daemon, a: PoolClient, sock_dir:
     assert len(b.pin_prefix(keys)) == 8  # given back: pins again, up to the quota
 
 
-def test_thousands_of_one_byte_leases_leave_room_for_the_others(served: Daemon, a: PoolClient, sock_dir: Path,
-                                                                pool_key: Path) -> None:
+def test_thousands_of_one_byte_leases_leave_room_for_the_others(
+    served: Daemon, a: PoolClient, sock_dir: Path, pool_key: Path
+) -> None:
     b = b_client(served, sock_dir, pool_key)
     got = b.lease_many([(key("b", i), 1) for i in range(2048)])  # 2,048 x 4 KiB would fill the pool
     granted = [g for g in got if isinstance(g, WriteLease)]
@@ -151,8 +154,7 @@ def test_thousands_of_one_byte_leases_leave_room_for_the_others(served: Daemon, 
     b.abort_many(granted)
 
 
-def test_a_lease_quota_in_the_token_is_enforced(served: Daemon, a: PoolClient, sock_dir: Path,
-                                                pool_key: Path) -> None:
+def test_a_lease_quota_in_the_token_is_enforced(served: Daemon, a: PoolClient, sock_dir: Path, pool_key: Path) -> None:
     b = b_client(served, sock_dir, pool_key, "--quota-leases", "100", "--quota-bytes", "1Mi")
     got = b.lease_many([(key("b", i), 1) for i in range(2048)])
     granted = [g for g in got if isinstance(g, WriteLease)]
@@ -173,8 +175,9 @@ def test_a_lease_quota_in_the_token_is_enforced(served: Daemon, a: PoolClient, s
     assert [a.lookup_prefix([key("a", i)]) for i in range(8)] == [1] * 8
 
 
-def test_the_token_carries_the_quota_and_a_forged_quota_is_refused(served: Daemon, sock_dir: Path,
-                                                                  pool_key: Path) -> None:
+def test_the_token_carries_the_quota_and_a_forged_quota_is_refused(
+    served: Daemon, sock_dir: Path, pool_key: Path
+) -> None:
     path = make_token(sock_dir / "q.token", pool_key, B_SCOPE, "--quota-bytes", "1Mi", "--quota-pins", "8")
     token = Path(path).read_text().strip()
     assert token.startswith("maru2.")
@@ -197,7 +200,8 @@ def test_the_token_carries_the_quota_and_a_forged_quota_is_refused(served: Daemo
 
 
 def test_a_token_asking_for_more_pins_and_leases_than_the_daemon_allows_is_held_to_its_ceiling(
-        daemons: list[Daemon], sock_dir: Path, pool_key: Path) -> None:
+    daemons: list[Daemon], sock_dir: Path, pool_key: Path
+) -> None:
     """Reported: a self-raised token (pins=500000) took 500,000 pins and grew the daemon toward its memory limit.
     Whatever a token carries, the daemon's --max-tenant-pins and --max-tenant-leases (the defaults unless set)
     bound what one tenant holds; a token asking for less keeps its own quota."""
@@ -212,7 +216,11 @@ def test_a_token_asking_for_more_pins_and_leases_than_the_daemon_allows_is_held_
     assert sum(isinstance(g, WriteLease) for g in leases) == 300
     seen = tenants(served)[B_SCOPE]
     assert (seen["pins"], seen["quota_pins"], seen["leases"], seen["quota_leases"]) == (
-        quota.DEFAULT_PINS, quota.DEFAULT_PINS, 300, 300)
+        quota.DEFAULT_PINS,
+        quota.DEFAULT_PINS,
+        300,
+        300,
+    )
     # Under the ceiling a token's own quota holds, as before.
     a = client(served, make_token(sock_dir / "a.token", pool_key, A_SCOPE, "--quota-pins", "8"))
     assert a.put(key("a", 0), b"A" * CHUNK)

@@ -126,8 +126,11 @@ class VllmRouterProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{name}.log"
         decodes = (decode,) if isinstance(decode, str) else decode
-        mode = ["--worker-urls", *workers] if workers else [
-            "--vllm-pd-disaggregation", "--prefill", prefill, *(a for d in decodes for a in ("--decode", d))]
+        mode = (
+            ["--worker-urls", *workers]
+            if workers
+            else ["--vllm-pd-disaggregation", "--prefill", prefill, *(a for d in decodes for a in ("--decode", d))]
+        )
         argv = [binary, *mode, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port()), "--policy", "round_robin",
                 "--worker-startup-check-interval", "1"]  # fmt: skip

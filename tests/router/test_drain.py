@@ -83,8 +83,11 @@ def routed(pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Hel
 def _post(url: str, answers: list[int]) -> None:
     import urllib.request
 
-    request = urllib.request.Request(f"{url}/v1/completions", headers={"content-type": "application/json"},
-                                     data=json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).encode())
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        headers={"content-type": "application/json"},
+        data=json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         answers.append(answer.status)
 
@@ -97,8 +100,10 @@ def rendered_hook() -> list[str]:
     containers = deployment["spec"]["template"]["spec"]["containers"]
     hooks = [c["lifecycle"]["preStop"]["exec"]["command"] for c in containers]
     assert len(hooks) == 2 and hooks[0] == hooks[1], hooks  # maru-router and vllm-router wait for the same
-    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == \
-        spec.router.termination.grace_period_seconds
+    assert (
+        deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        == spec.router.termination.grace_period_seconds
+    )
     return hooks[0]
 
 
@@ -117,8 +122,13 @@ def test_the_rendered_hook_waits_for_maru_routers_requests_then_ends(
     client = threading.Thread(target=_post, args=(router.url, answers))
     client.start()
     assert decode.arrived.wait(60), "the request never reached decode"
-    drain = subprocess.Popen([sys.executable if hook[0] == "python3" else hook[0], *hook[1:]], env=env(), cwd=REPO,
-                             stderr=subprocess.PIPE, text=True)
+    drain = subprocess.Popen(
+        [sys.executable if hook[0] == "python3" else hook[0], *hook[1:]],
+        env=env(),
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3)  # three looks of the hook at one request in progress
     assert drain.poll() is None, drain.stderr.read() if drain.stderr else ""
     assert router.metrics()[IN_PROGRESS_METRIC] == 1

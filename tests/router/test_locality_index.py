@@ -80,19 +80,36 @@ def test_kv_events_flags_map_engine_urls_to_endpoints() -> None:
 @pytest.mark.parametrize(
     ("url", "sources", "endpoint"),
     [
-        ("http://10.0.0.7:8000", {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                        "endpoint": "tcp://*:5557"}}, "tcp://10.0.0.7:5557"),
-        ("http://[fd00::7]:8000", {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                         "endpoint": "tcp://*:5557"}}, "tcp://[fd00::7]:5557"),
-        ("http://e:8000", {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                 "endpoint": "tcp://10.1.1.1:40000"}}, "tcp://10.1.1.1:40000"),
-        ("http://e:8000", {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                 "endpoint": "ipc:///run/e"}}, "ipc:///run/e"),
+        (
+            "http://10.0.0.7:8000",
+            {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}},
+            "tcp://10.0.0.7:5557",
+        ),
+        (
+            "http://[fd00::7]:8000",
+            {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}},
+            "tcp://[fd00::7]:5557",
+        ),
+        (
+            "http://e:8000",
+            {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.1.1.1:40000"}},
+            "tcp://10.1.1.1:40000",
+        ),
+        (
+            "http://e:8000",
+            {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///run/e"}},
+            "ipc:///run/e",
+        ),
         ("http://e:8000", {}, None),  # no events
         ("http://e:8000", {"0": {"enable_kv_cache_events": False, "publisher": "null"}}, None),
-        ("http://e:8000", {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:1"},
-                           "1": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:2"}},
-         None),  # two engine cores behind one URL: no one cache to follow
+        (
+            "http://e:8000",
+            {
+                "0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:1"},
+                "1": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:2"},
+            },
+            None,
+        ),  # two engine cores behind one URL: no one cache to follow
         ("http://e:8000", ["tcp://*:5557"], None),
     ],
 )

@@ -11,8 +11,13 @@ SCHEME = KeyScheme((b"\x01" * 32,), hash_block_size=16, chunk_tokens=256, hash_a
 
 def router(relearn_s: float = 3600.0) -> Router:
     config = MaruConnectorConfig.from_extra_config({"maru_pool_url": "unix:///nonexistent/pool.sock"})
-    return Router(prefill=["http://prefill"], decode=["http://decode"], connector=config,
-                  upstream="http://127.0.0.1:8001", relearn_s=relearn_s)
+    return Router(
+        prefill=["http://prefill"],
+        decode=["http://decode"],
+        connector=config,
+        upstream="http://127.0.0.1:8001",
+        relearn_s=relearn_s,
+    )
 
 
 def test_requests_arriving_during_a_refresh_stay_with_the_upstream_router() -> None:

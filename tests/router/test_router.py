@@ -55,8 +55,9 @@ def fleet(chat_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Ro
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        router = RouterProcess("on", workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
-                               direct_to_prefill="on")
+        router = RouterProcess(
+            "on", workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url, direct_to_prefill="on"
+        )
         yield router, prefill, decode
     finally:
         if router is not None:
@@ -196,20 +197,37 @@ def upstream(fleet: tuple[RouterProcess, Server, Server], workdir: Path) -> Iter
         router.close()
 
 
-def front_of(name: str, upstream: VllmRouterProcess, fleet: tuple[RouterProcess, Server, Server], pool: PoolDaemon,
-             workdir: Path, relearn_seconds: str) -> RouterProcess:
+def front_of(
+    name: str,
+    upstream: VllmRouterProcess,
+    fleet: tuple[RouterProcess, Server, Server],
+    pool: PoolDaemon,
+    workdir: Path,
+    relearn_seconds: str,
+) -> RouterProcess:
     """maru-router in front of vllm-router, as the operator renders the router pod."""
     _, prefill, decode = fleet
-    return RouterProcess(name, workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url,
-                         upstream=upstream.url, relearn_seconds=relearn_seconds)
+    return RouterProcess(
+        name,
+        workdir,
+        prefill=prefill.url,
+        decode=decode.url,
+        pool_url=pool.url,
+        upstream=upstream.url,
+        relearn_seconds=relearn_seconds,
+    )
 
 
 def test_in_front_of_vllm_router_a_covered_prompt_goes_to_decode_and_the_rest_to_vllm_router(
-    fleet: tuple[RouterProcess, Server, Server], upstream: VllmRouterProcess, pool: PoolDaemon, workdir: Path,
+    fleet: tuple[RouterProcess, Server, Server],
+    upstream: VllmRouterProcess,
+    pool: PoolDaemon,
+    workdir: Path,
 ) -> None:
     _, prefill, decode = fleet
     front = front_of("front", upstream, fleet, pool, workdir, relearn_seconds="3600")
     try:
+
         def count(name: str) -> float:
             return front.metrics().get(name, 0.0)
 
@@ -246,7 +264,10 @@ def test_in_front_of_vllm_router_a_covered_prompt_goes_to_decode_and_the_rest_to
 
 
 def test_in_front_of_vllm_router_a_stale_key_scheme_is_learnt_again_through_prefill(
-    fleet: tuple[RouterProcess, Server, Server], upstream: VllmRouterProcess, pool: PoolDaemon, workdir: Path,
+    fleet: tuple[RouterProcess, Server, Server],
+    upstream: VllmRouterProcess,
+    pool: PoolDaemon,
+    workdir: Path,
 ) -> None:
     # Every scheme is stale at once here: each request that decode cannot serve alone refreshes it.
     _, _, decode = fleet

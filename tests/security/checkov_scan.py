@@ -68,8 +68,15 @@ def load_exceptions(path: Path = EXCEPTIONS_FILE) -> list[Accepted]:
         missing = {"check", "title", "objects", "applies", "reason"} - set(entry)
         if missing:
             raise ValueError(f"{path.name} entry {i} ({entry.get('check', '?')}): missing {', '.join(sorted(missing))}")
-        result.append(Accepted(entry["check"], entry["title"], tuple(entry["objects"]), entry["applies"],
-                                 " ".join(str(entry["reason"]).split())))
+        result.append(
+            Accepted(
+                entry["check"],
+                entry["title"],
+                tuple(entry["objects"]),
+                entry["applies"],
+                " ".join(str(entry["reason"]).split()),
+            )
+        )
     return result
 
 
@@ -156,9 +163,21 @@ def scanned_objects(workdir: Path, helm: Path) -> dict[str, list[dict[str, Any]]
 
 def run_checkov(checkov: Path, directory: Path) -> dict[str, Any] | list[dict[str, Any]]:
     result = subprocess.run(
-        [str(checkov), "--directory", str(directory), "--framework", "kubernetes", "--skip-download",
-         "--output", "json", "--compact"],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            str(checkov),
+            "--directory",
+            str(directory),
+            "--framework",
+            "kubernetes",
+            "--skip-download",
+            "--output",
+            "json",
+            "--compact",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     # Exit 1 means "findings"; anything else, or no JSON, means checkov itself failed.
     if result.returncode not in (0, 1) or not result.stdout.strip().startswith(("{", "[")):
@@ -186,8 +205,10 @@ def scan(checkov: Path, helm: Path) -> Verdict:
         report = run_checkov(checkov, manifests)
     verdict = judge(findings(report, object_ids(everything)), load_exceptions())
     passed, failed, version = _summary(report)
-    print(f"checkov {version}: {passed} checks passed and {failed} failed over {len(everything)} objects; "
-          f"{len(verdict.accepted)} distinct findings are documented exceptions, {len(verdict.new)} are new")
+    print(
+        f"checkov {version}: {passed} checks passed and {failed} failed over {len(everything)} objects; "
+        f"{len(verdict.accepted)} distinct findings are documented exceptions, {len(verdict.new)} are new"
+    )
     for finding in verdict.new:
         print(f"  NEW  {finding}  (fix it, or add it with its reason to {EXCEPTIONS_FILE.relative_to(REPO)})")
     for entry in verdict.stale:

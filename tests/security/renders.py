@@ -73,7 +73,10 @@ def chart_render(helm: Path, *helm_args: str) -> list[Object]:
     """``helm template`` of the chart as released into :data:`POOL_NAMESPACE`."""
     result = subprocess.run(
         [str(helm), "template", RELEASE, str(CHART), "--namespace", POOL_NAMESPACE, *helm_args],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]

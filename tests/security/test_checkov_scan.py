@@ -35,15 +35,22 @@ def failed(check: str, resource: str, title: str = "t") -> dict[str, Any]:
 
 def test_resources_resolve_to_the_scanned_objects() -> None:
     ids = object_ids([DEPLOYMENT, WEB_PREFIX, SERVICE])
-    report = {"results": {"failed_checks": [
-        failed("A", "Deployment.llm.web"),
-        failed("B", "Service.default.web"),
-        # A graph check names the workload's pod, labels appended.
-        failed("C", "Pod.llm.web-api.app.kubernetes.io/name-web"),
-        failed("A", "Deployment.llm.web"),  # the same object in two renders counts once
-    ]}}
-    assert findings(report, ids) == {Finding("A", "t", "Deployment", "web"), Finding("B", "t", "Service", "web"),
-                                     Finding("C", "t", "Deployment", "web-api")}
+    report = {
+        "results": {
+            "failed_checks": [
+                failed("A", "Deployment.llm.web"),
+                failed("B", "Service.default.web"),
+                # A graph check names the workload's pod, labels appended.
+                failed("C", "Pod.llm.web-api.app.kubernetes.io/name-web"),
+                failed("A", "Deployment.llm.web"),  # the same object in two renders counts once
+            ]
+        }
+    }
+    assert findings(report, ids) == {
+        Finding("A", "t", "Deployment", "web"),
+        Finding("B", "t", "Service", "web"),
+        Finding("C", "t", "Deployment", "web-api"),
+    }
     with pytest.raises(ValueError, match="none of the scanned objects"):
         findings({"results": {"failed_checks": [failed("A", "Deployment.llm.other")]}}, ids)
 
@@ -71,7 +78,8 @@ def test_exception_entries_need_every_field(tmp_path: Path) -> None:
 def test_the_docs_list_exactly_the_exceptions() -> None:
     text = DOCS_FILE.read_text()
     assert docs_with_table(text, load_exceptions()) == text, (
-        "docs/operations.md is stale: python -m tests.security.checkov_scan --write-docs")
+        "docs/operations.md is stale: python -m tests.security.checkov_scan --write-docs"
+    )
     for entry in load_exceptions():
         assert entry.reason and entry.applies, entry.check
 
@@ -81,10 +89,18 @@ def test_real_checkov_finds_what_the_exceptions_do_not_cover(tmp_path: Path) -> 
     """A privileged pod in a serving namespace is a new finding, though a pool agent's is accepted."""
     if not CHECKOV.exists():
         pytest.skip("checkov is installed by `make scan` (its own virtual environment in .tools/checkov)")
-    pod = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "rogue", "namespace": "llm"},
-           "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
-               "metadata": {"labels": {"a": "b"}},
-               "spec": {"containers": [{"name": "c", "image": "x:1", "securityContext": {"privileged": True}}]}}}}
+    pod = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "rogue", "namespace": "llm"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {
+                "metadata": {"labels": {"a": "b"}},
+                "spec": {"containers": [{"name": "c", "image": "x:1", "securityContext": {"privileged": True}}]},
+            },
+        },
+    }
     (tmp_path / "rogue.yaml").write_text(yaml.safe_dump(pod))
     found = findings(run_checkov(CHECKOV, tmp_path), object_ids([pod]))
     verdict = judge(found, load_exceptions())

@@ -37,8 +37,9 @@ def test_a_selected_pod_is_isolated_and_others_are_not() -> None:
 def test_policy_types_default_from_the_rules() -> None:
     only_ingress = Network([policy({"podSelector": {}, "egress": []})], NAMESPACES)
     assert only_ingress.isolated(WEB) == (True, False)
-    with_egress = Network([policy({"podSelector": {}, "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}]})],
-                          NAMESPACES)
+    with_egress = Network(
+        [policy({"podSelector": {}, "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}]})], NAMESPACES
+    )
     assert with_egress.isolated(WEB) == (True, True)
     assert with_egress.allows(WEB, OUTSIDE, 53, "UDP") and not with_egress.allows(WEB, OUTSIDE, 53)
 
@@ -46,17 +47,28 @@ def test_policy_types_default_from_the_rules() -> None:
 def test_peers_in_one_entry_are_and_across_entries_or() -> None:
     both = {"namespaceSelector": {"matchLabels": {"team": "blue"}}, "podSelector": {"matchLabels": {"app": "db"}}}
     either = [{"namespaceSelector": {"matchLabels": {"team": "blue"}}}, {"podSelector": {"matchLabels": {"app": "db"}}}]
-    and_net = Network([policy({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"from": [both]}]})],
-                      NAMESPACES)
-    or_net = Network([policy({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"from": either}]})],
-                     NAMESPACES)
+    and_net = Network(
+        [policy({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"from": [both]}]})], NAMESPACES
+    )
+    or_net = Network(
+        [policy({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"from": either}]})], NAMESPACES
+    )
     assert not and_net.allows(OTHER, WEB, 1) and not and_net.allows(DB, WEB, 1)
     assert or_net.allows(OTHER, WEB, 1) and or_net.allows(DB, WEB, 1)
 
 
 def test_pod_selector_alone_means_the_policys_namespace() -> None:
-    net = Network([policy({"podSelector": {"matchLabels": {"app": "db"}},
-                           "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}]}]})], NAMESPACES)
+    net = Network(
+        [
+            policy(
+                {
+                    "podSelector": {"matchLabels": {"app": "db"}},
+                    "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}]}],
+                }
+            )
+        ],
+        NAMESPACES,
+    )
     assert net.allows(WEB, DB, 5432)
     assert not net.allows(OTHER, DB, 5432)  # same labels, other namespace
 
@@ -69,8 +81,9 @@ def test_namespace_names_are_labels() -> None:
 
 def test_ports_named_numbered_ranges_and_protocols() -> None:
     def only(*ports: dict[str, Any]) -> Network:
-        return Network([policy({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"ports": list(ports)}]})],
-                       NAMESPACES)
+        return Network(
+            [policy({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"ports": list(ports)}]})], NAMESPACES
+        )
 
     assert only({"port": "http"}).allows(DB, WEB, 8080) and not only({"port": "http"}).allows(DB, WEB, 80)
     assert only({"port": 8000, "endPort": 8100}).allows(DB, WEB, 8080)
@@ -94,25 +107,30 @@ def test_pod_selectors_never_match_outside_the_cluster() -> None:
 
 def test_policies_add_up() -> None:
     deny = policy({"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}, name="deny")
-    allow = policy({"podSelector": {"matchLabels": {"app": "db"}}, "ingress": [{"from": [{"podSelector": {}}]}]},
-                   name="allow-db")
+    allow = policy(
+        {"podSelector": {"matchLabels": {"app": "db"}}, "ingress": [{"from": [{"podSelector": {}}]}]}, name="allow-db"
+    )
     net = Network([deny, allow], NAMESPACES)
     assert not net.allows(DB, WEB, 1)
     # db admits web, but web's own egress is denied by "deny".
     assert not net.allows(WEB, DB, 1)
-    net = Network([deny, allow, policy({"podSelector": {}, "policyTypes": ["Egress"], "egress": [{}]}, name="out")],
-                  NAMESPACES)
+    net = Network(
+        [deny, allow, policy({"podSelector": {}, "policyTypes": ["Egress"], "egress": [{}]}, name="out")], NAMESPACES
+    )
     assert net.allows(WEB, DB, 1)
 
 
-@pytest.mark.parametrize(("expr", "labels", "expected"), [
-    ({"key": "t", "operator": "In", "values": ["x"]}, {"t": "x"}, True),
-    ({"key": "t", "operator": "In", "values": ["x"]}, {}, False),
-    ({"key": "t", "operator": "NotIn", "values": ["x"]}, {}, True),
-    ({"key": "t", "operator": "NotIn", "values": ["x"]}, {"t": "x"}, False),
-    ({"key": "t", "operator": "Exists"}, {"t": ""}, True),
-    ({"key": "t", "operator": "DoesNotExist"}, {"t": ""}, False),
-])
+@pytest.mark.parametrize(
+    ("expr", "labels", "expected"),
+    [
+        ({"key": "t", "operator": "In", "values": ["x"]}, {"t": "x"}, True),
+        ({"key": "t", "operator": "In", "values": ["x"]}, {}, False),
+        ({"key": "t", "operator": "NotIn", "values": ["x"]}, {}, True),
+        ({"key": "t", "operator": "NotIn", "values": ["x"]}, {"t": "x"}, False),
+        ({"key": "t", "operator": "Exists"}, {"t": ""}, True),
+        ({"key": "t", "operator": "DoesNotExist"}, {"t": ""}, False),
+    ],
+)
 def test_match_expressions(expr: dict[str, Any], labels: dict[str, str], expected: bool) -> None:
     assert selects({"matchExpressions": [expr]}, labels) is expected
 

@@ -58,8 +58,13 @@ class World:
 
 @pytest.fixture(scope="module")
 def chart(helm: Path) -> list[dict[str, Any]]:
-    return chart_render(helm, "--set", f"networkPolicy.scrapeNamespaces={{{MONITORING}}}",
-                        "--set", "networkPolicy.apiServer.cidrs={192.0.2.0/24}")
+    return chart_render(
+        helm,
+        "--set",
+        f"networkPolicy.scrapeNamespaces={{{MONITORING}}}",
+        "--set",
+        "networkPolicy.apiServer.cidrs={192.0.2.0/24}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +171,16 @@ def test_the_operator_reaches_the_api_server_and_pool_status(world: World) -> No
 
 
 def test_prometheus_scrapes_every_metrics_port(world: World) -> None:
-    for name, port in [("maru-operator", 9090), ("qwen-7b-router", 29000), ("qwen-7b-router", 29001),
-                       ("qwen-7b-prefill", 8000),
-                       ("qwen-7b-decode", 8000), ("cxl-pool-metadata", 9400), ("cxl-pool-agent", 9400),
-                       ("local-shm-agent", 9400)]:
+    for name, port in [
+        ("maru-operator", 9090),
+        ("qwen-7b-router", 29000),
+        ("qwen-7b-router", 29001),
+        ("qwen-7b-prefill", 8000),
+        ("qwen-7b-decode", 8000),
+        ("cxl-pool-metadata", 9400),
+        ("cxl-pool-agent", 9400),
+        ("local-shm-agent", 9400),
+    ]:
         world.allowed(PROMETHEUS, world[name], port)
     world.refused(PROMETHEUS, world["cxl-pool-metadata"], 7400)
     for name, port in [("maru-operator", 9090), ("cxl-pool-agent", 9400), ("local-shm-agent", 9400)]:
@@ -188,8 +199,13 @@ def test_without_scrape_namespaces_nothing_scrapes(helm: Path, tmp_path: Path) -
     """The defaults: metrics ports are open to the operator alone."""
     objects = chart_render(helm) + examples_bound_to_each_pool(tmp_path)["cxl-pool"]
     world = World(objects)
-    for name, port in [("maru-operator", 9090), ("qwen-7b-router", 29000), ("qwen-7b-decode", 8000),
-                       ("cxl-pool-metadata", 9400), ("cxl-pool-agent", 9400)]:
+    for name, port in [
+        ("maru-operator", 9090),
+        ("qwen-7b-router", 29000),
+        ("qwen-7b-decode", 8000),
+        ("cxl-pool-metadata", 9400),
+        ("cxl-pool-agent", 9400),
+    ]:
         world.refused(PROMETHEUS, world[name], port)
     world.allowed(world["maru-operator"], world["cxl-pool-metadata"], 9400)
     world.allowed(world["qwen-7b-router"], API_SERVER, 6443)  # the default range is every address
@@ -248,8 +264,10 @@ spec:
     copycat = Endpoint("copycat", "198.51.100.242", "elsewhere", publisher.labels)  # outside allowedNamespaces
     world.refused(copycat, world["cxl-pool-metadata"], 7400)
     # A KV-aware router installed elsewhere is named in the spec: it, and only it, gets in.
-    world = render("{enabled: true, consumers: [{namespaceSelector: {matchLabels: "
-                   "{kubernetes.io/metadata.name: elsewhere}}, podSelector: {matchLabels: {app: curl}}}]}")
+    world = render(
+        "{enabled: true, consumers: [{namespaceSelector: {matchLabels: "
+        "{kubernetes.io/metadata.name: elsewhere}}, podSelector: {matchLabels: {app: curl}}}]}"
+    )
     publisher = world["pub-pool-events"]
     world.allowed(STRANGER, publisher, 5557)
     world.allowed(STRANGER, publisher, 5558)
@@ -280,8 +298,9 @@ def test_on_cilium_the_operator_and_the_routers_reach_the_kube_apiserver_entity(
     """Cilium never matches an ipBlock to an API server on the nodes: with networkPolicy.apiServer.cilium the
     chart allows Cilium's kube-apiserver entity to exactly the pods that talk to the API server."""
     assert not [o for o in chart_render(helm) if o["apiVersion"].startswith("cilium.io/")]
-    chart = chart_render(helm, "--set", "networkPolicy.apiServer.cilium=true",
-                         "--set-json", "networkPolicy.apiServer.ports=[6443]")
+    chart = chart_render(
+        helm, "--set", "networkPolicy.apiServer.cilium=true", "--set-json", "networkPolicy.apiServer.ports=[6443]"
+    )
     (policy,) = [o for o in chart if o["apiVersion"].startswith("cilium.io/")]
     assert policy["apiVersion"] == "cilium.io/v2" and policy["kind"] == "CiliumClusterwideNetworkPolicy"
     # The Kubernetes policies stay: Cilium allows what any policy selecting a pod allows.
@@ -298,7 +317,11 @@ def test_on_cilium_the_operator_and_the_routers_reach_the_kube_apiserver_entity(
                 ports = [p for to in rule["toPorts"] for p in to["ports"]]
                 if rule["toEntities"] == ["kube-apiserver"] and ports == [{"port": "6443", "protocol": "TCP"}]:
                     reach.add((pod["kind"], pod["metadata"]["name"]))
-    routers = {("Deployment", o["metadata"]["name"]) for cs in children.values() for o in cs
-               if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-router")}
+    routers = {
+        ("Deployment", o["metadata"]["name"])
+        for cs in children.values()
+        for o in cs
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-router")
+    }
     assert routers
     assert reach == {("Deployment", "maru-operator")} | routers

@@ -67,8 +67,12 @@ def test_every_serving_pod_passes_restricted(rendered: dict[str, list[dict[str, 
             checked.append(obj)
     # Prefill, decode and router for every group bound to each pool: nothing was skipped by accident.
     # examples/ holds two groups (each rendered bound to each of its two pools), examples/local/ one.
-    groups = {(pool, o["metadata"]["labels"]["app.kubernetes.io/instance"])
-              for pool, objects in rendered.items() for o in _pods(objects) if _app(o) in SERVING_APPS}
+    groups = {
+        (pool, o["metadata"]["labels"]["app.kubernetes.io/instance"])
+        for pool, objects in rendered.items()
+        for o in _pods(objects)
+        if _app(o) in SERVING_APPS
+    }
     assert len(groups) == 5, sorted(groups)
     assert len(checked) == len(ROLES) * len(groups)
 
@@ -104,8 +108,12 @@ def test_only_pool_infrastructure_needs_more_than_restricted(rendered: dict[str,
     # Both example pools' agents are exempt, for the documented reasons (and only those).
     assert set(exempt) == {"cxl-pool-agent", "local-shm-agent"}
     # shm: the socket directory (hostPath) and root, to create the socket in it; no capability, no escalation.
-    assert exempt["local-shm-agent"] == {"HostPath Volumes", "Volume Types", "Running as Non-root",
-                                         "Running as Non-root user"}
+    assert exempt["local-shm-agent"] == {
+        "HostPath Volumes",
+        "Volume Types",
+        "Running as Non-root",
+        "Running as Non-root user",
+    }
     assert "Privileged Containers" in exempt["cxl-pool-agent"]
 
 
@@ -123,8 +131,9 @@ def test_chart_pods(render) -> None:
             assert {"Privileged Containers", "HostPath Volumes"} <= {v.control for v in violations}
         else:
             assert not violations, f"{_describe(obj)} fails restricted:\n" + "\n".join(map(str, violations))
-    assert any((pod_template(o)[0].get("labels") or {}).get("app.kubernetes.io/component") == "csi-node"
-               for o in pods), "the chart ships the CSI node plugin"
+    assert any(
+        (pod_template(o)[0].get("labels") or {}).get("app.kubernetes.io/component") == "csi-node" for o in pods
+    ), "the chart ships the CSI node plugin"
 
 
 def _dockerfile_user(target: str) -> int:

@@ -17,13 +17,15 @@ Pod = dict[str, Any]
 def restricted_pod() -> Pod:
     return {
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [{
-            "name": "app",
-            "image": "app:1",
-            "ports": [{"containerPort": 8000}],
-            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-            "volumeMounts": [{"name": "sock", "mountPath": "/run/x"}],
-        }],
+        "containers": [
+            {
+                "name": "app",
+                "image": "app:1",
+                "ports": [{"containerPort": 8000}],
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                "volumeMounts": [{"name": "sock", "mountPath": "/run/x"}],
+            }
+        ],
         "volumes": [
             {"name": "sock", "csi": {"driver": "csi.example.com", "readOnly": True}},
             {"name": "tmp", "emptyDir": {}},
@@ -39,8 +41,12 @@ def _app(pod: Pod) -> dict[str, Any]:
 
 # (id, mutation, level at which it must fail, the control named)
 MUTATIONS: list[tuple[str, Callable[[Pod], None], str, str]] = [
-    ("hostPath", lambda p: p["volumes"].append({"name": "h", "hostPath": {"path": "/run"}}), "baseline",
-     "HostPath Volumes"),
+    (
+        "hostPath",
+        lambda p: p["volumes"].append({"name": "h", "hostPath": {"path": "/run"}}),
+        "baseline",
+        "HostPath Volumes",
+    ),
     ("hostNetwork", lambda p: p.update(hostNetwork=True), "baseline", "Host Namespaces"),
     ("hostPID", lambda p: p.update(hostPID=True), "baseline", "Host Namespaces"),
     ("hostIPC", lambda p: p.update(hostIPC=True), "baseline", "Host Namespaces"),
@@ -51,18 +57,33 @@ MUTATIONS: list[tuple[str, Callable[[Pod], None], str, str]] = [
     ("seccomp-unconfined", lambda p: _app(p).update(seccompProfile={"type": "Unconfined"}), "baseline", "Seccomp"),
     ("apparmor", lambda p: _app(p).update(appArmorProfile={"type": "Unconfined"}), "baseline", "AppArmor"),
     ("selinux-user", lambda p: _app(p).update(seLinuxOptions={"user": "system_u"}), "baseline", "SELinux"),
-    ("unsafe-sysctl", lambda p: p["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
-     "baseline", "Sysctls"),
-    ("init-privileged", lambda p: p.update(initContainers=[{"name": "i", "securityContext": {"privileged": True}}]),
-     "baseline", "Privileged Containers"),
-    ("volume-type", lambda p: p["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}), "restricted",
-     "Volume Types"),
+    (
+        "unsafe-sysctl",
+        lambda p: p["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+        "baseline",
+        "Sysctls",
+    ),
+    (
+        "init-privileged",
+        lambda p: p.update(initContainers=[{"name": "i", "securityContext": {"privileged": True}}]),
+        "baseline",
+        "Privileged Containers",
+    ),
+    (
+        "volume-type",
+        lambda p: p["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}),
+        "restricted",
+        "Volume Types",
+    ),
     ("escalation-unset", lambda p: _app(p).pop("allowPrivilegeEscalation"), "restricted", "Privilege Escalation"),
-    ("escalation-true", lambda p: _app(p).update(allowPrivilegeEscalation=True), "restricted",
-     "Privilege Escalation"),
+    ("escalation-true", lambda p: _app(p).update(allowPrivilegeEscalation=True), "restricted", "Privilege Escalation"),
     ("runAsNonRoot-unset", lambda p: p["securityContext"].pop("runAsNonRoot"), "restricted", "Running as Non-root"),
-    ("runAsNonRoot-false-in-container", lambda p: _app(p).update(runAsNonRoot=False), "restricted",
-     "Running as Non-root"),
+    (
+        "runAsNonRoot-false-in-container",
+        lambda p: _app(p).update(runAsNonRoot=False),
+        "restricted",
+        "Running as Non-root",
+    ),
     ("runAsUser-0", lambda p: _app(p).update(runAsUser=0), "restricted", "Running as Non-root user"),
     ("pod-runAsUser-0", lambda p: p["securityContext"].update(runAsUser=0), "restricted", "Running as Non-root user"),
     ("seccomp-unset", lambda p: p["securityContext"].pop("seccompProfile"), "restricted", "Seccomp"),

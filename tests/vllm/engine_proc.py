@@ -134,8 +134,12 @@ def generate(llm, req: dict[str, Any]) -> dict[str, Any]:
     # One [name, id, path] per prompt (or null: the base model), as vLLM's LoRARequest takes them.
     loras = [LoRARequest(*a) if a else None for a in req.get("loras") or [None] * len(req["prompts"])]
     start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False,
-                        lora_request=loras if any(loras) else None)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
+        params,
+        use_tqdm=False,
+        lora_request=loras if any(loras) else None,
+    )
     elapsed = time.perf_counter() - start
     if req.get("flush", True):
         flush(llm)

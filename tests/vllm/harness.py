@@ -137,8 +137,7 @@ class Engine:
         loras: list[list[Any] | None] | None = None,
     ) -> dict[str, Any]:
         """``tokens`` and ``handoffs`` (each output's kv_transfer_params); see ``engine_proc.generate``."""
-        out = self.call("generate", prompts=prompts, max_tokens=max_tokens, handoffs=handoffs, flush=flush,
-                        loras=loras)
+        out = self.call("generate", prompts=prompts, max_tokens=max_tokens, handoffs=handoffs, flush=flush, loras=loras)
         assert "tokens" in out, f"engine {self.name} failed: {out.get('error')}\n{out.get('traceback', '')}"
         return out
 

@@ -328,9 +328,7 @@ def test_no_chunk_computed_over_a_failed_load_shared_through_the_local_prefix_ca
         b = a[: 6 * CHUNK] + prompt(3 * BUDGET, seed=108)
         e.generate([a[: 6 * CHUNK]], max_tokens=1)  # the pool holds the chunks A and B share
         assert e.call("reset_prefix_cache").get("ok")  # and the engine's own cache does not: A loads them
-        injected = e.call(
-            "inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1
-        )
+        injected = e.call("inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1)
         assert injected.get("ok"), injected
         try:
             c0 = e.counters()

@@ -41,16 +41,22 @@ def make_adapter(path: Path, seed: int) -> Path:
             tensors[f"{name}.lora_B.weight"] = torch.randn(kv_out, RANK, generator=gen) * 0.5
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": ["k_proj", "v_proj"],
-              "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "target_modules": ["k_proj", "v_proj"],
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    e = Engine("lora", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
-               max_loras=2)
+    e = Engine("lora", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK, max_loras=2)
     yield e
     e.close()
 

@@ -56,9 +56,11 @@ def test_the_abbreviation_table_is_vllms(parser: Any) -> None:
             action = next(a for a in parser._actions if flag.name in a.option_strings)
             assert alias in action.option_strings
         # The shortest prefix naming only this flag (the full name when another option extends it).
-        shortest = next(flag.name[:n] for n in range(3, len(flag.name) + 1)
-                        if [o for o in options if o.startswith(flag.name[:n])] == [flag.name]
-                        or flag.name[:n] == flag.name)
+        shortest = next(
+            flag.name[:n]
+            for n in range(3, len(flag.name) + 1)
+            if [o for o in options if o.startswith(flag.name[:n])] == [flag.name] or flag.name[:n] == flag.name
+        )
         assert flag.shortest == shortest, flag.name
 
 
@@ -72,5 +74,7 @@ def test_rendered_lora_adapters_are_what_vllm_reads(parser: Any) -> None:
     args = container(build_role_deployment(spec, "decode", GROUP_OWNER, pool_view()))["args"]
     parsed = parser.parse_args(args)
     assert parsed.enable_lora is True and parsed.max_loras == 2
-    assert [(m.name, m.path) for m in parsed.lora_modules] == [("sql", "/var/cache/maru/models/sql-lora"),
-                                                              ("chat", "o/chat")]
+    assert [(m.name, m.path) for m in parsed.lora_modules] == [
+        ("sql", "/var/cache/maru/models/sql-lora"),
+        ("chat", "o/chat"),
+    ]

@@ -56,10 +56,15 @@ def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
     script.write_text(GENERATE)
     vllm = container(build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view()))
     assert vllm["securityContext"]["readOnlyRootFilesystem"] is True
-    volumes = {v["name"]: v for v in build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())[
-        "spec"]["template"]["spec"]["volumes"]}
-    scratch = [m["mountPath"] for m in vllm["volumeMounts"]
-               if volumes[m["name"]].get("emptyDir") == {}]  # the disk-backed emptyDirs (dshm exists already)
+    volumes = {
+        v["name"]: v
+        for v in build_role_deployment(group_spec(), "prefill", GROUP_OWNER, pool_view())["spec"]["template"]["spec"][
+            "volumes"
+        ]
+    }
+    scratch = [
+        m["mountPath"] for m in vllm["volumeMounts"] if volumes[m["name"]].get("emptyDir") == {}
+    ]  # the disk-backed emptyDirs (dshm exists already)
     assert set(scratch) >= {"/tmp"}
     env = {e["name"]: e["value"] for e in vllm["env"] if "value" in e}
     assert {k: env[k] for k in CACHE_ENV} == CACHE_ENV
@@ -86,6 +91,12 @@ def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
         f"exec {shlex.quote(sys.executable)} {shlex.quote(str(script))} {shlex.quote(str(model))}",
     ]
     child_env = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(["unshare", "--mount", "bash", "-c", "\n".join(steps)], env=child_env,
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        ["unshare", "--mount", "bash", "-c", "\n".join(steps)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0 and "GENERATED" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

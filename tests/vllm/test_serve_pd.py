@@ -131,9 +131,11 @@ def test_router_style_prefill_then_decode(servers: tuple[Server, Server]) -> Non
     prefill, decode = servers
     loaded = "vllm:maru_connector_loaded_chunks_total"
     # The latency histograms: a load job and a handoff lookup on decode, a save job on prefill, per prompt.
-    timed = ((decode, "vllm:maru_connector_load_seconds_count"),
-             (decode, "vllm:maru_connector_handoff_wait_seconds_count"),
-             (prefill, "vllm:maru_connector_save_seconds_count"))
+    timed = (
+        (decode, "vllm:maru_connector_load_seconds_count"),
+        (decode, "vllm:maru_connector_handoff_wait_seconds_count"),
+        (prefill, "vllm:maru_connector_save_seconds_count"),
+    )
     for n, chunks in ((8 * 256, 8), (5 * 256 + 20, 5)):
         ids = prompt(n, seed=n)
         before = decode.metric(loaded)

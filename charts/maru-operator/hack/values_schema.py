@@ -283,8 +283,21 @@ VALUES: dict[str, Any] = obj(
             required=["enabled", "socketRoot", "kubeletDir", "image", "registrar", "livenessProbe"],
         ),
     },
-    required=["image", "instance", "logLevel", "workers", "resyncSeconds", "poolUsageIntervalSeconds", "replicas",
-              "livenessProbe", "readinessProbe", "metrics", "networkPolicy", "serviceAccount", "rbac"],
+    required=[
+        "image",
+        "instance",
+        "logLevel",
+        "workers",
+        "resyncSeconds",
+        "poolUsageIntervalSeconds",
+        "replicas",
+        "livenessProbe",
+        "readinessProbe",
+        "metrics",
+        "networkPolicy",
+        "serviceAccount",
+        "rbac",
+    ],
 )
 
 

@@ -138,8 +138,7 @@ def parse(text: str | bytes, where: str) -> Admission:
     if admit != ADMIT_LISTED:
         raise AdmissionError(f"{where}: admit is {admit!r}, not {ADMIT_ALL!r} or {ADMIT_LISTED!r}")
     namespaces = doc.get("namespaces")
-    if (not isinstance(namespaces, list) or not namespaces
-            or not all(isinstance(n, str) and n for n in namespaces)):
+    if not isinstance(namespaces, list) or not namespaces or not all(isinstance(n, str) and n for n in namespaces):
         raise AdmissionError(f"{where}: admit {ADMIT_LISTED} needs a non-empty list of namespace names")
     known = {"version", "pool", "admit", "namespaces"}
     if set(doc) - {"directory"} != known:
@@ -158,8 +157,10 @@ def read(pool_dir: str) -> Admission:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise AdmissionError(f"{path} is missing: the pool's agent on this node writes it before it starts "
-                             "(an agent rendered by an older operator does not)") from None
+        raise AdmissionError(
+            f"{path} is missing: the pool's agent on this node writes it before it starts "
+            "(an agent rendered by an older operator does not)"
+        ) from None
     except OSError as err:
         raise AdmissionError(f"{path} cannot be opened ({os.strerror(err.errno or 0)})") from None
     try:
@@ -167,8 +168,10 @@ def read(pool_dir: str) -> Admission:
         if not stat.S_ISREG(st.st_mode):
             raise AdmissionError(f"{path} is not a regular file")
         if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
-            raise AdmissionError(f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
-                                 "only a root-owned file that no other user may write is trusted")
+            raise AdmissionError(
+                f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
+                "only a root-owned file that no other user may write is trusted"
+            )
         if st.st_size > MAX_BYTES:
             raise AdmissionError(f"{path} is larger than {MAX_BYTES} bytes")
         data = os.read(fd, MAX_BYTES + 1)
@@ -177,8 +180,10 @@ def read(pool_dir: str) -> Admission:
     rule = parse(data, path)
     directory = os.path.basename(os.path.normpath(pool_dir))
     if rule.directory != directory:
-        raise AdmissionError(f"{path} is the rule of pool {rule.pool!r}, not of {directory!r} whose directory "
-                             "holds it: each pool's agent writes its own")
+        raise AdmissionError(
+            f"{path} is the rule of pool {rule.pool!r}, not of {directory!r} whose directory "
+            "holds it: each pool's agent writes its own"
+        )
     return rule
 
 

@@ -65,8 +65,10 @@ def cache_error(value: str) -> str | None:
     if not value:
         return f"volumeAttributes.{ATTR_CACHE} is required for a credential: the group's cache name"
     if len(value) > MAX_CACHE or not value.isprintable():
-        return (f"volumeAttributes.{ATTR_CACHE} must be 1 to {MAX_CACHE} printable characters "
-                "(the group's spec.connector.cacheNamespace, or its name)")
+        return (
+            f"volumeAttributes.{ATTR_CACHE} must be 1 to {MAX_CACHE} printable characters "
+            "(the group's spec.connector.cacheNamespace, or its name)"
+        )
     return None
 
 

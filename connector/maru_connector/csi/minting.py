@@ -81,8 +81,9 @@ def material_path(socket_root: str, pool: str) -> str:
 
 def policy_document(default: tenancy.Quota, ceiling: tenancy.Quota) -> str:
     """The ``--policy`` argument the operator renders into the init container: no secret in it."""
-    return json.dumps({"tenantQuota": default.encode(), "maxTenantQuota": ceiling.encode()}, sort_keys=True,
-                      separators=(",", ":"))
+    return json.dumps(
+        {"tenantQuota": default.encode(), "maxTenantQuota": ceiling.encode()}, sort_keys=True, separators=(",", ":")
+    )
 
 
 def _quota(doc: dict[str, Any], name: str, where: str) -> tenancy.Quota:
@@ -144,22 +145,31 @@ def read(socket_root: str, pool: str) -> Material:
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise MintingError(f"{directory} is missing: the pool's agent on this node writes it before it starts "
-                           "(an agent rendered by an older operator does not)") from None
+        raise MintingError(
+            f"{directory} is missing: the pool's agent on this node writes it before it starts "
+            "(an agent rendered by an older operator does not)"
+        ) from None
     except OSError as err:
-        raise MintingError(f"{directory} cannot be opened as a directory ({os.strerror(err.errno or 0)}): only a "
-                           "root-owned directory closed to group and others, not a link, is trusted") from None
+        raise MintingError(
+            f"{directory} cannot be opened as a directory ({os.strerror(err.errno or 0)}): only a "
+            "root-owned directory closed to group and others, not a link, is trusted"
+        ) from None
     try:
         dst = os.fstat(dir_fd)
         if not stat.S_ISDIR(dst.st_mode) or not _trusted(dst):
-            raise MintingError(f"{directory} is owned by uid {dst.st_uid} with mode {stat.filemode(dst.st_mode)}: "
-                               "only a root-owned directory closed to group and others is trusted")
+            raise MintingError(
+                f"{directory} is owned by uid {dst.st_uid} with mode {stat.filemode(dst.st_mode)}: "
+                "only a root-owned directory closed to group and others is trusted"
+            )
         try:
-            fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=dir_fd)
+            fd = os.open(
+                os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+            )
         except FileNotFoundError:
-            raise MintingError(f"{path} is missing: the pool's agent on this node writes it before it starts "
-                               "(an agent rendered by an older operator does not)") from None
+            raise MintingError(
+                f"{path} is missing: the pool's agent on this node writes it before it starts "
+                "(an agent rendered by an older operator does not)"
+            ) from None
         except OSError as err:
             raise MintingError(f"{path} cannot be opened ({os.strerror(err.errno or 0)})") from None
     finally:
@@ -169,8 +179,10 @@ def read(socket_root: str, pool: str) -> Material:
         if not stat.S_ISREG(st.st_mode):
             raise MintingError(f"{path} is not a regular file")
         if not _trusted(st):
-            raise MintingError(f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: only a "
-                               "root-owned file closed to group and others is trusted")
+            raise MintingError(
+                f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: only a "
+                "root-owned file closed to group and others is trusted"
+            )
         if st.st_size > MAX_BYTES:
             raise MintingError(f"{path} is larger than {MAX_BYTES} bytes")
         data = os.read(fd, MAX_BYTES + 1)
@@ -183,8 +195,13 @@ def read(socket_root: str, pool: str) -> Material:
 
 
 def render(pool: str, key: bytes, default: tenancy.Quota, ceiling: tenancy.Quota) -> str:
-    doc = {"version": VERSION, "pool": pool, "key": base64.b64encode(key).decode(),
-           "tenantQuota": default.encode(), "maxTenantQuota": ceiling.encode()}
+    doc = {
+        "version": VERSION,
+        "pool": pool,
+        "key": base64.b64encode(key).decode(),
+        "tenantQuota": default.encode(),
+        "maxTenantQuota": ceiling.encode(),
+    }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 

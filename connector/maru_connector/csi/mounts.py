@@ -56,15 +56,19 @@ TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
 
 def mount_tmpfs(target: str, size: int = TMPFS_BYTES) -> None:
     """A writable tmpfs of ``size`` bytes at ``target``, nosuid, nodev, noexec, its root mode 0755."""
-    _check(_libc.mount(b"tmpfs", target.encode(), b"tmpfs", TMPFS_FLAGS, f"size={size},mode=0755".encode()),
-           f"mount tmpfs on {target}")
+    _check(
+        _libc.mount(b"tmpfs", target.encode(), b"tmpfs", TMPFS_FLAGS, f"size={size},mode=0755".encode()),
+        f"mount tmpfs on {target}",
+    )
 
 
 def remount(target: str, *, read_only: bool) -> None:
     """Make the tmpfs at ``target`` read-only (or writable again, to replace its token)."""
     flags = MS_REMOUNT | TMPFS_FLAGS | (MS_RDONLY if read_only else 0)
-    _check(_libc.mount(None, target.encode(), None, flags, None),
-           f"remount {target} {'read-only' if read_only else 'read-write'}")
+    _check(
+        _libc.mount(None, target.encode(), None, flags, None),
+        f"remount {target} {'read-only' if read_only else 'read-write'}",
+    )
 
 
 def unmount(target: str) -> None:
@@ -105,12 +109,14 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
         if "-" not in fields[6:]:
             continue
         separator = fields.index("-", 6)
-        entries.append(MountEntry(
-            mount_point=_unescape(fields[4]),
-            root=_unescape(fields[3]),
-            options=frozenset(fields[5].split(",")),
-            fs_type=fields[separator + 1],
-        ))
+        entries.append(
+            MountEntry(
+                mount_point=_unescape(fields[4]),
+                root=_unescape(fields[3]),
+                options=frozenset(fields[5].split(",")),
+                fs_type=fields[separator + 1],
+            )
+        )
     return entries
 
 

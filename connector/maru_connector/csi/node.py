@@ -175,8 +175,10 @@ def check_publish(request: csi_pb2.NodePublishVolumeRequest, socket_root: Path) 
     if unknown:
         raise _invalid(f"unknown volumeAttributes {unknown}: {DRIVER_NAME} takes {list(ATTRIBUTES)}")
     if ATTR_CACHE not in context and (stray := [k for k in CREDENTIAL_ONLY if k in context]):
-        raise _invalid(f"volumeAttributes {stray} apply to a credential volume only: set "
-                       f"volumeAttributes.{ATTR_CACHE} too, or leave them out of a pool socket volume")
+        raise _invalid(
+            f"volumeAttributes {stray} apply to a credential volume only: set "
+            f"volumeAttributes.{ATTR_CACHE} too, or leave them out of a pool socket volume"
+        )
     if context.get(EPHEMERAL, "true") != "true":
         raise _invalid(f"{DRIVER_NAME} serves inline ephemeral volumes only (spec.volumes[].csi in a pod)")
     pool = context.get(ATTR_POOL, "")
@@ -211,8 +213,9 @@ def check_publish(request: csi_pb2.NodePublishVolumeRequest, socket_root: Path) 
     if ATTR_CACHE not in context:
         return Publication(request.volume_id, pool, str(source), target, described)
     token, credential = _mint(context, socket_root, pool, pod)
-    return Publication(request.volume_id, pool, minting.material_path(str(socket_root), pool), target, described,
-                       token, credential)
+    return Publication(
+        request.volume_id, pool, minting.material_path(str(socket_root), pool), target, described, token, credential
+    )
 
 
 def _mint(context: dict[str, str], socket_root: Path, pool: str, pod: admission.PodIdentity) -> tuple[str, str]:
@@ -230,18 +233,23 @@ def _mint(context: dict[str, str], socket_root: Path, pool: str, pod: admission.
     try:
         requested = tenancy.Quota.decode(context.get(ATTR_QUOTA, ""))
     except ValueError as err:
-        raise _invalid(f"volumeAttributes.{ATTR_QUOTA} {context[ATTR_QUOTA]!r} is not a quota: {err}; write "
-                       "bytes=N,pins=N,leases=N (each optional, in that order, positive whole numbers)") from None
+        raise _invalid(
+            f"volumeAttributes.{ATTR_QUOTA} {context[ATTR_QUOTA]!r} is not a quota: {err}; write "
+            "bytes=N,pins=N,leases=N (each optional, in that order, positive whole numbers)"
+        ) from None
     if not pod.namespace:
-        raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
-                       "a pool credential is minted for the pod's namespace, and the kubelet sent none: the "
-                       "CSIDriver csi.maru.io needs podInfoOnMount: true (the chart sets it)")
+        raise CsiError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "a pool credential is minted for the pod's namespace, and the kubelet sent none: the "
+            "CSIDriver csi.maru.io needs podInfoOnMount: true (the chart sets it)",
+        )
     try:
         material = minting.read(str(socket_root), pool)
     except minting.MintingError as err:
-        raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"pool {pool!r}: no usable credential material on this node, so no credential is minted: "
-                       f"{err}") from None
+        raise CsiError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pool {pool!r}: no usable credential material on this node, so no credential is minted: {err}",
+        ) from None
     token, scope = material.mint(pod.namespace, cache, requested)
     return token, f"tenant:{scope} quota={material.quota_for(requested)}"
 

@@ -30,15 +30,17 @@ def generate(out_root: Path) -> dict[str, str]:
 
     well_known = Path(protoc.__file__).parent / "_proto"
     relative = PROTO.relative_to(SOURCE_ROOT)
-    status = protoc.main([
-        "grpc_tools.protoc",
-        f"-I{SOURCE_ROOT}",
-        f"-I{well_known}",
-        f"--python_out={out_root}",
-        f"--pyi_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        str(relative),
-    ])
+    status = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{SOURCE_ROOT}",
+            f"-I{well_known}",
+            f"--python_out={out_root}",
+            f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            str(relative),
+        ]
+    )
     if status != 0:
         raise SystemExit(f"protoc failed on {relative} (exit {status})")
     folder = out_root / relative.parent
@@ -51,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-    stale = [name for name, text in fresh.items()
-             if not (PACKAGE_DIR / name).exists() or (PACKAGE_DIR / name).read_text() != text]
+    stale = [
+        name
+        for name, text in fresh.items()
+        if not (PACKAGE_DIR / name).exists() or (PACKAGE_DIR / name).read_text() != text
+    ]
     if args.check:
         if stale:
             print(f"{', '.join(stale)} stale: run python -m maru_connector.csi.protogen", file=sys.stderr)

@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def endpoint_path(endpoint: str) -> str:
     """The socket path of ``unix:///abs/path``; ValueError for anything else."""
-    if not endpoint.startswith("unix://") or not os.path.isabs(endpoint[len("unix://"):]):
+    if not endpoint.startswith("unix://") or not os.path.isabs(endpoint[len("unix://") :]):
         raise ValueError(f"--endpoint {endpoint!r} must be unix:///absolute/path (CSI serves on Unix sockets only)")
-    return endpoint[len("unix://"):]
+    return endpoint[len("unix://") :]
 
 
 def _clear_stale_socket(path: str) -> None:
@@ -133,8 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(
-        f"maru-csi ready driver={DRIVER_NAME} endpoint={args.endpoint} node={args.node_id} "
-        f"socket_root={socket_root}",
+        f"maru-csi ready driver={DRIVER_NAME} endpoint={args.endpoint} node={args.node_id} socket_root={socket_root}",
         flush=True,
     )
     stop.wait()

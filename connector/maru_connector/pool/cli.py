@@ -113,9 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="single-node pool: index and memory in one process")
     common(serve, "unix:///path/pool.sock or tcp://host:port")
-    serve.add_argument("--size", type=_size,
-                       help="chunk capacity, e.g. 2Gi, as MaruPool.spec.size (required without --device); "
-                       "an existing shm file is grown to fit, never shrunk under engines that map it")
+    serve.add_argument(
+        "--size",
+        type=_size,
+        help="chunk capacity, e.g. 2Gi, as MaruPool.spec.size (required without --device); "
+        "an existing shm file is grown to fit, never shrunk under engines that map it",
+    )
     serve.add_argument("--device", help="devdax device (or a file standing in for one) instead of shm")
     serve.add_argument("--shm-path", help="shm file to create (default: /dev/shm/maru-pool-<listen address>)")
     index_flags(serve)
@@ -162,44 +165,85 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--quota-leases", type=_count, help="write leases the tenant may hold at once")
 
     def tenant_link(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--pool", required=True,
-                       help="the serve daemon's socket (unix:///path or tcp://host:port) or a metadata server's "
-                       "tcp://host:port; not a node agent's")
+        p.add_argument(
+            "--pool",
+            required=True,
+            help="the serve daemon's socket (unix:///path or tcp://host:port) or a metadata server's "
+            "tcp://host:port; not a node agent's",
+        )
         p.add_argument("--token-file", help="the tenant's pool credential (none: a pool without a key)")
 
     events = sub.add_parser("events", help="publish a tenant's pool events over ZMQ in vLLM's KV event format")
     tenant_link(events)
-    events.add_argument("--publish", default="tcp://*:5557",
-                        help="ZMQ PUB address to bind, as vLLM's kv-events endpoint (default %(default)s)")
-    events.add_argument("--block-size", type=_count, required=True,
-                        help="tokens per pool chunk (the group's chunk size): the block_size of the events")
+    events.add_argument(
+        "--publish",
+        default="tcp://*:5557",
+        help="ZMQ PUB address to bind, as vLLM's kv-events endpoint (default %(default)s)",
+    )
+    events.add_argument(
+        "--block-size",
+        type=_count,
+        required=True,
+        help="tokens per pool chunk (the group's chunk size): the block_size of the events",
+    )
     events.add_argument("--topic", default="", help="ZMQ topic of every message (default: none, as vLLM's)")
     events.add_argument("--medium", default=MEDIUM, help="the events' medium (default %(default)s)")
-    events.add_argument("--int-hashes", action="store_true",
-                        help="block hashes as the key's last 8 bytes, a 64-bit integer (as vLLM's "
-                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) instead of the key's bytes")
-    events.add_argument("--replay", help="ZMQ ROUTER address to bind for replays of missed batches, as vLLM's "
-                        "replay_endpoint (default: none)")
-    events.add_argument("--replay-buffer", type=_count, default=replay.DEFAULT_BUFFER,
-                        help="batches kept for replays, as vLLM's buffer_steps (default %(default)s)")
-    events.add_argument("--replay-max-batches", type=_count, default=replay.DEFAULT_MAX_BATCHES,
-                        help="batches in one replay reply; a consumer asks again for the rest (default %(default)s)")
-    events.add_argument("--replay-rate", type=_count, default=replay.DEFAULT_RATE,
-                        help="replay requests a second per peer address; more are dropped (default %(default)s)")
-    events.add_argument("--replay-burst", type=_count, default=replay.DEFAULT_BURST,
-                        help="replay requests a peer may send at once (default %(default)s)")
-    events.add_argument("--send-hwm", type=_count, default=1_000,
-                        help="messages queued per subscriber; past it that subscriber misses them and replays "
-                        "(default %(default)s)")
-    events.add_argument("--token-ids", action="store_true",
-                        help="publish each chunk's prompt tokens in BlockStored.token_ids (off: they are the "
-                        "tenants' prompts; the daemon is not asked for them)")
-    events.add_argument("--curve-secret-key-file",
-                        help="the publisher's ZMQ CURVE secret key (Z85): both sockets admit only the subscribers "
-                        "--curve-clients-file lists (default: no authentication)")
-    events.add_argument("--curve-clients-file",
-                        help="the admitted subscribers' CURVE public keys (Z85), one a line (a name may follow "
-                        "the key); read again when it changes")
+    events.add_argument(
+        "--int-hashes",
+        action="store_true",
+        help="block hashes as the key's last 8 bytes, a 64-bit integer (as vLLM's "
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) instead of the key's bytes",
+    )
+    events.add_argument(
+        "--replay",
+        help="ZMQ ROUTER address to bind for replays of missed batches, as vLLM's replay_endpoint (default: none)",
+    )
+    events.add_argument(
+        "--replay-buffer",
+        type=_count,
+        default=replay.DEFAULT_BUFFER,
+        help="batches kept for replays, as vLLM's buffer_steps (default %(default)s)",
+    )
+    events.add_argument(
+        "--replay-max-batches",
+        type=_count,
+        default=replay.DEFAULT_MAX_BATCHES,
+        help="batches in one replay reply; a consumer asks again for the rest (default %(default)s)",
+    )
+    events.add_argument(
+        "--replay-rate",
+        type=_count,
+        default=replay.DEFAULT_RATE,
+        help="replay requests a second per peer address; more are dropped (default %(default)s)",
+    )
+    events.add_argument(
+        "--replay-burst",
+        type=_count,
+        default=replay.DEFAULT_BURST,
+        help="replay requests a peer may send at once (default %(default)s)",
+    )
+    events.add_argument(
+        "--send-hwm",
+        type=_count,
+        default=1_000,
+        help="messages queued per subscriber; past it that subscriber misses them and replays (default %(default)s)",
+    )
+    events.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="publish each chunk's prompt tokens in BlockStored.token_ids (off: they are the "
+        "tenants' prompts; the daemon is not asked for them)",
+    )
+    events.add_argument(
+        "--curve-secret-key-file",
+        help="the publisher's ZMQ CURVE secret key (Z85): both sockets admit only the subscribers "
+        "--curve-clients-file lists (default: no authentication)",
+    )
+    events.add_argument(
+        "--curve-clients-file",
+        help="the admitted subscribers' CURVE public keys (Z85), one a line (a name may follow "
+        "the key); read again when it changes",
+    )
     events.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     flush = sub.add_parser("flush", help="drop every chunk the tenant holds in the pool")

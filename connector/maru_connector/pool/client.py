@@ -753,8 +753,10 @@ class PoolClient:
         cls = PoolAuthError if code in protocol.AUTH_ERRORS else PoolUnavailable
         where = ""
         if cls is PoolAuthError and self.token_file:
-            where = (f" (credential {self.token_file}: the operator issues it for the pool of the group's "
-                     "spec.poolRef; for a pool run by hand, `maru-pool token` makes one)")
+            where = (
+                f" (credential {self.token_file}: the operator issues it for the pool of the group's "
+                "spec.poolRef; for a pool run by hand, `maru-pool token` makes one)"
+            )
         return cls(f"pool at {self.url}: {code}: {reply.get('message')}{where}")
 
     def _authenticate(self, sock: socket.socket, token: str | None) -> None:

@@ -100,9 +100,7 @@ class _Late:
         # Starting: no connection is verified, so the before-hello bounds hold until the gate is wired.
         self.verified: Callable[[Peer], bool] = lambda _p: False
 
-    def bind(
-        self, endpoint: Endpoint, metrics_addr: str, limits: Limits, role: str
-    ) -> tuple[RpcServer, HttpEndpoint]:
+    def bind(self, endpoint: Endpoint, metrics_addr: str, limits: Limits, role: str) -> tuple[RpcServer, HttpEndpoint]:
         rpc = _rpc(
             endpoint,
             lambda msg, peer: self.handle(msg, peer),

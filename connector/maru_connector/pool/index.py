@@ -403,9 +403,7 @@ class PoolIndex:
             self._logged.notify_all()
             return dropped
 
-    def read_events(
-        self, tenant: str, after: tuple[int, int] | None, *, max_keys: int, timeout_s: float = 0.0
-    ) -> Read:
+    def read_events(self, tenant: str, after: tuple[int, int] | None, *, max_keys: int, timeout_s: float = 0.0) -> Read:
         """``tenant``'s events after ``after`` (an epoch and the last sequence number the reader saw),
         waiting up to ``timeout_s`` for one; a resync (``cleared``, then what the tenant holds) when
         ``after`` is None, of another epoch, or older than what the log still holds."""

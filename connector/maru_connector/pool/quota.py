@@ -135,11 +135,18 @@ class Accounts:
         """Once per change of a tenant's limits: say when its token asked for more than the ceiling allows."""
         if quota is None:
             return
-        capped = [f"{kind} {getattr(quota, kind)} -> {getattr(limits, kind)}" for kind in ("pins", "leases")
-                  if getattr(quota, kind) is not None and getattr(quota, kind) > getattr(limits, kind)]
+        capped = [
+            f"{kind} {getattr(quota, kind)} -> {getattr(limits, kind)}"
+            for kind in ("pins", "leases")
+            if getattr(quota, kind) is not None and getattr(quota, kind) > getattr(limits, kind)
+        ]
         if capped:
-            log.warning("tenant %s: its token's quota is over this daemon's ceiling (--max-tenant-pins, "
-                        "--max-tenant-leases), held to it: %s", name or "(anonymous)", ", ".join(capped))
+            log.warning(
+                "tenant %s: its token's quota is over this daemon's ceiling (--max-tenant-pins, "
+                "--max-tenant-leases), held to it: %s",
+                name or "(anonymous)",
+                ", ".join(capped),
+            )
 
     def __iter__(self) -> Iterator[Account]:
         return iter(self._by_name.values())
@@ -160,17 +167,19 @@ class Accounts:
         """Per tenant, for ``/status`` and ``/metrics``; quotas None are unlimited."""
         out = []
         for a in sorted(self._by_name.values(), key=lambda a: a.name):
-            out.append({
-                "tenant": a.name,
-                "used_bytes": a.used,
-                "quota_bytes": a.byte_limit(self.capacity),
-                "chunks": len(a.lru),
-                "pins": a.pins,
-                "quota_pins": a.limits.pins,
-                "leases": a.leases,
-                "quota_leases": a.limits.leases,
-                "evictions_by_others": a.evicted_by_others,
-                "evictions_by_self": a.evicted_by_self,
-                "refused": dict(a.refused),
-            })
+            out.append(
+                {
+                    "tenant": a.name,
+                    "used_bytes": a.used,
+                    "quota_bytes": a.byte_limit(self.capacity),
+                    "chunks": len(a.lru),
+                    "pins": a.pins,
+                    "quota_pins": a.limits.pins,
+                    "leases": a.leases,
+                    "quota_leases": a.limits.leases,
+                    "evictions_by_others": a.evicted_by_others,
+                    "evictions_by_self": a.evicted_by_self,
+                    "refused": dict(a.refused),
+                }
+            )
         return out

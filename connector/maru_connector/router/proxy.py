@@ -244,9 +244,13 @@ class Router:
     ) -> None:
         if relearn_s <= 0:
             raise ValueError(f"router: relearn_s must be > 0, got {relearn_s}")
-        for name, value in (("--max-body-bytes", max_body_bytes), ("--max-prompt-tokens", max_prompt_tokens),
-                            ("--header-timeout", header_timeout_s), ("--body-timeout", body_timeout_s),
-                            ("--max-buffered-bytes", max_buffered_bytes)):
+        for name, value in (
+            ("--max-body-bytes", max_body_bytes),
+            ("--max-prompt-tokens", max_prompt_tokens),
+            ("--header-timeout", header_timeout_s),
+            ("--body-timeout", body_timeout_s),
+            ("--max-buffered-bytes", max_buffered_bytes),
+        ):
             if value <= 0:
                 raise ValueError(f"router: {name} must be > 0, got {value}")
         self.max_body_bytes = max_body_bytes
@@ -254,8 +258,10 @@ class Router:
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         if max_buffered_bytes < max_body_bytes:
-            raise ValueError(f"router: --max-buffered-bytes {max_buffered_bytes} is under --max-body-bytes "
-                             f"{max_body_bytes}: no body at the limit could be read")
+            raise ValueError(
+                f"router: --max-buffered-bytes {max_buffered_bytes} is under --max-body-bytes "
+                f"{max_body_bytes}: no body at the limit could be read"
+            )
         self.max_buffered_bytes = max_buffered_bytes
         self._buffered = 0  # bytes of the bodies being read, parsed or keyed now
         self._long_lane = asyncio.Semaphore(1)
@@ -292,9 +298,7 @@ class Router:
             for url, endpoint in (kv_events or {}).items()
         }
         self._background: list[asyncio.Task[None]] = []
-        self.prefill = Endpoints(
-            "prefill", prefill, self._gauge("prefill"), caches=self.caches, slack=locality_slack
-        )
+        self.prefill = Endpoints("prefill", prefill, self._gauge("prefill"), caches=self.caches, slack=locality_slack)
         self.decode = Endpoints("decode", decode, self._gauge("decode"), caches=self.caches, slack=locality_slack)
         self._pool = common.PoolGuard(connector, "router", common.Counters())
         self._session: ClientSession | None = None
@@ -499,8 +503,11 @@ class Router:
                     if self._buffered + len(chunk) > self.max_buffered_bytes:
                         # Many large bodies at once (each within the limit) would add up past the pod's memory.
                         log.warning("refused a request body: %d bytes of bodies in flight", self._buffered)
-                        return _error(503, f"router busy: request bodies in flight over --max-buffered-bytes "
-                                           f"{self.max_buffered_bytes}; retry")
+                        return _error(
+                            503,
+                            f"router busy: request bodies in flight over --max-buffered-bytes "
+                            f"{self.max_buffered_bytes}; retry",
+                        )
                     self._buffer(len(chunk))
                     body += chunk
                     if len(body) > limit:
@@ -615,8 +622,10 @@ class Router:
             return _error(400, "request body: must be a JSON object")
         ids = _token_ids(request.path, body)
         if ids is not None and len(ids) > self.max_prompt_tokens:
-            return _error(400, f"prompt: {len(ids)} token ids, more than the router's --max-prompt-tokens "
-                               f"{self.max_prompt_tokens}")
+            return _error(
+                400,
+                f"prompt: {len(ids)} token ids, more than the router's --max-prompt-tokens {self.max_prompt_tokens}",
+            )
         if "kv_transfer_params" in body:
             # Only the router sets them: a client's would steer the engine's KV transfer (NIXL acts on them).
             del body["kv_transfer_params"]
@@ -675,8 +684,12 @@ class Router:
     async def _around(self, gone: _Unreachable, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A pod taken from the upstream's list could not be reached (gone in a rollout, before the next look at
         the list): forget it and let the upstream router, whose discovery saw it go, serve the request."""
-        log.warning("engine %s unreachable (%s); forgetting it until the upstream lists it again, request passed "
-                    "to the upstream", gone.url, gone.why)
+        log.warning(
+            "engine %s unreachable (%s); forgetting it until the upstream lists it again, request passed "
+            "to the upstream",
+            gone.url,
+            gone.why,
+        )
         self.prefill.replace([u for u in self.prefill.urls if u != gone.url])
         self.decode.replace([u for u in self.decode.urls if u != gone.url])
         return await self._to_upstream(request, raw)
@@ -697,7 +710,11 @@ class Router:
         return of or None
 
     async def _coherent(
-        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], prompt: Prompt | None,
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        prompt: Prompt | None,
         pairing: Pairing,
     ) -> web.StreamResponse:
         """A request not served by one engine alone while the engines span key revisions: prefill then decode
@@ -775,7 +792,11 @@ class Router:
         return tokens
 
     async def _prefill_then_decode(
-        self, request: web.Request, body: dict[str, Any], headers: dict[str, str], prompt: Prompt | None = None,
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        prompt: Prompt | None = None,
         prefill: int | None = None,
     ) -> web.StreamResponse:
         first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_TRANSFER}
@@ -832,7 +853,12 @@ class Router:
             self.scheme = scheme
 
     async def _relay(
-        self, request: web.Request, method: str, url: str, body: Any, headers: dict[str, str],
+        self,
+        request: web.Request,
+        method: str,
+        url: str,
+        body: Any,
+        headers: dict[str, str],
         data: bytes | None = None,
     ) -> web.StreamResponse:
         """Send ``body`` (JSON) or ``data`` (bytes as they came) upstream and pass the answer back as it comes

@@ -441,13 +441,16 @@ class MaruScheduler:
         chunks = request.num_prompt_tokens // self.chunk_tokens  # the most a lookup could find
         if state is not None and state.answered:
             chunks = state.chunks_hit
-        return self._hit_rule(
-            chunks_hit=chunks,
-            chunk_tokens=self.chunk_tokens,
-            prompt_len=request.num_prompt_tokens,
-            block_size=self.block_size,
-            num_computed_tokens=request.num_computed_tokens,
-        ) > 0
+        return (
+            self._hit_rule(
+                chunks_hit=chunks,
+                chunk_tokens=self.chunk_tokens,
+                prompt_len=request.num_prompt_tokens,
+                block_size=self.block_size,
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            > 0
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` into the blocks just allocated.

@@ -40,19 +40,19 @@ _HELP = {
     common.POOL_ERRORS: "Pool calls that failed (down, slow, full, protocol error).",
     common.POOL_SKIPPED_CALLS: "Pool calls not attempted during the back-off after a failure.",
     common.LOOKUP_HANDOFF_WAITS: "Waits in the pool for chunks a prefill announced (one call serves every "
-                                 "waiting handoff).",
+    "waiting handoff).",
     common.SAVE_BEHIND_CHUNKS: "Chunks not stored because the save lane was too far behind the engine.",
     common.LANE_JOBS_DROPPED: "Pool jobs given up before they ran (past their deadline, or their request went).",
 }
 
 _LATENCY_HELP = {
     common.LOAD_SECONDS: "Seconds one load job took: pin its chunks in the pool, copy them into KV blocks, "
-                         "release them (one job serves the step's requests, or one asynchronous batch).",
+    "release them (one job serves the step's requests, or one asynchronous batch).",
     common.SAVE_SECONDS: "Seconds one save job took on the save lane: lease its chunks, copy them out of KV "
-                         "blocks, commit them.",
+    "blocks, commit them.",
     common.HANDOFF_WAIT_SECONDS: "Seconds from a lookup of the chunks a prefill handed off to its answer "
-                                 "(found, or the wait ran out); includes the pool's wait for a prefill still "
-                                 "committing them.",
+    "(found, or the wait ran out); includes the pool's wait for a prefill still "
+    "committing them.",
 }
 # Pool round trips are sub-millisecond; copies of many chunks and handoff waits (maru_handoff_wait_ms,
 # 1 s by default) reach seconds.
@@ -109,8 +109,12 @@ class MaruPromMetrics(KVConnectorPromMetrics):
         }
         self._histograms = {
             name: create_metric_per_engine(
-                self._histogram_cls(name=f"vllm:maru_connector_{name}", documentation=_LATENCY_HELP[name],
-                                    buckets=list(LATENCY_BUCKETS), labelnames=labelnames),
+                self._histogram_cls(
+                    name=f"vllm:maru_connector_{name}",
+                    documentation=_LATENCY_HELP[name],
+                    buckets=list(LATENCY_BUCKETS),
+                    labelnames=labelnames,
+                ),
                 per_engine_labelvalues,
             )
             for name in common.ALL_LATENCIES

@@ -53,11 +53,16 @@ def require_supported_vllm(version: str | None = None) -> None:
         version = str(getattr(vllm, "__version__", "unknown"))
     if is_supported(version):
         return
-    message = (f"maru connector: vLLM {version} is not supported; the connector supports vLLM {SUPPORTED_VLLM} "
-               f"(install that release, or set {ALLOW_ENV}=1 to start anyway at your own risk)")
+    message = (
+        f"maru connector: vLLM {version} is not supported; the connector supports vLLM {SUPPORTED_VLLM} "
+        f"(install that release, or set {ALLOW_ENV}=1 to start anyway at your own risk)"
+    )
     if os.environ.get(ALLOW_ENV) == "1":
-        log.warning("%s. %s=1 is set: starting anyway; KV transfer may fail or corrupt output on this release",
-                    message, ALLOW_ENV)
+        log.warning(
+            "%s. %s=1 is set: starting anyway; KV transfer may fail or corrupt output on this release",
+            message,
+            ALLOW_ENV,
+        )
         return
     raise UnsupportedVllmVersion(message)
 

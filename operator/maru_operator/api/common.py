@@ -103,11 +103,17 @@ class Condition(KubeModel):
     type: str = Field(description="Condition type, e.g. Ready.", pattern=CONDITION_TYPE_PATTERN, max_length=316)
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     # Optional here (the operator always sets one): a hand-written status in an example may leave it out.
-    reason: str | None = Field(None, description="CamelCase reason for the last transition.",
-                               pattern=CONDITION_REASON_PATTERN, min_length=1, max_length=1024)
+    reason: str | None = Field(
+        None,
+        description="CamelCase reason for the last transition.",
+        pattern=CONDITION_REASON_PATTERN,
+        min_length=1,
+        max_length=1024,
+    )
     message: str = Field("", description="Human-readable detail: what is wrong and what to do.", max_length=32768)
-    last_transition_time: str | None = Field(None, description="When the status last changed (RFC 3339).",
-                                             json_schema_extra={"format": "date-time"})
+    last_transition_time: str | None = Field(
+        None, description="When the status last changed (RFC 3339).", json_schema_extra={"format": "date-time"}
+    )
     observed_generation: int | None = Field(None, description="Generation the condition was computed from.", ge=0)
 
 

@@ -104,8 +104,9 @@ class ModelSpec(KubeModel):
             if names.count(name) > 1:
                 raise ValueError(f"adapters: the name {name!r} is used twice; each adapter needs its own name")
             if name == served:
-                raise ValueError(f"adapters: the name {name!r} is the served model's name; clients could not "
-                                 "ask for the base model")
+                raise ValueError(
+                    f"adapters: the name {name!r} is the served model's name; clients could not ask for the base model"
+                )
         return self
 
 
@@ -126,20 +127,29 @@ MODEL_CACHE_PATH = "/var/cache/maru/models"
 # needs a bound claim and a StorageClass that expands (else the group's status says the claim was refused).
 _OWN_CLAIM = "has(self.claimName) || has(oldSelf.claimName) || "
 _CLAIM_RULES = [
-    {"rule": _OWN_CLAIM + "(has(self.accessMode) ? self.accessMode : '') == "
-                          "(has(oldSelf.accessMode) ? oldSelf.accessMode : '')",
-     "message": "accessMode of the group's model cache claim cannot change once it exists (a claim's access modes "
-                "are immutable): delete the claim <group>-model-cache, or use another claim (claimName)",
-     "fieldPath": ".accessMode", "reason": "FieldValueForbidden"},
-    {"rule": _OWN_CLAIM + "(has(self.storageClassName) ? self.storageClassName : '') == "
-                          "(has(oldSelf.storageClassName) ? oldSelf.storageClassName : '')",
-     "message": "storageClassName of the group's model cache claim cannot change once it exists (a claim's class is "
-                "immutable): delete the claim <group>-model-cache, or use another claim (claimName)",
-     "fieldPath": ".storageClassName", "reason": "FieldValueForbidden"},
-    {"rule": _OWN_CLAIM + "!has(self.size) || !has(oldSelf.size) || "
-                          "!quantity(string(self.size)).isLessThan(quantity(string(oldSelf.size)))",
-     "message": "size of the group's model cache claim can only grow (a claim never shrinks)",
-     "fieldPath": ".size", "reason": "FieldValueForbidden"},
+    {
+        "rule": _OWN_CLAIM + "(has(self.accessMode) ? self.accessMode : '') == "
+        "(has(oldSelf.accessMode) ? oldSelf.accessMode : '')",
+        "message": "accessMode of the group's model cache claim cannot change once it exists (a claim's access modes "
+        "are immutable): delete the claim <group>-model-cache, or use another claim (claimName)",
+        "fieldPath": ".accessMode",
+        "reason": "FieldValueForbidden",
+    },
+    {
+        "rule": _OWN_CLAIM + "(has(self.storageClassName) ? self.storageClassName : '') == "
+        "(has(oldSelf.storageClassName) ? oldSelf.storageClassName : '')",
+        "message": "storageClassName of the group's model cache claim cannot change once it exists (a claim's class is "
+        "immutable): delete the claim <group>-model-cache, or use another claim (claimName)",
+        "fieldPath": ".storageClassName",
+        "reason": "FieldValueForbidden",
+    },
+    {
+        "rule": _OWN_CLAIM + "!has(self.size) || !has(oldSelf.size) || "
+        "!quantity(string(self.size)).isLessThan(quantity(string(oldSelf.size)))",
+        "message": "size of the group's model cache claim can only grow (a claim never shrinks)",
+        "fieldPath": ".size",
+        "reason": "FieldValueForbidden",
+    },
 ]
 
 
@@ -149,25 +159,29 @@ class ModelCacheClaim(KubeModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _CLAIM_RULES})
 
     claim_name: str | None = Field(
-        None, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        None,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN_PATTERN,
         description="An existing claim in the group's namespace (e.g. one several groups share, or one filled "
-                    "ahead of time); the operator then creates none. Unset: the operator creates "
-                    "<group>-model-cache, owned by the group (deleted with it).",
+        "ahead of time); the operator then creates none. Unset: the operator creates "
+        "<group>-model-cache, owned by the group (deleted with it).",
     )
     size: Quantity = Field(
         DEFAULT_MODEL_CACHE_SIZE,
         description="Size of the claim the operator creates; room for every revision of the model the group "
-                    "will serve. It can grow later where the StorageClass allows expansion.",
+        "will serve. It can grow later where the StorageClass allows expansion.",
     )
     storage_class_name: str | None = Field(
-        None, max_length=253, description="StorageClass of the claim the operator creates. Unset: the cluster's "
-                                          "default class. It must offer the access mode below.",
+        None,
+        max_length=253,
+        description="StorageClass of the claim the operator creates. Unset: the cluster's "
+        "default class. It must offer the access mode below.",
     )
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany"] = Field(
         "ReadWriteMany",
         description="ReadWriteMany (NFS, CephFS, a cloud file store): every pod of the group, on any node, reads "
-                    "one copy and the first to start downloads it. ReadWriteOnce only works while all the "
-                    "group's pods share one node. ReadOnlyMany: a pre-filled claim (set claimName).",
+        "one copy and the first to start downloads it. ReadWriteOnce only works while all the "
+        "group's pods share one node. ReadOnlyMany: a pre-filled claim (set claimName).",
     )
 
 
@@ -176,7 +190,7 @@ class ModelCacheEmptyDir(KubeModel):
 
     size_limit: Quantity = Field(
         description="Node storage one pod's download may take; the kubelet evicts the pod beyond it. Also "
-                    "requested as ephemeral-storage, so the scheduler picks a node with the room.",
+        "requested as ephemeral-storage, so the scheduler picks a node with the room.",
     )
 
 
@@ -185,20 +199,23 @@ class ModelCacheSpec(KubeModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [{
-                "rule": "!(has(self.persistentVolumeClaim) && has(self.emptyDir))",
-                "message": "set one of persistentVolumeClaim and emptyDir",
-                "reason": "FieldValueForbidden",
-            }]
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.persistentVolumeClaim) && has(self.emptyDir))",
+                    "message": "set one of persistentVolumeClaim and emptyDir",
+                    "reason": "FieldValueForbidden",
+                }
+            ]
         }
     )
 
     persistent_volume_claim: ModelCacheClaim | None = Field(
-        None, description="A claim shared by the group's pods (the default, with its defaults, when emptyDir is "
-                          "not set).",
+        None,
+        description="A claim shared by the group's pods (the default, with its defaults, when emptyDir is not set).",
     )
     empty_dir: ModelCacheEmptyDir | None = Field(
-        None, description="A per-pod emptyDir instead: only for small models or a model baked into the image.",
+        None,
+        description="A per-pod emptyDir instead: only for small models or a model baked into the image.",
     )
 
     @model_validator(mode="after")
@@ -219,16 +236,20 @@ class Termination(KubeModel):
     """How a vLLM or router pod stops: it first drains (the requests it serves finish), then gets SIGTERM."""
 
     grace_period_seconds: int = Field(
-        600, ge=1, le=86400,
+        600,
+        ge=1,
+        le=86400,
         description="terminationGracePeriodSeconds: the whole budget from the pod's deletion to SIGKILL, "
-                    "drain included.",
+        "drain included.",
     )
     drain_seconds: int = Field(
-        570, ge=0, le=86400,
+        570,
+        ge=0,
+        le=86400,
         description="How long the preStop hook waits for the requests in flight to finish (vLLM's "
-                    "num_requests_running and num_requests_waiting at 0; maru-router's requests in progress) "
-                    "before the server gets SIGTERM; 0: no drain. At most gracePeriodSeconds; keep ~30 s for the "
-                    "server's own shutdown.",
+        "num_requests_running and num_requests_waiting at 0; maru-router's requests in progress) "
+        "before the server gets SIGTERM; 0: no drain. At most gracePeriodSeconds; keep ~30 s for the "
+        "server's own shutdown.",
     )
 
     @model_validator(mode="after")
@@ -243,7 +264,8 @@ class DisruptionBudget(KubeModel):
 
     enabled: bool = Field(True, description="Render a PodDisruptionBudget for this role.")
     max_unavailable: IntOrPercent = Field(
-        1, description="Pods of the role a voluntary disruption (a node drain) may take down at once.",
+        1,
+        description="Pods of the role a voluntary disruption (a node drain) may take down at once.",
     )
 
 
@@ -268,14 +290,15 @@ class RoleSpec(PodOptions):
                 },
                 {
                     "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
-                            "self.volumes.exists(v, v.name == m.name))",
+                    "self.volumes.exists(v, v.name == m.name))",
                     "message": "every volumeMounts[].name must name one of volumes",
                     "fieldPath": ".volumeMounts",
                     "reason": "FieldValueNotFound",
                 },
                 {
                     "rule": "!has(self.volumes) || self.volumes.all(v, "
-                            + " && ".join(f"v.name != '{n}'" for n in RESERVED_VOLUMES) + ")",
+                    + " && ".join(f"v.name != '{n}'" for n in RESERVED_VOLUMES)
+                    + ")",
                     "message": "volume names " + ", ".join(RESERVED_VOLUMES) + " are the operator's",
                     "fieldPath": ".volumes",
                     "reason": "FieldValueForbidden",
@@ -285,15 +308,17 @@ class RoleSpec(PodOptions):
     )
 
     replicas: int = Field(
-        1, ge=0, le=1024,
+        1,
+        ge=0,
+        le=1024,
         description="Number of vLLM pods of this role. With scaler External: only the count the Deployment "
-                    "is created with; the autoscaler sets it from then on.",
+        "is created with; the autoscaler sets it from then on.",
     )
     scaler: Literal["Operator", "External"] = Field(
         "Operator",
         description="Who sets the role Deployment's spec.replicas. Operator: replicas, always (a manual "
-                    "`kubectl scale` is put back). External: an HPA, KEDA or `kubectl scale deployment "
-                    "<group>-<role>` does, and the operator never writes it after the create.",
+        "`kubectl scale` is put back). External: an HPA, KEDA or `kubectl scale deployment "
+        "<group>-<role>` does, and the operator never writes it after the create.",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs one vLLM instance shards the model over (--tensor-parallel-size)."
@@ -306,24 +331,29 @@ class RoleSpec(PodOptions):
         default_factory=list, max_length=128, description="Extra vLLM command-line arguments, e.g. --max-num-seqs=64."
     )
     env: EnvList = Field(
-        default_factory=list, max_length=128,
+        default_factory=list,
+        max_length=128,
         description="Extra environment variables, literal or from a Secret, ConfigMap or the pod "
-                    "(e.g. HF_TOKEN from a Secret for a gated model).",
+        "(e.g. HF_TOKEN from a Secret for a gated model).",
     )
     volumes: list[Volume] = Field(
-        default_factory=list, max_length=32,
+        default_factory=list,
+        max_length=32,
         description="Extra volumes of the pods: a model-cache PVC, a larger /dev/shm (emptyDir, medium Memory), "
-                    "ConfigMaps, Secrets, CSI inline volumes.",
+        "ConfigMaps, Secrets, CSI inline volumes.",
     )
     volume_mounts: list[VolumeMount] = Field(
-        default_factory=list, max_length=32,
+        default_factory=list,
+        max_length=32,
         description="Where the vLLM container mounts volumes. A mount at /dev/shm, /tmp or /home/maru replaces "
-                    "the operator's emptyDir there.",
+        "the operator's emptyDir there.",
     )
     service_account_name: str | None = Field(
-        None, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        None,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN_PATTERN,
         description="ServiceAccount of the vLLM pods (e.g. for workload identity to a model store). Its token "
-                    "is not mounted unless a projected volume asks for it.",
+        "is not mounted unless a projected volume asks for it.",
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Extra node labels for this role, on top of the pool's nodes."
@@ -332,34 +362,40 @@ class RoleSpec(PodOptions):
     strategy: RolloutStrategy = Field(
         default_factory=RolloutStrategy,
         description="How pods are replaced on a change. Default: RollingUpdate with maxSurge 1, and "
-                    "maxUnavailable 0 for a single replica (the old pod serves until its replacement is ready: "
-                    "never a role without pods) or 1 for more (the update goes on when no spare GPU is free).",
+        "maxUnavailable 0 for a single replica (the old pod serves until its replacement is ready: "
+        "never a role without pods) or 1 for more (the update goes on when no spare GPU is free).",
     )
     shm_size: Quantity | None = Field(
         None,
         description="Size of the pod's /dev/shm (a memory-backed emptyDir, counted in the container's memory). "
-                    "Default: 1Gi per tensor-parallel rank (vLLM's worker queues and NCCL's shared-memory "
-                    "transport). A volumeMount at /dev/shm replaces it.",
+        "Default: 1Gi per tensor-parallel rank (vLLM's worker queues and NCCL's shared-memory "
+        "transport). A volumeMount at /dev/shm replaces it.",
     )
     termination: Termination = Field(
-        default_factory=Termination, description="Draining and the grace period of a stopping pod.",
+        default_factory=Termination,
+        description="Draining and the grace period of a stopping pod.",
     )
     disruption_budget: DisruptionBudget = Field(
-        default_factory=DisruptionBudget, description="The role's PodDisruptionBudget.",
+        default_factory=DisruptionBudget,
+        description="The role's PodDisruptionBudget.",
     )
     startup_timeout_seconds: int = Field(
-        DEFAULT_STARTUP_SECONDS, ge=60, le=86400,
+        DEFAULT_STARTUP_SECONDS,
+        ge=60,
+        le=86400,
         description="How long a vLLM pod may take to download and load the model before it is restarted; the "
-                    "Deployment's progress deadline is derived from it, so a slow load is not reported as stuck.",
+        "Deployment's progress deadline is derived from it, so a slow load is not reported as stuck.",
     )
 
     @model_validator(mode="after")
     def _no_operator_owned_flags(self) -> RoleSpec:
         for setting in settings(self.extra_args):
             if setting.flag in OPERATOR_OWNED_FLAGS:
-                raise ValueError(f"extraArgs: {setting.spelling!r} sets {setting.flag}, which the operator derives "
-                                 "from the spec (vLLM reads underscores, aliases, dotted keys and abbreviations "
-                                 "as that flag)")
+                raise ValueError(
+                    f"extraArgs: {setting.spelling!r} sets {setting.flag}, which the operator derives "
+                    "from the spec (vLLM reads underscores, aliases, dotted keys and abbreviations "
+                    "as that flag)"
+                )
         return self
 
     @model_validator(mode="after")
@@ -429,21 +465,23 @@ class DecodeDirect(KubeModel):
     enabled: bool = Field(
         True,
         description="Run maru-router in front of vllm-router. false: the router pod is vllm-router alone, and "
-                    "every request goes through prefill then decode.",
+        "every request goes through prefill then decode.",
     )
     min_coverage: float = Field(
-        1.0, ge=0.01, le=1.0,
+        1.0,
+        ge=0.01,
+        le=1.0,
         description="Share of a prompt's full chunks the pool must hold for decode alone to serve it, from 0.01 "
-                    "to 1.0. 1.0: "
-                    "all of them (decode computes only the last partial chunk). Lower values send partly "
-                    "cached prompts to decode too, which then computes the rest itself.",
+        "to 1.0. 1.0: "
+        "all of them (decode computes only the last partial chunk). Lower values send partly "
+        "cached prompts to decode too, which then computes the rest itself.",
     )
     to_prefill: bool = Field(
         False,
         description="Let a prefill pod serve a covered prompt alone when it has fewer of the router's requests in "
-                    "flight than every decode pod (prefill pods load from the pool as decode does), so both roles "
-                    "serve pool hits. Off: prefill stays free for prompts the pool lacks, and decoding never shares "
-                    "a step with a long prefill; the router does not see the prefills vllm-router sends.",
+        "flight than every decode pod (prefill pods load from the pool as decode does), so both roles "
+        "serve pool hits. Off: prefill stays free for prompts the pool lacks, and decoding never shares "
+        "a step with a long prefill; the router does not see the prefills vllm-router sends.",
     )
 
 
@@ -453,10 +491,11 @@ class RouterSpec(PodOptions):
     enabled: bool = Field(True, description="Run a router Deployment and Service for this group.")
     replicas: int = Field(1, ge=1, le=64, description="Router pods.")
     image: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Router image. Unset: the operator's default, <registry>/vllm-router:<the vllm-router "
-                    "release it was built for> (the chart's images values, or the operator's --router-image and "
-                    "--image-registry, choose the registry or the whole reference).",
+        "release it was built for> (the chart's images values, or the operator's --router-image and "
+        "--image-registry, choose the registry or the whole reference).",
     )
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
         "round_robin", description="How the router picks a decode pod."
@@ -472,15 +511,16 @@ class RouterSpec(PodOptions):
     termination: Termination = Field(
         default_factory=Termination,
         description="Draining and the grace period of a stopping router pod: as long as the generations it "
-                    "relays may take, so a rollout or a node drain cuts no stream.",
+        "relays may take, so a rollout or a node drain cuts no stream.",
     )
     disruption_budget: DisruptionBudget = Field(
-        default_factory=DisruptionBudget, description="The router's PodDisruptionBudget.",
+        default_factory=DisruptionBudget,
+        description="The router's PodDisruptionBudget.",
     )
     decode_direct: DecodeDirect = Field(
         default_factory=DecodeDirect,
         description="Decode-direct routing: prompts the pool already holds skip prefill. Needs the group's "
-                    "pool: the router pod then runs on the pool's nodes and mounts its socket and credential.",
+        "pool: the router pod then runs on the pool's nodes and mounts its socket and credential.",
     )
 
 
@@ -495,15 +535,17 @@ class EndpointPicker(KubeModel):
     serves each request: the InferencePool's ``spec.endpointPickerRef``."""
 
     name: str = Field(
-        min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        min_length=1,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN_PATTERN,
         description="Name of the endpoint picker's Service, in the group's namespace.",
     )
     port: EndpointPickerPort = Field(description="The Service's port the gateway reaches the picker on (gRPC).")
     failure_mode: Literal["FailOpen", "FailClose"] = Field(
         "FailClose",
         description="What the gateway does when the picker does not answer: FailClose refuses the request, "
-                    "FailOpen sends it to a pod of the pool the picker did not choose (which, for a P/D group, "
-                    "may be a prefill pod serving the whole request itself).",
+        "FailOpen sends it to a pod of the pool the picker did not choose (which, for a P/D group, "
+        "may be a prefill pod serving the whole request itself).",
     )
 
 
@@ -517,18 +559,21 @@ class InferencePoolSpec(KubeModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [{
-                "rule": "!self.enabled || has(self.endpointPicker)",
-                "message": "endpointPicker is required when enabled is true",
-                "fieldPath": ".endpointPicker",
-                "reason": "FieldValueRequired",
-            }]
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!self.enabled || has(self.endpointPicker)",
+                    "message": "endpointPicker is required when enabled is true",
+                    "fieldPath": ".endpointPicker",
+                    "reason": "FieldValueRequired",
+                }
+            ]
         }
     )
 
     enabled: bool = Field(False, description="Write an InferencePool named after the group.")
     endpoint_picker: EndpointPicker | None = Field(
-        None, description="The endpoint picker the InferencePool names; required when enabled.",
+        None,
+        description="The endpoint picker the InferencePool names; required when enabled.",
     )
 
     @model_validator(mode="after")
@@ -545,17 +590,20 @@ class PoolEventsConsumer(KubeModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [{
-                "rule": "has(self.podSelector) || has(self.namespaceSelector)",
-                "message": "set podSelector, namespaceSelector or both",
-                "reason": "FieldValueRequired",
-            }]
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.podSelector) || has(self.namespaceSelector)",
+                    "message": "set podSelector, namespaceSelector or both",
+                    "reason": "FieldValueRequired",
+                }
+            ]
         }
     )
 
     pod_selector: LabelSelector | None = Field(None, description="The consumer's pods, by label.")
     namespace_selector: LabelSelector | None = Field(
-        None, description="The consumer's namespaces, by label (kubernetes.io/metadata.name selects one by name).",
+        None,
+        description="The consumer's namespaces, by label (kubernetes.io/metadata.name selects one by name).",
     )
 
     @model_validator(mode="after")
@@ -573,9 +621,9 @@ class PoolEventsCurve(KubeModel):
 
     secret_name: ResourceName = Field(
         description="A Secret in the group's namespace with server-secret-key (the publisher's CURVE secret key, "
-                    "Z85, 40 characters) and client-public-keys (the admitted consumers' public keys, one a line, "
-                    "optionally followed by a name). Edits reach the running publisher within the kubelet's sync "
-                    "period; a consumer whose key is removed cannot connect again.",
+        "Z85, 40 characters) and client-public-keys (the admitted consumers' public keys, one a line, "
+        "optionally followed by a name). Edits reach the running publisher within the kubelet's sync "
+        "period; a consumer whose key is removed cannot connect again.",
     )
 
 
@@ -591,24 +639,29 @@ class PoolEventsSpec(KubeModel):
 
     enabled: bool = Field(False, description="Run the group's pool events publisher and its Service.")
     medium: str = Field(
-        "MARU_POOL", min_length=1, max_length=32, pattern=r"^[A-Z][A-Z0-9_]*$",
+        "MARU_POOL",
+        min_length=1,
+        max_length=32,
+        pattern=r"^[A-Z][A-Z0-9_]*$",
         description="The events' medium: MARU_POOL names the pool as a tier of its own; CPU makes a consumer "
-                    "configured only for vLLM's media count it as a CPU tier.",
+        "configured only for vLLM's media count it as a CPU tier.",
     )
     consumers: list[PoolEventsConsumer] = Field(
-        default_factory=list, max_length=32,
+        default_factory=list,
+        max_length=32,
         description="Who may connect to the stream and its replay socket (the NetworkPolicy's ingress). Empty: "
-                    "only pods in the group's namespace.",
+        "only pods in the group's namespace.",
     )
     token_ids: bool = Field(
         False,
         description="Publish each stored chunk's prompt tokens in BlockStored.token_ids. Off: they are the "
-                    "tenants' prompts; every consumer reads the same stream, so turn this on only where each "
-                    "consumer may read every prompt (llm-d's and Dynamo's indexers key by block hash and need "
-                    "none).",
+        "tenants' prompts; every consumer reads the same stream, so turn this on only where each "
+        "consumer may read every prompt (llm-d's and Dynamo's indexers key by block hash and need "
+        "none).",
     )
     curve: PoolEventsCurve | None = Field(
-        None, description="Authenticate consumers with ZMQ CURVE. Unset: any pod the consumers admit may read.",
+        None,
+        description="Authenticate consumers with ZMQ CURVE. Unset: any pod the consumers admit may read.",
     )
 
 
@@ -625,10 +678,11 @@ class InferenceGroupSpec(KubeModel):
     model: ModelSpec = Field(description="The model both roles serve.")
     pool_ref: PoolRef = Field(description="The MaruPool that carries KV cache from prefill to decode.")
     image: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="vLLM image with the Maru connector installed. Unset: the operator's default, "
-                    "<registry>/vllm-maru:<the operator's version> (the chart's images values, or the operator's "
-                    "--vllm-image and --image-registry, choose the registry or the whole reference).",
+        "<registry>/vllm-maru:<the operator's version> (the chart's images values, or the operator's "
+        "--vllm-image and --image-registry, choose the registry or the whole reference).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the vLLM image."
@@ -639,25 +693,25 @@ class InferenceGroupSpec(KubeModel):
     model_cache: ModelCacheSpec = Field(
         default_factory=ModelCacheSpec,
         description="Where the pods keep downloaded weights. Default: a ReadWriteMany PersistentVolumeClaim the "
-                    "operator creates, shared by every pod of the group, so a model is downloaded once, not once "
-                    "per pod.",
+        "operator creates, shared by every pod of the group, so a model is downloaded once, not once "
+        "per pod.",
     )
     replica_ratio: ReplicaRatio | None = Field(
         None,
         description="Keep prefill:decode at this ratio while an autoscaler scales one role (scaler External on "
-                    "exactly one of them): the operator sets the other role's replicas to "
-                    "ceil(scaled role's replicas x its share), at least 1.",
+        "exactly one of them): the operator sets the other role's replicas to "
+        "ceil(scaled role's replicas x its share), at least 1.",
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the group.")
     inference_pool: InferencePoolSpec = Field(
         default_factory=InferencePoolSpec,
         description="An InferencePool for a gateway with an endpoint picker to front the group (off by default; "
-                    "needs the Gateway API Inference Extension's CRDs).",
+        "needs the Gateway API Inference Extension's CRDs).",
     )
     pool_events: PoolEventsSpec = Field(
         default_factory=PoolEventsSpec,
         description="Publish what the pool holds for this group as vLLM KV events (off by default), for a "
-                    "KV-aware router such as llm-d's or Dynamo's.",
+        "KV-aware router such as llm-d's or Dynamo's.",
     )
     pool_quota: TenantQuota | None = Field(
         None,
@@ -676,8 +730,10 @@ class InferenceGroupSpec(KubeModel):
             return self
         external = [r for r in ("prefill", "decode") if getattr(self, r).scaler == "External"]
         if len(external) != 1:
-            raise ValueError("replicaRatio: needs scaler External on exactly one of prefill and decode (the role "
-                             f"an autoscaler scales; the other follows), found {len(external)}")
+            raise ValueError(
+                "replicaRatio: needs scaler External on exactly one of prefill and decode (the role "
+                f"an autoscaler scales; the other follows), found {len(external)}"
+            )
         return self
 
 
@@ -718,7 +774,7 @@ class InferenceGroupStatus(KubeModel):
     conditions: list[Condition] = Field(
         default_factory=list,
         description="PoolBound, Ready, Progressing, Degraded, DisaggregationActive; InferencePoolReady with "
-                    "spec.inferencePool.enabled."
+        "spec.inferencePool.enabled.",
     )
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill replicas.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode replicas.")
@@ -751,8 +807,11 @@ class InferenceGroup(CustomResource):
         {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
         # Whether decode is loading what prefill stored (the DisaggregationActive condition): a group can be
         # Ready while every request is computed twice.
-        {"name": "Disagg", "type": "string",
-         "jsonPath": '.status.conditions[?(@.type=="DisaggregationActive")].status'},
+        {
+            "name": "Disagg",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="DisaggregationActive")].status',
+        },
         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": "1"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

@@ -114,19 +114,22 @@ class PoolDaemonSpec(KubeModel):
     """The pool daemons: the only pods that touch the memory device."""
 
     image: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Pool daemon image. Unset: the operator's default, <registry>/maru-pool:<the operator's "
-                    "version> (the chart's images values, or the operator's --pool-image and --image-registry, "
-                    "choose the registry or the whole reference).",
+        "version> (the chart's images values, or the operator's --pool-image and --image-registry, "
+        "choose the registry or the whole reference).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the pool daemon image."
     )
     image_pull_secrets: list[LocalObjectReference] = Field(
-        default_factory=list, max_length=16,
+        default_factory=list,
+        max_length=16,
         description="Secrets with credentials of a private registry, in the operator's namespace (where the pool "
-                    "daemons run), e.g. the chart's imagePullSecrets.",
-        json_schema_extra=unique_by("name", what="imagePullSecrets"))
+        "daemons run), e.g. the chart's imagePullSecrets.",
+        json_schema_extra=unique_by("name", what="imagePullSecrets"),
+    )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,
         description=(
@@ -274,9 +277,7 @@ class MaruPoolStatus(KubeModel):
     used: str = Field("", description="Memory held by stored chunks, as a quantity.")
     capacity_bytes: int = Field(0, description="Total pool memory in bytes.")
     used_bytes: int = Field(0, description="Memory held by stored chunks in bytes.")
-    endpoint: str = Field(
-        "", description="URL vLLM pods use to reach the node agent, e.g. unix:///run/maru/pool.sock."
-    )
+    endpoint: str = Field("", description="URL vLLM pods use to reach the node agent, e.g. unix:///run/maru/pool.sock.")
     bound_groups: int = Field(0, description="InferenceGroups bound to this pool.")
 
 

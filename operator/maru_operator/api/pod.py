@@ -41,22 +41,32 @@ def _snake(camel: str) -> str:
 def _one_of(*fields: str, what: str) -> ConfigDict:
     """A CEL rule: exactly one of ``fields`` is set."""
     count = " + ".join(f"(has(self.{f}) ? 1 : 0)" for f in fields)
-    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": f"{count} == 1",
-        "message": f"set exactly one of {', '.join(fields)} ({what})",
-        "reason": "FieldValueInvalid",
-    }]})
+    return ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"{count} == 1",
+                    "message": f"set exactly one of {', '.join(fields)} ({what})",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
 
 
 def unique_by(*keys: str, what: str) -> dict[str, Any]:
     """Schema extras of a list whose items no two may share ``keys``: server-side apply merges these lists
     of a pod by those keys (env by name, ...), and the API server refuses to apply one with duplicates."""
     same = " && ".join(f"x.{k} == y.{k}" for k in keys)
-    return {"x-kubernetes-validations": [{
-        "rule": f"self.all(x, self.exists_one(y, {same}))",
-        "message": f"{what}: each {'/'.join(keys)} at most once",
-        "reason": "FieldValueDuplicate",
-    }]}
+    return {
+        "x-kubernetes-validations": [
+            {
+                "rule": f"self.all(x, self.exists_one(y, {same}))",
+                "message": f"{what}: each {'/'.join(keys)} at most once",
+                "reason": "FieldValueDuplicate",
+            }
+        ]
+    }
 
 
 def check_unique(items: list[Any], keys: tuple[str, ...], what: str) -> None:
@@ -71,6 +81,7 @@ def check_unique(items: list[Any], keys: tuple[str, ...], what: str) -> None:
 
 
 # --- env -------------------------------------------------------------------------------------------
+
 
 class KeySelector(KubeModel):
     """One key of a Secret or ConfigMap in the pod's namespace."""
@@ -107,11 +118,17 @@ class EnvVarSource(KubeModel):
 class EnvVar(KubeModel):
     """An environment variable: a literal value, or a value from a Secret, ConfigMap or the pod."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "!(has(self.value) && has(self.valueFrom))",
-        "message": "set value or valueFrom, not both",
-        "reason": "FieldValueInvalid",
-    }]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.value) && has(self.valueFrom))",
+                    "message": "set value or valueFrom, not both",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
 
     name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name.")
     value: str | None = Field(None, description="Literal value. Secrets belong in a Secret: use valueFrom.")
@@ -139,6 +156,7 @@ EnvList = Annotated[list[EnvVar], AfterValidator(_unique_env), Field(json_schema
 
 
 # --- volumes ---------------------------------------------------------------------------------------
+
 
 class PersistentVolumeClaimSource(KubeModel):
     """A PersistentVolumeClaim in the pod's namespace, e.g. a shared model cache."""
@@ -225,6 +243,7 @@ class VolumeMount(KubeModel):
 
 # --- placement and identity ------------------------------------------------------------------------
 
+
 class LocalObjectReference(KubeModel):
     """An object in the pod's namespace, by name."""
 
@@ -243,35 +262,40 @@ class LabelSelector(KubeModel):
     """Which pods count, by their labels (all requirements must hold)."""
 
     match_labels: dict[str, str] = Field(default_factory=dict, description="Labels the pods must have.")
-    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list,
-                                                              description="Further requirements.")
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, description="Further requirements.")
 
 
 class TopologySpreadConstraint(KubeModel):
     """Spread pods over a topology (zones, nodes), as in a pod spec."""
 
     max_skew: int = Field(ge=1, description="Largest allowed difference of matching pods between two domains.")
-    topology_key: str = Field(min_length=1, description="Node label whose values are the domains, e.g. "
-                                                        "topology.kubernetes.io/zone.")
+    topology_key: str = Field(
+        min_length=1, description="Node label whose values are the domains, e.g. topology.kubernetes.io/zone."
+    )
     when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(
-        description="DoNotSchedule keeps a pod pending rather than break the skew; ScheduleAnyway only prefers.")
+        description="DoNotSchedule keeps a pod pending rather than break the skew; ScheduleAnyway only prefers."
+    )
     label_selector: LabelSelector | None = Field(
-        None, description="The pods that count. Default: this role's (or the router's) pods of this group.")
+        None, description="The pods that count. Default: this role's (or the router's) pods of this group."
+    )
     min_domains: int | None = Field(None, ge=1, description="Minimum number of domains (DoNotSchedule only).")
-    match_label_keys: list[str] = Field(default_factory=list,
-                                        description="Pod label keys whose values further select the pods counted.")
+    match_label_keys: list[str] = Field(
+        default_factory=list, description="Pod label keys whose values further select the pods counted."
+    )
 
     def to_k8s(self, default_selector: dict[str, str]) -> dict[str, Any]:
         out = self.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
         out.update(maxSkew=self.max_skew, topologyKey=self.topology_key, whenUnsatisfiable=self.when_unsatisfiable)
-        out["labelSelector"] = (self.label_selector.model_dump(by_alias=True, exclude_defaults=True)
-                                if self.label_selector else {"matchLabels": dict(default_selector)})
+        out["labelSelector"] = (
+            self.label_selector.model_dump(by_alias=True, exclude_defaults=True)
+            if self.label_selector
+            else {"matchLabels": dict(default_selector)}
+        )
         return out
 
 
 _POD_LABELS_RULE = {
-    "rule": "self.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('maru.io/')"
-            " && k != 'pod-template-hash')",
+    "rule": "self.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('maru.io/') && k != 'pod-template-hash')",
     "message": "app.kubernetes.io/*, maru.io/* and pod-template-hash labels are the operator's",
     "reason": "FieldValueForbidden",
 }
@@ -282,16 +306,26 @@ class PodOptions(KubeModel):
     """Pod fields shared by the vLLM roles and the router."""
 
     image_pull_secrets: list[LocalObjectReference] = Field(
-        default_factory=list, max_length=16, description="Secrets with credentials of a private registry.",
-        json_schema_extra=unique_by("name", what="imagePullSecrets"))
+        default_factory=list,
+        max_length=16,
+        description="Secrets with credentials of a private registry.",
+        json_schema_extra=unique_by("name", what="imagePullSecrets"),
+    )
     priority_class_name: str | None = Field(
-        None, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN,
-        description="PriorityClass of the pods, e.g. to keep serving pods from being preempted.")
+        None,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN_PATTERN,
+        description="PriorityClass of the pods, e.g. to keep serving pods from being preempted.",
+    )
     topology_spread_constraints: list[TopologySpreadConstraint] = Field(
-        default_factory=list, max_length=8, description="How the pods spread over zones or nodes.",
-        json_schema_extra=unique_by("topologyKey", "whenUnsatisfiable", what="topologySpreadConstraints"))
+        default_factory=list,
+        max_length=8,
+        description="How the pods spread over zones or nodes.",
+        json_schema_extra=unique_by("topologyKey", "whenUnsatisfiable", what="topologySpreadConstraints"),
+    )
     pod_labels: dict[str, LabelValue] = Field(
-        default_factory=dict, description="Extra labels of the pods (not app.kubernetes.io/* or maru.io/*).",
+        default_factory=dict,
+        description="Extra labels of the pods (not app.kubernetes.io/* or maru.io/*).",
         json_schema_extra={"x-kubernetes-validations": [_POD_LABELS_RULE]},
     )
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the pods.")
@@ -300,15 +334,18 @@ class PodOptions(KubeModel):
     def _pod_labels_are_not_the_operators(self) -> PodOptions:
         for key in self.pod_labels:
             if key.startswith(RESERVED_LABEL_PREFIXES) or key == "pod-template-hash":
-                raise ValueError(f"podLabels: {key!r}: app.kubernetes.io/*, maru.io/* and pod-template-hash labels "
-                                 "are the operator's")
+                raise ValueError(
+                    f"podLabels: {key!r}: app.kubernetes.io/*, maru.io/* and pod-template-hash labels "
+                    "are the operator's"
+                )
         return self
 
     @model_validator(mode="after")
     def _list_keys_are_unique(self) -> PodOptions:
         check_unique(self.image_pull_secrets, ("name",), "imagePullSecrets")
-        check_unique(self.topology_spread_constraints, ("topologyKey", "whenUnsatisfiable"),
-                     "topologySpreadConstraints")
+        check_unique(
+            self.topology_spread_constraints, ("topologyKey", "whenUnsatisfiable"), "topologySpreadConstraints"
+        )
         return self
 
 
@@ -318,16 +355,21 @@ class RollingUpdate(KubeModel):
     single-replica role is never left without a pod, and a larger one still rolls without a spare GPU."""
 
     max_surge: IntOrPercent | None = Field(
-        None, description="Pods started above the desired count during an update. Default 1.")
+        None, description="Pods started above the desired count during an update. Default 1."
+    )
     max_unavailable: IntOrPercent | None = Field(
-        None, description="Pods that may be missing during an update. Default: 0 for one replica (1 when "
-                          "maxSurge is 0), else 1.")
+        None,
+        description="Pods that may be missing during an update. Default: 0 for one replica (1 when "
+        "maxSurge is 0), else 1.",
+    )
 
 
 class RolloutStrategy(KubeModel):
     """How a role's pods are replaced when the spec changes (a Deployment's strategy)."""
 
     type: Literal["RollingUpdate", "Recreate"] = Field(
-        "RollingUpdate", description="RollingUpdate replaces pods a few at a time; Recreate stops all first.")
+        "RollingUpdate", description="RollingUpdate replaces pods a few at a time; Recreate stops all first."
+    )
     rolling_update: RollingUpdate = Field(
-        default_factory=RollingUpdate, description="The pace of a RollingUpdate (ignored by Recreate).")
+        default_factory=RollingUpdate, description="The pace of a RollingUpdate (ignored by Recreate)."
+    )

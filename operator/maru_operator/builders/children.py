@@ -17,8 +17,9 @@ from maru_operator.builders.modelcache import build_model_cache_claim
 from maru_operator.builders.poolevents import build_pool_events_children
 
 
-def build_group_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None,
-                         observed: Mapping[str, int | None] | None = None) -> list[Object]:
+def build_group_children(
+    spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, observed: Mapping[str, int | None] | None = None
+) -> list[Object]:
     """Every child of a bound group (``pool`` given), or only the router when there is no pool.
 
     ``observed``: each role Deployment's ``spec.replicas`` as it is now, which a role following the other

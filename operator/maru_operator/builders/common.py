@@ -28,6 +28,7 @@ def instance_selector(instance: str) -> str:
     """The label selector of what an operator instance serves ("" is the default instance)."""
     return f"{LABEL_OPERATOR_INSTANCE}={instance}" if instance else f"!{LABEL_OPERATOR_INSTANCE}"
 
+
 Object = dict[str, Any]
 
 

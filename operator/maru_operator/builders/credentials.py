@@ -81,8 +81,12 @@ def _secret(meta: dict[str, Any], field: str, value: bytes | None) -> Object:
 
 def build_pool_key_secret(owner: Owner, namespace: str, key: bytes | None) -> Object:
     """The pool's key, next to its daemons; ``key`` None: rendered without data (offline)."""
-    meta = metadata(owner, name=pool_key_name(owner.name), namespace=namespace,
-                    labels=labels(owner, app="maru-pool", component="key"))
+    meta = metadata(
+        owner,
+        name=pool_key_name(owner.name),
+        namespace=namespace,
+        labels=labels(owner, app="maru-pool", component="key"),
+    )
     return _secret(meta, POOL_KEY_FIELD, key)
 
 
@@ -105,13 +109,16 @@ def _field(quota: TenantQuota, name: str) -> int | None:
 
 
 def _secret_volume(name: str, secret: str, field: str, mode: int) -> Object:
-    return {"name": name, "secret": {"secretName": secret, "defaultMode": mode,
-                                     "items": [{"key": field, "path": field}]}}
+    return {
+        "name": name,
+        "secret": {"secretName": secret, "defaultMode": mode, "items": [{"key": field, "path": field}]},
+    }
 
 
 def pool_key_volume(pool: str, *, reader_is_root: bool) -> Object:
-    return _secret_volume(KEY_VOLUME, pool_key_name(pool), POOL_KEY_FIELD, ROOT_ONLY if reader_is_root
-                          else NON_ROOT_READER)
+    return _secret_volume(
+        KEY_VOLUME, pool_key_name(pool), POOL_KEY_FIELD, ROOT_ONLY if reader_is_root else NON_ROOT_READER
+    )
 
 
 def pool_key_mount() -> Object:
@@ -128,8 +135,7 @@ def credential_volume(socket_dir: str, cache: str, quota: TenantQuota | None) ->
     """
     directory = PurePosixPath(socket_dir)
     attributes = credential_attributes(directory.name, str(directory.parent), cache, quota_of(quota).encode())
-    return {"name": CREDENTIAL_VOLUME, "csi": {"driver": DRIVER_NAME, "readOnly": True,
-                                               "volumeAttributes": attributes}}
+    return {"name": CREDENTIAL_VOLUME, "csi": {"driver": DRIVER_NAME, "readOnly": True, "volumeAttributes": attributes}}
 
 
 def credential_mount() -> Object:

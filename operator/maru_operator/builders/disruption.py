@@ -7,16 +7,16 @@ from maru_operator.builders.common import Object, Owner, metadata
 from maru_operator.names import child_name
 
 
-def build_disruption_budget(owner: Owner, component: str, budget: DisruptionBudget,
-                            labels: dict[str, str], pod_selector: dict[str, str]) -> Object | None:
+def build_disruption_budget(
+    owner: Owner, component: str, budget: DisruptionBudget, labels: dict[str, str], pod_selector: dict[str, str]
+) -> Object | None:
     """The budget of one role's pods (``pod_selector``: the role Deployment's selector)."""
     if not budget.enabled:
         return None
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": metadata(owner, name=child_name(owner.name, component), namespace=owner.namespace,
-                             labels=labels),
+        "metadata": metadata(owner, name=child_name(owner.name, component), namespace=owner.namespace, labels=labels),
         "spec": {
             "maxUnavailable": budget.max_unavailable,
             "selector": {"matchLabels": dict(pod_selector)},

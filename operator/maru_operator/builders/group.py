@@ -170,11 +170,16 @@ def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView
     model = spec.model
     args = [
         model.name,
-        "--port", str(VLLM_PORT),
-        "--served-model-name", model.served_model_name or model.name,
-        "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
-        "--block-size", str(spec.connector.block_size),
-        "--dtype", model.dtype,
+        "--port",
+        str(VLLM_PORT),
+        "--served-model-name",
+        model.served_model_name or model.name,
+        "--tensor-parallel-size",
+        str(role_spec.tensor_parallel_size),
+        "--block-size",
+        str(spec.connector.block_size),
+        "--dtype",
+        model.dtype,
     ]
     if model.revision:
         args += ["--revision", model.revision]
@@ -182,14 +187,23 @@ def vllm_args(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView
         args += ["--max-model-len", str(model.max_model_len)]
     if model.adapters:
         # Both roles load the same adapters: decode reads what prefill stored under each adapter's keys.
-        args += ["--enable-lora", "--max-loras", str(len(model.adapters)),
-                 "--lora-modules", *(f"{a.name}={a.source}" for a in model.adapters)]
+        args += [
+            "--enable-lora",
+            "--max-loras",
+            str(len(model.adapters)),
+            "--lora-modules",
+            *(f"{a.name}={a.source}" for a in model.adapters),
+        ]
     args += ["--kv-transfer-config", kv_transfer_config_json(KV_ROLES[role], connector_config(spec, owner, pool, role))]
     if decode_direct(spec, pool):
         # The topic names the engine's key revision: maru-router, reading where the engine publishes, pairs
         # prefill and decode by it during a rollout that changes the keys.
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
-                  "topic": events_topic(kv_revision(spec, owner, pool))}
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+            "topic": events_topic(kv_revision(spec, owner, pool)),
+        }
         args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     return args + list(role_spec.extra_args)
 
@@ -206,18 +220,26 @@ def pool_node_affinity(pool: MaruPoolSpec) -> dict[str, Any] | None:
     }
 
 
-def pool_placement(pool: PoolView, *, near: dict[str, str] | None = None,
-                   tolerations: Sequence[Toleration] = ()) -> dict[str, Any]:
+def pool_placement(
+    pool: PoolView, *, near: dict[str, str] | None = None, tolerations: Sequence[Toleration] = ()
+) -> dict[str, Any]:
     """``affinity`` and ``tolerations`` of a pod that uses the pool's socket: on the pool's nodes, tolerating
     their taints (and ``tolerations``); with an shm pool, preferably beside the pods ``near`` selects, since
     each node's shm pool holds only what that node's pods stored."""
     out: dict[str, Any] = {}
     affinity = pool_node_affinity(pool.spec) or {}
     if pool.spec.backend == "shm" and near is not None:
-        affinity["podAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [{
-            "weight": 100,
-            "podAffinityTerm": {"labelSelector": {"matchLabels": dict(near)}, "topologyKey": "kubernetes.io/hostname"},
-        }]}
+        affinity["podAffinity"] = {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": dict(near)},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
     if affinity:
         out["affinity"] = affinity
     merged: list[dict[str, Any]] = []
@@ -232,8 +254,9 @@ def pool_placement(pool: PoolView, *, near: dict[str, str] | None = None,
 
 def _resources(spec: InferenceGroupSpec, role_spec: RoleSpec) -> dict[str, Any]:
     given = {k: v for k, v in role_spec.resources.model_dump(by_alias=True).items() if v}
-    return with_ephemeral_request(with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size)),
-                                  model_cache_ephemeral_bytes(spec))
+    return with_ephemeral_request(
+        with_defaults(given, scaled(VLLM_PER_RANK, role_spec.tensor_parallel_size)), model_cache_ephemeral_bytes(spec)
+    )
 
 
 PROBE_PERIOD_SECONDS = 10
@@ -242,8 +265,12 @@ PROGRESS_MARGIN_SECONDS = 600
 
 
 def _probe(path: str, port: str, **extra: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
-            **extra}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": PROBE_PERIOD_SECONDS,
+        "timeoutSeconds": 5,
+        **extra,
+    }
 
 
 def role_env(role_spec: RoleSpec) -> list[dict[str, Any]]:
@@ -269,13 +296,16 @@ def role_volumes(
     """
     taken = {m.mount_path.rstrip("/") for m in role_spec.volume_mounts}
     # NCCL and vLLM's worker processes exchange tensors in /dev/shm; the runtime default is 64Mi.
-    operator = [(pool_socket_volume(pool.spec, pool.name), pool_socket_mount(pool.spec, pool.name)),
-                (pool_credential_volume(spec, group, pool), credential_mount()),
-                shm_volume(role_spec),
-                *([] if replaced_by_user(role_spec) else [model_cache_volume(spec, group)]),
-                *zip(scratch_volumes(), scratch_mounts(), strict=True)]
-    kept = [(v, m) for v, m in operator
-            if v["name"] in (SOCKET_VOLUME, CREDENTIAL_VOLUME) or m["mountPath"] not in taken]
+    operator = [
+        (pool_socket_volume(pool.spec, pool.name), pool_socket_mount(pool.spec, pool.name)),
+        (pool_credential_volume(spec, group, pool), credential_mount()),
+        shm_volume(role_spec),
+        *([] if replaced_by_user(role_spec) else [model_cache_volume(spec, group)]),
+        *zip(scratch_volumes(), scratch_mounts(), strict=True),
+    ]
+    kept = [
+        (v, m) for v, m in operator if v["name"] in (SOCKET_VOLUME, CREDENTIAL_VOLUME) or m["mountPath"] not in taken
+    ]
     volumes = [v for v, _ in kept] + [v.to_k8s() for v in role_spec.volumes]
     mounts = [m for _, m in kept] + [m.to_k8s() for m in role_spec.volume_mounts]
     return volumes, mounts
@@ -322,8 +352,13 @@ def kv_revision(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> str:
     """A hash of everything the chunk keys derive from: the model, its revision and dtype, the block and
     chunk sizes, the cache scope and the connector's own settings (the same for both roles)."""
     model = spec.model
-    parts = [model.name, model.revision or "", model.dtype, str(spec.connector.block_size),
-             connector_config(spec, owner, pool).model_dump_json()]
+    parts = [
+        model.name,
+        model.revision or "",
+        model.dtype,
+        str(spec.connector.block_size),
+        connector_config(spec, owner, pool).model_dump_json(),
+    ]
     return short_hash("\0".join(parts))
 
 
@@ -339,7 +374,10 @@ def discovery_selector(owner: Owner, role: str) -> dict[str, str]:
 
 
 def build_role_deployment(
-    spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView,
+    spec: InferenceGroupSpec,
+    role: Role,
+    owner: Owner,
+    pool: PoolView,
     observed: Mapping[str, int | None] | None = None,
 ) -> Object:
     """The vLLM Deployment of one role; ``observed``: each role Deployment's replicas now (for a ratio)."""
@@ -354,14 +392,20 @@ def build_role_deployment(
         "command": ["vllm", "serve"],
         "args": vllm_args(spec, role, owner, pool),
         "env": role_env(role_spec),
-        "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"},
-                  *([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
-                    if decode_direct(spec, pool) else [])],
+        "ports": [
+            {"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"},
+            *(
+                [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+                if decode_direct(spec, pool)
+                else []
+            ),
+        ],
         "resources": _resources(spec, role_spec),
         "volumeMounts": mounts,
         # Loading weights can take many minutes; liveness only starts once the server answered once.
-        "startupProbe": _probe("/health", "http",
-                               failureThreshold=-(-role_spec.startup_timeout_seconds // PROBE_PERIOD_SECONDS)),
+        "startupProbe": _probe(
+            "/health", "http", failureThreshold=-(-role_spec.startup_timeout_seconds // PROBE_PERIOD_SECONDS)
+        ),
         "readinessProbe": _probe("/health", "http", failureThreshold=3),
         "livenessProbe": _probe("/health", "http", failureThreshold=6),
         # vLLM's caches and temporary files go to emptyDirs (scratch_env points them there).
@@ -374,8 +418,11 @@ def build_role_deployment(
         "enableServiceLinks": False,
         # fsGroup: the model cache claim's files are the pods' to write, whoever created its root; only when
         # the root's group differs is it changed (a recursive chown of a model cache takes minutes).
-        "securityContext": {**restricted_pod_security(), "fsGroup": NONROOT_UID,
-                            "fsGroupChangePolicy": "OnRootMismatch"},
+        "securityContext": {
+            **restricted_pod_security(),
+            "fsGroup": NONROOT_UID,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        },
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": role_spec.termination.grace_period_seconds,
@@ -387,9 +434,12 @@ def build_role_deployment(
     pod_spec.update(pool_placement(pool, near=near, tolerations=role_spec.tolerations))
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
-    template = {"metadata": {"labels": {**pod_labels, LLMD_ROLE_LABEL: role,
-                                        KV_REVISION_LABEL: kv_revision(spec, owner, pool)}},
-                "spec": pod_spec}
+    template = {
+        "metadata": {
+            "labels": {**pod_labels, LLMD_ROLE_LABEL: role, KV_REVISION_LABEL: kv_revision(spec, owner, pool)}
+        },
+        "spec": pod_spec,
+    }
     apply_pod_options(template, role_spec, discovery_selector(owner, role))
     meta = metadata(owner, name=role_name(owner.name, role), namespace=owner.namespace, labels=pod_labels)
     meta["annotations"] = {TEMPLATE_HASH: template_hash(template), **external_annotations(spec, role)}
@@ -404,9 +454,13 @@ def build_role_deployment(
 
 
 def build_role_disruption_budget(spec: InferenceGroupSpec, role: Role, owner: Owner, pool: PoolView) -> Object | None:
-    return build_disruption_budget(owner, role, getattr(spec, role).disruption_budget,
-                                   role_labels(owner, role, pool.name),
-                                   selector(owner, app=VLLM_APP, component=role))
+    return build_disruption_budget(
+        owner,
+        role,
+        getattr(spec, role).disruption_budget,
+        role_labels(owner, role, pool.name),
+        selector(owner, app=VLLM_APP, component=role),
+    )
 
 
 def _router_labels(owner: Owner) -> dict[str, str]:
@@ -419,8 +473,9 @@ def build_router_service_account(spec: InferenceGroupSpec, owner: Owner) -> Obje
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": metadata(owner, name=router_name(owner.name), namespace=owner.namespace,
-                             labels=_router_labels(owner)),
+        "metadata": metadata(
+            owner, name=router_name(owner.name), namespace=owner.namespace, labels=_router_labels(owner)
+        ),
     }
 
 
@@ -438,10 +493,14 @@ def build_router_role_binding(spec: InferenceGroupSpec, owner: Owner) -> Object 
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": metadata(owner, name=router_binding_name(owner.name), namespace=owner.namespace,
-                             labels=_router_labels(owner)),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": router_role_name(owner.operator_instance)},
+        "metadata": metadata(
+            owner, name=router_binding_name(owner.name), namespace=owner.namespace, labels=_router_labels(owner)
+        ),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": router_role_name(owner.operator_instance),
+        },
         "subjects": [{"kind": "ServiceAccount", "name": router_name(owner.name), "namespace": owner.namespace}],
     }
 
@@ -458,17 +517,24 @@ def decode_direct(spec: InferenceGroupSpec, pool: PoolView | None) -> bool:
 def router_args(spec: InferenceGroupSpec, owner: Owner, port: int = ROUTER_CONTAINER_PORT) -> list[str]:
     """vllm-router 0.1.17 in P/D mode, finding workers by Kubernetes label selectors."""
     return [
-        "--host", "0.0.0.0",
-        "--port", str(port),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
         "--vllm-pd-disaggregation",
-        "--policy", spec.router.policy,
+        "--policy",
+        spec.router.policy,
         "--service-discovery",
-        "--service-discovery-namespace", str(owner.namespace),
-        "--service-discovery-port", str(VLLM_PORT),
+        "--service-discovery-namespace",
+        str(owner.namespace),
+        "--service-discovery-port",
+        str(VLLM_PORT),
         *_selector_args("--prefill-selector", discovery_selector(owner, "prefill")),
         *_selector_args("--decode-selector", discovery_selector(owner, "decode")),
-        "--prometheus-host", "0.0.0.0",
-        "--prometheus-port", str(ROUTER_METRICS_PORT),
+        "--prometheus-host",
+        "0.0.0.0",
+        "--prometheus-port",
+        str(ROUTER_METRICS_PORT),
     ]
 
 
@@ -509,17 +575,26 @@ def maru_router_args(spec: InferenceGroupSpec, owner: Owner, pool: PoolView) -> 
     pool; the role Services carry its decode-direct requests and the requests that teach it the key scheme."""
     extra = connector_config(spec, owner, pool).to_extra_config()
     return [
-        "--host", "0.0.0.0",
-        "--port", str(ROUTER_CONTAINER_PORT),
-        "--metrics-port", str(DIRECT_METRICS_PORT),
-        "--upstream", f"http://127.0.0.1:{UPSTREAM_PORT}",
-        "--prefill", role_url(owner, "prefill"),
-        "--decode", role_url(owner, "decode"),
-        "--connector-config", json.dumps(extra, sort_keys=True, separators=(",", ":")),
-        "--min-coverage", repr(spec.router.decode_direct.min_coverage),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ROUTER_CONTAINER_PORT),
+        "--metrics-port",
+        str(DIRECT_METRICS_PORT),
+        "--upstream",
+        f"http://127.0.0.1:{UPSTREAM_PORT}",
+        "--prefill",
+        role_url(owner, "prefill"),
+        "--decode",
+        role_url(owner, "decode"),
+        "--connector-config",
+        json.dumps(extra, sort_keys=True, separators=(",", ":")),
+        "--min-coverage",
+        repr(spec.router.decode_direct.min_coverage),
         # The pods vllm-router found, each asked where it publishes its KV events: a prompt a prefill pod holds
         # beyond the pool gets its prefill there (the rest stays vllm-router's).
-        "--follow-upstream-workers", str(FOLLOW_WORKERS_SECONDS),
+        "--follow-upstream-workers",
+        str(FOLLOW_WORKERS_SECONDS),
         "--discover-kv-events",
         *(["--direct-to-prefill", "on"] if spec.router.decode_direct.to_prefill else []),
     ]
@@ -566,12 +641,23 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 def api_access_volume() -> Object:
     """The volume Kubernetes' ServiceAccount admission adds to every container when a pod does not opt out:
     a bound token, the cluster's CA and the namespace, for one container alone."""
-    return {"name": API_ACCESS_VOLUME, "projected": {"defaultMode": 0o644, "sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace",
-                                    "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
-    ]}}
+    return {
+        "name": API_ACCESS_VOLUME,
+        "projected": {
+            "defaultMode": 0o644,
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}
+                        ]
+                    }
+                },
+            ],
+        },
+    }
 
 
 def _router_pod_labels(owner: Owner, pool: PoolView | None) -> dict[str, str]:
@@ -633,8 +719,12 @@ def build_role_service(spec: InferenceGroupSpec, role: Role, owner: Owner, pool:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(owner, name=role_name(owner.name, role), namespace=owner.namespace,
-                             labels=labels(owner, app=VLLM_APP, component=role, role=role)),
+        "metadata": metadata(
+            owner,
+            name=role_name(owner.name, role),
+            namespace=owner.namespace,
+            labels=labels(owner, app=VLLM_APP, component=role, role=role),
+        ),
         "spec": {
             "type": "ClusterIP",
             "selector": selector(owner, app=VLLM_APP, component=role),
@@ -649,8 +739,9 @@ def build_router_service(spec: InferenceGroupSpec, owner: Owner) -> Object | Non
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(owner, name=service_name(owner.name), namespace=owner.namespace,
-                             labels=_router_labels(owner)),
+        "metadata": metadata(
+            owner, name=service_name(owner.name), namespace=owner.namespace, labels=_router_labels(owner)
+        ),
         "spec": {
             "type": spec.router.service_type,
             "selector": selector(owner, app=ROUTER_APP, component="router"),
@@ -674,7 +765,14 @@ def build_router_children(spec: InferenceGroupSpec, owner: Owner, pool: PoolView
         build_role_service(spec, "prefill", owner, pool),
         build_role_service(spec, "decode", owner, pool),
         build_router_deployment(spec, owner, pool),
-        build_disruption_budget(owner, "router", spec.router.disruption_budget, _router_labels(owner),
-                                selector(owner, app=ROUTER_APP, component="router")) if spec.router.enabled else None,
+        build_disruption_budget(
+            owner,
+            "router",
+            spec.router.disruption_budget,
+            _router_labels(owner),
+            selector(owner, app=ROUTER_APP, component="router"),
+        )
+        if spec.router.enabled
+        else None,
     ]
     return [c for c in children if c is not None]

@@ -49,8 +49,12 @@ def build_inference_pool(spec: InferenceGroupSpec, owner: Owner) -> Object | Non
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": metadata(owner, name=inference_pool_name(owner.name), namespace=owner.namespace,
-                             labels=labels(owner, app=VLLM_APP, component="inference-pool")),
+        "metadata": metadata(
+            owner,
+            name=inference_pool_name(owner.name),
+            namespace=owner.namespace,
+            labels=labels(owner, app=VLLM_APP, component="inference-pool"),
+        ),
         "spec": {
             "selector": {"matchLabels": pool_selector(owner)},
             "targetPorts": [{"number": VLLM_PORT}],

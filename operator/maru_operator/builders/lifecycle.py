@@ -44,8 +44,10 @@ def shm_size(role: RoleSpec) -> str:
 
 def shm_volume(role: RoleSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     """(pod volume, container mount) of /dev/shm."""
-    return ({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(role)}},
-            {"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    return (
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(role)}},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+    )
 
 
 def with_ephemeral_request(resources: dict[str, Any], extra_bytes: int) -> dict[str, Any]:
@@ -74,5 +76,8 @@ def pre_stop(termination: Termination, port: int, metric: str | None = None) -> 
     if drain <= 0:
         return None
     gauge = ["--metric", metric] if metric else []
-    return {"preStop": {"exec": {"command": [
-        "python3", "-m", DRAIN_MODULE, "--port", str(port), *gauge, "--timeout", str(drain)]}}}
+    return {
+        "preStop": {
+            "exec": {"command": ["python3", "-m", DRAIN_MODULE, "--port", str(port), *gauge, "--timeout", str(drain)]}
+        }
+    }

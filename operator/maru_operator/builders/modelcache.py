@@ -59,8 +59,12 @@ def build_model_cache_claim(spec: InferenceGroupSpec, owner: Owner) -> Object | 
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": metadata(owner, name=child_name(owner.name, "model-cache"), namespace=owner.namespace,
-                             labels=labels(owner, app=MODEL_CACHE_APP, component="model-cache")),
+        "metadata": metadata(
+            owner,
+            name=child_name(owner.name, "model-cache"),
+            namespace=owner.namespace,
+            labels=labels(owner, app=MODEL_CACHE_APP, component="model-cache"),
+        ),
         "spec": pvc_spec,
     }
 

@@ -120,12 +120,22 @@ def dns_egress() -> Object:
 
 
 def api_server_egress(config: NetworkPolicyConfig) -> Object:
-    return {"to": [{"ipBlock": {"cidr": cidr}} for cidr in config.api_server_cidrs],
-            "ports": _tcp(*config.api_server_ports)}
+    return {
+        "to": [{"ipBlock": {"cidr": cidr}} for cidr in config.api_server_cidrs],
+        "ports": _tcp(*config.api_server_ports),
+    }
 
 
-def _policy(owner: Owner, *, name: str, namespace: str, pod_labels: dict[str, str], select: dict[str, str],
-            ingress: list[Object], egress: list[Object]) -> Object:
+def _policy(
+    owner: Owner,
+    *,
+    name: str,
+    namespace: str,
+    pod_labels: dict[str, str],
+    select: dict[str, str],
+    ingress: list[Object],
+    egress: list[Object],
+) -> Object:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -156,9 +166,9 @@ def pool_clients(pool: str, app: str = VLLM_APP) -> dict[str, str]:
 def _client_namespaces(spec: MaruPoolSpec) -> dict[str, Any]:
     if spec.allowed_namespaces is None:
         return {}
-    return {"matchExpressions": [
-        {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(spec.allowed_namespaces)}
-    ]}
+    return {
+        "matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(spec.allowed_namespaces)}]
+    }
 
 
 def build_metadata_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, config: NetworkPolicyConfig) -> Object:
@@ -171,11 +181,14 @@ def build_metadata_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, conf
     tenant's ops reach only its own key scope.
     """
     agents = _peer(_pool_selector(owner, COMPONENT_AGENT))
-    clients = [{"namespaceSelector": _client_namespaces(spec),
-                "podSelector": {"matchLabels": pool_clients(owner.name, app)}}
-               for app in (VLLM_APP, ROUTER_APP, POOL_EVENTS_APP)]
+    clients = [
+        {"namespaceSelector": _client_namespaces(spec), "podSelector": {"matchLabels": pool_clients(owner.name, app)}}
+        for app in (VLLM_APP, ROUTER_APP, POOL_EVENTS_APP)
+    ]
     return _policy(
-        owner, name=metadata_name(owner.name), namespace=namespace,
+        owner,
+        name=metadata_name(owner.name),
+        namespace=namespace,
         pod_labels=labels(owner, app=POOL_APP, component=COMPONENT_METADATA),
         select=_pool_selector(owner, COMPONENT_METADATA),
         ingress=[
@@ -190,10 +203,14 @@ def build_agent_policy(spec: MaruPoolSpec, owner: Owner, namespace: str, config:
     """The node agents: metrics in; out only to the metadata server (dax). Clients use a Unix socket."""
     egress: list[Object] = []
     if spec.backend == "dax":
-        egress = [dns_egress(), {"to": [_peer(_pool_selector(owner, COMPONENT_METADATA))],
-                                 "ports": _tcp(spec.daemon.metadata_port)}]
+        egress = [
+            dns_egress(),
+            {"to": [_peer(_pool_selector(owner, COMPONENT_METADATA))], "ports": _tcp(spec.daemon.metadata_port)},
+        ]
     return _policy(
-        owner, name=agent_name(owner.name), namespace=namespace,
+        owner,
+        name=agent_name(owner.name),
+        namespace=namespace,
         pod_labels=labels(owner, app=POOL_APP, component=COMPONENT_AGENT),
         select=_pool_selector(owner, COMPONENT_AGENT),
         ingress=[{"from": [_operator(config, namespace), *_scrapers(config)], "ports": _tcp(spec.daemon.metrics_port)}],
@@ -217,8 +234,9 @@ def router_pods(owner: Owner) -> dict[str, str]:
     return selector(owner, app=ROUTER_APP, component="router")
 
 
-def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str,
-                      config: NetworkPolicyConfig) -> Object:
+def build_vllm_policy(
+    spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str, config: NetworkPolicyConfig
+) -> Object:
     """Kept while the group is unbound too: its running pods stay isolated (without a pool to reach)."""
     if spec.router.enabled and not spec.inference_pool.enabled:
         ingress = [{"from": [_peer(router_pods(owner))], "ports": _tcp(*_router_to_vllm_ports(spec, pool))}]
@@ -235,9 +253,13 @@ def build_vllm_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | N
     # Weights and tokenizers come from the Hugging Face Hub (or a mirror) over HTTPS.
     egress.append({"ports": _tcp(HTTPS_PORT)})
     return _policy(
-        owner, name=child_name(owner.name, "vllm"), namespace=str(owner.namespace),
-        pod_labels=labels(owner, app=VLLM_APP, component="vllm"), select=vllm_pods(owner),
-        ingress=ingress, egress=egress,
+        owner,
+        name=child_name(owner.name, "vllm"),
+        namespace=str(owner.namespace),
+        pod_labels=labels(owner, app=VLLM_APP, component="vllm"),
+        select=vllm_pods(owner),
+        ingress=ingress,
+        egress=egress,
     )
 
 
@@ -254,8 +276,9 @@ def _metadata_egress(pool: PoolView | None, pool_namespace: str) -> list[Object]
     return [{"to": [_peer(metadata_pods, pool_namespace)], "ports": _tcp(pool.spec.daemon.metadata_port)}]
 
 
-def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolView | None = None,
-                        pool_namespace: str = "") -> Object:
+def build_router_policy(
+    owner: Owner, config: NetworkPolicyConfig, pool: PoolView | None = None, pool_namespace: str = ""
+) -> Object:
     """``pool``: the pool a decode-direct router asks (its own metrics port too), None for vllm-router alone.
 
     Its vLLM peer is both roles: decode-direct requests go to decode (or to a less busy prefill,
@@ -267,13 +290,21 @@ def build_router_policy(owner: Owner, config: NetworkPolicyConfig, pool: PoolVie
         metrics = (ROUTER_METRICS_PORT, DIRECT_METRICS_PORT) if pool is not None else (ROUTER_METRICS_PORT,)
         ingress.append({"from": _scrapers(config), "ports": _tcp(*metrics)})
     return _policy(
-        owner, name=child_name(owner.name, "router"), namespace=str(owner.namespace),
-        pod_labels=labels(owner, app=ROUTER_APP, component="router"), select=router_pods(owner),
+        owner,
+        name=child_name(owner.name, "router"),
+        namespace=str(owner.namespace),
+        pod_labels=labels(owner, app=ROUTER_APP, component="router"),
+        select=router_pods(owner),
         ingress=ingress,
-        egress=[dns_egress(), api_server_egress(config),
-                {"to": [_peer(vllm_pods(owner))],
-                 "ports": _tcp(*((VLLM_PORT, KV_EVENTS_PORT) if pool is not None else (VLLM_PORT,)))},
-                *_metadata_egress(pool, pool_namespace)],
+        egress=[
+            dns_egress(),
+            api_server_egress(config),
+            {
+                "to": [_peer(vllm_pods(owner))],
+                "ports": _tcp(*((VLLM_PORT, KV_EVENTS_PORT) if pool is not None else (VLLM_PORT,))),
+            },
+            *_metadata_egress(pool, pool_namespace),
+        ],
     )
 
 
@@ -283,7 +314,9 @@ def build_pool_events_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolV
     dax pool's metadata server; an shm pool is a unix socket, which no NetworkPolicy covers."""
     consumers = [c.to_peer() for c in spec.pool_events.consumers] or [{"podSelector": {}}]
     return _policy(
-        owner, name=pool_events_name(owner.name), namespace=str(owner.namespace),
+        owner,
+        name=pool_events_name(owner.name),
+        namespace=str(owner.namespace),
         pod_labels=labels(owner, app=POOL_EVENTS_APP, component=COMPONENT_POOL_EVENTS),
         select=pool_events_pods(owner),
         ingress=[{"from": consumers, "ports": _tcp(POOL_EVENTS_PORT, POOL_EVENTS_REPLAY_PORT)}],
@@ -291,8 +324,9 @@ def build_pool_events_policy(spec: InferenceGroupSpec, owner: Owner, pool: PoolV
     )
 
 
-def build_group_policies(spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str,
-                         config: NetworkPolicyConfig) -> list[Object]:
+def build_group_policies(
+    spec: InferenceGroupSpec, owner: Owner, pool: PoolView | None, pool_namespace: str, config: NetworkPolicyConfig
+) -> list[Object]:
     if not config.enabled:
         return []
     policies = [build_vllm_policy(spec, owner, pool, pool_namespace, config)]

@@ -201,8 +201,10 @@ def build_metadata_deployment(spec: MaruPoolSpec, owner: Owner, namespace: str) 
         return None
     args = [
         "metadata",
-        "--listen", f"tcp://0.0.0.0:{spec.daemon.metadata_port}",
-        "--metrics-addr", f"0.0.0.0:{spec.daemon.metrics_port}",
+        "--listen",
+        f"tcp://0.0.0.0:{spec.daemon.metadata_port}",
+        "--metrics-addr",
+        f"0.0.0.0:{spec.daemon.metrics_port}",
         *_eviction_args(spec),
         *_ceiling_args(spec),
         *AUTH_ARGS,
@@ -282,16 +284,28 @@ def _agent_args(spec: MaruPoolSpec, pool: str, namespace: str) -> list[str]:
         assert spec.size, "the CRD requires size for shm"
         return [
             "serve",
-            "--listen", listen,
-            "--size", spec.size,
-            "--shm-path", SHM_FILE,
-            "--metrics-addr", metrics,
+            "--listen",
+            listen,
+            "--size",
+            spec.size,
+            "--shm-path",
+            SHM_FILE,
+            "--metrics-addr",
+            metrics,
             *_eviction_args(spec),
             *_ceiling_args(spec),
             *AUTH_ARGS,
         ]
-    args = ["agent", "--listen", listen, "--metadata", metadata_url(spec, pool, namespace), "--metrics-addr", metrics,
-            *AUTH_ARGS]
+    args = [
+        "agent",
+        "--listen",
+        listen,
+        "--metadata",
+        metadata_url(spec, pool, namespace),
+        "--metrics-addr",
+        metrics,
+        *AUTH_ARGS,
+    ]
     for device in spec.devices:
         args += ["--device", device]
     return args
@@ -337,8 +351,10 @@ def admission_init_container(spec: MaruPoolSpec, pool: str) -> Object:
         "imagePullPolicy": spec.daemon.image_pull_policy,
         "command": ["python", "-m", "maru_connector.csi.admission"],
         "args": [
-            "--dir", socket_host_dir(spec, pool),
-            "--document", render(admission_document(pool, spec.allowed_namespaces, pool_dir_name(pool))),
+            "--dir",
+            socket_host_dir(spec, pool),
+            "--document",
+            render(admission_document(pool, spec.allowed_namespaces, pool_dir_name(pool))),
         ],
         "resources": ADMISSION_RESOURCES,
         "volumeMounts": [{"name": "socket", "mountPath": socket_host_dir(spec, pool)}],
@@ -382,10 +398,14 @@ def credentials_init_container(spec: MaruPoolSpec, pool: str) -> Object:
         "imagePullPolicy": spec.daemon.image_pull_policy,
         "command": ["python", "-m", "maru_connector.csi.minting"],
         "args": [
-            "--socket-root", str(directory.parent),
-            "--pool", directory.name,
-            "--key-file", KEY_FILE,
-            "--policy", policy_document(quota_of(spec.tenant_quota), quota_of(spec.max_tenant_quota)),
+            "--socket-root",
+            str(directory.parent),
+            "--pool",
+            directory.name,
+            "--key-file",
+            KEY_FILE,
+            "--policy",
+            policy_document(quota_of(spec.tenant_quota), quota_of(spec.max_tenant_quota)),
         ],
         "resources": ADMISSION_RESOURCES,
         "volumeMounts": [{"name": CREDENTIALS_VOLUME, "mountPath": credentials_host_dir(spec)}, pool_key_mount()],
@@ -420,8 +440,9 @@ def build_agent_daemonset(spec: MaruPoolSpec, owner: Owner, namespace: str, key:
         # The pool file lives in the pod's own memory-backed /dev/shm (the container runtime's default
         # is 64Mi), which holds exactly the file: header and pool. Clients get the file over the socket
         # (fd passing), so they never need this path.
-        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
-                                                    "sizeLimit": format_size(shm_volume_bytes(spec))}})
+        volumes.append(
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": format_size(shm_volume_bytes(spec))}}
+        )
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     pod_labels = _pool_owner_labels(owner, COMPONENT_AGENT)
     pod_security, container_security = _agent_security(spec)

@@ -86,9 +86,17 @@ def _curve_volumes(spec: InferenceGroupSpec) -> tuple[list[Object], list[Object]
     added or revoked consumer key reaches the running publisher."""
     if spec.pool_events.curve is None:
         return [], []
-    volume = {"name": CURVE_VOLUME, "secret": {"secretName": spec.pool_events.curve.secret_name, "defaultMode": 0o440,
-                                               "items": [{"key": CURVE_SECRET_KEY, "path": CURVE_SECRET_KEY},
-                                                         {"key": CURVE_CLIENTS, "path": CURVE_CLIENTS}]}}
+    volume = {
+        "name": CURVE_VOLUME,
+        "secret": {
+            "secretName": spec.pool_events.curve.secret_name,
+            "defaultMode": 0o440,
+            "items": [
+                {"key": CURVE_SECRET_KEY, "path": CURVE_SECRET_KEY},
+                {"key": CURVE_CLIENTS, "path": CURVE_CLIENTS},
+            ],
+        },
+    }
     return [volume], [{"name": CURVE_VOLUME, "mountPath": CURVE_DIR, "readOnly": True}]
 
 
@@ -155,8 +163,9 @@ def build_pool_events_service(spec: InferenceGroupSpec, owner: Owner, pool: Pool
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(owner, name=pool_events_name(owner.name), namespace=owner.namespace,
-                             labels=pool_events_labels(owner, pool)),
+        "metadata": metadata(
+            owner, name=pool_events_name(owner.name), namespace=owner.namespace, labels=pool_events_labels(owner, pool)
+        ),
         "spec": {
             "type": "ClusterIP",
             "selector": pool_events_pods(owner),

@@ -51,8 +51,9 @@ METADATA_UNSIZED_LIMIT = 4 * Gi
 
 
 def scaled(default: ResourceDefault, factor: int) -> ResourceDefault:
-    return replace(default, request=default.request * factor, limit=default.limit * factor,
-                   cpu_millis=default.cpu_millis * factor)
+    return replace(
+        default, request=default.request * factor, limit=default.limit * factor, cpu_millis=default.cpu_millis * factor
+    )
 
 
 def plus(default: ResourceDefault, extra: int) -> ResourceDefault:
