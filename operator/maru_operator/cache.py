@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru_operator.api.common import GROUP
+from maru_operator.objects import Key, Object, key_of
 from maru_operator.reconcile import FIELD_MANAGER
-
-Object = dict[str, Any]
-Key = tuple[str, str, str]  # (kind, namespace or "", name)
 
 OWNER_KINDS = ("MaruPool", "InferenceGroup")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -33,11 +31,6 @@ TOMBSTONES = 4096
 # and bytes are nothing for the garbage collector to walk (at a thousand groups its passes over the cache's
 # dicts were a fifth of the operator's CPU time). The fastest level: a reconcile unpacks its owner's children.
 PACK_LEVEL = 1
-
-
-def key_of(obj: Object) -> Key:
-    meta = obj.get("metadata", {})
-    return obj.get("kind", ""), meta.get("namespace") or "", meta.get("name", "")
 
 
 def owner_key(obj: Object) -> Key | None:

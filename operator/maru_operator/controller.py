@@ -48,6 +48,7 @@ from maru_operator.cache import Key, Store
 from maru_operator.dataplane import DataPlane, Updates, container_image
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
+from maru_operator.objects import Object
 from maru_operator.optionalkinds import OptionalKind
 from maru_operator.reconcile import (
     FIELD_MANAGER,
@@ -86,7 +87,6 @@ from maru_operator.validation import check_group, check_group_on_pool, check_poo
 
 log = logging.getLogger("maru_operator.controller")
 
-Object = dict[str, Any]
 
 POOL_FINALIZER = "maru.io/in-use-protection"
 # The most often a pool's use (which changes with traffic) is written to its status, and how often a

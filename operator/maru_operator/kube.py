@@ -25,11 +25,11 @@ import aiohttp
 import kopf
 
 from maru_operator import metrics
+from maru_operator.objects import Object
 from maru_operator.reconcile import FIELD_MANAGER
 
 log = logging.getLogger("maru_operator.kube")
 
-Object = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"

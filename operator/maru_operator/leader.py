@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from maru_operator.kube import ApiError, Kube, Unreachable
+from maru_operator.objects import Object
 
 log = logging.getLogger("maru_operator.leader")
-
-Object = dict[str, Any]
 
 
 # On the Lease: the namespace of the release whose replica holds it (several releases may contend for one).

@@ -28,6 +28,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from maru_operator.objects import Key, Object, key_of
 from maru_operator.quantity import same_quantity
 
 FIELD_MANAGER = "maru-operator"
@@ -36,8 +37,6 @@ FIELD_MANAGER = "maru-operator"
 # managedFields entry alone cannot tell a field the spec dropped from a default; the first apply removes it.
 CREATED_FIELDS_ANNOTATION = "maru.io/created-fields"
 
-Object = dict[str, Any]
-Key = tuple[str, str, str]
 
 # Keys the operator never compares: the API server owns them.
 _IGNORED_TOP = {"status"}
@@ -463,12 +462,6 @@ def describe_controller(obj: Object) -> str:
     if ref is None:
         return "no controller"
     return f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})"
-
-
-def key_of(obj: dict[str, Any]) -> Key:
-    """(kind, namespace, name): how children are matched between desired and actual."""
-    meta = obj.get("metadata", {})
-    return obj.get("kind", ""), meta.get("namespace") or "", meta.get("name", "")
 
 
 def plan(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -32,9 +31,8 @@ from maru_operator.builders.netpol import (
 )
 from maru_operator.builders.pool import build_pool_children
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
+from maru_operator.objects import Object
 from maru_operator.validation import check_group
-
-Object = dict[str, Any]
 
 
 class RenderError(ValueError):

@@ -15,10 +15,8 @@ from maru_operator.api.inferencegroup import InferenceGroupSpec, InferenceGroupS
 from maru_operator.api.marupool import MaruPoolSpec, MaruPoolStatus, PoolNodeStatus
 from maru_operator.builders.group import PoolView
 from maru_operator.builders.pool import SHM_FILE, pool_endpoint
+from maru_operator.objects import Object
 from maru_operator.quantity import format_bytes, parse_quantity
-
-Object = dict[str, Any]
-
 
 # --- MaruPool -----------------------------------------------------------------------------------------
 

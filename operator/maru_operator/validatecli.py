@@ -31,10 +31,9 @@ from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.group import PoolView
 from maru_operator.crdgen import KINDS
 from maru_operator.crdvalidate import Validator
+from maru_operator.objects import Object
 from maru_operator.status import bind
 from maru_operator.validation import check_group, check_group_on_pool, check_pool
-
-Object = dict[str, Any]
 
 SERVED: tuple[str, ...] = tuple(kind.kind for kind in KINDS)
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2

@@ -7,6 +7,7 @@ from typing import Any
 
 from maru_operator.api.common import API_VERSION
 from maru_operator.names import label_value
+from maru_operator.objects import Object as Object  # re-exported: the builders take their object type from here
 
 MANAGED_BY = "maru-operator"
 PART_OF = "maru"
@@ -27,9 +28,6 @@ LABEL_OPERATOR_INSTANCE = "maru.io/operator-instance"
 def instance_selector(instance: str) -> str:
     """The label selector of what an operator instance serves ("" is the default instance)."""
     return f"{LABEL_OPERATOR_INSTANCE}={instance}" if instance else f"!{LABEL_OPERATOR_INSTANCE}"
-
-
-Object = dict[str, Any]
 
 
 @dataclass(frozen=True)
