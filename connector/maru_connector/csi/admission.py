@@ -18,16 +18,16 @@ container runs this module from the pool image without the plugin's runtime.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
+
+from maru_connector.cmdline import OneLineParser
+from maru_connector.files import replace_file
 
 ADMISSION_FILE = "admission.json"
 VERSION = 1
@@ -192,30 +192,13 @@ def write(pool_dir: str, document: dict[str, Any]) -> str:
     text = render(document)
     parse(text, "the admission document")  # never write what the plugin would refuse
     os.makedirs(pool_dir, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".admission-", dir=pool_dir)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)  # pods admitted to the directory may read it; nobody but root writes it
-        path = os.path.join(pool_dir, ADMISSION_FILE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    # Pods admitted to the directory may read it; nobody but root writes it.
+    return replace_file(pool_dir, ADMISSION_FILE, text + "\n", 0o644)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m maru_connector.csi.admission --dir DIR --document JSON``: the agent's init container."""
-    parser = _Parser(prog="maru-admission", description="Write a pool's admission file beside its socket.")
+    parser = OneLineParser(prog="maru-admission", description="Write a pool's admission file beside its socket.")
     parser.add_argument("--dir", required=True, help="the pool's socket directory on the node")
     parser.add_argument("--document", required=True, help="the admission document (JSON), rendered by the operator")
     args = parser.parse_args(argv)

@@ -25,20 +25,19 @@ ceiling no pod's request passes.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
-import contextlib
 import json
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from maru_connector import tenancy
+from maru_connector.cmdline import OneLineParser
+from maru_connector.files import replace_file
 
 from .contract import CREDENTIALS_DIR, pool_dir_error
 
@@ -213,29 +212,13 @@ def write(socket_root: str, pool: str, key: bytes, default: tenancy.Quota, ceili
     os.makedirs(directory, mode=0o700, exist_ok=True)
     # The kubelet creates a hostPath directory 0755: close it before the key goes in.
     os.chmod(directory, 0o700)
-    fd, tmp = tempfile.mkstemp(prefix=f".{pool}-", dir=directory)  # mkstemp creates it 0600
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        path = material_path(socket_root, pool)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    path = material_path(socket_root, pool)
+    return replace_file(os.path.dirname(path), os.path.basename(path), text + "\n", 0o600)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m maru_connector.csi.minting --socket-root DIR --pool NAME --key-file FILE --policy JSON``."""
-    parser = _Parser(prog="maru-minting", description="Write a pool's credential minting material on this node.")
+    parser = OneLineParser(prog="maru-minting", description="Write a pool's credential minting material on this node.")
     parser.add_argument("--socket-root", required=True, help="the pools' socket root on the node (the plugin's)")
     parser.add_argument("--pool", required=True, help="the pool's directory name under the socket root")
     parser.add_argument("--key-file", required=True, help="the pool key (the mounted key Secret)")

@@ -27,6 +27,7 @@ import grpc
 from google.protobuf import wrappers_pb2
 
 from maru_connector import tenancy
+from maru_connector.files import replace_file
 
 from . import admission, csi_pb2, csi_pb2_grpc, minting, mounts
 from .contract import (
@@ -398,11 +399,4 @@ def _read_token(directory: str) -> str:
 def _write_token(directory: str, token: str) -> None:
     """Write ``token`` atomically, world-readable: the vLLM container's user (any UID) reads it, and the
     volume is this pod's alone."""
-    tmp = os.path.join(directory, f".{TOKEN_FILE}.new")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
-    try:
-        os.fchmod(fd, 0o444)
-        os.write(fd, token.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(directory, TOKEN_FILE))
+    replace_file(directory, TOKEN_FILE, token, 0o444)

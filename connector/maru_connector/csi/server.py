@@ -23,9 +23,10 @@ import threading
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import NoReturn
 
 import grpc
+
+from maru_connector.cmdline import OneLineParser
 
 from . import csi_pb2_grpc
 from .contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
@@ -38,14 +39,8 @@ WORKERS = 4
 STOP_GRACE_S = 5.0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line naming the flag: what `kubectl logs` shows for a crash-looping plugin.
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="maru-csi", description=f"CSI node plugin {DRIVER_NAME}: the pool socket for pods.")
+    parser = OneLineParser(prog="maru-csi", description=f"CSI node plugin {DRIVER_NAME}: the pool socket for pods.")
     parser.add_argument(
         "--endpoint",
         default=os.environ.get("CSI_ENDPOINT", ""),

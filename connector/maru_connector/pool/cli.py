@@ -21,9 +21,9 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from typing import NoReturn
 
 from maru_connector import tenancy
+from maru_connector.cmdline import OneLineParser
 
 from . import replay
 from .client import PoolError
@@ -36,12 +36,6 @@ from .units import parse_size
 KEY_FILE_ENV = "MARU_POOL_AUTH_KEY_FILE"
 
 log = logging.getLogger("maru_connector.pool")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, naming the flag: this is what `kubectl logs` shows for a crash-looping pod.
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _size(text: str) -> int:
@@ -62,8 +56,8 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="maru-pool", description="Shared KV memory pool daemon for Maru.")
-    sub = parser.add_subparsers(dest="role", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="maru-pool", description="Shared KV memory pool daemon for Maru.")
+    sub = parser.add_subparsers(dest="role", required=True, parser_class=OneLineParser)
 
     def common(p: argparse.ArgumentParser, listen_help: str) -> None:
         p.add_argument("--listen", required=True, help=listen_help)
