@@ -57,7 +57,6 @@ KINDS: dict[str, Kind] = {
     "Secret": Kind("api/v1", "secrets"),
     "Pod": Kind("api/v1", "pods"),
     "Event": Kind("api/v1", "events"),
-    "Role": Kind("apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Kind("apis/networking.k8s.io/v1", "networkpolicies"),
     "PersistentVolumeClaim": Kind("api/v1", "persistentvolumeclaims"),

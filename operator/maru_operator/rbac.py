@@ -69,12 +69,6 @@ CLUSTER_RULES: list[Rule] = [
         "each router's RoleBinding to the routers' ClusterRole (read pods in its namespace)",
     ),
     (
-        ["rbac.authorization.k8s.io"],
-        ["roles"],
-        ["list", "watch", "delete"],
-        "never written: the routers' own Roles of earlier versions are watched to be pruned on upgrade",
-    ),
-    (
         ["networking.k8s.io"],
         ["networkpolicies"],
         MANAGE,

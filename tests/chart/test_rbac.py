@@ -36,7 +36,6 @@ NAMESPACED_RULES = {
     ("", "services"): CHILD_VERBS,
     ("", "serviceaccounts"): CHILD_VERBS,
     # Earlier versions' router Roles, pruned; never written.
-    ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
     # Only the routers' ClusterRole (resourceNames): the routers' pod reads, granted without holding them.
     ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},

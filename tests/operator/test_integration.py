@@ -98,45 +98,6 @@ def test_create_pool_and_group(cluster: KubeEmulator, operator: RunningOperator,
     assert wait_event(cluster, GROUP_NS, "qwen", "Serving")["type"] == "Normal"
 
 
-def test_an_upgrade_prunes_the_router_role_of_earlier_versions(
-    cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
-) -> None:
-    """Earlier versions gave each router its own Role and a RoleBinding of it, under the router's name; the
-    router's pod reads now come from the routers' ClusterRole, and the old pair goes."""
-    cluster.create(group())
-    wait_group_ready(cluster)
-    account = cluster.get("serviceaccounts", "qwen-router", GROUP_NS)
-    assert account is not None
-    meta = {
-        "name": "qwen-router",
-        "namespace": GROUP_NS,
-        "labels": account["metadata"]["labels"],
-        "ownerReferences": account["metadata"]["ownerReferences"],
-    }
-    rbac = "rbac.authorization.k8s.io"
-    cluster.create(
-        {
-            "apiVersion": f"{rbac}/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
-        }
-    )
-    cluster.create(
-        {
-            "apiVersion": f"{rbac}/v1",
-            "kind": "RoleBinding",
-            "metadata": meta,
-            "roleRef": {"apiGroup": rbac, "kind": "Role", "name": "qwen-router"},
-            "subjects": [{"kind": "ServiceAccount", "name": "qwen-router", "namespace": GROUP_NS}],
-        }
-    )
-    cluster.wait_gone(f"roles.{rbac}", "qwen-router", GROUP_NS)
-    cluster.wait_gone(f"rolebindings.{rbac}", "qwen-router", GROUP_NS)
-    binding = cluster.get(f"rolebindings.{rbac}", "qwen-router-pods", GROUP_NS)
-    assert binding is not None and binding["roleRef"]["kind"] == "ClusterRole"
-
-
 def test_network_policies_are_children_kept_as_built(
     cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
 ) -> None:
@@ -336,7 +297,8 @@ def test_pool_with_a_spec_the_model_refuses_can_be_deleted(
 def test_child_watches_select_on_the_server(
     cluster: KubeEmulator, operator: RunningOperator, ready_pool: dict[str, Any]
 ) -> None:
-    """The operator never streams every Deployment, Service and Role in the cluster."""
+    """The operator never streams every Deployment, Service and RoleBinding in the cluster, and never reads
+    Roles at all (it creates none; its RBAC grants nothing on them)."""
     cluster.create(group())
     wait_group_ready(cluster)
     settle(operator)
@@ -345,7 +307,6 @@ def test_child_watches_select_on_the_server(
         "/daemonsets",
         "/services",
         "/serviceaccounts",
-        "/roles",
         "/rolebindings",
         "/networkpolicies",
         "/endpointslices",
@@ -360,6 +321,7 @@ def test_child_watches_select_on_the_server(
         }
     )
     assert not unselected, unselected
+    assert not [r.path for r in cluster.requests if r.path.endswith("/roles")]
 
 
 def test_long_names(cluster: KubeEmulator, operator: RunningOperator) -> None:

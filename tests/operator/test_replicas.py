@@ -305,8 +305,8 @@ def test_a_leader_whose_priming_outlasts_the_renew_deadline_leads_once_and_recon
     """Starting to lead lists every watched kind afresh; on a large cluster or a slow API server that takes longer
     than the renew deadline. The leader renews meanwhile, in its own task, and priming is never cut short: bounding
     it by the deadline made the leader drop the Lease, take it again and prime again, forever, without reconciling."""
-    delay = 5.0  # each list of Roles priming makes: well past the 2 s renew deadline of FAST_LEASE
-    roles = r"^/apis/rbac\.authorization\.k8s\.io/v1/roles$"
+    delay = 5.0  # each list of RoleBindings priming makes: well past the 2 s renew deadline of FAST_LEASE
+    roles = r"^/apis/rbac\.authorization\.k8s\.io/v1/rolebindings$"
     slow = cluster.inject_fault(roles, None, method="GET", times=10_000, delay=delay)
     cluster.create(pool())
     cluster.create(group())

@@ -11,9 +11,6 @@
   caps what they ask for. So the operator reads and writes Secrets in its own namespace only, and the pool's
   key never leaves the release namespace and the pool nodes' root-only files.
 
-Groups' credential Secrets ``<group>-pool-credential`` of earlier versions are no longer written or read;
-each stays until its group is deleted (its ownerReference), or is deleted by hand (see docs/security.md).
-
 A group's **quota** in its pool travels inside its token, signed (:func:`maru_connector.tenancy.effective_quota`:
 the group's ``poolQuota``, else the pool's ``tenantQuota``, capped by the pool's ``maxTenantQuota``): the
 daemons learn it at the engines' hello, with no tenant list and no restart.
@@ -53,11 +50,6 @@ NON_ROOT_READER = 0o444
 
 def pool_key_name(pool: str) -> str:
     return child_name(pool, "key")
-
-
-def credential_name(group: str) -> str:
-    """The credential Secret earlier versions wrote per group (label component=pool-credential); none is written now."""
-    return child_name(group, "pool-credential")
 
 
 def pool_key(secret: Object | None) -> bytes | None:
