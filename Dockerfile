@@ -14,6 +14,11 @@
 # .github/workflows/release.yml builds and pushes them for linux/amd64 and linux/arm64 on every release tag.
 # The vllm target builds only for the platforms its upstream base image is published for.
 #
+# Air-gapped or proxied builders (docs/images.md): PYTHON_IMAGE may name a local base instead
+# (`make base-image` bootstraps Debian bookworm's own Python 3.11), and a proxy's CA bundle comes in as
+# the build secret `ca-bundle` (`make images CA_BUNDLE=...`): every step that downloads mounts it over the
+# system bundle for that step only, so no layer of any image keeps it.
+#
 # operator, pool and router run as UID/GID 65532 by default and need no writable root filesystem.
 # The pool daemon gets access to devdax devices and the host socket directory from its pod spec
 # (the operator writes it), never from this image. The vllm image is the official vLLM image plus the
@@ -31,16 +36,20 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 # a C compiler; no image below does. The module uses Python's limited API: the wheel is cp311-abi3 and
 # also installs on the vllm image's newer Python. Its SIMD paths are chosen at run time, not here.
 FROM ${PYTHON_IMAGE} AS wheel
-# Build stage only, thrown away: the compiler's exact Debian version does not matter.
+# Build stage only, thrown away: the compiler's exact Debian version does not matter. The python image
+# has Python's headers; Debian's own Python (a bootstrapped base) has them in python3-dev.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if [ ! -e "$(python3 -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ]; then \
+        apt-get install -y --no-install-recommends python3-dev; fi \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY operator/ operator/
 COPY connector/ connector/
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
+    pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- runtime: slim Python, a non-root user, no project yet -------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -55,9 +64,13 @@ LABEL org.opencontainers.image.source="https://github.com/maru-pd/maru-pd" \
       org.opencontainers.image.licenses="Apache-2.0"
 
 # ---- project: the runtime plus the repository and its base dependencies (no vLLM, no torch) ------------
+# The wheel is copied in, not bind-mounted from its stage: buildah's layer cache neither sees a change of a
+# mounted stage nor mounts a stage it took from the cache (buildah issues 4375, 4522). Its half megabyte
+# stays in one layer, under /tmp/wheels, removed from the image's filesystem.
 FROM runtime AS project
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install /wheels/*.whl \
+COPY --from=wheel /wheels/ /tmp/wheels/
+RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
+    pip install /tmp/wheels/*.whl && rm -rf /tmp/wheels \
     && python -c "import maru_operator, maru_connector.pool.cli, maru_connector._copyhash"
 
 # ---- operator: the control plane (the Helm chart runs it) --------------------------------------------
@@ -77,7 +90,8 @@ LABEL org.opencontainers.image.title="maru-pool" \
 # The chart's CSI node plugin (`maru-csi`, csi.maru.io) runs from this image too: add the gRPC runtime
 # of the project's `csi` extra (a test checks these pins satisfy it). The operator image stays without.
 # So does `maru-pool events` (a tenant's pool events as vLLM KV events over ZMQ): the `events` extra.
-RUN pip install grpcio==1.85.3 protobuf==7.36.2 pyzmq==27.3.0 msgspec==0.23.0 \
+RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
+    pip install grpcio==1.85.3 protobuf==7.36.2 pyzmq==27.3.0 msgspec==0.23.0 \
     && python -c "import maru_connector.csi.server, maru_connector.pool.publisher"
 USER 65532:65532
 # 7400: metadata server, 9400: /metrics, /healthz and /status.
@@ -89,11 +103,13 @@ CMD ["--help"]
 FROM runtime AS router
 LABEL org.opencontainers.image.title="vllm-router" \
       org.opencontainers.image.description="vllm-router for Maru InferenceGroups"
-RUN pip install vllm-router==0.1.17 && vllm-router --help > /dev/null
+RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
+    pip install vllm-router==0.1.17 && vllm-router --help > /dev/null
 # Only the drain hook (standard library alone): a stopping router pod's vllm-router waits in it until
 # maru-router beside it has finished the requests it relays.
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-deps /wheels/*.whl && python -m maru_connector.drain --help > /dev/null
+COPY --from=wheel /wheels/ /tmp/wheels/
+RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels \
+    && python -m maru_connector.drain --help > /dev/null
 USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["vllm-router"]
@@ -109,8 +125,10 @@ LABEL org.opencontainers.image.title="vllm-maru" \
 # The version check reads the installed distribution: importing vLLM needs no GPU, but takes long.
 ARG VLLM_VERSION
 RUN python3 -c "import importlib.metadata as m, sys; v = m.version('vllm'); sys.exit(None if v.split('+')[0] == '${VLLM_VERSION}' else f'the base image has vLLM {v}, the connector needs ${VLLM_VERSION}')"
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl xxhash==4.1.0 \
+COPY --from=wheel /wheels/ /tmp/wheels/
+RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/*.whl xxhash==4.1.0 \
+    && rm -rf /tmp/wheels \
     && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config, maru_connector._copyhash; sys.exit(u.find_spec('maru_connector.vllm') is None)"
 # A numeric non-root user with a home for vLLM's and Hugging Face's caches, for running the image by hand.
 # InferenceGroup pods name the same user and mount emptyDirs there and at /tmp (their root is read-only).

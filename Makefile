@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv vllm-venvs test lint crds check-crds scan protos demo render bench images clean
+.PHONY: help venv vllm-venvs test lint crds check-crds scan protos demo render bench images base-image clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -84,9 +84,18 @@ IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p'
 PLATFORMS ?=
 PUSH ?=
 
-images:  ## build the operator, pool, vllm and router images (IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS, PUSH=1)
+# Air-gapped or proxied builders (docs/images.md): PYTHON_IMAGE=localhost/maru-base:bookworm after
+# `make base-image`, CA_BUNDLE=<PEM file> for a TLS-intercepting proxy (a build secret, in no layer).
+PYTHON_IMAGE ?=
+CA_BUNDLE ?=
+TARGETS ?=
+
+images:  ## build the images and their SBOMs in dist/sbom (IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS, PUSH=1, TARGETS, PYTHON_IMAGE, CA_BUNDLE)
 	IMAGE_REGISTRY='$(IMAGE_REGISTRY)' IMAGE_TAG='$(IMAGE_TAG)' PLATFORMS='$(PLATFORMS)' PUSH='$(PUSH)' \
-		hack/images.sh
+		PYTHON_IMAGE='$(PYTHON_IMAGE)' CA_BUNDLE='$(CA_BUNDLE)' TARGETS='$(TARGETS)' hack/images.sh
+
+base-image:  ## bootstrap a Debian bookworm Python base into buildah's storage (localhost/maru-base:bookworm)
+	hack/base-image.sh
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .ruff_cache

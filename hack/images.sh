@@ -10,6 +10,16 @@
 #   TARGETS         which targets                                          (default: operator pool vllm router)
 #   BUILDER         docker, podman or buildah, instead of the first found
 #   VLLM_IMAGE      base of the vllm target                                (default: the Dockerfile's VLLM_IMAGE)
+#   PYTHON_IMAGE    base of the other targets, e.g. localhost/maru-base:bookworm from `make base-image`
+#                                                                          (default: the Dockerfile's PYTHON_IMAGE)
+#   CA_BUNDLE       a CA bundle (PEM) for builds behind a TLS-intercepting proxy: passed as the build
+#                   secret `ca-bundle`, mounted only while a step downloads, in no layer (default: none)
+#   SBOM_DIR        where each image's SBOM (SPDX 2.3 JSON, hack/sbom.py) goes; empty: none
+#                                                                          (default: dist/sbom)
+#
+# buildah builds with --layers, so an unchanged step is reused from the last build on this machine, and
+# with BUILDAH_ISOLATION=chroot unless set: its RUN steps then need no OCI runtime, which cannot create
+# containers in many CI VMs (no cgroup controllers, no rlimits). The build runs only this Dockerfile.
 #
 # The router image keeps the version of the vllm-router it packages (the Dockerfile's pin), not IMAGE_TAG.
 # The vllm image can only be built for the platforms its base is published for: with PLATFORMS set, the
@@ -35,6 +45,9 @@ platforms=${PLATFORMS:-}
 vllm_base=${VLLM_IMAGE:-$(sed -n 's/^ARG VLLM_IMAGE=\(.*\)$/\1/p' Dockerfile)}
 [ -n "$vllm_base" ] || fail "no VLLM_IMAGE, and the Dockerfile declares no ARG VLLM_IMAGE=<base image>"
 push=${PUSH:-}
+ca_bundle=${CA_BUNDLE:-}
+[ -z "$ca_bundle" ] || [ -r "$ca_bundle" ] || fail "CA_BUNDLE=$ca_bundle: no such readable file"
+sbom_dir=${SBOM_DIR-dist/sbom}
 targets=${TARGETS:-operator pool vllm router}
 
 # target -> image name; the operator and the chart refer to these names (maru_operator.images).
@@ -125,6 +138,7 @@ for target in $targets; do
     image_name "$target" >/dev/null
 done
 builder=$(pick_builder)
+[ "$builder" = buildah ] && export BUILDAH_ISOLATION=${BUILDAH_ISOLATION:-chroot}
 
 for target in $targets; do
     ref=$(image_ref "$target")
@@ -132,7 +146,10 @@ for target in $targets; do
     multi=""
     [[ "$tplatforms" == *,* ]] && multi=1
     build_args=()
-    [ "$target" = vllm ] && [ -n "${VLLM_IMAGE:-}" ] && build_args=(--build-arg "VLLM_IMAGE=$VLLM_IMAGE")
+    [ "$target" = vllm ] && [ -n "${VLLM_IMAGE:-}" ] && build_args+=(--build-arg "VLLM_IMAGE=$VLLM_IMAGE")
+    [ -n "${PYTHON_IMAGE:-}" ] && build_args+=(--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE")
+    [ -n "$ca_bundle" ] && build_args+=(--secret "id=ca-bundle,src=$ca_bundle")
+    [ "$builder" = buildah ] && build_args+=(--layers)
     case "$builder" in
         docker)
             args=(docker buildx build --target "$target" --tag "$ref" "${build_args[@]}")
@@ -164,5 +181,9 @@ for target in $targets; do
             fi
             ;;
     esac
+    # An image in the local store gets its SBOM; a multi-platform one exists only in the registry.
+    if [ -n "$sbom_dir" ] && [ -z "$multi" ] && { [ "$builder" != docker ] || [ "$push" != 1 ]; }; then
+        run hack/sbom.sh "$builder" "$ref" "$sbom_dir/$(image_name "$target").spdx.json"
+    fi
 done
 echo "make images: built with $builder: $(for t in $targets; do printf '%s ' "$(image_ref "$t")"; done)"

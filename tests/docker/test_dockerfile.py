@@ -259,7 +259,10 @@ def test_no_secrets(text: str, parsed: dict[str, dict]) -> None:
         for word, rest in stage["ins"]:
             if word in ("ARG", "ENV"):
                 assert not re.search(r"(TOKEN|PASSWORD|SECRET|API_KEY|CREDENTIAL)", rest, re.IGNORECASE), rest
-    assert "--mount=type=secret" not in text
+    # The one secret is a proxy's CA bundle (hack/images.sh, CA_BUNDLE), mounted over the system bundle for
+    # a downloading step only; the images are checked for it after a real build (test_built_images.py).
+    mounts = set(re.findall(r"--mount=type=secret\S*", text))
+    assert mounts <= {"--mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt"}, mounts
 
 
 # --- images and build commands match the rest of the product -------------------------------------

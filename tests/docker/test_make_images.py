@@ -49,7 +49,8 @@ def make_images(tmp_path: Path, builders: tuple[str, ...], *args: str, **env: st
     log.touch()
     done = subprocess.run(
         ["make", "--no-print-directory", "-C", str(REPO_ROOT), "images", *args],
-        env={"PATH": str(bin_dir), "FAKE_BUILDER_LOG": str(log), **env},
+        # No SBOM unless a test asks: it reads a built image, which a stand-in builder has not made.
+        env={"PATH": str(bin_dir), "FAKE_BUILDER_LOG": str(log), "SBOM_DIR": "", **env},
         capture_output=True,
         text=True,
         timeout=120,
@@ -151,7 +152,18 @@ def test_buildah_multi_platform_builds_a_manifest_list(tmp_path: Path) -> None:
     ref = f"ghcr.io/maru-pd/maru-pool:{APP_VERSION}"
     assert calls == [
         ["buildah", "manifest", "rm", ref],
-        ["buildah", "build", "--target", "pool", "--platform", "linux/amd64,linux/arm64", "--manifest", ref, "."],
+        [
+            "buildah",
+            "build",
+            "--target",
+            "pool",
+            "--layers",
+            "--platform",
+            "linux/amd64,linux/arm64",
+            "--manifest",
+            ref,
+            ".",
+        ],
         ["buildah", "manifest", "push", "--all", ref, f"docker://{ref}"],
     ]
 
@@ -245,3 +257,31 @@ def test_vllm_image_on_another_base(tmp_path: Path) -> None:
     (build,) = builds(calls)
     assert "VLLM_IMAGE=registry.example.com/vllm-openai:v0.32.0-arm64" in build
     assert build[build.index("--platform") + 1] == "linux/arm64"
+
+
+def test_air_gapped_build_takes_the_base_and_the_ca_bundle_as_build_inputs(tmp_path: Path) -> None:
+    """PYTHON_IMAGE becomes a build argument, CA_BUNDLE the build secret `ca-bundle` (never a build argument,
+    which would be kept in the image's history), and buildah reuses its layers between runs."""
+    ca = tmp_path / "proxy-ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    rc, output, calls = make_images(
+        tmp_path,
+        ("buildah",),
+        "PYTHON_IMAGE=localhost/maru-base:bookworm",
+        f"CA_BUNDLE={ca}",
+        "TARGETS=operator router",
+    )
+    assert rc == 0, output
+    assert [c[c.index("--target") + 1] for c in builds(calls)] == ["operator", "router"]
+    for call in builds(calls):
+        assert call[call.index("--build-arg") + 1] == "PYTHON_IMAGE=localhost/maru-base:bookworm"
+        assert call[call.index("--secret") + 1] == f"id=ca-bundle,src={ca}"
+        assert "--layers" in call
+        assert str(ca) not in " ".join(a for a in call if not a.startswith("id=ca-bundle,"))
+
+
+def test_a_missing_ca_bundle_is_named(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("buildah",), f"CA_BUNDLE={tmp_path / 'nope.pem'}")
+    assert rc != 0
+    assert f"make images: CA_BUNDLE={tmp_path / 'nope.pem'}: no such readable file" in output
+    assert builds(calls) == []
