@@ -1,0 +1,139 @@
+"""The operator, pool and router images, built for real by `make images` with buildah on the bootstrapped
+Debian base (`make base-image`), the machine's CA bundle passed as the build secret, as docs/images.md
+tells air-gapped and proxied builders to.
+
+Each image's entrypoint starts as the image's own numeric user; no image has a compiler, and no layer the
+build added holds the CA bundle or the secret's mount point; each has an SBOM. A Dockerfile copy with
+planted defects (root user, a compiler, the bundle copied into a layer) shows the checks see them.
+
+A cold build (base included) takes about 75 s on 2 cores; buildah's layer cache makes a rerun on the same
+machine take seconds. The build runs once per session (the fixture below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.docker import imagecheck
+from tests.required import require_root, require_tool
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BASE = "localhost/maru-base:bookworm"
+REGISTRY = "localhost/maru-test"
+CA_BUNDLE = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
+# target -> (image name, the entrypoint's arguments that make it print its usage and exit 0)
+IMAGES = {"operator": "maru-operator", "pool": "maru-pool", "router": "vllm-router"}
+HELP = {"operator": ["--help"], "pool": ["--help"], "router": ["--help"]}
+SECRET_MOUNT = "--mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt"
+
+
+def run(*command: str, timeout: float = 1200) -> str:
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, (
+        f"{' '.join(command)}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    )
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
+    """target -> image reference, and the SBOM directory, after `make base-image` and `make images`."""
+    require_root("building images with buildah")
+    require_tool("buildah", "building images")
+    require_tool("mmdebstrap", "bootstrapping the Debian base image")
+    if not CA_BUNDLE.is_file():
+        pytest.fail(f"{CA_BUNDLE}: no CA bundle to pass as the build secret")
+    sbom_dir = tmp_path_factory.mktemp("sbom")
+    run("make", "--no-print-directory", "base-image", f"BASE_IMAGE={BASE}")
+    output = run(
+        "make",
+        "--no-print-directory",
+        "images",
+        f"TARGETS={' '.join(IMAGES)}",
+        f"IMAGE_REGISTRY={REGISTRY}",
+        f"PYTHON_IMAGE={BASE}",
+        f"CA_BUNDLE={CA_BUNDLE}",
+        f"SBOM_DIR={sbom_dir}",
+    )
+    # Its last line names what it built: "make images: built with buildah: REF REF REF".
+    built_refs = output.strip().splitlines()[-1].split(": ")[-1].split()
+    refs = dict(zip(IMAGES, built_refs, strict=True))
+    for target, name in IMAGES.items():
+        assert refs[target].startswith(f"{REGISTRY}/{name}:"), refs
+    return refs, sbom_dir
+
+
+@pytest.mark.parametrize("target", list(IMAGES))
+def test_entrypoint_starts_as_the_images_numeric_user(built: tuple[dict[str, str], Path], target: str) -> None:
+    ref = built[0][target]
+    assert imagecheck.user_problems(ref) == []
+    entrypoint = imagecheck.config(ref)["Entrypoint"]
+    done = imagecheck.run_as_user(ref, *entrypoint, *HELP[target])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "usage" in (done.stdout + done.stderr).lower()
+    uid = imagecheck.run_as_user(ref, "id", "-u")
+    assert uid.stdout.strip() == imagecheck.config(ref)["User"].split(":")[0]
+
+
+@pytest.mark.parametrize("target", list(IMAGES))
+def test_no_compiler_and_no_ca_bundle_in_any_layer(built: tuple[dict[str, str], Path], target: str) -> None:
+    assert imagecheck.layer_problems(built[0][target], BASE, CA_BUNDLE.read_bytes()) == []
+
+
+def test_each_image_has_an_sbom(built: tuple[dict[str, str], Path]) -> None:
+    refs, sbom_dir = built
+    for target, name in IMAGES.items():
+        document = json.loads((sbom_dir / f"{name}.spdx.json").read_text())
+        assert document["spdxVersion"] == "SPDX-2.3"
+        assert document["name"] == refs[target]
+        purls = {p["externalRefs"][0]["referenceLocator"].split("@")[0] for p in document["packages"]}
+        assert {"pkg:deb/debian/python3.11", "pkg:pypi/maru-pd"} <= purls, target
+        # gcc-12-base and libgcc-s1 (run-time support every Debian has) are not compilers.
+        compilers = {f"pkg:deb/debian/{name}" for name in ("gcc", "gcc-12", "cpp", "cpp-12", "python3-dev")}
+        assert not purls & compilers, target
+
+
+def test_planted_defects_are_found(built: tuple[dict[str, str], Path], tmp_path: Path) -> None:
+    """The operator target, changed to run as root, with a compiler and with the CA bundle copied out of
+    the secret into a layer: each check names its defect."""
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    operator_user = "EXPOSE 8080 9090"
+    assert text.count(operator_user) == 1
+    planted = text.replace(
+        operator_user,
+        f"USER 0:0\nRUN {SECRET_MOUNT} cp /etc/ssl/certs/ca-certificates.crt /opt/ca.pem && cp /bin/true /usr/bin/gcc\n"
+        + operator_user,
+    )
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(planted)
+    ref = f"{REGISTRY}/planted:defects"
+    run(
+        "buildah",
+        "build",
+        "--isolation",
+        "chroot",
+        "--layers",
+        "--file",
+        str(dockerfile),
+        "--target",
+        "operator",
+        "--tag",
+        ref,
+        "--build-arg",
+        f"PYTHON_IMAGE={BASE}",
+        "--secret",
+        f"id=ca-bundle,src={CA_BUNDLE}",
+        ".",
+    )
+    try:
+        assert imagecheck.user_problems(ref) == ["USER is 0:0: the image must name a numeric non-root UID:GID"]
+        problems = imagecheck.layer_problems(ref, BASE, CA_BUNDLE.read_bytes())
+        assert "usr/bin/gcc: a compiler in a runtime image" in problems
+        assert "opt/ca.pem: a copy of the build's CA bundle" in problems
+    finally:
+        imagecheck.buildah("rmi", ref)
