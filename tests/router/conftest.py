@@ -1,11 +1,12 @@
-"""The router tests' engines: started once per session and shared by every module that routes to real ones.
+"""The router tests' engines: started once for this folder and shared by every module that routes to real ones.
 
 A vLLM engine start costs tens of seconds on two cores, so the router modules share one work directory, one
 pool daemon and two engines: ``prefill_engine`` (``kv_both`` as the operator renders it, prefix caching on,
 publishing its KV events) and ``decode_engine`` (``kv_consumer``), both on a tiny float32 Llama with a chat
 template. Cases stay apart by their prompts: ``tests.vllm.harness.prompt`` gives seeds that differ (mod 500)
 different first tokens, so no two modules' prompts share a block; a case that needs the prefill engine's own
-cache empty empties it (``harness.reset_prefix_cache``).
+cache empty empties it (``harness.reset_prefix_cache``). Package scope: they stop after the folder's last test,
+not at the end of the whole run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ REVISION = "new"
 ENGINE_STARTS: list[str] = []
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def workdir() -> Iterator[Path]:
     # Unix socket paths are limited to ~107 bytes; pytest's tmp paths can exceed that.
     path = Path(tempfile.mkdtemp(prefix="maru-router-", dir="/tmp"))
@@ -41,14 +42,14 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool(workdir: Path) -> Iterator[PoolDaemon]:
     daemon = PoolDaemon(workdir)
     yield daemon
     daemon.kill()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chat_model(workdir: Path) -> str:
     from maru_connector.tinymodel import make_tiny_llama
 
@@ -58,12 +59,12 @@ def chat_model(workdir: Path) -> str:
     return str(model)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prefill_events_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prefill_engine(chat_model: str, pool: PoolDaemon, workdir: Path, prefill_events_port: int) -> Iterator[Server]:
     ENGINE_STARTS.append("prefill")
     # Server takes this process's environment; dev mode serves POST /reset_prefix_cache. Not waited for here:
@@ -76,7 +77,7 @@ def prefill_engine(chat_model: str, pool: PoolDaemon, workdir: Path, prefill_eve
     engine.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def decode_engine(chat_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Server]:
     ENGINE_STARTS.append("decode")
     engine = Server("decode", workdir, chat_model, "kv_consumer", pool.url)
