@@ -17,6 +17,8 @@ POOL_BOUND = "PoolBound"
 IN_USE = "InUse"
 DISAGGREGATION_ACTIVE = "DisaggregationActive"
 INFERENCE_POOL_READY = "InferencePoolReady"
+# Ready's and Degraded's reason when a role's pods wait for a human (see maru_operator.readiness).
+REPLICAS_FAILING = "ReplicasFailing"
 
 
 def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None) -> Condition:
@@ -130,11 +132,13 @@ def group_ready(
     router: tuple[str, int] | None,
     summary: str,
     gen: int | None,
+    stuck: bool = False,
 ) -> Condition:
     """Ready is serving: no child in conflict, a ready pod per role, the router Service with a ready endpoint.
 
     ``binding``: (bound, reason, message) of PoolBound, which names why nothing serves when unbound;
-    ``router``: (its Service as namespace/name, ready endpoints), None without a router.
+    ``router``: (its Service as namespace/name, ready endpoints), None without a router; ``stuck``: a role
+    that serves nothing waits for a human (ReplicasFailing), not for its pods to start (ReplicasNotReady).
     """
     if conflicts:
         return child_conflict(conflicts, gen)
@@ -142,7 +146,8 @@ def group_ready(
         bound, reason, message = binding
         if not bound:
             return condition(READY, False, reason, message, gen)
-        return condition(READY, False, "ReplicasNotReady", "waiting: " + "; ".join(not_serving), gen)
+        reason = REPLICAS_FAILING if stuck else "ReplicasNotReady"
+        return condition(READY, False, reason, "waiting: " + "; ".join(not_serving), gen)
     if router is not None and router[1] == 0:
         return condition(
             READY,

@@ -50,6 +50,7 @@ from maru_operator.images import DEFAULT_IMAGES, ImageDefaults
 from maru_operator.kube import ApiError, Kube, StatusFetcher, fetch_daemon_status
 from maru_operator.objects import Object
 from maru_operator.optionalkinds import OptionalKind
+from maru_operator.readiness import selector as pod_selector
 from maru_operator.reconcile import (
     FIELD_MANAGER,
     REPLICAS_PATH,
@@ -104,6 +105,8 @@ _ADOPT_TRIES = 3
 WRITE_CONCURRENCY = 8
 # A group whose rollout waits for others looks again this often (their Deployments' events wake it too).
 ROLLOUT_QUEUE_SECONDS = 15.0
+# With --read-pods, a group with a role not ready looks at its pods again this often.
+POD_RECHECK_SECONDS = 30.0
 # Kinds the operator never deletes: their owner's deletion does (ownerReferences), and the operator holds
 # no delete right on Secrets (the pools' keys, in its own namespace).
 NEVER_PRUNED = frozenset({"Secret"})
@@ -194,6 +197,8 @@ class Controller:
     _synced: dict[Key, tuple[bytes, Any, bytes]] = field(default_factory=dict)
     # Whether the API serves InferencePools (the Gateway API Inference Extension's CRD), for groups asking one.
     inference_pools: OptionalKind = field(default_factory=lambda: OptionalKind("InferencePool"))
+    # Whether the operator reads the pods of a role that is not ready, to say why (--read-pods; RBAC opt-in).
+    read_pods: bool = False
 
     def __post_init__(self) -> None:
         self.store.summarize("Deployment", rollout_summary)
@@ -779,6 +784,7 @@ class Controller:
         if spec.router.enabled:
             svc = service_name(name)
             router = Router(f"{namespace}/{svc}", ready_endpoints(self.store.endpoint_slices(namespace, svc)))
+        pods = await self._unready_pods(namespace, observed) if self.read_pods else None
         new = group_status(
             spec,
             generation,
@@ -792,6 +798,7 @@ class Controller:
             refused=list(applied.refused.values()),
             queued=[k[2] for k in held],
             disaggregation=self._disaggregation(spec, owner, binding, old, generation),
+            pods=pods,
         )
         if gateway is not None:
             new = self._with_inference_pool(new, old, gateway, served, applied)
@@ -800,6 +807,9 @@ class Controller:
             raise kopf.TemporaryError(binding.message, delay=UNBOUND_RETRY_SECONDS)
         if held:
             again = min(again or ROLLOUT_QUEUE_SECONDS, ROLLOUT_QUEUE_SECONDS)
+        if pods:
+            # A pod's state (an image pull backing off) changes no Deployment, whose events wake the group.
+            again = min(again or POD_RECHECK_SECONDS, POD_RECHECK_SECONDS)
         if applied.refused:
             # What the server refused may pass later (a quota freed, a StorageClass made expandable): looked at
             # again at a slow pace, never in the queue's fast retries.
@@ -809,6 +819,15 @@ class Controller:
             recheck = self.inference_pools.recheck_seconds
             again = min(again or recheck, recheck)
         return again
+
+    async def _unready_pods(self, namespace: str, roles: dict[str, Object | None]) -> dict[str, list[Object]]:
+        """The pods of each role with fewer ready pods than it wants (see maru_operator.readiness)."""
+        out: dict[str, list[Object]] = {}
+        for role, dep in roles.items():
+            status, want = (dep or {}).get("status") or {}, int((dep or {}).get("spec", {}).get("replicas", 1))
+            if dep is not None and int(status.get("readyReplicas") or 0) < want:
+                out[role] = await self.kube.list("Pod", namespace, pod_selector(dep))
+        return out
 
     async def _restore_revoked(self, owner: Owner, desired: list[Object]) -> None:
         """Give the autoscaled roles that revoked access scaled to 0 their count from before, once access is back
@@ -956,18 +975,21 @@ async def _together(writes: list[Awaitable[None]]) -> None:
 _WARN_READY = {
     "InvalidSpec",
     "PoolNotFound",
-    "PoolNotReady",
     "NamespaceNotAllowed",
     "PoolDeleting",
     "PoolInvalid",
     "NoNodesSelected",
     "ChildConflict",
     "NoReadyEndpoints",
+    cond.REPLICAS_FAILING,
 }
+# Not Warnings, as they are how every start looks: PoolNotReady (a group applied with its pool; the pool's own
+# conditions say what keeps it), ReplicasNotReady and ReplicasUnavailable (pods starting; ReplicasFailing when
+# they wait for a human).
 _WARN_OTHER = {
     "ChildRefused",
     "DeletionBlocked",
-    "ReplicasUnavailable",
+    cond.REPLICAS_FAILING,
     "AgentsUnavailable",
     "MetadataServerUnavailable",
     "PoolDegraded",

@@ -17,6 +17,7 @@ from maru_operator.builders.group import PoolView
 from maru_operator.builders.pool import SHM_FILE, pool_endpoint
 from maru_operator.objects import Object
 from maru_operator.quantity import format_bytes, parse_quantity
+from maru_operator.readiness import why_not_ready
 
 # --- MaruPool -----------------------------------------------------------------------------------------
 
@@ -235,6 +236,7 @@ def group_status(
     refused: list[str] | None = None,
     queued: list[str] | None = None,
     disaggregation: Condition | None = None,
+    pods: dict[str, list[Object]] | None = None,
 ) -> InferenceGroupStatus:
     """``children`` maps prefill, decode, router to their observed Deployment (None when absent).
 
@@ -242,11 +244,16 @@ def group_status(
     Service has a ready endpoint. Fewer ready replicas than desired, and a pool outage while vLLM
     serves (it recomputes, without pool hits), are Degraded. ``disaggregation``: the DisaggregationActive
     condition (see :func:`conditions.disaggregation_active`), judged from the pool's traffic by the caller.
+    ``pods``: each role's pods, where the operator reads pods (None: it does not), for why a role is not ready
+    (:mod:`maru_operator.readiness`); a reason that needs a human makes Ready's and Degraded's reason
+    ReplicasFailing (a Warning Event) instead of ReplicasNotReady or ReplicasUnavailable (a start under way).
     """
     roles = {r: _role_status(children.get(r)) for r in ("prefill", "decode", "router")}
     rolling: list[str] = []
-    short: list[str] = []  # replicas missing, or a Deployment's own trouble
+    short: list[str] = []  # replicas missing while they start
+    failing: list[str] = []  # a Deployment's own trouble, or pods that wait for a human
     not_serving: list[str] = []
+    stuck = False  # a role serves nothing for a reason that needs a human
     wanted = [("prefill", True), ("decode", True), ("router", spec.router.enabled)]
     for role, needed in wanted:
         dep = children.get(role)
@@ -259,17 +266,24 @@ def group_status(
             rolling.append(role)
         problem = _deployment_problem(dep)
         if problem:
-            short.append(problem)
+            failing.append(problem)
         st = roles[role]
+        if st.ready >= st.desired:
+            continue
+        why = why_not_ready(dep, None if pods is None else pods.get(role, []))
         if st.ready == 0 and role != "router":
-            not_serving.append(f"{role} has no ready pod ({st.summary})")
-        elif st.ready < st.desired:
-            short.append(f"{role} {st.summary} ready")
+            not_serving.append(f"{role} has no ready pod ({st.summary}): {why.message}")
+            stuck = stuck or why.stuck
+        elif why.stuck and not problem:
+            failing.append(f"{role} {st.summary} ready: {why.message}")
+        else:
+            (failing if why.stuck else short).append(f"{role} {st.summary} ready")
     serving = not not_serving
     # Revoked access stops the group on purpose (its vLLM pods are scaled to zero): Ready=False says why.
     # A child the API server refused keeps its last version: the group serves, but not as its spec says.
     degraded = [("ChildRefused", m) for m in refused or []]
-    degraded += [] if binding.revoke else [("ReplicasUnavailable", p) for p in short]
+    if not binding.revoke:
+        degraded += [(cond.REPLICAS_FAILING, m) for m in failing] + [("ReplicasUnavailable", m) for m in short]
     if not binding.ok and not binding.revoke and serving:
         degraded.append(("PoolUnavailable", f"{binding.message}; vLLM serves without pool hits meanwhile"))
     if binding.pool_problem:
@@ -283,6 +297,7 @@ def group_status(
         router=(router.service, router.ready_endpoints) if router else None,
         summary=summary,
         gen=gen,
+        stuck=stuck,
     )
     conditions = [
         cond.pool_bound(binding.ok, binding.reason, binding.message, gen),
