@@ -189,6 +189,13 @@ def _parser() -> argparse.ArgumentParser:
         "every one moves (groups paced by --max-rolling-groups)",
     )
     run.add_argument(
+        "--read-pods",
+        action="store_true",
+        help="read the pods of a role that is not ready, so the group's Ready message says why (unschedulable, "
+        "image pull, crash loop); needs get/list on pods (the chart's readPods grants it); off: the Deployment's "
+        "conditions only",
+    )
+    run.add_argument(
         "--pool-usage-interval",
         type=float,
         default=30.0,
@@ -469,6 +476,7 @@ def _run(args: argparse.Namespace) -> int:
             images=image_defaults(args),
             max_rolling_groups=args.max_rolling_groups,
             data_plane_updates=args.data_plane_updates,
+            read_pods=args.read_pods,
         )
     )
     if args.renew_deadline >= args.lease_seconds or args.retry_period >= args.renew_deadline:

@@ -120,6 +120,7 @@ class Config:
     images: ImageDefaults = DEFAULT_IMAGES
     max_rolling_groups: int = DEFAULT_MAX_GROUPS  # groups rolling their vLLM pods at once (0: no bound)
     data_plane_updates: Updates = "manual"  # whether new default images move running data planes
+    read_pods: bool = False  # read unready roles' pods to say why (--read-pods; an RBAC opt-in)
     instance: str = ""  # which objects this operator serves (see the module docstring)
     leader_election: bool = True
     lease_namespace: str = DEFAULT_LEASE_NAMESPACE
@@ -218,6 +219,7 @@ async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         images=config.images,
         data_plane_updates=config.data_plane_updates,
         disaggregation_window=config.disaggregation_window,
+        read_pods=config.read_pods,
         wake=_enqueue,
     )
     STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
