@@ -145,3 +145,24 @@ def test_a_short_role_is_failing_only_when_stuck() -> None:
     assert degraded([pod(state={"running": {}})]) == ("True", "ReplicasUnavailable", "decode 1/2 ready")
     status, reason, message = degraded([pod(scheduled=("Unschedulable", GPUS))])
     assert (status, reason) == ("True", "ReplicasFailing") and message.startswith("decode 1/2 ready: pod ")
+
+
+def test_the_operator_names_an_unschedulable_pod(pod_controllers: Any, stats: Any) -> None:
+    """A real operator with --read-pods, pods kept by the emulator's controllers: decode's pods fit no node."""
+    from tests.operator.conftest import GROUP_NS, RunningOperator, condition_of, group, has_condition
+    from tests.operator.conftest import pool as pool_object
+    from tests.operator.test_integration import wait_event
+
+    cluster = pod_controllers.kube
+    running = RunningOperator(cluster, stats, resync_seconds=3600, workers=2, read_pods=True).start()
+    try:
+        cluster.create(pool_object())
+        cluster.create(group(decode={"replicas": 1, "nodeSelector": {"gpu": "none"}}))
+        ig = cluster.wait_for(
+            "inferencegroups.maru.io", "qwen", GROUP_NS, lambda o: has_condition(o, "Ready", "False", "ReplicasFailing")
+        )
+        message = condition_of(ig, "Ready")["message"]
+        assert "decode has no ready pod (0/1): pod qwen-decode-" in message and "(Unschedulable)" in message, message
+        assert wait_event(cluster, GROUP_NS, "qwen", "ReplicasFailing")["type"] == "Warning"
+    finally:
+        running.stop()
