@@ -149,6 +149,7 @@ VALUES: dict[str, Any] = obj(
         "workers": integer(1, 256),
         "maxRollingGroups": integer(0, 10000),
         "dataPlaneUpdates": enum("manual", "auto"),
+        "readPods": boolean(),
         "resyncSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
         "poolUsageIntervalSeconds": {"type": "number", "minimum": 1, "maximum": 86400},
         "extraArgs": {"type": "array", "items": string(minLength=1)},
