@@ -152,6 +152,7 @@ class ControllerManager:
         self._task: asyncio.Task[None] | None = None
         self._recorder = events.Recorder()
         self._failed_create: dict[str, float] = {}  # owner uid -> monotonic time of the last refusal
+        self._failed_why: dict[str, str] = {}  # owner uid -> the last refusal's message
         self.passes = 0
         self.errors: list[str] = []
 
@@ -254,6 +255,7 @@ class ControllerManager:
             pod = emulator.create_object("", "pods", owner["metadata"]["namespace"], body)
         except ApiError as err:
             self._failed_create[owner["metadata"]["uid"]] = time.monotonic()
+            self._failed_why[owner["metadata"]["uid"]] = err.message
             self._record(emulator, owner, "FailedCreate", f"Error creating: {err.message}", "Warning")
             return err.message
         self._failed_create.pop(owner["metadata"]["uid"], None)
@@ -756,7 +758,9 @@ class ControllerManager:
                     "ReplicaFailure",
                     True,
                     "FailedCreate",
-                    "pods could not be created; see the ReplicaSet's events",
+                    # The refusal itself, as pkg/controller/replicaset/replica_set.go (calculateStatus) writes
+                    # manageReplicasErr.Error(); the Deployment controller copies it (deployment/sync.go).
+                    self._failed_why.get(meta["uid"]) or "pods could not be created; see the ReplicaSet's events",
                 )
             ]
             for c in status["conditions"]:

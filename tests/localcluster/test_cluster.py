@@ -570,6 +570,17 @@ def test_missing_priority_class_is_refused_at_admission(cluster: LocalCluster) -
         "FailedCreate",
     )
     assert events
+    # The refusal reaches the Deployment's ReplicaFailure condition (replica_set.go, then deployment/sync.go).
+    failure = wait(
+        lambda: [
+            c
+            for c in (cluster.kube.get("deployments.apps", "prio", "default").get("status") or {}).get("conditions")
+            or []
+            if c["type"] == "ReplicaFailure" and "no PriorityClass with name no-such-class" in c.get("message", "")
+        ],
+        "ReplicaFailure",
+    )
+    assert failure[0]["reason"] == "FailedCreate"
     apply(cluster, pod("critical", "true", priorityClassName="system-node-critical"))
     assert cluster.kube.get("pods", "critical", "default")["spec"]["priority"] == 2000001000
     cluster.kubectl("delete", "deployment", "prio")
