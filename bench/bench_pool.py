@@ -2,7 +2,7 @@
 
 Store and load of chunk-sized payloads (K and V of 256 tokens for 2 and 32 layers of a model with
 8 KV heads of 128 dims in bf16, i.e. 1 MiB per layer) are compared with a plain memcpy of the same
-bytes in this process: through the compiled one-pass copy+checksum (``maru_connector._copyhash``)
+bytes in this process: through the compiled one-pass copy+checksum (``maru_pool._copyhash``)
 and, as "before", through the Python path it replaced (``copyhash.use_native(False)``: copy, then
 xxhash, 1 MiB at a time). The worker-level figure moves whole chunks between engine-like CPU KV
 tensors (per-layer views over one buffer, as vLLM allocates them) and the pool the way a CPU worker
@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE.parent / "connector"))
 
 from results import merge_results  # noqa: E402
 
-from maru_connector.pool import PoolClient, copyhash  # noqa: E402
+from maru_pool import PoolClient, copyhash  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ def start_daemon(workdir: Path) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "connector"))
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "maru_connector.pool", "serve",
+            sys.executable, "-m", "maru_pool", "serve",
             "--listen", f"unix://{workdir}/pool.sock", "--size", str(POOL_SIZE),
             "--shm-path", f"/dev/shm/maru-bench-{os.getpid()}", "--metrics-addr", "127.0.0.1:0",
             "--log-level", "WARNING",

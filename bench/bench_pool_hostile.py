@@ -43,7 +43,7 @@ from results import merge_results  # noqa: E402
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 FLOOD = 310
 PINS_ASKED = 500_000
-BOUNDED_HTTP = "connector/maru_connector/boundedhttp.py"  # the hardening's first commit adds it
+BOUNDED_HTTP = "connector/maru_common/boundedhttp.py"  # the hardening's first commit adds it
 
 
 class Serve:
@@ -55,7 +55,7 @@ class Serve:
         (work / "key").write_bytes(self.key)
         env = dict(os.environ, PYTHONPATH=str(tree))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_connector.pool", "serve", "--listen", f"unix://{work}/pool.sock",
+            [sys.executable, "-m", "maru_pool", "serve", "--listen", f"unix://{work}/pool.sock",
              "--size", "64Mi", "--shm-path", f"{work}/pool.shm", "--metrics-addr", "127.0.0.1:0",
              "--auth-key-file", f"{work}/key"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
@@ -83,9 +83,9 @@ class Serve:
 
 
 def self_raised_quota(tree: Path, work: Path, *, minted: bool) -> dict[str, Any]:
-    from maru_connector import tenancy
-    from maru_connector.csi import minting
-    from maru_connector.pool import PoolClient
+    from maru_contracts import tenancy
+    from maru_csi import minting
+    from maru_pool import PoolClient
 
     d = Serve(tree, work)
     try:
@@ -110,8 +110,8 @@ def self_raised_quota(tree: Path, work: Path, *, minted: bool) -> dict[str, Any]
 
 
 def http_idle_flood(tree: Path, work: Path) -> dict[str, Any]:
-    from maru_connector import tenancy
-    from maru_connector.pool import PoolClient
+    from maru_contracts import tenancy
+    from maru_pool import PoolClient
 
     d = Serve(tree, work)
     cgroup = PIDS_ROOT / f"maru-bench-{os.getpid()}"

@@ -49,7 +49,7 @@ BYSTANDER = json.dumps({"model": "m", "prompt": list(range(1000, 1064)), "max_to
 
 
 class Router:
-    """``python -m maru_connector.router`` from the tree at ``root``."""
+    """``python -m maru_router`` from the tree at ``root``."""
 
     def __init__(self, root: Path, name: str, workdir: Path, prefill: str, decode: str, pool_url: str) -> None:
         self.port = free_port()
@@ -57,7 +57,7 @@ class Router:
         connector = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 2000}
         env = {**os.environ, "PYTHONPATH": f"{root / 'connector'}{os.pathsep}{root}", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1"}  # fmt: skip
-        argv = [sys.executable, "-m", "maru_connector.router", "--host", "127.0.0.1", "--port", str(self.port),
+        argv = [sys.executable, "-m", "maru_router", "--host", "127.0.0.1", "--port", str(self.port),
                 "--prefill", prefill, "--decode", decode, "--connector-config", json.dumps(connector)]  # fmt: skip
         with open(workdir / f"router-{name}.log", "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
@@ -180,7 +180,7 @@ def measure(router: Router) -> dict[str, Any]:
 
 
 def baseline_commit() -> str:
-    limits = "connector/maru_connector/router/limits.py"
+    limits = "connector/maru_router/limits.py"
     added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", limits],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     assert added, "no commit adds the router's limits: pass --baseline"

@@ -96,7 +96,7 @@ class HookTimer:
 def build_engine(model: str, pool_url: str):
     from vllm import LLM
 
-    from maru_connector.config import MaruConnectorConfig, kv_transfer_config
+    from maru_contracts.config import MaruConnectorConfig, kv_transfer_config
 
     cfg = MaruConnectorConfig.from_extra_config({"maru_pool_url": pool_url, "maru_kv_chunk_tokens": CHUNK})
     return LLM(

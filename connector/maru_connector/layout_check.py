@@ -43,8 +43,8 @@ from typing import TextIO
 import torch
 
 from maru_connector.layout import PagedKV, describe_kv_caches
-from maru_connector.pool.copyhash import copy_checksum
 from maru_connector.staging import StagedCopier
+from maru_pool.copyhash import copy_checksum
 
 # vLLM 0.32's KVCacheLayout: the memory order of the logical dims [L, B, H, N, C], outermost first.
 LAYOUTS: dict[str, tuple[int, int, int, int, int]] = {

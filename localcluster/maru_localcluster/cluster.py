@@ -606,7 +606,7 @@ def _csi_plugins(state: Path, node: str) -> list[JsonObj]:
     try:
         import grpc  # noqa: F401
 
-        from maru_connector.csi.contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
+        from maru_contracts.csi import DEFAULT_SOCKET_ROOT, DRIVER_NAME
     except ImportError:
         return []
     socket_root = state / "root" / DEFAULT_SOCKET_ROOT.lstrip("/")
@@ -619,7 +619,7 @@ def _csi_plugins(state: Path, node: str) -> list[JsonObj]:
             "argv": [
                 sys.executable,
                 "-m",
-                "maru_connector.csi",
+                "maru_csi",
                 "--endpoint",
                 endpoint,
                 "--node-id",

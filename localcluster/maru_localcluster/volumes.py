@@ -359,7 +359,7 @@ class Csi:
     async def _call(plugin: CsiPlugin, method: str, request: Any, volume: str) -> None:
         import grpc
 
-        from maru_connector.csi import csi_pb2_grpc
+        from maru_csi import csi_pb2_grpc
 
         async with grpc.aio.insecure_channel(plugin.endpoint) as channel:
             try:
@@ -371,7 +371,7 @@ class Csi:
                 ) from None
 
     async def setup(self, ctx: PodContext, volume: JsonObj) -> str:
-        from maru_connector.csi import csi_pb2
+        from maru_csi import csi_pb2
 
         spec = volume["csi"]
         driver = spec.get("driver", "")
@@ -421,7 +421,7 @@ class Csi:
         return str(target)
 
     async def teardown(self, ctx: PodContext, volume: JsonObj, path: str) -> None:
-        from maru_connector.csi import csi_pb2
+        from maru_csi import csi_pb2
 
         plugin = ctx.csi_plugins.get(volume["csi"].get("driver", ""))
         if plugin is None:

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from maru_connector.tenancy import KEY_BYTES
+from maru_contracts.tenancy import KEY_BYTES
 from maru_operator import conditions as cond
 from maru_operator import metrics
 from maru_operator.api.common import Condition

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from maru_connector.poolsize import SIZE_PATTERN, parse_size
+from maru_contracts.poolsize import SIZE_PATTERN, parse_size
 from maru_operator.api.common import (
     CONDITION_REASON_PATTERN,
     CONDITION_TYPE_PATTERN,

@@ -8,7 +8,7 @@ import contextlib
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
 
-from maru_connector.boundedhttp import BoundedHttpServer
+from maru_common.boundedhttp import BoundedHttpServer
 from maru_operator.traffic import DecodeReads
 
 RECONCILES = Counter("maru_operator_reconciles_total", "Reconciles run, by kind and result.", ["kind", "result"])

@@ -1,7 +1,7 @@
 """Is disaggregation working? Decode prompt tokens loaded from the pool vs computed, over a sliding window.
 
 The pool daemons count, per tenant (a group's cache scope), the decode prompt tokens their lookups found and did
-not find, and the handoffs decode waited for and gave up on (``maru_connector.pool.readers``): counters since
+not find, and the handoffs decode waited for and gave up on (``maru_pool.readers``): counters since
 each daemon's start. Each pool reconcile polls the daemons' ``/status`` anyway; :class:`ReaderWindow` keeps the
 differences between polls of the last ``window_s`` seconds, per tenant, so a group's condition judges recent
 traffic only. Pure: the caller passes the clock.

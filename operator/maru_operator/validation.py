@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from maru_connector.csi.contract import MAX_CACHE, cache_error
+from maru_contracts.csi import MAX_CACHE, cache_error
 from maru_operator.api.common import FieldError
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec

@@ -15,11 +15,11 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from maru_connector.pool.cli import build_parser
-from maru_connector.poolsize import SIZE_PATTERN, parse_size
+from maru_contracts.poolsize import SIZE_PATTERN, parse_size
 from maru_operator.api.common import QUANTITY_PATTERN
 from maru_operator.crdvalidate import Validator
 from maru_operator.quantity import parse_quantity
+from maru_pool.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "maru.io_marupools.yaml"

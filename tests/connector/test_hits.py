@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from maru_connector.hits import capped_hit_tokens, full_chunks, uncapped_hit_tokens
+from maru_contracts.hits import capped_hit_tokens, full_chunks, uncapped_hit_tokens
 
 
 def hit(chunks_hit: int, prompt_len: int, *, chunk: int = 256, block: int = 16, computed: int = 0) -> int:

@@ -16,8 +16,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
-from maru_connector.config import ConfigError
 from maru_connector.vllm import MaruConnector
+from maru_contracts.config import ConfigError
 
 from .realsched import BS, HD, HEADS, Engine
 

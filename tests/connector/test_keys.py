@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.keys import (
+from maru_contracts.keys import (
     LATENT_HEADS,
     HeadKeys,
     Namespace,
@@ -126,7 +126,7 @@ def test_keys_are_the_same_in_another_process() -> None:
     hashes = fake_block_hashes(8)
     script = (
         "import json, sys\n"
-        "from maru_connector.keys import Namespace, chunk_keys\n"
+        "from maru_contracts.keys import Namespace, chunk_keys\n"
         "ns = Namespace(**json.loads(sys.argv[1]))\n"
         "hs = [bytes.fromhex(h) for h in json.loads(sys.argv[2])]\n"
         "print(json.dumps([k.hex() for k in chunk_keys(hs, hash_block_size=128, chunk_tokens=256,"

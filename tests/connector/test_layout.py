@@ -29,7 +29,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from maru_connector import layout_check
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
 from maru_connector.layout_check import CacheShape, block_kv, expected_kv, write_block
-from maru_connector.pool import copyhash
+from maru_pool import copyhash
 
 ALL_LAYOUTS = [layout.name for layout in KVCacheLayout]
 SHAPE = CacheShape(num_layers=3, num_blocks=12, heads=2, block_size=32, head_size=32)

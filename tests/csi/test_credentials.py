@@ -19,9 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from maru_connector import tenancy
-from maru_connector.csi import csi_pb2, csi_pb2_grpc, minting, mounts
-from maru_connector.csi.contract import CREDENTIALS_DIR, POD_NAMESPACE
+from maru_contracts import csi as csi_contract
+from maru_contracts import tenancy
+from maru_contracts.csi import CREDENTIALS_DIR, POD_NAMESPACE
+from maru_csi import csi_pb2, csi_pb2_grpc, minting, mounts
 
 from .conftest import Layout, needs_root
 from .harness import plugin_env, publish_request
@@ -258,7 +259,7 @@ def test_the_credentials_directory_is_never_a_pool(
 
 def run_minting(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maru_connector.csi.minting", *args],
+        [sys.executable, "-m", "maru_csi.minting", *args],
         capture_output=True,
         text=True,
         env=plugin_env(),
@@ -272,7 +273,7 @@ def test_the_init_container_writes_what_the_plugin_mints_from(tmp_path: Path) ->
     (root / CREDENTIALS_DIR).mkdir(parents=True, mode=0o755)  # as the kubelet creates a hostPath directory
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
-    policy = minting.policy_document(tenancy.Quota(pins=8), tenancy.Quota(bytes=1 << 30))
+    policy = csi_contract.minting_policy(tenancy.Quota(pins=8), tenancy.Quota(bytes=1 << 30))
     done = run_minting("--socket-root", str(root), "--pool", POOL, "--key-file", str(key_file), "--policy", policy)
     assert done.returncode == 0, done.stderr
     assert base64.b64encode(KEY).decode() not in done.stdout + done.stderr

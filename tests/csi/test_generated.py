@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.csi import csi_pb2, protogen
+from maru_csi import csi_pb2, protogen
 
 
 def test_generated_code_is_fresh() -> None:
-    assert protogen.main(["--check"]) == 0, "run python -m maru_connector.csi.protogen"
+    assert protogen.main(["--check"]) == 0, "run python -m maru_csi.protogen"
 
 
 def test_a_stale_file_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

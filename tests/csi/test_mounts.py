@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from maru_connector.csi.mounts import mounts_at, parse_mountinfo
+from maru_csi.mounts import mounts_at, parse_mountinfo
 
 MOUNTINFO = """\
 22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw

@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from maru_connector.csi import csi_pb2, csi_pb2_grpc, mounts
-from maru_connector.csi.contract import DRIVER_NAME, SOCKET_FILE
+from maru_contracts.csi import DRIVER_NAME, SOCKET_FILE
+from maru_csi import csi_pb2, csi_pb2_grpc, mounts
 from tests.pool.harness import Daemon
 
 from .conftest import Layout, needs_root
@@ -371,7 +371,7 @@ def test_every_access_mode_the_kubelet_may_send(node: csi_pb2_grpc.NodeStub, lay
 # daemon through the published directory with no privilege at all, and stores and loads a chunk.
 UNPRIVILEGED_CLIENT = """
 import os, sys
-from maru_connector.pool import PoolClient
+from maru_pool import PoolClient
 os.setgroups([]); os.setgid(65532); os.setuid(65532)
 client = PoolClient(sys.argv[1], timeout_s=10)
 key = bytes(range(32))
@@ -467,7 +467,7 @@ def test_an_unprivileged_client_reaches_the_pool_through_the_volume(layout: Layo
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maru_connector.csi", *args],
+        [sys.executable, "-m", "maru_csi", *args],
         capture_output=True,
         text=True,
         timeout=60,

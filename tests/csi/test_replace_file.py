@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from maru_connector.files import replace_file
+from maru_common.files import replace_file
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o644, 0o444])

@@ -215,9 +215,9 @@ def assert_installs_extra(parsed: dict[str, dict], stage: str, extra: str) -> No
 def test_pool_target_carries_the_csi_plugin(parsed: dict[str, dict]) -> None:
     """The chart runs `maru-csi` from the pool image: it installs the `csi` extra's runtime, at pins the
     extra accepts (the generated gRPC code refuses an older runtime), and imports the plugin."""
-    assert PYPROJECT["project"]["scripts"]["maru-csi"] == "maru_connector.csi.server:main"
+    assert PYPROJECT["project"]["scripts"]["maru-csi"] == "maru_csi.server:main"
     assert_installs_extra(parsed, "pool", "csi")
-    assert "import maru_connector.csi.server" in runs(parsed, "pool")
+    assert "import maru_csi.server" in runs(parsed, "pool")
     # Only the pool image: the operator's stays without gRPC.
     assert "grpc" not in runs(parsed, "operator").lower()
 
@@ -261,12 +261,12 @@ def test_router_target(parsed: dict[str, dict]) -> None:
 
 
 def test_the_c_compiler_stays_in_the_wheel_stage(parsed: dict[str, dict]) -> None:
-    """The wheel stage compiles maru_connector._copyhash; no shipped image carries gcc, and each imports it."""
+    """The wheel stage compiles maru_pool._copyhash; no shipped image carries gcc, and each imports it."""
     assert "gcc" in runs(parsed, "wheel")
     for target in ("operator", "pool", "vllm", "router"):
         assert "gcc" not in runs(parsed, target), target
     for target in ("operator", "pool", "vllm"):
-        assert "maru_connector._copyhash" in runs(parsed, target), target
+        assert "maru_pool._copyhash" in runs(parsed, target), target
 
 
 def test_no_secrets(text: str, parsed: dict[str, dict]) -> None:
@@ -429,12 +429,12 @@ def test_wheel_builds_from_the_context_alone(tmp_path: Path) -> None:
         "maru_operator/__init__.py",
         "maru_operator/api/marupool.py",
         "maru_connector/vllm/__init__.py",
-        "maru_connector/pool/cli.py",
+        "maru_pool/cli.py",
     ):
         assert module in names, module
     assert not [n for n in names if n.startswith("tests/")]
-    assert "maru_connector/_copyhash.abi3.so" in names
-    assert "maru-pool = maru_connector.pool.cli:main" in entry_points
+    assert "maru_pool/_copyhash.abi3.so" in names
+    assert "maru-pool = maru_pool.cli:main" in entry_points
     assert "maru-operator = maru_operator.__main__:main" in entry_points
 
 
@@ -481,7 +481,7 @@ def test_connector_imports_with_only_what_the_vllm_image_has(parsed: dict[str, d
         "# Every module of the connector, the lazily imported ones too (the pool client); not the CSI\n"
         "# node plugin, which runs from the pool image (test_pool_target_carries_the_csi_plugin).\n"
         "for info in pkgutil.walk_packages(maru_connector.__path__, 'maru_connector.'):\n"
-        "    if not info.name.endswith('.__main__') and not info.name.startswith('maru_connector.csi.'):\n"
+        "    if not info.name.endswith('.__main__') and not info.name.startswith('maru_csi.'):\n"
         "        importlib.import_module(info.name)\n"
         "print('ok')\n"
     )

@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from maru_connector import tenancy
-from maru_connector.pool import PoolAuthError, PoolClient
+from maru_contracts import tenancy
 from maru_localcluster.cluster import processes_in
 from maru_localcluster.product import POOL_NAMESPACE, wait_ready
+from maru_pool import PoolAuthError, PoolClient
 
 from .conftest import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
 from .traffic import complete, counter, from_pool, health, prompt

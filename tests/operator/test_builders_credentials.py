@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from maru_connector import tenancy
-from maru_connector.config import MaruConnectorConfig
-from maru_connector.csi import minting
+from maru_contracts import tenancy
+from maru_contracts.config import MaruConnectorConfig
+from maru_csi import minting
 from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, Owner

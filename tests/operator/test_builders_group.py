@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from maru_connector.config import MaruConnectorConfig
+from maru_contracts.config import MaruConnectorConfig
 from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_POOL, LABEL_ROLE
 from maru_operator.builders.group import (

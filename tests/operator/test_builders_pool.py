@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from maru_connector.poolsize import HEADER_SIZE, parse_size
+from maru_contracts.poolsize import HEADER_SIZE, parse_size
 from maru_localcluster.admission import qos_class
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
 from maru_operator.builders.pool import (
@@ -313,7 +313,7 @@ class TestCredentialsInitContainer:
         assert_valid(ds)
         init = self.init(ds)
         args = dict(zip(init["args"][::2], init["args"][1::2], strict=True))
-        assert init["command"] == ["python", "-m", "maru_connector.csi.minting"]
+        assert init["command"] == ["python", "-m", "maru_csi.minting"]
         assert args["--socket-root"] == "/run/maru" and args["--pool"] == "pool"
         assert args["--key-file"] == "/etc/maru/pool-key/key"
         assert json.loads(args["--policy"]) == {"tenantQuota": "pins=64", "maxTenantQuota": f"bytes={1 << 30}"}

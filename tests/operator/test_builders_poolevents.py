@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from maru_connector.pool.cli import build_parser
 from maru_localcluster.podsecurity import check
 from maru_operator.builders.children import build_group_children
 from maru_operator.builders.group import PoolView, build_role_deployment, connector_config
 from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies
 from maru_operator.builders.poolevents import build_pool_events_children
+from maru_pool.cli import build_parser
 from tests.operator.helpers import GROUP_OWNER, assert_valid, container, dax_spec, flag, group_spec, pool_view
 
 ON = {"poolEvents": {"enabled": True}}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from maru_connector.csi.contract import DEFAULT_SOCKET_ROOT, DRIVER_NAME
+from maru_contracts.csi import DEFAULT_SOCKET_ROOT, DRIVER_NAME
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import Owner
 from maru_operator.builders.pool import build_agent_daemonset, pool_endpoint, socket_host_dir
@@ -58,7 +58,7 @@ def test_the_pool_default_socket_dir_is_the_drivers_default_root() -> None:
 def test_the_plugin_publishes_exactly_the_mounted_directory(tmp_path: Path, pool: str, socket_dir: str) -> None:
     """What the plugin publishes for the volume is the directory the pod mounts it at, which is where the
     connector's pool URL points."""
-    from maru_connector.csi.node import check_publish  # the plugin's own validation (needs the csi extra)
+    from maru_csi.node import check_publish  # the plugin's own validation (needs the csi extra)
     from tests.csi.harness import publish_request
 
     spec = pool_spec(daemon={"socketDir": socket_dir})
@@ -81,7 +81,7 @@ def test_the_plugin_publishes_exactly_the_mounted_directory(tmp_path: Path, pool
 
 
 def _publish_as(root: Path, directory: str, namespace: str) -> Any:
-    from maru_connector.csi.node import check_publish  # the plugin's own validation (needs the csi extra)
+    from maru_csi.node import check_publish  # the plugin's own validation (needs the csi extra)
     from tests.csi.harness import publish_request
 
     request = publish_request(
@@ -93,7 +93,7 @@ def _publish_as(root: Path, directory: str, namespace: str) -> Any:
 @pytest.mark.parametrize("pool", ["shared", LONG_POOL])
 def test_the_agent_writes_the_rule_the_plugin_admits_by(tmp_path: Path, pool: str) -> None:
     """allowedNamespaces -> the agent's init container -> the file beside the socket -> the plugin's check."""
-    from maru_connector.csi.node import CsiError
+    from maru_csi.node import CsiError
 
     spec = pool_spec(allowedNamespaces=["prod", "staging"])
     directory = run_admission_init(spec, pool, tmp_path).name

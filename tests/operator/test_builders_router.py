@@ -8,9 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from maru_connector.config import MaruConnectorConfig
-from maru_connector.router.__main__ import parse_args
-from maru_connector.router.revisions import revision_of
+from maru_contracts.config import MaruConnectorConfig
 from maru_localcluster.podsecurity import check
 from maru_operator.builders.children import build_group_children
 from maru_operator.builders.group import (
@@ -26,6 +24,8 @@ from maru_operator.builders.netpol import (
     build_group_policies,
     build_pool_policies,
 )
+from maru_router.__main__ import parse_args
+from maru_router.revisions import revision_of
 from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, assert_valid, dax_spec, group_spec, pool_view
 from tests.operator.test_builders_group import flag
 

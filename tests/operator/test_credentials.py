@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from maru_connector import tenancy
-from maru_connector.config import MaruConnectorConfig
+from maru_contracts import tenancy
+from maru_contracts.config import MaruConnectorConfig
 from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.pool import KEY_DIGEST_ANNOTATION, key_digest
 from tests.operator.conftest import (

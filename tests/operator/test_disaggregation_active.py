@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from maru_connector import tenancy
-from maru_connector.pool import PoolClient
-from maru_connector.pool.readers import Reader
+from maru_contracts import tenancy
 from maru_localcluster.server import KubeEmulator
 from maru_operator.kube import fetch_daemon_status
+from maru_pool import PoolClient
+from maru_pool.readers import Reader
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, fake_agent_pod, group, has_condition, pool
 from tests.operator.test_integration import wait_event
 from tests.pool.harness import Daemon, start_serve

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from maru_connector.pool.cli import build_parser
 from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment
 from maru_operator.kube import fetch_daemon_status
+from maru_pool.cli import build_parser
 from tests.operator.conftest import POOL_NS, RunningOperator, fake_agent_pod, has_condition, pool
 from tests.operator.helpers import POOL_OWNER, container, dax_spec, pool_spec
 
@@ -56,7 +56,7 @@ def real_daemon(tmp_path: pathlib.Path) -> Iterator[int]:
         [
             sys.executable,
             "-m",
-            "maru_connector.pool",
+            "maru_pool",
             "serve",
             "--listen",
             f"unix://{tmp_path}/pool.sock",

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from maru_connector import tenancy
+from maru_contracts import tenancy
 from maru_operator.api.inferencegroup import InferenceGroupStatus, PoolUsage
 from maru_operator.builders.credentials import effective_quota
 from maru_operator.builders.group import PoolView

@@ -18,13 +18,23 @@ REPO = Path(__file__).resolve().parents[2]
 PRODUCT = REPO / "pyproject.toml"
 TEST_BED = REPO / "localcluster" / "pyproject.toml"
 PACKAGES = {
-    PRODUCT: [REPO / "operator" / "maru_operator", REPO / "connector" / "maru_connector"],
+    PRODUCT: [REPO / "operator" / "maru_operator", *sorted((REPO / "connector").glob("maru_*/"))],
     TEST_BED: [REPO / "localcluster" / "maru_localcluster"],
 }
-FIRST_PARTY = {"maru_operator", "maru_connector", "maru_localcluster", "__future__"}
+FIRST_PARTY = {
+    "maru_operator",
+    "maru_contracts",
+    "maru_common",
+    "maru_connector",
+    "maru_pool",
+    "maru_csi",
+    "maru_router",
+    "maru_localcluster",
+    "__future__",
+}
 # Product modules that import a development tool, each for a reason that keeps it out of every image.
 DEV_ONLY_MODULES = {
-    "connector/maru_connector/csi/protogen.py": "runs protoc (grpcio-tools) for `make protos`, never at run time",
+    "connector/maru_csi/protogen.py": "runs protoc (grpcio-tools) for `make protos`, never at run time",
     "connector/maru_connector/tinymodel.py": "makes the tests' and the demo's random-weight models (transformers)",
 }
 

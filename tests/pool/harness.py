@@ -28,7 +28,7 @@ class Daemon:
     def __init__(self, args: list[str]) -> None:
         self.args = args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_connector.pool", *args],
+            [sys.executable, "-m", "maru_pool", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_connector.pool.allocator import ExtentAllocator, RegionAllocator, split_offset
+from maru_pool.allocator import ExtentAllocator, RegionAllocator, split_offset
 
 
 def test_uniform_chunks_fill_the_pool_exactly() -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from maru_connector import tenancy
-from maru_connector.pool import PoolAuthError, PoolClient, PoolUnavailable, protocol
+from maru_contracts import tenancy
+from maru_pool import PoolAuthError, PoolClient, PoolUnavailable, protocol
 
 from .harness import Daemon, start_serve
 from .test_daemon import http_get, metric, run_cli

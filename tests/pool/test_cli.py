@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.pool.cli import build_parser
+from maru_pool.cli import build_parser
 
 builders = pytest.importorskip("maru_operator.builders.pool")
 from maru_operator.api.marupool import MaruPoolSpec  # noqa: E402
@@ -53,7 +53,7 @@ def test_the_daemon_imports_no_engine_and_no_kubernetes_client() -> None:
     from .harness import pool_env
 
     code = (
-        "import sys, maru_connector.pool, maru_connector.pool.cli, maru_connector.pool.daemon\n"
+        "import sys, maru_pool, maru_pool.cli, maru_pool.daemon\n"
         "bad = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'kubernetes', 'kopf', 'numpy'})\n"
         "print(','.join(bad))\n"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from maru_connector.pool import (
+from maru_pool import (
     ChecksumMismatch,
     LeaseLost,
     PoolClient,
@@ -23,7 +23,7 @@ from maru_connector.pool import (
     PoolUnavailable,
     copyhash,
 )
-from maru_connector.pool.memory import HEADER_SIZE
+from maru_pool.memory import HEADER_SIZE
 
 from .harness import Daemon, pool_env, start_serve
 
@@ -222,7 +222,7 @@ def test_ticket_lets_another_process_read_while_the_owner_holds_the_pin(serve: D
     ticket = pin.ticket()
     code = (
         "import sys, ast\n"
-        "from maru_connector.pool import PoolClient\n"
+        "from maru_pool import PoolClient\n"
         "worker = PoolClient(sys.argv[1], timeout_s=5)\n"
         "(pin,) = worker.claim([ast.literal_eval(sys.argv[2])])\n"
         "out = bytearray(pin.nbytes)\n"

@@ -7,14 +7,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-from maru_connector.pool import PoolClient
+from maru_pool import PoolClient
 
 from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
 
 WORKER = textwrap.dedent(
     """
     import random, sys, hashlib
-    from maru_connector.pool import PoolClient, PoolFull
+    from maru_pool import PoolClient, PoolFull
 
     def payload(i):
         # Deterministic per key and of varying size, so any mix-up of keys or offsets shows.

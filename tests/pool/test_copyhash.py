@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from maru_connector.pool import copyhash
+from maru_pool import copyhash
 
 SOURCE = Path(__file__).resolve().parents[2] / "connector" / "maru_connector" / "_copyhash.c"
 ALL_PATHS = ("avx512", "avx2", "sse2", "neon", "scalar")

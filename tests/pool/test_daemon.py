@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.pool import ChecksumMismatch, PoolClient, PoolFull
+from maru_pool import ChecksumMismatch, PoolClient, PoolFull
 
 from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
 
@@ -28,7 +28,7 @@ def key(i: int) -> bytes:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maru_connector.pool", *args],
+        [sys.executable, "-m", "maru_pool", *args],
         capture_output=True,
         text=True,
         env=pool_env(),
@@ -200,7 +200,7 @@ def test_device_backend_maps_a_file_standing_in_for_devdax(daemons: list[Daemon]
 WRITER = textwrap.dedent(
     """
     import sys, time
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
     c = PoolClient(sys.argv[1], timeout_s=5)
     lease = c.begin_write(bytes(32), int(sys.argv[2]))
     lease.buffer[:5] = b"dying"

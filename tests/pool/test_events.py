@@ -17,14 +17,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from maru_connector.pool import client as client_module
-from maru_connector.pool import protocol
-from maru_connector.pool.client import PoolClient, PoolError, WriteLease
-from maru_connector.pool.events import CLEARED, KEY_COST_BYTES, REMOVED, STORED, Event, EventLogs, chains
-from maru_connector.pool.index import PoolIndex, WriteGrant
-from maru_connector.pool.kv_events_wire import BlockRemoved, BlockStored
-from maru_connector.pool.link import TenantLink
-from maru_connector.pool.publisher import Translator
+from maru_pool import client as client_module
+from maru_pool import protocol
+from maru_pool.client import PoolClient, PoolError, WriteLease
+from maru_pool.events import CLEARED, KEY_COST_BYTES, REMOVED, STORED, Event, EventLogs, chains
+from maru_pool.index import PoolIndex, WriteGrant
+from maru_pool.kv_events_wire import BlockRemoved, BlockStored
+from maru_pool.link import TenantLink
+from maru_pool.publisher import Translator
 
 from .harness import Daemon, start_serve
 from .test_auth import token_file, write_key

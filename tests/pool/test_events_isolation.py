@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from maru_connector.pool.client import PoolClient
+from maru_pool.client import PoolClient
 
 from .harness import START_TIMEOUT_S, Daemon
 from .test_auth import token_file, write_key
@@ -242,7 +242,7 @@ def test_curve_flags_are_checked_naming_the_flag(sock_dir: Path, tenant: tuple[P
         (["--curve-secret-key-file", str(secret_file), "--curve-clients-file", "/nonexistent"], "--curve-clients-file"),
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "maru_connector.pool", "events", "--token-file", token, "--pool",
+            [sys.executable, "-m", "maru_pool", "events", "--token-file", token, "--pool",
              "unix:///nonexistent.sock", "--block-size", "16", "--publish", "tcp://127.0.0.1:0", *args],
             capture_output=True, text=True, env=pool_env(), timeout=START_TIMEOUT_S,
         )  # fmt: skip
@@ -255,9 +255,9 @@ def test_one_batch_carries_a_bounded_number_of_keys(
 ) -> None:
     """Many chunks stored at once are published in batches of at most READ_MAX_KEYS keys: a queued message's
     size stays bounded (the daemon would answer one read with up to 65,536 keys)."""
-    from maru_connector.pool.client import WriteLease
-    from maru_connector.pool.link import TenantLink
-    from maru_connector.pool.publisher import READ_MAX_KEYS, Publisher, Translator
+    from maru_pool.client import WriteLease
+    from maru_pool.link import TenantLink
+    from maru_pool.publisher import READ_MAX_KEYS, Publisher, Translator
 
     from .harness import start_serve
 

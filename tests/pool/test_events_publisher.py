@@ -19,12 +19,12 @@ import msgspec
 import pytest
 import zmq
 
-from maru_connector.pool.client import PoolClient, WriteLease
-from maru_connector.pool.events import MEDIUM
-from maru_connector.pool.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode
-from maru_connector.pool.link import TenantLink
-from maru_connector.pool.protocol import pack_tokens
-from maru_connector.pool.publisher import Publisher, Translator
+from maru_pool.client import PoolClient, WriteLease
+from maru_pool.events import MEDIUM
+from maru_pool.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode
+from maru_pool.link import TenantLink
+from maru_pool.protocol import pack_tokens
+from maru_pool.publisher import Publisher, Translator
 
 from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
 from .test_auth import token_file, write_key
@@ -242,7 +242,7 @@ def run_events(
     d = daemons[-1] if daemons else start(daemons, sock_dir, key)
     log = (sock_dir / "events.log").open("w")  # a file, not a pipe: a pipe nobody reads would block its logging
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maru_connector.pool", "events", "--pool", d.ready["listen"], "--token-file", token,
+        [sys.executable, "-m", "maru_pool", "events", "--pool", d.ready["listen"], "--token-file", token,
          "--publish", "tcp://127.0.0.1:0", "--block-size", str(BLOCK), "--topic", "kv@maru@qwen",
          "--replay", "tcp://127.0.0.1:0", *extra],
         stdout=subprocess.PIPE, stderr=log, text=True, env=pool_env(),
@@ -335,7 +335,7 @@ def test_bad_flags_exit_2_naming_the_flag(tenant: tuple[Path, str]) -> None:
         (["--pool", "unix:///nonexistent.sock", "--block-size", "0"], "--block-size"),
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "maru_connector.pool", "events", "--token-file", token, *args],
+            [sys.executable, "-m", "maru_pool", "events", "--token-file", token, *args],
             capture_output=True, text=True, env=pool_env(), timeout=START_TIMEOUT_S,
         )  # fmt: skip
         assert result.returncode == 2, (args, result.stderr)
@@ -344,7 +344,7 @@ def test_bad_flags_exit_2_naming_the_flag(tenant: tuple[Path, str]) -> None:
 
 def test_the_pool_daemon_runs_without_zmq() -> None:
     """The daemons import nothing of the publisher: the pool image needs ZMQ only for ``events``."""
-    code = "import sys, maru_connector.pool.cli; sys.exit('zmq' in sys.modules or 'msgspec' in sys.modules)"
+    code = "import sys, maru_pool.cli; sys.exit('zmq' in sys.modules or 'msgspec' in sys.modules)"
     env = {**pool_env(), "PYTHONDONTWRITEBYTECODE": "1"}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=START_TIMEOUT_S).returncode == 0
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from maru_connector.pool import PoolClient, PoolError
+from maru_pool import PoolClient, PoolError
 
 from .harness import Daemon
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.pool import PoolClient, PoolUnavailable, protocol
-from maru_connector.pool.memory import read_header_from
+from maru_pool import PoolClient, PoolUnavailable, protocol
+from maru_pool.memory import read_header_from
 
 from .harness import Daemon, start_serve
 from .test_auth import token_file, write_key

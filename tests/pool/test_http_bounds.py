@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from maru_connector.pool import PoolClient
+from maru_pool import PoolClient
 
 from .harness import Daemon
 from .httpflood import close_all, get, idle_flood, thread_count, trickle

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from maru_connector.pool.index import FULL, ORPHAN, PoolIndex, ReadGrant, StaleEpoch, WriteGrant
+from maru_pool.index import FULL, ORPHAN, PoolIndex, ReadGrant, StaleEpoch, WriteGrant
 
 PAGE = 4096
 EPOCH = 7

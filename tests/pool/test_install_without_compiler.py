@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 # What the build reads: pyproject's package roots, the build script and the readme.
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "operator", "connector", "localcluster")
 PROBE = (
-    "import maru_connector.pool.copyhash as c, xxhash; "
+    "import maru_pool.copyhash as c, xxhash; "
     "assert c.checksum(b'x' * 4096) == xxhash.xxh3_64_intdigest(b'x' * 4096); "
     "print(c.NATIVE, c.simd(), c.__file__)"
 )
@@ -49,7 +49,7 @@ def test_a_build_without_a_compiler_installs_and_uses_the_fallback(tmp_path: Pat
         timeout=600,
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    assert "maru_connector._copyhash was NOT built" in build.stdout + build.stderr
+    assert "maru_pool._copyhash was NOT built" in build.stdout + build.stderr
     (wheel,) = wheels.glob("*.whl")
 
     install = subprocess.run(
@@ -60,7 +60,7 @@ def test_a_build_without_a_compiler_installs_and_uses_the_fallback(tmp_path: Pat
         timeout=600,
     )
     assert install.returncode == 0, install.stderr[-3000:]
-    assert not list(target.glob("maru_connector/_copyhash*.so"))
+    assert not list(target.glob("maru_pool/_copyhash*.so"))
 
     # -S: no site-packages .pth files, so the development tree's editable install cannot answer
     # imports; the installed tree comes first, then the dependencies (xxhash).

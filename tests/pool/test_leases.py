@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.pool import LeaseLost, PoolClient
+from maru_pool import LeaseLost, PoolClient
 
 from .harness import Daemon, start_serve
 from .test_daemon import wait_for

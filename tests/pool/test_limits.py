@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from maru_connector.pool import PoolClient, PoolError
+from maru_pool import PoolClient, PoolError
 
 from .harness import START_TIMEOUT_S, Daemon, start_serve
 from .test_auth import Raw, token_file, write_key

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.pool import LeaseLost, PoolClient, PoolUnavailable
-from maru_connector.pool.memory import HEADER_SIZE, read_header_from
+from maru_pool import LeaseLost, PoolClient, PoolUnavailable
+from maru_pool.memory import HEADER_SIZE, read_header_from
 
 from .harness import Daemon
 from .test_daemon import wait_for

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector import tenancy
-from maru_connector.pool import PoolAuthError, PoolClient, PoolFull, quota
-from maru_connector.pool.client import QUOTA, WriteLease
-from maru_connector.pool.index import FULL, PoolIndex
-from maru_connector.pool.quota import QUOTA as INDEX_QUOTA
+from maru_contracts import tenancy
+from maru_pool import PoolAuthError, PoolClient, PoolFull, quota
+from maru_pool.client import QUOTA, WriteLease
+from maru_pool.index import FULL, PoolIndex
+from maru_pool.quota import QUOTA as INDEX_QUOTA
 
 from .harness import Daemon, start_serve
 from .test_auth import client, write_key

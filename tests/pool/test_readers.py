@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from maru_connector.pool import PoolClient, PoolError
-from maru_connector.pool.readers import Reader
+from maru_pool import PoolClient, PoolError
+from maru_pool.readers import Reader
 
 from .harness import Daemon, start_serve
 from .test_auth import client, token_file, write_key

@@ -24,7 +24,7 @@ MiB = 1 << 20
 ENGINE = textwrap.dedent(
     """
     import mmap, os, socket, sys
-    from maru_connector.pool import protocol
+    from maru_pool import protocol
 
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(sys.argv[1])

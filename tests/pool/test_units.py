@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.pool.units import Endpoint, parse_endpoint, parse_size
+from maru_pool.units import Endpoint, parse_endpoint, parse_size
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_parse_endpoint_rejects(url: str) -> None:
 
 
 def test_discover_devices_ignores_regular_files(tmp_path) -> None:
-    from maru_connector.pool.memory import discover_devices
+    from maru_pool.memory import discover_devices
 
     (tmp_path / "dax0.0").write_bytes(b"")
     assert discover_devices(str(tmp_path)) == []

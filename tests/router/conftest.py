@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from maru_connector.router.revisions import events_topic
+from maru_router.revisions import events_topic
 from tests.vllm.harness import PoolDaemon
 from tests.vllm.test_serve_pd import Server, free_port
 

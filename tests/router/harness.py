@@ -1,4 +1,4 @@
-"""The router as it runs in production: ``python -m maru_connector.router`` in its own process."""
+"""The router as it runs in production: ``python -m maru_router`` in its own process."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from maru_connector.keys import KeyScheme
+from maru_contracts.keys import KeyScheme
 from tests.vllm.harness import env
 from tests.vllm.test_serve_pd import Server, free_port, http
 
@@ -45,7 +45,7 @@ class RouterProcess:
         self.log_path = workdir / f"router-{name}.log"
         connector = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 2000}
         args = [
-            sys.executable, "-m", "maru_connector.router", "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "-m", "maru_router", "--host", "127.0.0.1", "--port", str(self.port),
             "--decode", decode, "--connector-config", json.dumps(connector),
         ]  # fmt: skip
         for flag, value in {"prefill": prefill, **flags}.items():

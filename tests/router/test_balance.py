@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.router.__main__ import parse_args
-from maru_connector.router.balance import Endpoints, direct_target, least_loaded, local_first
+from maru_router.__main__ import parse_args
+from maru_router.balance import Endpoints, direct_target, least_loaded, local_first
 
 
 def test_least_loaded_picks_the_smallest_load() -> None:
@@ -95,8 +95,8 @@ def test_local_first_weighs_only_what_the_pool_does_not_give_and_only_near_the_l
 
 
 def test_endpoints_pick_by_what_an_engine_holds_when_its_events_are_read() -> None:
-    from maru_connector.router.balance import Prompt
-    from maru_connector.router.locality import EngineCache
+    from maru_router.balance import Prompt
+    from maru_router.locality import EngineCache
 
     held = EngineCache(blocks={b"a", b"b"}, block_size=16)
     engines = Endpoints("prefill", ["http://a", "http://b"], lambda url, n: None, caches={"http://b": held})

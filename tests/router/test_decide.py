@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.keys import KeyScheme
-from maru_connector.router.decide import chunks_needed, decode_direct
+from maru_contracts.keys import KeyScheme
+from maru_router.decide import chunks_needed, decode_direct
 
 CHUNK = 256
 

@@ -1,5 +1,5 @@
 """A stopping router pod cuts no request: the preStop hook the operator renders for both of its containers
-(``python -m maru_connector.drain`` on maru-router's in-progress gauge) waits while maru-router still serves a
+(``python -m maru_common.drain`` on maru-router's in-progress gauge) waits while maru-router still serves a
 request, and ends once it has answered."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from maru_connector.router.proxy import IN_PROGRESS_METRIC
 from maru_operator.builders.group import DIRECT_METRICS_PORT, ROUTER_IN_PROGRESS_METRIC, build_router_deployment
+from maru_router.proxy import IN_PROGRESS_METRIC
 from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
 from tests.router.harness import SCHEME, RouterProcess
 from tests.vllm.harness import PoolDaemon, env

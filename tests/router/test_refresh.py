@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from maru_connector.config import MaruConnectorConfig
-from maru_connector.keys import KeyScheme
-from maru_connector.router.proxy import Router
+from maru_contracts.config import MaruConnectorConfig
+from maru_contracts.keys import KeyScheme
+from maru_router.proxy import Router
 
 SCHEME = KeyScheme((b"\x01" * 32,), hash_block_size=16, chunk_tokens=256, hash_algo="sha256")
 

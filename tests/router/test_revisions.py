@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.router.balance import Endpoints
-from maru_connector.router.revisions import Pairing, events_topic, pairable, parse_revisions, revision_of
+from maru_router.balance import Endpoints
+from maru_router.revisions import Pairing, events_topic, pairable, parse_revisions, revision_of
 
 P1, P2 = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 D1, D2, D3 = "http://10.0.1.1:8000", "http://10.0.1.2:8000", "http://10.0.1.3:8000"

@@ -63,7 +63,7 @@ def keep_prefix_caching() -> None:
 def build(opts: dict[str, Any]):
     from vllm import LLM
 
-    from maru_connector.config import MaruConnectorConfig, kv_transfer_config
+    from maru_contracts.config import MaruConnectorConfig, kv_transfer_config
 
     kwargs: dict[str, Any] = dict(
         model=opts["model"],
@@ -307,7 +307,7 @@ def chunk_key(llm, prompt: list[int], chunk: int) -> bytes:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    from maru_connector.keys import chunk_keys
+    from maru_contracts.keys import chunk_keys
 
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler.connector._scheduler
@@ -323,8 +323,8 @@ def chunk_key(llm, prompt: list[int], chunk: int) -> bytes:
 
 def corrupt(llm, req: dict[str, Any]) -> dict[str, Any]:
     """Flip bytes in the middle of one stored chunk, behind the pool's back (as a bad DIMM would)."""
-    from maru_connector.pool import PoolClient
-    from maru_connector.pool.memory import HEADER_SIZE
+    from maru_pool import PoolClient
+    from maru_pool.memory import HEADER_SIZE
 
     key = chunk_key(llm, req["prompt"], req["chunk"])
     client = PoolClient(req["pool_url"], timeout_s=5)

@@ -47,7 +47,7 @@ class PoolDaemon:
             [
                 sys.executable,
                 "-m",
-                "maru_connector.pool",
+                "maru_pool",
                 "serve",
                 "--listen",
                 self.url,
@@ -88,7 +88,7 @@ class PoolDaemon:
         self.proc = None
 
     def stats(self) -> dict[str, int]:
-        from maru_connector.pool import PoolClient
+        from maru_pool import PoolClient
 
         with PoolClient(self.url, timeout_s=5) as c:
             return c.stats()

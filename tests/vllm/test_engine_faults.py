@@ -60,7 +60,7 @@ def reference(tiny_model: str, reference_pool: PoolDaemon, workdir: Path) -> Ite
 
 
 def chunk_values(pool: PoolDaemon, key: bytes) -> np.ndarray | None:
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
 
     with PoolClient(pool.url, timeout_s=5) as client:
         pin = client.open_read(key)
@@ -189,7 +189,7 @@ def test_a_cache_reset_by_vllm_stops_this_engine_using_the_pool(
     finally:
         back = engine.call("unretire")  # test seam: the next tests need the connector
     assert back.get("active"), back
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
 
     keys = [bytes.fromhex(k) for k in engine.call("keys", prompt=p)["keys"]]
     with PoolClient(pool.url, timeout_s=5) as client:
@@ -204,9 +204,7 @@ def test_no_chunk_computed_over_a_failed_load_reaches_the_pool(
     q = prompt(12 * CHUNK + 30, seed=104)
     baseline = reference.generate([q])[0]
     engine.generate([q[: 6 * CHUNK]], max_tokens=1)  # the pool holds chunks 0-5
-    injected = engine.call(
-        "inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1
-    )
+    injected = engine.call("inject", target="maru_pool.client:PoolClient.open_read_many", lose_from=3, times=1)
     assert injected.get("ok"), injected
     try:
         c0 = engine.counters()
@@ -234,8 +232,8 @@ def test_skipped_saves_are_retried_while_the_request_holds_its_blocks(engine: En
     injected = engine.call(
         "inject",
         target=[
-            "maru_connector.pool.client:PoolClient.lease_many",
-            "maru_connector.pool.client:PoolClient.begin_write_many",
+            "maru_pool.client:PoolClient.lease_many",
+            "maru_pool.client:PoolClient.begin_write_many",
         ],
         error="PoolFull",
         times=2,
@@ -249,7 +247,7 @@ def test_skipped_saves_are_retried_while_the_request_holds_its_blocks(engine: En
     c1 = engine.counters()
     assert delta(c1, c0, "saved_chunks") == 6
     assert delta(c1, c0, "save_retries") >= 2
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
 
     keys = [bytes.fromhex(k) for k in engine.call("keys", prompt=r)["keys"]]
     with PoolClient(pool.url, timeout_s=5) as client:
@@ -273,7 +271,7 @@ def test_a_failed_load_that_completes_the_prefill_is_recovered(
     try:
         p = prompt(6 * CHUNK + 40, seed=106)
         e.generate([p], max_tokens=1)
-        e.call("inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1)
+        e.call("inject", target="maru_pool.client:PoolClient.open_read_many", lose_from=3, times=1)
         c0 = e.counters()
         got = e.call("generate", prompts=[p], max_tokens=8)
         assert got.get("tokens", [None])[0] == reference.generate([p], max_tokens=8)[0], got.get("error")
@@ -328,7 +326,7 @@ def test_no_chunk_computed_over_a_failed_load_shared_through_the_local_prefix_ca
         b = a[: 6 * CHUNK] + prompt(3 * BUDGET, seed=108)
         e.generate([a[: 6 * CHUNK]], max_tokens=1)  # the pool holds the chunks A and B share
         assert e.call("reset_prefix_cache").get("ok")  # and the engine's own cache does not: A loads them
-        injected = e.call("inject", target="maru_connector.pool.client:PoolClient.open_read_many", lose_from=3, times=1)
+        injected = e.call("inject", target="maru_pool.client:PoolClient.open_read_many", lose_from=3, times=1)
         assert injected.get("ok"), injected
         try:
             c0 = e.counters()

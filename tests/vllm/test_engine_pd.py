@@ -88,7 +88,7 @@ def test_prefill_with_one_token_then_decode(producer: Engine, consumer: Engine) 
 
 def decode_tokens(pool: PoolDaemon) -> dict[str, int]:
     """The pool daemon's count of decode prompt tokens found in it and computed (its /status, one tenant)."""
-    from maru_connector.pool import PoolClient
+    from maru_pool import PoolClient
 
     with PoolClient(pool.url, timeout_s=5) as c:
         tenants = {t["tenant"]: t for t in c.status()["tenants"]}
@@ -114,7 +114,7 @@ def test_decode_sent_the_moment_prefill_answers_finds_every_chunk(producer: Engi
     """Prefill answers before its saves commit (they run on its save lane); the router sends decode
     about a millisecond later with prefill's kv_transfer_params. Commits are held back here, so a
     decode that did not wait for the announced chunks would miss them."""
-    held = producer.call("inject", target="maru_connector.pool.client:PoolClient.commit_many", delay_s=COMMIT_DELAY_S)
+    held = producer.call("inject", target="maru_pool.client:PoolClient.commit_many", delay_s=COMMIT_DELAY_S)
     assert held.get("ok"), held
     try:
         # Without the handoff (a client that drops kv_transfer_params), decode cannot know to wait.

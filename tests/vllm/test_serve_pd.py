@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from maru_connector.config import MaruConnectorConfig, kv_transfer_config_json
+from maru_contracts.config import MaruConnectorConfig, kv_transfer_config_json
 
 from .harness import PoolDaemon, env, prompt
 
@@ -153,11 +153,11 @@ def test_router_style_prefill_then_decode(servers: tuple[Server, Server]) -> Non
 
 
 def test_the_pods_drain_hook_waits_for_the_generation_in_flight(servers: tuple[Server, Server]) -> None:
-    """The vLLM pods' preStop hook (``python3 -m maru_connector.drain``) returns only once vLLM has finished
+    """The vLLM pods' preStop hook (``python3 -m maru_common.drain``) returns only once vLLM has finished
     the generation it was running, as its own /metrics tell."""
     import threading
 
-    from maru_connector.drain import drain, read_metrics
+    from maru_common.drain import drain, read_metrics
 
     _, decode = servers
     result: dict[str, Any] = {}
@@ -179,6 +179,6 @@ def test_the_pods_drain_hook_waits_for_the_generation_in_flight(servers: tuple[S
     assert why == "drained"
     assert finished_by_then and result["usage"]["completion_tokens"] == 600
     # It did wait: the first look saw the request running.
-    from maru_connector.drain import in_flight
+    from maru_common.drain import in_flight
 
     assert in_flight(counts[0]) == 1

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from maru_connector.hits import uncapped_hit_tokens
 from maru_connector.vllm import MaruConnector
+from maru_contracts.hits import uncapped_hit_tokens
 
 
 class UncappedMaruConnector(MaruConnector):

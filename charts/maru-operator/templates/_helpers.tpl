@@ -147,7 +147,7 @@ cluster at install time (it is empty under `helm template`, and without rbac.cre
 
 {{/*
 The CSI driver's name. Fixed, not a value: the operator writes it into every vLLM pod's socket volume
-(maru_connector.csi.contract.DRIVER_NAME), and a test checks the two agree.
+(maru_contracts.csi.DRIVER_NAME), and a test checks the two agree.
 */}}
 {{/* The routers' ClusterRole: one per operator instance (the operator's rbac.router_role_name()). */}}
 {{- define "maru-operator.routerClusterRole" -}}

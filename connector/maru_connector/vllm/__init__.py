@@ -1,6 +1,6 @@
 """The Maru KV connector for vLLM 0.32, 0.33 and 0.34 (``KVConnectorBase_V1``; ``supported.py``).
 
-Load it with the ``--kv-transfer-config`` that ``maru_connector.config.kv_transfer_config`` builds::
+Load it with the ``--kv-transfer-config`` that ``maru_contracts.config.kv_transfer_config`` builds::
 
     {"kv_connector": "MaruConnector", "kv_connector_module_path": "maru_connector.vllm",
      "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_load_failure_policy": "recompute",
@@ -37,14 +37,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from maru_connector import hits
-from maru_connector.config import MaruConnectorConfig
 from maru_connector.vllm import common
 from maru_connector.vllm.common import counters, reset_counters
 from maru_connector.vllm.metadata import MaruConnectorMetadata, MaruWorkerInfo
 from maru_connector.vllm.scheduler import MaruScheduler
 from maru_connector.vllm.stats import MaruConnectorStats, MaruPromMetrics
 from maru_connector.vllm.worker import MaruWorker
+from maru_contracts import hits
+from maru_contracts.config import MaruConnectorConfig
 
 if TYPE_CHECKING:
     import torch

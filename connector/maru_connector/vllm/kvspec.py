@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from maru_connector.config import ConfigError
-from maru_connector.keys import head_ranges
+from maru_contracts.config import ConfigError
+from maru_contracts.keys import head_ranges
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -19,7 +19,7 @@ A daemon too old for ``wait`` is polled instead.
 
 Each lookup and wait tells the daemon who reads (``reader``: role and chunk geometry) and which handoff it
 waits for, so the daemon can count decode prompt tokens found in the pool vs computed, and handoffs that
-timed out (``maru_connector.pool.readers``). A handoff is settled on the daemon's word only: when its keys
+timed out (``maru_pool.readers``). A handoff is settled on the daemon's word only: when its keys
 are there, or after the wait marked ``final`` (the one its deadline falls in), so the daemon counts each
 handoff once, as this side does.
 """
@@ -32,8 +32,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from maru_connector.pool.readers import Reader
 from maru_connector.vllm import common
+from maru_pool.readers import Reader
 
 # Polls of a lookup that waits for a handoff start this far apart and double up to the maximum.
 POLL_FIRST_S = 0.001

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from maru_connector.pool.protocol import pack_tokens
+from maru_pool.protocol import pack_tokens
 
 # What became of one chunk the scheduler handed over for saving (MaruWorkerReport.saves).
 STORED = "stored"  # committed by this step

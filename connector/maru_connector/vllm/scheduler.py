@@ -42,17 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from maru_connector import hits
-from maru_connector.config import ConfigError, MaruConnectorConfig
-from maru_connector.keys import (
-    KeyScheme,
-    Namespace,
-    PromptKeys,
-    block_hash_sharing_problem,
-    head_keys,
-    with_adapter,
-)
-from maru_connector.pool.readers import Reader
 from maru_connector.vllm import common
 from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache, total_kv_heads
 from maru_connector.vllm.lookups import AsyncLookups
@@ -74,6 +63,18 @@ from maru_connector.vllm.metadata import (
 )
 from maru_connector.vllm.namespace import engine_identity
 from maru_connector.weights import adapter_identity, remote_weights_problem
+from maru_contracts import hits
+from maru_contracts.config import ConfigError, MaruConnectorConfig
+from maru_contracts.handoff import HANDOFF_CHUNKS, HANDOFF_KEY_SCHEME, HANDOFF_LAST_KEY
+from maru_contracts.keys import (
+    KeyScheme,
+    Namespace,
+    PromptKeys,
+    block_hash_sharing_problem,
+    head_keys,
+    with_adapter,
+)
+from maru_pool.readers import Reader
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,11 +93,6 @@ MAX_RETRY_BACKOFF_STEPS = 64
 UNREPORTED_AFTER_S = 60.0
 # A finished request keeps its blocks at most this long for saves still being retried.
 FINISHED_RETRY_S = 2.0
-# The handoff a producer hands its reader (kv_transfer_params keys).
-HANDOFF_CHUNKS = "maru_chunks"
-HANDOFF_LAST_KEY = "maru_last_key"
-# How this engine keys prompts (keys.KeyScheme): lets a router ask the pool what it holds of a prompt.
-HANDOFF_KEY_SCHEME = "maru_key_scheme"
 
 
 class Chunk(enum.Enum):

@@ -38,10 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from maru_connector.config import MaruConnectorConfig
-from maru_connector.keys import RankHeads, rank_heads
 from maru_connector.layout import KVLayoutError, PagedKV, describe_kv_caches
-from maru_connector.pool.client import fill_segments_many, read_segments_many
 from maru_connector.staging import StagedCopier
 from maru_connector.vllm import common
 from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache, total_kv_heads
@@ -61,6 +58,9 @@ from maru_connector.vllm.metadata import (
     MaruWorkerReport,
 )
 from maru_connector.vllm.namespace import kv_layers_digest
+from maru_contracts.config import MaruConnectorConfig
+from maru_contracts.keys import RankHeads, rank_heads
+from maru_pool.client import fill_segments_many, read_segments_many
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

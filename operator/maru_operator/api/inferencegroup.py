@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from maru_connector.config import DEFAULT_CHUNK_TOKENS
+from maru_contracts.config import DEFAULT_CHUNK_TOKENS
 from maru_operator.api.common import (
     DNS1123_SUBDOMAIN_PATTERN,
     Condition,

@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
-from maru_connector.poolsize import SIZE_PATTERN
+from maru_contracts.poolsize import SIZE_PATTERN
 from maru_operator.api.common import (
     DNS1123_LABEL_PATTERN,
     DNS1123_SUBDOMAIN_PATTERN,

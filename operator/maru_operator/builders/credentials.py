@@ -3,15 +3,15 @@
 * ``<pool>-key`` (release namespace, owned by the MaruPool): random bytes the operator generates once. Only
   the operator and the pool's daemons read it; the daemons verify every client's hello against it, and the
   agents' init container copies it, with the pool's quota policy, to the node for the CSI node plugin
-  (:mod:`maru_connector.csi.minting`).
+  (:mod:`maru_csi.minting`).
 * A group's **credential** is no Secret: its vLLM pods name a credential volume of the CSI driver
   (:func:`credential_volume`), and the node plugin mints the token of ``tenant:<pod namespace>/<cache>``
-  (:mod:`maru_connector.tenancy`) when the kubelet publishes it. The namespace comes from the kubelet, the
+  (:mod:`maru_contracts.tenancy`) when the kubelet publishes it. The namespace comes from the kubelet, the
   cache name and the group's ``poolQuota`` from the volume's attributes, and the pool's ``maxTenantQuota``
   caps what they ask for. So the operator reads and writes Secrets in its own namespace only, and the pool's
   key never leaves the release namespace and the pool nodes' root-only files.
 
-A group's **quota** in its pool travels inside its token, signed (:func:`maru_connector.tenancy.effective_quota`:
+A group's **quota** in its pool travels inside its token, signed (:func:`maru_contracts.tenancy.effective_quota`:
 the group's ``poolQuota``, else the pool's ``tenantQuota``, capped by the pool's ``maxTenantQuota``): the
 daemons learn it at the engines' hello, with no tenant list and no restart.
 """
@@ -23,10 +23,10 @@ import binascii
 from pathlib import PurePosixPath
 from typing import Any
 
-from maru_connector import tenancy
-from maru_connector.csi.contract import DRIVER_NAME, credential_attributes
-from maru_connector.csi.contract import TOKEN_FILE as TOKEN_FIELD
-from maru_connector.poolsize import parse_size
+from maru_contracts import tenancy
+from maru_contracts.csi import DRIVER_NAME, credential_attributes
+from maru_contracts.csi import TOKEN_FILE as TOKEN_FIELD
+from maru_contracts.poolsize import parse_size
 from maru_operator.api.marupool import MaruPoolSpec, TenantQuota
 from maru_operator.builders.common import Object, Owner, labels, metadata
 from maru_operator.names import child_name
@@ -90,7 +90,7 @@ def quota_of(quota: TenantQuota | None) -> tenancy.Quota:
 
 
 def effective_quota(group: TenantQuota | None, pool: MaruPoolSpec) -> tenancy.Quota:
-    """The quota signed into a group's token: the one rule (:func:`maru_connector.tenancy.effective_quota`) the
+    """The quota signed into a group's token: the one rule (:func:`maru_contracts.tenancy.effective_quota`) the
     node plugin applies at publish, over the group's ``poolQuota`` and the pool's policy."""
     return tenancy.effective_quota(quota_of(group), quota_of(pool.tenant_quota), quota_of(pool.max_tenant_quota))
 

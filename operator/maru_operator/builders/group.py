@@ -1,6 +1,6 @@
 """Children of an InferenceGroup: prefill and decode vLLM Deployments, and the router in front.
 
-Both roles get their ``--kv-transfer-config`` from :func:`maru_connector.config.kv_transfer_config_json`,
+Both roles get their ``--kv-transfer-config`` from :func:`maru_contracts.config.kv_transfer_config_json`,
 built from one spec, so prefill and decode can never disagree on chunk size, pool or key namespace.
 Both mount the group's pool credential (:mod:`.credentials`), the token of the group's cache scope, which
 the CSI node plugin mints when the pod starts.
@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from maru_connector.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
-from maru_connector.router.revisions import events_topic
-from maru_connector.tenancy import tenant_scope
+from maru_contracts.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
+from maru_contracts.tenancy import tenant_scope
+from maru_contracts.topics import events_topic
 from maru_operator.api.common import Toleration
 from maru_operator.api.inferencegroup import InferenceGroupSpec, RoleSpec
 from maru_operator.api.marupool import MaruPoolSpec
@@ -75,7 +75,7 @@ ROUTER_METRICS_PORT = 29000
 # With decode-direct, maru-router takes the router's API port and vllm-router moves behind it, in the same pod.
 UPSTREAM_PORT = 8001
 DIRECT_METRICS_PORT = 29001
-# maru-router's gauge of client requests being served (maru_connector.router.proxy.IN_PROGRESS_METRIC): a stopping
+# maru-router's gauge of client requests being served (maru_router.proxy.IN_PROGRESS_METRIC): a stopping
 # router pod drains until it reads 0.
 ROUTER_IN_PROGRESS_METRIC = "maru_router_requests_in_progress"
 # With decode-direct, every engine publishes its prefix cache's stores and evictions (vLLM's KV events) here, for
@@ -139,7 +139,7 @@ def cache_scope(spec: InferenceGroupSpec, owner: Owner) -> str:
     in namespace A is the scope ``A/B/x``, never B's: groups of one namespace share KV by naming the same
     cacheNamespace, groups of two namespaces never do. The group's token names this scope and the pool
     keys every chunk by it; the connector's salt is the same string. Hashed down to 253 characters, as the
-    CSI node plugin does when it mints the token (one function: :func:`maru_connector.tenancy.tenant_scope`).
+    CSI node plugin does when it mints the token (one function: :func:`maru_contracts.tenancy.tenant_scope`).
     """
     return tenant_scope(owner.namespace or "", cache_name(spec, owner.name))
 

@@ -10,7 +10,7 @@ pool keys derive from (model, revision, dtype, block and chunk size, cache scope
 on both roles by construction. A picker that pairs a prefill with a decode of the same ``maru.io/kv-revision``
 never hands decode a prompt stored under keys it does not look up. One that does not check it still returns
 right tokens: a chunk's key is the vLLM block hash keyed with the engine's namespace fingerprint
-(``maru_connector.keys``), so keys of two revisions never collide; decode misses and recomputes the prompt
+(``maru_contracts.keys``), so keys of two revisions never collide; decode misses and recomputes the prompt
 itself, which costs time, never correctness.
 
 Pure: no I/O. Written only where the CRD is installed (the controller asks discovery first).

@@ -28,7 +28,7 @@ SHM_PER_RANK = 1 * Gi
 # torch.compile and Triton caches, vLLM's temporary files and the container's logs.
 SCRATCH_BYTES = 10 * Gi
 EPHEMERAL = "ephemeral-storage"
-DRAIN_MODULE = "maru_connector.drain"
+DRAIN_MODULE = "maru_common.drain"
 # On a role Deployment: the hash of the pod template the operator applied, for pacing rollouts
 # (maru_operator.rollouts) without diffing templates.
 TEMPLATE_HASH = "maru.io/template-hash"

@@ -16,11 +16,9 @@ from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
 
-from maru_connector.csi.admission import admission_document, render
-from maru_connector.csi.contract import CREDENTIALS_DIR
-from maru_connector.csi.minting import policy_document
-from maru_connector.poolsize import format_size, parse_size, pool_memory_bytes
-from maru_connector.tenancy import DAEMON_DEFAULTS
+from maru_contracts.csi import CREDENTIALS_DIR, admission_document, minting_policy, render_admission
+from maru_contracts.poolsize import format_size, parse_size, pool_memory_bytes
+from maru_contracts.tenancy import DAEMON_DEFAULTS
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import (
     Object,
@@ -349,12 +347,12 @@ def admission_init_container(spec: MaruPoolSpec, pool: str) -> Object:
         "name": "admission",
         "image": spec.daemon.image or DEFAULT_POOL_IMAGE,
         "imagePullPolicy": spec.daemon.image_pull_policy,
-        "command": ["python", "-m", "maru_connector.csi.admission"],
+        "command": ["python", "-m", "maru_csi.admission"],
         "args": [
             "--dir",
             socket_host_dir(spec, pool),
             "--document",
-            render(admission_document(pool, spec.allowed_namespaces, pool_dir_name(pool))),
+            render_admission(admission_document(pool, spec.allowed_namespaces, pool_dir_name(pool))),
         ],
         "resources": ADMISSION_RESOURCES,
         "volumeMounts": [{"name": "socket", "mountPath": socket_host_dir(spec, pool)}],
@@ -385,7 +383,7 @@ def key_digest(key: bytes) -> str:
 
 def credentials_init_container(spec: MaruPoolSpec, pool: str) -> Object:
     """Writes ``<socket root>/_credentials/<pool>.json``: the pool key and quota policy the CSI node plugin
-    mints the groups' credentials from (:mod:`maru_connector.csi.minting`).
+    mints the groups' credentials from (:mod:`maru_csi.minting`).
 
     The key comes from the key Secret this pod mounts, never through the pod spec; the policy (the pool's
     ``tenantQuota`` and ``maxTenantQuota``) is rendered into the arguments, so a changed policy rolls the
@@ -396,7 +394,7 @@ def credentials_init_container(spec: MaruPoolSpec, pool: str) -> Object:
         "name": "credentials",
         "image": spec.daemon.image or DEFAULT_POOL_IMAGE,
         "imagePullPolicy": spec.daemon.image_pull_policy,
-        "command": ["python", "-m", "maru_connector.csi.minting"],
+        "command": ["python", "-m", "maru_csi.minting"],
         "args": [
             "--socket-root",
             str(directory.parent),
@@ -405,7 +403,7 @@ def credentials_init_container(spec: MaruPoolSpec, pool: str) -> Object:
             "--key-file",
             KEY_FILE,
             "--policy",
-            policy_document(quota_of(spec.tenant_quota), quota_of(spec.max_tenant_quota)),
+            minting_policy(quota_of(spec.tenant_quota), quota_of(spec.max_tenant_quota)),
         ],
         "resources": ADMISSION_RESOURCES,
         "volumeMounts": [{"name": CREDENTIALS_VOLUME, "mountPath": credentials_host_dir(spec)}, pool_key_mount()],

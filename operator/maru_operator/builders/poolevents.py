@@ -1,6 +1,6 @@
 """The group's pool events publisher: what the pool holds for the group, as vLLM KV events over ZMQ.
 
-``maru-pool events`` (``maru_connector.pool.publisher``) is a tenant's client of the pool: with the group's
+``maru-pool events`` (``maru_pool.publisher``) is a tenant's client of the pool: with the group's
 credential it follows the group's own event log in the daemon (stored, removed, cleared) and republishes it
 in vLLM's KV event wire format, so a KV-aware router that consumes vLLM's events (llm-d's indexer, Dynamo's
 KV router) sees the pool as one more tier every engine of the group can load from.

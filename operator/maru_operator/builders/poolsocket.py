@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from maru_connector.csi.contract import DRIVER_NAME, volume_attributes
+from maru_contracts.csi import DRIVER_NAME, volume_attributes
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.builders.common import Object
 from maru_operator.builders.pool import socket_host_dir

@@ -1,0 +1,1 @@
+"""Small runtime pieces the operator and the data plane's deployables share."""

@@ -1,0 +1,1 @@
+"""What the operator and the data plane's deployables agree on."""
