@@ -20,6 +20,7 @@ Run: ``python bench/bench_pool_hostile.py [--baseline REV]`` (default: the commi
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import secrets
@@ -55,7 +56,7 @@ class Serve:
         (work / "key").write_bytes(self.key)
         env = dict(os.environ, PYTHONPATH=str(tree))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_pool", "serve", "--listen", f"unix://{work}/pool.sock",
+            [sys.executable, "-m", pool_module(tree), "serve", "--listen", f"unix://{work}/pool.sock",
              "--size", "64Mi", "--shm-path", f"{work}/pool.shm", "--metrics-addr", "127.0.0.1:0",
              "--auth-key-file", f"{work}/key"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
@@ -82,10 +83,25 @@ class Serve:
         self.proc.wait()
 
 
+def pool_module(tree: Path) -> str:
+    """The pool's package in ``tree``: the baseline may predate the split into one package per deployable."""
+    return "maru_pool" if (tree / "maru_pool").is_dir() else "maru_connector.pool"
+
+
+def client_modules(tree: Path) -> tuple[Any, Any, Any]:
+    """``tenancy``, ``minting`` and ``PoolClient`` as the code in ``tree`` names them."""
+    split = (tree / "maru_pool").is_dir()
+    names = (
+        ("maru_contracts.tenancy", "maru_csi.minting")
+        if split
+        else ("maru_connector.tenancy", "maru_connector.csi.minting")
+    )
+    tenancy, minting = (importlib.import_module(name) for name in names)
+    return tenancy, minting, importlib.import_module(pool_module(tree)).PoolClient
+
+
 def self_raised_quota(tree: Path, work: Path, *, minted: bool) -> dict[str, Any]:
-    from maru_contracts import tenancy
-    from maru_csi import minting
-    from maru_pool import PoolClient
+    tenancy, minting, PoolClient = client_modules(tree)
 
     d = Serve(tree, work)
     try:
@@ -110,8 +126,7 @@ def self_raised_quota(tree: Path, work: Path, *, minted: bool) -> dict[str, Any]
 
 
 def http_idle_flood(tree: Path, work: Path) -> dict[str, Any]:
-    from maru_contracts import tenancy
-    from maru_pool import PoolClient
+    tenancy, _, PoolClient = client_modules(tree)
 
     d = Serve(tree, work)
     cgroup = PIDS_ROOT / f"maru-bench-{os.getpid()}"
@@ -190,7 +205,7 @@ def measure(tree: Path) -> dict[str, Any]:
 
 
 def baseline_commit() -> str:
-    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", BOUNDED_HTTP],
+    added = subprocess.run(["git", "log", "--follow", "--diff-filter=A", "--format=%H", "--", BOUNDED_HTTP],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     assert added, "no commit adds the bounded HTTP server: pass --baseline"
     return f"{added[-1]}~1"
@@ -212,9 +227,11 @@ def main() -> int:
         old = Path(tmp)
         archive = subprocess.run(["git", "archive", rev, "connector"], cwd=REPO, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-        built = REPO / "connector" / "maru_connector" / "_copyhash.abi3.so"
+        built = REPO / "connector" / "maru_pool" / "_copyhash.abi3.so"
         if built.exists():  # the native copy is built, not committed: the same for both
-            shutil.copy(built, old / "connector" / "maru_connector")
+            # The baseline may predate the package split, when the module lived in maru_connector.
+            source = next((old / "connector").glob("*/_copyhash.c"))
+            shutil.copy(built, source.parent)
         for name, tree in ((f"before ({commit})", old / "connector"), ("after", REPO / "connector")):
             done = subprocess.run(
                 [sys.executable, __file__, "--measure", str(tree)],

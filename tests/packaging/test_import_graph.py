@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (
     REPO / "operator" / "maru_operator",
-    REPO / "connector" / "maru_connector",
+    *sorted((REPO / "connector").glob("maru_*/")),
     REPO / "localcluster" / "maru_localcluster",
 )
 

@@ -24,14 +24,14 @@ import xxhash
 
 from maru_pool import copyhash
 
-SOURCE = Path(__file__).resolve().parents[2] / "connector" / "maru_connector" / "_copyhash.c"
+SOURCE = Path(__file__).resolve().parents[2] / "connector" / "maru_pool" / "_copyhash.c"
 ALL_PATHS = ("avx512", "avx2", "sse2", "neon", "scalar")
 RNG = random.Random(20240611)
 DATA = RNG.randbytes(3 * (1 << 20) + 4099)
 
 
 def native():
-    from maru_connector import _copyhash
+    from maru_pool import _copyhash
 
     return _copyhash
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "connector" / "maru_connector"
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "connector" / "maru_pool"
 LENGTHS = (241, 255, 256, 1000, 1024, 1025, 4096, 4097, 65536, 69999)
 
 HARNESS = r"""

@@ -221,7 +221,7 @@ def inject(req: dict[str, Any]) -> dict[str, Any]:
     made that much later instead of failing."""
     import importlib
 
-    from maru_connector import pool
+    import maru_pool as pool
 
     for target in req["target"] if isinstance(req["target"], list) else [req["target"]]:
         module_name, _, attr = target.partition(":")
