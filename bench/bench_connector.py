@@ -118,7 +118,7 @@ def bench_lookup(pool: PoolDaemon) -> dict[str, dict[str, float]]:
 
 
 def bench_ttft(pool: PoolDaemon, workdir: Path, repeats: int) -> dict[str, float]:
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     model = str(make_tiny_llama(workdir / "tiny-llama"))
     producer = Engine("prefill", workdir, model=model, role="kv_producer", pool_url=pool.url, chunk_tokens=CHUNK)

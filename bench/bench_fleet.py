@@ -40,7 +40,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
     args = parser.parse_args()
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="maru-bench-fleet-", dir="/tmp") as tmp:
         workdir = Path(tmp)

@@ -75,7 +75,7 @@ def main() -> int:
         help="maru-router in front of vllm-router vs vllm-router alone, as the operator renders them",
     )
     args = parser.parse_args()
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="maru-bench-router-", dir="/tmp") as tmp:
         workdir = Path(tmp)

@@ -275,7 +275,7 @@ def main() -> int:
         "prompt may go to the prefill engine when decode is busier (both engines serve hits)",
     )
     args = parser.parse_args()
-    from maru_connector import tinymodel
+    from maru_localcluster import tinymodel
     from tests.vllm.test_serve_pd import free_port
 
     make_model, model_dir, model_words, model_note = MODELS[args.model]

@@ -155,7 +155,7 @@ def main() -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="maru-bench-stall-", dir="/tmp") as tmp:
         workdir = Path(tmp)

@@ -232,7 +232,7 @@ def preflight() -> None:
 
 def make_model(d: Demo) -> str:
     """The tiny model, readable by the vLLM image's non-root user, as an image would carry it."""
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(d.workdir / "model")
     for root, dirs, files in os.walk(model):

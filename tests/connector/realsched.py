@@ -26,11 +26,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from maru_connector.tinymodel import make_tiny_llama
 from maru_connector.vllm import MaruConnector
 from maru_connector.vllm.lane import Job
 from maru_connector.vllm.worker import MaruWorker
 from maru_contracts.config import MaruConnectorConfig
+from maru_localcluster.tinymodel import make_tiny_llama
 
 from . import fakes
 

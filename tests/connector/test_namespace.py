@@ -26,7 +26,7 @@ INFO = dict(kv_format="CPU_ATTN:HNC:float32", block_bytes=131072, num_layers=2, 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("identity") / "tiny")
 

@@ -29,7 +29,7 @@ URI = "s3://models/llama-3-8b/"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("remote") / "tiny")
 

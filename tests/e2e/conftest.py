@@ -49,7 +49,7 @@ def example(path: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     path = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     # The vLLM image runs as a non-root user: what it carries must be readable, as in a real image.

@@ -35,7 +35,6 @@ FIRST_PARTY = {
 # Product modules that import a development tool, each for a reason that keeps it out of every image.
 DEV_ONLY_MODULES = {
     "connector/maru_csi/protogen.py": "runs protoc (grpcio-tools) for `make protos`, never at run time",
-    "connector/maru_connector/tinymodel.py": "makes the tests' and the demo's random-weight models (transformers)",
 }
 
 

@@ -51,7 +51,7 @@ def pool(workdir: Path) -> Iterator[PoolDaemon]:
 
 @pytest.fixture(scope="package")
 def chat_model(workdir: Path) -> str:
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(workdir / "tiny-chat")
     config = model / "tokenizer_config.json"

@@ -14,7 +14,7 @@ from .harness import PoolDaemon
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 

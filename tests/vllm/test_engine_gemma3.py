@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from maru_connector.tinymodel import make_tiny_gemma3
+    from maru_localcluster.tinymodel import make_tiny_gemma3
 
     return str(make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3")))
 

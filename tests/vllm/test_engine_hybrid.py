@@ -25,7 +25,7 @@ CHUNK = 256  # tokens per pool chunk: 2 CPU blocks of 128
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from maru_connector.tinymodel import ATTENTION, MAMBA, make_tiny_granite_hybrid, make_tiny_mamba2
+    from maru_localcluster.tinymodel import ATTENTION, MAMBA, make_tiny_granite_hybrid, make_tiny_mamba2
 
     root = tmp_path_factory.mktemp("hybrid-models")
     return {

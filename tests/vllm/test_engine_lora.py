@@ -28,7 +28,7 @@ def make_adapter(path: Path, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from maru_connector.tinymodel import TinyModelSpec
+    from maru_localcluster.tinymodel import TinyModelSpec
 
     spec = TinyModelSpec()
     kv_out = spec.num_kv_heads * (spec.hidden_size // spec.num_heads)

@@ -38,7 +38,7 @@ TOKENS = 16
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from maru_connector.tinymodel import make_tiny_deepseek_v2
+    from maru_localcluster.tinymodel import make_tiny_deepseek_v2
 
     return str(make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2")))
 

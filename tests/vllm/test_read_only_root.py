@@ -49,7 +49,7 @@ def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
     # A private mount namespace with the root remounted read-only.
     require_root("a private mount namespace")
     require_tool("unshare", "a private mount namespace")
-    from maru_connector.tinymodel import make_tiny_llama
+    from maru_localcluster.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(outside_tmp / "model")
     script = outside_tmp / "generate.py"

@@ -12,7 +12,7 @@ greedy tokens would flip on any reordering of the arithmetic, including vLLM's o
 
 Usage::
 
-    python -m maru_connector.tinymodel /tmp/tiny-llama
+    python -m maru_localcluster.tinymodel /tmp/tiny-llama
 """
 
 from __future__ import annotations
