@@ -225,7 +225,7 @@ def test_pool_target_carries_the_csi_plugin(parsed: dict[str, dict]) -> None:
 def test_pool_target_carries_the_events_publisher(parsed: dict[str, dict]) -> None:
     """`maru-pool events` runs from the pool image: the `events` extra (ZMQ, msgspec), imported at build."""
     assert_installs_extra(parsed, "pool", "events")
-    assert re.search(r"import [\w., ]*maru_connector\.pool\.publisher", runs(parsed, "pool"))
+    assert re.search(r"import [\w., ]*maru_pool\.publisher", runs(parsed, "pool"))
     assert "zmq" not in runs(parsed, "operator").lower()
 
 
