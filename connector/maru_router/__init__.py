@@ -10,9 +10,16 @@ otherwise it runs prefill then decode, passing ``kv_transfer_params`` as vllm-ro
 
 The decision only affects speed, never the answer: decode computes whatever it cannot load.
 
+* :mod:`.policy`: the route a request takes and how each mode runs it (pure);
+* :mod:`.decide`: the coverage threshold (pure);
+* :mod:`.balance`: which engine of a role, by load and by what its own cache holds;
+* :mod:`.directory`: the engines, their own caches (:mod:`.locality`, KV events) and key revisions
+  (:mod:`.revisions`);
+* :mod:`.scheme`: the engines' key scheme, learnt from prefill's handoffs;
 * :mod:`.prompt_keys`: a prompt's chunk keys, from vLLM's own block hasher;
-* :mod:`.decide`: the threshold rule (pure);
+* :mod:`.relay`: bounded client bodies, requests relayed to engines, answers streamed back;
 * :mod:`.limits`: what one client may make the router hold or compute (body size, deadlines, prompt length);
-* :mod:`.proxy`: the HTTP server, the coverage lookup and the two routes;
+* :mod:`.metrics`: the router's Prometheus metrics;
+* :mod:`.proxy`: the router, which composes them;
 * :mod:`.__main__`: the ``maru-router`` command.
 """

@@ -170,29 +170,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"maru-router: --connector-config: {err}", file=sys.stderr)
         return 2
     # Imported after the arguments are checked: vLLM's import takes seconds.
+    from maru_router.directory import EngineDirectory
     from maru_router.locality import parse_endpoints
+    from maru_router.metrics import Metrics
+    from maru_router.policy import Routing
     from maru_router.proxy import Router
 
     try:
-        router = Router(
+        engines = EngineDirectory(
             prefill=args.prefill,
             decode=args.decode,
-            connector=connector,
-            min_coverage=args.min_coverage,
-            decode_direct=args.decode_direct == "on",
-            direct_to_prefill=args.direct_to_prefill == "on",
-            upstream=args.upstream,
-            relearn_s=args.relearn_seconds,
+            metrics=Metrics(),
             kv_events=parse_endpoints(args.kv_events),
             discover_kv_events=args.discover_kv_events,
-            follow_workers_s=args.follow_upstream_workers,
             locality_slack=args.locality_slack,
+            follow_workers_s=args.follow_upstream_workers,
+            upstream=args.upstream,
             engine_revisions=parse_revisions(args.engine_revision),
-            max_body_bytes=args.max_body_bytes,
-            max_prompt_tokens=args.max_prompt_tokens,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            max_buffered_bytes=args.max_buffered_bytes,
+        )
+        router = Router(
+            engines=engines,
+            connector=connector,
+            routing=Routing(
+                min_coverage=args.min_coverage,
+                decode_direct=args.decode_direct == "on",
+                direct_to_prefill=args.direct_to_prefill == "on",
+            ),
+            relearn_s=args.relearn_seconds,
+            limits=limits.Limits(
+                max_body_bytes=args.max_body_bytes,
+                max_prompt_tokens=args.max_prompt_tokens,
+                header_timeout_s=args.header_timeout,
+                body_timeout_s=args.body_timeout,
+                max_buffered_bytes=args.max_buffered_bytes,
+            ),
         )
     except ValueError as err:
         print(f"maru-router: {err}", file=sys.stderr)
@@ -205,7 +216,7 @@ async def serve(router: Router, host: str, port: int, metrics_port: int | None) 
     """The API (and the metrics port) until SIGTERM or SIGINT, then a clean stop of both."""
     # aiohttp's keep-alive deadline runs from a connection's start or last answer until a whole request's headers
     # are in: it is the header deadline too (a client trickling headers is closed at it).
-    timeouts = {"keepalive_timeout": router.header_timeout_s}
+    timeouts = {"keepalive_timeout": router.limits.header_timeout_s}
     runners = [web.AppRunner(router.app(metrics=metrics_port is None), **timeouts)]
     if metrics_port is not None:
         runners.append(web.AppRunner(router.metrics_app(), **timeouts))

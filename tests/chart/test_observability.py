@@ -45,7 +45,7 @@ def exported_metrics() -> frozenset[str]:
     import maru_operator.metrics  # noqa: F401  (registers the operator's metrics on the default registry)
     from maru_connector.vllm.stats import MaruPromMetrics
     from maru_pool import httpd
-    from maru_router.proxy import Metrics
+    from maru_router.metrics import Metrics
 
     names = {n for n in _families(REGISTRY) if n.startswith("maru_operator_")}
     names |= _families(Metrics().registry)

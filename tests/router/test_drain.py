@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from maru_operator.builders.group import DIRECT_METRICS_PORT, ROUTER_IN_PROGRESS_METRIC, build_router_deployment
-from maru_router.proxy import IN_PROGRESS_METRIC
+from maru_contracts.router import IN_PROGRESS_METRIC
+from maru_operator.builders.group import DIRECT_METRICS_PORT, build_router_deployment
 from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
 from tests.router.harness import SCHEME, RouterProcess
 from tests.vllm.harness import PoolDaemon, env
@@ -110,7 +110,6 @@ def rendered_hook() -> list[str]:
 def test_the_rendered_hook_waits_for_maru_routers_requests_then_ends(
     routed: tuple[RouterProcess, HeldEngine],
 ) -> None:
-    assert ROUTER_IN_PROGRESS_METRIC == IN_PROGRESS_METRIC  # the operator names the gauge the router keeps
     router, decode = routed
     hook = rendered_hook()
     assert hook[hook.index("--port") + 1] == str(DIRECT_METRICS_PORT)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from maru_contracts.config import KVRole, MaruConnectorConfig, kv_transfer_config_json
+from maru_contracts.router import IN_PROGRESS_METRIC
 from maru_contracts.tenancy import tenant_scope
 from maru_contracts.topics import events_topic
 from maru_operator.api.common import Toleration
@@ -75,9 +76,6 @@ ROUTER_METRICS_PORT = 29000
 # With decode-direct, maru-router takes the router's API port and vllm-router moves behind it, in the same pod.
 UPSTREAM_PORT = 8001
 DIRECT_METRICS_PORT = 29001
-# maru-router's gauge of client requests being served (maru_router.proxy.IN_PROGRESS_METRIC): a stopping
-# router pod drains until it reads 0.
-ROUTER_IN_PROGRESS_METRIC = "maru_router_requests_in_progress"
 # With decode-direct, every engine publishes its prefix cache's stores and evictions (vLLM's KV events) here, for
 # maru-router to send a prompt to the pod whose own cache holds more of it than the pool. vLLM binds only a
 # wildcard address; the router reads it at the pod's address.
@@ -691,7 +689,7 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner, pool: PoolVi
         # Both containers wait for maru-router's requests to finish: maru-router, so none is cut; vllm-router, so
         # the ones maru-router relays through it still find it listening. vllm-router alone (no maru-router)
         # finishes its own requests after SIGTERM, within the grace period.
-        if lifecycle := pre_stop(spec.router.termination, DIRECT_METRICS_PORT, ROUTER_IN_PROGRESS_METRIC):
+        if lifecycle := pre_stop(spec.router.termination, DIRECT_METRICS_PORT, IN_PROGRESS_METRIC):
             front["lifecycle"], upstream["lifecycle"] = lifecycle, copy.deepcopy(lifecycle)
         pod_spec["containers"] = [front, upstream]
         pod_spec["volumes"] = [*pool_access(spec, direct, owner.name)[0], *scratch_volumes(), api_access_volume()]
