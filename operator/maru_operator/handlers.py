@@ -348,7 +348,7 @@ def _served_optional_kinds() -> tuple[str, ...]:
     """The optional child kinds discovery last said the API serves: listed like the others (never listed where
     their CRD is missing, which would only fail)."""
     controller = STATE.controller
-    return ("InferencePool",) if controller is not None and controller.inference_pools.known_served else ()
+    return ("InferencePool",) if controller is not None and controller.groups.inference_pools.known_served else ()
 
 
 async def _refresh(kube: Kube, key: Key, listed: dict[str, Any]) -> None:

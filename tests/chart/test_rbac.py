@@ -312,7 +312,7 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
     children = _operator_children()
     created = {_plural(obj) for obj in children}
     assert {("apps", "deployments"), ("apps", "daemonsets"), ("", "services")} <= created
-    from maru_operator.controller import NEVER_PRUNED
+    from maru_operator.applier import NEVER_PRUNED
     from maru_operator.kube import KINDS
 
     never_deleted = {("", KINDS[kind].plural) for kind in NEVER_PRUNED}

@@ -224,7 +224,7 @@ def test_a_failed_discovery_is_not_a_missing_crd(cluster: KubeEmulator, stats: S
         cluster.inject_fault(r"^/apis/inference\.networking\.k8s\.io/v1/?$", 500, method="GET", times=10_000)
         op.call(
             lambda: setattr(
-                op.runtime.controller, "inference_pools", OptionalKind("InferencePool", recheck_seconds=0.5)
+                op.runtime.controller.groups, "inference_pools", OptionalKind("InferencePool", recheck_seconds=0.5)
             )
         )
         cluster.patch(GROUPS, "qwen", {"metadata": {"annotations": {"touched": "1"}}}, GROUP_NS)
