@@ -2,7 +2,7 @@
 
 Generic over kinds and owners: the pool and group reconcilers hand it an owner and the objects their pure builders
 made; it creates what is missing, applies what differs (server-side apply, as the field manager
-:data:`~maru_operator.reconcile.FIELD_MANAGER`), deletes what is no longer wanted, and reports names it could not
+:data:`~maru_operator.ownership.FIELD_MANAGER`), deletes what is no longer wanted, and reports names it could not
 take (another controller's objects) and writes the API server refused. Whether a child differs is decided once per
 change of either side (:meth:`ChildApplier.check`): a fleet of unchanged children costs no diff and no write.
 """
@@ -22,7 +22,7 @@ from maru_operator.builders.scaling import create_replicas, scaled_externally
 from maru_operator.cache import Key, Store
 from maru_operator.kube import ApiError, Kube
 from maru_operator.objects import Object
-from maru_operator.reconcile import (
+from maru_operator.ownership import (
     FIELD_MANAGER,
     REPLICAS_PATH,
     adopted_ownership,
@@ -200,7 +200,7 @@ class ChildApplier:
 
     async def _created(self, obj: Object, created: Object) -> Object:
         """After a create: the child is in sync as created. Its fields stay the create's (an update entry) until
-        the first apply it needs adopts them (see :mod:`maru_operator.reconcile`): most children are never
+        the first apply it needs adopts them (see :mod:`maru_operator.ownership`): most children are never
         written again, and an adoption right after every create was half of all writes at fleet scale."""
         kind, ns, name = key_of(obj)
         metrics.WRITES.labels(kind, "create").inc()

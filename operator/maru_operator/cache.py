@@ -15,7 +15,7 @@ from typing import Any
 
 from maru_operator.api.common import GROUP
 from maru_operator.objects import Key, Object, key_of
-from maru_operator.reconcile import FIELD_MANAGER
+from maru_operator.ownership import FIELD_MANAGER
 
 OWNER_KINDS = ("MaruPool", "InferenceGroup")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

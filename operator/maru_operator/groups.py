@@ -38,11 +38,11 @@ from maru_operator.errors import model_errors
 from maru_operator.kube import Kube
 from maru_operator.objects import Object
 from maru_operator.optionalkinds import OptionalKind
-from maru_operator.readiness import selector as pod_selector
-from maru_operator.reconcile import (
+from maru_operator.ownership import (
     controlled_by,
     key_of,
 )
+from maru_operator.readiness import selector as pod_selector
 from maru_operator.rollouts import RolloutPacer
 from maru_operator.status import (
     Router,

@@ -26,7 +26,7 @@ import kopf
 
 from maru_operator import metrics
 from maru_operator.objects import Object
-from maru_operator.reconcile import FIELD_MANAGER
+from maru_operator.ownership import FIELD_MANAGER
 
 log = logging.getLogger("maru_operator.kube")
 

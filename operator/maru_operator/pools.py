@@ -33,7 +33,7 @@ from maru_operator.dataplane import DataPlane, container_image
 from maru_operator.errors import model_errors
 from maru_operator.kube import Kube, StatusFetcher
 from maru_operator.objects import Object
-from maru_operator.reconcile import (
+from maru_operator.ownership import (
     controlled_by,
 )
 from maru_operator.status import (

@@ -16,7 +16,7 @@ from maru_operator import metrics
 from maru_operator.cache import Store
 from maru_operator.kube import ApiError, Kube
 from maru_operator.objects import Object
-from maru_operator.reconcile import key_of
+from maru_operator.ownership import key_of
 from maru_operator.status import changed, status_body
 
 log = logging.getLogger("maru_operator.controller")

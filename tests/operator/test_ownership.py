@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from maru_operator.builders.group import build_role_deployment
-from maru_operator.reconcile import (
+from maru_operator.ownership import (
     adopted_ownership,
     controlled_by,
     created_body,
