@@ -95,7 +95,18 @@ class PagedKV:
         # evenly (it does for every KVCacheLayout): one gather or scatter kernel per chunk, not one per
         # layer. Not on the CPU, where indexing a strided view along its second dim is far slower
         # (measured: under 0.1 GB/s against several GB/s a layer at a time).
-        self._all = _all_layers_view(views) if self.device.type == "cuda" else None
+        stacked = _all_layers_view(views)
+        self._all = stacked if self.device.type == "cuda" else None
+        # The copies move the widest element the pages allow (8 bytes where they can), not one byte: a
+        # byte-wise gather of a ~100 GiB cache runs 8 times the threads and needs 64-bit index maths
+        # sooner. The uint8 views stay for the byte arithmetic (segments, tests).
+        self._elt = _widest([*views, *([stacked] if stacked is not None else [])])
+        self._wide_views = [view.view(self._elt) for view in views]
+        self._wide_page = tuple(self._wide_views[0].shape[1:])
+
+    @property
+    def _wide_all(self) -> torch.Tensor | None:
+        return self._all.view(self._elt) if self._all is not None else None
 
     @property
     def num_layers(self) -> int:
@@ -106,6 +117,19 @@ class PagedKV:
         """True when every page is one range of memory (one copy per block and layer)."""
         return len(self._page_shape) == 1
 
+    def mark(self) -> torch.cuda.Event | None:
+        """An event behind the work queued so far on this thread's current stream (the engine's), or None on the CPU.
+
+        A copy on another stream that waits for it (``Stream.wait_event``) runs after that work: a load
+        must not overwrite blocks a kernel still reads, nor a save read blocks a kernel still writes.
+        """
+        if self.device.type != "cuda":
+            return None
+        # blocking: a host that waits for it (fence) sleeps instead of spinning a core.
+        event = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def fence(self) -> Callable[[], None]:
         """A wait for the KV computed so far, for a copy that runs on another thread.
 
@@ -113,16 +137,8 @@ class PagedKV:
         reads blocks. On a GPU it waits for an event recorded behind the forward's kernels on the
         engine's stream; on the CPU the forward has finished by the time this is called.
         """
-        if self.device.type != "cuda":
-            return _no_wait
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event.synchronize
-
-    def finish_copies(self) -> None:
-        """Wait until this thread's copies into engine memory have landed (before a load is reported)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        event = self.mark()
+        return _no_wait if event is None else event.synchronize
 
     @property
     def direct(self) -> bool:
@@ -205,17 +221,18 @@ class PagedKV:
         memory) gets the gather and one copy, which returns once the bytes are there.
         """
         n = len(block_ids)
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        ids = index_tensor(block_ids, self.device)
         same_device = out.device == self.device
-        if self._all is not None:
-            dst = out.view(self.num_layers, n, *self._page_shape)
+        wide = out.view(self._elt)
+        if self._wide_all is not None:
+            dst = wide.view(self.num_layers, n, *self._wide_page)
             if same_device:
-                torch.index_select(self._all, 1, ids, out=dst)
+                torch.index_select(self._wide_all, 1, ids, out=dst)
             else:
-                dst.copy_(self._all.index_select(1, ids))
+                dst.copy_(self._wide_all.index_select(1, ids))
             return
-        for layer, view in enumerate(self._views):
-            dst = out[layer].view(n, *self._page_shape)
+        for layer, view in enumerate(self._wide_views):
+            dst = wide[layer].view(n, *self._wide_page)
             if same_device:
                 torch.index_select(view, 0, ids, out=dst)
             else:
@@ -225,21 +242,57 @@ class PagedKV:
         """Copy packed blocks into the engine: ``slots`` is ``(block_in_chunk, dst_block_id)`` pairs.
 
         ``src`` (``[layers, blocks_per_chunk, block_bytes]``) on the cache's device is scattered by
-        kernels queued on the current stream, one per chunk; ``src`` in host memory is copied over first.
+        kernels queued on the current stream, one per chunk; ``src`` in host memory is copied over
+        first (the CPU; a GPU's loads stage through ``StagedCopier``, which copies it on its stream).
         """
         if not slots:
             return
-        src = src.to(self.device)
-        dst = torch.tensor([d for _, d in slots], dtype=torch.long, device=self.device)
+        if src.device != self.device:
+            src = src.to(self.device)
+        src = src.view(self._elt)
+        dst = index_tensor([d for _, d in slots], self.device)
         picked = [s for s, _ in slots]
         if picked != list(range(src.shape[1])):
-            src = src.index_select(1, torch.tensor(picked, dtype=torch.long, device=self.device))
-        blocks = src.view(self.num_layers, len(slots), *self._page_shape)
-        if self._all is not None:
-            self._all.index_copy_(1, dst, blocks)
+            src = src.index_select(1, index_tensor(picked, self.device))
+        blocks = src.view(self.num_layers, len(slots), *self._wide_page)
+        if self._wide_all is not None:
+            self._wide_all.index_copy_(1, dst, blocks)
             return
-        for layer, view in enumerate(self._views):
+        for layer, view in enumerate(self._wide_views):
             view.index_copy_(0, dst, blocks[layer])
+
+
+def index_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 index on ``device`` (64-bit: offsets in a cache past 2 GiB elements stay exact).
+
+    To a GPU through pinned host memory, copied without blocking on the current stream: a tensor built
+    with ``device=cuda`` is copied from pageable memory, which waits for the stream to drain first, so a
+    lane's next copy could never overlap the one before. The caching host allocator keeps the pinned
+    buffer until the copy has run.
+    """
+    host = torch.tensor(list(ids), dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+# Element types a page can be copied as, widest first (int: the bytes are moved, never interpreted).
+_WIDE_ELEMENTS = (torch.int64, torch.int32, torch.int16)
+
+
+def _widest(views: Sequence[torch.Tensor]) -> torch.dtype:
+    """The widest element every one of ``views`` (uint8, last dim contiguous) can be viewed as, else uint8."""
+    for dtype in _WIDE_ELEMENTS:
+        size = dtype.itemsize
+        if all(
+            v.stride(-1) == 1
+            and v.shape[-1] % size == 0
+            and v.storage_offset() % size == 0
+            and all(step % size == 0 for step in v.stride()[:-1])
+            for v in views
+        ):
+            return dtype
+    return torch.uint8
 
 
 def _all_layers_view(views: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -40,15 +40,28 @@ class StagedCopier:
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_bytes = paged.geometry(blocks_per_chunk).chunk_bytes
         self.cuda = paged.device.type == "cuda"
-        self._host = [
-            torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(HOST_BUFFERS)
-        ]
-        self._device = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=paged.device) if self.cuda else None
+        self._host = [host_buffer(self.chunk_bytes, pinned=self.cuda) for _ in range(HOST_BUFFERS)]
         self._stream = torch.cuda.Stream(device=paged.device) if self.cuda else None
+        self._device = None
+        if self._stream is not None:
+            # Allocated under the lane's stream: the caching allocator ties the block to the stream that
+            # uses it, not to the engine's, which never touches it.
+            with torch.cuda.stream(self._stream):
+                self._device = device_buffer(self.chunk_bytes, paged.device)
         # Per host buffer, the event after which no queued copy reads it any more (loads).
         self._host_free: list[torch.cuda.Event | None] = [None] * HOST_BUFFERS
         self._next = 0
         self._last: torch.cuda.Event | None = None  # after the latest scatter: what finish() waits for
+
+    def after(self, event: torch.cuda.Event | None) -> None:
+        """Order the copies queued from now on after ``event`` (``PagedKV.mark`` on the engine's thread).
+
+        A load waits so, on the GPU and without holding the host, for the work queued before it on the
+        engine's stream, as vLLM's own offloading does: a kernel still reading the blocks it overwrites
+        (a preempted request's, a step not yet run) runs first. None (the CPU) waits for nothing.
+        """
+        if event is not None and self._stream is not None:
+            self._stream.wait_event(event)
 
     # ------------------------------------------------------------------ saves
 
@@ -76,7 +89,7 @@ class StagedCopier:
         with torch.cuda.stream(self._stream):
             paged.gather(block_ids, paged.chunk_view(self._device, len(block_ids)))
             host.copy_(self._device, non_blocking=True)
-            done = torch.cuda.Event()
+            done = _host_waits_for()
             done.record(self._stream)
         return done
 
@@ -106,10 +119,10 @@ class StagedCopier:
             return
         with torch.cuda.stream(self._stream):
             self._device.copy_(host, non_blocking=True)
-            read = torch.cuda.Event()
+            read = _host_waits_for()
             read.record(self._stream)
             paged.scatter(paged.chunk_view(self._device, self.blocks_per_chunk), slots)
-            landed = torch.cuda.Event()
+            landed = _host_waits_for()
             landed.record(self._stream)
         self._host_free[slot], self._last = read, landed
 
@@ -118,3 +131,18 @@ class StagedCopier:
         if self._last is not None:
             self._last.synchronize()
             self._last = None
+
+
+def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """A staging buffer in host memory (pinned for a GPU: copies from it run without the CPU)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A chunk's staging buffer on ``device``, allocated on the current stream."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _host_waits_for() -> torch.cuda.Event:
+    # blocking: the host thread waiting for it sleeps; the default event spins a core while it waits.
+    return torch.cuda.Event(blocking=True)

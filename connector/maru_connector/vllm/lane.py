@@ -8,6 +8,10 @@ whose blocks they touch, so the worker can wait for exactly those before vLLM re
 Work is bounded: the worker asks how far behind a lane is (``queued``) and skips work rather than
 queue it without end; a job carries a deadline past which it is given up unrun (its ``on_error``
 answers for it); a job not yet started can be dropped (``drop``); and ``wait_for`` takes a timeout.
+
+On a GPU the lane's thread works on the rank's device (``use_device``): a new thread's current device is
+GPU 0, and its first stream switch would open a CUDA context there (0.3-0.5 GiB) on every rank, after
+vLLM sized its KV cache. vLLM's own threads set their device for the same reason.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from maru_connector.vllm import common
 
@@ -52,8 +58,15 @@ class Lane:
         self._done: list[Job] = []
         self._cv = threading.Condition()
         self._stopped = False
+        self._device: torch.device | None = None  # what use_device asked for
+        self._bound: torch.device | None = None  # what the thread has set (touched by the thread only)
         self._thread = threading.Thread(target=self._loop, name=f"maru-{name}", daemon=True)
         self._thread.start()
+
+    def use_device(self, device: torch.device) -> None:
+        """Make ``device`` (the KV cache's) the thread's current CUDA device before its next job runs."""
+        with self._cv:
+            self._device = device
 
     def submit(self, job: Job) -> None:
         with self._cv:
@@ -143,10 +156,19 @@ class Lane:
         if job.deadline is not None and time.monotonic() > job.deadline:
             return self._give_up(job, JobDropped(f"{self._name}: past its deadline before it ran"))
         try:
+            self._bind_device()
             return job.run()
         except BaseException as err:
             common.hook_failed(self._stats, self._hook_log, f"{self._name} lane", err, "its work is given up")
             return self._on_error(job, err)
+
+    def _bind_device(self) -> None:
+        """Before any stream or event of the job: set the rank's device as this thread's current one."""
+        with self._cv:
+            device = self._device
+        if device is not None and device.type == "cuda" and device != self._bound:
+            torch.cuda.set_device(device)
+            self._bound = device
 
     def _give_up(self, job: Job, why: JobDropped) -> Any:
         self._stats.count(common.LANE_JOBS_DROPPED)

@@ -173,6 +173,8 @@ class MaruWorker:
         if not paged.direct:  # direct copies (CPU, dense pages) need no staging
             self._load_staging = StagedCopier(paged, self.blocks_per_chunk)
             self._save_staging = StagedCopier(paged, self.blocks_per_chunk)
+        for lane in (self._loads, self._saves):
+            lane.use_device(paged.device)  # the lanes' streams and events are the rank's device's
         self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
@@ -232,12 +234,14 @@ class MaruWorker:
         plans = list(meta.loads.items())
         now = [(r, p) for r, p in plans if not p.asynchronous]
         later = [(r, p) for r, p in plans if p.asynchronous]
+        # Loads overwrite blocks: their copies wait for the work queued so far on the engine's stream.
+        after = self.paged.mark() if self.paged is not None else None
         if now:
-            self._apply_loads(self._copy_in(now))
+            self._apply_loads(self._copy_in(now, after))
         if later:
             self._loads.submit(
                 Job(
-                    run=lambda: self._copy_in(later),
+                    run=lambda: self._copy_in(later, after),
                     req_ids=frozenset(r for r, _ in later),
                     on_error=lambda _err: [_failed_load(r, p) for r, p in later],
                     deadline=time.monotonic() + JOB_DEADLINE_S,
@@ -250,9 +254,14 @@ class MaruWorker:
             [_failed_load(r, p) for r, p in meta.loads.items() if self._report.loads.get(p.load_id, -1) < 0]
         )
 
-    def _copy_in(self, plans: list[tuple[str, LoadPlan]]) -> list[LoadOutcome]:
-        """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one."""
+    def _copy_in(self, plans: list[tuple[str, LoadPlan]], after: torch.cuda.Event | None = None) -> list[LoadOutcome]:
+        """Pin every chunk of ``plans`` in one round trip, copy them in, release them in one.
+
+        ``after``: the engine stream's event (``PagedKV.mark``) the copies into the cache wait for.
+        """
         started = time.monotonic()
+        if self._load_staging is not None:
+            self._load_staging.after(after)
         chunks = [chunk for _, plan in plans for chunk in plan.chunks]
         # Each chunk's stored pieces: the one whole chunk at equal TP, else every overlapping head range.
         keys = [chunk.keys[i] for chunk in chunks for i, _ in self.heads.reads]
@@ -353,11 +362,15 @@ class MaruWorker:
                     buf = bytearray(pin.nbytes)
                     pin.read_into(buf)  # verified: a changed piece raises ChecksumMismatch
                     pieces.append((heads, buf))
-                paged.scatter(paged.reshard(pieces, self.heads.heads, self.blocks_per_chunk), chunk.slots)
+                joined = paged.reshard(pieces, self.heads.heads, self.blocks_per_chunk)
+                if self._load_staging is None:  # dense CPU pages: a plain copy, done when it returns
+                    paged.scatter(joined, chunk.slots)
+                else:  # on the load stream, ordered and fenced like every other staged load
+                    flat = joined.reshape(-1)
+                    self._load_staging.scatter(lambda host, f=flat: torch.from_numpy(host).copy_(f), chunk.slots)
                 copied[i] = True
             except Exception as err:  # a corrupt or odd-sized piece is a failed load, not an engine error
                 self._unusable(chunk, type(err).__name__, err)
-        paged.finish_copies()
         return copied
 
     def _targets(self, chunk: ChunkLoad) -> list[int | None]:
