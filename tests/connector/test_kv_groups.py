@@ -22,14 +22,15 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from maru_connector.vllm.groups import KVGroup, hit_tokens, kv_groups, load_slots
+from maru_connector.vllm.groups import KVGroup, held_blocks, hit_tokens, kv_groups, load_slots
 from maru_contracts import hits
 from maru_localcluster.tinymodel import make_tiny_llama
 
-from .realsched import BS, HD, HEADS, prompt
+from .realsched import BS, HAS_REQ_ID_TO_INDEX, HD, HEADS, prompt
 
 CHUNK = 2 * BS
 WINDOW = 3 * BS  # spans parts of two chunks: a chunk the window starts inside is loaded from that block on
@@ -147,3 +148,42 @@ def test_a_full_group_needs_every_chunk_and_a_window_only_its_own() -> None:
     # Tokens the engine holds itself are never loaded, in either group.
     assert list(full.needed_chunks(3 * CHUNK, end, BS, CHUNK)) == [3]
     assert list(window.needed_blocks(3 * CHUNK, end, BS)) == [6, 7]
+
+
+def test_a_sliding_window_group_lets_go_of_a_chunks_blocks_while_its_request_runs(
+    hybrid_scheduler: Scheduler,
+) -> None:
+    """Why several groups stay refused: the save lane copies a chunk after the step that computed it,
+    and by the next step vLLM has freed the sliding-window group's blocks of it (they may go to another
+    request); a retry from the block table would read the null block."""
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    request = Request(
+        "runs-past-its-window",
+        prompt(4 * CHUNK + 5, seed=9),
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        None,
+        block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")),
+    )
+    hybrid_scheduler.add_request(request)
+    manager, null = hybrid_scheduler.kv_cache_manager, hybrid_scheduler.kv_cache_manager.block_pool.null_block.block_id
+    per_chunk = CHUNK // BS
+    tables = []
+    for _ in range(2):
+        out = hybrid_scheduler.schedule()
+        tables.append(manager.get_block_ids(request.request_id))
+        ids = list(out.num_scheduled_tokens)
+        sampled = [
+            [7] if hybrid_scheduler.requests[r].num_computed_tokens >= request.num_prompt_tokens else [] for r in ids
+        ]
+        by_index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if HAS_REQ_ID_TO_INDEX else {}
+        hybrid_scheduler.update_from_output(out, ModelRunnerOutput(req_ids=ids, **by_index, sampled_token_ids=sampled))
+    (full_1, window_1), (full_2, window_2) = tables
+    # The step that computes the prompt holds every chunk in both groups ...
+    assert all(held_blocks(window_1, c, per_chunk, null) for c in range(4))
+    # ... the next has freed the window group's blocks its window moved past (blocks 0-4 of 9: token 261
+    # reads from token 166 on), in chunk 2 too, and none of the full group's.
+    assert [held_blocks(window_2, c, per_chunk, null) is not None for c in range(4)] == [False, False, False, True]
+    assert [held_blocks(full_2, c, per_chunk, null) for c in range(4)] == [
+        held_blocks(full_1, c, per_chunk, null) for c in range(4)
+    ]
+    hybrid_scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)

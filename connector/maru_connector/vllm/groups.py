@@ -134,3 +134,11 @@ def load_slots(
     for block in group.needed_blocks(start, end, block_size):
         out.setdefault(block // per_chunk, []).append((block % per_chunk, block_ids[block]))
     return {chunk: tuple(slots) for chunk, slots in out.items()}
+
+
+def held_blocks(block_ids: Sequence[int], chunk: int, per_chunk: int, null_block: int) -> tuple[int, ...] | None:
+    """The block ids of prompt chunk ``chunk`` in a request's block table for one group, or None when
+    the request no longer holds them all: vLLM put its null block where a sliding window moved past
+    (``remove_skipped_blocks``), and a save from there would store the null block's zeros as KV."""
+    ids = tuple(block_ids[chunk * per_chunk : (chunk + 1) * per_chunk])
+    return ids if len(ids) == per_chunk and null_block not in ids else None
