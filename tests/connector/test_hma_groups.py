@@ -45,5 +45,8 @@ def test_two_kv_cache_groups_are_refused_at_the_real_scheduler_naming_supports_h
     groups = [KVCacheGroupSpec(["layer0"], full), KVCacheGroupSpec(["layer1"], window)]
     config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
     vllm_config = engine.vllm_config
-    with pytest.raises(ConfigError, match=r"its KV cache has 2 groups .* does not implement SupportsHMA"):
+    with pytest.raises(
+        ConfigError,
+        match=r"its KV cache has 2 groups .* does not implement SupportsHMA yet \(its workers copy one group's",
+    ):
         Scheduler(vllm_config, config, StructuredOutputManager(vllm_config), block_size=BS)

