@@ -74,8 +74,10 @@ def page_order(layout: str, shape: CacheShape) -> str:
     return ("K" if shape.ratio > 1 else "") + inner
 
 
-def packed_offset(order: str, shape: CacheShape, layer: int, j: int, kv: int, n: int, h: int, d: int) -> int:
-    """Element offset of one K or V value in a packed 2-block chunk, from the page order alone."""
+def packed_offset(
+    order: str, shape: CacheShape, layer: int, j: int, kv: int, n: int, h: int, d: int, per_chunk: int = 2
+) -> int:
+    """Element offset of one K or V value in a packed ``per_chunk``-block chunk, from the page order alone."""
     kernel_tokens = shape.block_size // shape.ratio
     index = {"K": n // kernel_tokens, "H": h, "N": n % kernel_tokens, "C": kv * shape.head_size + d}
     size = {"K": shape.ratio, "H": shape.heads, "N": kernel_tokens, "C": 2 * shape.head_size}
@@ -83,7 +85,7 @@ def packed_offset(order: str, shape: CacheShape, layer: int, j: int, kv: int, n:
     for dim in order:
         offset = offset * size[dim] + index[dim]
     page = shape.ratio * shape.heads * kernel_tokens * 2 * shape.head_size
-    return (layer * 2 + j) * page + offset
+    return (layer * per_chunk + j) * page + offset
 
 
 def check_packed(order: str, shape: CacheShape, dtype: torch.dtype, chunk: bytearray, block_ids: list[int]) -> None:
@@ -93,7 +95,7 @@ def check_packed(order: str, shape: CacheShape, dtype: torch.dtype, chunk: bytea
         want = expected_kv(layer, b, shape, dtype, "cpu")
         for kv, n, h in itertools.product(range(2), range(shape.block_size), range(shape.heads)):
             d = (n * 7 + h) % shape.head_size  # one dim per row keeps this exhaustive over rows, and fast
-            got = values[packed_offset(order, shape, layer, j, kv, n, h, d)]
+            got = values[packed_offset(order, shape, layer, j, kv, n, h, d, len(block_ids))]
             assert got == want[kv, n, h, d], f"layer {layer} block {b} kv {kv} token {n} head {h} dim {d}"
 
 
@@ -144,11 +146,21 @@ def test_the_gpu_check_passes_on_this_cpu() -> None:
     header, *rows, verdict = out.lines
     columns = ["layout", "dtype", "block", "format", "round trip", *layout_check.MUTANTS]
     assert header.split() == " ".join(columns).split()
-    assert len(rows) == 16 + 6 and verdict.startswith("PASS: 22 cases on cpu")
-    # Round trip and the copy made before the kernel pass everywhere; no side stream on a CPU.
-    assert all(row.split()[-3:] == ["PASS", "PASS", "-"] for row in rows[:16]), out.text
+    # float32, float16 and fp8, each in every layout and two split blocks; then MLA in every layout.
+    assert len(rows) == 24 + 6 and verdict.startswith("PASS: 30 cases on cpu")
+    assert {row.split()[1] for row in rows[:24]} == {"float32", "float16", "float8_e4m3fn"}
+    # Round trip and the copy made before the kernel pass everywhere; no stream to skip a fence on a CPU.
+    assert all(row.split()[-3:] == ["PASS", "PASS", "-"] for row in rows[:24]), out.text
     # Then an MLA latent cache in every layout (one 576-wide latent per token): its round trip.
-    assert all("latent576" in row and row.split()[-3:] == ["PASS", "-", "-"] for row in rows[16:]), out.text
+    assert all("latent576" in row and row.split()[-3:] == ["PASS", "-", "-"] for row in rows[24:]), out.text
+
+
+def test_the_gpu_check_runs_whole_on_this_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """``main`` as a node runs it, in CPU mode: the table, the GB/s lines and one summary line last."""
+    assert layout_check.main(["--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("SUMMARY cpu: cases PASS; save ") and "contexts -" in lines[-1], lines[-1]
+    assert sum(line.startswith("throughput ") for line in lines) == len(layout_check.BENCH_LAYOUTS)
 
 
 @pytest.mark.parametrize(
@@ -171,15 +183,15 @@ def test_the_table_fails_when_a_broken_save_path_is_not_caught() -> None:
     mutants = {
         "harmless": (lambda paged: paged, ("cpu",)),
         "reversed": (lambda paged: mutant(ReversedBlocks, paged), ("cpu",)),  # wrong, but not early
-        "gpu-only": (layout_check.gather_on_side_stream, ("cuda",)),
+        "gpu-only": (layout_check.skip_fence, ("cuda",)),
     }
     out = Lines()
-    assert layout_check.run("cpu", mutants=mutants, out=out) == 2 * 16
-    header, *rows = out.lines[:17]
+    assert layout_check.run("cpu", mutants=mutants, out=out) == 2 * 24
+    header, *rows = out.lines[:25]
     assert header.split()[-3:] == ["harmless", "reversed", "gpu-only"]
     assert all(row.split()[-4:] == ["PASS", "FAIL", "FAIL", "-"] for row in rows), out.text
     assert "not for copying early" in out.text and "cannot vouch for the ordering" in out.text
-    assert out.lines[-1] == "FAIL: 32 check(s) failed on cpu"
+    assert out.lines[-1] == "FAIL: 48 check(s) failed on cpu"
 
 
 def test_layouts_with_the_same_page_order_share_chunks() -> None:
@@ -298,7 +310,7 @@ class ReversedBlocks(PagedKV):
         super().gather(list(reversed(block_ids)), out)
 
     def scatter(self, src, slots):
-        super().scatter(src, [(1 - j, d) for j, d in slots])
+        super().scatter(src, [(src.shape[1] - 1 - j, d) for j, d in slots])
 
 
 class SwappedLayers(PagedKV):
@@ -366,7 +378,7 @@ def test_plain_round_trip_alone_would_miss_a_shared_wrong_convention() -> None:
     )
     broken_chunk = bytearray(len(saved.chunk))
     broken = mutant(ReversedBlocks, saved.paged)
-    broken.gather(saved.block_ids, broken.chunk_view(broken_chunk, 2))
+    broken.gather(saved.block_ids, broken.chunk_view(broken_chunk, len(saved.block_ids)))
     with pytest.raises(AssertionError):
         check_packed("HNC", SHAPE, torch.float16, broken_chunk, saved.block_ids)
 

@@ -105,13 +105,17 @@ def test_layout_check_reports_save_and_load_throughput() -> None:
     """The line a GPU node prints (``--device cuda``), here on the CPU: its shape, never its speed."""
     out = io.StringIO()
     small = CacheShape(num_layers=2, num_blocks=256, heads=2, block_size=16, head_size=32)
-    assert layout_check.report_throughput("cpu", shape=small, out=out) == 0
+    failures, results = layout_check.report_throughput("cpu", shape=small, out=out)
+    assert failures == 0
     lines = out.getvalue().splitlines()
-    assert len(lines) == len(layout_check.BENCH_LAYOUTS)
+    assert len(lines) == len(results) == len(layout_check.BENCH_LAYOUTS)
     for line, layout in zip(lines, layout_check.BENCH_LAYOUTS, strict=True):
         match = re.fullmatch(
-            rf"throughput {layout} float32 on cpu: save [\d.e+-]+ GB/s, load [\d.e+-]+ GB/s "
-            r"\(8 chunks of [\d.]+ MiB, 2 layers, per rank\)",
+            rf"throughput {layout} float32 on cpu: save [\d.e+-]+ GB/s \([\d.]+x limit\), "
+            r"load [\d.e+-]+ GB/s \([\d.]+x limit\); host copy\+checksum [\d.e+-]+ GB/s "
+            r"\(8 chunks of [\d.]+ MiB, 2 layers, [\d.]+ GiB cache, per rank\)",
             line,
         )
         assert match, line
+    # Beside each: the limit measured on the same bytes (the host copy+checksum; pinned copies on a GPU).
+    assert all(t.host_gbps > 0 and t.save_limit == t.host_gbps and t.d2h_gbps == 0 for t in results)
