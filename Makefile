@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: help venv vllm-venvs test lint crds check-crds scan protos demo render bench images base-image clean
+.PHONY: help venv vllm-venvs test test-fast lint crds check-crds scan protos demo render bench images base-image clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ scan: venv $(CHECKOV_VENV)/.installed  ## checkov over the chart and the rendere
 
 test: lint check-crds scan vllm-venvs  ## every test: lint, CRD freshness, checkov, unit, real vLLM engines, operator on the API emulator, chart
 	$(PY) -m pytest
+
+test-fast: venv  ## the unit tier alone (pure functions and files; tests/conftest.py says which tier each test is)
+	$(PY) -m pytest -m unit -q
 
 demo: venv  ## the main job on one machine, no cluster, no GPU
 	$(PY) demo/run.py

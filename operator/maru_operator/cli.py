@@ -457,7 +457,7 @@ def _run(args: argparse.Namespace) -> int:
     if namespaces and pool_namespace not in namespaces:
         # The pools' daemons live there; without watching it the operator could not see them.
         namespaces.append(pool_namespace)
-    handlers.configure(
+    runtime = handlers.configure(
         handlers.Config(
             pool_namespace=pool_namespace,
             workers=args.workers,
@@ -502,6 +502,7 @@ def _run(args: argparse.Namespace) -> int:
             clusterwide=not namespaces,
             namespaces=namespaces,
             liveness_endpoint=args.liveness or None,
+            memo=handlers.memo(runtime),
         )
     )
     return 0

@@ -1,5 +1,9 @@
 """Thin kopf glue: watch events feed the cache and wake the right owner; the work queue does the rest.
 
+One operator run is a :class:`Runtime` (settings, cache, API client, controller, queue, tasks), built by the CLI
+or a test and handed to kopf as the run's ``memo``: the kopf handlers at the end of this module only pass their
+events to it, and nothing lives at module level.
+
 Level-based, as kopf's own reconciliation guide recommends: no create/update handlers and no diffs.
 An event of an owner, of any child it owns (by ownerReference), or of the pool a group is bound to
 only enqueues the owner's key; a periodic resync lists everything afresh and enqueues every owner (the
@@ -133,6 +137,9 @@ class Config:
 
 @dataclass
 class Runtime:
+    """One operator run: its settings, cache, API client, controller, work queue and tasks. The CLI (or a test)
+    builds it and hands it to kopf as the run's ``memo``; the kopf handlers below only pass events to it."""
+
     config: Config
     store: Store
     kube: Kube | None = None
@@ -145,20 +152,307 @@ class Runtime:
     # owner -> digest of its last watch event without status (see _desired_part)
     seen: dict[Key, Any] = field(default_factory=dict)
 
+    def enqueue(self, key: Key | None) -> None:
+        if key is not None and self.queue is not None:
+            self.queue.add(key)
 
-STATE = Runtime(config=Config(), store=Store())
+    def login(self, **kwargs: Any) -> kopf.ConnectionInfo:
+        if self.config.connection is None:
+            self.config.connection = login(**kwargs)
+        return self.config.connection
+
+    async def start(self, settings: kopf.OperatorSettings) -> None:
+        from maru_operator.workqueue import WorkQueue
+
+        # Our own writes explain themselves in Events; kopf's per-handler events would only add noise.
+        settings.posting.level = logging.WARNING
+        settings.persistence.diffbase_storage = NoDiffBase()
+        # Re-list and resume well before API servers or load balancers cut idle watches.
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.watching.reconnect_backoff = 1.0
+        settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
+        # The API server selects what is streamed: never every Deployment or Service in the cluster, and
+        # only the owners (and their children) of this operator instance. Server-side watch selectors are
+        # kopf >= 1.45 (hence the pin kopf>=1.45,<2).
+        config = self.config
+        for plural in ("marupools", "inferencegroups"):
+            settings.watching.label_selectors[GROUP, VERSION, plural] = owner_selector(config.instance)
+        for group, version, plural in (*CHILD_RESOURCES, ENDPOINT_SLICES):
+            settings.watching.label_selectors[group, version, plural] = child_selector(config.instance)
+        if config.connection is None:
+            config.connection = login(settings=settings)
+        self.kube = Kube(config.connection)
+        self.controller = Controller(
+            kube=self.kube,
+            store=self.store,
+            pool_namespace=config.pool_namespace,
+            fetch_status=config.fetch_status,
+            usage_interval=config.usage_interval,
+            network=config.network,
+            pacer=RolloutPacer(config.max_rolling_groups),
+            images=config.images,
+            data_plane_updates=config.data_plane_updates,
+            disaggregation_window=config.disaggregation_window,
+            read_pods=config.read_pods,
+            wake=self.enqueue,
+        )
+        self.queue = WorkQueue(self.controller.reconcile, workers=config.workers)
+        # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
+        selector = child_selector(config.instance)
+        watches = [("Secret", config.pool_namespace)] + [
+            (kind, ns) for kind in WATCHED_KINDS for ns in (config.namespaces or [None])
+        ]
+        self.watch_tasks = [
+            asyncio.create_task(
+                watch_kind(self.kube, self.store, kind, ns, selector, self.gone[kind]),
+                name=f"maru-watch-{kind}-{ns or 'all'}",
+            )
+            for kind, ns in watches
+        ]
+        log.info(
+            "operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
+            config.instance or "(default)",
+            config.pool_namespace,
+            config.workers,
+            config.resync_seconds,
+        )
+        if not config.leader_election:
+            await self.lead()
+            return
+        lease = LeaseSettings(
+            namespace=config.lease_namespace,
+            name=lease_name(config.instance),
+            identity=config.identity,
+            lease_seconds=config.lease_seconds,
+            renew_deadline=config.renew_deadline,
+            retry_period=config.retry_period,
+            release_namespace=config.pool_namespace,
+        )
+        log.info("waiting to lead: Lease %s/%s, identity %s", lease.namespace, lease.name, lease.identity)
+        elector = LeaderElector(self.kube, lease, on_lead=self.lead, on_lose=self.follow)
+        self.elector_task = asyncio.create_task(elector.run(), name="maru-leader-election")
+
+    async def lead(self) -> None:
+        """This replica reconciles: list everything afresh, start the workers and the resync timer."""
+        assert self.kube is not None and self.queue is not None
+        metrics.LEADER.set(1)
+        await self.prime(self.kube, self.config.namespaces)
+        self.queue.start()
+        self.resync_task = asyncio.create_task(self.resync(self.config.resync_seconds), name="maru-resync")
+
+    async def follow(self) -> None:
+        """This replica stops reconciling at once (another may take over); its watches keep the cache warm."""
+        metrics.LEADER.set(0)
+        if self.resync_task is not None:
+            self.resync_task.cancel()
+            await asyncio.gather(self.resync_task, return_exceptions=True)
+            self.resync_task = None
+        if self.queue is not None:
+            await self.queue.stop()
+
+    async def prime(self, kube: Kube, namespaces: list[str]) -> None:
+        """Observe everything once before the first reconcile (kopf's watches fill in the rest).
+
+        Without it, a restarted operator would reconcile groups before its child watches have listed and
+        try to create children that exist (writes nonetheless).
+        """
+        await self.relist(kube, namespaces)
+        for key in self.store.owners("MaruPool") + self.store.owners("InferenceGroup"):
+            self.enqueue(key)
+
+    async def relist(self, kube: Kube, namespaces: list[str], *, metadata_only: bool = False) -> None:
+        """Make the cache what the API has: list every kind the operator watches, forget what is gone.
+
+        After a watch gap ending in 410 Gone, kopf lists again but sends no DELETED event for what
+        went away meanwhile; without this, a group deleted in the gap would hold its pool's finalizer
+        forever. An object is forgotten only when the list is newer than the cached copy.
+
+        Lists are paged. ``metadata_only`` (the resync): the lists carry metadata alone, which is all that
+        finding the gone needs; the few objects the cache lacks or holds older than listed are read whole.
+        """
+        instance = self.config.instance
+        for kind in (*PRIMED_KINDS, *self.served_optional_kinds()):
+            selector = owner_selector(instance) if kind in ("MaruPool", "InferenceGroup") else child_selector(instance)
+            scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
+            if kind == "Secret":
+                scopes = [self.config.pool_namespace]  # the pools' keys; the operator reads no other namespace's
+            for namespace in scopes:
+                try:
+                    items, version = await kube.list_with_version(
+                        kind, namespace, selector, metadata_only=metadata_only
+                    )
+                except Exception as err:  # the watches and the next resync catch up
+                    log.warning("could not list %ss (%s); relying on the watch until the next resync", kind, err)
+                    continue
+                listed = set()
+                for item in items:
+                    # List items come without kind and apiVersion (or as PartialObjectMetadata): the cache keys on
+                    # kind.
+                    item["kind"] = kind
+                    key = key_of(item)
+                    listed.add(key)
+                    if metadata_only:
+                        await self.refresh(kube, key, item)
+                    else:
+                        self.store.put(item)
+                for key in self.store.keys(kind, namespace):
+                    cached = self.store.get(key)
+                    if key not in listed and cached is not None and not_newer(cached, version):
+                        log.info("%s %s is gone (not in a fresh list); forgetting it", kind, "/".join(key[1:]))
+                        await self.gone[kind](type="DELETED", body=cached)
+
+    def served_optional_kinds(self) -> tuple[str, ...]:
+        """The optional child kinds discovery last said the API serves: listed like the others (never listed where
+        their CRD is missing, which would only fail)."""
+        controller = self.controller
+        return ("InferencePool",) if controller is not None and controller.groups.inference_pools.known_served else ()
+
+    async def refresh(self, kube: Kube, key: Key, listed: dict[str, Any]) -> None:
+        """Read an object whole when a metadata list shows it newer than (or missing from) the cache."""
+        cached = self.store.get(key)
+        if cached is not None and not_newer(listed, cached.get("metadata", {}).get("resourceVersion")):
+            return
+        try:
+            obj = await kube.get(key[0], key[1] or None, key[2])
+        except Exception as err:  # the watch delivers it, or the next resync tries again
+            log.warning("could not read %s %s (%s)", key[0], "/".join(key[1:]), err)
+            return
+        if obj is not None:
+            obj.setdefault("kind", key[0])
+            self.store.put(obj)
+
+    async def cleanup(self) -> None:
+        if self.elector_task is not None:
+            # Stops reconciling and gives the Lease up, so another replica takes over at once.
+            self.elector_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.elector_task
+        await self.follow()
+        for task in self.watch_tasks:
+            task.cancel()
+        await asyncio.gather(*self.watch_tasks, return_exceptions=True)
+        self.watch_tasks = []
+        if self.kube is not None:
+            await self.kube.close()
+
+    def probe(self) -> dict[str, Any]:
+        queue = self.queue
+        return {"idle": bool(queue and queue.idle()), "processed": queue.processed if queue else 0}
+
+    async def resync(self, every: float) -> None:
+        """The timer: the cache is listed afresh and every owner is looked at regularly, events or not."""
+        while True:
+            await asyncio.sleep(every)
+            if self.kube is not None:
+                await self.relist(self.kube, self.config.namespaces, metadata_only=True)
+            for key in self.store.owners("MaruPool") + self.store.owners("InferenceGroup"):
+                self.enqueue(key)
+
+    def changed_beyond_status(self, key: Key, body: dict[str, Any]) -> bool:
+        """False for an event that changes only status since the last event of this owner.
+
+        Such an event is a status write (the operator's own, usually): reconciling on it would make
+        every status write trigger the next. Compared with the previous *event*, not the cache, which
+        the operator's own reads and writes also fill.
+        """
+        # A digest, not the part itself: a copy of every owner's spec held for this alone was several KB per group.
+        part = hashlib.blake2b(
+            json.dumps(_desired_part(body), sort_keys=True, default=str).encode(), digest_size=16
+        ).digest()
+        if self.seen.get(key) == part:
+            return False
+        self.seen[key] = part
+        return True
+
+    async def pool_event(self, type: str | None, body: kopf.Body, **_: Any) -> None:
+        obj = dict(body)
+        name = obj.get("metadata", {}).get("name", "")
+        if type == "DELETED":
+            self.store.remove(obj)
+            self.pool_fingerprints.pop(name, None)
+            self.seen.pop(key_of(obj), None)
+        else:
+            self.store.put(obj)
+            if self.changed_beyond_status(key_of(obj), obj):
+                self.enqueue(key_of(obj))
+        fingerprint = _pool_fingerprint(obj) if type != "DELETED" else None
+        if self.pool_fingerprints.get(name) != fingerprint:
+            if fingerprint is not None:
+                self.pool_fingerprints[name] = fingerprint
+            for group in self.store.groups_of_pool(name):
+                self.enqueue(group)
+
+    async def group_event(self, type: str | None, body: kopf.Body, **_: Any) -> None:
+        obj = dict(body)
+        key = key_of(obj)
+        before = self.store.get(key)
+        old_pool = ((before or {}).get("spec") or {}).get("poolRef", {}).get("name")
+        new_pool = (obj.get("spec") or {}).get("poolRef", {}).get("name")
+        if type == "DELETED":
+            self.store.remove(key)
+            self.seen.pop(key, None)
+            new_pool = None
+        else:
+            self.store.put(obj)
+            if self.changed_beyond_status(key, obj):
+                self.enqueue(key)
+        # A pool counts its groups and waits for them before it may be deleted.
+        if before is None or type == "DELETED" or old_pool != new_pool:
+            for pool in {old_pool, new_pool} - {None}:
+                self.enqueue(("MaruPool", "", pool))
+
+    async def child_event(self, type: str | None, body: kopf.Body, **_: Any) -> None:
+        obj = dict(body)
+        if "kind" not in obj:
+            return
+        # The echo of our own write (its answer is cached already), an object a relist put here, or a version
+        # older than one of those (a create's event arriving after the answer of the write that followed it):
+        # whoever cached the newer version has looked at it, so it wakes nobody.
+        echo = type != "DELETED" and self.store.holds_since(obj)
+        if type == "DELETED":
+            self.store.remove(obj)
+        elif not echo:
+            self.store.put(obj)
+        owner = owner_key(obj)
+        if not echo:
+            self.enqueue(owner)
+
+    async def slice_event(self, type: str | None, body: kopf.Body, **_: Any) -> None:
+        """A router Service's endpoints changed: its group's Ready depends on them."""
+        obj = dict(body)
+        obj.setdefault("kind", "EndpointSlice")
+        if type == "DELETED":
+            self.store.remove(obj)
+        else:
+            self.store.put(obj)
+        meta = obj.get("metadata", {})
+        self.enqueue(
+            self.store.owner(
+                ("Service", meta.get("namespace") or "", (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))
+            )
+        )
+
+    @property
+    def gone(self) -> dict[str, Callable[..., Awaitable[None]]]:
+        """What a DELETED event of each kind runs: a relist that finds an object gone runs the same."""
+        return {
+            "MaruPool": self.pool_event,
+            "InferenceGroup": self.group_event,
+            "EndpointSlice": self.slice_event,
+            "InferencePool": self.child_event,
+            **{k: self.child_event for k in PRIMED_KINDS if k not in ("MaruPool", "InferenceGroup", "EndpointSlice")},
+        }
 
 
 def configure(config: Config) -> Runtime:
-    """Set what the next operator run uses (the CLI and tests call this before kopf starts)."""
-    global STATE
-    STATE = Runtime(config=config, store=Store())
-    return STATE
+    """A runtime for one operator run; kopf gets it as the run's memo (:func:`memo`)."""
+    return Runtime(config=config, store=Store())
 
 
-def _enqueue(key: Key | None) -> None:
-    if key is not None and STATE.queue is not None:
-        STATE.queue.add(key)
+def memo(runtime: Runtime) -> kopf.Memo:
+    """What kopf hands every handler of this run: the runtime they pass events to."""
+    return kopf.Memo(runtime=runtime)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -178,106 +472,6 @@ class NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
-@kopf.on.login(retries=3)
-def on_login(**kwargs: Any) -> kopf.ConnectionInfo:
-    if STATE.config.connection is None:
-        STATE.config.connection = login(**kwargs)
-    return STATE.config.connection
-
-
-@kopf.on.startup()
-async def on_startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
-    from maru_operator.workqueue import WorkQueue
-
-    # Our own writes explain themselves in Events; kopf's per-handler events would only add noise.
-    settings.posting.level = logging.WARNING
-    settings.persistence.diffbase_storage = NoDiffBase()
-    # Re-list and resume well before API servers or load balancers cut idle watches.
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
-    settings.watching.reconnect_backoff = 1.0
-    settings.networking.error_backoffs = [0.5, 1, 2, 4, 8]
-    # The API server selects what is streamed: never every Deployment or Service in the cluster, and
-    # only the owners (and their children) of this operator instance. Server-side watch selectors are
-    # kopf >= 1.45 (hence the pin kopf>=1.45,<2).
-    config = STATE.config
-    for plural in ("marupools", "inferencegroups"):
-        settings.watching.label_selectors[GROUP, VERSION, plural] = owner_selector(config.instance)
-    for group, version, plural in (*CHILD_RESOURCES, ENDPOINT_SLICES):
-        settings.watching.label_selectors[group, version, plural] = child_selector(config.instance)
-    if config.connection is None:
-        config.connection = login(settings=settings)
-    STATE.kube = Kube(config.connection)
-    STATE.controller = Controller(
-        kube=STATE.kube,
-        store=STATE.store,
-        pool_namespace=config.pool_namespace,
-        fetch_status=config.fetch_status,
-        usage_interval=config.usage_interval,
-        network=config.network,
-        pacer=RolloutPacer(config.max_rolling_groups),
-        images=config.images,
-        data_plane_updates=config.data_plane_updates,
-        disaggregation_window=config.disaggregation_window,
-        read_pods=config.read_pods,
-        wake=_enqueue,
-    )
-    STATE.queue = WorkQueue(STATE.controller.reconcile, workers=config.workers)
-    # Leader or not: like kopf's watches, it keeps the cache warm for a replica that may lead next.
-    selector = child_selector(config.instance)
-    watches = [("Secret", config.pool_namespace)] + [
-        (kind, ns) for kind in WATCHED_KINDS for ns in (config.namespaces or [None])
-    ]
-    STATE.watch_tasks = [
-        asyncio.create_task(
-            watch_kind(STATE.kube, kind, ns, selector, _GONE[kind]), name=f"maru-watch-{kind}-{ns or 'all'}"
-        )
-        for kind, ns in watches
-    ]
-    log.info(
-        "operator started: instance %s, pools' daemons go to namespace %s, %d workers, resync every %.0fs",
-        config.instance or "(default)",
-        config.pool_namespace,
-        config.workers,
-        config.resync_seconds,
-    )
-    if not config.leader_election:
-        await _lead()
-        return
-    lease = LeaseSettings(
-        namespace=config.lease_namespace,
-        name=lease_name(config.instance),
-        identity=config.identity,
-        lease_seconds=config.lease_seconds,
-        renew_deadline=config.renew_deadline,
-        retry_period=config.retry_period,
-        release_namespace=config.pool_namespace,
-    )
-    log.info("waiting to lead: Lease %s/%s, identity %s", lease.namespace, lease.name, lease.identity)
-    elector = LeaderElector(STATE.kube, lease, on_lead=_lead, on_lose=_follow)
-    STATE.elector_task = asyncio.create_task(elector.run(), name="maru-leader-election")
-
-
-async def _lead() -> None:
-    """This replica reconciles: list everything afresh, start the workers and the resync timer."""
-    assert STATE.kube is not None and STATE.queue is not None
-    metrics.LEADER.set(1)
-    await _prime(STATE.kube, STATE.config.namespaces)
-    STATE.queue.start()
-    STATE.resync_task = asyncio.create_task(_resync(STATE.config.resync_seconds), name="maru-resync")
-
-
-async def _follow() -> None:
-    """This replica stops reconciling at once (another may take over); its watches keep the cache warm."""
-    metrics.LEADER.set(0)
-    if STATE.resync_task is not None:
-        STATE.resync_task.cancel()
-        await asyncio.gather(STATE.resync_task, return_exceptions=True)
-        STATE.resync_task = None
-    if STATE.queue is not None:
-        await STATE.queue.stop()
-
-
 PRIMED_KINDS = (
     "MaruPool",
     "InferenceGroup",
@@ -294,131 +488,10 @@ PRIMED_KINDS = (
 )
 
 
-async def _prime(kube: Kube, namespaces: list[str]) -> None:
-    """Observe everything once before the first reconcile (kopf's watches fill in the rest).
-
-    Without it, a restarted operator would reconcile groups before its child watches have listed and
-    try to create children that exist (writes nonetheless).
-    """
-    await relist(kube, namespaces)
-    for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
-        _enqueue(key)
-
-
-async def relist(kube: Kube, namespaces: list[str], *, metadata_only: bool = False) -> None:
-    """Make the cache what the API has: list every kind the operator watches, forget what is gone.
-
-    After a watch gap ending in 410 Gone, kopf lists again but sends no DELETED event for what
-    went away meanwhile; without this, a group deleted in the gap would hold its pool's finalizer
-    forever. An object is forgotten only when the list is newer than the cached copy.
-
-    Lists are paged. ``metadata_only`` (the resync): the lists carry metadata alone, which is all that
-    finding the gone needs; the few objects the cache lacks or holds older than listed are read whole.
-    """
-    instance = STATE.config.instance
-    for kind in (*PRIMED_KINDS, *_served_optional_kinds()):
-        selector = owner_selector(instance) if kind in ("MaruPool", "InferenceGroup") else child_selector(instance)
-        scopes: list[str | None] = [None] if not namespaces or kind == "MaruPool" else list(namespaces)
-        if kind == "Secret":
-            scopes = [STATE.config.pool_namespace]  # the pools' keys; the operator reads no other namespace's
-        for namespace in scopes:
-            try:
-                items, version = await kube.list_with_version(kind, namespace, selector, metadata_only=metadata_only)
-            except Exception as err:  # the watches and the next resync catch up
-                log.warning("could not list %ss (%s); relying on the watch until the next resync", kind, err)
-                continue
-            listed = set()
-            for item in items:
-                # List items come without kind and apiVersion (or as PartialObjectMetadata); the cache keys on kind.
-                item["kind"] = kind
-                key = key_of(item)
-                listed.add(key)
-                if metadata_only:
-                    await _refresh(kube, key, item)
-                else:
-                    STATE.store.put(item)
-            for key in STATE.store.keys(kind, namespace):
-                cached = STATE.store.get(key)
-                if key not in listed and cached is not None and not_newer(cached, version):
-                    log.info("%s %s is gone (not in a fresh list); forgetting it", kind, "/".join(key[1:]))
-                    await _GONE[kind](type="DELETED", body=cached)
-
-
-def _served_optional_kinds() -> tuple[str, ...]:
-    """The optional child kinds discovery last said the API serves: listed like the others (never listed where
-    their CRD is missing, which would only fail)."""
-    controller = STATE.controller
-    return ("InferencePool",) if controller is not None and controller.groups.inference_pools.known_served else ()
-
-
-async def _refresh(kube: Kube, key: Key, listed: dict[str, Any]) -> None:
-    """Read an object whole when a metadata list shows it newer than (or missing from) the cache."""
-    cached = STATE.store.get(key)
-    if cached is not None and not_newer(listed, cached.get("metadata", {}).get("resourceVersion")):
-        return
-    try:
-        obj = await kube.get(key[0], key[1] or None, key[2])
-    except Exception as err:  # the watch delivers it, or the next resync tries again
-        log.warning("could not read %s %s (%s)", key[0], "/".join(key[1:]), err)
-        return
-    if obj is not None:
-        obj.setdefault("kind", key[0])
-        STATE.store.put(obj)
-
-
-@kopf.on.cleanup()
-async def on_cleanup(**_: Any) -> None:
-    if STATE.elector_task is not None:
-        # Stops reconciling and gives the Lease up, so another replica takes over at once.
-        STATE.elector_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await STATE.elector_task
-    await _follow()
-    for task in STATE.watch_tasks:
-        task.cancel()
-    await asyncio.gather(*STATE.watch_tasks, return_exceptions=True)
-    STATE.watch_tasks = []
-    if STATE.kube is not None:
-        await STATE.kube.close()
-
-
-@kopf.on.probe(id="queue")
-def queue_probe(**_: Any) -> dict[str, Any]:
-    queue = STATE.queue
-    return {"idle": bool(queue and queue.idle()), "processed": queue.processed if queue else 0}
-
-
-async def _resync(every: float) -> None:
-    """The timer: the cache is listed afresh and every owner is looked at regularly, events or not."""
-    while True:
-        await asyncio.sleep(every)
-        if STATE.kube is not None:
-            await relist(STATE.kube, STATE.config.namespaces, metadata_only=True)
-        for key in STATE.store.owners("MaruPool") + STATE.store.owners("InferenceGroup"):
-            _enqueue(key)
-
-
 def _desired_part(body: dict[str, Any]) -> Any:
     """The object without what status writes change (status, resourceVersion, managedFields)."""
     meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("resourceVersion", "managedFields")}
     return {**{k: v for k, v in body.items() if k != "status"}, "metadata": meta}
-
-
-def _changed_beyond_status(key: Key, body: dict[str, Any]) -> bool:
-    """False for an event that changes only status since the last event of this owner.
-
-    Such an event is a status write (the operator's own, usually): reconciling on it would make
-    every status write trigger the next. Compared with the previous *event*, not the cache, which
-    the operator's own reads and writes also fill.
-    """
-    # A digest, not the part itself: a copy of every owner's spec held for this alone was several KB per group.
-    part = hashlib.blake2b(
-        json.dumps(_desired_part(body), sort_keys=True, default=str).encode(), digest_size=16
-    ).digest()
-    if STATE.seen.get(key) == part:
-        return False
-    STATE.seen[key] = part
-    return True
 
 
 def _pool_fingerprint(body: dict[str, Any]) -> Any:
@@ -431,66 +504,13 @@ def _pool_fingerprint(body: dict[str, Any]) -> Any:
     return repr((body.get("spec"), bool(body.get("metadata", {}).get("deletionTimestamp")), health))
 
 
-@kopf.on.event(GROUP, VERSION, "marupools")
-async def pool_event(type: str | None, body: kopf.Body, **_: Any) -> None:
-    obj = dict(body)
-    name = obj.get("metadata", {}).get("name", "")
-    if type == "DELETED":
-        STATE.store.remove(obj)
-        STATE.pool_fingerprints.pop(name, None)
-        STATE.seen.pop(key_of(obj), None)
-    else:
-        STATE.store.put(obj)
-        if _changed_beyond_status(key_of(obj), obj):
-            _enqueue(key_of(obj))
-    fingerprint = _pool_fingerprint(obj) if type != "DELETED" else None
-    if STATE.pool_fingerprints.get(name) != fingerprint:
-        if fingerprint is not None:
-            STATE.pool_fingerprints[name] = fingerprint
-        for group in STATE.store.groups_of_pool(name):
-            _enqueue(group)
-
-
-@kopf.on.event(GROUP, VERSION, "inferencegroups")
-async def group_event(type: str | None, body: kopf.Body, **_: Any) -> None:
-    obj = dict(body)
-    key = key_of(obj)
-    before = STATE.store.get(key)
-    old_pool = ((before or {}).get("spec") or {}).get("poolRef", {}).get("name")
-    new_pool = (obj.get("spec") or {}).get("poolRef", {}).get("name")
-    if type == "DELETED":
-        STATE.store.remove(key)
-        STATE.seen.pop(key, None)
-        new_pool = None
-    else:
-        STATE.store.put(obj)
-        if _changed_beyond_status(key, obj):
-            _enqueue(key)
-    # A pool counts its groups and waits for them before it may be deleted.
-    if before is None or type == "DELETED" or old_pool != new_pool:
-        for pool in {old_pool, new_pool} - {None}:
-            _enqueue(("MaruPool", "", pool))
-
-
-async def _child_event(type: str | None, body: kopf.Body, **_: Any) -> None:
-    obj = dict(body)
-    if "kind" not in obj:
-        return
-    # The echo of our own write (its answer is cached already), an object a relist put here, or a version
-    # older than one of those (a create's event arriving after the answer of the write that followed it):
-    # whoever cached the newer version has looked at it, so it wakes nobody.
-    echo = type != "DELETED" and STATE.store.holds_since(obj)
-    if type == "DELETED":
-        STATE.store.remove(obj)
-    elif not echo:
-        STATE.store.put(obj)
-    owner = owner_key(obj)
-    if not echo:
-        _enqueue(owner)
-
-
 async def watch_kind(
-    kube: Kube, kind: str, namespace: str | None, selector: str, on_event: Callable[..., Awaitable[None]]
+    kube: Kube,
+    store: Store,
+    kind: str,
+    namespace: str | None,
+    selector: str,
+    on_event: Callable[..., Awaitable[None]],
 ) -> None:
     """Keep the cache's objects of ``kind`` (in ``namespace``, None: all) current, as an informer does.
 
@@ -509,8 +529,8 @@ async def watch_kind(
                     item["kind"] = kind
                     listed.add(key_of(item))
                     await on_event(type="ADDED", body=item)
-                for key in STATE.store.keys(kind, namespace):
-                    cached = STATE.store.get(key)
+                for key in store.keys(kind, namespace):
+                    cached = store.get(key)
                     if key not in listed and cached is not None and not_newer(cached, version):
                         await on_event(type="DELETED", body=cached)
             async for type_, obj in kube.watch(kind, namespace, selector, version):
@@ -531,33 +551,40 @@ async def watch_kind(
             await asyncio.sleep(WATCH_BACKOFF)
 
 
+# kopf's handlers: each passes its event to the run's runtime (kopf's memo), and nothing else.
+
+
+@kopf.on.login(retries=3)
+def on_login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo:
+    return memo.runtime.login(**kwargs)
+
+
+@kopf.on.startup()
+async def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    await memo.runtime.start(settings)
+
+
+@kopf.on.cleanup()
+async def on_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.runtime.cleanup()
+
+
+@kopf.on.probe(id="queue")
+def queue_probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
+    return memo.runtime.probe()
+
+
+@kopf.on.event(GROUP, VERSION, "marupools")
+async def pool_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await memo.runtime.pool_event(type=type, body=body)
+
+
+@kopf.on.event(GROUP, VERSION, "inferencegroups")
+async def group_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await memo.runtime.group_event(type=type, body=body)
+
+
 # Kopf watches only the children the operator does not watch itself (see WATCHED_KINDS).
-kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=OURS, id="child-inferencepools")(
-    _child_event
-)
-
-
-async def slice_event(type: str | None, body: kopf.Body, **_: Any) -> None:
-    """A router Service's endpoints changed: its group's Ready depends on them."""
-    obj = dict(body)
-    obj.setdefault("kind", "EndpointSlice")
-    if type == "DELETED":
-        STATE.store.remove(obj)
-    else:
-        STATE.store.put(obj)
-    meta = obj.get("metadata", {})
-    _enqueue(
-        STATE.store.owner(
-            ("Service", meta.get("namespace") or "", (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))
-        )
-    )
-
-
-# What a DELETED event of each kind would run: a relist that finds an object gone runs the same.
-_GONE = {
-    "MaruPool": pool_event,
-    "InferenceGroup": group_event,
-    "EndpointSlice": slice_event,
-    "InferencePool": _child_event,
-    **{kind: _child_event for kind in PRIMED_KINDS if kind not in ("MaruPool", "InferenceGroup", "EndpointSlice")},
-}
+@kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=OURS, id="child-inferencepools")
+async def inference_pool_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await memo.runtime.child_event(type=type, body=body)

@@ -128,6 +128,8 @@ class RunningOperator:
     def _main(self) -> None:
         import kopf
 
+        from maru_operator import handlers
+
         async def run() -> None:
             self._stop["flag"] = asyncio.Event()
             self._stop["loop"] = asyncio.get_running_loop()
@@ -141,6 +143,7 @@ class RunningOperator:
                 clusterwide=not namespaces,
                 namespaces=namespaces,
                 standalone=True,
+                memo=handlers.memo(self.runtime),
             )
 
         try:
@@ -197,13 +200,11 @@ def settle(op: RunningOperator, *, resync: bool = True, quiet_polls: int = 5) ->
     """Enqueue every owner (as the resync timer would) and wait until the queue stays idle."""
     import time
 
-    from maru_operator import handlers
-
     if resync:
 
         def enqueue_all() -> None:
             for key in op.runtime.store.owners("MaruPool") + op.runtime.store.owners("InferenceGroup"):
-                handlers._enqueue(key)
+                op.runtime.enqueue(key)
 
         op.call(enqueue_all)
     quiet = 0

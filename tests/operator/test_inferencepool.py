@@ -249,7 +249,6 @@ def test_an_inference_pool_deleted_in_a_watch_gap_is_made_again_at_the_resync(
 ) -> None:
     """kopf's watch resumed after a 410 lists again but tells nothing of what went meanwhile: the resync's lists
     cover the kind (once discovery serves it), and the group writes its pool again."""
-    from maru_operator import handlers
     from tests.operator.test_resync import on_loop
 
     op, made = _served_group(cluster, stats)
@@ -265,7 +264,7 @@ def test_an_inference_pool_deleted_in_a_watch_gap_is_made_again_at_the_resync(
             lambda e: any("/inferencepools" in p for p in e.open_watches()), message="the InferencePool watch, again"
         )
         settle(op, resync=False)
-        on_loop(op, handlers.relist(op.runtime.kube, [], metadata_only=True))
+        on_loop(op, op.runtime.relist(op.runtime.kube, [], metadata_only=True))
         again = cluster.wait_for(POOLS, "qwen", GROUP_NS)
         assert again["metadata"]["uid"] != made["metadata"]["uid"]
     finally:

@@ -37,7 +37,7 @@ def fleet(cluster: KubeEmulator, operator: RunningOperator) -> KubeEmulator:
 
 def test_a_resync_of_a_converged_fleet_writes_nothing(fleet: KubeEmulator, operator: RunningOperator) -> None:
     mark = fleet.mark()
-    on_loop(operator, handlers.relist(operator.runtime.kube, [], metadata_only=True))
+    on_loop(operator, operator.runtime.relist(operator.runtime.kube, [], metadata_only=True))
     settle(operator)  # and every owner reconciled, as the resync timer does
     writes = object_writes(fleet, mark)
     assert writes == [], [f"{r.method} {r.path}" for r in writes]
@@ -54,7 +54,7 @@ def test_an_echo_of_its_own_write_wakes_nothing(fleet: KubeEmulator, operator: R
 
     async def deliver() -> None:
         for obj in echoes:  # what the watch sends after the operator's own write: the version it holds
-            await handlers._child_event(type="MODIFIED", body=obj)
+            await operator.runtime.child_event(type="MODIFIED", body=obj)
 
     on_loop(operator, deliver())
     settle(operator, resync=False)
