@@ -208,3 +208,53 @@ def test_pages_are_copied_in_the_widest_element_their_bytes_allow(content_bytes:
     paged.gather([2, 1], paged.chunk_view(chunk, 2))
     paged.scatter(paged.chunk_view(chunk, 2), [(0, 0), (1, 3)])
     assert torch.equal(t[0], t[2]) and torch.equal(t[3], t[1])
+
+
+def test_a_resharded_load_goes_through_the_load_stream_and_never_syncs_the_engines(
+    monkeypatch: pytest.MonkeyPatch, pool
+) -> None:
+    """Chunks stored by the two ranks of a TP=2 engine, loaded by a TP=1 engine on a GPU: the joined heads are
+    scattered by the load lane's copier (its stream, after the engine's event), not on the current stream with
+    a stream synchronisation to follow (what ``PagedKV.finish_copies`` did)."""
+    heads, bs, hd, blocks = 4, 32, 32, 16
+    keys = {label: f"chunk-{label}".encode().ljust(16, b".")[:16] for label in ("0-2/4", "2-4/4")}
+
+    def make(tp: int, rank: int) -> MaruWorker:
+        extra = {"maru_pool_url": pool.url, "maru_kv_chunk_tokens": 2 * bs, "maru_kv_writer_tp": 2}
+        return MaruWorker(
+            fakes.vllm_config(block_size=bs, tp=tp, kv_heads=heads),
+            fakes.kv_cache_config(block_size=bs, heads=heads // tp, head_size=hd, num_blocks=blocks),
+            MaruConnectorConfig.from_extra_config(extra), loads=True, saves=True, tp_rank=rank,
+        )  # fmt: skip
+
+    full = [torch.randn(blocks, heads, bs, 2 * hd) for _ in range(2)]
+    for rank in range(2):
+        writer = make(2, rank)
+        writer.register_kv_caches({f"layer{i}": kv[:, 2 * rank : 2 * rank + 2].clone() for i, kv in enumerate(full)})
+        # Every rank's keys, in rank order (the scheduler half's plan): each rank stores under its own.
+        chunk = ChunkSave(index=0, keys=tuple(keys.values()), parents=(None, None), block_ids=(2, 3))
+        writer.save(MaruConnectorMetadata(saves={"r": SavePlan(chunks=(chunk,))}))
+        writer.wait_idle()
+        writer.finished(None)
+        assert writer.report().saves == {("r", 0): "stored"}
+        writer.shutdown()
+
+    calls = fakecuda.install(monkeypatch)
+    describe = worker_module.describe_kv_caches
+    monkeypatch.setattr(worker_module, "describe_kv_caches", lambda *a, **kw: fakecuda.on_gpu(describe(*a, **kw)))
+    reader = make(1, 0)
+    caches = {f"layer{i}": torch.zeros(blocks, heads, bs, 2 * hd) for i in range(2)}
+    reader.register_kv_caches(caches)
+    assert not reader.heads.whole and reader._load_staging is not None
+    calls.log.clear()
+    plan = LoadPlan(load_id=1, chunks=(ChunkLoad(keys=tuple(keys.values()), slots=((0, 5), (1, 6))),))
+    reader.load(MaruConnectorMetadata(loads={"r": plan}))
+    reader.finished(None)
+    assert reader.report().loads == {1: -1}
+    for i, kv in enumerate(full):
+        assert torch.equal(caches[f"layer{i}"][[5, 6]], kv[[2, 3]])
+    lane_stream = reader._load_staging._stream.name
+    (mark,) = [c for c in calls.of("record") if c[3] == "engine"]
+    assert calls.index("wait_event", lane_stream, mark[2]) < calls.index("enter stream", lane_stream)
+    assert not calls.of("stream synchronize"), calls.of("stream synchronize")
+    reader.shutdown()
