@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from maru_localcluster.apiserver import Emulator, JsonObj
+from maru_localcluster.controllers import resolve_int_or_percent
 
 if TYPE_CHECKING:
     from maru_localcluster.server import KubeEmulator
@@ -116,6 +117,8 @@ class KubeControllers:
         self.pods = pods
         self._pod_ips = itertools.count(2)
         self._templates: dict[str, tuple[str, int]] = {}  # Deployment uid -> (its pod template, its revision)
+        # Deployment uid -> (its newest pod template, pods of older templates still running)
+        self._rolls: dict[str, tuple[str, int]] = {}
         self._readiness: Readiness = lambda obj: True
         self._held = False
         self._paused = False
@@ -434,16 +437,45 @@ class KubeControllers:
         self._templates[uid] = (template, revision)
         return str(revision)
 
+    def _roll(self, deploy: JsonObj, desired: int, ready: int) -> tuple[int, int]:
+        """(pods of the newest template, pods of older ones) after this pass. A new Deployment gets all its pods
+        at once; a new template replaces the old pods as fast as its own become ready, and while they do not
+        the rollout stops where the strategy lets it (kube-controller-manager, pkg/controller/deployment/
+        rolling.go: the new ReplicaSet grows to replicas + maxSurge less the old pods, the old ones shrink only
+        down to replicas - maxUnavailable while the new ones are unavailable)."""
+        spec = deploy.get("spec") or {}
+        template = json.dumps(spec.get("template"), sort_keys=True)
+        uid = deploy["metadata"]["uid"]
+        last, old = self._rolls.get(uid, (template, 0))
+        if last != template:
+            old = max(old, desired)  # every pod running so far has an older template now
+        strategy = spec.get("strategy") or {}
+        if ready >= desired or strategy.get("type") == "Recreate":
+            old = 0
+        if old:
+            pace = strategy.get("rollingUpdate") or {}
+            surge = resolve_int_or_percent(pace.get("maxSurge", "25%"), desired, round_up=True)
+            unavailable = resolve_int_or_percent(pace.get("maxUnavailable", "25%"), desired, round_up=False)
+            old = min(old, max(0, desired - unavailable))
+            new = min(desired, max(0, desired + surge - old))
+        else:
+            new = desired
+        self._rolls[uid] = (template, old)
+        return new, old
+
     def _deployment_status(self, deploy: JsonObj, schedulable: int | None = None) -> JsonObj:
         spec = deploy.get("spec") or {}
         desired = int(spec.get("replicas", 1))
         ready = self._ready_count(deploy, desired if schedulable is None else min(desired, schedulable))
+        # updatedReplicas: the pods of the newest ReplicaSet, ready or not (pkg/controller/deployment/sync.go
+        # calculateStatus, GetActualReplicaCountForReplicaSets of the new ReplicaSet); replicas: all of them.
+        updated, older = self._roll(deploy, desired, ready)
         old = deploy.get("status") or {}
         status = _nonzero(
             {
                 "observedGeneration": deploy["metadata"].get("generation", 1),
-                "replicas": desired,
-                "updatedReplicas": desired,
+                "replicas": updated + older,
+                "updatedReplicas": updated,
                 "readyReplicas": ready,
                 "availableReplicas": ready,
                 "unavailableReplicas": desired - ready,

@@ -902,6 +902,30 @@ def test_controllers_report_deployment_readiness(kube: KubeEmulator, kube_contro
     assert partial["status"]["readyReplicas"] == 1 and partial["status"]["replicas"] == 2
 
 
+def test_controllers_count_the_newest_templates_pods_as_updated(
+    kube: KubeEmulator, kube_controllers: KubeControllers
+) -> None:
+    """updatedReplicas counts the pods of the newest template, ready or not; replicas counts every pod. A new
+    template whose pods never become ready stops where the strategy lets it, the old pods kept."""
+    kube.create(_deployment("d", 3))
+    kube.wait_for("deployments.apps", "d", "default", lambda o: o.get("status", {}).get("updatedReplicas") == 3)
+    kube_controllers.set_readiness(lambda obj: False)  # a pod down after the rollout: nothing left to roll
+    down = kube.wait_for("deployments.apps", "d", "default", lambda o: "readyReplicas" not in o["status"])
+    assert down["status"]["updatedReplicas"] == 3 and down["status"]["replicas"] == 3
+
+    patch = {"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "j"}]}}}}
+    patch["spec"]["strategy"] = {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 1}}
+    kube.patch("deployments.apps", "d", patch, "default")
+    stuck = kube.wait_for("deployments.apps", "d", "default", lambda o: o["status"].get("observedGeneration") == 2)
+    # rolling.go: the old ReplicaSet shrinks to replicas - maxUnavailable, the new grows to replicas + maxSurge
+    # less the old pods, and no further while the new pods are unavailable.
+    assert (stuck["status"]["updatedReplicas"], stuck["status"]["replicas"]) == (2, 4)
+
+    kube_controllers.set_readiness(lambda obj: True)
+    done = kube.wait_for("deployments.apps", "d", "default", lambda o: o["status"].get("readyReplicas") == 3)
+    assert (done["status"]["updatedReplicas"], done["status"]["replicas"]) == (3, 3)
+
+
 def test_controllers_keep_endpoint_slices_of_services(kube: KubeEmulator, kube_controllers: KubeControllers) -> None:
     kube_controllers.set_readiness(lambda obj: 1)
     kube.create(_deployment("d", 2))
