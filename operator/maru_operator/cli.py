@@ -178,7 +178,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_GROUPS,
         help="groups whose vLLM pods roll out at once; a pod template change of another waits "
-        "(an operator upgrade then restarts the fleet a few groups at a time); 0: no bound",
+        "(an operator upgrade then restarts the fleet a few groups at a time); a group annotated "
+        "maru.io/rollout-pacing=off is never held and holds no slot; 0: no bound",
     )
     run.add_argument(
         "--data-plane-updates",
