@@ -47,18 +47,27 @@ def vllm_config(
 
 
 def kv_cache_config(
-    *, block_size: int = BLOCK, heads: int = 2, head_size: int = 64, num_blocks: int = 16
+    *, block_size: int = BLOCK, heads: int = 2, head_size: int = 64, num_blocks: int = 16, window: int | None = None
 ) -> SimpleNamespace:
-    """One group of vLLM's own full-attention spec over two layers: what a Llama engine hands the connector."""
+    """One group of vLLM's own full-attention spec over two layers: what a Llama engine hands the connector.
+
+    ``window``: two groups instead, as vLLM's hybrid manager builds them: layer0 full attention, layer1 a
+    sliding window of that many tokens."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float32)
+    groups = [SimpleNamespace(kv_cache_spec=spec, layer_names=["layer0", "layer1"])]
+    if window is not None:
+        sliding = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float32, sliding_window=window
+        )
+        groups = [
+            SimpleNamespace(kv_cache_spec=spec, layer_names=["layer0"]),
+            SimpleNamespace(kv_cache_spec=sliding, layer_names=["layer1"]),
+        ]
     return SimpleNamespace(
-        hash_block_size=block_size,
-        num_blocks=num_blocks,
-        kv_cache_layout="LBHNC",
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["layer0", "layer1"])],
+        hash_block_size=block_size, num_blocks=num_blocks, kv_cache_layout="LBHNC", kv_cache_groups=groups
     )
 
 

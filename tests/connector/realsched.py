@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -44,8 +45,17 @@ class Engine:
     """One scheduler and one TP rank, stepped by the test."""
 
     def __init__(
-        self, model_dir: Path, pool_url: str, *, num_blocks: int, prefix_caching: bool = False, **extra: Any
+        self,
+        model_dir: Path,
+        pool_url: str,
+        *,
+        num_blocks: int,
+        prefix_caching: bool = False,
+        window: int | None = None,
+        **extra: Any,
     ) -> None:
+        """``window``: two KV cache groups, layer0 full attention and layer1 a sliding window of that many
+        tokens, served by :class:`HybridMaruConnector`."""
         model = make_tiny_llama(model_dir)
         extra_config = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
         extra_config |= {f"maru_{k}": v for k, v in extra.items()}
@@ -56,8 +66,8 @@ class Engine:
                 max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
             ),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="MaruConnector",
-                kv_connector_module_path="maru_connector.vllm",
+                kv_connector="MaruConnector" if window is None else "HybridMaruConnector",
+                kv_connector_module_path="maru_connector.vllm" if window is None else __name__,
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config=extra_config,
@@ -65,19 +75,28 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32)
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
+        worker_cache = fakes.kv_cache_config(
+            block_size=BS, heads=HEADS, head_size=HD, num_blocks=num_blocks, window=window
         )
+        groups = [KVCacheGroupSpec(g.layer_names, g.kv_cache_spec) for g in worker_cache.kv_cache_groups]
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.sched = Scheduler(
             self.vllm_config, kv_cache_config, StructuredOutputManager(self.vllm_config), block_size=BS
         )
         assert isinstance(self.sched.connector, MaruConnector)
         self.connector = self.sched.connector
         cfg = MaruConnectorConfig.from_extra_config(extra_config)
-        worker_cache = fakes.kv_cache_config(block_size=BS, heads=HEADS, head_size=HD, num_blocks=num_blocks)
-        self.worker = MaruWorker(fakes.vllm_config(block_size=BS), worker_cache, cfg, loads=True, saves=True, tp_rank=0)
-        self.worker.register_kv_caches({name: torch.zeros(num_blocks, HEADS, BS, 2 * HD) for name in LAYERS})
+        self.worker = MaruWorker(
+            fakes.vllm_config(block_size=BS),
+            worker_cache,
+            cfg,
+            loads=True,
+            saves=True,
+            tp_rank=0,
+            several_groups=window is not None,
+        )
+        self.kv_caches = {name: torch.zeros(num_blocks, HEADS, BS, 2 * HD) for name in LAYERS}
+        self.worker.register_kv_caches(self.kv_caches)
         self.connector.set_xfer_handshake_metadata({0: self.worker.handshake()})
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -139,6 +158,17 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
+
+
+class HybridMaruConnector(MaruConnector, SupportsHMA):
+    """The connector with several KV cache groups let through, as vLLM's hybrid manager hands them."""
+
+    several_groups = True
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return super().request_finished_all_groups(request, block_ids)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -8,6 +8,8 @@ at start with the reason, never accepted and served wrong (keys and block ids of
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from maru_connector.vllm import MaruConnector
 from maru_contracts.config import ConfigError
 
-from .realsched import BS, HD, HEADS, Engine
+from .realsched import BS, CHUNK, HD, HEADS, Engine, prompt
 
 NO_POOL = "unix:///nonexistent/maru/pool.sock"
 
@@ -50,3 +52,78 @@ def test_two_kv_cache_groups_are_refused_at_the_real_scheduler_naming_supports_h
         match=r"its KV cache has 2 groups .* does not implement SupportsHMA yet \(its workers copy one group's",
     ):
         Scheduler(vllm_config, config, StructuredOutputManager(vllm_config), block_size=BS)
+
+
+def run_until(engine: Engine, done: Callable[[], bool]) -> None:
+    """Step until ``done()``, letting the pool lookups answer and the worker's copies finish in between."""
+    for _ in range(400):
+        if done():
+            return
+        engine.step()
+        engine.worker.wait_idle()
+        time.sleep(0.01)
+    raise AssertionError("not done after 400 steps")
+
+
+WINDOW = 3 * BS  # 96 tokens: a hit ending at token 256 reads tokens 161..255, blocks 5-7 (chunks 2 and 3)
+
+
+def test_two_groups_are_stored_and_loaded_each_with_its_own_blocks(pool, tmp_path: Path) -> None:
+    """vLLM's real Scheduler with its hybrid manager on (a full and a sliding-window group), the connector's
+    scheduler half and a real worker over a real pool: the first request stores every chunk of both groups
+    from their own block tables; the same prompt again loads the full group's chunks and only the sliding
+    group's window, into the blocks vLLM gave it, and every loaded block equals the stored one byte for byte."""
+    engine = Engine(tmp_path, pool.url, num_blocks=64, window=WINDOW)
+    manager, worker, kv = engine.sched.kv_cache_manager, engine.worker, engine.kv_caches
+    layer = {0: "layer0", 1: "layer1"}  # the full group's layer, the sliding group's
+    per_chunk = CHUNK // BS
+    seen: list[tuple[str, dict, tuple[list[int], ...]]] = []  # (what, the step's plans, the request's tables)
+    save, load = worker.save, worker.load
+
+    def saving(meta) -> None:
+        if "a" in meta.saves:
+            seen.append(("save", dict(meta.saves), manager.get_block_ids("a")))
+        save(meta)
+
+    def loading(meta) -> None:
+        if "b" in meta.loads:
+            seen.append(("load", dict(meta.loads), manager.get_block_ids("b")))
+        load(meta)
+
+    worker.save, worker.load = saving, loading  # type: ignore[method-assign]
+    try:
+        assert engine.sched.kv_cache_config.kv_cache_groups[1].kv_cache_spec.sliding_window == WINDOW
+        torch.manual_seed(0)
+        for t in kv.values():
+            t.copy_(torch.randn_like(t))
+        tokens = prompt(4 * CHUNK + 5, seed=3)
+        engine.add("a", tokens, max_tokens=1)
+        run_until(engine, lambda: "a" in engine.finished_sending)
+        [(_, plans, tables)] = [s for s in seen if s[0] == "save"]
+        stored = {(c.group, c.index): c.block_ids for c in plans["a"].chunks}
+        assert stored == {
+            (g, i): tuple(tables[g][i * per_chunk : (i + 1) * per_chunk]) for g in (0, 1) for i in range(4)
+        }
+        snapshot = {(g, b): kv[layer[g]][tables[g][b]].clone() for g in (0, 1) for b in range(4 * per_chunk)}
+        for t in kv.values():
+            t.zero_()
+
+        second = engine.add("b", tokens, max_tokens=1)
+        run_until(engine, second.is_finished)
+        [(_, plans, (full_ids, window_ids))] = [s for s in seen if s[0] == "load"]
+        got = {(c.group, c.index): c.slots for c in plans["b"].chunks}
+        # The capped hit: 4 chunks (the prompt's 5 last tokens are computed). The sliding group reads
+        # tokens 161..255 when computing token 256: blocks 5-7 only, and vLLM nulled blocks 0-4.
+        assert got == {
+            **{(0, i): tuple((j, full_ids[i * per_chunk + j]) for j in range(per_chunk)) for i in range(4)},
+            (1, 2): ((1, window_ids[5]),),
+            (1, 3): ((0, window_ids[6]), (1, window_ids[7])),
+        }
+        null = manager.block_pool.null_block.block_id
+        assert window_ids[:5] == [null] * 5
+        for (g, index), slots in got.items():
+            for j, block in slots:
+                assert torch.equal(kv[layer[g]][block], snapshot[(g, index * per_chunk + j)]), (g, index, j)
+        assert not kv[layer[1]][null].any()  # the null block is never written
+    finally:
+        engine.close()

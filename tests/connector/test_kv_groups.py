@@ -66,8 +66,9 @@ def test_groups_are_read_from_the_kv_cache_config_with_labels_for_their_keys() -
     assert full == KVGroup(0, ("layer0",), None, "0/2:full")
     assert window == KVGroup(1, ("layer1",), WINDOW, f"1/2:sliding_window={WINDOW}")
     mamba = KVCacheGroupSpec(["m"], MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,)))
-    with pytest.raises(ValueError, match="KV cache group 0 holds MambaSpec"):
-        kv_groups(KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[mamba]))
+    attention = two_groups(16).kv_cache_groups[0]
+    with pytest.raises(ValueError, match="KV cache group 1 holds MambaSpec"):
+        kv_groups(KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[attention, mamba]))
 
 
 @pytest.mark.parametrize("external", [3 * BS, 5 * BS, 7 * BS, 8 * BS])

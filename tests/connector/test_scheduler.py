@@ -489,7 +489,7 @@ def test_a_mamba_engine_is_never_promised_a_hit(pool, monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError, match="state-space model"):
         MaruScheduler(fakes.vllm_config(), mamba, cfg, loads=True, saves=True)
 
-    monkeypatch.setattr(scheduler_module, "refuse_unsupported_kv_cache", lambda *_: None)
+    monkeypatch.setattr(scheduler_module, "refuse_unsupported_kv_cache", lambda *_, **__: None)
     sched = MaruScheduler(fakes.vllm_config(), mamba, cfg, loads=True, saves=True)
     sched.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **INFO)})
     req = fakes.request("r", 4 * CHUNK, seed=41)

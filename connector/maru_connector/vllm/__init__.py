@@ -139,6 +139,9 @@ class MaruConnector(KVConnectorBase_V1):
 
     # Test seam: the uncapped rule reproduces the engine crash the cap prevents.
     hit_rule = staticmethod(hits.capped_hit_tokens)
+    # Test seam: the scheduler half plans for several KV cache groups; the workers copy one group, so
+    # the connector does not implement SupportsHMA and several groups are refused (kvspec).
+    several_groups = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -149,7 +152,13 @@ class MaruConnector(KVConnectorBase_V1):
         self._worker: MaruWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = MaruScheduler(
-                vllm_config, kv_cache_config, self.cfg, loads=loads, saves=saves, hit_rule=type(self).hit_rule
+                vllm_config,
+                kv_cache_config,
+                self.cfg,
+                loads=loads,
+                saves=saves,
+                hit_rule=type(self).hit_rule,
+                several_groups=type(self).several_groups,
             )
             if loads and tc.kv_load_failure_policy != "recompute":
                 common.log.warning(
@@ -168,6 +177,7 @@ class MaruConnector(KVConnectorBase_V1):
                 saves=saves,
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_group=get_tp_group(),
+                several_groups=type(self).several_groups,
             )
         half = self._scheduler or self._worker
         self._stats = half.stats if half is not None else common.Counters()
@@ -476,6 +486,21 @@ class MaruConnector(KVConnectorBase_V1):
                 return self._sched.release_after_error(request.request_id), None
             except Exception as again:
                 self._failed("request_finished (releasing)", again, "its blocks are freed now")
+                return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, for a connector implementing ``SupportsHMA``: :meth:`request_finished` with every
+        KV cache group's blocks (vLLM calls only this one then)."""
+        try:
+            return self._sched.request_finished(request, tuple(block_ids))
+        except Exception as err:
+            self._failed("request_finished_all_groups", err, "its unsettled saves are given up")
+            try:
+                return self._sched.release_after_error(request.request_id), None
+            except Exception as again:
+                self._failed("request_finished_all_groups (releasing)", again, "its blocks are freed now")
                 return False, None
 
     def has_pending_block_frees(self) -> bool:

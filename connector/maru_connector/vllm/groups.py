@@ -70,15 +70,23 @@ class KVGroup:
         return range(blocks.start // per_chunk, (blocks.stop - 1) // per_chunk + 1)
 
 
+# An engine's one KV cache group, copied whole (its keys are those of every engine before groups).
+ONE_GROUP = KVGroup(0, (), None, "")
+
+
 def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     """The engine's KV cache groups, in vLLM's order (the order of ``KVCacheBlocks.get_block_ids()``).
 
-    Raises ValueError for a group that keeps neither all tokens nor a sliding window (chunked local
-    attention, Mamba state): no prefix of it could be loaded by these rules.
+    One group is copied whole, whatever its spec (what ``kvspec`` accepts: full attention, MLA, per-layer
+    specs, sliding layers vLLM allocated as full). Of several, raises ValueError for a group that keeps
+    neither all tokens nor a sliding window (chunked local attention, Mamba state): no prefix of it
+    could be loaded by these rules.
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) == 1:
+        return (KVGroup(0, tuple(groups[0].layer_names), None, group_label(0, 1, FULL)),)
     out = []
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
@@ -136,9 +144,10 @@ def load_slots(
     return {chunk: tuple(slots) for chunk, slots in out.items()}
 
 
-def held_blocks(block_ids: Sequence[int], chunk: int, per_chunk: int, null_block: int) -> tuple[int, ...] | None:
+def held_blocks(block_ids: Sequence[int], chunk: int, per_chunk: int, null_block: int | None) -> tuple[int, ...] | None:
     """The block ids of prompt chunk ``chunk`` in a request's block table for one group, or None when
     the request no longer holds them all: vLLM put its null block where a sliding window moved past
-    (``remove_skipped_blocks``), and a save from there would store the null block's zeros as KV."""
+    (``remove_skipped_blocks``), and a save from there would store the null block's zeros as KV.
+    ``null_block`` None: a full-attention group, whose table vLLM never nulls."""
     ids = tuple(block_ids[chunk * per_chunk : (chunk + 1) * per_chunk])
     return ids if len(ids) == per_chunk and null_block not in ids else None

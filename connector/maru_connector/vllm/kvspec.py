@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 WHAT_TO_DO = "serve this model without the Maru connector (no --kv-transfer-config)"
 
 
-def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
-    """Why the connector cannot copy this engine's KV cache, or None when it can."""
+def kv_cache_problem(kv_cache_config: KVCacheConfig, *, several_groups: bool = False) -> str | None:
+    """Why the connector cannot copy this engine's KV cache, or None when it can.
+
+    ``several_groups``: accept several groups of full or sliding-window attention (the scheduler half
+    plans for them, ``groups.py``; a test seam until the workers copy per group)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -64,7 +67,13 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     foreign = sorted({type(s).__name__ for s in layers if not isinstance(s, AttentionSpec)})
     if foreign:
         return f"its KV cache holds {', '.join(foreign)}, which is not paged attention KV (KV cache: {kinds})"
-    if len(groups) > 1:
+    if len(groups) > 1 and several_groups:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        odd = sorted({type(g.kv_cache_spec).__name__ for g in groups} - {"FullAttentionSpec", "SlidingWindowSpec"})
+        if odd or not all(isinstance(g.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec)) for g in groups):
+            return f"its KV cache groups hold {', '.join(odd)}, neither full nor sliding-window attention"
+    if len(groups) > 1 and not several_groups:
         return (
             f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
             "does not implement SupportsHMA yet (its workers copy one group's layers with one block table, and "
@@ -91,9 +100,11 @@ def is_latent_cache(kv_cache_config: KVCacheConfig) -> bool:
     return bool(layers) and all(isinstance(s, MLAAttentionSpec) for s in layers)
 
 
-def refuse_unsupported_kv_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+def refuse_unsupported_kv_cache(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, several_groups: bool = False
+) -> None:
     """Raise ``ConfigError`` naming the model when the connector cannot copy its KV cache."""
-    problem = kv_cache_problem(kv_cache_config)
+    problem = kv_cache_problem(kv_cache_config, several_groups=several_groups)
     if problem is None:
         return
     raise ConfigError(f"maru connector: model {_model_name(vllm_config)} cannot use the pool: {problem}; {WHAT_TO_DO}")

@@ -29,7 +29,7 @@ TAINTED = "tainted"  # computed over a load that failed: dropped; saved again on
 # request runs, never a reason to hold a finished request's blocks.
 SKIPPED = "skipped"
 # When ranks disagree, the worse outcome wins (a chunk counts as stored only if every rank stored it).
-_SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, SKIPPED: 1, ORPHAN: 2, TAINTED: 3}
+SEVERITY = {STORED: 0, PRESENT: 0, RETRY: 1, SKIPPED: 1, ORPHAN: 2, TAINTED: 3}
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,11 @@ class ChunkLoad:
     # reads the one holding exactly its heads, or every one overlapping them (keys.RankHeads.reads).
     keys: tuple[bytes, ...]
     # (block index within the chunk, destination block id): only the blocks the engine will not
-    # compute itself or hold already (local prefix-cache hits stay untouched).
+    # compute itself or hold already (local prefix-cache hits stay untouched), nor a sliding-window
+    # group's blocks before its window (vLLM's null block, see ``groups``).
     slots: tuple[tuple[int, int], ...]
+    group: int = 0  # the KV cache group whose layers and block table the chunk is for
+    index: int = -1  # the chunk's position in the prompt (-1: the plan's first_chunk + its position)
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,13 @@ class ChunkSave:
     # Per head range, the key of the chunk before this one (None for the first): the pool stores a
     # chunk only after its parent, so what it keeps of a prompt is always a prefix.
     parents: tuple[bytes | None, ...]
-    # Source block ids, in chunk order; exactly blocks_per_chunk of them.
+    # Source block ids, in chunk order; exactly blocks_per_chunk of them, in ``group``'s block table.
     block_ids: tuple[int, ...]
     # The prompt tokens the chunk covers, as little-endian uint32s (pool.protocol.pack_tokens), for the
     # pool's events (consumers of vLLM's KV events key blocks by tokens); None when they do not alone say
     # what the chunk holds, or are unknown. Every TP rank sends the same with its own key.
     token_ids: bytes | None = None
+    group: int = 0  # the KV cache group whose layers the chunk holds (keys.Namespace.kv_group)
 
 
 def chunk_token_ids(request: Any, index: int, chunk_tokens: int) -> bytes | None:
@@ -129,9 +133,12 @@ class MaruConnectorMetadata(KVConnectorMetadata):
     # Finished requests whose saves are all settled: workers report them in ``finished_sending``
     # (once their own save lane is done with them), and vLLM frees their blocks.
     free_now: frozenset[str] = frozenset()
+    # Running requests with saves in flight whose sliding-window blocks vLLM may have freed this step
+    # (``remove_skipped_blocks``) and may hand on: their saves finish before the step writes KV.
+    window_frees: frozenset[str] = frozenset()
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.preempted and not self.free_now
+        return not (self.loads or self.saves or self.preempted or self.free_now or self.window_frees)
 
 
 @dataclass
@@ -154,7 +161,7 @@ class MaruWorkerReport(KVConnectorWorkerMetadata):
         saves = dict(self.saves)
         for chunk, outcome in other.saves.items():
             mine = saves.get(chunk)
-            if mine is None or _SEVERITY[outcome] > _SEVERITY[mine]:
+            if mine is None or SEVERITY[outcome] > SEVERITY[mine]:
                 saves[chunk] = outcome
         return MaruWorkerReport(loads=loads, saves=saves)
 

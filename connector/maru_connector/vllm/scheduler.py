@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maru_connector.vllm import common
+from maru_connector.vllm.groups import ONE_GROUP, held_blocks, kv_groups, load_slots
 from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache, total_kv_heads
 from maru_connector.vllm.lookups import AsyncLookups
 from maru_connector.vllm.metadata import (
@@ -93,6 +94,9 @@ MAX_RETRY_BACKOFF_STEPS = 64
 UNREPORTED_AFTER_S = 60.0
 # A finished request keeps its blocks at most this long for saves still being retried.
 FINISHED_RETRY_S = 2.0
+# The block id of vLLM's null block (BlockPool takes the first free block for it): a sliding-window
+# group's table holds it where the window moved past, and nothing may be read from or written to it.
+NULL_BLOCK = 0
 
 
 class Chunk(enum.Enum):
@@ -124,7 +128,7 @@ class RequestState:
     load: LoadPlan | None = None  # planned at allocation, handed to the workers by the next build
     # Set once vLLM reported the request finished while saves were unsettled: its blocks are held.
     finished_at: float | None = None
-    finished_blocks: list[int] = field(default_factory=list)
+    finished_blocks: tuple[list[int], ...] = ()  # per KV cache group
     finished_tokens: int = 0
 
     def follow_prompt(self) -> None:
@@ -227,6 +231,11 @@ class _PendingLoad:
     first_chunk: int  # prompt index of the plan's first chunk
     since: float
     asynchronous: bool = False
+    chunk_index: tuple[int, ...] = ()  # prompt index of each of the plan's chunks, by position
+
+    def failed_chunk(self, position: int) -> int:
+        """The prompt chunk at ``position`` of the plan, which a worker names as the first that failed."""
+        return self.chunk_index[position] if position < len(self.chunk_index) else self.first_chunk + position
 
 
 class MaruScheduler:
@@ -241,12 +250,14 @@ class MaruScheduler:
         loads: bool,
         saves: bool,
         hit_rule: HitRule = hits.capped_hit_tokens,
+        several_groups: bool = False,
     ) -> None:
+        """``several_groups``: plan for several KV cache groups (a test seam: the workers copy one)."""
         refuse_unsupported_parallelism(vllm_config)
         # Before the block-size checks: a Mamba model's huge state "block" would otherwise be blamed
         # on the chunk size. Refused here too, not only in the workers, so this half never promises
         # a hit it cannot keep, whatever order vLLM builds the halves in.
-        refuse_unsupported_kv_cache(vllm_config, kv_cache_config)
+        refuse_unsupported_kv_cache(vllm_config, kv_cache_config, several_groups=several_groups)
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
@@ -264,11 +275,19 @@ class MaruScheduler:
         self.latent = is_latent_cache(kv_cache_config)
         total_heads = total_kv_heads(vllm_config, cfg.writer_tp, latent=self.latent)
         self.head_keys = head_keys(total_heads, self.tp_size, cfg.writer_tp)
-        every = tuple(range(len(self.head_keys.labels)))
-        # None where a chunk's keys are used as they are (always at equal TP): no per-chunk selection.
-        self._store_ix = None if self.head_keys.store == every else self.head_keys.store
-        self._load_ix = None if self.head_keys.load == every else self.head_keys.load
-        self.key_ranks = len(self.head_keys.load)  # keys a lookup reads per chunk
+        # Several KV cache groups (vLLM's hybrid manager: sliding-window layers beside full ones): a
+        # chunk has keys per group and head range, group-major; each group is stored and loaded with
+        # its own block table, a sliding-window group only where its window reaches (groups.py).
+        self.groups = kv_groups(kv_cache_config) if several_groups else (ONE_GROUP,)
+        self._window_groups = any(g.window is not None for g in self.groups)
+        # Per group, which of a chunk's keys it stores and loads; None where all of them, as they are
+        # (one group at equal TP): no per-chunk selection.
+        self._store_ix = [self._key_ix(self.head_keys.store, g) for g in range(len(self.groups))]
+        self._load_ix = [self._key_ix(self.head_keys.load, g) for g in range(len(self.groups))]
+        self._lookup_ix = (
+            self._load_ix[0] if len(self.groups) == 1 else tuple(i for ix in self._load_ix for i in ix or ())
+        )
+        self.key_ranks = len(self.head_keys.load) * len(self.groups)  # keys a lookup reads per chunk
         self.fingerprints: list[bytes] | None = None
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
@@ -336,7 +355,11 @@ class MaruScheduler:
             num_layers=num_layers,
             kv_heads=self.head_keys.labels[0],
         )
-        self.fingerprints = [self.namespace.for_heads(label).fingerprint() for label in self.head_keys.labels]
+        self.fingerprints = [
+            self.namespace.for_group(group.label).for_heads(label).fingerprint()
+            for group in self.groups
+            for label in self.head_keys.labels
+        ]
         common.log.info(
             "maru connector ready: pool %s, chunk %d tokens (%d blocks, %d bytes per rank), KV %s, "
             "%d layers, TP %d (%s), weights %s, loads %s, saves %s",
@@ -355,6 +378,13 @@ class MaruScheduler:
             self.loads_enabled,
             self.saves_enabled,
         )
+
+    def _key_ix(self, heads: tuple[int, ...], group: int) -> tuple[int, ...] | None:
+        """The positions in a chunk's keys of ``heads``' keys for KV cache group ``group``."""
+        every = len(self.head_keys.labels)
+        if len(self.groups) == 1:
+            return None if heads == tuple(range(every)) else heads
+        return tuple(group * every + h for h in heads)
 
     def _labels(self, ix: tuple[int, ...]) -> list[str]:
         return [self.head_keys.labels[i] for i in ix]
@@ -397,7 +427,7 @@ class MaruScheduler:
             state.looked_up_keys, state.answered = len(state.keys), False
             self.lookups.submit(
                 request.request_id,
-                state.keys.lookup_order(ranks=self._load_ix),
+                state.keys.lookup_order(ranks=self._lookup_ix),
                 expect=self._handoff_expected(request, state),
                 wait_s=self.cfg.handoff_wait_ms / 1000,
             )
@@ -459,17 +489,16 @@ class MaruScheduler:
         state = self._state(request)
         if num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()
         start, end = state.local_tokens, state.local_tokens + num_external_tokens
-        first_block, end_block = start // self.block_size, end // self.block_size
-        first_chunk = first_block // self.blocks_per_chunk
         plan: list[ChunkLoad] = []
-        for chunk in range(first_chunk, -(-end_block // self.blocks_per_chunk)):
-            base = chunk * self.blocks_per_chunk
-            slots = tuple(
-                (j, block_ids[base + j]) for j in range(self.blocks_per_chunk) if first_block <= base + j < end_block
-            )
-            plan.append(ChunkLoad(keys=_pick(state.keys[chunk], self._load_ix), slots=slots))
+        for group, ids in zip(self.groups, block_ids, strict=True):
+            for chunk, slots in load_slots(group, ids, start, end, self.block_size, self.chunk_tokens).items():
+                keys = _pick(state.keys[chunk], self._load_ix[group.index])
+                plan.append(ChunkLoad(keys=keys, slots=slots, group=group.index, index=chunk))
+        # Prompt order: a failed chunk fails every one after it, in every group.
+        plan.sort(key=lambda c: (c.index, c.group))
+        first_chunk = plan[0].index if plan else start // self.chunk_tokens
         state.load = LoadPlan(
             load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk, asynchronous=self.cfg.load_async
         )
@@ -484,7 +513,9 @@ class MaruScheduler:
         state = self._states.get(request.request_id)
         local = state.local_tokens if state is not None else 0
         end_block = -(-(local + num_external_tokens) // self.block_size)
-        self._abandoned[request.request_id] = tuple(blocks.get_block_ids()[0][local // self.block_size : end_block])
+        self._abandoned[request.request_id] = tuple(
+            b for ids in blocks.get_block_ids() for b in ids[local // self.block_size : end_block] if b != NULL_BLOCK
+        )
         if state is not None:
             state.load = None
 
@@ -514,9 +545,18 @@ class MaruScheduler:
         for req_id, plan in meta.loads.items():
             blocks = {d for chunk in plan.chunks for _, d in chunk.slots} | set(plan.fail_blocks)
             self._pending_loads[plan.load_id] = _PendingLoad(
-                req_id, frozenset(blocks), plan.first_chunk, now, plan.asynchronous
+                req_id,
+                frozenset(blocks),
+                plan.first_chunk,
+                now,
+                plan.asynchronous,
+                tuple(c.index if c.index >= 0 else plan.first_chunk + i for i, c in enumerate(plan.chunks)),
             )
         meta.preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        if self._window_groups:
+            # vLLM frees a sliding-window group's blocks behind the window as its request runs, at the
+            # next step's scheduling: saves still reading them finish before this step writes KV.
+            meta.window_frees = frozenset(r for r, st in self._states.items() if st.saving_since) - meta.preempted
         if self.saves_enabled and self.active:
             self._plan_saves(scheduler_output, meta, now)
         meta.free_now = frozenset(self._free_now)
@@ -568,7 +608,7 @@ class MaruScheduler:
             if state.unsettled_load == load_id:
                 state.unsettled_load, state.loading_async = None, False
             if failed >= 0:
-                state.load_failed(pending.first_chunk + failed)
+                state.load_failed(pending.failed_chunk(failed))
         outcomes = set(report.saves.values())
         if SKIPPED in outcomes:
             self._pool_down = True
@@ -582,7 +622,9 @@ class MaruScheduler:
             if state is not None:
                 state.saves_reported(outcomes, self._step)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Whether to hold the request's blocks for its saves, and the handoff for its reader.
 
         Called once per finished (or aborted) request. Blocks are held (``True``) while any of its
@@ -615,7 +657,8 @@ class MaruScheduler:
             self.forget(request.request_id)
             return False, handoff
         state.finished_at = time.monotonic()
-        state.finished_blocks = list(block_ids)
+        # One group's block ids (vLLM's request_finished), or every group's (request_finished_all_groups).
+        state.finished_blocks = tuple(block_ids) if isinstance(block_ids, tuple) else (list(block_ids),)
         return True, handoff
 
     def load_in_flight(self, req_id: str) -> bool:
@@ -665,7 +708,8 @@ class MaruScheduler:
     def _plan_saves(self, scheduler_output: SchedulerOutput, meta: MaruConnectorMetadata, now: float) -> None:
         """Plan the saves of scheduled requests, and retries for finished ones still holding blocks."""
         block_state = scheduler_output.kv_connector_block_state
-        progress: list[tuple[str, int, list[int]]] = []  # (req_id, tokens computed by this step, blocks)
+        # (req_id, tokens computed by this step, block ids per KV cache group)
+        progress: list[tuple[str, int, tuple[list[int], ...]]] = []
         if block_state is not None:
             scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
             cached = scheduler_output.scheduled_cached_reqs
@@ -673,7 +717,8 @@ class MaruScheduler:
             for req_id, computed_before in scheduled:
                 if req_id in self._states:
                     computed = computed_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                    progress.append((req_id, computed, (block_state.get_block_ids(req_id) or ([],))[0]))
+                    ids = block_state.get_block_ids(req_id) or tuple([] for _ in self.groups)
+                    progress.append((req_id, computed, tuple(ids)))
         for req_id, state in list(self._states.items()):
             if state.finished_at is None:
                 continue
@@ -688,19 +733,32 @@ class MaruScheduler:
             due = state.saves_due(computed, self._step, self.chunk_tokens)
             if not due:
                 continue
-            chunks = []
+            chunks: list[ChunkSave] = []
             for i in due:
-                ids = block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
-                if len(ids) < self.blocks_per_chunk:
-                    break  # no block table for it (never expected): try again next step
-                keys, parents = _pick(state.keys[i], self._store_ix), _pick(state.keys.parents(i), self._store_ix)
+                # Every group's blocks of the chunk, each still the request's own: where a sliding window
+                # moved past, vLLM freed them (its null block stands there) and the chunk can no longer be
+                # stored from this request (nor, in prompt order, any after it).
+                held = [
+                    held_blocks(ids, i, self.blocks_per_chunk, NULL_BLOCK if group.window is not None else None)
+                    for group, ids in zip(self.groups, block_ids, strict=False)
+                ]
+                if len(held) != len(self.groups) or any(ids is None for ids in held):
+                    break
                 tokens = chunk_token_ids(state.request, i, self.chunk_tokens)
-                chunks.append(ChunkSave(index=i, keys=keys, parents=parents, block_ids=tuple(ids), token_ids=tokens))
+                for group, ids in zip(self.groups, held, strict=True):
+                    ix = self._store_ix[group.index]
+                    keys, parents = _pick(state.keys[i], ix), _pick(state.keys.parents(i), ix)
+                    chunks.append(
+                        ChunkSave(
+                            index=i, keys=keys, parents=parents, block_ids=ids, token_ids=tokens, group=group.index
+                        )
+                    )
             if not chunks:
                 continue
-            self.stats.count(common.SAVE_RETRIES, sum(1 for c in chunks if c.index in state.retry_at))
-            state.save_planned([c.index for c in chunks], now)
-            used = set(block_ids[: (chunks[-1].index + 1) * self.blocks_per_chunk])
+            planned = sorted({c.index for c in chunks})
+            self.stats.count(common.SAVE_RETRIES, sum(1 for i in planned if i in state.retry_at))
+            state.save_planned(planned, now)
+            used = {b for ids in block_ids for b in ids[: (planned[-1] + 1) * self.blocks_per_chunk]}
             depends_on = tuple(lid for lid, load in self._pending_loads.items() if load.block_ids & used)
             meta.saves[req_id] = SavePlan(chunks=tuple(chunks), depends_on=depends_on)
 

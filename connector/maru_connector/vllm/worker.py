@@ -47,6 +47,7 @@ from maru_connector.vllm.metadata import (
     ORPHAN,
     PRESENT,
     RETRY,
+    SEVERITY,
     SKIPPED,
     STORED,
     TAINTED,
@@ -108,14 +109,17 @@ class MaruWorker:
         saves: bool,
         tp_rank: int,
         tp_group: Any = None,
+        several_groups: bool = False,
     ) -> None:
-        """``tp_group`` is vLLM's tensor-parallel GroupCoordinator (None: a single rank)."""
+        """``tp_group`` is vLLM's tensor-parallel GroupCoordinator (None: a single rank); ``several_groups``:
+        copy several KV cache groups (a test seam, see ``MaruConnector.several_groups``)."""
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
         self.tp_rank = tp_rank
         self._tp_group = tp_group
-        refuse_unsupported_kv_cache(vllm_config, kv_cache_config)  # before the block size: see kvspec
+        # before the block size: see kvspec
+        refuse_unsupported_kv_cache(vllm_config, kv_cache_config, several_groups=several_groups)
         # An MLA latent is the same on every rank: every rank loads the one copy (key 0), rank 0 alone
         # stores it (the others would write the same bytes again under the same key). Paged K/V is keyed
         # by the KV heads a rank holds: replicas of a range store it once, and a rank of another TP size
@@ -130,6 +134,8 @@ class MaruWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.paged: PagedKV | None = None
+        # With several KV cache groups, each group's layers on their own (chunks name their group).
+        self._group_pages: list[PagedKV] = []
         # Set by a sleep (vLLM 0.33): the KV cache is never used with the pool again (unregister_kv_caches).
         self._slept = False
         self._said_off_after_sleep = False
@@ -175,6 +181,7 @@ class MaruWorker:
             self._save_staging = StagedCopier(paged, self.blocks_per_chunk)
         for lane in (self._loads, self._saves):
             lane.use_device(paged.device)  # the lanes' streams and events are the rank's device's
+        self._group_pages = self._describe_groups(kv_caches, paged)
         self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
@@ -185,6 +192,34 @@ class MaruWorker:
             paged.block_bytes,
             chunk_bytes,
         )
+
+    def _describe_groups(self, kv_caches: dict[str, torch.Tensor], paged: PagedKV) -> list[PagedKV]:
+        """Each KV cache group's layers, when there are several: a group's chunk holds its layers only."""
+        groups = self._kv_cache_config.kv_cache_groups
+        if len(groups) == 1:
+            return []
+        if not paged.direct:
+            # The staging buffers are sized and laid out for one set of layers.
+            raise KVLayoutError("several KV cache groups are copied only straight between dense pages (CPU)")
+        out = []
+        for group in groups:
+            caches = {name: kv_caches[name] for name in group.layer_names}
+            out.append(
+                describe_kv_caches(
+                    caches,
+                    num_blocks=self._kv_cache_config.num_blocks,
+                    block_size=self.block_size,
+                    num_kv_heads=group.kv_cache_spec.num_kv_heads,
+                    head_size=group.kv_cache_spec.head_size,
+                    backend=attention_backend(self._vllm_config, list(caches)),
+                    latent=self.latent,
+                )
+            )
+        return out
+
+    def _pages(self, group: int) -> PagedKV | None:
+        """The pages a chunk of KV cache group ``group`` is copied from and to."""
+        return self._group_pages[group] if self._group_pages else self.paged
 
     def unregister_kv_caches(self) -> None:
         """The engine is about to free or offload its KV cache (sleep mode): stop touching it, for good.
@@ -325,7 +360,7 @@ class MaruWorker:
             if paged.direct:
                 for group in _groups(todo, pins[todo[0]].nbytes):
                     self._keep_alive(pins[group[0]], held)
-                    segments = [paged.segments(self._targets(chunks[i])) for i in group]
+                    segments = [self._pages(chunks[i].group).segments(self._targets(chunks[i])) for i in group]
                     for i, good in zip(group, read_segments_many([pins[i] for i in group], segments), strict=True):
                         copied[i] = good
                         if not good:
@@ -362,9 +397,11 @@ class MaruWorker:
                     buf = bytearray(pin.nbytes)
                     pin.read_into(buf)  # verified: a changed piece raises ChecksumMismatch
                     pieces.append((heads, buf))
-                joined = paged.reshard(pieces, self.heads.heads, self.blocks_per_chunk)
+                pages = self._pages(chunk.group)
+                assert pages is not None
+                joined = pages.reshard(pieces, self.heads.heads, self.blocks_per_chunk)
                 if self._load_staging is None:  # dense CPU pages: a plain copy, done when it returns
-                    paged.scatter(joined, chunk.slots)
+                    pages.scatter(joined, chunk.slots)
                 else:  # on the load stream, ordered and fenced like every other staged load
                     flat = joined.reshape(-1)
                     self._load_staging.scatter(lambda host, f=flat: torch.from_numpy(host).copy_(f), chunk.slots)
@@ -480,26 +517,43 @@ class MaruWorker:
             self.stats.observe(common.SAVE_SECONDS, time.monotonic() - started)
 
     def _store(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
+        """Store ``todo``; one outcome per chunk: with several KV cache groups, the worst of its parts
+        (a chunk is stored once every group's part is, as across TP ranks)."""
+        worst: dict[tuple[str, int], str] = {}
+        for req_id, index, outcome in self._store_parts(todo, ready):
+            mine = worst.get((req_id, index))
+            if mine is None or SEVERITY[outcome] > SEVERITY[mine]:
+                worst[(req_id, index)] = outcome
+        return [(req_id, index, outcome) for (req_id, index), outcome in worst.items()]
+
+    def _store_parts(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
         paged, staging = self.paged, self._save_staging
         if paged is None:
             return self._skip(todo)
-        nbytes = paged.geometry(self.blocks_per_chunk).chunk_bytes
-        items = [(c.keys[self.key_rank], nbytes, c.parents[self.key_rank], c.token_ids) for _, _, c in todo]
+        sizes = [self._chunk_bytes(c.group) for _, _, c in todo]
+        nbytes = max(sizes)
+        items = [
+            (c.keys[self.key_rank], size, c.parents[self.key_rank], c.token_ids)
+            for (_, _, c), size in zip(todo, sizes, strict=True)
+        ]
         ok, leases = self.guard.call("save", lambda c, its: c.lease_many(its), items)
         if not ok or leases is None:
             return self._skip(todo, SKIPPED)
         out: list[SaveOutcome] = []
         written: list[tuple[str, int, Any]] = []
+        answered: set[int] = set()  # positions in todo with an outcome already
         try:
             ready()
             granted: list[tuple[str, int, ChunkSave, Any]] = []
-            for (req_id, index, chunk), lease in zip(todo, leases, strict=True):
+            for at, ((req_id, index, chunk), lease) in enumerate(zip(todo, leases, strict=True)):
                 if lease == PRESENT:
                     self.stats.count(common.SAVE_NOT_LEASED)
                     out.append((req_id, index, PRESENT))
+                    answered.add(at)
                 elif isinstance(lease, str):  # full, or the chunk before it is not stored
                     self.stats.count(common.SAVE_SKIPPED_CHUNKS)
                     out.append((req_id, index, ORPHAN if lease == ORPHAN else RETRY))
+                    answered.add(at)
                 else:
                     granted.append((req_id, index, chunk, lease))
             live = [g[3] for g in granted]
@@ -507,7 +561,7 @@ class MaruWorker:
                 # The engine's pages straight into the pool, many chunks per pass, checksummed on the way.
                 for group in _groups(granted, nbytes):
                     self._keep_alive(group[0][3], live)
-                    segments = [paged.segments(chunk.block_ids) for _, _, chunk, _ in group]
+                    segments = [self._pages(chunk.group).segments(chunk.block_ids) for _, _, chunk, _ in group]
                     filled = fill_segments_many([g[3] for g in group], segments)
                     written += [(r, i, lease) for (r, i, _, lease), ok in zip(group, filled, strict=True) if ok]
             else:
@@ -523,8 +577,9 @@ class MaruWorker:
         leftover = [x for x in leases if not isinstance(x, str) and id(x) not in done]
         if leftover:
             self.guard.call("save-abort", lambda c, ls: c.abort_many(ls), leftover)
-        reported = {(r, i) for r, i, _ in out} | {(r, i) for r, i, _ in written}
-        out += self._skip([t for t in todo if (t[0], t[1]) not in reported])
+        # By position: with several KV cache groups a chunk index comes once per group.
+        answered |= {at for at, lease in enumerate(leases) if id(lease) in done}
+        out += self._skip([t for at, t in enumerate(todo) if at not in answered])
         if not written:
             return out
         ok, committed = self.guard.call("save-commit", lambda c, ls: c.commit_many(ls), [w[2] for w in written])
@@ -544,6 +599,11 @@ class MaruWorker:
         for req_id, index, outcome in outcomes:
             self._report.saves[(req_id, index)] = outcome
 
+    def _chunk_bytes(self, group: int) -> int:
+        pages = self._pages(group)
+        assert pages is not None
+        return pages.geometry(self.blocks_per_chunk).chunk_bytes
+
     # ------------------------------------------------------------------ step boundaries
 
     def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
@@ -554,6 +614,10 @@ class MaruWorker:
             # for, and its own pool calls are bounded by the RPC timeout.
             self._saves.drop(meta.preempted)
             self._saves.wait_for(meta.preempted)
+        if meta.window_frees:
+            # Sliding-window blocks vLLM freed at this step's scheduling may be written by its forward:
+            # the saves reading them finish first (not dropped: the chunk is stored all the same).
+            self._saves.wait_for(meta.window_frees)
 
     def finished(self, meta: MaruConnectorMetadata | None) -> tuple[set[str], set[str]]:
         """Collect the lanes' results; ``(requests whose blocks may be freed, requests loaded)``.
