@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# Fixtures more than one folder uses.
+pytest_plugins = ["tests.support.chart"]
+
 TESTS = Path(__file__).resolve().parent
 TIER_BY_FOLDER = {
     "e2e": "e2e",

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, NAMESPACE, RELEASE
 from tests.k8s.fixtures import KubeEmulator, k8s_emulator  # noqa: F401  (fixture)
+from tests.support.chart import CHART, NAMESPACE, RELEASE
 
 pytestmark = [pytest.mark.tools, pytest.mark.emulator]
 

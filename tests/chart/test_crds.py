@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.chart.conftest import CHART, REPO_ROOT
+from tests.support.chart import CHART, REPO_ROOT
 
 
 def test_chart_crds_equal_top_level_crds_byte_for_byte() -> None:

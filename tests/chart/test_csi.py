@@ -11,7 +11,7 @@ from maru_contracts.csi import DEFAULT_SOCKET_ROOT, DRIVER_NAME
 from maru_csi.server import build_parser
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.images import DEFAULT_POOL_IMAGE
-from tests.chart.conftest import NAMESPACE, RELEASE, find, one
+from tests.support.chart import NAMESPACE, RELEASE, find, one
 
 pytestmark = pytest.mark.tools
 

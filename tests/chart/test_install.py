@@ -24,8 +24,8 @@ import pytest
 
 from maru_localcluster.tools import helm_path
 from maru_operator.images import DEFAULT_IMAGES
-from tests.chart.conftest import CHART, NAMESPACE, RELEASE, REPO_ROOT
 from tests.k8s.fixtures import KubeEmulator, k8s_emulator  # noqa: F401  (fixture)
+from tests.support.chart import CHART, NAMESPACE, RELEASE, REPO_ROOT
 
 pytestmark = [pytest.mark.tools, pytest.mark.emulator]
 

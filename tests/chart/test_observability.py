@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, NAMESPACE, RELEASE, REPO_ROOT, find, one
 from tests.chart.promql import PromQLError, metrics_of
+from tests.support.chart import CHART, NAMESPACE, RELEASE, REPO_ROOT, find, one
 
 pytestmark = pytest.mark.tools
 

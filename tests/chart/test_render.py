@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, CUSTOM_VALUES, NAMESPACE, RELEASE, REPO_ROOT, find, one
+from tests.support.chart import CHART, CUSTOM_VALUES, NAMESPACE, RELEASE, REPO_ROOT, find, one
 
 pytestmark = pytest.mark.tools
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, CUSTOM_VALUES
+from tests.support.chart import CHART, CUSTOM_VALUES
 
 SCHEMA_FILE = CHART / "values.schema.json"
 VALUES_FILE = CHART / "values.yaml"

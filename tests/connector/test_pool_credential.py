@@ -22,7 +22,7 @@ from maru_connector.vllm.scheduler import MaruScheduler
 from maru_contracts import tenancy
 from maru_contracts.config import ConfigError, MaruConnectorConfig
 from maru_pool import PoolClient
-from tests.pool.harness import Daemon, start_serve
+from tests.support.pool import Daemon, start_serve
 
 from . import fakes
 from .fakes import CHUNK

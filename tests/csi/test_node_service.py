@@ -20,7 +20,7 @@ import pytest
 
 from maru_contracts.csi import DRIVER_NAME, SOCKET_FILE
 from maru_csi import csi_pb2, csi_pb2_grpc, mounts
-from tests.pool.harness import Daemon
+from tests.support.pool import Daemon
 
 from .conftest import Layout, needs_root
 from .harness import Mode, Plugin, plugin_env, publish_request

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docker import imagecheck
+from tests.support import imagecheck
 from tests.required import require_root, require_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

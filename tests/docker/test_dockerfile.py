@@ -22,9 +22,8 @@ import pytest
 import yaml
 
 from maru_operator.images import DEFAULT_POOL_IMAGE, DEFAULT_ROUTER_IMAGE, DEFAULT_VLLM_IMAGE
+from tests.support.docker import DOCKERFILE, REPO_ROOT, chain, global_args, last, stages
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
 CHART = REPO_ROOT / "charts" / "maru-operator"
@@ -32,74 +31,6 @@ PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 
 
 # --- a small Dockerfile reader ------------------------------------------------------------------
-
-
-def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for line in text.splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.lstrip().startswith("#"):
-            continue  # a comment inside a continued instruction
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        full = (pending + line).strip()
-        pending = ""
-        word, _, rest = full.partition(" ")
-        out.append((word.upper(), rest.strip()))
-    return out
-
-
-def global_args(text: str) -> dict[str, str]:
-    args = {}
-    for word, rest in instructions(text):
-        if word == "FROM":
-            break
-        if word == "ARG" and "=" in rest:
-            name, _, value = rest.partition("=")
-            args[name] = value
-    return args
-
-
-def stages(text: str) -> dict[str, dict]:
-    """Stage name -> {"from": base, "ins": [(INSTRUCTION, args), ...]}. A base that names a stage through a
-    global ARG (`FROM vllm-base-${VLLM_BASE}`) is that stage, with the ARG's default."""
-    out: dict[str, dict] = {}
-    current = None
-    for word, rest in instructions(text):
-        if word == "FROM":
-            match = re.fullmatch(r"(?:--platform=\S+\s+)?(\S+)\s+AS\s+(\S+)", rest, re.IGNORECASE)
-            assert match, f"every stage is named: FROM {rest}"
-            current = {"from": match[1], "ins": []}
-            out[match[2]] = current
-        elif current is not None:
-            current["ins"].append((word, rest))
-    args = global_args(text)
-    for stage in out.values():
-        named = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), stage["from"])
-        if named != stage["from"] and named in out:
-            stage["from"] = named
-    return out
-
-
-def chain(all_stages: dict[str, dict], name: str) -> list[str]:
-    """The stage and the stages it is built FROM, nearest first."""
-    names = [name]
-    while all_stages[names[-1]]["from"] in all_stages:
-        names.append(all_stages[names[-1]]["from"])
-    return names
-
-
-def last(all_stages: dict[str, dict], name: str, word: str) -> str | None:
-    """The effective value of an instruction (USER, ENTRYPOINT...) for a target, through its bases."""
-    for stage in chain(all_stages, name):
-        found = [rest for w, rest in all_stages[stage]["ins"] if w == word]
-        if found:
-            return found[-1]
-    return None
 
 
 def runs(all_stages: dict[str, dict], name: str) -> str:

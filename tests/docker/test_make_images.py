@@ -9,59 +9,17 @@ succeeds. What is tested is our Makefile and script; no image is built.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.support.docker import builds, make_images
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 APP_VERSION = yaml.safe_load((REPO_ROOT / "charts" / "maru-operator" / "Chart.yaml").read_text())["appVersion"]
-TOOLS = ("make", "bash", "sh", "sed", "dirname", "env", "grep", "tr")
 NAMES = {"operator": "maru-operator", "pool": "maru-pool", "vllm": "vllm-maru", "router": "vllm-router"}
 ROUTER_VERSION = "0.1.17"
-
-RECORDER = """#!{python}
-import json, os, sys
-with open(os.environ["FAKE_BUILDER_LOG"], "a") as log:
-    log.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + "\\n")
-if "inspect" in sys.argv[1:4] and os.environ.get("FAKE_MANIFEST"):
-    print(os.environ["FAKE_MANIFEST"])
-sys.exit(1 if sys.argv[1:3] == ["buildx", "version"] and os.environ.get("FAKE_NO_BUILDX") else 0)
-"""
-
-
-def make_images(tmp_path: Path, builders: tuple[str, ...], *args: str, **env: str) -> tuple[int, str, list[list[str]]]:
-    """Run `make images ARGS` with only TOOLS and the given stand-in builders on PATH."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool in TOOLS:
-        found = shutil.which(tool)
-        assert found, f"{tool} is needed to run make images"
-        (bin_dir / tool).symlink_to(found)
-    for name in builders:
-        script = bin_dir / name
-        script.write_text(RECORDER.format(python=sys.executable))
-        script.chmod(0o755)
-    log = tmp_path / "argv.jsonl"
-    log.touch()
-    done = subprocess.run(
-        ["make", "--no-print-directory", "-C", str(REPO_ROOT), "images", *args],
-        # No SBOM unless a test asks: it reads a built image, which a stand-in builder has not made.
-        env={"PATH": str(bin_dir), "FAKE_BUILDER_LOG": str(log), "SBOM_DIR": "", **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        executable=str(bin_dir / "make"),
-    )
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
-    return done.returncode, done.stdout + done.stderr, calls
-
-
-def builds(calls: list[list[str]]) -> list[list[str]]:
-    return [c for c in calls if "build" in c[1:3]]
 
 
 def test_without_any_builder_it_says_what_is_missing(tmp_path: Path) -> None:

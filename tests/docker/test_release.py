@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 from maru_operator.images import DEFAULT_IMAGES
-from tests.docker.test_dockerfile import stages
-from tests.docker.test_make_images import builds, make_images
+from tests.support.docker import builds, make_images, stages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO_ROOT / ".github" / "workflows" / "release.yml"

@@ -22,7 +22,7 @@ from maru_pool import PoolClient
 from maru_pool.readers import Reader
 from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, fake_agent_pod, group, has_condition, pool
 from tests.operator.test_integration import wait_event
-from tests.pool.harness import Daemon, start_serve
+from tests.support.pool import Daemon, start_serve
 
 pytestmark = pytest.mark.emulator
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import Daemon, start_serve
+from tests.support.pool import Daemon, start_serve
 
 
 @pytest.fixture

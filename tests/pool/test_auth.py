@@ -9,18 +9,26 @@ connection that took them.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from maru_contracts import tenancy
-from maru_pool import PoolAuthError, PoolClient, PoolUnavailable, protocol
-
-from .harness import Daemon, start_serve
-from .test_daemon import http_get, metric, run_cli
-from .test_multinode import free_port, start_agent, start_metadata
+from maru_pool import PoolAuthError, PoolClient, PoolUnavailable
+from tests.support.pool import (
+    Daemon,
+    Raw,
+    client,
+    free_port,
+    http_get,
+    metric,
+    run_cli,
+    start_agent,
+    start_metadata,
+    start_serve,
+    token_file,
+    write_key,
+)
 
 MiB = 1 << 20
 K = b"\x07" * 32  # the same client key for both tenants: their salts no longer matter
@@ -39,43 +47,6 @@ OPS: list[dict[str, Any]] = [
     {"op": "status"},
     {"op": "agent", "node": "n", "backend": "dax", "devices": []},
 ]
-
-
-def write_key(path: Path) -> Path:
-    path.write_bytes(os.urandom(tenancy.KEY_BYTES))
-    return path
-
-
-def token_file(path: Path, key_file: Path, scope: str) -> str:
-    """A tenant's token, made by the real ``maru-pool token`` command."""
-    result = run_cli("token", "--key-file", str(key_file), "--tenant", scope)
-    assert result.returncode == 0, result.stderr
-    path.write_text(result.stdout)
-    return str(path)
-
-
-class Raw:
-    """One connection speaking the wire protocol directly, to send what a real client never would."""
-
-    def __init__(self, url: str) -> None:
-        if url.startswith("unix://"):
-            self.sock = socket.socket(socket.AF_UNIX)
-            self.sock.connect(url.removeprefix("unix://"))
-        else:
-            host, port = url.removeprefix("tcp://").rsplit(":", 1)
-            self.sock = socket.create_connection((host, int(port)))
-        self.sock.settimeout(10)
-
-    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
-        protocol.send_msg(self.sock, msg)
-        reply, fds = protocol.recv_msg(self.sock, max_fds=8)
-        for fd in fds:
-            os.close(fd)
-        assert reply is not None
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
@@ -97,10 +68,6 @@ def tokens(sock_dir: Path, keys: tuple[Path, Path]) -> dict[str, str]:
 @pytest.fixture
 def served(daemons: list[Daemon], sock_dir: Path, keys: tuple[Path, Path]) -> Daemon:
     return start_serve(daemons, sock_dir, "--auth-key-file", str(keys[0]))
-
-
-def client(d: Daemon, token: str | None) -> PoolClient:
-    return PoolClient(d.ready["listen"], timeout_s=5, token_file=token)
 
 
 def assert_tenants_isolated(a: PoolClient, b: PoolClient, a_again: PoolClient) -> None:

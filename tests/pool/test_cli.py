@@ -50,7 +50,7 @@ def test_the_daemon_imports_no_engine_and_no_kubernetes_client() -> None:
     import subprocess
     import sys
 
-    from .harness import pool_env
+    from tests.support.pool import pool_env
 
     code = (
         "import sys, maru_pool, maru_pool.cli, maru_pool.daemon\n"

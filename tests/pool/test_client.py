@@ -24,8 +24,7 @@ from maru_pool import (
     copyhash,
 )
 from maru_pool.memory import HEADER_SIZE
-
-from .harness import Daemon, pool_env, start_serve
+from tests.support.pool import Daemon, pool_env, start_serve
 
 
 def key(i: int) -> bytes:

@@ -8,8 +8,7 @@ import textwrap
 from pathlib import Path
 
 from maru_pool import PoolClient
-
-from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
+from tests.support.pool import START_TIMEOUT_S, Daemon, pool_env, start_serve
 
 WORKER = textwrap.dedent(
     """

@@ -8,56 +8,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from maru_pool import ChecksumMismatch, PoolClient, PoolFull
-
-from .harness import START_TIMEOUT_S, Daemon, pool_env, start_serve
+from tests.support.pool import Daemon, http_get, metric, pool_env, run_cli, start_serve, wait_for
 
 MiB = 1 << 20
 
 
 def key(i: int) -> bytes:
     return i.to_bytes(32, "big")
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "maru_pool", *args],
-        capture_output=True,
-        text=True,
-        env=pool_env(),
-        timeout=START_TIMEOUT_S,
-    )
-
-
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    """Poll until ``condition`` holds; the bound only keeps a broken daemon from hanging the suite."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.05)
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} not exported")
 
 
 # ------------------------------------------------------------------ arguments

@@ -25,14 +25,19 @@ from maru_pool.index import PoolIndex, WriteGrant
 from maru_pool.kv_events_wire import BlockRemoved, BlockStored
 from maru_pool.link import TenantLink
 from maru_pool.publisher import Translator
-
-from .harness import Daemon, start_serve
-from .test_auth import token_file, write_key
-from .test_daemon import run_cli
-from .test_index import EPOCH as INDEX_EPOCH
-from .test_index import PAGE as INDEX_PAGE
-from .test_index import Clock, IndexMachine
-from .test_multinode import free_port, start_agent, start_metadata
+from tests.support.index import EPOCH as INDEX_EPOCH
+from tests.support.index import PAGE as INDEX_PAGE
+from tests.support.index import Clock, IndexMachine
+from tests.support.pool import (
+    Daemon,
+    free_port,
+    run_cli,
+    start_agent,
+    start_metadata,
+    start_serve,
+    token_file,
+    write_key,
+)
 
 PAGE = 4096
 EPOCH = 3

@@ -15,19 +15,8 @@ import pytest
 import zmq
 
 from maru_pool.client import PoolClient
-
-from .harness import START_TIMEOUT_S, Daemon
-from .test_auth import token_file, write_key
-from .test_events_publisher import (
-    BLOCK,
-    commit_prompt,
-    decoded,
-    first_seen,
-    prompt,
-    prompt_tokens,
-    run_events,
-    shape,
-)
+from tests.support.events import BLOCK, commit_prompt, decoded, first_seen, prompt, prompt_tokens, run_events, shape
+from tests.support.pool import START_TIMEOUT_S, Daemon, token_file, write_key
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -228,7 +217,7 @@ def test_curve_flags_are_checked_naming_the_flag(sock_dir: Path, tenant: tuple[P
     import subprocess
     import sys
 
-    from .harness import pool_env
+    from tests.support.pool import pool_env
 
     _, token = tenant
     _, secret_file, clients = curve_keys(sock_dir, zmq.curve_keypair()[0])
@@ -258,8 +247,7 @@ def test_one_batch_carries_a_bounded_number_of_keys(
     from maru_pool.client import WriteLease
     from maru_pool.link import TenantLink
     from maru_pool.publisher import READ_MAX_KEYS, Publisher, Translator
-
-    from .harness import start_serve
+    from tests.support.pool import start_serve
 
     key, token = tenant
     url = start_serve(daemons, sock_dir, "--auth-key-file", str(key), size="64Mi").ready["listen"]

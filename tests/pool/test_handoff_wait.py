@@ -7,8 +7,7 @@ import threading
 import pytest
 
 from maru_pool import PoolClient, PoolError
-
-from .harness import Daemon
+from tests.support.pool import Daemon
 
 
 def key(i: int) -> bytes:

@@ -18,11 +18,18 @@ import pytest
 
 from maru_pool import PoolClient, PoolUnavailable, protocol
 from maru_pool.memory import read_header_from
-
-from .harness import Daemon, start_serve
-from .test_auth import token_file, write_key
-from .test_daemon import http_get, wait_for
-from .test_multinode import free_port, start_agent, start_metadata, status
+from tests.support.pool import (
+    Daemon,
+    free_port,
+    http_get,
+    start_agent,
+    start_metadata,
+    start_serve,
+    status,
+    token_file,
+    wait_for,
+    write_key,
+)
 
 MiB = 1 << 20
 K = b"\x07" * 32

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from maru_pool import PoolClient
+from tests.support.pool import Daemon
 
-from .harness import Daemon
 from .httpflood import close_all, get, idle_flood, thread_count, trickle
 
 K = b"\x05" * 32

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 
 from maru_pool import LeaseLost, PoolClient
-
-from .harness import Daemon, start_serve
-from .test_daemon import wait_for
+from tests.support.pool import Daemon, start_serve, wait_for
 
 
 def key(i: int) -> bytes:

@@ -20,11 +20,20 @@ from typing import Any
 import pytest
 
 from maru_pool import PoolClient, PoolError
-
-from .harness import START_TIMEOUT_S, Daemon, start_serve
-from .test_auth import Raw, token_file, write_key
-from .test_daemon import http_get, metric, run_cli, wait_for
-from .test_multinode import free_port, start_metadata
+from tests.support.pool import (
+    START_TIMEOUT_S,
+    Daemon,
+    Raw,
+    free_port,
+    http_get,
+    metric,
+    run_cli,
+    start_metadata,
+    start_serve,
+    token_file,
+    wait_for,
+    write_key,
+)
 
 MiB = 1 << 20
 K = b"\x07" * 32

@@ -2,60 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import signal
-import socket
 import urllib.request
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from maru_pool import LeaseLost, PoolClient, PoolUnavailable
 from maru_pool.memory import HEADER_SIZE, read_header_from
-
-from .harness import Daemon
-from .test_daemon import wait_for
+from tests.support.pool import Daemon, free_port, start_agent, start_metadata, status, wait_for
 
 MiB = 1 << 20
 
 
 def key(i: int) -> bytes:
     return i.to_bytes(32, "big")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def status(d: Daemon) -> dict:
-    with urllib.request.urlopen(d.metrics_url + "/status", timeout=5) as resp:
-        return json.loads(resp.read())
-
-
-def start_metadata(daemons: list[Daemon], port: int, size: str | None = "4Mi", extra: Sequence[str] = ()) -> Daemon:
-    d = Daemon(
-        ["metadata", "--listen", f"tcp://127.0.0.1:{port}", *(["--size", size] if size else []),
-         "--metrics-addr", "127.0.0.1:0", "--lease-seconds", "30", *extra]
-    )  # fmt: skip
-    daemons.append(d)
-    return d
-
-
-def start_agent(
-    daemons: list[Daemon], sock_dir: Path, name: str, port: int, *devices: Path, extra: Sequence[str] = ()
-) -> Daemon:
-    flags = [x for d in devices for x in ("--device", str(d))]
-    d = Daemon(
-        ["agent", "--listen", f"unix://{sock_dir}/{name}.sock", "--metadata", f"tcp://127.0.0.1:{port}",
-         *flags, "--node-name", name, "--heartbeat-seconds", "0.1", "--metrics-addr", "127.0.0.1:0", *extra]
-    )  # fmt: skip
-    daemons.append(d)
-    return d
 
 
 @pytest.fixture

@@ -19,10 +19,7 @@ from maru_pool import PoolAuthError, PoolClient, PoolFull, quota
 from maru_pool.client import QUOTA, WriteLease
 from maru_pool.index import FULL, PoolIndex
 from maru_pool.quota import QUOTA as INDEX_QUOTA
-
-from .harness import Daemon, start_serve
-from .test_auth import client, write_key
-from .test_daemon import http_get, run_cli
+from tests.support.pool import Daemon, client, http_get, run_cli, start_serve, write_key
 
 MiB = 1 << 20
 CHUNK = 64 * 1024  # 128 chunks fill the 8 MiB pool; B's default quota (6 MiB) is 96 of them

@@ -11,10 +11,7 @@ import pytest
 
 from maru_pool import PoolClient, PoolError
 from maru_pool.readers import Reader
-
-from .harness import Daemon, start_serve
-from .test_auth import client, token_file, write_key
-from .test_daemon import http_get
+from tests.support.pool import Daemon, client, http_get, start_serve, token_file, write_key
 
 DECODE = Reader("decode", chunk_tokens=256, ranks=1)
 SCOPE = "llm/qwen"

@@ -14,8 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .harness import Daemon, pool_env, start_serve
-from .test_multinode import status
+from tests.support.pool import Daemon, pool_env, start_serve, status
 
 MiB = 1 << 20
 

@@ -137,7 +137,7 @@ def test_chart_pods(render) -> None:
 
 
 def _dockerfile_user(target: str) -> int:
-    from tests.docker.test_dockerfile import DOCKERFILE, last, stages
+    from tests.support.docker import DOCKERFILE, last, stages
 
     user = last(stages(DOCKERFILE.read_text()), target, "USER")
     assert user, f"the {target} image names no user"
