@@ -23,9 +23,7 @@ from maru_contracts import csi as csi_contract
 from maru_contracts import tenancy
 from maru_contracts.csi import CREDENTIALS_DIR, POD_NAMESPACE
 from maru_csi import csi_pb2, csi_pb2_grpc, minting, mounts
-
-from .conftest import Layout, needs_root
-from .harness import plugin_env, publish_request
+from tests.support.csi import Layout, needs_root, plugin_env, publish_request
 
 Code = grpc.StatusCode
 POOL = "pool-c"

@@ -20,10 +20,8 @@ import pytest
 
 from maru_contracts.csi import DRIVER_NAME, SOCKET_FILE
 from maru_csi import csi_pb2, csi_pb2_grpc, mounts
+from tests.support.csi import Layout, Mode, Plugin, needs_root, plugin_env, publish_request
 from tests.support.pool import Daemon
-
-from .conftest import Layout, needs_root
-from .harness import Mode, Plugin, plugin_env, publish_request
 
 Code = grpc.StatusCode
 

@@ -23,8 +23,7 @@ import pytest
 
 from maru_localcluster.cluster import processes_in
 from tests.required import require_local_cluster, require_vllm
-
-from .conftest import REPO
+from tests.support.e2e import REPO
 
 require_vllm("the demo")
 require_local_cluster("the demo")

@@ -10,71 +10,22 @@ output comparisons depend on both).
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-PREFILL_PARAMS = {"maru": "opaque-from-prefill", "n": 3}
-
-
-class FakeEngine:
-    def __init__(self, role: str) -> None:
-        self.role = role
-        self.requests: list[dict[str, Any]] = []
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self._send(200, b"{}", "application/json")
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                engine.requests.append(body)
-                if body.get("stream"):
-                    events = [{"choices": [{"index": 0, "text": " t9", "token_ids": [9]}]}]
-                    data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-                    self._send(200, data + b"data: [DONE]\n\n", "text/event-stream")
-                    return
-                answer = {
-                    "id": "x",
-                    "object": "text_completion",
-                    "choices": [{"index": 0, "text": " t9", "finish_reason": "length"}],
-                    "kv_transfer_params": PREFILL_PARAMS if engine.role == "prefill" else None,
-                }
-                self._send(200, json.dumps(answer).encode(), "application/json")
-
-            def _send(self, status: int, data: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from tests.support.servers import PREFILL_PARAMS, FakeEngine
 
 
 def is_up(url: str) -> bool:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import imagecheck
 from tests.required import require_root, require_tool
+from tests.support import imagecheck
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = "localhost/maru-base:bookworm"

@@ -6,45 +6,10 @@ file order: an engine start costs tens of seconds on two cores.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
-
-from maru_localcluster.cluster import LocalCluster
-from maru_localcluster.images import ImageTable
-from maru_localcluster.product import (
-    POOL_NAMESPACE,
-    OperatorProcess,
-    apply_crds,
-    create_namespace,
-    install_cluster_objects,
-    wait_for,
-    why_not_ready,
-)
-from tests.required import require_local_cluster, require_vllm
-
-REPO = Path(__file__).resolve().parents[2]
-VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
-MODEL_IN_IMAGE = "/models/tiny-llama"
-GROUP_NS = "llm"
-
-
-def skip_unless_local_cluster_runs() -> None:
-    """Module-level skip with the reason, a failure under MARU_REQUIRE_LOCAL_CLUSTER=1 (as CI runs)."""
-    __tracebackhide__ = True
-    require_local_cluster("the end-to-end tests")
-    require_vllm("the end-to-end tests")
-
-
-def example(path: str) -> dict[str, Any]:
-    (doc,) = [d for d in yaml.safe_load_all((REPO / path).read_text()) if d]
-    return doc
 
 
 @pytest.fixture(scope="session")
@@ -58,78 +23,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
             os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
     path.chmod(0o755)
     return Path(path)
-
-
-@dataclass
-class Deployment:
-    cluster: LocalCluster
-    operator: OperatorProcess
-    group: str = "tiny"
-
-    def pods(self, role: str, *, ready_only: bool = False) -> list[dict[str, Any]]:
-        pods = self.cluster.kube.list(
-            "pods", GROUP_NS, labels=f"app.kubernetes.io/instance={self.group},maru.io/role={role}"
-        )
-        pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-        if ready_only:
-            pods = [
-                p
-                for p in pods
-                if any(
-                    c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in (p.get("status") or {}).get("conditions") or []
-                )
-            ]
-        return pods
-
-    def engine_url(self, role: str) -> str:
-        """An engine reached directly at its pod's address (the router's view of it), through a door."""
-        (pod,) = self.pods(role, ready_only=True)
-        return self.cluster.pod_url(GROUP_NS, pod["metadata"]["name"], 8000)
-
-    @property
-    def router_url(self) -> str:
-        """The group's Service (its ClusterIP, through a door from this machine)."""
-        return self.cluster.service_url(GROUP_NS, self.group)
-
-    def get(self, resource: str, name: str, namespace: str | None = None) -> dict[str, Any]:
-        obj = self.cluster.kube.get(resource, name, namespace)
-        assert obj is not None, f"{resource} {name} does not exist"
-        return obj
-
-    def explain(self) -> str:
-        return why_not_ready(self.cluster) + "\n--- operator\n" + self.operator.log_tail()
-
-
-def wait(what: str, check: Callable[[], Any], deployment: Deployment) -> Any:
-    """Poll ``check`` until it returns something truthy, for as long as the cluster makes progress
-    (``product.wait_for``); the failure shows the cluster's state and the operator's last lines."""
-    return wait_for(what, check, deployment.cluster, explain=deployment.explain)
-
-
-@contextlib.contextmanager
-def deployed(
-    tiny_model: Path,
-    workdir: Path,
-    nodes: list[tuple[str, dict[str, str], dict[str, Path]]],
-    manifests: list[dict[str, Any]],
-) -> Iterator[Deployment]:
-    """A local cluster with ``nodes``, the CRDs, the operator running, and ``manifests`` applied."""
-    images = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: str(tiny_model)})
-    cluster = LocalCluster(images=images)
-    logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    with cluster:
-        for name, labels, devices in nodes:
-            cluster.add_node(name, labels, devices=devices)
-        apply_crds(cluster)
-        install_cluster_objects(cluster)
-        for ns in (POOL_NAMESPACE, GROUP_NS):
-            create_namespace(cluster, ns)
-        with OperatorProcess(cluster, logs / "operator.log") as operator:
-            try:
-                cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(manifests))
-                yield Deployment(cluster, operator)
-            finally:
-                # Kept for whoever reads a failure (pytest keeps the last runs' temporary folders).
-                cluster.collect_logs(logs)

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from maru_localcluster.product import POOL_NAMESPACE, wait_ready
+from tests.support.e2e import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
 
-from .conftest import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
 from .traffic import complete, from_pool, prompt
 
 skip_unless_local_cluster_runs()

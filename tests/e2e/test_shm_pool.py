@@ -25,8 +25,8 @@ from maru_contracts import tenancy
 from maru_localcluster.cluster import processes_in
 from maru_localcluster.product import POOL_NAMESPACE, wait_ready
 from maru_pool import PoolAuthError, PoolClient
+from tests.support.e2e import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
 
-from .conftest import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
 from .traffic import complete, counter, from_pool, health, prompt
 
 skip_unless_local_cluster_runs()

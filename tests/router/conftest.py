@@ -22,8 +22,8 @@ from unittest import mock
 import pytest
 
 from maru_router.revisions import events_topic
+from tests.support.servers import Server, free_port
 from tests.vllm.harness import PoolDaemon
-from tests.vllm.test_serve_pd import Server, free_port
 
 # The tiny model has no chat template; this one renders each message's words, so a chat prompt is
 # the same token ids as its text.

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from maru_contracts.keys import KeyScheme
+from tests.support.servers import Server, free_port, http
 from tests.vllm.harness import env
-from tests.vllm.test_serve_pd import Server, free_port, http
 
 START_TIMEOUT_S = 300.0
 # Eight TP ranks and one block a chunk: a long prompt makes many keys (a lookup over the pool's frame), a short

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.demo.test_router_contract import PREFILL_PARAMS, FakeEngine
+from tests.support.servers import PREFILL_PARAMS, FakeEngine
 
 from .harness import RouterProcess
 

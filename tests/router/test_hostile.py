@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.servers import free_port, http
 from tests.vllm.harness import PoolDaemon, env
-from tests.vllm.test_serve_pd import free_port, http
 
 from .harness import SCHEME, RecordingEngine, RouterProcess, VllmRouterProcess
 

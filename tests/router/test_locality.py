@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.servers import Server
 from tests.vllm.harness import PoolDaemon, prompt
-from tests.vllm.test_serve_pd import Server
 
 from .harness import RouterProcess, VllmRouterProcess
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.servers import Server, http
 from tests.vllm.harness import PoolDaemon, prompt
-from tests.vllm.test_serve_pd import Server, http
 
 from .harness import RouterProcess, VllmRouterProcess, reset_prefix_cache
 
