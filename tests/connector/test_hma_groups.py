@@ -1,9 +1,10 @@
 """Several KV cache groups (sliding window + full attention) at vLLM's real Scheduler.
 
-The connector does not implement ``SupportsHMA``: it copies the blocks of one group. vLLM then turns
-its hybrid KV cache manager off for it (every sliding-window layer allocated as full attention, one
-group, which the connector serves); a KV cache config that still has several groups must be refused
-at start with the reason, never accepted and served wrong (keys and block ids of one group only).
+The connector does not implement ``SupportsHMA`` yet: vLLM then turns its hybrid KV cache manager off
+for it (every sliding-window layer allocated as full attention, one group, which the connector serves),
+and a KV cache config that still has several groups is refused at start with the reason. Its halves
+copy several groups (``realsched.HybridMaruConnector`` lets them through): each group's chunks under its
+own keys, from and into its own block table, a sliding-window group only where its window reaches.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_two_kv_cache_groups_are_refused_at_the_real_scheduler_naming_supports_h
     vllm_config = engine.vllm_config
     with pytest.raises(
         ConfigError,
-        match=r"its KV cache has 2 groups .* does not implement SupportsHMA yet \(its workers copy one group's",
+        match=r"its KV cache has 2 groups .* does not implement SupportsHMA yet \(it copies each group",
     ):
         Scheduler(vllm_config, config, StructuredOutputManager(vllm_config), block_size=BS)
 

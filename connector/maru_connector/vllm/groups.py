@@ -14,9 +14,15 @@ gets one KV cache group per kind of layer, each with a block table of its own. A
 Pure arithmetic over plain values (the scheduler half builds :class:`KVGroup` once from the engine's
 ``KVCacheConfig``); a test holds it to what vLLM's own block manager allocates.
 
-Not served yet (``kvspec.kv_cache_problem`` refuses several groups): the worker copies one group's
-layers with one block table, and a sliding-window group's blocks are freed while its request runs
-(``remove_skipped_blocks``), which the save lane, reading blocks after the step, must not race.
+Storing: every chunk of every group. Any chunk of a sliding-window group is the window of some later
+prompt's hit (one that ends a chunk or two after it), so none can be left out; the saving is vLLM's GPU
+memory and the loads, which read only the window. Its blocks are freed while the request runs
+(``remove_skipped_blocks``): a chunk is saved only from blocks the request still holds
+(:func:`held_blocks`), and saves still reading them finish before the next step writes KV
+(``MaruConnectorMetadata.window_frees``).
+
+Not served in production yet (``kvspec.kv_cache_problem`` refuses several groups unless
+``MaruConnector.several_groups``): the workers copy groups only between dense CPU pages.
 """
 
 from __future__ import annotations

@@ -76,9 +76,9 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig, *, several_groups: bool = F
     if len(groups) > 1 and not several_groups:
         return (
             f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
-            "does not implement SupportsHMA yet (its workers copy one group's layers with one block table, and "
-            "a sliding-window group frees a chunk's blocks while the save lane may still read them), so start "
-            "vLLM with --disable-hybrid-kv-cache-manager (it does so itself for a connector without SupportsHMA)"
+            "does not implement SupportsHMA yet (it copies each group with its own block table only straight "
+            "between dense CPU pages; the GPU staging buffers hold one group's layers), so start vLLM with "
+            "--disable-hybrid-kv-cache-manager (it does so itself for a connector without SupportsHMA)"
         )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
