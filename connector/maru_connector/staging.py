@@ -9,7 +9,13 @@ LMCache's and NIXL's GPU paths do:
 * pinned host buffers (two, so the pool copy of one chunk overlaps the device copy of the next) and
   one device buffer of a whole chunk;
 * per chunk one gather (or scatter) kernel over every layer (``PagedKV``) and one copy across PCIe;
-* events, not stream or device synchronisation: the host waits only for the copy it needs next.
+* events, not stream or device synchronisation: the host waits only for the copy it needs next, on
+  blocking events (the thread sleeps instead of spinning a core);
+* ordered against the engine: a save's lane waits for ``PagedKV.fence`` (taken behind the forward),
+  a load's stream for ``PagedKV.mark`` taken on the engine's stream when the load is handed over
+  (:meth:`StagedCopier.after`);
+* the lane thread works on the rank's device (``lane.Lane.use_device``), and the device buffer is
+  allocated under the lane's stream.
 
 On the CPU the same calls run without streams or events: the gather and scatter are plain copies
 into and out of the host buffer, exactly the path the connector took before.
