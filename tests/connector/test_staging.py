@@ -119,3 +119,28 @@ def test_layout_check_reports_save_and_load_throughput() -> None:
         assert match, line
     # Beside each: the limit measured on the same bytes (the host copy+checksum; pinned copies on a GPU).
     assert all(t.host_gbps > 0 and t.save_limit == t.host_gbps and t.d2h_gbps == 0 for t in results)
+
+
+def test_the_summary_line_judges_the_worst_ratio_of_2_mib_chunks_and_the_step_cost() -> None:
+    """The GPU run's last line, from measured numbers: each direction against the slower of its pinned copy
+    and the host copy+checksum; chunks under 2 MiB do not count against the target."""
+    big = layout_check.Throughput(
+        "LBHNC", "bfloat16", 32 << 20, 8, 20.0, 18.0, d2h_gbps=25.0, h2d_gbps=24.0, host_gbps=30.0
+    )
+    small = layout_check.Throughput(
+        "LBHNC", "bfloat16", 1 << 20, 64, 1.0, 1.0, d2h_gbps=25.0, h2d_gbps=24.0, host_gbps=30.0
+    )
+    assert (big.save_limit, big.load_limit) == (25.0, 24.0)
+    line = layout_check.summary(torch.device("cuda", 0), 0, [big, small], 0.01, "PASS")
+    assert line == (
+        "SUMMARY cuda:0: cases PASS; save 0.80x, load 0.75x limit (worst, >= 0.8x wanted: BELOW TARGET); "
+        "step cost +1.0% (<= 2% wanted: PASS); contexts PASS"
+    )
+    fast = layout_check.Throughput(
+        "LBNHC", "bfloat16", 2 << 20, 64, 22.0, 22.0, d2h_gbps=25.0, h2d_gbps=24.0, host_gbps=21.0
+    )
+    line = layout_check.summary(torch.device("cuda", 0), 2, [fast], 0.05, "FAIL")
+    assert line == (
+        "SUMMARY cuda:0: cases FAIL (2); save 1.05x, load 1.05x limit (worst, >= 0.8x wanted: PASS); "
+        "step cost +5.0% (<= 2% wanted: BELOW TARGET); contexts FAIL"
+    )
