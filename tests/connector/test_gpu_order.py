@@ -258,3 +258,28 @@ def test_a_resharded_load_goes_through_the_load_stream_and_never_syncs_the_engin
     assert calls.index("wait_event", lane_stream, mark[2]) < calls.index("enter stream", lane_stream)
     assert not calls.of("stream synchronize"), calls.of("stream synchronize")
     reader.shutdown()
+
+
+def test_the_gpu_checks_round_trip_takes_the_workers_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``layout_check --device cuda`` proves the worker's path, so it must take it: the fence on the engine's
+    thread, then on a lane thread the device, the fence's wait, the copier's stream; the load's stream waits for
+    the engine's event."""
+    calls = fakecuda.install(monkeypatch)
+    src, src_views = gpu_cache()
+    dst, dst_views = gpu_cache()
+    for view in dst_views.values():
+        view.zero_()
+    saver, loader = StagedCopier(src, 3), StagedCopier(dst, 3)
+    calls.log.clear()
+    ready = src.fence()
+    layout_check.round_trip(saver, loader, [7, 5, 3], {0: 10, 2: 2}, ready)
+    (fence_record, mark_record) = [c for c in calls.of("record") if c[3] == "engine"]
+    assert fence_record[0] == mark_record[0] == threading.current_thread().name
+    lane = [c[1:] for c in calls.log if c[0] == "maru-check-lane"]
+    fence = fence_record[2]
+    assert lane[0] == ("set_device", fakecuda.DEVICE), lane
+    assert lane.index(("event synchronize", fence, True)) < lane.index(("enter stream", saver._stream.name))
+    waited = lane.index(("wait_event", loader._stream.name, mark_record[2]))
+    assert waited < lane.index(("enter stream", loader._stream.name))
+    for a, b in zip(src_views.values(), dst_views.values(), strict=True):
+        assert torch.equal(b[10], a[7]) and torch.equal(b[2], a[3]) and not b[5].any()
