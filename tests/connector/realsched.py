@@ -52,10 +52,12 @@ class Engine:
         num_blocks: int,
         prefix_caching: bool = False,
         window: int | None = None,
+        dense: bool = True,
         **extra: Any,
     ) -> None:
         """``window``: two KV cache groups, layer0 full attention and layer1 a sliding window of that many
-        tokens, served by :class:`HybridMaruConnector`."""
+        tokens, served by :class:`HybridMaruConnector`. ``dense``: pages the worker copies by address;
+        else heads in separate planes, copied through its staging buffers (as on a GPU)."""
         model = make_tiny_llama(model_dir)
         extra_config = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
         extra_config |= {f"maru_{k}": v for k, v in extra.items()}
@@ -95,7 +97,12 @@ class Engine:
             tp_rank=0,
             several_groups=window is not None,
         )
-        self.kv_caches = {name: torch.zeros(num_blocks, HEADS, BS, 2 * HD) for name in LAYERS}
+        self.kv_caches = {
+            name: torch.zeros(num_blocks, HEADS, BS, 2 * HD)
+            if dense
+            else torch.zeros(HEADS, num_blocks, BS, 2 * HD).transpose(0, 1)
+            for name in LAYERS
+        }
         self.worker.register_kv_caches(self.kv_caches)
         self.connector.set_xfer_handshake_metadata({0: self.worker.handshake()})
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
@@ -123,6 +130,8 @@ class Engine:
         w.load(meta)
         w.save(meta)
         freed, loaded = w.finished(meta)
+        failed = w.take_failed_recving()  # as MaruConnector.get_transfer_results reports them
+        loaded |= failed
         invalid = w.take_invalid_blocks()
         report = w.report()
         self.finished_sending += sorted(freed)
@@ -140,6 +149,7 @@ class Engine:
             kv_connector_output=KVConnectorOutput(
                 finished_sending=freed or None,
                 finished_recving=loaded or None,
+                failed_recving=failed,
                 invalid_block_ids=invalid,
                 kv_connector_worker_meta=report,
             ),

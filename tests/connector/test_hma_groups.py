@@ -69,12 +69,15 @@ def run_until(engine: Engine, done: Callable[[], bool]) -> None:
 WINDOW = 3 * BS  # 96 tokens: a hit ending at token 256 reads tokens 161..255, blocks 5-7 (chunks 2 and 3)
 
 
-def test_two_groups_are_stored_and_loaded_each_with_its_own_blocks(pool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("dense", [True, False], ids=["direct", "staging"])
+def test_two_groups_are_stored_and_loaded_each_with_its_own_blocks(pool, tmp_path: Path, dense: bool) -> None:
     """vLLM's real Scheduler with its hybrid manager on (a full and a sliding-window group), the connector's
     scheduler half and a real worker over a real pool: the first request stores every chunk of both groups
     from their own block tables; the same prompt again loads the full group's chunks and only the sliding
-    group's window, into the blocks vLLM gave it, and every loaded block equals the stored one byte for byte."""
-    engine = Engine(tmp_path, pool.url, num_blocks=64, window=WINDOW)
+    group's window, into the blocks vLLM gave it, and every loaded block equals the stored one byte for byte;
+    by address between dense pages, and through a staging buffer per group."""
+    engine = Engine(tmp_path, pool.url, num_blocks=64, window=WINDOW, dense=dense)
+    assert engine.worker.paged.direct is dense
     manager, worker, kv = engine.sched.kv_cache_manager, engine.worker, engine.kv_caches
     layer = {0: "layer0", 1: "layer1"}  # the full group's layer, the sliding group's
     per_chunk = CHUNK // BS
@@ -128,3 +131,32 @@ def test_two_groups_are_stored_and_loaded_each_with_its_own_blocks(pool, tmp_pat
         assert not kv[layer[1]][null].any()  # the null block is never written
     finally:
         engine.close()
+
+
+def test_a_failed_load_of_two_groups_is_a_failed_request_that_vllm_recomputes(pool, tmp_path: Path) -> None:
+    """vLLM cannot map failed block ids back to a request when there are several groups (its scheduler
+    raises): the load is asynchronous and its failure is reported per request (failed_recving), so the
+    engine lives on and recomputes the prompt."""
+    engine = Engine(tmp_path, pool.url, num_blocks=64, window=WINDOW, load_async=False)  # asynchronous anyway
+    tokens = prompt(4 * CHUNK + 5, seed=4)
+    engine.add("a", tokens, max_tokens=1)
+    run_until(engine, lambda: "a" in engine.finished_sending)
+    worker, call = engine.worker, engine.worker.guard.call
+    failed: list[str] = []
+    take = worker.take_failed_recving
+
+    def pool_fails_loads(what: str, fn, *args):  # the pool goes away between the lookup and the load
+        return (False, None) if what == "load" else call(what, fn, *args)
+
+    def taking() -> set[str]:
+        out = take()
+        failed.extend(out)
+        return out
+
+    worker.guard.call, worker.take_failed_recving = pool_fails_loads, taking  # type: ignore[method-assign]
+    second = engine.add("b", tokens, max_tokens=1)
+    run_until(engine, second.is_finished)
+    assert failed == ["b"]
+    assert not worker.invalid_blocks
+    assert second.num_computed_tokens >= len(tokens)  # recomputed, not taken from blocks the load never wrote
+    engine.close()

@@ -188,3 +188,25 @@ def test_a_sliding_window_group_lets_go_of_a_chunks_blocks_while_its_request_run
         held_blocks(full_1, c, per_chunk, null) for c in range(4)
     ]
     hybrid_scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def test_several_groups_the_connector_cannot_copy_are_refused_with_what_to_do() -> None:
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    from maru_connector.vllm.kvspec import kv_cache_problem
+
+    assert kv_cache_problem(two_groups(16), several_groups=True) is None
+    full = two_groups(16).kv_cache_groups[0]
+    local = ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, attention_chunk_size=4 * BS
+    )
+    wider = FullAttentionSpec(block_size=2 * BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32)
+    for second, why in (
+        (local, "its KV cache groups hold ChunkedLocalAttentionSpec, neither full nor sliding-window"),
+        (wider, "its KV cache groups differ in block size or KV shape"),
+    ):
+        config = KVCacheConfig(
+            num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[full, KVCacheGroupSpec(["x"], second)]
+        )
+        problem = kv_cache_problem(config, several_groups=True)
+        assert problem is not None and problem.startswith(why) and "--disable-hybrid-kv-cache-manager" in problem

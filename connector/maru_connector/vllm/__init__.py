@@ -115,7 +115,7 @@ HOOKS: dict[str, str] = {
     "set_host_xfer_buffer_ops": "base: no host transfer buffer, copies go straight to the mapping",
     "finish_forward": "base: nothing runs after the forward but wait_for_save",
     "reset_capture_state": "base: nothing is captured in CUDA graphs",
-    "get_transfer_results": "base: built on get_finished",
+    "get_transfer_results": "implemented: get_finished, and failed loads per request with several KV cache groups",
     "get_finished_count": "base: every worker reports every request it finished",
     "get_kv_connector_kv_cache_events": "base: the pool emits no KV events",
     "bind_kv_cache_manager": "base: the block pool is not needed",
@@ -324,6 +324,17 @@ class MaruConnector(KVConnectorBase_V1):
                 self._failed("get_finished (degraded)", again, "finished loads are reported on a later step")
                 return None, None
         return freed or None, loaded or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Worker, once per step: :meth:`get_finished`, and with several KV cache groups the requests whose
+        load failed (vLLM recomputes their prompts; it takes no failed blocks from several groups)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_recving() if self._worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()) | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, once per step after ``wait_for_save``: blocks whose load failed this step."""

@@ -72,7 +72,25 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig, *, several_groups: bool = F
 
         odd = sorted({type(g.kv_cache_spec).__name__ for g in groups} - {"FullAttentionSpec", "SlidingWindowSpec"})
         if odd or not all(isinstance(g.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec)) for g in groups):
-            return f"its KV cache groups hold {', '.join(odd)}, neither full nor sliding-window attention"
+            return (
+                f"its KV cache groups hold {', '.join(odd)}, neither full nor sliding-window attention, which "
+                "the connector copies; start vLLM with --disable-hybrid-kv-cache-manager"
+            )
+        # One chunk geometry and one set of head ranges for every group (keys name them once).
+        shapes = {
+            (
+                g.kv_cache_spec.block_size,
+                g.kv_cache_spec.num_kv_heads,
+                g.kv_cache_spec.head_size,
+                str(g.kv_cache_spec.dtype),
+            )
+            for g in groups
+        }
+        if len(shapes) > 1:
+            return (
+                f"its KV cache groups differ in block size or KV shape (block size, heads, head size, dtype: "
+                f"{sorted(shapes)}); start vLLM with --disable-hybrid-kv-cache-manager"
+            )
     if len(groups) > 1 and not several_groups:
         return (
             f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "

@@ -288,6 +288,9 @@ class MaruScheduler:
             self._load_ix[0] if len(self.groups) == 1 else tuple(i for ix in self._load_ix for i in ix or ())
         )
         self.key_ranks = len(self.head_keys.load) * len(self.groups)  # keys a lookup reads per chunk
+        # With several groups vLLM takes a failed load only as a failed request (failed_recving, for a
+        # request waiting for its asynchronous load), never as failed blocks: loads are asynchronous.
+        self.load_async = cfg.load_async or len(self.groups) > 1
         self.fingerprints: list[bytes] | None = None
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
@@ -451,7 +454,7 @@ class MaruScheduler:
             block_size=self.block_size,
             num_computed_tokens=num_computed_tokens,
         )
-        return hit, hit > 0 and self.cfg.load_async
+        return hit, hit > 0 and self.load_async
 
     def may_load_async(self, request: Request) -> bool:
         """Whether :meth:`get_num_new_matched_tokens` may answer an asynchronous load for ``request``.
@@ -461,7 +464,7 @@ class MaruScheduler:
         lookup already found nothing beyond what the engine holds does not. A false positive only makes
         other asynchronous loads wait for a running slot once.
         """
-        if not (self.loads_enabled and self.active and self.cfg.load_async) or self.lookups is None:
+        if not (self.loads_enabled and self.active and self.load_async) or self.lookups is None:
             return False
         state = self._states.get(request.request_id)
         chunks = request.num_prompt_tokens // self.chunk_tokens  # the most a lookup could find
@@ -500,7 +503,7 @@ class MaruScheduler:
         plan.sort(key=lambda c: (c.index, c.group))
         first_chunk = plan[0].index if plan else start // self.chunk_tokens
         state.load = LoadPlan(
-            load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk, asynchronous=self.cfg.load_async
+            load_id=self._new_load_id(), chunks=tuple(plan), first_chunk=first_chunk, asynchronous=self.load_async
         )
         self.stats.count(common.HIT_TOKENS, num_external_tokens)
 
@@ -530,11 +533,11 @@ class MaruScheduler:
         meta = MaruConnectorMetadata()
         for req_id, fail_blocks in self._abandoned.items():
             meta.loads[req_id] = LoadPlan(
-                load_id=self._new_load_id(), chunks=(), fail_blocks=fail_blocks, asynchronous=self.cfg.load_async
+                load_id=self._new_load_id(), chunks=(), fail_blocks=fail_blocks, asynchronous=self.load_async
             )
             if req_id in self._states:
                 self._states[req_id].unsettled_load = meta.loads[req_id].load_id
-                self._states[req_id].loading_async = self.cfg.load_async
+                self._states[req_id].loading_async = self.load_async
         self._abandoned = {}
         for req_id, state in self._states.items():
             if state.load is not None:
@@ -580,10 +583,10 @@ class MaruScheduler:
         for req_id, fail_blocks in promised.items():
             load_id = self._new_load_id()
             meta.loads[req_id] = LoadPlan(
-                load_id=load_id, chunks=(), fail_blocks=fail_blocks, asynchronous=self.cfg.load_async
+                load_id=load_id, chunks=(), fail_blocks=fail_blocks, asynchronous=self.load_async
             )
             self._pending_loads[load_id] = _PendingLoad(
-                req_id, frozenset(fail_blocks), 0, time.monotonic(), self.cfg.load_async
+                req_id, frozenset(fail_blocks), 0, time.monotonic(), self.load_async
             )
         # Finished requests are released even when their saves cannot be planned: the workers keep
         # each one until their own lane is done with it.

@@ -134,8 +134,10 @@ class MaruWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.paged: PagedKV | None = None
-        # With several KV cache groups, each group's layers on their own (chunks name their group).
+        # With several KV cache groups, each group's layers on their own (chunks name their group), and
+        # per group a (load, save) pair of staging buffers where copies are staged.
         self._group_pages: list[PagedKV] = []
+        self._group_staging: list[tuple[StagedCopier, StagedCopier]] = []
         # Set by a sleep (vLLM 0.33): the KV cache is never used with the pool again (unregister_kv_caches).
         self._slept = False
         self._said_off_after_sleep = False
@@ -153,6 +155,10 @@ class MaruWorker:
         self._failed_loads: set[int] = set()
         # Requests whose asynchronous load finished (loaded or not) since the last get_finished.
         self._loaded: set[str] = set()
+        # Of those, the ones whose load failed, with several KV cache groups: vLLM then takes failures
+        # per request (failed_recving) and recomputes the prompt, never per block (it cannot map block
+        # ids back to a request's groups, and raises).
+        self.failed_recving: set[str] = set()
         # Requests the scheduler half let go of whose save jobs here are not done yet.
         self._to_free: set[str] = set()
         self._report = MaruWorkerReport()
@@ -182,6 +188,13 @@ class MaruWorker:
         for lane in (self._loads, self._saves):
             lane.use_device(paged.device)  # the lanes' streams and events are the rank's device's
         self._group_pages = self._describe_groups(kv_caches, paged)
+        if not paged.direct and self._group_pages:
+            # A group's chunk holds its layers only: a staging buffer of its own size and layout.
+            self._group_staging = [
+                (StagedCopier(pages, self.blocks_per_chunk), StagedCopier(pages, self.blocks_per_chunk))
+                for pages in self._group_pages
+            ]
+            self._load_staging, self._save_staging = self._group_staging[0]
         self.paged = paged
         common.log.info(
             "maru worker %d: KV %s (layout %s), %d layers, %d bytes per block per layer, chunk %d bytes",
@@ -198,9 +211,6 @@ class MaruWorker:
         groups = self._kv_cache_config.kv_cache_groups
         if len(groups) == 1:
             return []
-        if not paged.direct:
-            # The staging buffers are sized and laid out for one set of layers.
-            raise KVLayoutError("several KV cache groups are copied only straight between dense pages (CPU)")
         out = []
         for group in groups:
             caches = {name: kv_caches[name] for name in group.layer_names}
@@ -216,6 +226,17 @@ class MaruWorker:
                 )
             )
         return out
+
+    def _staging(self, group: int, *, save: bool) -> StagedCopier | None:
+        """The staging buffer a chunk of KV cache group ``group`` is loaded (or saved) through."""
+        if self._group_staging:
+            return self._group_staging[group][save]
+        return self._save_staging if save else self._load_staging
+
+    def _load_stagings(self) -> list[StagedCopier]:
+        if self._group_staging:
+            return [load for load, _ in self._group_staging]
+        return [self._load_staging] if self._load_staging is not None else []
 
     def _pages(self, group: int) -> PagedKV | None:
         """The pages a chunk of KV cache group ``group`` is copied from and to."""
@@ -295,8 +316,8 @@ class MaruWorker:
         ``after``: the engine stream's event (``PagedKV.mark``) the copies into the cache wait for.
         """
         started = time.monotonic()
-        if self._load_staging is not None:
-            self._load_staging.after(after)
+        for staging in self._load_stagings():
+            staging.after(after)
         chunks = [chunk for _, plan in plans for chunk in plan.chunks]
         # Each chunk's stored pieces: the one whole chunk at equal TP, else every overlapping head range.
         keys = [chunk.keys[i] for chunk in chunks for i, _ in self.heads.reads]
@@ -316,8 +337,8 @@ class MaruWorker:
             held = [p for p in pins if p is not None]
             if held:
                 self.guard.call("release", lambda c, ps: c.release_many(ps), held)
-        if self._load_staging is not None:
-            self._load_staging.finish()  # scatters queued on the lane's stream have landed
+        for staging in self._load_stagings():
+            staging.finish()  # scatters queued on the lane's stream have landed
         if chunks:
             self.stats.observe(common.LOAD_SECONDS, time.monotonic() - started)
         return outcomes
@@ -404,7 +425,9 @@ class MaruWorker:
                     pages.scatter(joined, chunk.slots)
                 else:  # on the load stream, ordered and fenced like every other staged load
                     flat = joined.reshape(-1)
-                    self._load_staging.scatter(lambda host, f=flat: torch.from_numpy(host).copy_(f), chunk.slots)
+                    staging = self._staging(chunk.group, save=False)
+                    assert staging is not None
+                    staging.scatter(lambda host, f=flat: torch.from_numpy(host).copy_(f), chunk.slots)
                 copied[i] = True
             except Exception as err:  # a corrupt or odd-sized piece is a failed load, not an engine error
                 self._unusable(chunk, type(err).__name__, err)
@@ -418,7 +441,7 @@ class MaruWorker:
         return targets
 
     def _load_staged(self, chunk: ChunkLoad, pin, held: list) -> bool:
-        paged, staging = self.paged, self._load_staging
+        paged, staging = self._pages(chunk.group), self._staging(chunk.group, save=False)
         assert paged is not None and staging is not None
         try:
             self._keep_alive(pin, held)
@@ -451,9 +474,16 @@ class MaruWorker:
             self._report.loads[out.load_id] = out.failed_from
             if out.failed_from >= 0:
                 self._failed_loads.add(out.load_id)
-                self.invalid_blocks.update(out.lost_blocks)
+                if self._group_pages and out.asynchronous:
+                    self.failed_recving.add(out.req_id)
+                else:
+                    self.invalid_blocks.update(out.lost_blocks)
             if out.asynchronous:
                 self._loaded.add(out.req_id)
+
+    def take_failed_recving(self) -> set[str]:
+        out, self.failed_recving = self.failed_recving, set()
+        return out
 
     def take_invalid_blocks(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
@@ -527,7 +557,7 @@ class MaruWorker:
         return [(req_id, index, outcome) for (req_id, index), outcome in worst.items()]
 
     def _store_parts(self, todo: list[SaveItem], ready: Callable[[], None]) -> list[SaveOutcome]:
-        paged, staging = self.paged, self._save_staging
+        paged = self.paged
         if paged is None:
             return self._skip(todo)
         sizes = [self._chunk_bytes(c.group) for _, _, c in todo]
@@ -565,12 +595,15 @@ class MaruWorker:
                     filled = fill_segments_many([g[3] for g in group], segments)
                     written += [(r, i, lease) for (r, i, _, lease), ok in zip(group, filled, strict=True) if ok]
             else:
-                assert staging is not None
-                packed = staging.gathered([chunk.block_ids for _, _, chunk, _ in granted])
-                for (req_id, index, _, lease), host in zip(granted, packed, strict=True):
-                    self._keep_alive(lease, live)
-                    lease.fill(host)  # checksums the engine's bytes, not the pool's
-                    written.append((req_id, index, lease))
+                for group in sorted({chunk.group for _, _, chunk, _ in granted}):
+                    mine = [g for g in granted if g[2].group == group]
+                    staging = self._staging(group, save=True)
+                    assert staging is not None
+                    packed = staging.gathered([chunk.block_ids for _, _, chunk, _ in mine])
+                    for (req_id, index, _, lease), host in zip(mine, packed, strict=True):
+                        self._keep_alive(lease, live)
+                        lease.fill(host)  # checksums the engine's bytes, not the pool's
+                        written.append((req_id, index, lease))
         except Exception as err:  # never into vLLM; unwritten leases are aborted below
             self.guard.failed("save-copy", err)
         done = {id(lease) for _, _, lease in written}
