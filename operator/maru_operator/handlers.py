@@ -190,7 +190,7 @@ class Runtime:
             fetch_status=config.fetch_status,
             usage_interval=config.usage_interval,
             network=config.network,
-            pacer=RolloutPacer(config.max_rolling_groups),
+            pacer=RolloutPacer(config.max_rolling_groups, wake=self.enqueue),
             images=config.images,
             data_plane_updates=config.data_plane_updates,
             disaggregation_window=config.disaggregation_window,

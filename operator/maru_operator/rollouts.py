@@ -20,6 +20,7 @@ only once its applied template is back from the server and the deployment contro
 a group let through takes a reservation in the same step as the check (no await between them, so no other
 worker of the same loop sees the slot free), held until the cache shows each Deployment it was let through
 for with the applied template and rolled, or until ``RESERVATION_SECONDS`` pass (an apply that never lands).
+When a slot frees, the groups held longest are woken, as many as slots freed.
 
 The Deployments carry the hash of the template the operator applied (``maru.io/template-hash``), so whether a
 template would change is one comparison; a restarted operator starts with no reservation and paces by what
@@ -115,7 +116,11 @@ class Reservation:
 class RolloutPacer:
     max_groups: int = DEFAULT_MAX_GROUPS  # 0: no bound
     clock: Callable[[], float] = time.monotonic
+    # Puts a group on the work queue: when a slot frees, the groups held longest go first, as many as slots
+    # freed, rather than each at its next look (every ROLLOUT_QUEUE_SECONDS) and in no order.
+    wake: Callable[[Key], None] | None = None
     reserved: dict[Key, Reservation] = field(default_factory=dict)
+    queued: dict[Key, None] = field(default_factory=dict)  # the held groups, longest held first
 
     def held(self, group: Key, desired: Iterable[Object], store: Store) -> list[Key]:
         """The role Deployments of ``group`` whose template change must wait (their keys). None held: the group
@@ -133,13 +138,24 @@ class RolloutPacer:
             if have is not None and have.template_hash != template:
                 changes[key] = template
         if not changes or self.max_groups <= 0 or pacing_off(store.get(group)):
+            self.queued.pop(group, None)
+            self._wake_queued(store)  # this group's own rollout may just have ended
             return []
         groups = self.busy_groups(store)
         if group not in groups and len(groups) >= self.max_groups:
+            self.queued.setdefault(group)
             return list(changes)
+        self.queued.pop(group, None)
         deadline = self.clock() + RESERVATION_SECONDS
         self.reserved[group] = Reservation({**(mine.templates if mine else {}), **changes}, deadline)
         return []
+
+    def _wake_queued(self, store: Store) -> None:
+        if not self.queued or self.wake is None:
+            return
+        free = self.max_groups - len(self.busy_groups(store))
+        for group in list(self.queued)[: max(0, free)]:
+            self.wake(group)
 
     def busy_groups(self, store: Store) -> set[Key]:
         """The groups holding a slot: rolling in the cache, or let through and not seen rolled yet. Drops the

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from maru_operator import groups as group_reconciler
 from maru_operator.builders.common import LABEL_COMPONENT
 from maru_operator.builders.lifecycle import TEMPLATE_HASH
 from maru_operator.cache import Store
@@ -112,6 +111,23 @@ def test_a_reservation_ends_at_its_deadline() -> None:
     assert pacer.held(_key("b"), [_deployment("b", "decode", "new")], store) != []
     now[0] = 10_000.0
     assert pacer.held(_key("b"), [_deployment("b", "decode", "new")], store) == []
+
+
+def test_a_freed_slot_wakes_the_group_held_longest() -> None:
+    woken: list[tuple[str, str, str]] = []
+    store = _cache(*(_deployment(n, "decode", "old") for n in "abc"))
+    pacer = RolloutPacer(max_groups=1, wake=woken.append)
+    assert pacer.held(_key("a"), [_deployment("a", "decode", "new")], store) == []
+    store.put(_deployment("a", "decode", "new", generation=3))
+    assert pacer.held(_key("c"), [_deployment("c", "decode", "new")], store) != []
+    assert pacer.held(_key("b"), [_deployment("b", "decode", "new")], store) != []
+    assert woken == []
+    # a's rollout ends; its Deployment's event brings a back, with nothing left to change.
+    store.put(_deployment("a", "decode", "new", generation=2))
+    pacer.held(_key("a"), [_deployment("a", "decode", "new")], store)
+    assert woken == [_key("c")]
+    assert pacer.held(_key("c"), [_deployment("c", "decode", "new")], store) == []
+    assert list(pacer.queued) == [_key("b")]
 
 
 def test_only_a_template_short_of_its_replicas_is_rolling() -> None:
@@ -225,12 +241,6 @@ def _operator(cluster: KubeEmulator, stats: StubStats, limit: int, workers: int)
     return RunningOperator(cluster, stats, resync_seconds=3600, workers=workers, max_rolling_groups=limit).start()
 
 
-@pytest.fixture
-def quick_queue(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A held group looks again this often: here, soon after a slot frees (the order is what is checked).
-    monkeypatch.setattr(group_reconciler, "ROLLOUT_QUEUE_SECONDS", 0.3)
-
-
 def _ready_groups(cluster: KubeEmulator, stats: StubStats, names: list[str], limit: int) -> None:
     """The pool and ``names`` created and Ready under an operator that then stops."""
     first = _operator(cluster, stats, limit, workers=4)
@@ -248,12 +258,12 @@ def _ready_groups(cluster: KubeEmulator, stats: StubStats, names: list[str], lim
 
 @pytest.mark.parametrize("limit", [1, 2])
 def test_every_group_changing_at_once_rolls_at_most_the_limit(
-    cluster: KubeEmulator, kube_controllers: Any, stats: StubStats, quick_queue: None, limit: int
+    cluster: KubeEmulator, kube_controllers: Any, stats: StubStats, limit: int
 ) -> None:
     """All groups' templates change together (the groups edited while no operator runs, as an upgrade finds
     them); the operator starts with 8 workers that reconcile them all at once. New pods become ready only
     when the test lets them, one wave at a time, so every rollout lasts until the next wave is looked at."""
-    names = [f"g{i}" for i in range(10)]
+    names = [f"g{i}" for i in range(8)]
     _ready_groups(cluster, stats, names, limit)
     for name in names:
         _change(cluster, name)
