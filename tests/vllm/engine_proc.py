@@ -83,6 +83,8 @@ def build(opts: dict[str, Any]):
         kwargs |= {"enable_lora": True, "max_loras": opts["max_loras"], "max_lora_rank": 8}
     if opts.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = opts["max_num_batched_tokens"]
+    if opts.get("disable_hybrid_kv_cache_manager"):
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if opts.get("long_prefill_token_threshold"):
         # Caps each prefill's share of a step, so several prefills run side by side.
         kwargs["long_prefill_token_threshold"] = opts["long_prefill_token_threshold"]

@@ -54,19 +54,18 @@ def test_a_mamba_model_is_refused_at_start_with_one_error_naming_it(
     assert "must be a positive multiple of the engine's block size" not in out  # not blamed on the chunk size
 
 
-def test_a_hybrid_model_is_refused_by_vllm_before_the_connector_is_built(
+def test_a_hybrid_model_is_refused_at_start_naming_its_mamba_layers(
     models: dict[str, str], pool: PoolDaemon, workdir: Path
 ) -> None:
-    """Mamba mixed with attention: vLLM 0.32 turns its hybrid KV cache manager off for a connector
-    without ``SupportsHMA`` (ours), and then cannot fit Mamba state and attention KV into one group.
-
-    Not the connector's doing; pinned here because the connector relies on it: were a later vLLM to
-    build such an engine, its scheduler half would meet two groups and refuse them itself (see
-    ``tests/connector/test_scheduler.py``)."""
+    """Mamba mixed with attention: the connector implements ``SupportsHMA``, so vLLM keeps its hybrid KV
+    cache manager on and builds the engine (a group of Mamba state beside the attention group); the
+    connector refuses it with the reason, naming both kinds of layer."""
     out = refused_start("hybrid", workdir, model=models["hybrid"], role="kv_both", pool_url=pool.url,
                         chunk_tokens=CHUNK)  # fmt: skip
-    assert "hybrid SSM models (e.g. Jamba, Bamba) require HMA" in out, out[-4000:]
-    assert "Failed to promote local KV cache specs to one unified type" in out, out[-4000:]
+    line = next((x for x in out.splitlines() if "ConfigError: maru connector:" in x), None)
+    assert line is not None, out[-4000:]
+    assert "it is a hybrid model (1 attention and 1 Mamba/linear-attention layers)" in line, line
+    assert "could never serve a hit" in line and WHAT_TO_DO in line
     assert "maru connector ready" not in out
 
 

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -91,6 +92,8 @@ HOOKS: dict[str, str] = {
     "build_connector_meta": "implemented: the step's loads and saves",
     "update_connector_output": "implemented: settle loads, retry skipped saves, roll back tainted ones",
     "request_finished": "implemented: hold blocks while saves settle; tell decode what prefill stored",
+    # SupportsHMA's one hook: vLLM calls it instead of request_finished, with every group's blocks.
+    "request_finished_all_groups": "implemented: request_finished with every KV cache group's blocks",
     "requires_kv_delivery": "implemented: False, a best-effort cache: a dropped save is a later miss",
     "reset_cache": "implemented: vLLM resets caches when it sleeps or updates weights; the shared pool is "
     "never cleared, but this engine's keys may no longer name its weights: it stops using the pool until restart",
@@ -120,7 +123,7 @@ HOOKS: dict[str, str] = {
     "get_kv_connector_kv_cache_events": "base: the pool emits no KV events",
     "bind_kv_cache_manager": "base: the block pool is not needed",
     "bind_gpu_block_pool": "base: the block pool is not needed",
-    "get_loaded_kv_cache_group_ids": "base: the one prefix-cacheable group",
+    "get_loaded_kv_cache_group_ids": "base: every prefix-cacheable group, each loaded from its own chunks",
     "get_external_cache_hit_sources": "base, with _cache_hit_source = HOST (shared host or CXL memory)",
     "register_finished_partial_tail": "base: partial tails are never stored",
     "take_events": "base: no KV events",
@@ -128,20 +131,21 @@ HOOKS: dict[str, str] = {
     "get_required_kvcache_layout": "base: None, every layout vLLM 0.32 resolves is copied as it is",
     "requires_piecewise_for_cudagraph": "base: no layer-by-layer work inside the graph",
     "set_xfer_handshake_metadata_pp_aware": "base: refuses pipeline-parallel ranks, which are not supported",
-    "supports_divergent_local_hybrid_hits": "base: False, one KV cache group only",
+    "supports_divergent_local_hybrid_hits": "base: False, no recurrent state to restore (Mamba is refused)",
 }
 
 
-class MaruConnector(KVConnectorBase_V1):
-    """Stores prompt KV in the shared pool and loads it back on a (capped) hit."""
+class MaruConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores prompt KV in the shared pool and loads it back on a (capped) hit.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a model with sliding-window layers
+    (Gemma 3, gpt-oss) keeps only their windows in memory; each KV cache group is stored and loaded
+    under its own keys, with its own block table (``groups.py``)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     # Test seam: the uncapped rule reproduces the engine crash the cap prevents.
     hit_rule = staticmethod(hits.capped_hit_tokens)
-    # Test seam: the scheduler half plans for several KV cache groups; the workers copy one group, so
-    # the connector does not implement SupportsHMA and several groups are refused (kvspec).
-    several_groups = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -158,7 +162,6 @@ class MaruConnector(KVConnectorBase_V1):
                 loads=loads,
                 saves=saves,
                 hit_rule=type(self).hit_rule,
-                several_groups=type(self).several_groups,
             )
             if loads and tc.kv_load_failure_policy != "recompute":
                 common.log.warning(
@@ -177,7 +180,6 @@ class MaruConnector(KVConnectorBase_V1):
                 saves=saves,
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_group=get_tp_group(),
-                several_groups=type(self).several_groups,
             )
         half = self._scheduler or self._worker
         self._stats = half.stats if half is not None else common.Counters()

@@ -21,8 +21,8 @@ memory and the loads, which read only the window. Its blocks are freed while the
 (:func:`held_blocks`), and saves still reading them finish before the next step writes KV
 (``MaruConnectorMetadata.window_frees``).
 
-Not served in production yet (``kvspec.kv_cache_problem`` refuses several groups unless
-``MaruConnector.several_groups``): the workers copy groups only between dense CPU pages.
+A failed load of several groups is reported per request (vLLM cannot map block ids back to a group and
+raises), so their loads are always asynchronous (``MaruScheduler.load_async``).
 """
 
 from __future__ import annotations
@@ -74,10 +74,6 @@ class KVGroup:
             return range(0)
         per_chunk = chunk_tokens // block_size
         return range(blocks.start // per_chunk, (blocks.stop - 1) // per_chunk + 1)
-
-
-# An engine's one KV cache group, copied whole (its keys are those of every engine before groups).
-ONE_GROUP = KVGroup(0, (), None, "")
 
 
 def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:

@@ -34,11 +34,12 @@ if TYPE_CHECKING:
 WHAT_TO_DO = "serve this model without the Maru connector (no --kv-transfer-config)"
 
 
-def kv_cache_problem(kv_cache_config: KVCacheConfig, *, several_groups: bool = False) -> str | None:
+def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     """Why the connector cannot copy this engine's KV cache, or None when it can.
 
-    ``several_groups``: accept several groups of full or sliding-window attention (the scheduler half
-    plans for them, ``groups.py``; a test seam until the workers copy per group)."""
+    Several groups (vLLM's hybrid KV cache manager, kept on for this connector: it implements
+    ``SupportsHMA``) are copied each with its own keys and block table (``groups.py``) when every group
+    is full or sliding-window attention of one block size and KV shape."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -67,7 +68,7 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig, *, several_groups: bool = F
     foreign = sorted({type(s).__name__ for s in layers if not isinstance(s, AttentionSpec)})
     if foreign:
         return f"its KV cache holds {', '.join(foreign)}, which is not paged attention KV (KV cache: {kinds})"
-    if len(groups) > 1 and several_groups:
+    if len(groups) > 1:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         odd = sorted({type(g.kv_cache_spec).__name__ for g in groups} - {"FullAttentionSpec", "SlidingWindowSpec"})
@@ -91,13 +92,6 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig, *, several_groups: bool = F
                 f"its KV cache groups differ in block size or KV shape (block size, heads, head size, dtype: "
                 f"{sorted(shapes)}); start vLLM with --disable-hybrid-kv-cache-manager"
             )
-    if len(groups) > 1 and not several_groups:
-        return (
-            f"its KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager; {kinds}); the connector "
-            "does not implement SupportsHMA yet (it copies each group with its own block table only straight "
-            "between dense CPU pages; the GPU staging buffers hold one group's layers), so start vLLM with "
-            "--disable-hybrid-kv-cache-manager (it does so itself for a connector without SupportsHMA)"
-        )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
         shapes = {(s.num_kv_heads, s.head_size, str(s.dtype)) for s in layers if isinstance(s, AttentionSpec)}
@@ -118,11 +112,9 @@ def is_latent_cache(kv_cache_config: KVCacheConfig) -> bool:
     return bool(layers) and all(isinstance(s, MLAAttentionSpec) for s in layers)
 
 
-def refuse_unsupported_kv_cache(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, several_groups: bool = False
-) -> None:
+def refuse_unsupported_kv_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """Raise ``ConfigError`` naming the model when the connector cannot copy its KV cache."""
-    problem = kv_cache_problem(kv_cache_config, several_groups=several_groups)
+    problem = kv_cache_problem(kv_cache_config)
     if problem is None:
         return
     raise ConfigError(f"maru connector: model {_model_name(vllm_config)} cannot use the pool: {problem}; {WHAT_TO_DO}")

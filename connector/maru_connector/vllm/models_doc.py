@@ -65,13 +65,13 @@ FAMILIES = (
     Family("Llama 3, Qwen 2.5/3, Mistral (dense or MoE)", "full attention, GQA", lambda: [(32, _full())]),
     Family("DeepSeek-V2/V3/R1, Kimi K2", "MLA (one latent per token)", lambda: [(61, _mla())]),
     Family(
-        "Gemma 3, gpt-oss, with vLLM's hybrid KV cache manager off",
+        "Gemma 3, gpt-oss, with --disable-hybrid-kv-cache-manager",
         "sliding window + full; vLLM allocates the window layers as full attention (one group)",
         lambda: [(26, _full(sliding_window=4096))],
     ),
     Family(
-        "Gemma 3, gpt-oss, with vLLM's hybrid KV cache manager on",
-        "sliding window + full, one KV cache group each (vLLM turns the manager off for this connector)",
+        "Gemma 3, gpt-oss, with vLLM's hybrid KV cache manager on (vLLM's default)",
+        "sliding window + full, one KV cache group each",
         lambda: [(20, _window()), (6, _full())],
     ),
     Family(
@@ -103,6 +103,11 @@ def _row(family: Family) -> str:
         refused = "served"
     else:
         stores = "K and V per token and layer, keyed by KV-head range (any two TP sizes share them)"
+        if len(config.kv_cache_groups) > 1:
+            stores += (
+                "; per KV cache group under its own keys, every chunk stored, the sliding-window layers "
+                "loading only their window"
+            )
         refused = "served"
     cells = (family.name, family.attention, stores, refused)
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maru_connector.vllm import common
-from maru_connector.vllm.groups import ONE_GROUP, held_blocks, kv_groups, load_slots
+from maru_connector.vllm.groups import held_blocks, kv_groups, load_slots
 from maru_connector.vllm.kvspec import is_latent_cache, refuse_unsupported_kv_cache, total_kv_heads
 from maru_connector.vllm.lookups import AsyncLookups
 from maru_connector.vllm.metadata import (
@@ -250,14 +250,12 @@ class MaruScheduler:
         loads: bool,
         saves: bool,
         hit_rule: HitRule = hits.capped_hit_tokens,
-        several_groups: bool = False,
     ) -> None:
-        """``several_groups``: plan for several KV cache groups (a test seam: the workers copy one)."""
         refuse_unsupported_parallelism(vllm_config)
         # Before the block-size checks: a Mamba model's huge state "block" would otherwise be blamed
         # on the chunk size. Refused here too, not only in the workers, so this half never promises
         # a hit it cannot keep, whatever order vLLM builds the halves in.
-        refuse_unsupported_kv_cache(vllm_config, kv_cache_config, several_groups=several_groups)
+        refuse_unsupported_kv_cache(vllm_config, kv_cache_config)
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
@@ -278,7 +276,7 @@ class MaruScheduler:
         # Several KV cache groups (vLLM's hybrid manager: sliding-window layers beside full ones): a
         # chunk has keys per group and head range, group-major; each group is stored and loaded with
         # its own block table, a sliding-window group only where its window reaches (groups.py).
-        self.groups = kv_groups(kv_cache_config) if several_groups else (ONE_GROUP,)
+        self.groups = kv_groups(kv_cache_config)
         self._window_groups = any(g.window is not None for g in self.groups)
         # Per group, which of a chunk's keys it stores and loads; None where all of them, as they are
         # (one group at equal TP): no per-chunk selection.

@@ -109,17 +109,14 @@ class MaruWorker:
         saves: bool,
         tp_rank: int,
         tp_group: Any = None,
-        several_groups: bool = False,
     ) -> None:
-        """``tp_group`` is vLLM's tensor-parallel GroupCoordinator (None: a single rank); ``several_groups``:
-        copy several KV cache groups (a test seam, see ``MaruConnector.several_groups``)."""
+        """``tp_group`` is vLLM's tensor-parallel GroupCoordinator (None: a single rank)."""
         self.cfg = cfg
         self.loads_enabled = loads
         self.saves_enabled = saves
         self.tp_rank = tp_rank
         self._tp_group = tp_group
-        # before the block size: see kvspec
-        refuse_unsupported_kv_cache(vllm_config, kv_cache_config, several_groups=several_groups)
+        refuse_unsupported_kv_cache(vllm_config, kv_cache_config)  # before the block size: see kvspec
         # An MLA latent is the same on every rank: every rank loads the one copy (key 0), rank 0 alone
         # stores it (the others would write the same bytes again under the same key). Paged K/V is keyed
         # by the KV heads a rank holds: replicas of a range store it once, and a rank of another TP size
