@@ -36,8 +36,8 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 from results import merge_results  # noqa: E402
 
 from tests.router.harness import RouterProcess, VllmRouterProcess  # noqa: E402
+from tests.support.servers import Server  # noqa: E402
 from tests.vllm.harness import PoolDaemon, prompt  # noqa: E402
-from tests.vllm.test_serve_pd import Server  # noqa: E402
 
 PROMPT_TOKENS = 3000
 MAX_TOKENS = 8

@@ -41,8 +41,8 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 from results import merge_results  # noqa: E402
 
 from tests.router.harness import RecordingEngine  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 from tests.vllm.harness import PoolDaemon  # noqa: E402
-from tests.vllm.test_serve_pd import free_port  # noqa: E402
 
 MiB = 1 << 20
 BYSTANDER = json.dumps({"model": "m", "prompt": list(range(1000, 1064)), "max_tokens": 1}).encode()
@@ -57,7 +57,9 @@ class Router:
         connector = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": 256, "maru_rpc_timeout_ms": 2000}
         env = {**os.environ, "PYTHONPATH": f"{root / 'connector'}{os.pathsep}{root}", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1"}  # fmt: skip
-        argv = [sys.executable, "-m", "maru_router", "--host", "127.0.0.1", "--port", str(self.port),
+        # The baseline may predate the split into one package per deployable, when the router was maru_connector's.
+        module = "maru_router" if (root / "connector" / "maru_router").is_dir() else "maru_connector.router"
+        argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
                 "--prefill", prefill, "--decode", decode, "--connector-config", json.dumps(connector)]  # fmt: skip
         with open(workdir / f"router-{name}.log", "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
@@ -181,7 +183,7 @@ def measure(router: Router) -> dict[str, Any]:
 
 def baseline_commit() -> str:
     limits = "connector/maru_router/limits.py"
-    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", limits],
+    added = subprocess.run(["git", "log", "--follow", "--diff-filter=A", "--format=%H", "--", limits],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     assert added, "no commit adds the router's limits: pass --baseline"
     return f"{added[-1]}~1"
