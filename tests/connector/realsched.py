@@ -52,11 +52,13 @@ class Engine:
         prefix_caching: bool = False,
         window: int | None = None,
         dense: bool = True,
+        batch_tokens: int = 4096,
         **extra: Any,
     ) -> None:
         """``window``: two KV cache groups, layer0 full attention and layer1 a sliding window of that many
         tokens, as vLLM's hybrid KV cache manager builds them. ``dense``: pages the worker copies by address;
-        else heads in separate planes, copied through its staging buffers (as on a GPU)."""
+        else heads in separate planes, copied through its staging buffers (as on a GPU). ``batch_tokens``: the
+        scheduler's token budget per step (a prompt longer than it is prefilled in chunks)."""
         model = make_tiny_llama(model_dir)
         extra_config = {"maru_pool_url": pool_url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": 5000}
         extra_config |= {f"maru_{k}": v for k, v in extra.items()}
@@ -64,7 +66,10 @@ class Engine:
             model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=4096, skip_tokenizer_init=True),
             cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
+                max_num_seqs=8,
+                max_num_batched_tokens=batch_tokens,
+                max_model_len=4096,
+                is_encoder_decoder=False,
             ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="MaruConnector",

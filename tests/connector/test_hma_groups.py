@@ -158,3 +158,30 @@ def test_a_failed_load_of_two_groups_is_a_failed_request_that_vllm_recomputes(po
     assert not worker.invalid_blocks
     assert second.num_computed_tokens >= len(tokens)  # recomputed, not taken from blocks the load never wrote
     engine.close()
+
+
+def test_a_chunk_whose_window_blocks_vllm_freed_first_is_never_stored_nor_waited_for(pool, tmp_path: Path) -> None:
+    """A prefill step that ends inside a chunk, past its first block plus the window: vLLM frees that
+    block of the sliding group before the step completing the chunk runs. The chunk (and, the pool keeping
+    prefixes, every later one) can no longer be stored from this request: nothing of the null block is
+    stored, and the finished request does not keep its blocks for retries that cannot succeed."""
+    engine = Engine(tmp_path, pool.url, num_blocks=64, window=BS, batch_tokens=CHUNK - 1)
+    saves: list[dict] = []
+    save = engine.worker.save
+    engine.worker.save = lambda meta: (saves.append(dict(meta.saves)), save(meta))[1]  # type: ignore[method-assign]
+    try:
+        request = engine.add("a", prompt(2 * CHUNK + 5, seed=5), max_tokens=1)
+        state = None
+        for _ in range(400):
+            state = engine.connector._scheduler._states.get("a") or state
+            if request.is_finished():
+                break
+            engine.step()
+            engine.worker.wait_idle()
+            time.sleep(0.01)
+        assert request.is_finished()
+        assert state is not None and state.unsavable_from == 0
+        assert not any(step.get("a") for step in saves)
+        assert "a" not in engine.connector._scheduler._states  # released at once, not held for retries
+    finally:
+        engine.close()

@@ -130,6 +130,9 @@ class RequestState:
     finished_at: float | None = None
     finished_blocks: tuple[list[int], ...] = ()  # per KV cache group
     finished_tokens: int = 0
+    # The first chunk a sliding window moved past before it was stored: vLLM freed its blocks, so neither
+    # it nor (the pool keeps prefixes) any later chunk can be stored from this request.
+    unsavable_from: int | None = None
 
     def follow_prompt(self) -> None:
         """Keep keys and chunk states in step with the prompt, which streaming input can grow."""
@@ -164,7 +167,8 @@ class RequestState:
         """
         full = hits.full_chunks(min(computed_tokens, self.request.num_prompt_tokens), chunk_tokens)
         due: list[int] = []
-        for i in range(min(full, len(self.chunks))):
+        last = len(self.chunks) if self.unsavable_from is None else self.unsavable_from
+        for i in range(min(full, len(self.chunks), last)):
             parent_ok = i == 0 or self.chunks[i - 1] is not Chunk.MISSING or (due and due[-1] == i - 1)
             if self.chunks[i] is Chunk.MISSING and parent_ok and self.retry_at.get(i, 0) <= step:
                 due.append(i)
@@ -739,11 +743,11 @@ class MaruScheduler:
                 # Every group's blocks of the chunk, each still the request's own: where a sliding window
                 # moved past, vLLM freed them (its null block stands there) and the chunk can no longer be
                 # stored from this request (nor, in prompt order, any after it).
-                held = [
-                    held_blocks(ids, i, self.blocks_per_chunk, NULL_BLOCK if group.window is not None else None)
-                    for group, ids in zip(self.groups, block_ids, strict=False)
-                ]
+                held = [held_blocks(ids, i, self.blocks_per_chunk, None) for ids in block_ids]
                 if len(held) != len(self.groups) or any(ids is None for ids in held):
+                    break  # no block table for it (never expected): try again next step
+                if any(g.window is not None and NULL_BLOCK in ids for g, ids in zip(self.groups, held, strict=True)):
+                    state.unsavable_from = i
                     break
                 tokens = chunk_token_ids(state.request, i, self.chunk_tokens)
                 for group, ids in zip(self.groups, held, strict=True):
