@@ -19,7 +19,9 @@ prompt's hit (one that ends a chunk or two after it), so none can be left out; t
 memory and the loads, which read only the window. Its blocks are freed while the request runs
 (``remove_skipped_blocks``): a chunk is saved only from blocks the request still holds
 (:func:`held_blocks`), and saves still reading them finish before the next step writes KV
-(``MaruConnectorMetadata.window_frees``).
+(``MaruConnectorMetadata.window_frees``). A chunk longer than the window can lose its first blocks before
+its last token is computed (a prefill step ending inside it, more than a block plus the window past its
+start): it and the request's later chunks are then not stored (``RequestState.unsavable_from``).
 
 A failed load of several groups is reported per request (vLLM cannot map block ids back to a group and
 raises), so their loads are always asynchronous (``MaruScheduler.load_async``).

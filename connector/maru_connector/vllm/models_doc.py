@@ -106,7 +106,8 @@ def _row(family: Family) -> str:
         if len(config.kv_cache_groups) > 1:
             stores += (
                 "; per KV cache group under its own keys, every chunk stored, the sliding-window layers "
-                "loading only their window"
+                "loading only their window (a chunk longer than the window is lost to a prefill step that "
+                "ends inside it past the window: keep maru_kv_chunk_tokens within it, gpt-oss: 128)"
             )
         refused = "served"
     cells = (family.name, family.attention, stores, refused)
