@@ -59,7 +59,7 @@ def test_the_plugin_publishes_exactly_the_mounted_directory(tmp_path: Path, pool
     """What the plugin publishes for the volume is the directory the pod mounts it at, which is where the
     connector's pool URL points."""
     from maru_csi.node import check_publish  # the plugin's own validation (needs the csi extra)
-    from tests.csi.harness import publish_request
+    from tests.support.csi import publish_request
 
     spec = pool_spec(daemon={"socketDir": socket_dir})
     volume, mount = pool_socket_volume(spec, pool), pool_socket_mount(spec, pool)
@@ -82,7 +82,7 @@ def test_the_plugin_publishes_exactly_the_mounted_directory(tmp_path: Path, pool
 
 def _publish_as(root: Path, directory: str, namespace: str) -> Any:
     from maru_csi.node import check_publish  # the plugin's own validation (needs the csi extra)
-    from tests.csi.harness import publish_request
+    from tests.support.csi import publish_request
 
     request = publish_request(
         "/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/maru-socket/mount", directory, namespace=namespace
