@@ -154,8 +154,14 @@ class RolloutPacer:
         if not self.queued or self.wake is None:
             return
         free = self.max_groups - len(self.busy_groups(store))
-        for group in list(self.queued)[: max(0, free)]:
+        for group in list(self.queued):
+            if free <= 0:
+                return
+            if store.get(group) is None:
+                del self.queued[group]  # deleted while it waited: it comes back to pop itself no more
+                continue
             self.wake(group)
+            free -= 1
 
     def busy_groups(self, store: Store) -> set[Key]:
         """The groups holding a slot: rolling in the cache, or let through and not seen rolled yet. Drops the

@@ -130,6 +130,22 @@ def test_a_freed_slot_wakes_the_group_held_longest() -> None:
     assert list(pacer.queued) == [_key("b")]
 
 
+def test_a_group_deleted_while_held_is_not_woken() -> None:
+    woken: list[tuple[str, str, str]] = []
+    store = _cache(*(_deployment(n, "decode", "old") for n in "abc"))
+    pacer = RolloutPacer(max_groups=1, wake=woken.append)
+    assert pacer.held(_key("a"), [_deployment("a", "decode", "new")], store) == []
+    store.put(_deployment("a", "decode", "new", generation=3))
+    for name in ("c", "b"):
+        assert pacer.held(_key(name), [_deployment(name, "decode", "new")], store) != []
+    gone = store.get(_key("c"))
+    assert gone is not None
+    store.remove(gone)
+    store.put(_deployment("a", "decode", "new", generation=2))
+    pacer.held(_key("a"), [_deployment("a", "decode", "new")], store)
+    assert woken == [_key("b")] and list(pacer.queued) == [_key("b")]
+
+
 def test_only_a_template_short_of_its_replicas_is_rolling() -> None:
     # A pod down, or a scale-up whose pods wait for a GPU: every pod has the newest template.
     assert not rolling(_deployment("a", "decode", "t", replicas=2, readyReplicas=1, availableReplicas=1))
