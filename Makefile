@@ -45,9 +45,10 @@ VLLM_VENVS := $(foreach v,$(VLLM_VERSIONS),.tools/vllm-$(v)/.installed)
 
 vllm-venvs: $(VLLM_VENVS)  ## environments with vLLM 0.33 and 0.34 for the real-Scheduler tests
 
-lint: venv  ## ruff: lint rules and formatting
+lint: venv  ## ruff (lint rules and formatting) and the import contracts (.importlinter: the packages' layering)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --config .importlinter
 
 crds: venv  ## regenerate crds/, the chart's copy and docs/api.md from the models
 	$(PY) -m maru_operator.crdgen
