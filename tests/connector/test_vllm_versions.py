@@ -34,7 +34,9 @@ def test_real_scheduler_tests_pass_under(version: str) -> None:
     python = venv / "bin" / "python"
     if not (venv / ".installed").exists():
         pytest.skip(f"no environment for vLLM {version}: run `make vllm-venvs`")
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(str(REPO_ROOT / d) for d in ("connector", "operator"))}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(str(REPO_ROOT / d) for d in ("connector", "operator", "localcluster"))
+    }
     env.pop("MARU_ALLOW_UNSUPPORTED_VLLM", None)
     done = subprocess.run(
         [str(python), "-m", "pytest", *SCHEDULER_TESTS, "-q", "-p", "no:cacheprovider", "-o", "addopts="],

@@ -9,9 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-
-from maru_localcluster.tools import ToolUnavailable, helm_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "maru-operator"
@@ -22,6 +19,10 @@ NAMESPACE = "maru-system"
 
 @pytest.fixture(scope="session")
 def helm() -> Path:
+    # Imported here: the root conftest loads this plugin in every run, also where the test bed is not installed
+    # (the scheduler tests under other vLLM releases).
+    from maru_localcluster.tools import ToolUnavailable, helm_path
+
     try:
         return helm_path()
     except ToolUnavailable as err:
@@ -53,6 +54,8 @@ def render(run_helm: Helm, template_args: Callable[..., list[str]]) -> Render:
     """``helm template`` the chart and return its objects; fails the test when helm refuses."""
 
     def render(*extra: str, **kwargs: str) -> list[dict[str, Any]]:
+        import yaml
+
         result = run_helm(*template_args(*extra, **kwargs))
         assert result.returncode == 0, result.stderr
         return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
