@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from maru_contracts.keys import group_label
-
-from .test_keys import NS, fake_block_hashes, keys
+from tests.support.keys import NS, fake_block_hashes, keys
 
 # NS's fingerprint as keys were before groups were named: a one-group engine must keep reading what
 # earlier engines stored.

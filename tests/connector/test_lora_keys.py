@@ -17,10 +17,10 @@ from vllm.lora.request import LoRARequest
 
 from maru_connector.weights import adapter_identity
 from maru_contracts.keys import with_adapter
+from tests.support.scheduler import make, run_prefill
 
 from . import fakes
 from .fakes import CHUNK
-from .test_scheduler import make, run_prefill
 
 
 def adapter(root: Path, fill: bytes) -> Path:

