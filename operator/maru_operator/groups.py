@@ -162,7 +162,7 @@ class GroupReconciler:
                 namespace,
                 name,
                 ", ".join(k[2] for k in held),
-                self.pacer.max_groups,
+                len(self.pacer.busy_groups(self.store)),
                 self.pacer.max_groups,
             )
             desired = [d for d in desired if key_of(d) not in held]

@@ -16,7 +16,7 @@ from maru_operator.applier import ChildApplier
 from maru_operator.builders.common import Owner, owner_reference
 from maru_operator.cache import Store
 from maru_operator.kube import Kube
-from tests.operator.conftest import GROUP_NS, group
+from tests.support.operator import GROUP_NS, group
 
 pytestmark = pytest.mark.emulator
 

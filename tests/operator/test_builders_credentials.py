@@ -9,8 +9,6 @@ import pytest
 
 from maru_contracts import tenancy
 from maru_contracts.config import MaruConnectorConfig
-from maru_csi import minting
-from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY, Owner
 from maru_operator.builders.credentials import (
@@ -19,13 +17,19 @@ from maru_operator.builders.credentials import (
     pool_key_name,
 )
 from maru_operator.builders.group import PoolView, build_role_deployment, cache_scope
-from maru_operator.builders.pool import build_agent_daemonset
 from maru_operator.validation import check_group
-from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, assert_valid, container, group_spec, pool_spec
-from tests.operator.test_builders_group import kv_config
-
-KEY = os.urandom(32)
-NS = "maru-system"
+from tests.support.specs import (
+    GROUP_OWNER,
+    KEY,
+    NS,
+    POOL_OWNER,
+    assert_valid,
+    container,
+    group_spec,
+    kv_config,
+    minted_token,
+    pool_spec,
+)
 
 
 def bound_pool(**fields: object) -> PoolView:
@@ -52,27 +56,6 @@ class TestPoolKeySecret:
     @pytest.mark.parametrize("data", [None, {}, {"key": "not base64!"}, {"key": base64.b64encode(b"short").decode()}])
     def test_a_key_no_daemon_would_take_is_no_key(self, data: dict | None) -> None:
         assert pool_key({"data": data} if data is not None else {}) is None
-
-
-def minted_token(spec: InferenceGroupSpec, owner: Owner, pool: PoolView, key: bytes = KEY) -> str:
-    """The token the CSI node plugin mints for a vLLM pod of the group: from the pod's credential volume as the
-    operator renders it and the pool policy its agent's init container is given, through the plugin's code."""
-    dep = build_role_deployment(spec, "decode", owner, pool)
-    attributes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}["maru-credential"]["csi"][
-        "volumeAttributes"
-    ]
-    init = next(
-        c
-        for c in build_agent_daemonset(pool.spec, POOL_OWNER, NS, key)["spec"]["template"]["spec"]["initContainers"]
-        if c["name"] == "credentials"
-    )
-    default, ceiling = minting.parse_policy(init["args"][init["args"].index("--policy") + 1], "--policy")
-    assert init["args"][init["args"].index("--pool") + 1] == attributes["pool"]
-    material = minting.Material(attributes["pool"], key, default, ceiling)
-    token, _ = material.mint(
-        owner.namespace or "", attributes["cache"], tenancy.Quota.decode(attributes.get("quota", ""))
-    )
-    return token
 
 
 class TestGroupCredential:

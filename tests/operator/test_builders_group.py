@@ -17,11 +17,7 @@ from maru_operator.builders.group import (
     build_router_service_account,
     router_endpoint,
 )
-from tests.operator.helpers import GROUP_OWNER, assert_valid, container, flag, group_spec, pool_view
-
-
-def kv_config(dep: dict) -> dict:
-    return json.loads(flag(container(dep)["args"], "--kv-transfer-config"))
+from tests.support.specs import GROUP_OWNER, assert_valid, container, flag, group_spec, kv_config, pool_view
 
 
 class TestRoleDeployment:
@@ -173,7 +169,7 @@ class TestRoleDeployment:
         assert terms[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
         assert "podAffinity" not in prefill["spec"]["template"]["spec"]["affinity"]
         from maru_operator.builders.group import PoolView
-        from tests.operator.helpers import dax_spec
+        from tests.support.specs import dax_spec
 
         dax = build_role_deployment(group_spec(), "decode", GROUP_OWNER, PoolView("pool", dax_spec()))
         assert "podAffinity" not in dax["spec"]["template"]["spec"]["affinity"]

@@ -17,7 +17,7 @@ from maru_operator.builders.group import (
 )
 from maru_operator.builders.inferencepool import build_inference_pool
 from maru_operator.crdvalidate import Validator
-from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
+from tests.support.specs import GROUP_OWNER, group_spec, pool_view
 
 PICKER = {"name": "qwen-epp", "port": {"number": 9002}}
 

@@ -11,7 +11,7 @@ from maru_operator.builders.netpol import (
     build_pool_policies,
     pool_clients,
 )
-from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, assert_valid, dax_spec, group_spec, pool_spec, pool_view
+from tests.support.specs import GROUP_OWNER, POOL_OWNER, assert_valid, dax_spec, group_spec, pool_spec, pool_view
 
 NS = "maru-system"
 ON = NetworkPolicyConfig(scrape_namespaces=("monitoring",))

@@ -19,7 +19,7 @@ from maru_operator.builders.pool import (
 )
 from maru_operator.builders.resources import POOL_DAEMON
 from maru_operator.quantity import parse_quantity
-from tests.operator.helpers import POOL_OWNER, assert_valid, container, dax_spec, flag, pool_spec
+from tests.support.specs import POOL_OWNER, assert_valid, container, dax_spec, flag, pool_spec
 
 NS = "maru-system"
 

@@ -11,7 +11,7 @@ from maru_operator.builders.group import PoolView, build_role_deployment, connec
 from maru_operator.builders.netpol import NetworkPolicyConfig, build_group_policies
 from maru_operator.builders.poolevents import build_pool_events_children
 from maru_pool.cli import build_parser
-from tests.operator.helpers import GROUP_OWNER, assert_valid, container, dax_spec, flag, group_spec, pool_view
+from tests.support.specs import GROUP_OWNER, assert_valid, container, dax_spec, flag, group_spec, pool_view
 
 ON = {"poolEvents": {"enabled": True}}
 

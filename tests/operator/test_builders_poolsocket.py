@@ -16,7 +16,7 @@ from maru_operator.builders.common import Owner
 from maru_operator.builders.pool import build_agent_daemonset, pool_endpoint, socket_host_dir
 from maru_operator.builders.poolsocket import pool_socket_mount, pool_socket_volume
 from maru_operator.images import DEFAULT_POOL_IMAGE
-from tests.operator.helpers import dax_spec, pool_spec
+from tests.support.specs import dax_spec, pool_spec
 
 LONG_POOL = "a-very-long-pool-name." + "x" * 60  # a valid MaruPool name, too long for its socket directory
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment, memory_default
 from maru_operator.builders.resources import ResourceDefault, with_defaults
 from maru_operator.quantity import parse_quantity
-from tests.operator.helpers import POOL_OWNER, container, dax_spec, pool_spec
+from tests.support.specs import POOL_OWNER, container, dax_spec, pool_spec
 
 DEFAULT = ResourceDefault(request=2**30, limit=4 * 2**30, cpu_millis=250)
 

@@ -26,8 +26,7 @@ from maru_operator.builders.netpol import (
 )
 from maru_router.__main__ import parse_args
 from maru_router.revisions import revision_of
-from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, assert_valid, dax_spec, group_spec, pool_view
-from tests.operator.test_builders_group import flag
+from tests.support.specs import GROUP_OWNER, POOL_OWNER, assert_valid, dax_spec, flag, group_spec, pool_view
 
 
 def pod(obj: dict[str, Any] | None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 
 from maru_localcluster.server import KubeEmulator
 from maru_operator.cache import Store, trimmed
-from tests.operator.conftest import GROUP_NS, RunningOperator, group, settle
+from tests.support.operator import GROUP_NS, RunningOperator, group, settle
 
 pytestmark = pytest.mark.emulator
 

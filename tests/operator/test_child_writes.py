@@ -14,7 +14,7 @@ import pytest
 from maru_localcluster.server import KubeEmulator
 from maru_operator.kube import ApiError, Kube
 from maru_operator.ownership import FIELD_MANAGER, adoption_patch, owned_fields
-from tests.operator.conftest import GROUP_NS, RunningOperator, group, has_condition, settle
+from tests.support.operator import GROUP_NS, RunningOperator, group, has_condition, settle
 
 pytestmark = pytest.mark.emulator
 

@@ -8,7 +8,7 @@ import pytest
 
 from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.scratch import CACHE_ENV
-from tests.operator.conftest import (
+from tests.support.operator import (
     GROUP_NS,
     POOL_NS,
     RunningOperator,

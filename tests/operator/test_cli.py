@@ -8,8 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +17,7 @@ import yaml
 
 from maru_localcluster import tools
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import GROUP_NS, ROOT, group, has_condition, install_crds, pool
+from tests.support.operator import GROUP_NS, ROOT, group, has_condition, http_get, install_crds, pool
 
 pytestmark = pytest.mark.emulator
 
@@ -39,16 +37,6 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         timeout=timeout,
         cwd=ROOT,
     )
-
-
-def http_get(url: str) -> tuple[int, str]:
-    for _ in range(200):
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status, resp.read().decode()
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"{url} never answered")
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import pytest
 from maru_localcluster.server import KubeEmulator
 from maru_operator.crdcheck import SCHEMA_HASH_ANNOTATION, STALE_REASON, UPGRADE_COMMAND, stale_crds
 from maru_operator.crdgen import KINDS, build_crd
-from tests.operator.conftest import GROUP_NS, POOL_NS, ROOT, create_namespace, has_condition, pool
-from tests.operator.test_cli import free_port, http_get
+from tests.support.operator import GROUP_NS, POOL_NS, ROOT, create_namespace, has_condition, http_get, pool
+from tests.support.pool import free_port
 
 pytestmark = pytest.mark.emulator
 

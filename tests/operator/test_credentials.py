@@ -16,15 +16,7 @@ from maru_contracts import tenancy
 from maru_contracts.config import MaruConnectorConfig
 from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.pool import KEY_DIGEST_ANNOTATION, key_digest
-from tests.operator.conftest import (
-    GROUP_NS,
-    POOL_NS,
-    RunningOperator,
-    create_namespace,
-    group,
-    has_condition,
-    settle,
-)
+from tests.support.operator import GROUP_NS, POOL_NS, RunningOperator, create_namespace, group, has_condition, settle
 
 pytestmark = pytest.mark.emulator
 

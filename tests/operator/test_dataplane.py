@@ -14,16 +14,7 @@ import pytest
 from maru_localcluster.server import KubeEmulator
 from maru_operator.dataplane import UPDATES_ANNOTATION, pinned, repository, updates_of
 from maru_operator.images import ImageDefaults
-from tests.operator.conftest import (
-    GROUP_NS,
-    POOL_NS,
-    RunningOperator,
-    StubStats,
-    group,
-    has_condition,
-    pool,
-    settle,
-)
+from tests.support.operator import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
 DEPLOY = "deployments.apps"
 OLD, NEW = ImageDefaults(tag="1.0.0"), ImageDefaults(tag="1.1.0")

@@ -20,8 +20,16 @@ from maru_localcluster.server import KubeEmulator
 from maru_operator.kube import fetch_daemon_status
 from maru_pool import PoolClient
 from maru_pool.readers import Reader
-from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, fake_agent_pod, group, has_condition, pool
-from tests.operator.test_integration import wait_event
+from tests.support.operator import (
+    GROUP_NS,
+    POOL_NS,
+    RunningOperator,
+    fake_agent_pod,
+    group,
+    has_condition,
+    pool,
+    wait_event,
+)
 from tests.support.pool import Daemon, start_serve
 
 pytestmark = pytest.mark.emulator

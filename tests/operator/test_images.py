@@ -20,7 +20,7 @@ from maru_operator.api.inferencegroup import InferenceGroupSpec
 from maru_operator.api.marupool import MaruPoolSpec
 from maru_operator.cli import _parser, image_defaults
 from maru_operator.images import DEFAULT_IMAGES, ImageDefaults, check_registry
-from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool
+from tests.support.operator import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 APP_VERSION = yaml.safe_load((REPO_ROOT / "charts" / "maru-operator" / "Chart.yaml").read_text())["appVersion"]

@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import (
+from tests.support.operator import (
     GROUP_NS,
     RunningOperator,
     StubStats,
+    bind_documented_rbac,
     condition_of,
     group,
     has_condition,
     pool,
     settle,
 )
-from tests.operator.test_rbac import bind_documented_rbac
 
 pytestmark = pytest.mark.emulator
 
@@ -249,7 +249,7 @@ def test_an_inference_pool_deleted_in_a_watch_gap_is_made_again_at_the_resync(
 ) -> None:
     """kopf's watch resumed after a 410 lists again but tells nothing of what went meanwhile: the resync's lists
     cover the kind (once discovery serves it), and the group writes its pool again."""
-    from tests.operator.test_resync import on_loop
+    from tests.support.operator import on_loop
 
     op, made = _served_group(cluster, stats)
     try:

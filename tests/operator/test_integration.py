@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import (
+from tests.support.operator import (
     GROUP_NS,
     POOL_NS,
     RunningOperator,
@@ -20,6 +20,7 @@ from tests.operator.conftest import (
     object_writes,
     pool,
     settle,
+    wait_event,
 )
 
 pytestmark = pytest.mark.emulator
@@ -37,21 +38,6 @@ def ready(obj: dict[str, Any]) -> bool:
 
 def events(kube: KubeEmulator, namespace: str, name: str) -> list[dict[str, Any]]:
     return [e for e in kube.list("events", namespace) if e.get("involvedObject", {}).get("name") == name]
-
-
-def wait_event(kube: KubeEmulator, namespace: str, name: str, reason: str) -> dict[str, Any]:
-    """The first Event with this reason on the object (Events are posted right after the status write)."""
-    return kube.wait_until(
-        lambda e: next(
-            (
-                ev
-                for ev in e.list_objects("", "events", namespace)
-                if ev.get("involvedObject", {}).get("name") == name and ev.get("reason") == reason
-            ),
-            None,
-        ),
-        message=f"an Event {reason} on {namespace}/{name}",
-    )
 
 
 def wait_group_ready(kube: KubeEmulator, name: str = "qwen", namespace: str = GROUP_NS) -> dict[str, Any]:
@@ -449,7 +435,7 @@ def test_pool_usage_from_the_daemons(
 
 @pytest.mark.tools
 def test_kubectl_apply_examples(cluster: KubeEmulator, operator: RunningOperator, kube_controllers: Any) -> None:
-    from tests.operator.conftest import ROOT
+    from tests.support.operator import ROOT
 
     kube_controllers.add_node("cxl-1", {"maru.io/cxl": "true"})
     kube_controllers.add_node("cxl-2", {"maru.io/cxl": "true"})

@@ -10,7 +10,7 @@ from maru_operator.builders.children import build_group_children
 from maru_operator.builders.common import Owner, labels
 from maru_operator.builders.pool import build_pool_children
 from maru_operator.names import child_name, is_dns1035, is_label_value, label_value
-from tests.operator.helpers import assert_valid, group_spec, pool_spec, pool_view
+from tests.support.specs import assert_valid, group_spec, pool_spec, pool_view
 
 subdomains = st.from_regex(DNS1123_SUBDOMAIN_PATTERN, fullmatch=True).filter(lambda s: len(s) <= 253)
 suffixes = st.sampled_from(["", "prefill", "decode", "router", "agent", "metadata"])

@@ -19,7 +19,7 @@ from maru_operator.ownership import (
     sets_field,
     stale_field,
 )
-from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
+from tests.support.specs import GROUP_OWNER, group_spec, pool_view
 
 
 def server_version(obj: dict) -> dict:

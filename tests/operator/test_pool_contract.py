@@ -17,8 +17,8 @@ from maru_localcluster.server import KubeEmulator
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment
 from maru_operator.kube import fetch_daemon_status
 from maru_pool.cli import build_parser
-from tests.operator.conftest import POOL_NS, RunningOperator, fake_agent_pod, has_condition, pool
-from tests.operator.helpers import POOL_OWNER, container, dax_spec, pool_spec
+from tests.support.operator import POOL_NS, RunningOperator, fake_agent_pod, has_condition, pool
+from tests.support.specs import POOL_OWNER, container, dax_spec, pool_spec
 
 
 def parse(args: list[str]) -> Any:

@@ -16,8 +16,7 @@ from maru_operator.api.inferencegroup import InferenceGroupStatus, PoolUsage
 from maru_operator.builders.credentials import effective_quota
 from maru_operator.builders.group import PoolView
 from maru_operator.status import group_usage_only_change, tenant_usage
-from tests.operator.helpers import GROUP_OWNER, group_spec, pool_spec
-from tests.operator.test_builders_credentials import minted_token
+from tests.support.specs import GROUP_OWNER, group_spec, minted_token, pool_spec
 
 KEY = os.urandom(32)
 Gi = 1 << 30

@@ -12,13 +12,19 @@ from maru_localcluster.server import KubeEmulator
 from maru_operator.rbac import (
     DEFAULT_LEASE_NAMESPACE,
     allows,
-    bindings,
     cluster_role,
-    lease_namespace_role,
-    pool_namespace_role,
-    router_cluster_role,
 )
-from tests.operator.conftest import GROUP_NS, POOL_NS, RunningOperator, StubStats, group, has_condition, pool, settle
+from tests.support.operator import (
+    GROUP_NS,
+    POOL_NS,
+    RunningOperator,
+    StubStats,
+    bind_documented_rbac,
+    group,
+    has_condition,
+    pool,
+    settle,
+)
 
 DISCOVERY = {"/api", "/apis", "/version"}
 NETPOL_GROUP = "networking.k8s.io"
@@ -71,22 +77,6 @@ def check_requests(kube: KubeEmulator, namespaced: bool) -> set[Any]:
             denied.add((perm, r.path))
     assert not denied, sorted(denied)
     return used
-
-
-def bind_documented_rbac(
-    kube: KubeEmulator, namespaced: bool = False, account: str = "maru-operator", pool_namespace: str = POOL_NS
-) -> str:
-    """Grant the operator's ServiceAccount exactly what ``maru-operator rbac`` prints; its token."""
-    if kube.get("clusterroles.rbac.authorization.k8s.io", "maru-operator") is None:
-        kube.create(cluster_role(namespaced=namespaced))
-        kube.create(lease_namespace_role())
-        kube.create(router_cluster_role())
-    if kube.get("roles.rbac.authorization.k8s.io", "maru-operator", pool_namespace) is None:
-        kube.create(pool_namespace_role(pool_namespace))
-    for binding in bindings(pool_namespace, account, "maru-operator"):
-        binding["metadata"]["name"] = f"{account}-{binding['roleRef']['name']}"
-        kube.create(binding)
-    return kube.service_account_token(pool_namespace, account)
 
 
 @pytest.mark.emulator

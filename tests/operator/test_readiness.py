@@ -8,7 +8,7 @@ from maru_operator import conditions as cond
 from maru_operator.api.inferencegroup import InferenceGroupStatus
 from maru_operator.readiness import READ_PODS_HINT, why_not_ready
 from maru_operator.status import bind, group_status
-from tests.operator.test_status import NOW, deployment, group_spec, pool_body
+from tests.support.specs import NOW, deployment, group_spec, pool_body
 
 IMAGE = "registry.example/vllm:v9"
 
@@ -149,9 +149,8 @@ def test_a_short_role_is_failing_only_when_stuck() -> None:
 
 def test_the_operator_names_an_unschedulable_pod(pod_controllers: Any, stats: Any) -> None:
     """A real operator with --read-pods, pods kept by the emulator's controllers: decode's pods fit no node."""
-    from tests.operator.conftest import GROUP_NS, RunningOperator, condition_of, group, has_condition
-    from tests.operator.conftest import pool as pool_object
-    from tests.operator.test_integration import wait_event
+    from tests.support.operator import GROUP_NS, RunningOperator, condition_of, group, has_condition, wait_event
+    from tests.support.operator import pool as pool_object
 
     cluster = pod_controllers.kube
     running = RunningOperator(cluster, stats, resync_seconds=3600, workers=2, read_pods=True).start()

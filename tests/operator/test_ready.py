@@ -11,15 +11,7 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import (
-    GROUP_NS,
-    RunningOperator,
-    condition_of,
-    group,
-    has_condition,
-    pool,
-    settle,
-)
+from tests.support.operator import GROUP_NS, RunningOperator, condition_of, group, has_condition, pool, settle
 
 pytestmark = pytest.mark.emulator
 

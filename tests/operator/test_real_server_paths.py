@@ -14,7 +14,7 @@ import pytest
 from maru_localcluster.server import KubeEmulator
 from maru_operator.kube import Kube
 from maru_operator.ownership import CREATED_FIELDS_ANNOTATION, FIELD_MANAGER, created_body, out_of_sync
-from tests.operator.conftest import GROUP_NS, RunningOperator, condition_of, group, has_condition, pool, settle
+from tests.support.operator import GROUP_NS, RunningOperator, condition_of, group, has_condition, pool, settle
 
 pytestmark = pytest.mark.emulator
 

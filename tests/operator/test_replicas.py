@@ -15,17 +15,17 @@ import pytest
 
 from maru_localcluster.apiserver import Fault
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import (
+from tests.support.operator import (
     GROUP_NS,
     POOL_NS,
     ROOT,
+    bind_documented_rbac,
     create_namespace,
     group,
     has_condition,
     object_writes,
     pool,
 )
-from tests.operator.test_rbac import bind_documented_rbac
 
 pytestmark = pytest.mark.emulator
 

@@ -3,24 +3,18 @@ operator's own writes cause no write, and an echo wakes no reconcile."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
-from typing import Any
 
 import pytest
 
 from maru_localcluster.server import KubeEmulator
 from maru_operator import handlers
-from tests.operator.conftest import GROUP_NS, RunningOperator, group, has_condition, object_writes, pool, settle
+from tests.support.operator import GROUP_NS, RunningOperator, group, has_condition, object_writes, on_loop, pool, settle
 
 pytestmark = pytest.mark.emulator
 
 IG = "inferencegroups.maru.io"
 MP = "marupools.maru.io"
-
-
-def on_loop(op: RunningOperator, coro: Any) -> Any:
-    return asyncio.run_coroutine_threadsafe(coro, op._stop["loop"]).result(60)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from maru_operator.builders.common import LABEL_COMPONENT
 from maru_operator.builders.lifecycle import TEMPLATE_HASH
 from maru_operator.cache import Store
 from maru_operator.rollouts import PACING_ANNOTATION, REVISION, RolloutPacer, rolling, summary
-from tests.operator.conftest import GROUP_NS, RunningOperator, StubStats, group, has_condition, pool, settle
+from tests.support.operator import GROUP_NS, RunningOperator, StubStats, group, has_condition, pool, settle
 
 IG = "inferencegroups.maru.io"
 MP = "marupools.maru.io"

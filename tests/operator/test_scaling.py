@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import GROUP_NS, RunningOperator, group, has_condition, pool, settle
+from tests.support.operator import GROUP_NS, RunningOperator, group, has_condition, pool, settle
 
 pytestmark = pytest.mark.emulator
 
@@ -155,7 +155,7 @@ def test_every_role_gets_a_disruption_budget_and_the_group_a_model_cache(
 
 @pytest.fixture
 def paced_operator(cluster: KubeEmulator, stats: Any) -> Any:
-    from tests.operator.conftest import RunningOperator
+    from tests.support.operator import RunningOperator
 
     running = RunningOperator(cluster, stats, resync_seconds=3600, workers=4, max_rolling_groups=1).start()
     try:

@@ -18,9 +18,8 @@ from maru_operator.status import (
     pool_status,
     ready_endpoints,
 )
-from tests.operator.helpers import dax_spec, group_spec, pool_spec
+from tests.support.specs import NOW, dax_spec, deployment, group_spec, pool_body, pool_spec
 
-NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T01:00:00Z"
 
 
@@ -39,31 +38,8 @@ def pod(node: str, ready: bool = True, ip: str = "10.0.0.1") -> dict[str, Any]:
     }
 
 
-def deployment(replicas: int, ready: int, generation: int = 1, observed: int = 1) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "d", "generation": generation},
-        "spec": {"replicas": replicas},
-        "status": {
-            "observedGeneration": observed,
-            "replicas": replicas,
-            "updatedReplicas": replicas,
-            "readyReplicas": ready,
-            "availableReplicas": ready,
-        },
-    }
-
-
 def types(conditions: list[Condition]) -> dict[str, tuple[str, str]]:
     return {c.type: (c.status, c.reason) for c in conditions}
-
-
-def pool_body(ready: bool = True, **spec: Any) -> dict[str, Any]:
-    status = "True" if ready else "False"
-    return {
-        "metadata": {"name": "pool"},
-        "spec": {"backend": "shm", "size": "1Gi", **spec},
-        "status": {"conditions": [{"type": "Ready", "status": status, "reason": "X", "message": "m"}]},
-    }
 
 
 class TestPoolStatus:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from maru_localcluster.server import KubeEmulator
-from tests.operator.conftest import (
+from tests.support.operator import (
     POOL_NS,
     RunningOperator,
     StubStats,

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from maru_operator.validation import check_group, check_pool
-from tests.operator.helpers import group_spec, pool_spec
+from tests.support.specs import group_spec, pool_spec
 
 
 def fields(spec) -> list[str]:  # type: ignore[no-untyped-def]
@@ -152,7 +152,7 @@ def test_pod_fields_kubernetes_would_refuse_later() -> None:
 
 def test_a_volume_over_the_pool_socket_is_refused() -> None:
     from maru_operator.validation import check_group_on_pool
-    from tests.operator.helpers import pool_view
+    from tests.support.specs import pool_view
 
     for path in ("/run/maru/pool", "/run/maru", "/run/maru/pool/sub"):
         spec = group_spec(
