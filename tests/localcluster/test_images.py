@@ -7,7 +7,7 @@ import pytest
 from maru_localcluster.images import ImageNotFound, ImageTable, container_argv, expand
 from maru_operator.builders.group import build_role_deployment, build_router_deployment
 from maru_operator.builders.pool import build_agent_daemonset, build_metadata_deployment
-from tests.operator.helpers import GROUP_OWNER, POOL_OWNER, dax_spec, group_spec, pool_view
+from tests.support.specs import GROUP_OWNER, POOL_OWNER, dax_spec, group_spec, pool_view
 
 TABLE = ImageTable()
 

@@ -18,8 +18,8 @@ import pytest
 
 from maru_contracts.router import IN_PROGRESS_METRIC
 from maru_operator.builders.group import DIRECT_METRICS_PORT, build_router_deployment
-from tests.operator.helpers import GROUP_OWNER, group_spec, pool_view
 from tests.router.harness import SCHEME, RouterProcess
+from tests.support.specs import GROUP_OWNER, group_spec, pool_view
 from tests.vllm.harness import PoolDaemon, env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -67,7 +67,7 @@ def test_the_abbreviation_table_is_vllms(parser: Any) -> None:
 def test_rendered_lora_adapters_are_what_vllm_reads(parser: Any) -> None:
     """spec.model.adapters, rendered for a role, parse with vLLM's own parser into its LoRA settings."""
     from maru_operator.builders.group import build_role_deployment
-    from tests.operator.helpers import GROUP_OWNER, container, group_spec, pool_view
+    from tests.support.specs import GROUP_OWNER, container, group_spec, pool_view
 
     adapters = [{"name": "sql", "source": "/var/cache/maru/models/sql-lora"}, {"name": "chat", "source": "o/chat"}]
     spec = group_spec(model={"name": "m/x", "adapters": adapters})

@@ -21,8 +21,8 @@ import pytest
 
 from maru_operator.builders.group import build_role_deployment
 from maru_operator.builders.scratch import CACHE_ENV
-from tests.operator.helpers import GROUP_OWNER, container, group_spec, pool_view
 from tests.required import require_root, require_tool, require_vllm
+from tests.support.specs import GROUP_OWNER, container, group_spec, pool_view
 
 require_vllm("the engine tests")
 pytestmark = pytest.mark.vllm
