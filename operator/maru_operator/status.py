@@ -268,7 +268,8 @@ def group_status(
         if problem:
             failing.append(problem)
         st = roles[role]
-        if st.ready >= st.desired:
+        # A vLLM role at 0 replicas serves nothing (revoked access, a scale to zero): Ready means a ready pod.
+        if st.ready >= st.desired and (st.ready > 0 or role == "router"):
             continue
         why = why_not_ready(dep, None if pods is None else pods.get(role, []))
         if st.ready == 0 and role != "router":

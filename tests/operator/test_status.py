@@ -169,6 +169,16 @@ class TestGroupStatus:
         assert "decode has no ready pod (0/2)" in ready.message
         assert types(st.conditions)["Progressing"] == ("True", "RollingOut")
 
+    def test_a_role_at_zero_replicas_is_not_serving(self) -> None:
+        """decode scaled to 0 (an autoscaler, a user, a stale look after revoked access) has nothing ready to serve:
+        0 of 0 is no ready pod."""
+        b = bind("llm", group_spec(), pool_body())
+        children = self.children()
+        children["decode"] = deployment(0, 0)
+        st = group_status(group_spec(), 1, b, children, InferenceGroupStatus(), endpoint="", now=NOW)
+        ready = cond.get(st.conditions, "Ready")
+        assert ready is not None and ready.status == "False" and "decode has no ready pod (0/0)" in ready.message
+
     def test_rollout_of_new_generation_is_progressing(self) -> None:
         b = bind("llm", group_spec(), pool_body())
         children = self.children()
