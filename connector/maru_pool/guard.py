@@ -18,7 +18,8 @@ from typing import TypeVar
 
 from maru_contracts.config import MaruConnectorConfig
 
-# A child of vLLM's logger, so an engine's lines land in the engine log with its format and level.
+# The connector's logger: a child of vLLM's, so an engine's lines land in the engine log with its format
+# and level. Other callers (maru-router) hand the guard their own.
 log = logging.getLogger("vllm.maru_connector")
 
 T = TypeVar("T")
@@ -74,7 +75,8 @@ class Counters:
 class RateLimitedLog:
     """Logs the first occurrence of each failure kind, then at most once per ``interval_s``."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, logger: logging.Logger = log) -> None:
+        self._logger = logger
         self._interval = interval_s
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
@@ -94,7 +96,7 @@ class RateLimitedLog:
         if n:
             msg += " (%d similar since the last report)"
             args = (*args, n)
-        log.log(level, msg, *args, exc_info=exc and last is None)
+        self._logger.log(level, msg, *args, exc_info=exc and last is None)
 
 
 class PoolGuard:
@@ -103,7 +105,7 @@ class PoolGuard:
     # First and longest pause after a failure; doubles per failure in a row, resets on success.
     BACKOFF_S: tuple[float, float] = (0.25, 4.0)
 
-    def __init__(self, cfg: MaruConnectorConfig, side: str, stats: Counters) -> None:
+    def __init__(self, cfg: MaruConnectorConfig, side: str, stats: Counters, logger: logging.Logger = log) -> None:
         self._cfg = cfg
         self._stats = stats
         self._side = side
@@ -112,7 +114,7 @@ class PoolGuard:
         self._backoff = 0.0
         self._retry_at = 0.0
         self._lock = threading.RLock()
-        self.log = RateLimitedLog()
+        self.log = RateLimitedLog(logger=logger)
 
     @property
     def client(self):  # -> maru_pool.PoolClient, imported lazily: the pool may be absent

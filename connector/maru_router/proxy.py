@@ -112,7 +112,7 @@ class Router:
         self.bodies = BodyReader(self.limits, self.metrics.buffered.set)
         self.relay = Relay(engines.engine_of, engines.raise_if_gone)
         self._long_lane = asyncio.Semaphore(1)
-        self._pool = guard.PoolGuard(connector, "router", guard.Counters())
+        self._pool = guard.PoolGuard(connector, "router", guard.Counters(), log)
 
     # ------------------------------------------------------------------ app
 

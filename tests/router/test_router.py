@@ -280,5 +280,8 @@ def test_a_dead_pool_sends_requests_through_prefill(
         assert router.metrics()['maru_router_fallbacks_total{reason="pool_error"}'] >= 1
         assert prefill.metric(REQUESTS) - before == 1
         assert out["choices"][0]["text"] == recompute(decode, ids)
+        # Under the router's own logger: not the vLLM connector's, which no router runs.
+        failures = [line for line in router.log_path.read_text().splitlines() if "maru pool lookup failed" in line]
+        assert failures and all(" WARNING maru.router " in line for line in failures), failures
     finally:
         pool.start()
