@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, ConnectionTimeoutError
+from aiohttp import ClientConnectionError, ClientError, ClientPayloadError, ClientSession, ClientTimeout
 
 from maru_router.balance import Endpoints
 from maru_router.locality import EngineCache, Subscriber, announced_endpoint
@@ -29,7 +29,9 @@ DISCOVERY_RETRY_S = 5.0  # how often to ask an engine not yet answering where it
 
 
 class Unreachable(Exception):
-    """A followed pod could not be connected to (gone in a rollout): nothing was sent, so nothing runs twice."""
+    """A followed pod gave no answer (gone, or going, in a rollout): it could not be connected to, or it closed the
+    connection before answering. Nothing reached the client, and a completion changes nothing but an engine's
+    cache, so the request may run again elsewhere."""
 
     def __init__(self, url: str, why: str) -> None:
         super().__init__(url)
@@ -127,9 +129,10 @@ class EngineDirectory:
         return next((u for u in (*self.prefill.urls, *self.decode.urls) if url.startswith(u + "/")), None)
 
     def raise_if_gone(self, engine: str | None, err: BaseException) -> None:
-        """Following the upstream's pods, a connection that could not be made means the pod may be gone: the caller
-        hands the request to the upstream instead of answering 502."""
-        if engine is not None and self.following and isinstance(err, (ClientConnectorError, ConnectionTimeoutError)):
+        """Following the upstream's pods, a connection that failed before the answer means the pod may be gone or
+        stopping (refused, reset, closed without an answer, cut mid-answer: a pod deleted since the last look at
+        the upstream's list): the caller hands the request to the upstream instead of answering 502."""
+        if engine is not None and self.following and isinstance(err, (ClientConnectionError, ClientPayloadError)):
             raise Unreachable(engine, f"{type(err).__name__}: {err}")
 
     def forget(self, url: str) -> None:

@@ -340,8 +340,8 @@ class Router:
         )
 
     async def _around(self, gone: Unreachable, request: web.Request, raw: bytes) -> web.StreamResponse:
-        """A pod taken from the upstream's list could not be reached (gone in a rollout, before the next look at
-        the list): forget it and let the upstream router, whose discovery saw it go, serve the request."""
+        """A pod taken from the upstream's list gave no answer (gone or stopping in a rollout, before the next look
+        at the list): forget it and let the upstream router, whose discovery saw it go, serve the request."""
         log.warning(
             "engine %s unreachable (%s); forgetting it until the upstream lists it again, request passed "
             "to the upstream",

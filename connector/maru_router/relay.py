@@ -87,7 +87,8 @@ class Relay:
     """Sends requests to engines (or the upstream router) and passes their answers back as they come.
 
     ``engine_of`` names the engine a URL belongs to, and ``on_failure(engine, err)`` may raise instead of the 502
-    (a followed pod gone: the caller takes the request elsewhere; nothing was sent)."""
+    (a followed pod gone: the caller takes the request elsewhere); it is called only while nothing of the answer
+    has reached the client."""
 
     def __init__(
         self,
@@ -129,6 +130,7 @@ class Relay:
         events included)."""
         payload: dict[str, Any] = {"data": data} if data is not None else {"json": body}
         engine = self._engine_of(url)
+        out: web.StreamResponse | None = None
         try:
             async with self.session.request(method, url, headers=headers, **payload) as resp:
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
@@ -141,7 +143,8 @@ class Relay:
                 await out.write_eof()
                 return out
         except (ClientError, TimeoutError) as err:
-            self._on_failure(engine, err)
+            if out is None or not out.prepared:  # once the client has part of an answer, it cannot be run again
+                self._on_failure(engine, err)
             log.warning("upstream %s failed: %s: %s", url, type(err).__name__, err)
             # The URL stays in the log: a client is not told where the engines are.
             return error(502, f"upstream failed: {type(err).__name__}")
