@@ -1,13 +1,16 @@
 """Drain a server before it stops: the preStop hook of the operator's vLLM pods and of maru-router.
 
 When a pod is deleted (a rollout, a scale-down, a node drain) the kubelet runs this first and sends
-SIGTERM only once it returns. Meanwhile the pod is terminating, so its endpoints are gone and no new
-request reaches it; this waits until vLLM reports no request running or waiting on its ``/metrics`` (two
-looks in a row, a request may be between queues on one), or until ``--timeout`` seconds passed. Any
-trouble reading the metrics (vLLM already gone, no metrics) ends the wait: a hook never holds a pod that
-cannot be drained.
+SIGTERM only once it returns. Meanwhile the pod is terminating, but new requests still reach it for a
+while: its clients learn of the deletion each in its own time (kube-proxy and vllm-router from their
+watches, maru-router at its next look at vllm-router's workers), and a request one of them routed just
+before arrives after. vLLM, once signalled, fails every request it holds and any that arrives until its
+HTTP server closes. So this waits at least ``--min-wait`` seconds however idle the server is, then until it
+reports no request running or waiting on its ``/metrics`` (two looks in a row, a request may be between
+queues on one), or until ``--timeout`` seconds passed. Any trouble reading the metrics (vLLM already gone,
+no metrics) ends the wait: a hook never holds a pod that cannot be drained.
 
-    python3 -m maru_common.drain --port 8000 --timeout 570
+    python3 -m maru_common.drain --port 8000 --min-wait 10 --timeout 570
     python3 -m maru_common.drain --port 9103 --metric maru_router_requests_in_progress --timeout 570
 """
 
@@ -55,13 +58,16 @@ def drain(
     url: str,
     timeout: float,
     *,
+    min_wait: float = 0.0,
     names: tuple[str, ...] = IN_FLIGHT_METRICS,
     read: Callable[[str], str] = read_metrics,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> str:
-    """Wait until the server at ``url`` has nothing in flight (``names`` at 0); returns why the wait ended."""
-    deadline = clock() + timeout
+    """Wait until the server at ``url`` has nothing in flight (``names`` at 0), and at least ``min_wait`` seconds
+    (requests routed before its clients saw the deletion still arrive); returns why the wait ended."""
+    started = clock()
+    deadline = started + timeout
     quiet = 0
     while True:
         try:
@@ -71,7 +77,7 @@ def drain(
         if count is None:
             return "no in-flight metrics in the answer; not waiting"
         quiet = quiet + 1 if count == 0 else 0
-        if quiet >= QUIET_LOOKS:
+        if quiet >= QUIET_LOOKS and clock() - started >= min_wait:
             return "drained"
         if clock() >= deadline:
             return f"timed out with {count} request(s) in flight"
@@ -90,11 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="a gauge of requests in flight (repeatable; summed); default: vLLM's " + " and ".join(IN_FLIGHT_METRICS),
     )
+    parser.add_argument(
+        "--min-wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait at least, idle or not: how long the pod's clients take to stop sending to it",
+    )
     parser.add_argument("--timeout", type=float, default=570.0, help="seconds to wait at most")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     started = time.monotonic()
-    why = drain(f"http://127.0.0.1:{args.port}/metrics", args.timeout, names=tuple(args.metric) or IN_FLIGHT_METRICS)
+    why = drain(
+        f"http://127.0.0.1:{args.port}/metrics",
+        args.timeout,
+        min_wait=args.min_wait,
+        names=tuple(args.metric) or IN_FLIGHT_METRICS,
+    )
     log.info("maru drain: %s after %.1fs", why, time.monotonic() - started)
     return 0
 

@@ -42,14 +42,21 @@ class Scripted:
         self.now += seconds
 
 
-def run(counts: list[int | Exception], timeout: float = 60) -> tuple[str, Scripted]:
+def run(counts: list[int | Exception], timeout: float = 60, min_wait: float = 0.0) -> tuple[str, Scripted]:
     s = Scripted(counts)
-    return drain("http://x/metrics", timeout, read=s.read, clock=lambda: s.now, sleep=s.sleep), s
+    return drain("http://x/metrics", timeout, min_wait=min_wait, read=s.read, clock=lambda: s.now, sleep=s.sleep), s
 
 
 def test_waits_until_two_quiet_looks() -> None:
     why, s = run([3, 1, 0, 1, 0, 0])
     assert why == "drained" and s.looks == 6
+
+
+def test_an_idle_server_is_held_until_its_clients_stopped_sending() -> None:
+    # Idle at the deletion, but a request routed before the routers saw it arrives 3 s later: it must find the
+    # server still serving (it ended after the first two looks, and SIGTERM then failed that request).
+    why, s = run([0, 0, 0, 1, 0, 0], min_wait=5)
+    assert why == "drained" and s.looks == 6 and s.now == 5
 
 
 def test_gives_up_at_the_timeout() -> None:

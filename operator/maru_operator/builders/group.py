@@ -82,6 +82,10 @@ DIRECT_METRICS_PORT = 29001
 KV_EVENTS_PORT = 5557
 # How often maru-router takes the pods vllm-router found as its own engines.
 FOLLOW_WORKERS_SECONDS = 5
+# How long a deleted vLLM or router pod keeps serving, however idle (its preStop hook's least wait): its clients
+# stop sending to it within this. maru-router, the slowest, drops a vLLM pod at its next look at vllm-router's
+# workers; kube-proxy (the router pods' Service) and vllm-router's pod watch take seconds on a busy node.
+STOP_SENDING_SECONDS = 2 * FOLLOW_WORKERS_SECONDS
 
 # maru-router imports vLLM (and torch) for its block hashing: a Python process of some hundred MiB.
 DIRECT_ROUTER = ResourceDefault(request=512 * 2**20, limit=2 * 2**30, cpu_millis=100)
@@ -409,7 +413,7 @@ def build_role_deployment(
         # vLLM's caches and temporary files go to emptyDirs (scratch_env points them there).
         "securityContext": restricted_container_security(),
     }
-    if lifecycle := pre_stop(role_spec.termination, VLLM_PORT):
+    if lifecycle := pre_stop(role_spec.termination, VLLM_PORT, min_wait=STOP_SENDING_SECONDS):
         container["lifecycle"] = lifecycle
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -689,7 +693,10 @@ def build_router_deployment(spec: InferenceGroupSpec, owner: Owner, pool: PoolVi
         # Both containers wait for maru-router's requests to finish: maru-router, so none is cut; vllm-router, so
         # the ones maru-router relays through it still find it listening. vllm-router alone (no maru-router)
         # finishes its own requests after SIGTERM, within the grace period.
-        if lifecycle := pre_stop(spec.router.termination, DIRECT_METRICS_PORT, IN_PROGRESS_METRIC):
+        lifecycle = pre_stop(
+            spec.router.termination, DIRECT_METRICS_PORT, IN_PROGRESS_METRIC, min_wait=STOP_SENDING_SECONDS
+        )
+        if lifecycle:
             front["lifecycle"], upstream["lifecycle"] = lifecycle, copy.deepcopy(lifecycle)
         pod_spec["containers"] = [front, upstream]
         pod_spec["volumes"] = [*pool_access(spec, direct, owner.name)[0], *scratch_volumes(), api_access_volume()]

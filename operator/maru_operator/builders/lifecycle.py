@@ -9,8 +9,10 @@
   without pods for the length of a model load), a larger one may also stop one first (so an update goes
   on when no spare GPU is free).
 * Stopping drains first: the preStop hook waits until vLLM has no request running or waiting (or the
-  drain budget is spent), then the kubelet sends SIGTERM. The Service stops sending new requests as soon
-  as the pod is terminating, so the wait covers only the generations already in flight.
+  drain budget is spent), then the kubelet sends SIGTERM. New requests still reach a terminating pod for a
+  while (kube-proxy, vllm-router and maru-router each learn of the deletion in their own time, and a
+  request routed just before arrives after), and vLLM fails every request it holds once signalled: so the
+  hook waits at least the time its clients take to stop sending, however idle the pod.
 """
 
 from __future__ import annotations
@@ -69,15 +71,19 @@ def rolling_update(role: RoleSpec, replicas: int) -> dict[str, Any]:
     return {"maxSurge": surge, "maxUnavailable": unavailable}
 
 
-def pre_stop(termination: Termination, port: int, metric: str | None = None) -> dict[str, Any] | None:
-    """A server container's lifecycle: drain before SIGTERM, until the server's in-flight gauge (vLLM's own
-    unless ``metric`` names another) on ``port`` reads 0; None when the pod drains for 0 s."""
+def pre_stop(termination: Termination, port: int, metric: str | None = None, *, min_wait: int) -> dict[str, Any] | None:
+    """A server container's lifecycle: drain before SIGTERM, for ``min_wait`` seconds at least (the time the pod's
+    clients take to stop sending to it; never past the drain budget), then until the server's in-flight gauge
+    (vLLM's own unless ``metric`` names another) on ``port`` reads 0; None when the pod drains for 0 s."""
     drain = termination.drain_seconds
     if drain <= 0:
         return None
     gauge = ["--metric", metric] if metric else []
+    wait = ["--min-wait", str(min(min_wait, drain))]
     return {
         "preStop": {
-            "exec": {"command": ["python3", "-m", DRAIN_MODULE, "--port", str(port), *gauge, "--timeout", str(drain)]}
+            "exec": {
+                "command": ["python3", "-m", DRAIN_MODULE, "--port", str(port), *gauge, *wait, "--timeout", str(drain)]
+            }
         }
     }
