@@ -18,7 +18,8 @@ Parts, each in its own module:
   server's event loop;
 * kube-proxy (``proxy.py``): its own process, in the cluster network;
 * one kubelet per node (``kubelet.py``): its own process in the cluster network, running pods with
-  ``podrun.py``, volumes from ``volumes.py`` and images from ``images.py``.
+  ``podrun.py``, volumes from ``volumes.py``, images from this machine's image storage
+  (``imagestore.py``, with ``image_store=True``) or the image table (``images.py``).
 
 Needs root: every pod gets its own network namespace, every container its own mount and PID
 namespaces, and memory-backed emptyDirs are tmpfs mounts. Nothing is left behind: mounts live in the
@@ -81,6 +82,7 @@ class LocalCluster:
         workdir: Path | None = None,
         *,
         images: ImageTable | None = None,
+        image_store: bool = False,
         fast_probes: bool = True,
         crashloop_base_s: float = 10.0,
         keep_state: bool = False,
@@ -89,6 +91,8 @@ class LocalCluster:
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="maru-lc-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.images = images or ImageTable()
+        # Images from this machine's image storage (``imagestore``), run from their own root filesystems.
+        self.image_store = image_store
         self.fast_probes = fast_probes
         self.crashloop_base_s = crashloop_base_s
         self.keep_state = keep_state
@@ -343,6 +347,8 @@ class LocalCluster:
             taints=list(taints or []),
             standin_devices=sorted(devices or {}),
             image_files=self.images.to_json(),
+            table_images=sorted(self.images.images),
+            image_store=self.image_store,
             kubernetes_service=(network.KUBERNETES_SERVICE_IP, 443),
             fast_probes=self.fast_probes,
             crashloop_base_s=self.crashloop_base_s,

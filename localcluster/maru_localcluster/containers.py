@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from maru_localcluster.images import Image, container_argv, expand, which
+from maru_localcluster.imagestore import home_of
 from maru_localcluster.volumes import MountError, field_value
 from maru_operator.quantity import parse_quantity
 
@@ -159,6 +160,12 @@ def identity(pod: JsonObj, container: JsonObj, image: Image) -> Identity:
         return sc[key] if sc.get(key) is not None else pod_sc[key] if pod_sc.get(key) is not None else default
 
     uid, gid = int(pick("runAsUser", image.uid)), int(pick("runAsGroup", image.gid))
+    name = image.user.partition(":")[0]
+    if pick("runAsNonRoot", False) and pick("runAsUser", None) is None and name and not name.isdigit():
+        raise ContainerConfigError(
+            f"container has runAsNonRoot and image has non-numeric user ({name}), cannot verify user is non-root "
+            f"(pod: {pod['metadata']['name']!r}, container: {container['name']!r})"
+        )
     if pick("runAsNonRoot", False) and uid == 0:
         raise ContainerConfigError(
             "container has runAsNonRoot and image will run as root "
@@ -179,10 +186,13 @@ def podrun_spec(
     if not argv:
         raise ContainerConfigError(f"container {container['name']!r}: no command, and the image has no entrypoint")
     argv = image.rewrite(argv)
-    resolved = which(argv[0], env.get("PATH", ""))
-    argv = [resolved or argv[0], *argv[1:]]
+    if not image.stored:
+        # The table's programs are this machine's; a stored image's are looked up in its own PATH by podrun.
+        resolved = which(argv[0], env.get("PATH", ""))
+        argv = [resolved or argv[0], *argv[1:]]
     if "HOME" not in env:
-        env = {**env, "HOME": "/root" if who.uid == 0 else "/"}
+        home = home_of(who.uid, layers["lower"]) if image.stored else "/root" if who.uid == 0 else "/"
+        env = {**env, "HOME": home}
     mounts: list[JsonObj] = [
         {"kind": "bind", "source": box.hosts_file, "target": "/etc/hosts"},
         {"kind": "bind", "source": box.hostname_file, "target": "/etc/hostname"},
@@ -210,6 +220,8 @@ def podrun_spec(
         "hostname": box.hostname,
         "rootfs": layers,
         "readonly_root": bool(sc.get("readOnlyRootFilesystem")),
+        # A table entry's home is made as the image would ship it; an image's files are its own.
+        "make_home": not image.stored,
         "mounts": mounts,
         "capabilities": {"privileged": privileged, **(sc.get("capabilities") or {})},
         "no_new_privs": sc.get("allowPrivilegeEscalation") is False and not privileged,

@@ -46,6 +46,15 @@ class Image:
     # Where its programs live (interpreter, virtual environment, packages): every user can reach them.
     reachable: tuple[str, ...] = ()
     description: str = ""
+    # An image from this machine's image storage (``imagestore``): its config's USER as written (resolved
+    # against its own /etc/passwd when the container starts) and its ID; empty for an entry of the table.
+    user: str = ""
+    image_id: str = ""
+
+    @property
+    def stored(self) -> bool:
+        """Runs from its own root filesystem, not from this machine's."""
+        return bool(self.image_id)
 
 
 def vllm_rewrite(argv: list[str]) -> list[str]:
@@ -153,6 +162,10 @@ class ImageTable:
         image = self.images[repository]
         merged = {**image.files, **files}
         return ImageTable({**self.images, repository: dataclasses.replace(image, files=merged)})
+
+    def only(self, repositories: list[str]) -> ImageTable:
+        """The table with just ``repositories``: the others must come from the image storage."""
+        return ImageTable({r: i for r, i in self.images.items() if r in repositories})
 
     def resolve(self, reference: str) -> Image:
         """The image for ``repo[:tag][@digest]``; the tag is not checked, the repository must be known."""

@@ -43,10 +43,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from maru_localcluster import events, network
+from maru_localcluster import events, imagestore, network
 from maru_localcluster.apiclient import ApiClient, ApiError, Informer
 from maru_localcluster.containers import ContainerConfigError, Sandbox, container_env, decode_secret, podrun_spec
-from maru_localcluster.images import ImageNotFound, ImageTable
+from maru_localcluster.images import Image, ImageNotFound, ImageTable
 from maru_localcluster.podrun import CLONE_NEWNS, MS_NODEV, MS_NOSUID, MS_PRIVATE, MS_REC, mount, unshare
 from maru_localcluster.probes import exec_prefix, run_probe, setting
 from maru_localcluster.volumes import CsiPlugin, MountError, PodContext, handler_for
@@ -73,6 +73,10 @@ class KubeletConfig:
     taints: list[JsonObj] = dataclasses.field(default_factory=list)
     standin_devices: list[str] = dataclasses.field(default_factory=list)
     image_files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    # Which repositories of the image table this node may run on its own root filesystem; None: all.
+    table_images: list[str] | None = None
+    # Look images up in this machine's image storage (buildah's) first, and run them from their own root.
+    image_store: bool = False
     # CSI node plugins this node runs: {driver, endpoint (unix://), argv, node_path_attributes}.
     csi_plugins: list[JsonObj] = dataclasses.field(default_factory=list)
     kubernetes_service: tuple[str, int] | None = None
@@ -158,6 +162,8 @@ class ContainerRunner:
         self.done = False  # will not run again (init container succeeded, or restart policy says so)
         self.kill_reason = ""  # why the kubelet stopped it (liveness, startup), for the termination record
         self.uid = self.gid = 0
+        self.rootfs_name = ""  # the mounted working container of a stored image, while it runs
+        self.image_id = ""
         self._backoff = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -172,12 +178,8 @@ class ContainerRunner:
         while not worker.terminating:
             try:
                 await self._start()
-            except (ContainerConfigError, ImageNotFound, MountError) as err:
-                reason = "ErrImagePull" if isinstance(err, ImageNotFound) else "CreateContainerConfigError"
-                self.waiting = (reason, str(err))
-                await worker.event("Warning", "Failed", f"Error: {err}", container=self.name)
-                worker.changed()
-                await worker.sleep(self._next_backoff())
+            except (ContainerConfigError, ImageNotFound, MountError, imagestore.UserNotFound) as err:
+                await self._failed_to_start(err)
                 continue
             worker.changed()
             code = await self._supervise()
@@ -212,6 +214,27 @@ class ContainerRunner:
                 await worker.sleep(delay)
             self.restart_count += 1
 
+    async def _failed_to_start(self, err: Exception) -> None:
+        """As a node reports it: ErrImagePull once, then ImagePullBackOff while it waits to try again."""
+        worker = self.worker
+        if isinstance(err, ImageNotFound):
+            image = self.spec.get("image", "")
+            await worker.event("Warning", "Failed", f"Failed to pull image {image!r}: {err}", container=self.name)
+            self.waiting = ("ErrImagePull", str(err))
+            worker.changed()
+            delay = self._next_backoff()
+            await worker.sleep(min(1.0, delay))
+            self.waiting = ("ImagePullBackOff", f'Back-off pulling image "{image}": ErrImagePull: {err}')
+            await worker.event("Normal", "BackOff", f'Back-off pulling image "{image}"', container=self.name)
+            worker.changed()
+            await worker.sleep(max(delay - 1.0, 0.0))
+            return
+        reason = "CreateContainerError" if isinstance(err, imagestore.UserNotFound) else "CreateContainerConfigError"
+        self.waiting = (reason, str(err))
+        await worker.event("Warning", "Failed", f"Error: {err}", container=self.name)
+        worker.changed()
+        await worker.sleep(self._next_backoff())
+
     def _next_backoff(self) -> float:
         base = self.worker.kubelet.config.crashloop_base_s
         if self.started_mono and time.monotonic() - self.started_mono > BACKOFF_RESET_S:
@@ -222,7 +245,7 @@ class ContainerRunner:
 
     async def _start(self) -> None:
         worker, kubelet = self.worker, self.worker.kubelet
-        image = kubelet.images.resolve(self.spec.get("image", ""))
+        image = await kubelet.resolve_image(self.spec.get("image", ""))
         box = worker.sandbox()
         env = await container_env(self.spec, image, box, kubelet.lookup)
         self.container_id = uuid.uuid4().hex
@@ -230,13 +253,24 @@ class ContainerRunner:
         shutil.rmtree(cdir, ignore_errors=True)  # a container restart starts from a fresh writable layer
         for sub in ("upper", "work", "rootfs"):
             (cdir / sub).mkdir(parents=True, exist_ok=True)
-        layers = {
-            "lower": "/",
-            "upper": str(cdir / "upper"),
-            "work": str(cdir / "work"),
-            "mountpoint": str(cdir / "rootfs"),
-        }
-        spec = podrun_spec(self.spec, image, env, box, layers=layers, pid_file=str(cdir / "pid"))
+        lower = "/"
+        if image.stored:
+            self.rootfs_name, lower = await asyncio.to_thread(imagestore.checkout, image, self.container_id)
+        try:
+            if image.stored:
+                uid, gid = imagestore.user_ids(image.user, lower)
+                image = dataclasses.replace(image, uid=uid, gid=gid)
+            layers = {
+                "lower": lower,
+                "upper": str(cdir / "upper"),
+                "work": str(cdir / "work"),
+                "mountpoint": str(cdir / "rootfs"),
+            }
+            spec = podrun_spec(self.spec, image, env, box, layers=layers, pid_file=str(cdir / "pid"))
+        except BaseException:
+            await self.release_rootfs()
+            raise
+        self.image_id = image.image_id or f"local://{self.spec.get('image', '')}"
         self.uid, self.gid = spec["uid"], spec["gid"]
         (cdir / "spec.json").write_text(json.dumps(spec, indent=1))
         log_path = worker.log_dir / self.name / f"{self.restart_count}.log"
@@ -282,6 +316,7 @@ class ContainerRunner:
         if not self.init and not self.spec.get("readinessProbe"):
             self.ready = self.started
         code = await self.proc.wait()
+        await self.release_rootfs()
         for task in probes:
             task.cancel()
         for task in probes:
@@ -301,6 +336,12 @@ class ContainerRunner:
         self.host_pid = None
         self.worker.changed()
         return code
+
+    async def release_rootfs(self) -> None:
+        """The image's working container goes with the container (its mount with it)."""
+        name, self.rootfs_name = self.rootfs_name, ""
+        if name:
+            await asyncio.to_thread(imagestore.release, name)
 
     def _log_tail(self) -> str:
         path = self.worker.log_dir / self.name / f"{self.restart_count}.log"
@@ -435,7 +476,7 @@ class ContainerRunner:
         out = {
             "name": self.name,
             "image": self.spec.get("image", ""),
-            "imageID": f"local://{self.spec.get('image', '')}",
+            "imageID": self.image_id,
             "ready": self.ready,
             "restartCount": self.restart_count,
             "started": bool(self.proc is not None and self.started),
@@ -865,7 +906,10 @@ def _umount(path: str) -> None:
 class Kubelet:
     def __init__(self, config: KubeletConfig) -> None:
         self.config = config
-        self.images = ImageTable.from_json(config.image_files)
+        table = ImageTable.from_json(config.image_files)
+        if config.table_images is not None:
+            table = table.only(config.table_images)
+        self.images = table
         self.node_root = Path(config.state_dir) / "root"
         self.ca_pem = Path(config.ca_file).read_text()
         self.memory = _machine_memory()
@@ -882,6 +926,20 @@ class Kubelet:
         self.api: ApiClient
         self.pods: Informer
         self.services: Informer
+
+    async def resolve_image(self, reference: str) -> Image:
+        """This machine's image storage first (when this node uses it), then the image table."""
+        if self.config.image_store:
+            image = await asyncio.to_thread(imagestore.inspect, reference)
+            if image is not None:
+                return image
+        try:
+            return self.images.resolve(reference)
+        except ImageNotFound as err:
+            if self.config.image_store:
+                where = "is not in this machine's image storage (buildah images)"
+                raise ImageNotFound(f"{reference!r} {where}, {err}") from None
+            raise
 
     # --- API helpers
 
@@ -1127,6 +1185,8 @@ def main(argv: list[str] | None = None) -> int:
     # Die with whoever started the cluster: a SIGTERM, so the pods still get their shutdown.
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
     _private_mounts()
+    if config.image_store:
+        imagestore.sweep()
     Path(config.state_dir, "root").mkdir(parents=True, exist_ok=True)
     plugins = start_csi_plugins(config)
 

@@ -6,10 +6,12 @@
 ``run`` creates private mount, PID and UTS namespaces, builds the container's root filesystem, then
 forks the container's first process (PID 1 of the new PID namespace) and waits for it:
 
-* the root filesystem is an overlay whose lower layer is this machine's ``/`` (the "image": the
-  virtual environment and the checkout are found where they are) and whose upper layer is a fresh
-  directory per container start, so writes never reach the host, a restart starts clean, and
-  ``readOnlyRootFilesystem`` is a read-only remount of that overlay;
+* the root filesystem is an overlay whose lower layer is the image's root filesystem (a mounted
+  working container of an image in this machine's image storage, ``imagestore``), or this machine's
+  ``/`` for an entry of the image table (the virtual environment and the checkout are found where
+  they are), and whose upper layer is a fresh directory per container start, so writes never reach
+  the image or the host, a restart starts clean, and ``readOnlyRootFilesystem`` is a read-only
+  remount of that overlay;
 * ``/proc`` is the new PID namespace's own, ``/sys`` the host's read-only, ``/dev`` a small tmpfs
   with the usual device nodes; the pod's volumes, ``/dev/shm``, ``/etc/hosts``, ``/etc/hostname``
   and ``/etc/resolv.conf`` are bind mounts the kubelet prepared;
@@ -247,7 +249,7 @@ def build_root(spec: dict[str, Any]) -> str:
     cwd = spec.get("cwd") or "/"
     os.makedirs(_target(root, cwd), exist_ok=True)
     home = spec["env"].get("HOME")
-    if home and not os.path.exists(_target(root, home)):
+    if home and spec.get("make_home", True) and not os.path.exists(_target(root, home)):
         # The image's home directory, owned by the image's user, as the image would ship it.
         os.makedirs(_target(root, home), exist_ok=True)
         os.chown(_target(root, home), spec["uid"], spec["gid"])
@@ -335,7 +337,8 @@ def _become_container(spec: dict[str, Any], root: str) -> None:
     # Changing credentials clears the parent-death signal: set it again.
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     argv = spec["argv"]
-    os.execve(argv[0], argv, spec["env"])
+    # A bare name is looked up in the container's PATH, in its own root (as runc does).
+    os.execvpe(argv[0], argv, spec["env"])
 
 
 def _join_netns(path: str) -> None:

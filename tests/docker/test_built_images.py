@@ -7,65 +7,35 @@ build added holds the CA bundle or the secret's mount point; each has an SBOM. A
 planted defects (root user, a compiler, the bundle copied into a layer) shows the checks see them.
 
 A cold build (base included) takes about 75 s on 2 cores; buildah's layer cache makes a rerun on the same
-machine take seconds. The build runs once per session (the fixture below).
+machine take seconds. The build runs once per session, shared with the local cluster's tests
+(tests.support.images).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.required import require_root, require_tool
-from tests.support import imagecheck
+from tests.support import imagecheck, images
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BASE = "localhost/maru-base:bookworm"
-REGISTRY = "localhost/maru-test"
-CA_BUNDLE = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
-# target -> (image name, the entrypoint's arguments that make it print its usage and exit 0)
-IMAGES = {"operator": "maru-operator", "pool": "maru-pool", "router": "vllm-router"}
+REPO_ROOT = images.REPO_ROOT
+BASE = images.BASE
+REGISTRY = images.REGISTRY
+CA_BUNDLE = images.CA_BUNDLE
+IMAGES = images.TARGETS
+# target -> the entrypoint's arguments that make it print its usage and exit 0
 HELP = {"operator": ["--help"], "pool": ["--help"], "router": ["--help"]}
 SECRET_MOUNT = "--mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt"
-
-
-def run(*command: str, timeout: float = 1200) -> str:
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, check=False)
-    assert done.returncode == 0, (
-        f"{' '.join(command)}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-    )
-    return done.stdout
+run = images.run
 
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
-    """target -> image reference, and the SBOM directory, after `make base-image` and `make images`."""
-    require_root("building images with buildah")
-    require_tool("buildah", "building images")
-    require_tool("mmdebstrap", "bootstrapping the Debian base image")
-    if not CA_BUNDLE.is_file():
-        pytest.fail(f"{CA_BUNDLE}: no CA bundle to pass as the build secret")
-    sbom_dir = tmp_path_factory.mktemp("sbom")
-    run("make", "--no-print-directory", "base-image", f"BASE_IMAGE={BASE}")
-    output = run(
-        "make",
-        "--no-print-directory",
-        "images",
-        f"TARGETS={' '.join(IMAGES)}",
-        f"IMAGE_REGISTRY={REGISTRY}",
-        f"PYTHON_IMAGE={BASE}",
-        f"CA_BUNDLE={CA_BUNDLE}",
-        f"SBOM_DIR={sbom_dir}",
-    )
-    # Its last line names what it built: "make images: built with buildah: REF REF REF".
-    built_refs = output.strip().splitlines()[-1].split(": ")[-1].split()
-    refs = dict(zip(IMAGES, built_refs, strict=True))
-    for target, name in IMAGES.items():
-        assert refs[target].startswith(f"{REGISTRY}/{name}:"), refs
-    return refs, sbom_dir
+    """target -> image reference, and the SBOM directory (the session's one build, tests.support.images)."""
+    result = images.build(tmp_path_factory)
+    return result.refs, result.sbom_dir
 
 
 @pytest.mark.parametrize("target", list(IMAGES))

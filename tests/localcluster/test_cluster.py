@@ -997,7 +997,8 @@ def test_stopping_the_cluster_leaves_nothing_behind(tmp_path: Path) -> None:
             ),
             "sleeper running",
         )
-        spaces = cluster.pid_namespaces(cluster.kube.get("pods", "sleeper", "default"))
+        # The shim reports its PID 1 once the container's root is built, a moment after the status says running.
+        spaces = wait(lambda: cluster.pid_namespaces(cluster.kube.get("pods", "sleeper", "default")), "PID 1")
         assert processes_in(spaces)
     assert processes_in(spaces) == []
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
