@@ -160,9 +160,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _stop_now(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # As its container's PID 1, the router gets no signal it has no handler for: a SIGTERM in the seconds of
+    # vLLM's import (a pod deleted while it starts: a rollout's surge pod, a scale-down) was lost, and the pod
+    # stayed Terminating until SIGKILL at the end of its grace period (600 s by default), its CPU request held.
+    signal.signal(signal.SIGTERM, _stop_now)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("maru.router").info("starting: importing vLLM for its block hashing")
     try:
         extra = json.loads(args.connector_config)
         connector = MaruConnectorConfig.from_extra_config(extra if isinstance(extra, dict) else None)

@@ -11,8 +11,13 @@ pod go. Here a fake upstream lists a fake engine that does exactly that; loopbac
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -24,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import http
-from tests.vllm.harness import PoolDaemon
+from tests.support.servers import free_port, http
+from tests.vllm.harness import PoolDaemon, env
 
 from .harness import RecordingEngine, RouterProcess
 
@@ -167,3 +172,33 @@ def test_a_request_whose_engine_stops_without_answering_is_served_by_the_upstrea
     assert upstream.completions == 1
     assert "unreachable" in router.log_path.read_text()
     assert json.loads(http(router.url + "/health")) == {"status": "ok"}
+
+
+def test_a_router_stopped_while_it_starts_exits_as_its_containers_pid_1(pool: PoolDaemon, workdir: Path) -> None:
+    # A pod deleted while maru-router imports vLLM (a rollout's surge pod): its SIGTERM comes from outside the
+    # container's PID namespace, and a PID 1 gets only the signals it handles. It was lost; the pod stayed
+    # Terminating until SIGKILL at the end of its grace period.
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("a PID namespace of its own needs unshare and root")
+    log_path = workdir / "router-pid1.log"
+    connector = {"maru_pool_url": pool.url, "maru_kv_chunk_tokens": 256}
+    argv = [
+        unshare, "--pid", "--fork", "--kill-child", sys.executable, "-m", "maru_router", "--host", "127.0.0.1",
+        "--port", str(free_port()), "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9",
+        "--connector-config", json.dumps(connector),
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env())
+    try:
+        deadline = time.monotonic() + 120
+        while "starting" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        (router,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        os.kill(int(router), signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
