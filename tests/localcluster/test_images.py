@@ -22,8 +22,10 @@ def test_vllm_serve_becomes_the_api_server_module_and_nothing_else_changes() -> 
         "containers"
     ][0]
     argv = run(c)
-    assert argv[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen2.5-7B-Instruct"]
-    assert argv[5:] == c["args"][1:]  # every rendered argument, unchanged and in order: no address added
+    init = c["command"][: c["command"].index("vllm")]  # the operator's init stays in front
+    server = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen2.5-7B-Instruct"]
+    assert argv[: len(init) + 5] == [*init, *server]
+    assert argv[len(init) + 5 :] == c["args"][1:]  # every rendered argument, unchanged and in order: no address added
 
 
 @pytest.mark.parametrize(

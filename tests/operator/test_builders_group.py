@@ -39,7 +39,8 @@ class TestRoleDeployment:
             decode={"tensorParallelSize": 2},
         )
         c = container(build_role_deployment(spec, "prefill", GROUP_OWNER, pool_view()))
-        assert c["command"] == ["vllm", "serve"]
+        # vLLM under the init: as PID 1 it would drop a SIGTERM sent during its model load.
+        assert c["command"] == ["python3", "-m", "maru_common.init", "vllm", "serve"]
         args = c["args"]
         assert args[0] == "m/x"
         assert flag(args, "--port") == "8000"

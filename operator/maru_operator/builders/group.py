@@ -45,6 +45,7 @@ from maru_operator.builders.credentials import (
 from maru_operator.builders.disruption import build_disruption_budget
 from maru_operator.builders.lifecycle import (
     TEMPLATE_HASH,
+    VLLM_COMMAND,
     pre_stop,
     rolling_update,
     shm_volume,
@@ -391,7 +392,7 @@ def build_role_deployment(
         "name": "vllm",
         "image": spec.image or DEFAULT_VLLM_IMAGE,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["vllm", "serve"],
+        "command": list(VLLM_COMMAND),
         "args": vllm_args(spec, role, owner, pool),
         "env": role_env(role_spec),
         "ports": [

@@ -13,6 +13,9 @@
   while (kube-proxy, vllm-router and maru-router each learn of the deletion in their own time, and a
   request routed just before arrives after), and vLLM fails every request it holds once signalled: so the
   hook waits at least the time its clients take to stop sending, however idle the pod.
+* vLLM runs under a small init (``maru_common.init``): as its container's PID 1 it would get only the
+  signals it handles, and it handles SIGTERM only once its server is up, so a pod deleted during a model
+  load would hold its GPUs until SIGKILL at the end of the (long, draining) grace period.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ SHM_PER_RANK = 1 * Gi
 SCRATCH_BYTES = 10 * Gi
 EPHEMERAL = "ephemeral-storage"
 DRAIN_MODULE = "maru_common.drain"
+# vLLM's command: ``vllm serve`` under the init, which passes SIGTERM on during a model load.
+VLLM_COMMAND = ["python3", "-m", "maru_common.init", "vllm", "serve"]
 # On a role Deployment: the hash of the pod template the operator applied, for pacing rollouts
 # (maru_operator.rollouts) without diffing templates.
 TEMPLATE_HASH = "maru.io/template-hash"
