@@ -14,15 +14,18 @@ failed pull is on a node (``ErrImagePull``, then ``ImagePullBackOff``).
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from maru_localcluster.images import Image, ImageNotFound
+
+log = logging.getLogger("kubelet.images")
 
 # Working containers of this test bed: the kubelet's pid, then the container's id.
 PREFIX = "maru-lc-"
@@ -86,9 +89,21 @@ def checkout(image: Image, container_id: str) -> tuple[str, str]:
 
 
 def release(name: str) -> None:
-    """Unmount and remove a working container (best effort: one already gone is fine)."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        _buildah("rm", name)
+    """Unmount and remove a working container (one already gone is fine). It runs in a thread its caller
+    may stop waiting for, so it retries and reports on its own: buildah can fail on a storage race with
+    another buildah (another cluster's kubelet, a build) and succeed a moment later."""
+    problem = ""
+    for attempt in range(5):
+        try:
+            done = _buildah("rm", name)
+        except subprocess.TimeoutExpired:
+            problem = "timed out"
+            continue
+        if done.returncode == 0 or "container not known" in done.stderr:
+            return
+        problem = done.stderr.strip()[-500:]
+        time.sleep(0.5 * (attempt + 1))
+    log.warning("buildah rm %s: %s", name, problem)
 
 
 def sweep() -> None:

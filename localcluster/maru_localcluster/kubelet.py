@@ -163,6 +163,7 @@ class ContainerRunner:
         self.kill_reason = ""  # why the kubelet stopped it (liveness, startup), for the termination record
         self.uid = self.gid = 0
         self.rootfs_name = ""  # the mounted working container of a stored image, while it runs
+        self.starting = False  # between the decision to start and the process's existence
         self.image_id = ""
         self._backoff = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -176,10 +177,16 @@ class ContainerRunner:
     async def run(self) -> None:
         worker = self.worker
         while not worker.terminating:
+            failure: Exception | None = None
+            self.starting = True
             try:
                 await self._start()
             except (ContainerConfigError, ImageNotFound, MountError, imagestore.UserNotFound) as err:
-                await self._failed_to_start(err)
+                failure = err
+            finally:
+                self.starting = False
+            if failure is not None:
+                await self._failed_to_start(failure)
                 continue
             worker.changed()
             code = await self._supervise()
@@ -341,7 +348,8 @@ class ContainerRunner:
         """The image's working container goes with the container (its mount with it)."""
         name, self.rootfs_name = self.rootfs_name, ""
         if name:
-            await asyncio.to_thread(imagestore.release, name)
+            # Shielded: a pod's teardown cancels its containers' tasks, and the removal must still happen.
+            await asyncio.shield(asyncio.to_thread(imagestore.release, name))
 
     def _log_tail(self) -> str:
         path = self.worker.log_dir / self.name / f"{self.restart_count}.log"
@@ -359,6 +367,9 @@ class ContainerRunner:
             except (OSError, ValueError, IndexError, AttributeError):
                 return None
         return self.host_pid
+
+    def _exec_prefix(self, pid: int) -> list[str]:
+        return exec_prefix(pid, self.uid, self.gid, str(self.pid_file.parent / "spec.json"))
 
     async def stop(self, grace: float, reason: str = "") -> None:
         """The preStop hook, then SIGTERM to PID 1 (through podrun), SIGKILL once ``grace`` seconds passed
@@ -394,7 +405,7 @@ class ContainerRunner:
             await asyncio.sleep(min(float(hook["sleep"].get("seconds", 0)), grace))
             return
         probe = {**hook, "timeoutSeconds": grace}
-        ok, detail = await run_probe(probe, self.spec, self.worker.ip, exec_prefix(pid, self.uid, self.gid))
+        ok, detail = await run_probe(probe, self.spec, self.worker.ip, self._exec_prefix(pid))
         if not ok:
             await self.worker.event(
                 "Warning", "FailedPreStopHook", f"PreStopHook failed: {detail}", container=self.name
@@ -423,7 +434,7 @@ class ContainerRunner:
         successes = failures = 0
         while True:
             pid = self.pid()
-            argv = exec_prefix(pid, self.uid, self.gid) if pid else None
+            argv = self._exec_prefix(pid) if pid else None
             ok, detail = await run_probe(probe, self.spec, worker.ip, argv)
             if ok:
                 successes, failures = successes + 1, 0
@@ -748,6 +759,11 @@ class PodWorker:
     async def _finish(self) -> None:
         grace = self.grace_seconds()
         runners = [r for r in (*self.init_runners, *self.runners)]
+        # A container being started (its image checked out, its process spawned) gets its process first, so
+        # that it is stopped with the others instead of outliving the pod.
+        deadline = time.monotonic() + 60
+        while any(r.starting for r in runners) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         if any(r.proc is not None for r in runners):
             for r in runners:
                 if r.proc is not None:
@@ -758,6 +774,7 @@ class PodWorker:
                 r._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await r._task
+            await r.release_rootfs()
         self.changed()
         await self._flush_status()
         ctx = self.context()

@@ -1,7 +1,7 @@
 """Start one container as a container runtime would, from a JSON spec the kubelet writes.
 
     python -m maru_localcluster.podrun run SPEC.json          # the container (this process stays its shim)
-    python -m maru_localcluster.podrun exec PID UID GID -- CMD...  # a command inside a running container
+    python -m maru_localcluster.podrun exec PID UID GID SPEC.json -- CMD...  # a command in a running container
 
 ``run`` creates private mount, PID and UTS namespaces, builds the container's root filesystem, then
 forks the container's first process (PID 1 of the new PID namespace) and waits for it:
@@ -426,11 +426,16 @@ def run(spec_path: str) -> int:
 # --------------------------------------------------------------------------------------------- exec
 
 
-def exec_in(pid: int, uid: int, gid: int, argv: list[str]) -> int:
-    """Run ``argv`` in the namespaces and root of container process ``pid`` (exec probes, preStop hooks)."""
+def exec_in(pid: int, uid: int, gid: int, spec_path: str | None, argv: list[str]) -> int:
+    """Run ``argv`` in the namespaces and root of container process ``pid`` (exec probes, preStop hooks),
+    with the container's configured environment (from its spec, as ``runc exec`` takes it from the
+    container's config): what PID 1's /proc/PID/environ shows is whatever the process left there (a
+    program that sets its title overwrites it), and without PATH a command would not resolve as in the
+    container (``python3`` found as /bin/python3 in a merged-/usr image misses /usr/local's packages).
+    Without a spec (a kubelet started before specs were passed), PID 1's environment as it reads now."""
+    env = dict(json.loads(Path(spec_path).read_text())["env"]) if spec_path else _environ_of(pid)
     # Everything about ``pid`` is read first: once in its mount namespace, /proc is the container's, where
     # the pid is another (PID 1).
-    env = _environ_of(pid)
     fds = [(ns, os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)) for ns in ("net", "uts", "pid", "mnt")]
     try:
         for ns, fd in fds:
@@ -464,9 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(args[1])
     if args == ["pause"]:
         return pause()
+    if len(args) >= 7 and args[0] == "exec" and args[5] == "--":
+        return exec_in(int(args[1]), int(args[2]), int(args[3]), args[4], args[6:])
     if len(args) >= 6 and args[0] == "exec" and args[4] == "--":
-        return exec_in(int(args[1]), int(args[2]), int(args[3]), args[5:])
-    print("usage: podrun run SPEC.json | podrun pause | podrun exec PID UID GID -- CMD...", file=sys.stderr)
+        return exec_in(int(args[1]), int(args[2]), int(args[3]), None, args[5:])
+    print("usage: podrun run SPEC.json | podrun pause | podrun exec PID UID GID SPEC.json -- CMD...", file=sys.stderr)
     return 2
 
 

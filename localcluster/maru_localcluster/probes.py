@@ -99,6 +99,17 @@ async def _exec(argv: list[str], timeout: float) -> tuple[bool, str]:
     return proc.returncode == 0, f"exit code {proc.returncode}" + (f": {text}" if text else "")
 
 
-def exec_prefix(host_pid: int, uid: int, gid: int) -> list[str]:
-    """argv prefix that runs a command inside a running container (see ``podrun exec``)."""
-    return [sys.executable, "-m", "maru_localcluster.podrun", "exec", str(host_pid), str(uid), str(gid), "--"]
+def exec_prefix(host_pid: int, uid: int, gid: int, spec_path: str) -> list[str]:
+    """argv prefix that runs a command inside a running container (see ``podrun exec``); ``spec_path`` is the
+    container's podrun spec, whose environment the command gets."""
+    return [
+        sys.executable,
+        "-m",
+        "maru_localcluster.podrun",
+        "exec",
+        str(host_pid),
+        str(uid),
+        str(gid),
+        spec_path,
+        "--",
+    ]

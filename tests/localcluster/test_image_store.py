@@ -91,8 +91,13 @@ def image_id(ref: str) -> str:
 
 
 def working_containers() -> set[str]:
-    out = imagecheck.buildah("containers", "--all", "--noheading", "--format", "{{.ContainerName}}")
-    return {n for n in out.split() if n.startswith("maru-lc-")}
+    for _ in range(10):
+        try:
+            out = imagecheck.buildah("containers", "--all", "--noheading", "--format", "{{.ContainerName}}")
+            return {n for n in out.split() if n.startswith("maru-lc-")}
+        except RuntimeError:  # a container removed while buildah listed them ("container not known")
+            time.sleep(0.5)
+    raise AssertionError("buildah containers kept failing")
 
 
 def test_the_image_s_entrypoint_runs_as_its_user(cluster: LocalCluster, built: images.Built) -> None:
@@ -155,6 +160,23 @@ def test_the_container_sees_the_image_s_files_config_and_nothing_of_this_machine
     assert not seen["root_writable"] and seen["volume_writable"]
 
 
+def test_exec_probes_get_the_container_s_configured_environment(cluster: LocalCluster, built: images.Built) -> None:
+    """As `runc exec`: not what PID 1's /proc/PID/environ holds now, which a program can overwrite (vllm-router
+    sets its process title over it). Without the image's PATH, python3 resolves to /bin/python3 in a merged-/usr
+    image and misses /usr/local's packages: the router's drain hook failed so."""
+    run_pod(
+        cluster,
+        "probed",
+        {
+            "image": built.product["pool"],
+            "command": ["sh", "-c", "exec env -i sleep 600"],  # PID 1 with an empty environ
+            "readinessProbe": {"exec": {"command": ["python3", "-c", "import maru_pool"]}, "periodSeconds": 1},
+        },
+    )
+    wait(lambda: status_of(cluster, "probed").get("ready"), "the exec probe to pass")
+    cluster.kubectl("delete", "pod", "probed", "--grace-period=1", "--wait=false")
+
+
 def test_an_image_that_was_not_built_is_an_image_pull_error(cluster: LocalCluster) -> None:
     ref = "ghcr.io/maru-pd/maru-pool:0.0.0-never-built"
     run_pod(cluster, "missing", {"image": ref})
@@ -206,13 +228,18 @@ def test_defects_planted_in_an_image_fail_its_pod(cluster: LocalCluster, planted
     run_pod(cluster, "no-such-user", {"image": planted("unknown", user="nobody-here")})
     waiting = waiting_reason(cluster, "no-such-user", {"CreateContainerError"})
     assert "unable to find user nobody-here" in waiting["message"]
-    cluster.kubectl("delete", "pod", "root-user", "named-user", "no-such-user", "--wait=false")
+    # Gone before the planted images are: a pod's retry checks its image out each time.
+    cluster.kubectl("delete", "pod", "no-dep", "root-user", "named-user", "no-such-user", "--grace-period=1")
 
 
 def test_working_containers_go_with_their_containers(cluster: LocalCluster, built: images.Built) -> None:
+    before = working_containers()
     run_pod(cluster, "sleeper", {"image": built.product["pool"], "command": ["sleep", "600"]})
     wait(lambda: status_of(cluster, "sleeper").get("state", {}).get("running"), "sleeper to run")
-    mine = {n for n in working_containers() if n.startswith(f"maru-lc-{cluster.nodes['node-1'].pid}-")}
-    assert len(mine) >= 1
+    mine = working_containers() - before
+    assert len(mine) == 1 and next(iter(mine)).startswith(f"maru-lc-{cluster.nodes['node-1'].pid}-"), mine
     cluster.kubectl("delete", "pod", "sleeper", "--grace-period=1")
-    wait(lambda: not (mine & working_containers()), "the sleeper's working container to be removed")
+    try:
+        wait(lambda: not (mine & working_containers()), "the sleeper's working container to be removed")
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{cluster.component_log('kubelet-node-1')[-3000:]}") from None

@@ -23,6 +23,7 @@ from maru_localcluster.product import (
     why_not_ready,
 )
 from tests.required import require_local_cluster, require_vllm
+from tests.support import images
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,8 +101,11 @@ def deployed(
     manifests: list[dict[str, Any]],
 ) -> Iterator[Deployment]:
     """A local cluster with ``nodes``, the CRDs, the operator running, and ``manifests`` applied."""
-    images = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: str(tiny_model)})
-    cluster = LocalCluster(images=images)
+    # The pool daemons and routers run from the images `make images` built (the session's one build), under
+    # the references the operator renders; only vLLM's image is still the image table's (this machine's root).
+    images.build()
+    table = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: str(tiny_model)}).only([VLLM_IMAGE])
+    cluster = LocalCluster(images=table, image_store=True)
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with cluster:

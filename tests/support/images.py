@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +59,8 @@ def run(*command: str, timeout: float = 1200) -> str:
     return done.stdout
 
 
-def build(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    """The images of this session (built on the first call)."""
+def build(tmp_path_factory: pytest.TempPathFactory | None = None) -> Built:
+    """The images of this session (built on the first call; the SBOMs under pytest's temporary folders)."""
     global _built
     __tracebackhide__ = True
     require_root("building images with buildah")
@@ -69,7 +70,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Built:
         return _built
     if not CA_BUNDLE.is_file():
         pytest.fail(f"{CA_BUNDLE}: no CA bundle to pass as the build secret")
-    sbom_dir = tmp_path_factory.mktemp("sbom")
+    sbom_dir = tmp_path_factory.mktemp("sbom") if tmp_path_factory else Path(tempfile.mkdtemp(prefix="maru-sbom-"))
     run("make", "--no-print-directory", "base-image", f"BASE_IMAGE={BASE}")
     output = run(
         "make",
