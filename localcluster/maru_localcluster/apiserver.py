@@ -1086,6 +1086,14 @@ class Emulator(kmock.KubernetesEmulator):
         self._emit("ADDED", rt, obj, None)
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
             self._register_crd(obj)
+        refs = meta.get("ownerReferences") or []
+        if refs and not any(r.get("uid") in self._uids for r in refs):
+            # Created after every owner went (a controller acting on a stale cache): the create succeeds and
+            # the garbage collector deletes it soon after, as kube-controller-manager's does.
+            try:
+                asyncio.get_running_loop().call_soon(self._collect_orphan, key, meta["uid"])
+            except RuntimeError:  # driven without a loop (a unit test of the store): at once
+                self._collect_orphan(key, meta["uid"])
         return _clone(obj)
 
     def replace_object(
@@ -1393,6 +1401,14 @@ class Emulator(kmock.KubernetesEmulator):
         for future in waiters:
             if not future.done():
                 future.set_result(None)
+
+    def _collect_orphan(self, key: tuple[str, str, str | None, str], uid: str) -> None:
+        obj = self._store.get(key)
+        if obj is None or obj["metadata"]["uid"] != uid or obj["metadata"].get("deletionTimestamp"):
+            return
+        refs = obj["metadata"].get("ownerReferences") or []
+        if refs and not any(r.get("uid") in self._uids for r in refs):
+            self._delete(self._types[(key[0], key[1])], key)
 
     def collect_garbage(self) -> None:
         """Delete the objects whose owners are all gone (k8s does this in the background)."""

@@ -657,6 +657,20 @@ def test_discovery_documents(kube: KubeEmulator) -> None:
     assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
 
 
+def test_an_object_created_after_its_owner_went_is_collected(kube: KubeEmulator) -> None:
+    # A controller that applies a child while its owner is being deleted (its cache still held the owner):
+    # kube-controller-manager's garbage collector finds the owner absent and deletes the child.
+    owner = kube.create(widget("short-lived", 1))
+    ref = {"apiVersion": f"{GROUP}/v1", "kind": "Widget", "name": "short-lived", "uid": owner["metadata"]["uid"]}
+    kube.delete("widgets.test.example.com", "short-lived", "default")
+    kube.wait_gone("widgets.test.example.com", "short-lived", "default")
+    late = kube.create(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late-child", "ownerReferences": [ref]}}
+    )
+    assert late["metadata"]["ownerReferences"] == [ref]  # the create itself succeeds, as on a real server
+    kube.wait_gone("configmaps", "late-child", "default")
+
+
 def test_kubernetes_client_accepts_owner_references(kube: KubeEmulator) -> None:
     from kubernetes import client
 
