@@ -387,7 +387,8 @@ class Runtime:
         obj = dict(body)
         key = key_of(obj)
         before = self.store.get(key)
-        old_pool = ((before or {}).get("spec") or {}).get("poolRef", {}).get("name")
+        # A status write that met 404 has dropped the group already: its last state is the event's.
+        old_pool = ((before or (obj if type == "DELETED" else {})).get("spec") or {}).get("poolRef", {}).get("name")
         new_pool = (obj.get("spec") or {}).get("poolRef", {}).get("name")
         if type == "DELETED":
             self.store.remove(key)

@@ -54,3 +54,15 @@ def test_an_echo_of_its_own_write_wakes_nothing(fleet: KubeEmulator, operator: R
     settle(operator, resync=False)
     assert operator.call(lambda: operator.runtime.queue.processed) == processed
     assert object_writes(fleet, mark) == []
+
+
+def test_a_group_its_status_write_found_gone_still_releases_its_pool(
+    fleet: KubeEmulator, operator: RunningOperator
+) -> None:
+    """A status write that meets 404 drops the group from the cache before the DELETED event comes; the event
+    must still wake the pool, which counts its groups (it waited for its next look, up to 30 s)."""
+    store = operator.runtime.store
+    key = ("InferenceGroup", GROUP_NS, "qwen")
+    operator.call(lambda: store.remove(key))  # what the status writer does on 404
+    fleet.delete(IG, "qwen", GROUP_NS)
+    fleet.wait_for(MP, "local-shm", None, lambda p: p.get("status", {}).get("boundGroups") == 1, timeout=10)
