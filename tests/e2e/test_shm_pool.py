@@ -298,53 +298,12 @@ def test_killing_the_pool_agent_restarts_it_while_vllm_answers(shm: Deployment) 
     wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load from the restarted pool")
 
 
-def test_chunk_tokens_change_rolls_both_roles(shm: Deployment) -> None:
-    old = {role: {p["metadata"]["name"] for p in shm.pods(role)} for role in ("prefill", "decode")}
-    generation = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)["metadata"]["generation"]
-    shm.cluster.kubectl(
-        "-n",
-        GROUP_NS,
-        "patch",
-        "ig",
-        "tiny",
-        "--type",
-        "merge",
-        "-p",
-        json.dumps({"spec": {"connector": {"chunkTokens": 128}}}),
-    )
-
-    def rolled() -> bool:
-        for role in ("prefill", "decode"):
-            every = {
-                p["metadata"]["name"]
-                for p in shm.cluster.kube.list(
-                    "pods", GROUP_NS, labels=f"app.kubernetes.io/instance=tiny,maru.io/role={role}"
-                )
-            }
-            ready = shm.pods(role, ready_only=True)
-            if every & old[role] or len(ready) != 1:
-                return False
-        return True
-
-    wait("both roles to roll to the new chunk size", rolled, shm)
-    wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, generation=generation + 1)
-    for role in ("prefill", "decode"):
-        (pod,) = shm.pods(role)
-        args = pod["spec"]["containers"][0]["args"]
-        config = json.loads(args[args.index("--kv-transfer-config") + 1])
-        assert config["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == 128
-    prefill, decode = shm.engine_url("prefill"), shm.engine_url("decode")
-    long_prompt = prompt(3 * 128 + 50, seed=31)
-    recomputed = complete(prefill, long_prompt)
-    loaded = from_pool(decode)
-    assert complete(shm.router_url, long_prompt) == recomputed
-    assert wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load 128-token chunks") - loaded == 3 * 128
-
-
 def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_failed_request(shm: Deployment) -> None:
     """A newer operator (other default image tag) takes over: every vLLM pod and the pool daemon stay as they
-    are; the group's opt-in (maru.io/data-plane-updates=auto) rolls its roles to the new images while a
-    client sends requests through the router, none of which fails."""
+    are. The group's opt-in (maru.io/data-plane-updates=auto), applied in one patch with a new chunk size, rolls
+    both roles once, to the new images and the new chunk size, while a client sends requests through the router,
+    none of which fails; the new pods then store and load 128-token chunks. (One roll serves both changes: each
+    roll starts two engines, the slowest step of these tests.)"""
     before = {role: {p["metadata"]["uid"] for p in shm.pods(role)} for role in ("prefill", "decode")}
     agent = agent_pod(shm)["metadata"]["uid"]
     deployments = {
@@ -377,7 +336,22 @@ def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_fail
         client.start()
         try:
             wait("the client's first answer", lambda: client.answered or client.failures, shm)
-            shm.cluster.kubectl("-n", GROUP_NS, "annotate", "ig", "tiny", "maru.io/data-plane-updates=auto")
+            shm.cluster.kubectl(
+                "-n",
+                GROUP_NS,
+                "patch",
+                "ig",
+                "tiny",
+                "--type",
+                "merge",
+                "-p",
+                json.dumps(
+                    {
+                        "metadata": {"annotations": {"maru.io/data-plane-updates": "auto"}},
+                        "spec": {"connector": {"chunkTokens": 128}},
+                    }
+                ),
+            )
 
             def rolled() -> bool:
                 for role in ("prefill", "decode"):
@@ -392,7 +366,7 @@ def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_fail
                 return True
 
             wait("both roles to roll to the new images", rolled, shm)
-            wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
+            wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, generation=generation + 1)
             answered = client.answered
             wait("an answer from the new pods", lambda: client.answered > answered or client.failures, shm)
         finally:
@@ -403,6 +377,19 @@ def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_fail
         assert not client.failures, (
             f"{len(client.failures)} of {client.answered + len(client.failures)} requests failed while the data "
             f"plane rolled: {client.failures}"
+        )
+        for role in ("prefill", "decode"):
+            (pod,) = shm.pods(role)
+            args = pod["spec"]["containers"][0]["args"]
+            config = json.loads(args[args.index("--kv-transfer-config") + 1])
+            assert config["kv_connector_extra_config"]["maru_kv_chunk_tokens"] == 128
+        prefill, decode = shm.engine_url("prefill"), shm.engine_url("decode")
+        long_prompt = prompt(3 * 128 + 50, seed=31)
+        recomputed = complete(prefill, long_prompt)
+        loaded = from_pool(decode)
+        assert complete(shm.router_url, long_prompt) == recomputed
+        assert (
+            wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load 128-token chunks") - loaded == 3 * 128
         )
     finally:
         # The tests after this one run under the operator they started with (it keeps the new images: they
@@ -425,13 +412,14 @@ def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked
     def annotations() -> dict[str, str]:
         return decode()["spec"]["template"]["metadata"].get("annotations") or {}
 
-    # A short grace: Recreate and the revocation wait for the old pods to be gone.
+    # A short grace and no drain (no preStop hook: nothing sends to decode while this test replaces it): Recreate
+    # and the revocation wait for the old pods to be gone.
     patch_group(
         {
             "decode": {
                 "scaler": "External",
                 "podAnnotations": {"e2e.maru.io/extra": "1"},
-                "termination": {"gracePeriodSeconds": 30, "drainSeconds": 10},
+                "termination": {"gracePeriodSeconds": 30, "drainSeconds": 0},
             }
         }
     )
@@ -458,6 +446,7 @@ def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked
     wait("decode to switch to Recreate", lambda: decode()["spec"]["strategy"]["type"] == "Recreate", shm)
     wait_ready(shm.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS, generation=generation + 1)
     assert decode()["spec"]["strategy"] == {"type": "Recreate"}
+    assert "lifecycle" not in decode()["spec"]["template"]["spec"]["containers"][0]  # drainSeconds 0: no hook
     assert "e2e.maru.io/extra" not in annotations()
     assert "maru.io/created-fields" not in (decode()["metadata"].get("annotations") or {})
 
