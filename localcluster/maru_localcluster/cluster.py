@@ -105,6 +105,7 @@ class LocalCluster:
         self.proxy: subprocess.Popen[bytes] | None = None
         self._inside_servers: list[asyncio.AbstractServer] = []
         self._reaper: subprocess.Popen[bytes] | None = None
+        self._socket_links: list[Path] = []  # short names of sockets whose own paths are too long (_csi_plugins)
         self._started = False
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -194,6 +195,11 @@ class LocalCluster:
         if self.network is not None:
             self.network.stop()
             self.network = None
+        for link in self._socket_links:
+            link.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                link.parent.rmdir()
+        self._socket_links = []
         if not self.keep_state and self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         if self._reaper is not None:
@@ -353,7 +359,7 @@ class LocalCluster:
             fast_probes=self.fast_probes,
             crashloop_base_s=self.crashloop_base_s,
             python=sys.executable,
-            csi_plugins=_csi_plugins(state, name),
+            csi_plugins=_csi_plugins(state, name, self._socket_links),
         )
         config_file = state / "kubelet.json"
         config_file.write_text(json.dumps(config.__dict__, indent=1))
@@ -607,8 +613,17 @@ def _printer_columns(emulator: Any) -> None:
         rt.columns = {version: list(columns) for version in rt.versions}
 
 
-def _csi_plugins(state: Path, node: str) -> list[JsonObj]:
-    """The product's CSI node plugin (csi.maru.io), when its gRPC dependencies are installed."""
+# A Unix socket's path holds at most 107 bytes; a cluster's folder under a test runner's temporary folders can be
+# longer than that leaves room for.
+SOCKET_PATH_MAX = 107
+
+
+def _csi_plugins(state: Path, node: str, links: list[Path]) -> list[JsonObj]:
+    """The product's CSI node plugin (csi.maru.io), when its gRPC dependencies are installed.
+
+    Its socket lives in the node's folder; where that path is too long for a socket, the plugin is given a short
+    link to the folder (appended to ``links``, removed when the cluster stops).
+    """
     try:
         import grpc  # noqa: F401
 
@@ -617,7 +632,14 @@ def _csi_plugins(state: Path, node: str) -> list[JsonObj]:
         return []
     socket_root = state / "root" / DEFAULT_SOCKET_ROOT.lstrip("/")
     socket_root.mkdir(parents=True, exist_ok=True)
-    endpoint = f"unix://{state / 'plugins' / DRIVER_NAME / 'csi.sock'}"
+    folder = state / "plugins" / DRIVER_NAME
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(str(folder / "csi.sock")) > SOCKET_PATH_MAX:
+        link = Path(tempfile.mkdtemp(prefix="maru-csi-")) / "plugin"
+        link.symlink_to(folder, target_is_directory=True)
+        links.append(link)
+        folder = link
+    endpoint = f"unix://{folder / 'csi.sock'}"
     return [
         {
             "driver": DRIVER_NAME,

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import json
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -972,6 +973,22 @@ def test_pods_of_a_deleted_owner_are_collected(cluster: LocalCluster) -> None:
     wait(lambda: not cluster.kube.list("pods", "default", labels="app=web"), "the web pods to go")
     assert processes_in(spaces) == []
     assert not cluster.kube.list("replicasets.apps", "default")
+
+
+def test_a_cluster_in_a_deep_folder_starts_its_csi_plugin_and_leaves_no_link(tmp_path: Path) -> None:
+    """A node's CSI socket under a folder too deep for a Unix socket path (107 bytes): the kubelet exited with
+    'CSI plugin csi.maru.io did not start' (a test runner's worker folders were enough to get there)."""
+
+    def short_folders() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("maru-csi-*"))
+
+    before = short_folders()
+    cluster = LocalCluster(tmp_path / ("deep" * 16) / "c")
+    with cluster:
+        cluster.add_node("solo")  # returns once the node's CSI plugin serves its socket
+        made = short_folders() - before
+        assert made and all((folder / "plugin" / "csi.sock").is_socket() for folder in made)
+    assert not made & short_folders()
 
 
 def test_stopping_the_cluster_leaves_nothing_behind(tmp_path: Path) -> None:
