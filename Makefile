@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# pytest-xdist workers for `make test`: the engine and local-cluster tiers each run on one (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: help venv vllm-venvs test test-fast lint crds check-crds scan protos demo render bench images base-image clean
 
@@ -67,7 +69,7 @@ scan: venv $(CHECKOV_VENV)/.installed  ## checkov over the chart and the rendere
 	$(PY) -m tests.security.checkov_scan --checkov $(CHECKOV_VENV)/bin/checkov
 
 test: lint check-crds scan vllm-venvs  ## every test: lint, CRD freshness, checkov, unit, real vLLM engines, operator on the API emulator, chart
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 test-fast: venv  ## the unit tier alone (pure functions and files; tests/conftest.py says which tier each test is)
 	$(PY) -m pytest -m unit -q
