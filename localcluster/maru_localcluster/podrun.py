@@ -392,8 +392,13 @@ def run(spec_path: str) -> int:
 
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
+    # Closed in the child by its exec (the pipe is close-on-exec) or its exit: the pid is reported only then,
+    # once PID 1 is in the container's root. An exec (a probe, a preStop hook) that entered it earlier ran in
+    # the host's root, without the pod's volumes.
+    started_r, started_w = os.pipe()
     child = os.fork()
     if child == 0:
+        os.close(started_r)
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         try:
@@ -407,7 +412,15 @@ def run(spec_path: str) -> int:
         except (SetupError, OSError) as err:
             print(f"container start failed: {err}", file=sys.stderr, flush=True)
             os._exit(128)
-    Path(spec["pid_file"]).write_text(f"{child}\n{os.readlink(f'/proc/{child}/ns/pid')}\n")
+    os.close(started_w)
+    while os.read(started_r, 1):
+        pass
+    os.close(started_r)
+    try:
+        pid_ns = os.readlink(f"/proc/{child}/ns/pid")
+    except OSError:  # it exited before its exec (a setup error): nothing can enter it
+        pid_ns = ""
+    Path(spec["pid_file"]).write_text(f"{child}\n{pid_ns}\n")
     for signum in pending:
         forward(signum, None)
     while True:

@@ -912,6 +912,9 @@ def test_pre_stop_hook_runs_before_sigterm(cluster: LocalCluster) -> None:
         ),
         "draining running",
     )
+    # The status says running once the shim runs; its PID 1 is reported once in the container's root (a hook
+    # entering it before then ran in the host's root, without /host: seen under load).
+    wait(lambda: cluster.pid_namespaces(cluster.kube.get("pods", "draining", "default")), "PID 1")
     cluster.kubectl("delete", "pod", "draining", "--wait=true", "--timeout=60s")
     events = [
         e.get("message")
