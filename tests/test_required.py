@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maru_localcluster.images import package_roots
+from maru_localcluster.tools import package_roots
 from tests.required import ENV, missing, require_tool, unavailable
 
 REPO = Path(__file__).resolve().parents[1]

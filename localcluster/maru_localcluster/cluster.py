@@ -18,8 +18,9 @@ Parts, each in its own module:
   server's event loop;
 * kube-proxy (``proxy.py``): its own process, in the cluster network;
 * one kubelet per node (``kubelet.py``): its own process in the cluster network, running pods with
-  ``podrun.py``, volumes from ``volumes.py``, images from this machine's image storage
-  (``imagestore.py``, with ``image_store=True``) or the image table (``images.py``).
+  ``podrun.py``, volumes from ``volumes.py``, each container from its image in this machine's image
+  storage (``imagestore.py``: buildah's, where ``make images`` puts the product's), never from this
+  machine's own files.
 
 Needs root: every pod gets its own network namespace, every container its own mount and PID
 namespaces, and memory-backed emptyDirs are tmpfs mounts. Nothing is left behind: mounts live in the
@@ -49,7 +50,6 @@ import aiohttp.web
 from maru_localcluster import admission, network, tools
 from maru_localcluster.apiserver import JsonObj
 from maru_localcluster.controllers import ControllerManager
-from maru_localcluster.images import ImageTable, package_roots
 from maru_localcluster.kubelet import KubeletConfig
 from maru_localcluster.pki import Pki, make_pki
 from maru_localcluster.server import KubeEmulator
@@ -81,8 +81,6 @@ class LocalCluster:
         self,
         workdir: Path | None = None,
         *,
-        images: ImageTable | None = None,
-        image_store: bool = False,
         fast_probes: bool = True,
         crashloop_base_s: float = 10.0,
         keep_state: bool = False,
@@ -90,9 +88,6 @@ class LocalCluster:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="maru-lc-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.images = images or ImageTable()
-        # Images from this machine's image storage (``imagestore``), run from their own root filesystems.
-        self.image_store = image_store
         self.fast_probes = fast_probes
         self.crashloop_base_s = crashloop_base_s
         self.keep_state = keep_state
@@ -212,7 +207,7 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str], *, inside: bool = False) -> subprocess.Popen[bytes]:
         """A component process, inside the cluster network when ``inside`` (as node components run)."""
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(package_roots())}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(tools.package_roots())}
         netns = self.network.path if inside and self.network is not None else None
         try:
             return subprocess.Popen(
@@ -352,9 +347,6 @@ class LocalCluster:
             labels=dict(labels or {}),
             taints=list(taints or []),
             standin_devices=sorted(devices or {}),
-            image_files=self.images.to_json(),
-            table_images=sorted(self.images.images),
-            image_store=self.image_store,
             kubernetes_service=(network.KUBERNETES_SERVICE_IP, 443),
             fast_probes=self.fast_probes,
             crashloop_base_s=self.crashloop_base_s,
@@ -554,7 +546,7 @@ def _start_reaper(workdir: Path, *, keep: bool) -> subprocess.Popen[bytes]:
         str(workdir),
         *(["--keep"] if keep else []),
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(package_roots())}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(tools.package_roots())}
     env.pop("KUBECONFIG", None)
     # Its own session and no parent-death signal: it must outlive us. Only its stdin ties it to this process.
     return subprocess.Popen(

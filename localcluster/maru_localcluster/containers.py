@@ -4,7 +4,7 @@ What the kubelet and the container runtime decide together: the image's entrypoi
 under the pod's command, args and env (``$(VAR)`` expanded, ``valueFrom`` resolved), the user from
 ``securityContext`` over the image's (refusing root under ``runAsNonRoot``, as the kubelet does),
 capabilities, and the mounts: the pod's volumes, its ``/etc/hosts``, ``/etc/hostname``,
-``/etc/resolv.conf`` and ``/dev/shm``, plus the files the image carries.
+``/etc/resolv.conf`` and ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from maru_localcluster.images import Image, container_argv, expand, which
+from maru_localcluster.images import Image, container_argv, expand
 from maru_localcluster.imagestore import home_of
 from maru_localcluster.volumes import MountError, field_value
 from maru_operator.quantity import parse_quantity
@@ -185,21 +185,14 @@ def podrun_spec(
     argv = [expand(a, env) for a in container_argv(container, image)]
     if not argv:
         raise ContainerConfigError(f"container {container['name']!r}: no command, and the image has no entrypoint")
-    argv = image.rewrite(argv)
-    if not image.stored:
-        # The table's programs are this machine's; a stored image's are looked up in its own PATH by podrun.
-        resolved = which(argv[0], env.get("PATH", ""))
-        argv = [resolved or argv[0], *argv[1:]]
     if "HOME" not in env:
-        home = home_of(who.uid, layers["lower"]) if image.stored else "/root" if who.uid == 0 else "/"
-        env = {**env, "HOME": home}
+        env = {**env, "HOME": home_of(who.uid, layers["lower"])}
     mounts: list[JsonObj] = [
         {"kind": "bind", "source": box.hosts_file, "target": "/etc/hosts"},
         {"kind": "bind", "source": box.hostname_file, "target": "/etc/hostname"},
         {"kind": "bind", "source": box.resolv_file, "target": "/etc/resolv.conf"},
         {"kind": "bind", "source": box.shm_dir, "target": "/dev/shm"},
     ]
-    mounts += [{"kind": "bind", "source": src, "target": dst, "readonly": True} for dst, src in image.files.items()]
     for m in container.get("volumeMounts") or []:
         if m["name"] not in box.volume_paths:
             raise ContainerConfigError(f"volumeMount {m['name']!r}: no volume of that name in the pod")
@@ -220,13 +213,9 @@ def podrun_spec(
         "hostname": box.hostname,
         "rootfs": layers,
         "readonly_root": bool(sc.get("readOnlyRootFilesystem")),
-        # A table entry's home is made as the image would ship it; an image's files are its own.
-        "make_home": not image.stored,
         "mounts": mounts,
         "capabilities": {"privileged": privileged, **(sc.get("capabilities") or {})},
         "no_new_privs": sc.get("allowPrivilegeEscalation") is False and not privileged,
-        "reachable": [*image.reachable, *image.files],
-        "programs": list(image.reachable),
         "pid_file": pid_file,
         "netns": box.netns,
     }

@@ -63,12 +63,12 @@ def inspect(reference: str) -> Image | None:
     env.setdefault("PATH", DEFAULT_PATH)
     return Image(
         repository=reference,
+        image_id=f"sha256:{data['FromImageID']}",
         entrypoint=tuple(config.get("Entrypoint") or ()),
         cmd=tuple(config.get("Cmd") or ()),
         user=config.get("User") or "",
         env=env,
         workdir=config.get("WorkingDir") or "/",
-        image_id=f"sha256:{data['FromImageID']}",
         description=f"image {reference} from this machine's image storage",
     )
 

@@ -46,7 +46,7 @@ from typing import Any
 from maru_localcluster import events, imagestore, network
 from maru_localcluster.apiclient import ApiClient, ApiError, Informer
 from maru_localcluster.containers import ContainerConfigError, Sandbox, container_env, decode_secret, podrun_spec
-from maru_localcluster.images import Image, ImageNotFound, ImageTable
+from maru_localcluster.images import Image, ImageNotFound
 from maru_localcluster.podrun import CLONE_NEWNS, MS_NODEV, MS_NOSUID, MS_PRIVATE, MS_REC, mount, unshare
 from maru_localcluster.probes import exec_prefix, run_probe, setting
 from maru_localcluster.volumes import CsiPlugin, MountError, PodContext, handler_for
@@ -72,11 +72,6 @@ class KubeletConfig:
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
     taints: list[JsonObj] = dataclasses.field(default_factory=list)
     standin_devices: list[str] = dataclasses.field(default_factory=list)
-    image_files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    # Which repositories of the image table this node may run on its own root filesystem; None: all.
-    table_images: list[str] | None = None
-    # Look images up in this machine's image storage (buildah's) first, and run them from their own root.
-    image_store: bool = False
     # CSI node plugins this node runs: {driver, endpoint (unix://), argv, node_path_attributes}.
     csi_plugins: list[JsonObj] = dataclasses.field(default_factory=list)
     kubernetes_service: tuple[str, int] | None = None
@@ -260,13 +255,10 @@ class ContainerRunner:
         shutil.rmtree(cdir, ignore_errors=True)  # a container restart starts from a fresh writable layer
         for sub in ("upper", "work", "rootfs"):
             (cdir / sub).mkdir(parents=True, exist_ok=True)
-        lower = "/"
-        if image.stored:
-            self.rootfs_name, lower = await asyncio.to_thread(imagestore.checkout, image, self.container_id)
+        self.rootfs_name, lower = await asyncio.to_thread(imagestore.checkout, image, self.container_id)
         try:
-            if image.stored:
-                uid, gid = imagestore.user_ids(image.user, lower)
-                image = dataclasses.replace(image, uid=uid, gid=gid)
+            uid, gid = imagestore.user_ids(image.user, lower)
+            image = dataclasses.replace(image, uid=uid, gid=gid)
             layers = {
                 "lower": lower,
                 "upper": str(cdir / "upper"),
@@ -277,7 +269,7 @@ class ContainerRunner:
         except BaseException:
             await self.release_rootfs()
             raise
-        self.image_id = image.image_id or f"local://{self.spec.get('image', '')}"
+        self.image_id = image.image_id
         self.uid, self.gid = spec["uid"], spec["gid"]
         (cdir / "spec.json").write_text(json.dumps(spec, indent=1))
         log_path = worker.log_dir / self.name / f"{self.restart_count}.log"
@@ -923,10 +915,6 @@ def _umount(path: str) -> None:
 class Kubelet:
     def __init__(self, config: KubeletConfig) -> None:
         self.config = config
-        table = ImageTable.from_json(config.image_files)
-        if config.table_images is not None:
-            table = table.only(config.table_images)
-        self.images = table
         self.node_root = Path(config.state_dir) / "root"
         self.ca_pem = Path(config.ca_file).read_text()
         self.memory = _machine_memory()
@@ -945,18 +933,11 @@ class Kubelet:
         self.services: Informer
 
     async def resolve_image(self, reference: str) -> Image:
-        """This machine's image storage first (when this node uses it), then the image table."""
-        if self.config.image_store:
-            image = await asyncio.to_thread(imagestore.inspect, reference)
-            if image is not None:
-                return image
-        try:
-            return self.images.resolve(reference)
-        except ImageNotFound as err:
-            if self.config.image_store:
-                where = "is not in this machine's image storage (buildah images)"
-                raise ImageNotFound(f"{reference!r} {where}, {err}") from None
-            raise
+        """The image stored under exactly this reference in this machine's image storage (nothing is pulled)."""
+        image = await asyncio.to_thread(imagestore.inspect, reference)
+        if image is None:
+            raise ImageNotFound(f"{reference!r} is not in this machine's image storage (buildah images); no registry")
+        return image
 
     # --- API helpers
 
@@ -1202,8 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
     # Die with whoever started the cluster: a SIGTERM, so the pods still get their shutdown.
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
     _private_mounts()
-    if config.image_store:
-        imagestore.sweep()
+    imagestore.sweep()
     Path(config.state_dir, "root").mkdir(parents=True, exist_ok=True)
     plugins = start_csi_plugins(config)
 

@@ -7,10 +7,9 @@
 forks the container's first process (PID 1 of the new PID namespace) and waits for it:
 
 * the root filesystem is an overlay whose lower layer is the image's root filesystem (a mounted
-  working container of an image in this machine's image storage, ``imagestore``), or this machine's
-  ``/`` for an entry of the image table (the virtual environment and the checkout are found where
-  they are), and whose upper layer is a fresh directory per container start, so writes never reach
-  the image or the host, a restart starts clean, and ``readOnlyRootFilesystem`` is a read-only
+  working container of an image in this machine's image storage, ``imagestore``), and whose upper
+  layer is a fresh directory per container start, so writes never reach the image or the host, a
+  restart starts clean, and ``readOnlyRootFilesystem`` is a read-only
   remount of that overlay;
 * ``/proc`` is the new PID namespace's own, ``/sys`` the host's read-only, ``/dev`` a small tmpfs
   with the usual device nodes; the pod's volumes, ``/dev/shm``, ``/etc/hosts``, ``/etc/hostname``
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import json
 import os
 import platform
@@ -244,59 +242,11 @@ def build_root(spec: dict[str, Any]) -> str:
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, m.get("options") or None)
         else:
             _bind(m["source"], target, readonly=bool(m.get("readonly")))
-    _keep_programs_visible(root, spec.get("programs") or [], spec["mounts"])
-    _make_reachable(root, spec.get("reachable") or [])
     cwd = spec.get("cwd") or "/"
     os.makedirs(_target(root, cwd), exist_ok=True)
-    home = spec["env"].get("HOME")
-    if home and spec.get("make_home", True) and not os.path.exists(_target(root, home)):
-        # The image's home directory, owned by the image's user, as the image would ship it.
-        os.makedirs(_target(root, home), exist_ok=True)
-        os.chown(_target(root, home), spec["uid"], spec["gid"])
     if spec.get("readonly_root"):
         mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
     return root
-
-
-def _keep_programs_visible(root: str, programs: list[str], mounts: list[dict[str, Any]]) -> None:
-    """Show the image's programs again where a volume's mount point covers them.
-
-    The "image" is this machine's root, so the interpreter, the virtual environment and the checkout are
-    wherever they happen to be here, under /tmp for a checkout cloned there; a pod with an emptyDir at
-    /tmp would then lose them, which no real image does (it keeps them under /usr or /opt). Bound
-    read-only at their own paths, on top of the volume.
-    """
-    covered = [m["target"].rstrip("/") or "/" for m in mounts]
-    for path in programs:
-        if os.path.isdir(path) and any(path == t or path.startswith(t + "/") for t in covered):
-            target = _target(root, path)
-            os.makedirs(target, exist_ok=True)
-            _bind(path, target, readonly=True, recursive=True)
-
-
-def _make_reachable(root: str, paths: list[str]) -> None:
-    """Let every user reach the image's programs, as an image would ship them.
-
-    This machine's Python may live under a private home (``/root`` is 0700), where a container
-    running as a non-root user could not even start it. The mode is changed in the container's
-    writable layer only (overlayfs copies the directory up); the machine's files stay as they are.
-    """
-    for path in paths:
-        parts = [p for p in path.split("/") if p]
-        for depth in range(1, len(parts) + 1):
-            directory = _target(root, "/" + "/".join(parts[:depth]))
-            try:
-                mode = os.stat(directory).st_mode
-            except FileNotFoundError:
-                break
-            # Group too: a process in the owner's group (gid 0 under a root-owned dir) is judged by it.
-            wanted = 0o055 if depth == len(parts) else 0o011
-            if (mode & wanted) != wanted:
-                try:
-                    os.chmod(directory, (mode & 0o7777) | wanted)
-                except OSError as err:
-                    if err.errno != errno.EROFS:
-                        raise  # a read-only bind (an image file) stays as it is: its mode is its own
 
 
 def _drop_capabilities(keep: set[str]) -> None:

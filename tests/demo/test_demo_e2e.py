@@ -23,6 +23,7 @@ import pytest
 
 from maru_localcluster.cluster import processes_in
 from tests.required import require_local_cluster, require_vllm
+from tests.support import imagecheck
 from tests.support.e2e import REPO
 
 require_vllm("the demo")
@@ -256,6 +257,21 @@ def test_prints_progress_the_cluster_and_the_table(demo: tuple[int, str, dict[st
     assert "TTFT through the router" in out
     assert "decode engine alive after it" in out and "prefill engines alive after it (/health A 200 B 200" in out
     assert "prefill replicas (vllm-router takes turns): A = tiny-prefill-" in out
+
+
+def test_every_container_ran_from_an_image_the_checkout_built(demo: tuple[int, str, dict[str, Any], Path]) -> None:
+    """The pods ran the four images `make images` built, by the references the operator renders, and
+    nothing from this machine's filesystem (that is an image the table knew: its ID starts local://)."""
+    _, out, summary, _ = demo
+    built = summary["images_built"]
+    assert set(built) == {"operator", "pool", "router", "vllm"}
+    ran = summary["images_run"]
+    # The operator's pod (the chart's Deployment) too: the four are every image the pods named.
+    assert set(ran) == set(built.values()), ran
+    for ref, entry in ran.items():
+        assert entry["imageID"] == "sha256:" + imagecheck.image_id(ref), (ref, entry)
+    assert any(c.startswith("tiny-decode-") and c.endswith("/vllm") for c in ran[built["vllm"]]["containers"]), ran
+    assert "Images the pods ran" in out and built["vllm"] in out
 
 
 def test_no_process_or_mount_is_left_behind(demo: tuple[int, str, dict[str, Any], Path]) -> None:

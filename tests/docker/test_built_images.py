@@ -26,7 +26,7 @@ REGISTRY = images.REGISTRY
 CA_BUNDLE = images.CA_BUNDLE
 IMAGES = images.TARGETS
 # target -> the entrypoint's arguments that make it print its usage and exit 0
-HELP = {"operator": ["--help"], "pool": ["--help"], "router": ["--help"]}
+HELP = {"operator": ["--help"], "pool": ["--help"], "router": ["--help"], "vllm": ["--help"]}
 SECRET_MOUNT = "--mount=type=secret,id=ca-bundle,target=/etc/ssl/certs/ca-certificates.crt"
 run = images.run
 

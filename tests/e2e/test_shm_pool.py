@@ -27,6 +27,7 @@ from maru_contracts import tenancy
 from maru_localcluster.cluster import processes_in
 from maru_localcluster.product import POOL_NAMESPACE, OperatorProcess, wait_ready
 from maru_pool import PoolAuthError, PoolClient
+from tests.support import images
 from tests.support.e2e import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
 
 from .traffic import TIMEOUT_S, complete, counter, from_pool, health, prompt
@@ -36,6 +37,8 @@ skip_unless_local_cluster_runs()
 pytestmark = pytest.mark.vllm
 
 CHUNK = 256
+# Image references a test tagged (a newer release's), removed with the module's cluster.
+RELEASED: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,7 @@ def shm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         wait_ready(d.cluster, "marupools.maru.io", "local-shm")
         wait_ready(d.cluster, "inferencegroups.maru.io", "tiny", GROUP_NS)
         yield d
+    images.untag(RELEASED)
 
 
 def agent_pod(d: Deployment) -> dict[str, Any]:
@@ -310,6 +314,10 @@ def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_fail
         d["metadata"]["name"]: d["metadata"]["generation"] for d in shm.cluster.kube.list("deployments.apps", GROUP_NS)
     }
     new_tag = "99.0.0"
+    # The newer release's images, as its registry would hold them: the same builds under the new tag (the
+    # router image keeps its own version). A pod naming a tag nobody built would not start.
+    # (Untagged when the module's cluster goes: later tests restart pods of these images.)
+    RELEASED.extend(images.retag({"pool", "vllm"}, new_tag))
     shm.operator.stop()
     upgraded = OperatorProcess(
         shm.cluster,

@@ -14,6 +14,7 @@ import time
 
 import yaml
 
+from maru_localcluster import imagebuild
 from maru_localcluster.cluster import LocalCluster
 
 PORT = 9400
@@ -30,7 +31,7 @@ def pod(name: str) -> dict[str, object]:
             "containers": [
                 {
                     "name": "echo",
-                    "image": "localcluster.test/shell",
+                    "image": imagebuild.BASE,
                     "command": [
                         "/bin/sh",
                         "-c",

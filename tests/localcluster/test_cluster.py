@@ -1,7 +1,8 @@
 """The local cluster behaves as a kubelet, kube-controller-manager, kube-scheduler and kube-proxy would.
 
-One cluster (two nodes, the second tainted) serves every test; the pods run this machine's shell and
-Python (image ``localcluster.test/shell``). CrashLoopBackOff starts at 1 s here instead of 10 s.
+One cluster (two nodes, the second tainted) serves every test; the pods run Debian's shell and Python
+from the base image the product's images are built on (``make base-image``). CrashLoopBackOff starts at
+1 s here instead of 10 s.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import sys
 import tempfile
 import textwrap
 import time
@@ -24,15 +24,17 @@ import yaml
 from maru_localcluster import network
 from maru_localcluster.cluster import LocalCluster, processes_in
 from tests.required import require_local_cluster
+from tests.support import images
 
 require_local_cluster("the local cluster tests")
 
-IMAGE = "localcluster.test/shell"
+IMAGE = images.BASE  # Debian's sh, coreutils and Python 3.11 (make base-image)
 TAINT = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
+    images.base()
     with LocalCluster(crashloop_base_s=1.0) as c:
         c.add_node("node-1", {"zone": "a"})
         c.add_node("node-2", {"zone": "b"}, taints=[TAINT])
@@ -739,31 +741,6 @@ def test_the_runtime_shim_keeps_the_machines_root(cluster: LocalCluster) -> None
     shim = int(stat[stat.rfind(")") + 2 :].split()[1])
     assert Path(f"/proc/{shim}/root/etc/hostname").read_text() == Path("/etc/hostname").read_text()
     cluster.kubectl("delete", "pod", "pivot")
-
-
-def test_a_volume_over_the_checkout_leaves_the_image_s_programs_in_place(cluster: LocalCluster) -> None:
-    # The "image" is this machine's root, so its Python lives wherever the checkout does: under /tmp
-    # for a fresh clone there, where the vLLM pods mount an emptyDir. Every vLLM pod then failed with
-    # "exec .../.venv/bin/python: no such file or directory". A real image keeps its programs apart.
-    checkout = str(Path(__file__).resolve().parents[2])
-    script = (
-        f"{sys.executable} -c 'import maru_connector; print(maru_connector.__name__)' && "
-        f"{{ ls {checkout}/README.md || true; }}"
-    )
-    apply(
-        cluster,
-        pod(
-            "covered",
-            script,
-            volumes=[{"name": "scratch", "emptyDir": {}}],
-            container={"volumeMounts": [{"name": "scratch", "mountPath": checkout}]},
-        ),
-    )
-    phase, log = finished(cluster, "covered")
-    assert phase == "Succeeded", log
-    assert "maru_connector" in log
-    assert "No such file" in log  # the rest of the checkout is covered by the volume, as mounted
-    cluster.kubectl("delete", "pod", "covered")
 
 
 def test_hostpath_types_are_checked(cluster: LocalCluster) -> None:

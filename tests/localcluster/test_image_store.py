@@ -2,8 +2,7 @@
 config's entrypoint, cmd, user, environment and working directory; an image that was not built is a pull
 error; a defect planted in an image (a removed dependency, a root or unknown USER) fails the pod.
 
-The cluster has no image table at all: a pod that would run from this machine's own filesystem cannot
-start. The images are the session's one build (tests.support.images), under the references the chart and
+The images are the session's one build (tests.support.images), under the references the chart and
 the operator render.
 """
 
@@ -21,7 +20,6 @@ import pytest
 import yaml
 
 from maru_localcluster.cluster import LocalCluster
-from maru_localcluster.images import ImageTable
 from tests.required import require_local_cluster
 from tests.support import imagecheck, images
 
@@ -37,7 +35,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> images.Built:
 
 @pytest.fixture(scope="module")
 def cluster(built: images.Built) -> Iterator[LocalCluster]:
-    with LocalCluster(images=ImageTable({}), image_store=True, crashloop_base_s=1.0) as c:
+    with LocalCluster(crashloop_base_s=1.0) as c:
         c.add_node("node-1")
         yield c
 

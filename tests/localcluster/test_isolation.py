@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.required import require_local_cluster
+from tests.support import images
 
 require_local_cluster("the local cluster isolation test")
 
@@ -141,6 +142,7 @@ def _wait_gone(info: dict[str, Any], processes: dict[int, str | None], timeout: 
 
 @pytest.mark.usefixtures("machine_listener")
 def test_two_clusters_beside_a_machine_port_and_one_killed_leaves_nothing(tmp_path: Path) -> None:
+    images.base()  # the image their pods run
     a, b = ClusterProcess("cluster-a", tmp_path / "a.log"), ClusterProcess("cluster-b", tmp_path / "b.log")
     try:
         info_a, info_b = a.ready(), b.ready()

@@ -12,13 +12,13 @@ from typing import Any
 import yaml
 
 from maru_localcluster.cluster import LocalCluster
-from maru_localcluster.images import ImageTable
 from maru_localcluster.product import (
     POOL_NAMESPACE,
     OperatorProcess,
     apply_crds,
     create_namespace,
     install_cluster_objects,
+    prefilled_claim,
     wait_for,
     why_not_ready,
 )
@@ -27,9 +27,9 @@ from tests.support import images
 
 REPO = Path(__file__).resolve().parents[2]
 
-VLLM_IMAGE = "ghcr.io/maru-pd/vllm-maru"
-
-MODEL_IN_IMAGE = "/models/tiny-llama"
+# The claim examples/local/inferencegroup-tiny.yaml mounts as its model cache, and the model's folder in it.
+MODEL_CLAIM = "tiny-model"
+MODEL_FOLDER = "tiny-llama"
 
 GROUP_NS = "llm"
 
@@ -101,11 +101,10 @@ def deployed(
     manifests: list[dict[str, Any]],
 ) -> Iterator[Deployment]:
     """A local cluster with ``nodes``, the CRDs, the operator running, and ``manifests`` applied."""
-    # The pool daemons and routers run from the images `make images` built (the session's one build), under
-    # the references the operator renders; only vLLM's image is still the image table's (this machine's root).
+    # Every pod runs from the images `make images` built (the session's one build), under the references the
+    # operator renders; a pod naming any other image fails to pull.
     images.build()
-    table = ImageTable().with_files(VLLM_IMAGE, {MODEL_IN_IMAGE: str(tiny_model)}).only([VLLM_IMAGE])
-    cluster = LocalCluster(images=table, image_store=True)
+    cluster = LocalCluster()
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with cluster:
@@ -115,6 +114,8 @@ def deployed(
         install_cluster_objects(cluster)
         for ns in (POOL_NAMESPACE, GROUP_NS):
             create_namespace(cluster, ns)
+        # The examples' groups read the model from this claim (their modelCache), as the demo's do.
+        prefilled_claim(cluster, GROUP_NS, MODEL_CLAIM, tiny_model, MODEL_FOLDER)
         with OperatorProcess(cluster, logs / "operator.log") as operator:
             try:
                 cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(manifests))

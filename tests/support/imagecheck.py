@@ -94,3 +94,8 @@ def run_as_user(image: str, *command: str) -> subprocess.CompletedProcess[str]:
         )
     finally:
         buildah("rm", container)
+
+
+def image_id(image: str) -> str:
+    """The image's ID (the hash of its config), as the kubelet reports it after ``sha256:``."""
+    return buildah("inspect", "--type", "image", "--format", "{{.FromImageID}}", image).strip()

@@ -1,54 +1,32 @@
 """The product's images, built once per test session and shared by every test that needs them.
 
-`make base-image` bootstraps the Debian base, `make images` builds the operator, pool and router targets
-on it (the machine's CA bundle as the build secret, as docs/images.md tells air-gapped and proxied builders
-to), under a test registry; then each is tagged with the reference the chart and the operator render
-(``ghcr.io/maru-pd/maru-pool:<version>``), which is what the local cluster looks up in the image storage.
-A cold build (base included) takes about 75 s on 2 cores, a rerun on the same machine seconds (buildah's
-layer cache). Each test module's session fixture calls :func:`build`; the first call builds, the others
-get the same result.
+``maru_localcluster.imagebuild`` builds the Dockerfile's four targets (vLLM's as its CPU variant) under a
+test registry and tags each with the reference the chart and the operator render, which is what the local
+cluster looks up in the image storage. A cold build takes about four minutes on 2 cores (the vLLM CPU
+image three of them), a rerun on the same machine seconds (buildah's layer cache). Each test module's
+fixture calls :func:`build`; the first call builds, the others get the same result. Every user of the
+images is in the local-cluster tier, which runs on one worker (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from maru_operator import __version__
-from maru_operator.images import DEFAULT_REGISTRY, ImageDefaults
+from maru_localcluster import imagebuild
+from maru_localcluster.imagebuild import BASE, CA_BUNDLE, TARGETS, Built, product_references
+from maru_localcluster.tools import REPO_ROOT
 from tests.required import require_root, require_tool
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BASE = "localhost/maru-base:bookworm"
+__all__ = ["BASE", "CA_BUNDLE", "REGISTRY", "REPO_ROOT", "TARGETS", "Built", "build", "product_references", "run"]
+
 REGISTRY = "localhost/maru-test"
-CA_BUNDLE = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
-# Dockerfile target -> image name (hack/images.sh's names).
-TARGETS = {"operator": "maru-operator", "pool": "maru-pool", "router": "vllm-router"}
-
-
-def product_references() -> dict[str, str]:
-    """Target -> the reference the chart (operator, CSI plugin) and the operator (pool, router) render."""
-    defaults = ImageDefaults()
-    return {
-        "operator": f"{DEFAULT_REGISTRY}/{TARGETS['operator']}:{__version__}",
-        "pool": defaults.pool_image,
-        "router": defaults.router_image,
-    }
-
-
-@dataclass(frozen=True)
-class Built:
-    refs: dict[str, str]  # target -> the reference `make images` built it under
-    product: dict[str, str]  # target -> the same image under the reference the chart and operator render
-    sbom_dir: Path
-
 
 _built: Built | None = None
+_base: str | None = None
 
 
 def run(*command: str, timeout: float = 1200) -> str:
@@ -57,6 +35,22 @@ def run(*command: str, timeout: float = 1200) -> str:
         f"{' '.join(command)}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     )
     return done.stdout
+
+
+def base() -> str:
+    """The Debian base image (a shell, coreutils, Python 3.11), bootstrapped once per session: the image
+    the local cluster's own tests run their shells and scripts from."""
+    global _base
+    __tracebackhide__ = True
+    require_root("building images with buildah")
+    require_tool("buildah", "building images")
+    require_tool("mmdebstrap", "bootstrapping the Debian base image")
+    if _base is None:
+        try:
+            _base = imagebuild.build_base()
+        except imagebuild.BuildFailed as err:
+            pytest.fail(str(err), pytrace=False)
+    return _base
 
 
 def build(tmp_path_factory: pytest.TempPathFactory | None = None) -> Built:
@@ -68,26 +62,26 @@ def build(tmp_path_factory: pytest.TempPathFactory | None = None) -> Built:
     require_tool("mmdebstrap", "bootstrapping the Debian base image")
     if _built is not None:
         return _built
-    if not CA_BUNDLE.is_file():
-        pytest.fail(f"{CA_BUNDLE}: no CA bundle to pass as the build secret")
-    sbom_dir = tmp_path_factory.mktemp("sbom") if tmp_path_factory else Path(tempfile.mkdtemp(prefix="maru-sbom-"))
-    run("make", "--no-print-directory", "base-image", f"BASE_IMAGE={BASE}")
-    output = run(
-        "make",
-        "--no-print-directory",
-        "images",
-        f"TARGETS={' '.join(TARGETS)}",
-        f"IMAGE_REGISTRY={REGISTRY}",
-        f"PYTHON_IMAGE={BASE}",
-        f"CA_BUNDLE={CA_BUNDLE}",
-        f"SBOM_DIR={sbom_dir}",
-    )
-    # Its last line names what it built: "make images: built with buildah: REF REF REF".
-    refs = dict(zip(TARGETS, output.strip().splitlines()[-1].split(": ")[-1].split(), strict=True))
-    for target, name in TARGETS.items():
-        assert refs[target].startswith(f"{REGISTRY}/{name}:"), refs
-    product = product_references()
-    for target, ref in refs.items():
-        run("buildah", "tag", ref, product[target])
-    _built = Built(refs, product, sbom_dir)
+    workdir = tmp_path_factory.mktemp("images") if tmp_path_factory else Path(tempfile.mkdtemp(prefix="maru-images-"))
+    try:
+        _built = imagebuild.build(REGISTRY, workdir, sbom_dir=workdir / "sbom")
+    except imagebuild.BuildFailed as err:
+        pytest.fail(str(err), pytrace=False)
     return _built
+
+
+def retag(targets: set[str], tag: str) -> list[str]:
+    """The session's images of ``targets`` also under ``tag`` (what a newer release would publish); the new
+    references, for :func:`untag`."""
+    assert _built is not None, "build() first"
+    refs = []
+    for target in sorted(targets):
+        ref = _built.product[target].rsplit(":", 1)[0] + f":{tag}"
+        run("buildah", "tag", _built.product[target], ref)
+        refs.append(ref)
+    return refs
+
+
+def untag(refs: list[str]) -> None:
+    for ref in refs:
+        run("buildah", "rmi", ref)

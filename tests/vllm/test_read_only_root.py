@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from maru_localcluster.tools import package_roots
 from maru_operator.builders.group import build_role_deployment
 from maru_operator.builders.scratch import CACHE_ENV
 from tests.required import require_root, require_tool, require_vllm
@@ -43,6 +44,12 @@ def outside_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="maru-roroot-", dir="/var/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def program_paths() -> list[str]:
+    """This machine's interpreter, the virtual environment and the checkout's packages."""
+    paths = {sys.prefix, sys.base_prefix, str(Path(os.path.realpath(sys.executable)).parent.parent), *package_roots()}
+    return sorted(paths)
 
 
 def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
@@ -72,8 +79,6 @@ def test_vllm_serves_with_a_read_only_root(outside_tmp: Path) -> None:
     steps = ["set -e", "mount --make-rprivate /"]
     # The interpreter, the virtual environment and the checkout are the "image": a checkout under /tmp
     # would vanish under the tmpfs there, which no real image's programs do. Kept aside, then bound back.
-    from maru_localcluster.images import program_paths
-
     covered = [p for p in program_paths() if any(p == s or p.startswith(s.rstrip("/") + "/") for s in scratch)]
     held = outside_tmp / "programs"
     for i, path in enumerate(covered):
