@@ -498,7 +498,7 @@ class LocalCluster:
             return None
 
     def pid_namespaces(self, pod: JsonObj) -> set[str]:
-        """The PID namespaces (``pid:[inode]``) any container of ``pod`` ever ran in."""
+        """The PID namespaces (``pid:[inode]@<start time of its PID 1>``) any container of ``pod`` ever ran in."""
         spaces = set()
         base = (
             self.workdir
@@ -561,19 +561,37 @@ def _start_reaper(workdir: Path, *, keep: bool) -> subprocess.Popen[bytes]:
 
 
 def processes_in(namespaces: set[str]) -> list[int]:
-    """Live processes whose PID namespace is one of ``namespaces``."""
-    found = []
+    """Live processes of the PID namespaces ``namespaces`` (``pid:[inode]@<start of its PID 1>``, as
+    :meth:`LocalCluster.pid_namespaces` gives them). A dead namespace's inode goes to the next namespace the
+    kernel makes, another cluster's pod on a machine running two: a namespace whose PID 1 started at another
+    time is not the one asked about."""
+    inodes = {space.split("@")[0] for space in namespaces}
+    members: dict[str, list[int]] = {}
+    init_start: dict[str, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.readlink(entry / "ns" / "pid") in namespaces:
-                state = (entry / "stat").read_text()
-                if state[state.rfind(")") + 2 :].split()[:1] != ["Z"]:
-                    found.append(int(entry.name))
+            inode = os.readlink(entry / "ns" / "pid")
+            if inode not in inodes:
+                continue
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rfind(")") + 2 :].split()
+            if fields[0] == "Z":
+                continue
+            members.setdefault(inode, []).append(int(entry.name))
+            status = (entry / "status").read_text()
+            nspid = next((line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:")), "")
+            if nspid == "1":
+                init_start[inode] = fields[19]
         except OSError:
             continue
-    return found
+    found = []
+    for inode, pids in members.items():
+        # Without its PID 1 a namespace is dying (the kernel kills the rest): its stragglers count as its own.
+        if inode not in init_start or f"{inode}@{init_start[inode]}" in namespaces:
+            found += pids
+    return sorted(found)
 
 
 # What `kubectl get` shows for the workloads (kube-apiserver prints them from Go code; JSONPath here).

@@ -210,6 +210,12 @@ def _bind(source: str, target: str, readonly: bool, recursive: bool = False) -> 
         mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
 
 
+def start_time(pid: int) -> str:
+    """When the process started, in clock ticks since boot (``/proc/<pid>/stat``, field 22)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2 :].split()[19]
+
+
 def build_root(spec: dict[str, Any]) -> str:
     """The container's root filesystem, mounted at ``spec['rootfs']['mountpoint']``; returns that path."""
     layers = spec["rootfs"]
@@ -367,7 +373,9 @@ def run(spec_path: str) -> int:
         pass
     os.close(started_r)
     try:
-        pid_ns = os.readlink(f"/proc/{child}/ns/pid")
+        # The namespace's inode, and when its PID 1 started: the kernel gives a dead namespace's inode to the
+        # next one made (another pod, another cluster on the machine), and the start time tells them apart.
+        pid_ns = f"{os.readlink(f'/proc/{child}/ns/pid')}@{start_time(child)}"
     except OSError:  # it exited before its exec (a setup error): nothing can enter it
         pid_ns = ""
     Path(spec["pid_file"]).write_text(f"{child}\n{pid_ns}\n")

@@ -1,6 +1,6 @@
-"""The product on the local cluster, as a user runs it: CRDs applied with kubectl, the operator as
-``python -m maru_operator run`` on the cluster's network (with a kubeconfig for it), resources applied
-and waited for. Shared by ``make demo`` and the end-to-end tests.
+"""The product on the local cluster, as a user runs it: the chart installed with helm (the operator as its
+pod, from the operator image), resources applied with kubectl and waited for, a claim filled with a model.
+Shared by ``make demo`` and the end-to-end tests.
 
 Waits are bounded by progress, not by a fixed window: a loaded two-core machine runs everything two
 or three times slower, so a wait goes on while the cluster visibly works (a pod changes state, a
@@ -11,12 +11,8 @@ their states and the last lines of their logs.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -26,9 +22,8 @@ import yaml
 
 from maru_localcluster import tools
 from maru_localcluster.cluster import LocalCluster
-from maru_localcluster.tools import REPO_ROOT, package_roots
+from maru_localcluster.tools import REPO_ROOT
 
-CRDS = REPO_ROOT / "crds"
 CHART = REPO_ROOT / "charts" / "maru-operator"
 POOL_NAMESPACE = "maru-system"
 # No visible progress for this long ends a wait; the ceiling ends one that never settles.
@@ -121,43 +116,17 @@ def wait_for(
         time.sleep(poll_s)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def apply_crds(cluster: LocalCluster) -> None:
-    """``kubectl apply -f crds/`` and wait until they are established (kubectl maps them after that)."""
-    cluster.kubectl("apply", "--validate=false", "-f", str(CRDS))
-    cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-
-
-def install_cluster_objects(cluster: LocalCluster, *, router_role: bool = True) -> None:
-    """The chart's cluster-wide objects that the operator's children need: the CSIDriver object for
-    csi.maru.io, which vLLM pods' socket volumes need (the node plugin itself runs with each kubelet), and
-    (unless the chart is installed) the routers' ClusterRole, which the operator binds to each router."""
+def apply_csi_driver(cluster: LocalCluster) -> None:
+    """The chart's CSIDriver object for csi.maru.io, which vLLM pods' socket volumes need, without the chart's
+    node plugin DaemonSet (each kubelet of the local cluster runs the plugin itself)."""
     rendered = subprocess.run(
-        [
-            str(tools.helm_path()),
-            "template",
-            "maru-operator",
-            str(REPO_ROOT / "charts" / "maru-operator"),
-            "--show-only",
-            "templates/csi-driver.yaml",
-            "--show-only",
-            "templates/rbac.yaml",
-        ],
+        [str(tools.helm_path()), "template", "maru-operator", str(CHART), "--show-only", "templates/csi-driver.yaml"],
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
     )
-    wanted = [
-        d
-        for d in yaml.safe_load_all(rendered.stdout)
-        if d and (d["kind"] == "CSIDriver" or (router_role and d["metadata"]["name"] == "maru-operator-router"))
-    ]
+    wanted = [d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "CSIDriver"]
     cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(wanted))
 
 
@@ -207,15 +176,9 @@ class OperatorRelease:
         self.release = release
         self.values = values
 
-    def install(self) -> OperatorRelease:
-        create_namespace(self.cluster, POOL_NAMESPACE)
-        # As the README's quickstart: the pool daemons are privileged.
-        self.cluster.kubectl(
-            "label", "--overwrite", "namespace", POOL_NAMESPACE, "pod-security.kubernetes.io/enforce=privileged"
-        )
-        sets = [arg for value in ("csiDriver.enabled=false", *self.values) for arg in ("--set", value)]
+    def helm(self, *args: str) -> str:
         done = subprocess.run(
-            [str(tools.helm_path()), "install", self.release, str(CHART), "--namespace", POOL_NAMESPACE, *sets],
+            [str(tools.helm_path()), *args, "--namespace", POOL_NAMESPACE],
             capture_output=True,
             text=True,
             timeout=120,
@@ -223,18 +186,48 @@ class OperatorRelease:
             check=False,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"helm install {self.release} failed: {done.stdout}{done.stderr}")
-        install_cluster_objects(self.cluster, router_role=False)
+            raise RuntimeError(f"helm {' '.join(args)} failed: {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def install(self) -> OperatorRelease:
+        create_namespace(self.cluster, POOL_NAMESPACE)
+        # As the README's quickstart: the pool daemons are privileged.
+        self.cluster.kubectl(
+            "label", "--overwrite", "namespace", POOL_NAMESPACE, "pod-security.kubernetes.io/enforce=privileged"
+        )
+        sets = [arg for value in ("csiDriver.enabled=false", *self.values) for arg in ("--set", value)]
+        self.helm("install", self.release, str(CHART), *sets)
+        # The chart's CRDs: established before anything names their kinds.
+        self.cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+        apply_csi_driver(self.cluster)
         return self
 
+    def upgrade(self, *args: str) -> None:
+        """``helm upgrade --reuse-values`` with ``args`` (``--set``, ``--set-json``); the Deployment rolls."""
+        self.helm("upgrade", self.release, str(CHART), "--reuse-values", *args)
+
+    def rollback(self, revision: int = 1) -> None:
+        self.helm("rollback", self.release, str(revision))
+
     def pods(self) -> list[dict[str, Any]]:
-        return self.cluster.kube.list("pods", POOL_NAMESPACE, labels=f"app.kubernetes.io/instance={self.release}")
+        """The operator's pods, newest first, without those being deleted."""
+        pods = self.cluster.kube.list("pods", POOL_NAMESPACE, labels=f"app.kubernetes.io/instance={self.release}")
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        return sorted(live, key=lambda p: str(p["metadata"].get("creationTimestamp")), reverse=True)
 
     def ready_pod(self) -> dict[str, Any] | None:
         return next((p for p in self.pods() if is_pod_ready(p)), None)
 
-    def wait_ready(self) -> dict[str, Any]:
-        return wait_for("the operator's pod to be Ready", self.ready_pod, self.cluster)
+    def wait_ready(self, image_tag: str | None = None) -> dict[str, Any]:
+        """The Ready pod (of an image with ``image_tag``, after an upgrade or a rollback)."""
+
+        def ready() -> dict[str, Any] | None:
+            pod = self.ready_pod()
+            if pod is None or (image_tag and not pod["spec"]["containers"][0]["image"].endswith(f":{image_tag}")):
+                return None
+            return pod
+
+        return wait_for("the operator's pod to be Ready", ready, self.cluster)
 
     def alive(self) -> bool:
         """Its pod runs or starts; a container in CrashLoopBackOff is an operator that keeps exiting."""
@@ -244,12 +237,13 @@ class OperatorRelease:
                     return False
         return True
 
+    def log(self, pod: dict[str, Any] | None = None) -> str:
+        """The log of ``pod`` (default: the newest operator pod)."""
+        pods = [pod] if pod is not None else self.pods()
+        return self.cluster.pod_log(POOL_NAMESPACE, pods[0]["metadata"]["name"]) if pods else ""
+
     def log_tail(self, lines: int = 40) -> str:
-        pods = self.pods()
-        if not pods:
-            return "(no operator pod)"
-        log = self.cluster.pod_log(POOL_NAMESPACE, pods[0]["metadata"]["name"])
-        return "\n".join(log.splitlines()[-lines:])
+        return "\n".join(self.log().splitlines()[-lines:]) or "(no operator pod)"
 
 
 def is_pod_ready(pod: dict[str, Any]) -> bool:
@@ -257,81 +251,6 @@ def is_pod_ready(pod: dict[str, Any]) -> bool:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (pod.get("status") or {}).get("conditions") or []
     )
-
-
-class OperatorProcess:
-    """``python -m maru_operator run`` against the cluster, logging to ``log_path``.
-
-    It runs on the cluster's network, as a host-network process of a node would: it reaches the pool
-    daemons' status endpoints at their pod addresses, as the operator's pod does in a cluster.
-    """
-
-    def __init__(
-        self,
-        cluster: LocalCluster,
-        log_path: Path,
-        *,
-        pool_namespace: str = POOL_NAMESPACE,
-        extra_args: tuple[str, ...] = (),
-    ) -> None:
-        self.cluster = cluster
-        self.log_path = log_path
-        self.argv = [
-            sys.executable,
-            "-m",
-            "maru_operator",
-            "run",
-            "--pool-namespace",
-            pool_namespace,
-            # Not a pod: it shares the cluster network with the node components, so a free port.
-            "--liveness",
-            f"http://127.0.0.1:{free_port()}/healthz",
-            "--metrics-port",
-            "0",
-            "--resync-seconds",
-            "10",
-            *extra_args,
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> OperatorProcess:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
-
-    def start(self) -> OperatorProcess:
-        env = self.cluster.inside_env(PYTHONPATH=os.pathsep.join(package_roots()))
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=self.cluster.inside_preexec(),
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout: float = 20) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:

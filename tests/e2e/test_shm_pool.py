@@ -25,7 +25,8 @@ import pytest
 
 from maru_contracts import tenancy
 from maru_localcluster.cluster import processes_in
-from maru_localcluster.product import POOL_NAMESPACE, OperatorProcess, wait_ready
+from maru_localcluster.product import POOL_NAMESPACE, wait_ready
+from maru_operator import __version__
 from maru_pool import PoolAuthError, PoolClient
 from tests.support import images
 from tests.support.e2e import GROUP_NS, Deployment, deployed, example, skip_unless_local_cluster_runs, wait
@@ -315,20 +316,16 @@ def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_fail
     }
     new_tag = "99.0.0"
     # The newer release's images, as its registry would hold them: the same builds under the new tag (the
-    # router image keeps its own version). A pod naming a tag nobody built would not start.
-    # (Untagged when the module's cluster goes: later tests restart pods of these images.)
-    RELEASED.extend(images.retag({"pool", "vllm"}, new_tag))
-    shm.operator.stop()
-    upgraded = OperatorProcess(
-        shm.cluster,
-        shm.operator.log_path.with_name("operator-upgraded.log"),
-        extra_args=("--image-tag", new_tag, "--max-rolling-groups", "1"),
-    ).start()
-    original, shm.operator = shm.operator, upgraded
+    # router image keeps its own version). (Untagged when the module's cluster goes: later tests restart pods
+    # of these images.)
+    RELEASED.extend(images.retag({"operator", "pool", "vllm"}, new_tag))
+    # helm upgrade to the newer release: its operator pod replaces the old one (one at a time: the Lease).
+    shm.operator.upgrade("--set", f"images.tag={new_tag}", "--set", "maxRollingGroups=1")
     try:
+        upgraded = shm.operator.wait_ready(image_tag=new_tag)
         wait(
             "the upgraded operator to hold the group's data plane",
-            lambda: f"InferenceGroup {GROUP_NS}/tiny keeps its data plane" in upgraded.log_path.read_text(),
+            lambda: f"InferenceGroup {GROUP_NS}/tiny keeps its data plane" in shm.operator.log(upgraded),
             shm,
         )
         generation = shm.get("inferencegroups.maru.io", "tiny", GROUP_NS)["metadata"]["generation"]
@@ -400,10 +397,10 @@ def test_an_operator_upgrade_moves_the_data_plane_only_when_asked_without_a_fail
             wait_for_more(shm, lambda: from_pool(decode), loaded, "decode to load 128-token chunks") - loaded == 3 * 128
         )
     finally:
-        # The tests after this one run under the operator they started with (it keeps the new images: they
-        # run, and its data plane updates are manual).
-        upgraded.stop()
-        shm.operator = original.start()
+        # The tests after this one run under the release they started with (helm rollback): it keeps the new
+        # images (they run, and its data plane updates are manual).
+        shm.operator.rollback()
+        shm.operator.wait_ready(image_tag=__version__)
 
 
 def test_an_autoscaled_role_drops_a_field_recreates_and_comes_back_after_revoked_access(shm: Deployment) -> None:

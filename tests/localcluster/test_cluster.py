@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
+import subprocess
 import tempfile
 import textwrap
 import time
@@ -1000,3 +1002,28 @@ def test_stopping_the_cluster_leaves_nothing_behind(tmp_path: Path) -> None:
     assert processes_in(spaces) == []
     assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
     assert json.dumps(sorted(p.name for p in (tmp_path / "c").glob("*.log")))
+
+
+def test_a_reused_pid_namespace_inode_is_not_the_namespace_asked_about() -> None:
+    """The kernel gives a dead PID namespace's inode to the next namespace it makes: on a machine running two
+    clusters (a demo beside a test run), the other cluster's pod can get it. `make demo` then reported that
+    pod's vllm-router as a process of its own left after cleanup. A namespace is its inode and the start time
+    of its PID 1."""
+    from maru_localcluster.podrun import start_time
+
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "60"])
+    try:
+
+        def namespaced_child() -> int | None:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            return int(children[0]) if children else None
+
+        child = wait(namespaced_child, "the namespace's PID 1")
+        inode = os.readlink(f"/proc/{child}/ns/pid")
+        assert inode != os.readlink("/proc/self/ns/pid")
+        assert processes_in({f"{inode}@{start_time(child)}"}) == [child]
+        # The same inode with another PID 1 (a later namespace that got the inode) is someone else's.
+        assert processes_in({f"{inode}@{int(start_time(child)) - 1}"}) == []
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,5 +1,6 @@
-"""The product deployed on the local cluster as a user deploys it (kubectl, the operator, the examples), for the
-end-to-end tests: one cluster per test module, shared by its tests."""
+"""The product deployed on the local cluster as a user deploys it (helm install of the chart, kubectl apply of the
+examples), every pod from the images this checkout built, for the end-to-end tests: one cluster per test module,
+shared by its tests."""
 
 from __future__ import annotations
 
@@ -13,11 +14,8 @@ import yaml
 
 from maru_localcluster.cluster import LocalCluster
 from maru_localcluster.product import (
-    POOL_NAMESPACE,
-    OperatorProcess,
-    apply_crds,
+    OperatorRelease,
     create_namespace,
-    install_cluster_objects,
     prefilled_claim,
     wait_for,
     why_not_ready,
@@ -49,7 +47,7 @@ def example(path: str) -> dict[str, Any]:
 @dataclass
 class Deployment:
     cluster: LocalCluster
-    operator: OperatorProcess
+    operator: OperatorRelease
     group: str = "tiny"
 
     def pods(self, role: str, *, ready_only: bool = False) -> list[dict[str, Any]]:
@@ -100,7 +98,7 @@ def deployed(
     nodes: list[tuple[str, dict[str, str], dict[str, Path]]],
     manifests: list[dict[str, Any]],
 ) -> Iterator[Deployment]:
-    """A local cluster with ``nodes``, the CRDs, the operator running, and ``manifests`` applied."""
+    """A local cluster with ``nodes``, the chart installed (its operator pod Ready), and ``manifests`` applied."""
     # Every pod runs from the images `make images` built (the session's one build), under the references the
     # operator renders; a pod naming any other image fails to pull.
     images.build()
@@ -110,16 +108,15 @@ def deployed(
     with cluster:
         for name, labels, devices in nodes:
             cluster.add_node(name, labels, devices=devices)
-        apply_crds(cluster)
-        install_cluster_objects(cluster)
-        for ns in (POOL_NAMESPACE, GROUP_NS):
-            create_namespace(cluster, ns)
-        # The examples' groups read the model from this claim (their modelCache), as the demo's do.
-        prefilled_claim(cluster, GROUP_NS, MODEL_CLAIM, tiny_model, MODEL_FOLDER)
-        with OperatorProcess(cluster, logs / "operator.log") as operator:
-            try:
-                cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(manifests))
-                yield Deployment(cluster, operator)
-            finally:
-                # Kept for whoever reads a failure (pytest keeps the last runs' temporary folders).
-                cluster.collect_logs(logs)
+        try:
+            # As a user installs it: the chart (CRDs, RBAC, the operator's Deployment from its image).
+            operator = OperatorRelease(cluster).install()
+            create_namespace(cluster, GROUP_NS)
+            # The examples' groups read the model from this claim (their modelCache), as the demo's do.
+            prefilled_claim(cluster, GROUP_NS, MODEL_CLAIM, tiny_model, MODEL_FOLDER)
+            operator.wait_ready()
+            cluster.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump_all(manifests))
+            yield Deployment(cluster, operator)
+        finally:
+            # Kept for whoever reads a failure (pytest keeps the last runs' temporary folders).
+            cluster.collect_logs(logs)
