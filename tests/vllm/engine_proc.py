@@ -27,6 +27,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, NoReturn
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -61,6 +62,12 @@ def keep_prefix_caching() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def uses_mla(model: str) -> bool:
+    """A DeepSeek-style model (multi-head latent attention): its config names a latent rank."""
+    config = Path(model) / "config.json"
+    return config.is_file() and "kv_lora_rank" in json.loads(config.read_text())
+
+
 def build(opts: dict[str, Any]):
     from vllm import LLM
 
@@ -77,6 +84,11 @@ def build(opts: dict[str, Any]):
         max_num_seqs=8,
         seed=0,
     )
+    if uses_mla(opts["model"]):
+        # On a CPU with AMX tiles vLLM picks its AMX MLA backend, which loads bfloat16 weights only ("expect
+        # weight to be bfloat16, ...": every MLA engine failed to start on such a machine). These float32 models
+        # run vLLM's reference CPU MLA backend on every CPU.
+        kwargs["attention_backend"] = "CPU_MLA"
     if opts.get("log_stats"):
         kwargs["disable_log_stats"] = False
     if opts.get("max_loras"):
