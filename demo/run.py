@@ -851,7 +851,8 @@ def print_images(d: Demo) -> None:
     d.summary["images_run"] = seen
     say("Images the pods ran (built by `make images` from this checkout; none from this machine's filesystem):")
     for ref, entry in sorted(seen.items()):
-        say(f"  {ref}  {entry['imageID'][:19]}  {len(entry['containers'])} containers")
+        count = len(entry["containers"])
+        say(f"  {ref}  {entry['imageID'][:19]}  {count} container{'s' if count != 1 else ''}")
 
 
 def print_uncapped(d: Demo) -> None:
