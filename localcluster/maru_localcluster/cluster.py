@@ -629,17 +629,14 @@ SOCKET_PATH_MAX = 107
 
 
 def _csi_plugins(state: Path, node: str, links: list[Path]) -> list[JsonObj]:
-    """The product's CSI node plugin (csi.maru.io), when its gRPC dependencies are installed.
+    """The product's CSI node plugin (csi.maru.io), run by each kubelet from the pool image.
 
     Its socket lives in the node's folder; where that path is too long for a socket, the plugin is given a short
     link to the folder (appended to ``links``, removed when the cluster stops).
     """
-    try:
-        import grpc  # noqa: F401
+    from maru_contracts.csi import DEFAULT_SOCKET_ROOT, DRIVER_NAME
+    from maru_operator.images import DEFAULT_POOL_IMAGE
 
-        from maru_contracts.csi import DEFAULT_SOCKET_ROOT, DRIVER_NAME
-    except ImportError:
-        return []
     socket_root = state / "root" / DEFAULT_SOCKET_ROOT.lstrip("/")
     socket_root.mkdir(parents=True, exist_ok=True)
     folder = state / "plugins" / DRIVER_NAME
@@ -654,10 +651,10 @@ def _csi_plugins(state: Path, node: str, links: list[Path]) -> list[JsonObj]:
         {
             "driver": DRIVER_NAME,
             "endpoint": endpoint,
+            # The chart's node plugin: `maru-csi` of the pool image, under the reference the chart renders.
+            "image": DEFAULT_POOL_IMAGE,
             "argv": [
-                sys.executable,
-                "-m",
-                "maru_csi",
+                "maru-csi",
                 "--endpoint",
                 endpoint,
                 "--node-id",

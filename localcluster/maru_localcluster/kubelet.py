@@ -47,7 +47,19 @@ from maru_localcluster import events, imagestore, network
 from maru_localcluster.apiclient import ApiClient, ApiError, Informer
 from maru_localcluster.containers import ContainerConfigError, Sandbox, container_env, decode_secret, podrun_spec
 from maru_localcluster.images import Image, ImageNotFound
-from maru_localcluster.podrun import CLONE_NEWNS, MS_NODEV, MS_NOSUID, MS_PRIVATE, MS_REC, mount, unshare
+from maru_localcluster.podrun import (
+    CLONE_NEWNS,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_REC,
+    MS_SHARED,
+    SetupError,
+    mount,
+    umount,
+    unshare,
+)
 from maru_localcluster.probes import exec_prefix, run_probe, setting
 from maru_localcluster.volumes import CsiPlugin, MountError, PodContext, handler_for
 
@@ -1138,35 +1150,103 @@ def _private_mounts() -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
 
 
-def start_csi_plugins(config: KubeletConfig) -> list[subprocess.Popen[bytes]]:
-    """The node's CSI plugins, in the kubelet's mount namespace, so their mounts are the pods' to see.
+@dataclasses.dataclass
+class RunningPlugin:
+    proc: subprocess.Popen[bytes]
+    working_container: str  # the image's working container (imagestore), released when the plugin stops
+    binds: list[str]  # mount points inside its root, detached before the release
 
-    In a cluster they are DaemonSet pods with Bidirectional mount propagation, registered with the
-    kubelet by node-driver-registrar; here the kubelet starts them and knows their sockets.
+
+def start_csi_plugins(config: KubeletConfig) -> list[RunningPlugin]:
+    """The node's CSI plugins, from their image (the chart's: the pool image), in the kubelet's mount namespace.
+
+    In a cluster each is a DaemonSet pod, privileged, with the kubelet's directory mounted with Bidirectional
+    propagation (its NodePublish bind mounts reach the kubelet), registered by node-driver-registrar (an
+    upstream image no registry here serves). Here the kubelet starts the plugin's program from the image's own
+    root filesystem (a working container, as for a pod), changed root into it, as root, with this node's folder
+    bound at its own path as a shared mount: the plugin's mounts under it propagate to the kubelet's view, as
+    Bidirectional propagation does. A plugin whose image is not in the storage does not start, and pods with
+    its volumes fail to mount, as on a node where its DaemonSet pod cannot pull.
     """
 
     def die_with_kubelet() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
 
-    procs = []
+    running = []
     for plugin in config.csi_plugins:
+        image = imagestore.inspect(plugin["image"])
+        if image is None:
+            log.warning(
+                "CSI plugin %s: image %s is not in this machine's image storage (make images); this node runs "
+                "no %s plugin and pods with its volumes will not start",
+                plugin["driver"],
+                plugin["image"],
+                plugin["driver"],
+            )
+            continue
+        name, root = imagestore.checkout(image, uuid.uuid4().hex)
+        binds = _plugin_root(root, config.state_dir, plugin["endpoint"].removeprefix("unix://"))
         socket_path = plugin["endpoint"].removeprefix("unix://")
         Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(Path(config.state_dir) / f"csi-{plugin['driver']}.log", "ab") as log:
+        env = {**image.env, "HOME": "/root"}
+
+        def enter(root: str = root) -> None:
+            die_with_kubelet()
+            os.chroot(root)
+            os.chdir("/")
+
+        with open(Path(config.state_dir) / f"csi-{plugin['driver']}.log", "ab") as out:
             proc = subprocess.Popen(
                 plugin["argv"],
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_kubelet,
+                env=env,
+                preexec_fn=enter,
             )
+        running.append(RunningPlugin(proc, name, binds))
         deadline = time.monotonic() + 60
         while not os.path.exists(socket_path):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"CSI plugin {plugin['driver']} did not start; see csi-{plugin['driver']}.log")
             time.sleep(0.05)
-        procs.append(proc)
-    return procs
+    return running
+
+
+def _plugin_root(root: str, state_dir: str, socket_path: str) -> list[str]:
+    """Bind into the plugin's root what it works on, at the same paths: this node's folder (shared, so mounts
+    go both ways), and /proc, /sys and /dev, as a privileged container has them."""
+    state = os.path.realpath(state_dir)
+    # A shared mount of the node's folder (in the kubelet's own namespace): a bind of it joins its peer group.
+    mount(state, state, None, MS_BIND | MS_REC)
+    mount(None, state, None, MS_SHARED | MS_REC)
+    binds = []
+    for source in (state, "/proc", "/sys", "/dev"):
+        target = root + source
+        os.makedirs(target, exist_ok=True)
+        mount(source, target, None, MS_BIND | MS_REC)
+        binds.append(target)
+    # The endpoint may be a short link to the plugin's folder (socket paths are limited): the same link inside.
+    link = os.path.dirname(socket_path)
+    if os.path.islink(link):
+        os.makedirs(root + os.path.dirname(link), exist_ok=True)
+        if not os.path.lexists(root + link):
+            os.symlink(os.readlink(link), root + link)
+    return binds
+
+
+def stop_csi_plugins(plugins: list[RunningPlugin]) -> None:
+    for plugin in plugins:
+        plugin.proc.terminate()
+        try:
+            plugin.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            plugin.proc.kill()
+            plugin.proc.wait()
+        for target in reversed(plugin.binds):
+            with contextlib.suppress(SetupError):
+                umount(target)
+        imagestore.release(plugin.working_container)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1197,12 +1277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve())
     finally:
-        for proc in plugins:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_csi_plugins(plugins)
     return 0
 
 

@@ -3,14 +3,16 @@
 and reconciles a MaruPool whose daemon runs from the pool image.
 
 tests/chart/test_install.py checks the same install against the API emulator alone, with the operator run
-as a process; here nothing of the operator comes from this machine's files. The chart's CSI node plugin is
-left out (``csiDriver.enabled=false``): its DaemonSet's sidecars (node-driver-registrar, livenessprobe) are
-upstream images no registry here serves, and the local kubelet runs the plugin itself.
+as a process; here nothing of the operator comes from this machine's files. The chart's CSI node plugin
+DaemonSet is left out (``csiDriver.enabled=false``): its sidecars (node-driver-registrar, livenessprobe) are
+upstream images no registry here serves; each kubelet runs the plugin itself, from the pool image.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,3 +57,29 @@ def test_the_chart_runs_the_operator_from_its_image_and_it_reconciles_a_pool(clu
     assert " 403" not in log and "Forbidden" not in log, log[-3000:]
     pod = cluster.kube.get("pods", pod["metadata"]["name"], POOL_NAMESPACE)
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_the_node_s_csi_plugin_runs_from_the_pool_image(cluster: LocalCluster) -> None:
+    """The chart's CSI node plugin is `maru-csi` of the pool image: each kubelet runs it from the image's own root
+    filesystem (the chart's DaemonSet needs upstream sidecar images no registry here serves). The other tests of
+    this tier mount its volumes into every vLLM pod, so its mounts do reach the kubelet."""
+    node_folder = str(cluster.workdir)
+    plugins = [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit()
+        and _cmdline(entry).startswith("/usr/bin/python3 /usr/local/bin/maru-csi ")
+        and node_folder in _cmdline(entry)
+    ]
+    assert len(plugins) == 1, plugins
+    root = Path(f"/proc/{plugins[0]}/root")
+    assert os.readlink(root) != "/"
+    assert (root / "usr/local/bin/maru-csi").is_file()
+    assert not (root / str(REPO).lstrip("/")).exists()  # nothing of this checkout in its root
+
+
+def _cmdline(entry: Path) -> str:
+    try:
+        return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
