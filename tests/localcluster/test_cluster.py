@@ -964,6 +964,7 @@ def test_a_cluster_in_a_deep_folder_starts_its_csi_plugin_and_leaves_no_link(tmp
     def short_folders() -> set[Path]:
         return set(Path(tempfile.gettempdir()).glob("maru-csi-*"))
 
+    images.build()  # the plugin runs from the pool image
     before = short_folders()
     cluster = LocalCluster(tmp_path / ("deep" * 16) / "c")
     with cluster:
