@@ -327,7 +327,6 @@ class ContainerRunner:
         if not self.init and not self.spec.get("readinessProbe"):
             self.ready = self.started
         code = await self.proc.wait()
-        await self.release_rootfs()
         for task in probes:
             task.cancel()
         for task in probes:
@@ -346,6 +345,9 @@ class ContainerRunner:
         self.proc = None
         self.host_pid = None
         self.worker.changed()
+        # Only after the termination is recorded: removing the root can wait seconds on buildah's storage
+        # lock, and a status published meanwhile must not show the container as never started.
+        await self.release_rootfs()
         return code
 
     async def release_rootfs(self) -> None:
