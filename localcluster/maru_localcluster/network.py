@@ -387,6 +387,9 @@ class Doors:
             self._thread.join(10)
 
 
+_SPLICING: set[asyncio.Task[object]] = set()
+
+
 async def splice(
     a_reader: asyncio.StreamReader,
     a_writer: asyncio.StreamWriter,
@@ -394,10 +397,18 @@ async def splice(
     b_writer: asyncio.StreamWriter,
 ) -> None:
     """Copy both ways between two connections until both directions end, then close both."""
-    await asyncio.gather(_pipe(a_reader, b_writer), _pipe(b_reader, a_writer))
-    for writer in (a_writer, b_writer):
-        with contextlib.suppress(OSError):
-            writer.close()
+    # Held here while it runs: once one side half-closes, nothing the event loop holds leads to this
+    # task (asyncio keeps a stream's reader only weakly), and a garbage collection would destroy it.
+    task = asyncio.current_task()
+    assert task is not None  # a coroutine awaited on a loop runs in a task
+    _SPLICING.add(task)
+    try:
+        await asyncio.gather(_pipe(a_reader, b_writer), _pipe(b_reader, a_writer))
+    finally:
+        _SPLICING.discard(task)
+        for writer in (a_writer, b_writer):
+            with contextlib.suppress(OSError):
+                writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
