@@ -102,6 +102,7 @@ class KubeletConfig:
 
 # Kubernetes gives a container whose preStop hook took its whole grace period 2 s more to stop.
 PRE_STOP_EXTRA_GRACE_S = 2.0
+PID_POLL_S = 0.02  # how often a starting container's pid file is looked for
 
 
 def _stamp() -> str:
@@ -301,6 +302,10 @@ class ContainerRunner:
             )
         self.pid_file = cdir / "pid"
         self.host_pid = None
+        # Running means PID 1 runs in the container's root (podrun reports it then, or exits if it cannot):
+        # before that an exec, a probe or a preStop hook would have no process to enter.
+        while self.pid() is None and self.proc.returncode is None:
+            await asyncio.sleep(PID_POLL_S)
         self.started_at = _stamp()
         self.started_mono = time.monotonic()
         self.waiting = None

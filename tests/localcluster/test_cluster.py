@@ -891,9 +891,8 @@ def test_pre_stop_hook_runs_before_sigterm(cluster: LocalCluster) -> None:
         ),
         "draining running",
     )
-    # The status says running once the shim runs; its PID 1 is reported once in the container's root (a hook
-    # entering it before then ran in the host's root, without /host: seen under load).
-    wait(lambda: cluster.pid_namespaces(cluster.kube.get("pods", "draining", "default")), "PID 1")
+    # Deleted the moment it is reported running: a running container has its PID 1 in its own root, where the
+    # hook runs (the status once said running while the shim still built the root, and the hook was skipped).
     cluster.kubectl("delete", "pod", "draining", "--wait=true", "--timeout=60s")
     events = [
         e.get("message")
