@@ -23,7 +23,8 @@ from maru_contracts import csi as csi_contract
 from maru_contracts import tenancy
 from maru_contracts.csi import CREDENTIALS_DIR, POD_NAMESPACE
 from maru_csi import csi_pb2, csi_pb2_grpc, minting, mounts
-from tests.support.csi import Layout, needs_root, plugin_env, publish_request
+from tests.support.csi import Layout, needs_root, publish_request
+from tests.support.daemon import connector_env
 
 Code = grpc.StatusCode
 POOL = "pool-c"
@@ -260,7 +261,7 @@ def run_minting(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "maru_csi.minting", *args],
         capture_output=True,
         text=True,
-        env=plugin_env(),
+        env=connector_env(),
         timeout=60,
     )
 

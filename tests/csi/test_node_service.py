@@ -20,7 +20,8 @@ import pytest
 
 from maru_contracts.csi import DRIVER_NAME, SOCKET_FILE
 from maru_csi import csi_pb2, csi_pb2_grpc, mounts
-from tests.support.csi import Layout, Mode, Plugin, needs_root, plugin_env, publish_request
+from tests.support.csi import Layout, Mode, Plugin, needs_root, publish_request
+from tests.support.daemon import connector_env
 from tests.support.pool import Daemon
 
 Code = grpc.StatusCode
@@ -387,7 +388,7 @@ def _client(url: str, step: str) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env=plugin_env(),
+        env=connector_env(),
         check=False,
     )
     assert result.returncode == 0 and result.stdout.split() == ["ok", "65532"], result.stderr[-3000:]
@@ -469,7 +470,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**plugin_env(), "NODE_NAME": "", "CSI_ENDPOINT": ""},
+        env={**connector_env(), "NODE_NAME": "", "CSI_ENDPOINT": ""},
         check=False,
     )
 

@@ -50,13 +50,15 @@ def test_the_daemon_imports_no_engine_and_no_kubernetes_client() -> None:
     import subprocess
     import sys
 
-    from tests.support.pool import pool_env
+    from tests.support.pool import connector_env
 
     code = (
         "import sys, maru_pool, maru_pool.cli, maru_pool.daemon\n"
         "bad = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'kubernetes', 'kopf', 'numpy'})\n"
         "print(','.join(bad))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=pool_env(), timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=connector_env(), timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""

@@ -24,7 +24,7 @@ from maru_pool import (
     copyhash,
 )
 from maru_pool.memory import HEADER_SIZE
-from tests.support.pool import Daemon, pool_env, start_serve
+from tests.support.pool import Daemon, connector_env, start_serve
 
 
 def key(i: int) -> bytes:
@@ -232,7 +232,7 @@ def test_ticket_lets_another_process_read_while_the_owner_holds_the_pin(serve: D
     )
     result = subprocess.run(
         [sys.executable, "-c", code, serve.ready["listen"], repr(ticket)],
-        capture_output=True, env=pool_env(), timeout=60, check=True,
+        capture_output=True, env=connector_env(), timeout=60, check=True,
     )  # fmt: skip
     assert result.stdout == data
     assert result.stderr.decode().strip().splitlines()[-1] == "1"

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from maru_pool import PoolClient
-from tests.support.pool import START_TIMEOUT_S, Daemon, pool_env, start_serve
+from tests.support.pool import START_TIMEOUT_S, Daemon, connector_env, start_serve
 
 WORKER = textwrap.dedent(
     """
@@ -66,7 +66,7 @@ def test_concurrent_clients_never_see_wrong_bytes(daemons: list[Daemon], sock_di
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=pool_env(),
+            env=connector_env(),
         )
         for seed in range(3)
     ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from maru_pool import ChecksumMismatch, PoolClient, PoolFull
-from tests.support.pool import Daemon, http_get, metric, pool_env, run_cli, start_serve, wait_for
+from tests.support.pool import Daemon, connector_env, http_get, metric, run_cli, start_serve, wait_for
 
 MiB = 1 << 20
 
@@ -176,7 +176,7 @@ def test_client_killed_mid_write_leaks_nothing(daemons: list[Daemon], sock_dir: 
     d = start_serve(daemons, sock_dir, "--lease-seconds", "600", size="2Mi")
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, d.ready["listen"], str(2 * MiB)],
-        stdout=subprocess.PIPE, text=True, env=pool_env(),
+        stdout=subprocess.PIPE, text=True, env=connector_env(),
     )  # fmt: skip
     try:
         assert writer.stdout.readline().strip() == "holding"

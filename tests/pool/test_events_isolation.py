@@ -217,7 +217,7 @@ def test_curve_flags_are_checked_naming_the_flag(sock_dir: Path, tenant: tuple[P
     import subprocess
     import sys
 
-    from tests.support.pool import pool_env
+    from tests.support.pool import connector_env
 
     _, token = tenant
     _, secret_file, clients = curve_keys(sock_dir, zmq.curve_keypair()[0])
@@ -233,7 +233,7 @@ def test_curve_flags_are_checked_naming_the_flag(sock_dir: Path, tenant: tuple[P
         result = subprocess.run(
             [sys.executable, "-m", "maru_pool", "events", "--token-file", token, "--pool",
              "unix:///nonexistent.sock", "--block-size", "16", "--publish", "tcp://127.0.0.1:0", *args],
-            capture_output=True, text=True, env=pool_env(), timeout=START_TIMEOUT_S,
+            capture_output=True, text=True, env=connector_env(), timeout=START_TIMEOUT_S,
         )  # fmt: skip
         assert result.returncode == 2, (args, result.stderr)
         assert flag in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -36,7 +36,7 @@ from tests.support.events import (
     shape,
     start,
 )
-from tests.support.pool import START_TIMEOUT_S, Daemon, pool_env, token_file, write_key
+from tests.support.pool import START_TIMEOUT_S, Daemon, connector_env, token_file, write_key
 
 
 @pytest.fixture
@@ -239,7 +239,7 @@ def test_bad_flags_exit_2_naming_the_flag(tenant: tuple[Path, str]) -> None:
     ):
         result = subprocess.run(
             [sys.executable, "-m", "maru_pool", "events", "--token-file", token, *args],
-            capture_output=True, text=True, env=pool_env(), timeout=START_TIMEOUT_S,
+            capture_output=True, text=True, env=connector_env(), timeout=START_TIMEOUT_S,
         )  # fmt: skip
         assert result.returncode == 2, (args, result.stderr)
         assert flag in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -248,7 +248,7 @@ def test_bad_flags_exit_2_naming_the_flag(tenant: tuple[Path, str]) -> None:
 def test_the_pool_daemon_runs_without_zmq() -> None:
     """The daemons import nothing of the publisher: the pool image needs ZMQ only for ``events``."""
     code = "import sys, maru_pool.cli; sys.exit('zmq' in sys.modules or 'msgspec' in sys.modules)"
-    env = {**pool_env(), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**connector_env(), "PYTHONDONTWRITEBYTECODE": "1"}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=START_TIMEOUT_S).returncode == 0
 
 

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.support.pool import Daemon, pool_env, start_serve, status
+from tests.support.pool import Daemon, connector_env, start_serve, status
 
 MiB = 1 << 20
 
@@ -50,7 +50,7 @@ def map_in_engine(d: Daemon) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=pool_env(),
+        env=connector_env(),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

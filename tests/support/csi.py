@@ -3,80 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import selectors
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from maru_contracts.csi import ATTR_POOL, ATTR_SOCKET_DIR, EPHEMERAL, POD_NAME, POD_NAMESPACE
 from maru_csi import csi_pb2
+from tests.support.daemon import ReadyDaemon
 
-REPO = Path(__file__).resolve().parents[2]
-# Generous bound on start-up on a loaded machine; never asserted on.
-START_TIMEOUT_S = 30.0
 Mode = csi_pb2.VolumeCapability.AccessMode.Mode
 
 
-def plugin_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(REPO / "connector"), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    return env
-
-
-class Plugin:
+class Plugin(ReadyDaemon):
     """A running ``python -m maru_csi`` and the fields of its ready line."""
 
-    def __init__(self, *args: str) -> None:
-        self.args = list(args)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_csi", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=plugin_env(),
-        )
-        self.ready = self._read_ready()
-
-    def _read_ready(self) -> dict[str, str]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                line = self.proc.stdout.readline()
-                if line.startswith("maru-csi ready "):
-                    return dict(kv.split("=", 1) for kv in line.split()[2:])
-                if not line:
-                    break
-        self.stop(signal.SIGKILL)
-        raise AssertionError(f"maru-csi {self.args} did not become ready; stderr:\n{self.stderr()}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(timeout=START_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        return code
-
-    def stderr(self) -> str:
-        assert self.proc.stderr is not None
-        if self.proc.poll() is None:
-            return ""
-        text = self.proc.stderr.read()
-        self.proc.stderr.close()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return text
+    module = "maru_csi"
+    program = "maru-csi"
 
 
 def publish_request(

@@ -18,7 +18,7 @@ import zmq
 from maru_pool.client import PoolClient, WriteLease
 from maru_pool.events import MEDIUM
 from maru_pool.protocol import pack_tokens
-from tests.support.pool import START_TIMEOUT_S, Daemon, pool_env, start_serve
+from tests.support.pool import START_TIMEOUT_S, Daemon, connector_env, start_serve
 
 BLOCK = 256  # tokens per chunk
 
@@ -78,7 +78,7 @@ def run_events(
         [sys.executable, "-m", "maru_pool", "events", "--pool", d.ready["listen"], "--token-file", token,
          "--publish", "tcp://127.0.0.1:0", "--block-size", str(BLOCK), "--topic", "kv@maru@qwen",
          "--replay", "tcp://127.0.0.1:0", *extra],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=pool_env(),
+        stdout=subprocess.PIPE, stderr=log, text=True, env=connector_env(),
     )  # fmt: skip
     try:
         assert proc.stdout is not None
