@@ -144,6 +144,7 @@ class Kube:
         self.server = info.server.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # sessions of a replaced credential, closing
         self.identity = socket.gethostname()
 
     async def __aenter__(self) -> Kube:
@@ -207,7 +208,10 @@ class Kube:
             return False
         self.info = info
         if self._session is not None and not self._session.closed:
-            asyncio.get_running_loop().create_task(self._session.close())
+            # Held until it ends: the loop keeps only a weak reference to a task.
+            closing = asyncio.get_running_loop().create_task(self._session.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         self._session = None
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from typing import Any
 
@@ -42,7 +43,11 @@ def test_rotated_token_is_picked_up(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(kube_module, "login", lambda **_: kopf.ConnectionInfo(server=url, token="new"))
         try:
             async with Kube(kopf.ConnectionInfo(server=url, token="old")) as client:
+                old_session = client.session()
                 assert (await client.get("Service", "default", "x"))["metadata"]["name"] == "x"  # type: ignore[index]
+                gc.collect()  # the old session's closing must not be collected half way
+                await asyncio.sleep(0.1)
+                assert old_session.closed and client.session() is not old_session
         finally:
             await runner.cleanup()
 
