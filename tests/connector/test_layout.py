@@ -47,7 +47,7 @@ def packed_offset(
 
 def check_packed(order: str, shape: CacheShape, dtype: torch.dtype, chunk: bytearray, block_ids: list[int]) -> None:
     """The independent reader: every K and V value sits at its documented offset."""
-    values = torch.frombuffer(bytes(chunk), dtype=dtype)
+    values = torch.frombuffer(bytearray(chunk), dtype=dtype)  # a copy: the check never writes it
     for layer, (j, b) in itertools.product(range(shape.num_layers), enumerate(block_ids)):
         want = expected_kv(layer, b, shape, dtype, "cpu")
         for kv, n, h in itertools.product(range(2), range(shape.block_size), range(shape.heads)):
