@@ -42,7 +42,7 @@ import json
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from maru_localcluster import events
 from maru_localcluster.apiserver import ApiError, Emulator, JsonObj
@@ -143,20 +143,13 @@ def _nonzero(status: JsonObj) -> JsonObj:
     return {k: v for k, v in status.items() if v != 0}
 
 
-class ControllerManager:
-    """Runs the controllers and the scheduler against ``kube`` until the context exits."""
+class EmulatorLoopTask:
+    """A controller's ``_run``, as a task on the emulator's event loop from ``with`` until the block ends."""
 
-    def __init__(self, kube: KubeEmulator, *, ca_pem: str) -> None:
-        self.kube = kube
-        self.ca_pem = ca_pem
-        self._task: asyncio.Task[None] | None = None
-        self._recorder = events.Recorder()
-        self._failed_create: dict[str, float] = {}  # owner uid -> monotonic time of the last refusal
-        self._failed_why: dict[str, str] = {}  # owner uid -> the last refusal's message
-        self.passes = 0
-        self.errors: list[str] = []
+    kube: KubeEmulator
+    _task: asyncio.Task[None] | None = None
 
-    def __enter__(self) -> ControllerManager:
+    def __enter__(self) -> Self:
         def start() -> None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -169,6 +162,23 @@ class ControllerManager:
                 self._task.cancel()
 
         self.kube.call(stop)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class ControllerManager(EmulatorLoopTask):
+    """Runs the controllers and the scheduler against ``kube`` until the context exits."""
+
+    def __init__(self, kube: KubeEmulator, *, ca_pem: str) -> None:
+        self.kube = kube
+        self.ca_pem = ca_pem
+        self._task: asyncio.Task[None] | None = None
+        self._recorder = events.Recorder()
+        self._failed_create: dict[str, float] = {}  # owner uid -> monotonic time of the last refusal
+        self._failed_why: dict[str, str] = {}  # owner uid -> the last refusal's message
+        self.passes = 0
+        self.errors: list[str] = []
 
     async def _run(self) -> None:
         emulator = self.kube.emulator

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from maru_localcluster.apiserver import Emulator, JsonObj
-from maru_localcluster.controllers import resolve_int_or_percent
+from maru_localcluster.controllers import EmulatorLoopTask, resolve_int_or_percent
 
 if TYPE_CHECKING:
     from maru_localcluster.server import KubeEmulator
@@ -105,7 +105,7 @@ def _expr_matches(labels: dict[str, str], expr: JsonObj) -> bool:
     return False
 
 
-class KubeControllers:
+class KubeControllers(EmulatorLoopTask):
     """Deployment and DaemonSet status controllers, running as a task on the emulator's loop."""
 
     def __init__(self, kube: KubeEmulator, *, delay: float = 0.0, pods: bool = False) -> None:
@@ -173,20 +173,6 @@ class KubeControllers:
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle.
-
-    def __enter__(self) -> KubeControllers:
-        def start() -> None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-        self.kube.call(start)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        def stop() -> None:
-            if self._task is not None:
-                self._task.cancel()
-
-        self.kube.call(stop)
 
     async def _run(self) -> None:
         emulator = self.kube.emulator
