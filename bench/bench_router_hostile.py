@@ -41,6 +41,7 @@ sys.path[:0] = [str(REPO / "connector"), str(REPO)]
 from results import merge_results  # noqa: E402
 
 from tests.router.harness import RecordingEngine  # noqa: E402
+from tests.support.processes import stop_process  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 from tests.vllm.harness import PoolDaemon  # noqa: E402
 
@@ -77,12 +78,7 @@ class Router:
         return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) / 1024
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def post(url: str, data: bytes, timeout: float = 600) -> int:

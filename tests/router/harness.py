@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from maru_contracts.keys import KeyScheme
+from tests.support.processes import stop_process
 from tests.support.servers import Server, free_port, http
 from tests.vllm.harness import env
 
@@ -110,13 +111,7 @@ class RouterProcess:
         return self.metrics()[f'maru_router_in_flight_requests{{endpoint="{url}",role="{role}"}}']
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=30)
 
 
 class VllmRouterProcess:
@@ -157,13 +152,7 @@ class VllmRouterProcess:
                 time.sleep(0.5)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=30)
 
 
 class RecordingEngine:

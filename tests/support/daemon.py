@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.processes import stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 # Generous bound on how long a daemon may take to come up or stop on a loaded machine; never asserted on.
 START_TIMEOUT_S = 30.0
@@ -61,13 +63,7 @@ class ReadyDaemon:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal it (SIGTERM unless told) and reap it; SIGKILL if it has not exited in START_TIMEOUT_S."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=START_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, sig=sig, grace_s=START_TIMEOUT_S)
 
     def stderr(self) -> str:
         """What it wrote on stderr, once it has exited ("" while it runs)."""

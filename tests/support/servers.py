@@ -16,6 +16,7 @@ from typing import Any
 
 from maru_contracts.config import MaruConnectorConfig, kv_transfer_config_json
 from tests.support.pool import free_port
+from tests.support.processes import stop_process
 from tests.vllm.harness import env
 
 START_TIMEOUT_S = 300.0
@@ -89,13 +90,7 @@ class Server:
         return total
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=60)
 
 
 PREFILL_PARAMS = {"maru": "opaque-from-prefill", "n": 3}
