@@ -75,7 +75,7 @@ def build(opts: dict[str, Any]):
 
     kwargs: dict[str, Any] = dict(
         model=opts["model"],
-        dtype="float32",
+        dtype=opts.get("dtype", "float32"),
         max_model_len=16384,
         enforce_eager=True,
         gpu_memory_utilization=0.3,
@@ -84,10 +84,10 @@ def build(opts: dict[str, Any]):
         max_num_seqs=8,
         seed=0,
     )
-    if uses_mla(opts["model"]):
+    if uses_mla(opts["model"]) and kwargs["dtype"] == "float32":
         # On a CPU with AMX tiles vLLM picks its AMX MLA backend, which loads bfloat16 weights only ("expect
-        # weight to be bfloat16, ...": every MLA engine failed to start on such a machine). These float32 models
-        # run vLLM's reference CPU MLA backend on every CPU.
+        # weight to be bfloat16, ...": every MLA engine failed to start on such a machine). Float32 MLA models
+        # run vLLM's reference CPU MLA backend on every CPU; bfloat16 ones the backend vLLM picks.
         kwargs["attention_backend"] = "CPU_MLA"
     if opts.get("log_stats"):
         kwargs["disable_log_stats"] = False
