@@ -290,19 +290,7 @@ class WrongKVInPool(AssertionError):
     """A chunk in the pool differs from a clean recompute of the same prompt."""
 
 
-SYNC_LOADS_SHARE_FAILED_BLOCKS = pytest.mark.xfail(
-    strict=True,
-    raises=WrongKVInPool,
-    reason="connector bug, found by this test, with loads inside the step (maru_load_async: false): vLLM 0.32 "
-    "does not fully recompute a request that read, through its local prefix cache, blocks whose load failed (it "
-    "reads them again before the loading request has recomputed them); once the failed load is settled, nothing "
-    "stops the connector storing that KV. Asynchronous loads (the default) never share blocks still loading.",
-)
-
-
-@pytest.mark.parametrize(
-    "load_async", [pytest.param(False, marks=SYNC_LOADS_SHARE_FAILED_BLOCKS, id="sync"), pytest.param(True, id="async")]
-)
+@pytest.mark.parametrize("load_async", [pytest.param(False, id="sync"), pytest.param(True, id="async")])
 def test_no_chunk_computed_over_a_failed_load_shared_through_the_local_prefix_cache(
     tiny_model: str, workdir: Path, reference: Engine, reference_pool: PoolDaemon, load_async: bool
 ) -> None:
@@ -313,9 +301,11 @@ def test_no_chunk_computed_over_a_failed_load_shared_through_the_local_prefix_ca
     pool loads), and B only shares a step with A when each prefill's share of a step is capped. Both
     are set here, on a synchronous scheduler: the failure is not the asynchronous scheduling one.
     With loads inside the step, B takes A's blocks from the prefix cache while A's load is pending;
-    saves B planned then depend on it and are dropped (tainted), but vLLM starts B's recompute before
-    A has rewritten the failed blocks. With asynchronous loads vLLM caches no block that is still
-    loading: B loads its own copy, and every chunk either loads whole or is recomputed.
+    saves B planned then depend on it and are dropped (tainted), and vLLM 0.32 runs B on over the failed
+    blocks before A has rewritten them, without recomputing B: B's answer may be wrong (vLLM's), and the
+    connector stores no chunk of B from the first block A's load left unfilled (it stored B's chunk 6,
+    computed over them, before). With asynchronous loads vLLM caches no block that is still loading: B
+    loads its own copy, and every chunk either loads whole or is recomputed.
     """
     path = workdir / f"prefix-cache-{load_async}"
     path.mkdir()

@@ -130,9 +130,14 @@ class RequestState:
     finished_at: float | None = None
     finished_blocks: tuple[list[int], ...] = ()  # per KV cache group
     finished_tokens: int = 0
-    # The first chunk a sliding window moved past before it was stored: vLLM freed its blocks, so neither
-    # it nor (the pool keeps prefixes) any later chunk can be stored from this request.
+    # The first chunk a sliding window moved past before it was stored (vLLM freed its blocks), or the
+    # first that read a block another request's load failed to fill: neither it nor (the pool keeps
+    # prefixes) any later chunk can be stored from this request.
     unsavable_from: int | None = None
+    block_ids: tuple[list[int], ...] = ()  # per KV cache group, as last scheduled
+
+    def never_save_from(self, chunk: int) -> None:
+        self.unsavable_from = chunk if self.unsavable_from is None else min(self.unsavable_from, chunk)
 
     def follow_prompt(self) -> None:
         """Keep keys and chunk states in step with the prompt, which streaming input can grow."""
@@ -236,10 +241,18 @@ class _PendingLoad:
     since: float
     asynchronous: bool = False
     chunk_index: tuple[int, ...] = ()  # prompt index of each of the plan's chunks, by position
+    chunk_blocks: tuple[frozenset[int], ...] = ()  # destination blocks of each of the plan's chunks
 
     def failed_chunk(self, position: int) -> int:
         """The prompt chunk at ``position`` of the plan, which a worker names as the first that failed."""
         return self.chunk_index[position] if position < len(self.chunk_index) else self.first_chunk + position
+
+    def unfilled_blocks(self, position: int) -> frozenset[int]:
+        """The blocks left unfilled when the chunk at ``position`` failed: its own and every later one's
+        (the blocks of a plan that failed without chunks, all of them)."""
+        if not self.chunk_blocks:
+            return self.block_ids
+        return frozenset().union(*self.chunk_blocks[position:])
 
 
 class MaruScheduler:
@@ -297,6 +310,9 @@ class MaruScheduler:
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
         self._abandoned: dict[str, tuple[int, ...]] = {}  # req_id -> blocks to report failed next step
+        # loader's req_id -> blocks its failed load left unfilled, until that request is gone (it recomputes
+        # them; see _quarantine)
+        self._unfilled: dict[str, frozenset[int]] = {}
         self._free_now: set[str] = set()  # req_id -> finished, saves settled: workers release it next step
         # The workers' last word on saves was "skipped, the pool is unreachable": finished requests are
         # then not held for retries, which would only keep blocks from vLLM while the pool is away.
@@ -556,6 +572,7 @@ class MaruScheduler:
                 now,
                 plan.asynchronous,
                 tuple(c.index if c.index >= 0 else plan.first_chunk + i for i, c in enumerate(plan.chunks)),
+                tuple(frozenset(d for _, d in chunk.slots) for chunk in plan.chunks),
             )
         meta.preempted = frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if self._window_groups:
@@ -614,6 +631,11 @@ class MaruScheduler:
                 state.unsettled_load, state.loading_async = None, False
             if failed >= 0:
                 state.load_failed(pending.failed_chunk(failed))
+                self._unfilled[pending.req_id] = self._unfilled.get(pending.req_id, frozenset()) | (
+                    pending.unfilled_blocks(failed)
+                )
+                for req_id, other in self._states.items():
+                    self._quarantine(req_id, other)
         outcomes = set(report.saves.values())
         if SKIPPED in outcomes:
             self._pool_down = True
@@ -700,6 +722,7 @@ class MaruScheduler:
     def forget(self, req_id: str) -> None:
         self._states.pop(req_id, None)
         self._abandoned.pop(req_id, None)
+        self._unfilled.pop(req_id, None)
         if self.lookups is not None:
             self.lookups.forget(req_id)
 
@@ -709,6 +732,23 @@ class MaruScheduler:
         self.guard.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _quarantine(self, req_id: str, state: RequestState) -> None:
+        """No chunk of ``state`` from the first one holding a block another request's failed load left unfilled.
+
+        Such a block came to it through vLLM's prefix cache while the load ran (loads inside the step
+        only: vLLM shares no block an asynchronous load is filling). vLLM recomputes the loading request,
+        but may run this one over the block before that rewrote it, and does not recompute this one: what
+        it computes from there on may be wrong, and must not reach the pool. The loading request's own
+        chunks are stored again once it recomputed them.
+        """
+        for loader, unfilled in self._unfilled.items():
+            if loader == req_id:
+                continue
+            for ids in state.block_ids:
+                first = next((pos for pos, block in enumerate(ids) if block in unfilled), None)
+                if first is not None:
+                    state.never_save_from(first // self.blocks_per_chunk)
 
     def _plan_saves(self, scheduler_output: SchedulerOutput, meta: MaruConnectorMetadata, now: float) -> None:
         """Plan the saves of scheduled requests, and retries for finished ones still holding blocks."""
@@ -734,6 +774,8 @@ class MaruScheduler:
                 progress.append((req_id, state.finished_tokens, state.finished_blocks))
         for req_id, computed, block_ids in progress:
             state = self._states[req_id]
+            state.block_ids = block_ids
+            self._quarantine(req_id, state)
             state.follow_prompt()
             due = state.saves_due(computed, self._step, self.chunk_tokens)
             if not due:
@@ -747,7 +789,7 @@ class MaruScheduler:
                 if len(held) != len(self.groups) or any(ids is None for ids in held):
                     break  # no block table for it (never expected): try again next step
                 if any(g.window is not None and NULL_BLOCK in ids for g, ids in zip(self.groups, held, strict=True)):
-                    state.unsavable_from = i
+                    state.never_save_from(i)
                     break
                 tokens = chunk_token_ids(state.request, i, self.chunk_tokens)
                 for group, ids in zip(self.groups, held, strict=True):
