@@ -66,7 +66,9 @@ class MaruConnectorConfig(BaseModel):
         alias="maru_load_async",
         description=(
             "Load pool hits in the background while the engine keeps stepping (vLLM's asynchronous KV "
-            "loads); false loads them inside the step that schedules the request."
+            "loads); false loads them inside the step that schedules the request, where vLLM schedules "
+            "synchronously (under asynchronous scheduling a failed load inside the step can stop the "
+            "engine, and loads stay asynchronous)."
         ),
     )
     handoff_wait_ms: int = Field(

@@ -30,6 +30,7 @@ def vllm_config(
             block_size=block_size, prefix_caching_hash_algo=hash_algo, cache_dtype="auto", kv_cache_dtype_skip_layers=[]
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
         model_config=SimpleNamespace(
             model="tiny-llama",
             model_weights="",

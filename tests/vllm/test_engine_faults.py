@@ -258,19 +258,21 @@ def test_skipped_saves_are_retried_while_the_request_holds_its_blocks(engine: En
         assert client.lookup_prefix(keys) == 6
 
 
+@pytest.mark.parametrize("load_async", [pytest.param(True, id="async-loads"), pytest.param(False, id="asked-sync")])
 def test_a_failed_load_that_completes_the_prefill_is_recovered(
-    tiny_model: str, pool: PoolDaemon, workdir: Path, reference: Engine
+    tiny_model: str, pool: PoolDaemon, workdir: Path, reference: Engine, load_async: bool
 ) -> None:
     """A prompt the pool holds all but the tail of, whose load fails halfway, on vLLM's GPU defaults.
 
     With loads inside the step, vLLM 0.32's own recovery fed an output placeholder (-1) to the model
     when the prefill completed in a step planned before the failure was reported, and the engine
     died. Asynchronous loads settle before the request computes anything, so the failure is known in
-    time and vLLM recomputes from the first failed block.
+    time and vLLM recomputes from the first failed block. Under asynchronous scheduling the connector
+    loads asynchronously even when ``maru_load_async: false`` asks otherwise (the engine died so).
     """
     e = Engine(
-        "faults-short", workdir, model=tiny_model, role="kv_both", pool_url=pool.url, chunk_tokens=CHUNK,
-        async_scheduling=True, max_num_batched_tokens=BUDGET,
+        f"faults-short-{load_async}", workdir, model=tiny_model, role="kv_both", pool_url=pool.url,
+        chunk_tokens=CHUNK, async_scheduling=True, max_num_batched_tokens=BUDGET, load_async=load_async,
     )  # fmt: skip
     try:
         p = prompt(6 * CHUNK + 40, seed=106)

@@ -305,7 +305,17 @@ class MaruScheduler:
         self.key_ranks = len(self.head_keys.load) * len(self.groups)  # keys a lookup reads per chunk
         # With several groups vLLM takes a failed load only as a failed request (failed_recving, for a
         # request waiting for its asynchronous load), never as failed blocks: loads are asynchronous.
-        self.load_async = cfg.load_async or len(self.groups) > 1
+        # Under asynchronous scheduling a load inside the step that fails for a prefill ending in a step
+        # already planned makes vLLM 0.32's recovery feed a placeholder token to the model, and the engine
+        # dies: loads are asynchronous there too.
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.load_async = cfg.load_async or len(self.groups) > 1 or async_scheduling
+        if not cfg.load_async and async_scheduling:
+            common.log.warning(
+                "maru_load_async: false is not followed: vLLM schedules asynchronously, and a load inside the "
+                "step that fails can stop the engine; loads run asynchronously (set maru_load_async: true, or "
+                "run vLLM with --no-async-scheduling to load inside the step)"
+            )
         self.fingerprints: list[bytes] | None = None
         self._states: dict[str, RequestState] = {}  # req_id -> state, from first sight to finish
         self._pending_loads: dict[int, _PendingLoad] = {}  # load_id -> handed to workers, not reported yet
