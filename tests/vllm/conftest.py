@@ -19,6 +19,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from maru_localcluster.tinymodel import make_tiny_deepseek_v2
+
+    return str(make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2")))
+
+
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
     # Unix socket paths are limited to ~107 bytes; pytest's tmp paths can exceed that.

@@ -220,6 +220,21 @@ def started(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
             engine.close()
 
 
+@contextlib.contextmanager
+def mla_prefill_and_decode(
+    model: str, pool: PoolDaemon, workdir: Path, dtype: str, chunk_tokens: int
+) -> Iterator[tuple[Engine, ...]]:
+    """An MLA model's producer, keeping its own prefix cache (the reuse a decode must match), and a consumer
+    that waits for its handoffs."""
+    with started(
+        Engine(f"mla-{dtype}-prefill", workdir, wait=False, model=model, dtype=dtype, role="kv_producer",
+               pool_url=pool.url, chunk_tokens=chunk_tokens, prefix_caching=True, keep_prefix_caching=True),
+        Engine(f"mla-{dtype}-decode", workdir, wait=False, model=model, dtype=dtype, role="kv_consumer",
+               pool_url=pool.url, chunk_tokens=chunk_tokens, handoff_wait_ms=20_000),
+    ) as both:  # fmt: skip
+        yield both
+
+
 def refused_start(name: str, workdir: Path, **opts: Any) -> str:
     """Start an engine that must refuse to start (as ``Engine`` would), and return what it wrote.
 

